@@ -1,0 +1,34 @@
+"""The project-wide exception hierarchy.
+
+``TemporaryError`` means "retry later, nothing is lost" (etcd unreachable, a peer down);
+``PermanentError`` means "this input or state is wrong; retrying will not help" (kopf's split).
+Errors from third-party clients are converted at the boundary with ``raise ... from exc``.
+"""
+
+
+class UnicronError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class TemporaryError(UnicronError):
+    """A condition expected to clear by itself; callers retry with backoff."""
+
+
+class PermanentError(UnicronError):
+    """A condition that retrying will not fix; callers report it and move on."""
+
+
+class InvalidRecord(PermanentError):
+    """A JSON record (etcd value, socket message, spec file) is malformed. The message names the field."""
+
+
+class ConfigError(PermanentError):
+    """A setting has a bad value; the message names the flag and its environment variable."""
+
+
+class StoreUnavailable(TemporaryError):
+    """etcd could not be reached (all endpoints down or timing out)."""
+
+
+class NotLeader(PermanentError):
+    """A guarded write was rejected: this coordinator no longer holds the leadership key."""
