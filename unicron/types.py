@@ -224,3 +224,65 @@ class NodeStatus(Record):
     task: str | None
     ranks: list[dict[str, Any]]
     gpu_health: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RankSpec(Record):
+    """One training process to run on a node."""
+
+    rank: int
+    local_rank: int
+    gpu: int
+
+
+@dataclass(frozen=True)
+class TaskAssignment(Record):
+    """What one node must run for one task (desired state, written by the coordinator).
+
+    ``generation`` changes on every reconfiguration: the agent then replaces all the task's
+    processes. ``restart_epoch`` changes for a sev2 restart: only ``restart_ranks`` are relaunched
+    with the same configuration and rejoin the running ones. ``regroup_epoch`` changes for a sev3
+    reattempt: running ranks get a Regroup instruction, no process is restarted.
+    """
+
+    task: str
+    generation: int
+    argv: list[str]
+    env: dict[str, str]
+    world_size: int
+    ranks: list[dict[str, Any]]  # RankSpec dicts
+    master_addr: str
+    master_port: int
+    host_store: bool = False
+    restart_epoch: int = 0
+    restart_ranks: list[int] = field(default_factory=list)
+    regroup_epoch: int = 0
+    regroup_members: list[int] = field(default_factory=list)
+    regroup_failed: list[int] = field(default_factory=list)
+
+    def rank_specs(self) -> list[RankSpec]:
+        return [RankSpec.from_dict(r) for r in self.ranks]
+
+
+@dataclass(frozen=True)
+class NodeAssignment(Record):
+    """Everything a node must run; ``revision`` only grows, so agents can ignore stale writes."""
+
+    node: str
+    revision: int
+    tasks: list[dict[str, Any]]  # TaskAssignment dicts
+
+    def task_assignments(self) -> list[TaskAssignment]:
+        return [TaskAssignment.from_dict(t) for t in self.tasks]
+
+
+@dataclass(frozen=True)
+class AssignmentResult(Record):
+    """What an agent observed after reconciling (observed state, written by the agent)."""
+
+    node: str
+    revision: int
+    ok: bool
+    detail: str
+    tasks: dict[str, dict[str, Any]]  # task -> {"generation", "restart_epoch", "regroup_epoch", "ranks": {rank: state}}
+    ts: float = field(default_factory=time.time)

@@ -1,0 +1,115 @@
+"""The agent's Unix socket for its ranks (exception propagation and progress reports, paper §4.1).
+
+Each rank connects once (``unicron.client.AgentClient``), introduces itself with ``Hello`` and then
+streams messages. A malformed line is logged and skipped; it never closes the connection or the
+server. Instructions flow back on the same connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+from unicron import protocol, wire
+from unicron.errors import InvalidRecord
+
+log = logging.getLogger(__name__)
+
+#: on_message(task, rank, message)
+MessageHandler = Callable[[str, int, protocol.Message], None]
+
+
+class RankServer:
+    def __init__(self, path: str, on_message: MessageHandler) -> None:
+        self.path = path
+        self.on_message = on_message
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        os.chmod(path, 0o600)
+        self._sock.listen(64)
+        self._conns: dict[tuple[str, int], wire.LineSocket] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="rank-server", daemon=True)
+
+    def start(self) -> RankServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with self._lock:
+            conns = list(self._conns.values())
+        for c in conns:
+            c.close()
+
+    def send(self, task: str, rank: int, msg: protocol.Message) -> bool:
+        """Send an instruction to a connected rank; False if it is not connected."""
+        with self._lock:
+            conn = self._conns.get((task, rank))
+        if conn is None:
+            return False
+        try:
+            conn.send(msg.to_wire())
+            return True
+        except OSError:
+            return False
+
+    def connected(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return sorted(self._conns)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(wire.LineSocket(sock),), daemon=True).start()
+
+    def _serve(self, conn: wire.LineSocket) -> None:
+        who: tuple[str, int] | None = None
+        try:
+            while True:
+                try:
+                    line = conn.recv_line()
+                except InvalidRecord as exc:
+                    log.warning("rank socket: %s; skipped", exc)
+                    continue
+                except OSError:
+                    return
+                if line is None:
+                    return
+                try:
+                    msg = protocol.parse(wire.decode(line))
+                except InvalidRecord as exc:
+                    log.warning("rank socket: bad message from %s: %s", who, exc)
+                    continue
+                if isinstance(msg, protocol.Hello):
+                    who = (msg.task, msg.rank)
+                    with self._lock:
+                        self._conns[who] = conn
+                if who is None:
+                    log.warning("rank socket: %s before hello; skipped", msg.TYPE)
+                    continue
+                try:
+                    self.on_message(who[0], who[1], msg)
+                except Exception:
+                    log.exception("rank socket: handler failed on %s", msg.TYPE)
+        finally:
+            if who is not None:
+                with self._lock:
+                    if self._conns.get(who) is conn:
+                        del self._conns[who]
+            conn.close()

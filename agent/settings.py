@@ -1,0 +1,53 @@
+"""Agent settings: every field is a flag with an environment fallback (see unicron.config)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from unicron.config import setting
+from unicron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node: str = setting(socket.gethostname(), "UNICRON_NODE", "this node's name in the cluster")
+    """Unique per node; used as the etcd key segment, so [A-Za-z0-9_.-] only."""
+    etcd: str = setting("127.0.0.1:2379", "UNICRON_ETCD", "etcd endpoints, host:port[,host:port...]")
+    """etcd endpoints."""
+    prefix: str = setting("/unicron", "UNICRON_PREFIX", "etcd key prefix of this Unicron cluster")
+    """Must match the coordinator's."""
+    gpu_backend: str = setting("auto", "UNICRON_GPU_BACKEND", "GPU backend: auto, nvml or simulated")
+    """auto uses NVML when the driver library loads, else a simulated GPU backend."""
+    gpus: int = setting(2, "UNICRON_SIMULATED_GPUS", "number of GPUs of the simulated backend")
+    """Ignored with NVML, which reports the real count."""
+    lease_ttl_s: int = setting(3, "UNICRON_LEASE_TTL", "TTL (s) of the node's etcd lease")
+    """The node's records vanish this long after the agent stops refreshing (the slow node-loss path)."""
+    heartbeat_s: float = setting(0.1, "UNICRON_HEARTBEAT", "seconds between heartbeats to the coordinator")
+    """Keep well under the coordinator's --heartbeat-timeout-s."""
+    status_interval_s: float = setting(1.0, "UNICRON_STATUS_INTERVAL", "seconds between node status writes")
+    """How fresh ``unicron nodes`` is."""
+    health_interval_s: float = setting(1.0, "UNICRON_HEALTH_INTERVAL", "seconds between GPU health polls")
+    """XID/ECC events arrive at once regardless; this is for counters and NVLink state."""
+    run_dir: str = setting("/tmp/unicron", "UNICRON_RUN_DIR", "directory for the ranks' Unix socket and logs")
+    """Created if missing."""
+    hang_factor: float = setting(3.0, "UNICRON_HANG_FACTOR", "an iteration longer than this x the mean is a hang")
+    """The paper's 3x D_iter."""
+    warmup_iterations: int = setting(5, "UNICRON_WARMUP_ITERATIONS", "iterations before hang detection starts")
+    """The first iterations (compilation, allocator warm-up) are slow and do not set the baseline."""
+    replica_budget_mb: int = setting(1024, "UNICRON_REPLICA_BUDGET_MB", "memory for peers' checkpoint replicas")
+    """0 disables the replica server."""
+    etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
+    """Calls that exceed it count as etcd being unavailable and are retried."""
+    log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
+    """Logs are JSON lines on stderr."""
+
+    def validate(self) -> None:
+        if not self.node or any(not (c.isalnum() or c in "-_.") for c in self.node):
+            raise ConfigError(f"--node / UNICRON_NODE: bad node name {self.node!r}; use letters, digits, - _ .")
+        if self.gpu_backend not in ("auto", "nvml", "simulated"):
+            raise ConfigError("--gpu-backend / UNICRON_GPU_BACKEND must be auto, nvml or simulated")
+        if self.lease_ttl_s < 1:
+            raise ConfigError("--lease-ttl-s / UNICRON_LEASE_TTL must be >= 1")
+        if self.heartbeat_s <= 0:
+            raise ConfigError("--heartbeat-s / UNICRON_HEARTBEAT must be > 0")

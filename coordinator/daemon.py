@@ -1,0 +1,234 @@
+"""The coordinator daemon: consolidates node status and reports from etcd, classifies them into
+incidents (paper Table 1), and feeds them to the decision core (paper Figure 7).
+
+Threads: etcd watches and the agent link push inputs onto one queue; a single loop thread consumes
+it, so classification, incident records and decisions happen in order without locks around the
+state. Every write is fenced by the leadership token (see :mod:`coordinator.leader`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.classify import classify
+from coordinator.leader import Leadership
+from coordinator.link import LinkServer
+from coordinator.settings import CoordinatorSettings
+from unicron import log as ulog
+from unicron.errors import InvalidRecord, NotLeader, StoreUnavailable
+from unicron.etcd import KeyValue, PrefixWatch, Store, WatchEvent
+from unicron.keyspace import Keyspace
+from unicron.types import DetectionMethod, ErrorKind, Incident, NodeInfo, Report, new_id
+
+log = ulog.get("unicron.coordinator")
+
+
+@dataclass(frozen=True)
+class _Input:
+    """One item for the loop thread: ``kind`` names the handler, ``data`` its argument."""
+
+    kind: str
+    data: Any
+    ts: float
+
+
+IncidentHook = Callable[[Incident], None]
+
+
+def connect_store(endpoints: str, timeout_s: float, stop: threading.Event, what: str) -> Store | None:
+    """Connect to etcd, retrying with backoff and saying clearly what is wrong while it is down."""
+    backoff = 0.2
+    while not stop.is_set():
+        store = Store(endpoints, timeout_s=timeout_s)
+        try:
+            store.revision()
+            return store
+        except StoreUnavailable as exc:
+            store.close()
+            log.error("etcd unreachable; retrying", what=what, endpoints=endpoints, error=str(exc),
+                      retry_in_s=backoff, hint="start etcd or fix --etcd / UNICRON_ETCD")
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+    return None
+
+
+class Coordinator:
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self.keys = Keyspace(settings.prefix)
+        self.stop_event = threading.Event()
+        self.ready = threading.Event()
+        self.store: Store | None = None
+        self.leadership: Leadership | None = None
+        self.link: LinkServer | None = None
+        self._inbox: queue.Queue[_Input] = queue.Queue()
+        self._watches: list[PrefixWatch] = []
+        self._nodes: dict[str, NodeInfo] = {}
+        self._lost_nodes: set[str] = set()
+        self.incident_hooks: list[IncidentHook] = []
+        self.incidents: list[Incident] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until stopped. Returns the process exit code."""
+        self.store = connect_store(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event, "coordinator")
+        if self.store is None:
+            return 0
+        self.link = LinkServer(
+            self.settings.listen_host, self.settings.link_port, self.settings.heartbeat_timeout_s,
+            on_lost=self._on_link_lost, on_connected=self._on_link_connected,
+        ).start()
+        address = json.dumps({"link": self.link.address, "pid": os.getpid()})
+        self.leadership = Leadership(self.store, self.keys, address, self.settings.leader_ttl_s,
+                                     on_deposed=self._on_deposed)
+        if not self.leadership.campaign(self.stop_event):
+            return 0
+        self._start_watches()
+        self.ready.set()
+        log.info("coordinator leading", link=self.link.address)
+        self._loop()
+        self._shutdown()
+        return 0
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self._inbox.put(_Input("stop", None, time.time()))
+
+    def _on_deposed(self) -> None:
+        log.error("deposed: another coordinator leads now; exiting so systemd restarts us as a standby")
+        self.stop()
+
+    def _shutdown(self) -> None:
+        for w in self._watches:
+            w.stop()
+        if self.link is not None:
+            self.link.stop()
+        if self.leadership is not None:
+            self.leadership.resign()
+        if self.store is not None:
+            self.store.close()
+
+    def _start_watches(self) -> None:
+        assert self.store is not None
+        for prefix, kind in ((self.keys.nodes(), "node"), (self.keys.reports(), "report")):
+            kvs, rev = self.store.get_prefix(prefix)
+            for kv in kvs:
+                self._inbox.put(_Input(kind, WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
+            self._watches.append(
+                self.store.watch_prefix(
+                    prefix, lambda ev, k=kind: self._inbox.put(_Input(k, ev, time.time())),
+                    start_revision=rev + 1, on_resync=lambda kvs, k=kind: self._resync(k, kvs),
+                )
+            )
+
+    def _resync(self, kind: str, kvs: list[KeyValue]) -> None:
+        for kv in kvs:
+            self._inbox.put(_Input(kind, WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        handlers: dict[str, Callable[[Any, float], None]] = {
+            "node": self._handle_node_event,
+            "report": self._handle_report_event,
+            "link_lost": self._handle_link_lost,
+            "link_connected": self._handle_link_connected,
+        }
+        while not self.stop_event.is_set():
+            try:
+                item = self._inbox.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            handler = handlers.get(item.kind)
+            if handler is None:
+                continue
+            try:
+                handler(item.data, item.ts)
+            except NotLeader:
+                return
+            except StoreUnavailable as exc:
+                # Nothing is lost: the report stays in etcd and is replayed once etcd is back.
+                log.warning("etcd unavailable while handling input; will retry", kind=item.kind, error=str(exc))
+                self.stop_event.wait(0.2)
+                self._inbox.put(item)
+            except Exception:
+                log.exception("handler failed; input dropped", kind=item.kind)
+
+    # --- inputs ------------------------------------------------------------------------------
+
+    def _on_link_lost(self, node: str, reason: str, ts: float) -> None:
+        self._inbox.put(_Input("link_lost", (node, reason), ts))
+
+    def _on_link_connected(self, node: str, ts: float) -> None:
+        self._inbox.put(_Input("link_connected", node, ts))
+
+    def _handle_link_connected(self, node: str, ts: float) -> None:
+        self._lost_nodes.discard(node)
+
+    def _handle_link_lost(self, data: tuple[str, str], ts: float) -> None:
+        node, reason = data
+        self._node_lost(node, f"agent {reason}", ts)
+
+    def _handle_node_event(self, ev: WatchEvent, ts: float) -> None:
+        node = self.keys.tail(ev.key, self.keys.nodes())
+        if ev.kind == "delete":
+            self._node_lost(node, "agent lease expired", ts)
+            self._nodes.pop(node, None)
+            return
+        try:
+            info = NodeInfo.from_dict(json.loads(ev.value))
+        except (InvalidRecord, ValueError) as exc:
+            log.warning("ignoring garbage node record", key=ev.key, error=str(exc))
+            return
+        joined = node not in self._nodes
+        self._nodes[node] = info
+        self._lost_nodes.discard(node)
+        if joined:
+            log.info("node registered", node=node, gpus=info.gpus, backend=info.gpu_backend)
+
+    def _node_lost(self, node: str, reason: str, ts: float) -> None:
+        if node in self._lost_nodes:
+            log.info("node loss already recorded", node=node, reason=reason)
+            return
+        self._lost_nodes.add(node)
+        report = Report(method=DetectionMethod.NODE_HEALTH, kind=ErrorKind.LOST_CONNECTION, node=node,
+                        message=reason, source_ts=ts, agent_ts=ts)
+        self._record(report, report_key=None)
+
+    def _handle_report_event(self, ev: WatchEvent, ts: float) -> None:
+        if ev.kind == "delete":
+            return
+        try:
+            report = Report.from_dict(json.loads(ev.value))
+        except (InvalidRecord, ValueError) as exc:
+            log.warning("deleting garbage report", key=ev.key, error=str(exc))
+            assert self.leadership is not None
+            self.leadership.write(deletes=[ev.key])
+            return
+        self._record(report, report_key=ev.key)
+
+    def _record(self, report: Report, report_key: str | None) -> None:
+        incident = classify(report, detected_ts=time.time(), incident_id=new_id())
+        assert self.leadership is not None
+        self.leadership.write(
+            puts={self.keys.incident(incident.incident_id): json.dumps(incident.to_dict())},
+            deletes=[report_key] if report_key else [],
+        )
+        log.warning(
+            "incident", incident=incident.incident_id, severity=str(incident.severity) if incident.severity else None,
+            method=incident.method.value, kind=incident.kind.value, task=incident.task, node=incident.node,
+            gpu=incident.gpu, rank=incident.rank, step=incident.step, message=incident.message,
+            source_ts=incident.source_ts, detected_ts=incident.detected_ts,
+            detection_latency_s=round(incident.detection_latency_s, 4),
+        )
+        self.incidents.append(incident)
+        for hook in self.incident_hooks:
+            hook(incident)

@@ -1,0 +1,36 @@
+"""Coordinator settings: every field is a flag with an environment fallback (see unicron.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unicron.config import setting
+from unicron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    etcd: str = setting("127.0.0.1:2379", "UNICRON_ETCD", "etcd endpoints, host:port[,host:port...]")
+    """etcd endpoints the coordinator uses for all state."""
+    prefix: str = setting("/unicron", "UNICRON_PREFIX", "etcd key prefix of this Unicron cluster")
+    """Key prefix; several clusters can share one etcd under different prefixes."""
+    listen_host: str = setting("127.0.0.1", "UNICRON_COORDINATOR_HOST", "address the agent link and API listen on")
+    """Interface for the agent link and the gRPC API."""
+    link_port: int = setting(0, "UNICRON_LINK_PORT", "TCP port of the agent link (0: any free port)")
+    """Agents find the actual address in the leader key."""
+    api_port: int = setting(0, "UNICRON_API_PORT", "TCP port of the gRPC API (0: any free port)")
+    """The CLI finds the actual address in the leader key."""
+    heartbeat_timeout_s: float = setting(1.0, "UNICRON_HEARTBEAT_TIMEOUT", "seconds without an agent heartbeat before its node is lost")
+    """Must exceed several agent heartbeat intervals; the paper's Table 2 took 5.6 s for this case."""
+    leader_ttl_s: int = setting(3, "UNICRON_LEADER_TTL", "TTL (s) of the leadership lease")
+    """A stopped leader is replaced this long after it stopped refreshing."""
+    etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
+    """Calls that exceed it count as etcd being unavailable and are retried."""
+    log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
+    """Logs are JSON lines on stderr."""
+
+    def validate(self) -> None:
+        if self.heartbeat_timeout_s <= 0:
+            raise ConfigError("--heartbeat-timeout-s / UNICRON_HEARTBEAT_TIMEOUT must be > 0")
+        if self.leader_ttl_s < 2:
+            raise ConfigError("--leader-ttl-s / UNICRON_LEADER_TTL must be >= 2 (etcd's minimum lease TTL)")
