@@ -1,0 +1,189 @@
+"""One monitoring thread per GPU (paper §3.1: "a dedicated monitoring thread on the CPU for each GPU").
+
+Each thread blocks in the backend's event wait, so a driver event reaches ``on_event`` within about a
+millisecond, and polls the GPU's health every ``health_interval_s``. A health poll that shows the GPU
+turning bad (new uncorrected ECC errors, an NVLink link down, a pending page retirement, a recovery
+action requested by the driver) also produces an event, unless an event of the same kind was already
+delivered for that GPU since the previous poll (the driver usually announces the same fault first).
+A backend failure is logged and retried with exponential backoff; it never ends the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from agent.gpu.api import RECOVERY_NONE, GpuBackend, GpuEvent, GpuHealth, GpuLost
+from unicron.errors import ConfigError
+from unicron.types import ErrorKind
+
+log = logging.getLogger(__name__)
+
+EventCallback = Callable[[GpuEvent], None]
+HealthCallback = Callable[[GpuHealth], None]
+
+
+def health_transitions(prev: GpuHealth | None, cur: GpuHealth) -> list[GpuEvent]:
+    """Events for what turned bad between two polls; ``prev`` None compares against a clean GPU
+    (so a GPU already faulty when the agent starts is reported once)."""
+    prev_dbe = (prev.ecc_dbe or 0) if prev else 0
+    prev_down = set(prev.nvlink_down) if prev else set()
+    prev_pending = prev.retired_pages_pending if prev else False
+    prev_action = prev.recovery_action if prev else RECOVERY_NONE
+    out: list[GpuEvent] = []
+
+    def add(kind: ErrorKind, message: str) -> None:
+        out.append(GpuEvent(cur.gpu, kind, None, message, cur.ts))
+
+    if cur.ecc_dbe is not None and cur.ecc_dbe > prev_dbe:
+        add(ErrorKind.ECC_ERROR, f"uncorrected ECC errors {prev_dbe} -> {cur.ecc_dbe}")
+    new_down = sorted(set(cur.nvlink_down) - prev_down)
+    if new_down:
+        add(ErrorKind.NVLINK_ERROR, f"NVLink link(s) {new_down} down")
+    if cur.retired_pages_pending and not prev_pending:
+        add(ErrorKind.ECC_ERROR, "page retirement / row remap pending (GPU reset needed)")
+    if cur.recovery_action not in (None, RECOVERY_NONE) and cur.recovery_action != prev_action:
+        add(ErrorKind.GPU_DRIVER_ERROR, f"driver requests recovery action {cur.recovery_action}")
+    return out
+
+
+class GpuMonitor:
+    """Runs one thread per GPU of ``backend``; callbacks run on those threads (keep them short).
+
+    ``on_event(GpuEvent)``: a reportable fault (informational events are only logged).
+    ``on_health(GpuHealth)``: every successful health poll (for the node's status summary).
+    """
+
+    def __init__(
+        self,
+        backend: GpuBackend,
+        on_event: EventCallback,
+        on_health: HealthCallback,
+        health_interval_s: float = 2.0,
+        max_block_s: float = 0.25,
+        backoff_s: tuple[float, float] = (0.05, 5.0),
+    ) -> None:
+        if health_interval_s <= 0:
+            raise ConfigError(f"health_interval_s must be > 0, got {health_interval_s}")
+        if max_block_s <= 0:
+            raise ConfigError(f"max_block_s must be > 0, got {max_block_s}")
+        self.backend = backend
+        self._on_event = on_event
+        self._on_health = on_health
+        self._interval = health_interval_s
+        # NVML waits cannot be interrupted: bounding each wait bounds how long stop() takes.
+        self._max_block = max_block_s
+        self._backoff = backoff_s
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._latest: dict[int, GpuHealth] = {}
+        self._latest_lock = threading.Lock()
+
+    def start(self) -> None:
+        if self._threads:
+            return
+        self._stop.clear()
+        for gpu in range(self.backend.device_count()):
+            t = threading.Thread(target=self._run, args=(gpu,), name=f"gpu-monitor-{gpu}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop and join the threads (the backend stays open: close it after this)."""
+        self._stop.set()
+        self.backend.interrupt()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("%s did not stop within %.1f s", t.name, timeout_s)
+        self._threads = []
+
+    def latest_health(self) -> list[GpuHealth]:
+        """The most recent successful poll of each GPU, in GPU order."""
+        with self._latest_lock:
+            return [self._latest[g] for g in sorted(self._latest)]
+
+    # --- per-GPU thread --------------------------------------------------------------------------
+
+    def _run(self, gpu: int) -> None:
+        worker = _GpuWorker(self, gpu)
+        while not self._stop.is_set():
+            worker.step()
+
+    def _deliver(self, event: GpuEvent) -> None:
+        if not event.reportable:
+            log.info("GPU %d: informational event: %s", event.gpu, event.message)
+            return
+        try:
+            self._on_event(event)
+        except Exception:
+            log.exception("GPU %d: on_event callback failed for %s", event.gpu, event.message)
+
+    def _record_health(self, health: GpuHealth) -> None:
+        with self._latest_lock:
+            self._latest[health.gpu] = health
+        try:
+            self._on_health(health)
+        except Exception:
+            log.exception("GPU %d: on_health callback failed", health.gpu)
+
+
+class _GpuWorker:
+    """The state of one GPU's thread: its previous poll, backoff and what it already reported."""
+
+    def __init__(self, monitor: GpuMonitor, gpu: int) -> None:
+        self.m = monitor
+        self.gpu = gpu
+        self.prev: GpuHealth | None = None
+        self.prev_poll_ts = 0.0
+        self.next_poll = time.monotonic()  # poll at once: the baseline
+        self.delay = monitor._backoff[0]
+        self.lost_reported = False
+        self.last_kind_ts: dict[ErrorKind, float] = {}
+
+    def step(self) -> None:
+        try:
+            if time.monotonic() >= self.next_poll:
+                self._poll()
+            timeout = min(max(0.0, self.next_poll - time.monotonic()), self.m._max_block)
+            event = self.m.backend.wait_event(self.gpu, timeout)
+            if event is not None:
+                self._forward(event)
+            self.delay = self.m._backoff[0]
+        except GpuLost as exc:
+            self._lost(exc)
+        except Exception as exc:  # a backend fault must never end the GPU's thread
+            log.warning("GPU %d: backend error (retry in %.2f s): %s", self.gpu, self.delay, exc)
+            self._back_off()
+
+    def _poll(self) -> None:
+        self.next_poll = time.monotonic() + self.m._interval
+        health = self.m.backend.health(self.gpu)
+        self.lost_reported = False
+        self.m._record_health(health)
+        for event in health_transitions(self.prev, health):
+            if self.last_kind_ts.get(event.kind, -1.0) >= self.prev_poll_ts and self.prev is not None:
+                continue  # already delivered from the driver's own event since the previous poll
+            self._forward(event)
+        self.prev, self.prev_poll_ts = health, health.ts
+
+    def _forward(self, event: GpuEvent) -> None:
+        if event.reportable:
+            self.last_kind_ts[event.kind] = event.ts
+        self.m._deliver(event)
+
+    def _lost(self, exc: GpuLost) -> None:
+        if not self.lost_reported:
+            self.lost_reported = True
+            self._forward(GpuEvent(self.gpu, ErrorKind.GPU_DRIVER_ERROR, None, f"GPU lost: {exc}"))
+        log.warning("GPU %d: lost (retry in %.2f s): %s", self.gpu, self.delay, exc)
+        self._back_off()
+
+    def _back_off(self) -> None:
+        self.m._stop.wait(self.delay)
+        self.delay = min(self.delay * 2, self.m._backoff[1])
+        # After a failed poll, poll again right after the backoff instead of a full interval later.
+        self.next_poll = min(self.next_poll, time.monotonic())

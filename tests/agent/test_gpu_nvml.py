@@ -1,0 +1,125 @@
+"""The NVML backend: what can run without a GPU (error handling, event and field decoding against
+pynvml's real exception classes and ctypes structures), and a real-GPU test marked ``gpu``."""
+
+from __future__ import annotations
+
+import logging
+
+import pynvml
+import pytest
+
+from agent.gpu import GpuBackendUnavailable, GpuError, GpuLost, SimulatedBackend, nvml, open_backend
+from unicron.errors import ConfigError
+from unicron.types import ErrorKind
+
+
+def _nvml_works() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+HAVE_NVML = _nvml_works()
+no_nvml = pytest.mark.skipif(HAVE_NVML, reason="NVML works here; the fallback path is not taken")
+
+
+@no_nvml
+def test_auto_falls_back_to_simulated_with_a_logged_reason(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="agent.gpu.factory"):
+        backend = open_backend("auto", simulated_gpus=2)
+    assert isinstance(backend, SimulatedBackend)
+    assert backend.device_count() == 2 and backend.name == "simulated"
+    assert "NVML cannot start" in caplog.text
+    backend.close()
+
+
+@no_nvml
+def test_explicit_nvml_without_a_driver_is_a_clear_error() -> None:
+    with pytest.raises(GpuBackendUnavailable, match="NVML cannot start"):
+        open_backend("nvml")
+
+
+def test_unknown_backend_kind_names_the_choices() -> None:
+    with pytest.raises(ConfigError, match="auto"):
+        open_backend("cuda")
+
+
+@no_nvml
+def test_an_nvml_call_that_fails_becomes_a_gpu_error() -> None:
+    # A real NVML call without an initialised library fails with NVML_ERROR_UNINITIALIZED.
+    with pytest.raises(GpuError, match="device count"):
+        nvml.optional("device count", pynvml.nvmlDeviceGetCount)
+
+
+def test_not_supported_reads_as_absent() -> None:
+    def unsupported() -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    assert nvml.optional("ecc", unsupported) is None
+
+
+def test_lost_gpu_is_distinguished() -> None:
+    lost = nvml.translate_error(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST), "GPU 2: ECC")
+    other = nvml.translate_error(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN), "GPU 2: ECC")
+    assert isinstance(lost, GpuLost) and "GPU 2: ECC" in str(lost)
+    assert type(other) is GpuError
+
+
+def test_xid_event_decodes_through_the_xid_table() -> None:
+    event = nvml.event_from_nvml(1, nvml.EV_XID, 79, ts=5.0)
+    assert event is not None
+    assert (event.gpu, event.kind, event.xid, event.reportable) == (1, ErrorKind.GPU_DRIVER_ERROR, 79, True)
+
+
+def test_ecc_events_only_uncorrected_is_reportable() -> None:
+    dbe = nvml.event_from_nvml(0, nvml.EV_DBE, 0, ts=1.0)
+    sbe = nvml.event_from_nvml(0, nvml.EV_SBE, 0, ts=1.0)
+    assert dbe is not None and sbe is not None
+    assert dbe.kind is sbe.kind is ErrorKind.ECC_ERROR
+    assert dbe.reportable and not sbe.reportable
+
+
+def test_recovery_action_event() -> None:
+    none = nvml.event_from_nvml(0, nvml.EV_RECOVERY, pynvml.NVML_GPU_RECOVERY_ACTION_NONE, ts=1.0)
+    reboot = nvml.event_from_nvml(0, nvml.EV_RECOVERY, pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT, ts=1.0)
+    assert none is not None and not none.reportable
+    assert reboot is not None and reboot.reportable and "node_reboot" in reboot.message
+
+
+def test_events_the_agent_does_not_act_on_are_dropped() -> None:
+    assert nvml.event_from_nvml(0, pynvml.nvmlEventTypePState, 0, ts=1.0) is None
+
+
+def test_field_value_decoding() -> None:
+    fv = pynvml.c_nvmlFieldValue_t()
+    fv.nvmlReturn = pynvml.NVML_SUCCESS
+    fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+    fv.value.uiVal = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    assert nvml.field_value_int(fv) == 1
+    assert nvml.recovery_action_name(1) == "gpu_reset"
+    fv.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert nvml.field_value_int(fv) is None
+
+
+def test_unknown_recovery_action_keeps_its_number() -> None:
+    assert nvml.recovery_action_name(99) == "unknown(99)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_NVML, reason="needs NVML and a GPU")
+def test_real_gpus_answer_health_and_event_waits() -> None:
+    backend = nvml.NvmlBackend()
+    try:
+        assert backend.device_count() >= 1
+        health = backend.health(0)
+        assert health.gpu == 0
+        assert health.ok == (not health.ecc_dbe and not health.nvlink_down
+                             and not health.retired_pages_pending
+                             and health.recovery_action in (None, "none"))
+        event = backend.wait_event(0, 0.05)  # a healthy GPU: normally a timeout
+        assert event is None or event.gpu == 0
+    finally:
+        backend.close()
