@@ -1,0 +1,70 @@
+"""The planner interface and the WAF planner (paper §5: Eq. 3 solved by the dynamic programme of Eq. 5)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Literal
+
+from plans import dp
+from plans.problem import ClusterSpec, TaskDemand, check_names, task_curve, waf_at
+from plans.result import PlanResult, evaluate
+from plans.throughput import CostModel
+from plans.waf import ReliabilityModel, choices, gain_table, waf_table
+from unicron.errors import InvalidRecord
+
+Unit = Literal["gpu", "node"]
+
+
+class Planner(abc.ABC):
+    """Anything that turns a cluster and its tasks into an allocation."""
+
+    name: str = "planner"
+
+    def __init__(
+        self, unit: Unit = "gpu", reliability: ReliabilityModel | None = None, cost: CostModel | None = None
+    ) -> None:
+        if unit not in ("gpu", "node"):
+            raise InvalidRecord(f"unit: expected 'gpu' or 'node', got {unit!r}")
+        self.unit: Unit = unit
+        self.reliability = reliability or ReliabilityModel()
+        self.cost = cost or CostModel()
+
+    def unit_size(self, cluster: ClusterSpec) -> int:
+        """GPUs per allocation unit."""
+        return 1 if self.unit == "gpu" else cluster.gpus_per_node
+
+    @abc.abstractmethod
+    def plan(self, cluster: ClusterSpec, tasks: Sequence[TaskDemand]) -> PlanResult:
+        """An allocation for ``tasks`` on ``cluster`` (tasks that cannot meet their minimum get 0)."""
+
+
+class WafPlanner(Planner):
+    """Maximises Eq. 3 exactly: each task's reward table is pruned to its useful allocations
+    (``plans.waf.choices``) and combined by the max-plus recurrence of Eq. 5 (``plans.dp``)."""
+
+    name = "unicron"
+
+    def problem(self, cluster: ClusterSpec, tasks: Sequence[TaskDemand]) -> list[dp.Choices]:
+        """Each task's candidate allocations and rewards, in units, for ``dp.solve``."""
+        unit = self.unit_size(cluster)
+        capacity = cluster.n_gpus // unit
+        d_running = self.reliability.d_running_s(cluster.n_gpus)
+        out = []
+        for task in tasks:
+            curve = task_curve(task, cluster, self.cost)
+            min_units = -(-task.min_gpus // unit)
+            f = waf_table(curve.dense(capacity, unit), task.weight, min_units)
+            current = task.current_gpus // unit if task.current_gpus % unit == 0 else None
+            g, chg = gain_table(
+                f, current, task.faulted, waf_at(task, curve, task.current_gpus), d_running, task.transition_s
+            )
+            out.append(choices(g, chg))
+        return out
+
+    def plan(self, cluster: ClusterSpec, tasks: Sequence[TaskDemand]) -> PlanResult:
+        check_names(tasks)
+        unit = self.unit_size(cluster)
+        solution = dp.solve(self.problem(cluster, tasks), cluster.n_gpus // unit)
+        allocation = {t.name: k * unit for t, k in zip(tasks, solution.units, strict=True)}
+        return evaluate(self.name, cluster, tasks, allocation, self.reliability, self.cost)
