@@ -2,13 +2,12 @@
 
 S(i, j) = max_k { S(i-1, j-k) + G(t_i, k) }, S(0, j) = 0: the best total reward of the first i
 tasks on at most j units. Each task contributes only its ``Choices`` (the allocations that can be
-optimal); a step builds the |choices| x (capacity+1) matrix of candidate values in one go and
-reduces it column-wise.
+optimal); a step is vectorised over j.
 
-Ties: values within ``rel_tol`` of the column maximum count as equal (sums of floats in different
-orders differ in the last bits); among them the fewest changed tasks win (Eq. 4's indicator), then
-the smallest allocation for the task at hand. ``brute_force`` applies the same rule to every
-allocation vector, to check the programme against.
+Ties: the programme maximises sum G - eps * (number of changed tasks), with eps a billionth of the
+largest possible |sum G|, so among plans within eps per change of each other the one with fewer
+changes (Eq. 4's indicator) wins; among exact ties, the smaller allocation of the later task.
+``brute_force`` applies the same rule to every allocation vector, to check the programme against.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-
-_NO_CHOICE = np.iinfo(np.int64).max // 4
 
 
 @dataclass(frozen=True)
@@ -49,40 +46,49 @@ class Solution:
     """Allocation of each task, in units."""
 
 
-def _tolerance(gain_arrays: Sequence[FloatArray], rel_tol: float) -> float:
+def epsilon(gain_arrays: Sequence[FloatArray], rel_tol: float = 1e-9) -> float:
+    """The price of one change in the tie-break: ``rel_tol`` of the largest possible |sum of G|."""
     scale = sum(float(np.max(np.abs(g))) if len(g) else 0.0 for g in gain_arrays)
     return rel_tol * max(scale, 1e-300)
 
 
 def solve(tasks: Sequence[Choices], capacity: int, rel_tol: float = 1e-9) -> Solution:
-    """Maximise Σ G(t_i, k_i) subject to Σ k_i ≤ capacity (Eq. 3 by Eq. 5)."""
+    """Maximise sum G(t_i, k_i) subject to sum k_i <= capacity (Eq. 3 by Eq. 5), fewest changes on ties.
+
+    The recurrence runs on G - eps * changes (``epsilon``): plans whose rewards are within eps per
+    change of each other are ties, and the one with fewer changes wins. Each step streams over the
+    task's choices, updating the running column-wise maximum in place (faster than materialising
+    the |choices| x (capacity+1) matrix: fewer passes over memory).
+    """
     width = capacity + 1
-    tol = _tolerance([c.gains for c in tasks], rel_tol)
+    eps = epsilon([c.gains for c in tasks], rel_tol)
     best = np.zeros(width)
-    changes = np.zeros(width, dtype=np.int64)
-    picks = np.empty((len(tasks), width), dtype=np.int32)
-    columns = np.arange(width)
+    picks = np.zeros((len(tasks), width), dtype=np.int32)
     for i, task in enumerate(tasks):
+        if len(task.units) == 0 or task.units[0] != 0:
+            raise ValueError(f"task {i}: choices must start with 0 units")
+        score = task.gains - eps * task.changes
         rows = int(np.searchsorted(task.units, capacity, side="right"))
-        values = np.full((rows, width), -np.inf)
-        counts = np.full((rows, width), _NO_CHOICE, dtype=np.int64)
-        for r in range(rows):
+        new = best + score[0]
+        pick = picks[i]
+        for r in range(1, rows):
             k = int(task.units[r])
-            values[r, k:] = best[: width - k] + task.gains[r]
-            counts[r, k:] = changes[: width - k] + task.changes[r]
-        top = values.max(axis=0)
-        counts[values < top - tol] = _NO_CHOICE
-        pick = counts.argmin(axis=0)  # first row among the tied: the smallest allocation
-        best = values[pick, columns]
-        changes = counts[pick, columns]
-        picks[i] = pick
-    units = []
+            candidate = best[: width - k] + score[r]
+            column = new[k:]
+            better = candidate > column  # strict: on a tie the smaller allocation stays
+            np.maximum(column, candidate, out=column)
+            pick[k:][better] = r
+        best = new
+    units, value, changes = [], 0.0, 0
     j = capacity
     for i in range(len(tasks) - 1, -1, -1):
-        k = int(tasks[i].units[picks[i, j]])
+        r = int(picks[i, j])
+        k = int(tasks[i].units[r])
         units.append(k)
+        value += float(tasks[i].gains[r])
+        changes += int(tasks[i].changes[r])
         j -= k
-    return Solution(float(best[capacity]), int(changes[capacity]), tuple(reversed(units)))
+    return Solution(value, changes, tuple(reversed(units)))
 
 
 def brute_force(
@@ -97,9 +103,6 @@ def brute_force(
         total = total[..., None] + g
         used = used[..., None] + k
         count = count[..., None] + c
-    feasible = used <= capacity
-    top = float(total[feasible].max())
-    tied = feasible & (total >= top - _tolerance(gains, rel_tol))
-    fewest = int(count[tied].min())
-    winner = tuple(int(k) for k in np.argwhere(tied & (count == fewest))[0])
-    return Solution(float(total[winner]), fewest, winner)
+    score = np.where(used <= capacity, total - epsilon(gains, rel_tol) * count, -np.inf)
+    winner = tuple(int(k) for k in np.unravel_index(int(np.argmax(score)), score.shape))
+    return Solution(float(total[winner]), int(count[winner]), winner)

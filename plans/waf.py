@@ -85,3 +85,8 @@ def choices(gains: FloatArray, changes: IntArray) -> Choices:
     keep |= changes == 0  # the no-change choice is only dominated by another no-change choice: none
     units = np.flatnonzero(keep)
     return Choices(units.astype(np.int64), gains[units].copy(), changes[units].copy())
+
+
+def all_choices(gains: FloatArray, changes: IntArray) -> Choices:
+    """Every allocation 0..capacity, unpruned: the dense O(m·n²) programme, for comparison."""
+    return Choices(np.arange(len(gains), dtype=np.int64), gains.copy(), changes.copy())
