@@ -1,0 +1,89 @@
+"""How many GPUs each task gets (paper §5): the interface the decision core asks, and a placeholder.
+
+The real answer comes from the WAF planner in ``plans/`` (paper Eq. 3, solved by the DP of Eq. 5);
+the lead adapts it to :class:`Allocator`. Until then :class:`EvenAllocator` stands in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from coordinator.tasks import TaskSpec
+
+
+class Allocator(Protocol):
+    """Chooses worker counts per task; where the workers go is :func:`coordinator.placement.place`'s job."""
+
+    def allocate(
+        self,
+        tasks: Sequence[TaskSpec],
+        healthy_gpus: int,
+        gpus_per_node: int,
+        current: Mapping[str, int],
+        faulted: set[str],
+    ) -> dict[str, int]:
+        """Return ``task name -> GPUs`` for every task in ``tasks``.
+
+        Every count must be 0 (the task waits) or a count the task can run on
+        (:meth:`TaskSpec.valid_count`), and they must sum to at most ``healthy_gpus``.
+        ``current`` is what each task holds now (for the transition penalty of Eq. 3); ``faulted``
+        names the tasks that lost a worker (Eq. 4: they pay the transition cost anyway).
+        """
+        ...
+
+
+def _priority(task: TaskSpec, current: Mapping[str, int]) -> tuple[float, int, str]:
+    # higher weight first; among equals a task already running keeps its place, then by name
+    return (-task.weight, 0 if current.get(task.name, 0) > 0 else 1, task.name)
+
+
+def _next_count(task: TaskSpec, count: int, limit: int) -> int | None:
+    """The smallest valid count above ``count`` (and at least the minimum), if one is <= ``limit``."""
+    start = max(count + task.unit, task.min_gpus)
+    candidate = -(-start // task.unit) * task.unit
+    while candidate <= limit:
+        if task.valid_count(candidate):
+            return candidate
+        candidate += task.unit
+    return None
+
+
+class EvenAllocator:
+    """PLACEHOLDER until ``plans.WafPlanner`` is adapted to :class:`Allocator` (the lead writes that adapter).
+
+    It does not model throughput or transition cost. It (1) meets every task's minimum in priority
+    order (weight, then already-running, then name); a task whose minimum does not fit gets 0 and stays
+    pending - never fewer than its minimum; then (2) hands out the rest round-robin in that order, one
+    step at a time to each task's next valid count (a multiple of tp*pp whose data-parallel size divides
+    the global batch), so GPUs are spread evenly.
+    """
+
+    def allocate(
+        self,
+        tasks: Sequence[TaskSpec],
+        healthy_gpus: int,
+        gpus_per_node: int,
+        current: Mapping[str, int],
+        faulted: set[str],
+    ) -> dict[str, int]:
+        order = sorted(tasks, key=lambda t: _priority(t, current))
+        counts = {t.name: 0 for t in tasks}
+        free = healthy_gpus
+        for task in order:
+            first = _next_count(task, 0, free)
+            if first is not None:
+                counts[task.name] = first
+                free -= first
+        grew = True
+        while grew:
+            grew = False
+            for task in order:
+                if counts[task.name] == 0:
+                    continue
+                nxt = _next_count(task, counts[task.name], counts[task.name] + free)
+                if nxt is not None:
+                    free -= nxt - counts[task.name]
+                    counts[task.name] = nxt
+                    grew = True
+        return counts

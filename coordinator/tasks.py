@@ -1,0 +1,238 @@
+"""The task set (paper §3.2 "Training Task Management", §5.1 T_necessary and w(t)).
+
+A task is what a user submits: a name, the command that launches its Megatron training, a weight (the
+paper's priority w(t), recommended 0.5-2.0, default 1), a minimum requirement (the paper's
+T_necessary: the fewest GPUs it may run on), the parallelism that constrains how its GPUs can be cut
+(tensor-parallel groups stay inside a node), a model description for the throughput model, and env.
+
+``parse_task_spec`` is the only way in from untrusted JSON: every problem raises
+:class:`unicron.errors.InvalidRecord` whose message names the field and says what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from unicron.errors import InvalidRecord
+
+#: a task name must be usable as one etcd key segment
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+MIN_WEIGHT = 0.5
+MAX_WEIGHT = 2.0
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What the throughput model T(t, x) needs to know about a task's model (GPT-style decoder)."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Hidden dimension; must be divisible by ``num_attention_heads``."""
+    num_attention_heads: int
+    """Attention heads."""
+    seq_length: int
+    """Tokens per sample."""
+    vocab_size: int
+    """Vocabulary size (before padding)."""
+    global_batch_size: int
+    """Samples per optimizer step, summed over data-parallel ranks."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch; ``global_batch_size`` must be a multiple of it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One training task of the task set. Build it with :func:`parse_task_spec`, which validates."""
+
+    name: str
+    """Identifier; ``[a-z0-9][a-z0-9-]{0,62}`` so that it can be one etcd key segment."""
+    command: tuple[str, ...]
+    """argv that launches one rank of the task's Megatron training (the agent adds rank/world env)."""
+    weight: float = 1.0
+    """The paper's w(t): priority, in [0.5, 2.0]."""
+    min_gpus: int = 1
+    """The paper's T_necessary(t): the task is only scheduled with at least this many GPUs."""
+    tp_size: int = 1
+    """Tensor-parallel size; each TP group must sit inside one node, so it must divide GPUs per node."""
+    pp_size: int = 1
+    """Pipeline-parallel size; a task's GPU count is always a multiple of ``tp_size * pp_size``."""
+    model: ModelDescription | None = None
+    """For the throughput model; ``None`` means throughput is taken as linear in GPUs."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables for every rank."""
+
+    @property
+    def unit(self) -> int:
+        """GPUs per model replica: counts are multiples of this (one data-parallel rank more or less)."""
+        return self.tp_size * self.pp_size
+
+    def valid_count(self, gpus: int) -> bool:
+        """Whether the task can run on exactly ``gpus`` GPUs (0 = not running is always valid)."""
+        if gpus == 0:
+            return True
+        if gpus < self.min_gpus or gpus % self.unit:
+            return False
+        if self.model is None:
+            return True
+        dp = gpus // self.unit
+        # Megatron needs global batch = micro batch * DP * accumulation steps
+        return self.model.global_batch_size % (self.model.micro_batch_size * dp) == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "command": list(self.command),
+            "weight": self.weight,
+            "min_gpus": self.min_gpus,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "model": None if self.model is None else self.model.to_dict(),
+            "env": dict(self.env),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TaskSpec:
+        return parse_task_spec(data, None)
+
+
+_SPEC_FIELDS = {f.name for f in fields(TaskSpec)}
+_MODEL_FIELDS = {f.name for f in fields(ModelDescription)}
+
+
+def _positive_int(value: Any, where: str) -> int:
+    # bool is an int in Python; "true" GPUs is a mistake worth naming
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRecord(f"{where}: expected a positive integer, got {value!r}")
+    if value < 1:
+        raise InvalidRecord(f"{where}: must be at least 1, got {value}")
+    return value
+
+
+def _parse_name(value: Any) -> str:
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise InvalidRecord(
+            f"task.name: {value!r} is not a valid task name; use 1-63 characters of lowercase letters, "
+            "digits and '-', starting with a letter or digit"
+        )
+    return value
+
+
+def _parse_command(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        try:
+            argv = shlex.split(value)
+        except ValueError as exc:
+            raise InvalidRecord(f"task.command: cannot split {value!r} into arguments: {exc}") from exc
+    elif isinstance(value, list | tuple):
+        if not all(isinstance(a, str) for a in value):
+            raise InvalidRecord("task.command: every argument must be a string")
+        argv = list(value)
+    else:
+        raise InvalidRecord(
+            f"task.command: expected a list of arguments or a command string, got {type(value).__name__}"
+        )
+    if not argv or not argv[0]:
+        raise InvalidRecord("task.command: is empty; give the command that launches one training rank")
+    return tuple(argv)
+
+
+def _parse_weight(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRecord(f"task.weight: expected a number in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {value!r}")
+    if not MIN_WEIGHT <= value <= MAX_WEIGHT:
+        raise InvalidRecord(
+            f"task.weight: {value} is outside [{MIN_WEIGHT}, {MAX_WEIGHT}] (paper §5.1); "
+            "use 1.0 for normal priority"
+        )
+    return float(value)
+
+
+def _parse_env(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise InvalidRecord(f"task.env: expected an object of string to string, got {type(value).__name__}")
+    for k, v in value.items():
+        if not isinstance(k, str) or not k or "=" in k or not isinstance(v, str):
+            raise InvalidRecord(f"task.env: entry {k!r}: names must be non-empty without '=', values strings")
+    return dict(value)
+
+
+def parse_model(data: Any) -> ModelDescription:
+    """Validate a model description (the ``model`` field of a task)."""
+    if not isinstance(data, dict):
+        raise InvalidRecord(f"task.model: expected an object, got {type(data).__name__}")
+    unknown = sorted(set(data) - _MODEL_FIELDS)
+    if unknown:
+        raise InvalidRecord(f"task.model: unknown field(s) {unknown}; known: {sorted(_MODEL_FIELDS)}")
+    values: dict[str, int] = {}
+    for f in fields(ModelDescription):
+        if f.name in data:
+            values[f.name] = _positive_int(data[f.name], f"task.model.{f.name}")
+        elif f.name != "micro_batch_size":
+            raise InvalidRecord(f"task.model.{f.name}: missing; the throughput model needs it")
+    model = ModelDescription(**values)
+    if model.hidden_size % model.num_attention_heads:
+        raise InvalidRecord(
+            f"task.model.hidden_size: {model.hidden_size} is not divisible by "
+            f"num_attention_heads={model.num_attention_heads}"
+        )
+    if model.global_batch_size % model.micro_batch_size:
+        raise InvalidRecord(
+            f"task.model.global_batch_size: {model.global_batch_size} is not a multiple of "
+            f"micro_batch_size={model.micro_batch_size}"
+        )
+    return model
+
+
+def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | None = None) -> TaskSpec:
+    """Validate one task from JSON. ``cluster_gpus``/``gpus_per_node`` (if known) bound its demands.
+
+    Raises :class:`InvalidRecord` naming the offending field and what to do.
+    """
+    if not isinstance(data, dict):
+        raise InvalidRecord(f"task: expected a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - _SPEC_FIELDS)
+    if unknown:
+        raise InvalidRecord(f"task: unknown field(s) {unknown}; known: {sorted(_SPEC_FIELDS)}")
+    for required in ("name", "command"):
+        if required not in data:
+            raise InvalidRecord(f"task.{required}: missing")
+    name = _parse_name(data["name"])
+    command = _parse_command(data["command"])
+    weight = _parse_weight(data.get("weight", 1.0))
+    tp = _positive_int(data.get("tp_size", 1), "task.tp_size")
+    pp = _positive_int(data.get("pp_size", 1), "task.pp_size")
+    unit = tp * pp
+    min_gpus = _positive_int(data.get("min_gpus", unit), "task.min_gpus")
+    if min_gpus % unit:
+        raise InvalidRecord(
+            f"task.min_gpus: {min_gpus} is not a multiple of tp_size*pp_size={unit}; "
+            f"use {math.ceil(min_gpus / unit) * unit}"
+        )
+    if gpus_per_node is not None and gpus_per_node % tp:
+        raise InvalidRecord(
+            f"task.tp_size: {tp} does not divide the {gpus_per_node} GPUs per node; a tensor-parallel "
+            "group must fit inside one node"
+        )
+    if cluster_gpus is not None and min_gpus > cluster_gpus:
+        raise InvalidRecord(
+            f"task.min_gpus: {min_gpus} is more than the cluster's {cluster_gpus} GPUs; lower it or add nodes"
+        )
+    model_raw = data.get("model")
+    model = None if model_raw is None else parse_model(model_raw)
+    env = _parse_env(data.get("env", {}))
+    spec = TaskSpec(name, command, weight, min_gpus, tp, pp, model, env)
+    if model is not None and not spec.valid_count(min_gpus):
+        raise InvalidRecord(
+            f"task.min_gpus: with {min_gpus} GPUs the data-parallel size {min_gpus // unit} does not divide "
+            f"global_batch_size/micro_batch_size={model.global_batch_size // model.micro_batch_size}"
+        )
+    return spec
