@@ -1,0 +1,203 @@
+"""The local tier: one rank's snapshots in shared memory, double-buffered.
+
+A directory (by default under ``/dev/shm``, so it outlives the training process but not the node)::
+
+    LOCK            flock held by the one process writing this rank's snapshots
+    PUBLISHED       JSON {"slots": {"0": <SnapshotInfo>, ...}}: the complete, checksummed slots
+    slot-<k>.data   tensor bytes of slot k (mapped shared; pages are allocated once and reused)
+    slot-<k>.meta   metadata bytes of slot k
+
+A snapshot is written into a slot that PUBLISHED does not list (the slot is first withdrawn from it),
+and becomes visible only when PUBLISHED is atomically replaced by a version listing it. A process killed
+mid-write therefore leaves PUBLISHED naming only complete slots: the previous snapshot stays intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import mmap
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from ckpt.api import CheckpointCorrupt, CheckpointError, Snapshot, SnapshotInfo
+from ckpt.codec import byte_view
+from unicron.errors import InvalidRecord
+
+_PUBLISHED = "PUBLISHED"
+
+
+class _Mapping:
+    """A shared mapping of one slot file, grown on demand, viewed as a uint8 tensor."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.capacity = 0
+        self._mm: mmap.mmap | None = None
+        self.tensor: torch.Tensor | None = None
+        self.pinned = False
+
+    def ensure(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        if self.tensor is None or self.capacity < nbytes:
+            self._map(nbytes)
+        assert self.tensor is not None
+        if pin and not self.pinned:
+            # page-lock the shared pages so GPU->host copies run asynchronously (DMA) straight into them
+            rc = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                self.tensor.data_ptr(), self.capacity, 0
+            )
+            if int(rc) != 0:
+                raise CheckpointError(f"cudaHostRegister of {self.path} ({self.capacity} bytes) failed: {rc}")
+            self.pinned = True
+        return self.tensor[:nbytes]
+
+    def _map(self, nbytes: int) -> None:
+        self.close()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = max(nbytes, os.fstat(fd).st_size, 1)
+            try:
+                os.posix_fallocate(fd, 0, size)  # allocate now: ENOSPC here, not SIGBUS mid-copy
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise CheckpointError(
+                        f"no room for a {size}-byte snapshot slot in {self.path.parent} "
+                        "(enlarge /dev/shm, e.g. docker --shm-size, or set CheckpointConfig.local_dir)"
+                    ) from exc
+                raise
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self.capacity = size
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def close(self) -> None:
+        if self.pinned and self.tensor is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
+            self.pinned = False
+        self.tensor = None  # the tensor exports the mmap's buffer; it must go before the mmap closes
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):  # a caller still holds a view: the GC unmaps later
+                self._mm.close()
+            self._mm = None
+        self.capacity = 0
+
+
+class LocalStore:
+    """The shared-memory slots of one rank. Only the holder of the lock writes; see the module docstring."""
+
+    def __init__(self, root: Path, slots: int = 2) -> None:
+        if slots < 2:
+            raise CheckpointError(f"LocalStore: slots={slots}; at least 2 are needed for double buffering")
+        self.root = Path(root)
+        self.slots = slots
+        self._maps = [_Mapping(self.root / f"slot-{k}.data") for k in range(slots)]
+        self._lock_fd: int | None = None
+        self._pointer_lock = threading.Lock()  # the writer's threads update PUBLISHED in turn
+
+    # ---- ownership
+
+    def lock(self) -> None:
+        """Become this rank's writer; fails if another live process is (its flock dies with it)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.root} is in use by another process (it holds {self.root / 'LOCK'})"
+            ) from exc
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        for m in self._maps:
+            m.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @staticmethod
+    def remove(root: Path) -> None:
+        """Free a rank's shared memory for good (the job is over, or the rank moved elsewhere)."""
+        shutil.rmtree(root, ignore_errors=True)
+
+    # ---- the published pointer
+
+    def published(self) -> dict[int, SnapshotInfo]:
+        """Complete slots and what they hold. An unreadable pointer counts as none (and is reported)."""
+        try:
+            raw = json.loads((self.root / _PUBLISHED).read_bytes())
+            slots = raw["slots"]
+            return {int(k): SnapshotInfo.from_dict(v) for k, v in slots.items() if 0 <= int(k) < self.slots}
+        except FileNotFoundError:
+            return {}
+        except (ValueError, KeyError, TypeError, AttributeError, InvalidRecord) as exc:
+            raise CheckpointCorrupt(f"{self.root / _PUBLISHED} unreadable: {exc}") from exc
+
+    def _write_published(self, slots: dict[int, SnapshotInfo]) -> None:
+        body = json.dumps({"slots": {str(k): v.to_dict() for k, v in sorted(slots.items())}}).encode()
+        tmp = self.root / f".{_PUBLISHED}.tmp"
+        tmp.write_bytes(body)
+        os.replace(tmp, self.root / _PUBLISHED)  # atomic: readers see the old or the new pointer
+
+    def _published_or_empty(self) -> dict[int, SnapshotInfo]:
+        try:
+            return self.published()
+        except CheckpointCorrupt:
+            return {}
+
+    # ---- writing
+
+    def prepare(self, slot: int, nbytes: int, pin: bool = False) -> torch.Tensor:
+        """Withdraw ``slot`` from the pointer and return its first ``nbytes`` to write into
+        (``pin``: page-locked for CUDA copies)."""
+        with self._pointer_lock:
+            pub = self._published_or_empty()
+            if slot in pub:
+                del pub[slot]
+                self._write_published(pub)
+        return self._maps[slot].ensure(nbytes, pin)
+
+    def publish(self, slot: int, info: SnapshotInfo, meta: bytes) -> None:
+        tmp = self.root / f".slot-{slot}.meta.tmp"
+        tmp.write_bytes(meta)
+        os.replace(tmp, self.root / f"slot-{slot}.meta")
+        with self._pointer_lock:
+            pub = self._published_or_empty()
+            pub[slot] = info
+            self._write_published(pub)
+
+    def withdraw_newer(self, iteration: int) -> list[int]:
+        """Unpublish snapshots newer than ``iteration`` (an abandoned timeline after a rollback)."""
+        with self._pointer_lock:
+            pub = self._published_or_empty()
+            gone = [k for k, v in pub.items() if v.iteration > iteration]
+            if gone:
+                self._write_published({k: v for k, v in pub.items() if k not in gone})
+        return sorted(pub[k].iteration for k in gone)
+
+    def data_view(self, slot: int, nbytes: int) -> torch.Tensor:
+        return self._maps[slot].ensure(nbytes)
+
+    # ---- reading
+
+    def read(self, slot: int, info: SnapshotInfo) -> Snapshot:
+        """The slot's bytes, unverified (a view of shared memory, valid until the slot is rewritten)."""
+        try:
+            meta = (self.root / f"slot-{slot}.meta").read_bytes()
+            size = (self.root / f"slot-{slot}.data").stat().st_size
+        except FileNotFoundError as exc:
+            raise CheckpointCorrupt(f"partial: {exc.filename} is missing") from exc
+        if size < info.data_len:
+            raise CheckpointCorrupt(
+                f"partial: slot {slot} holds {size} bytes, the snapshot has {info.data_len}"
+            )
+        data = self._maps[slot].ensure(info.data_len)
+        return Snapshot(info=info, meta=meta, data=byte_view(data))

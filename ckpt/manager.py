@@ -1,0 +1,534 @@
+"""Training side: :class:`CheckpointManager`, one per rank.
+
+``save(state, iteration)`` blocks only while the state's tensors are copied into a free shared-memory
+slot (CPU: a plain copy; GPU: asynchronous copies into the pinned slot, see :meth:`fence`). Three
+background stages then take each snapshot in turn: *publish* (checksum the slot off the training
+thread, then flip the local pointer), *replicate* (send it to the peers' replica servers) and *persist*
+(every ``persist_every`` snapshots, to remote storage). A slot is reused only once every stage is done
+with it, and the newest published slot is never overwritten, so a valid local snapshot always exists
+once the first one is published.
+
+``restore()`` follows the nearest principle: local memory, then each peer, then remote storage; every
+copy is verified against the checksums computed at the source, and a missing, partial, stale or
+corrupt copy is skipped with its reason logged. The timeline is linear: restoring iteration k (or
+starting to save from k) discards whatever any tier holds that is newer than k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt import codec, persist
+from ckpt.api import (
+    CheckpointCorrupt,
+    Checkpointer,
+    CheckpointError,
+    NoValidCheckpoint,
+    ReplicaStore,
+    Restored,
+    SaveOutcome,
+    Snapshot,
+    SnapshotInfo,
+    Storage,
+    TierAttempt,
+    check_name,
+)
+from ckpt.local import LocalStore
+from ckpt.tiers import LocalSource, PeerSource, RemoteSource, Source
+from unicron import log
+from unicron.config import setting
+from unicron.errors import ConfigError, InvalidRecord, UnicronError
+
+DEFAULT_SHM = "/dev/shm/unicron-ckpt"
+
+
+@dataclass
+class CheckpointConfig:
+    """Settings of one rank's checkpoint manager (tunables read UNICRON_CKPT_* variables via
+    ``unicron.config.from_args``)."""
+
+    #: the training task's id: names the shared-memory directory, replica keys and remote prefix
+    job: str
+    #: this process's global rank
+    rank: int
+    #: directory of this rank's shared-memory slots ("" = /dev/shm/unicron-ckpt/<job>/rank-<rank>)
+    local_dir: str = setting(
+        "",
+        "UNICRON_CKPT_LOCAL_DIR",
+        "directory of the shared-memory snapshot slots ('' = /dev/shm/unicron-ckpt/JOB/rank-R)",
+    )
+    #: shared-memory slots (2 = double buffering; 3 lets a slow persistence overlap two snapshots)
+    slots: int = setting(2, "UNICRON_CKPT_SLOTS", "shared-memory snapshot slots per rank (at least 2)")
+    #: checksum granularity, and the size of a remote shard file
+    chunk_bytes: int = setting(
+        64 << 20, "UNICRON_CKPT_CHUNK_BYTES", "bytes per checksummed chunk / remote shard"
+    )
+    #: persist every Nth snapshot to remote storage (0 = never)
+    persist_every: int = setting(
+        0, "UNICRON_CKPT_PERSIST_EVERY", "persist every Nth snapshot remotely (0: never)"
+    )
+    #: persisted snapshots kept per rank
+    keep_remote: int = setting(2, "UNICRON_CKPT_KEEP_REMOTE", "persisted snapshots kept per rank")
+    #: threads checksumming chunks in parallel (they compete with training for CPU)
+    checksum_threads: int = setting(
+        1, "UNICRON_CKPT_CHECKSUM_THREADS", "threads computing/verifying checksums"
+    )
+    #: also reject, at restore, a copy whose floating tensors hold NaN/Inf
+    verify_finite: bool = setting(
+        False, "UNICRON_CKPT_VERIFY_FINITE", "reject restored states holding NaN/Inf"
+    )
+    #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
+    safe_globals: str = setting(
+        "", "UNICRON_CKPT_SAFE_GLOBALS", "extra module:Name globals allowed in a state"
+    )
+
+    def validate(self) -> None:
+        check_name(self.job, "CheckpointConfig.job")
+        checks = [
+            ("rank", self.rank >= 0, "must be >= 0"),
+            ("slots", self.slots >= 2, "must be >= 2 (double buffering)"),
+            ("chunk_bytes", self.chunk_bytes >= 4096, "must be >= 4096"),
+            ("persist_every", self.persist_every >= 0, "must be >= 0"),
+            ("keep_remote", self.keep_remote >= 1, "must be >= 1"),
+            ("checksum_threads", self.checksum_threads >= 1, "must be >= 1"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"CheckpointConfig.{name}={getattr(self, name)!r}: {why}")
+
+    def local_root(self) -> Path:
+        if self.local_dir:
+            return Path(self.local_dir)
+        return Path(DEFAULT_SHM) / self.job / f"rank-{self.rank:05d}"
+
+
+class SaveTicket:
+    """Returned by :meth:`CheckpointManager.save`: the stall it caused, and the background outcome."""
+
+    def __init__(self, iteration: int, nbytes: int, blocking_s: float, wait_s: float) -> None:
+        self.iteration = iteration
+        #: bytes of the snapshot (metadata + tensor data)
+        self.nbytes = nbytes
+        #: seconds save() held the training thread, all included
+        self.blocking_s = blocking_s
+        #: of which waiting for a free slot (background work of earlier snapshots still running)
+        self.wait_s = wait_s
+        self._done = threading.Event()
+        self._outcome: SaveOutcome | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> SaveOutcome:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"snapshot of iteration {self.iteration} still in progress after {timeout}s")
+        assert self._outcome is not None
+        return self._outcome
+
+    def _finish(self, outcome: SaveOutcome) -> None:
+        self._outcome = outcome
+        self._done.set()
+
+
+@dataclass
+class _Job:
+    slot: int
+    iteration: int
+    meta: bytes
+    data_len: int
+    ticket: SaveTicket
+    event: Any
+    persist_due: bool
+    info: SnapshotInfo | None = None
+    replicas: list[str] = field(default_factory=list)
+    persisted: bool | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+_STOP = object()
+
+
+class CheckpointManager(Checkpointer):
+    """One rank's hierarchical in-memory checkpointing (see the module docstring).
+
+    ``peers``: the replica servers holding this rank's replicas (``placement.replica_targets``);
+    ``storage``: remote persistence, or None.
+    """
+
+    def __init__(
+        self, config: CheckpointConfig, peers: Sequence[ReplicaStore] = (), storage: Storage | None = None
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.peers = list(peers)
+        self.storage = storage
+        if config.persist_every and storage is None:
+            raise ConfigError("CheckpointConfig.persist_every is set but no storage was given")
+        self._safe = codec.parse_safe_globals(
+            [s.strip() for s in config.safe_globals.split(",") if s.strip()]
+        )
+        self._log = log.get("ckpt", job=config.job, rank=config.rank)
+        self._store = LocalStore(config.local_root(), config.slots)
+        self._store.lock()
+        threads = config.checksum_threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-crc") if threads > 1 else None
+        self._cv = threading.Condition()
+        self._busy = [False] * config.slots
+        self._inflight: list[SaveTicket] = []
+        self._last: int | None = None
+        self._count = 0
+        self._stream: Any = None
+        self._fence_event: Any = None
+        self._closed = False
+        self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(3)]
+        stages = (self._publish, self._replicate, self._persist)
+        self._threads = [
+            threading.Thread(
+                target=self._stage, args=(i, fn), name=f"ckpt-{fn.__name__.strip('_')}", daemon=True
+            )
+            for i, fn in enumerate(stages)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------------------------------- save
+
+    def save(self, state: Any, iteration: int) -> SaveTicket:
+        """Snapshot ``state`` after ``iteration`` (strictly increasing); see :class:`SaveTicket`."""
+        if self._closed:
+            raise CheckpointError("save() on a closed CheckpointManager")
+        if not isinstance(iteration, int) or iteration < 0:
+            raise InvalidRecord(f"save: iteration must be a non-negative integer, got {iteration!r}")
+        if self._last is not None and iteration <= self._last:
+            raise CheckpointError(
+                f"save: iteration {iteration} is not after the last saved or restored iteration {self._last}"
+            )
+        if self._last is None:
+            self._discard_newer(iteration - 1, "a new timeline starts")
+        t0 = time.perf_counter()
+        enc = codec.encode(state)
+        slot = self._acquire_slot()
+        t1 = time.perf_counter()
+        data = self._store.prepare(slot, enc.data_len, pin=enc.on_cuda)
+        try:
+            event = codec.copy_into(enc, data, self._copy_stream() if enc.on_cuda else None)
+        except BaseException:
+            self._release(slot)
+            raise
+        ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), time.perf_counter() - t0, t1 - t0)
+        self._last = iteration
+        self._count += 1
+        self._fence_event = event
+        due = (
+            self.storage is not None
+            and self.config.persist_every > 0
+            and self._count % self.config.persist_every == 0
+        )
+        with self._cv:
+            self._inflight.append(ticket)
+        self._queues[0].put(_Job(slot, iteration, enc.meta, enc.data_len, ticket, event, due))
+        return ticket
+
+    def fence(self) -> None:
+        """GPU only: call before the optimizer step after a save. Makes the current CUDA stream wait for
+        the snapshot's copies (no host stall); a no-op when the state was on CPU."""
+        if self._fence_event is not None:
+            torch.cuda.current_stream().wait_event(self._fence_event)
+            self._fence_event = None
+
+    def wait(self, timeout: float | None = None) -> list[SaveOutcome]:
+        """Wait for every snapshot's background work; returns their outcomes, oldest first."""
+        with self._cv:
+            tickets = list(self._inflight)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for t in tickets:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            out.append(t.result(left))
+        with self._cv:
+            self._inflight = [t for t in self._inflight if not t.done()]
+        return out
+
+    def _copy_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        return self._stream
+
+    def _acquire_slot(self) -> int:
+        """A slot that no stage is using and that is not the newest published one (waits if none)."""
+        with self._cv:
+            while True:
+                try:
+                    pub = self._store.published()
+                except CheckpointCorrupt:
+                    pub = {}
+                newest = max(pub, key=lambda s: pub[s].iteration) if pub else None
+                free = [s for s in range(self.config.slots) if not self._busy[s] and s != newest]
+                if free:
+                    slot = min(free, key=lambda s: pub[s].iteration if s in pub else -1)
+                    self._busy[slot] = True
+                    return slot
+                self._cv.wait()
+
+    def _release(self, slot: int) -> None:
+        with self._cv:
+            self._busy[slot] = False
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------------------------------- stages
+
+    def _stage(self, index: int, fn: Any) -> None:
+        q = self._queues[index]
+        while True:
+            job = q.get()
+            if job is _STOP:
+                if index + 1 < len(self._queues):
+                    self._queues[index + 1].put(_STOP)
+                return
+            try:
+                forward = fn(job)
+            except Exception as exc:  # a stage must never die: the slot would stay busy forever
+                job.errors.append(f"{fn.__name__.strip('_')}: {type(exc).__name__}: {exc}")
+                forward = False
+            if forward and index + 1 < len(self._queues):
+                self._queues[index + 1].put(job)
+            else:
+                self._finish(job)
+
+    def _snapshot(self, job: _Job) -> Snapshot:
+        assert job.info is not None
+        data = self._store.data_view(job.slot, job.data_len)
+        return Snapshot(job.info, job.meta, codec.byte_view(data))
+
+    def _publish(self, job: _Job) -> bool:
+        if job.event is not None:
+            job.event.synchronize()
+        data = codec.byte_view(self._store.data_view(job.slot, job.data_len))
+        crcs = codec.chunk_crcs(data, self.config.chunk_bytes, self._pool)
+        job.info = SnapshotInfo(
+            job=self.config.job,
+            rank=self.config.rank,
+            iteration=job.iteration,
+            meta_len=len(job.meta),
+            meta_crc=codec.crc(job.meta),
+            data_len=job.data_len,
+            chunk_bytes=self.config.chunk_bytes,
+            chunk_crcs=crcs,
+            created=time.time(),
+        )
+        self._store.publish(job.slot, job.info, job.meta)
+        with self._cv:
+            self._cv.notify_all()  # the newest published slot changed: another slot may be free now
+        return bool(self.peers) or job.persist_due
+
+    def _replicate(self, job: _Job) -> bool:
+        snap = self._snapshot(job)
+        for peer in self.peers:
+            try:
+                peer.put(snap)
+                job.replicas.append(peer.describe())
+            except UnicronError as exc:
+                job.errors.append(f"replicate to {peer.describe()}: {exc}")
+                self._log.warning(
+                    "replication failed", iteration=job.iteration, peer=peer.describe(), error=str(exc)
+                )
+        return job.persist_due
+
+    def _persist(self, job: _Job) -> bool:
+        if not job.persist_due:
+            return False
+        assert self.storage is not None
+        try:
+            persist.persist(self.storage, self._snapshot(job), self.config.keep_remote)
+            job.persisted = True
+        except UnicronError as exc:
+            job.persisted = False
+            job.errors.append(f"persist to {self.storage.describe()}: {exc}")
+            self._log.warning("persistence failed", iteration=job.iteration, error=str(exc))
+        return False
+
+    def _finish(self, job: _Job) -> None:
+        if job.persist_due and job.persisted is None:
+            job.persisted = False
+        self._release(job.slot)
+        job.ticket._finish(
+            SaveOutcome(
+                iteration=job.iteration,
+                published=job.info is not None,
+                replicas=tuple(job.replicas),
+                persisted=job.persisted if job.persist_due else None,
+                errors=tuple(job.errors),
+            )
+        )
+
+    # ------------------------------------------------------------------------------------------- restore
+
+    def _sources(self) -> list[Source]:
+        job, rank = self.config.job, self.config.rank
+        out: list[Source] = [LocalSource(self._store, job, rank)]
+        out += [PeerSource(p, job, rank) for p in self.peers]
+        if self.storage is not None:
+            out.append(RemoteSource(self.storage, job, rank))
+        return out
+
+    def available(self) -> list[tuple[str, str, list[int] | None]]:
+        """(tier, source, iterations claimed) per source, nearest first; None where unreachable. Lets
+        the runtime agree with the other ranks on an iteration every rank can restore."""
+        out: list[tuple[str, str, list[int] | None]] = []
+        for s in self._sources():
+            try:
+                out.append((s.tier.value, s.describe(), s.iterations()))
+            except (UnicronError, OSError):
+                out.append((s.tier.value, s.describe(), None))
+        return out
+
+    def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
+        """The state of ``iteration`` (default: the newest any tier holds, falling back to older ones
+        when no tier has a valid copy of it) from the nearest tier with a valid copy.
+
+        ``into``: a state of the same structure (e.g. ``{"model": model.state_dict(), ...}``) whose
+        tensors receive the values in place, any device; after a NoValidCheckpoint their content is
+        undefined. Raises :class:`NoValidCheckpoint` listing every tier and why it was rejected.
+        """
+        self.wait()
+        t0 = time.perf_counter()
+        sources = self._sources()
+        attempts: list[TierAttempt] = []
+        held: dict[int, list[int]] = {}
+        for i, s in enumerate(sources):
+            try:
+                held[i] = s.iterations()
+            except (UnicronError, OSError) as exc:
+                held[i] = []
+                attempts.append(TierAttempt(s.tier, s.describe(), None, f"unreachable: {exc}"))
+        targets = (
+            [iteration]
+            if iteration is not None
+            else sorted({x for v in held.values() for x in v}, reverse=True)
+        )
+        for it in targets:
+            for i, s in enumerate(sources):
+                if it not in held[i]:
+                    newest = max(held[i], default=None)
+                    why = (
+                        "holds nothing"
+                        if newest is None
+                        else (
+                            f"stale: its newest is iteration {newest}"
+                            if newest < it
+                            else f"missing: holds {held[i]}"
+                        )
+                    )
+                    attempts.append(TierAttempt(s.tier, s.describe(), it, why))
+                    continue
+                try:
+                    state = self._load(s, it, into)
+                except (CheckpointCorrupt, UnicronError, OSError) as exc:
+                    attempts.append(TierAttempt(s.tier, s.describe(), it, str(exc)))
+                    self._log.warning(
+                        "checkpoint tier skipped",
+                        tier=s.tier.value,
+                        source=s.describe(),
+                        iteration=it,
+                        reason=str(exc),
+                    )
+                    continue
+                self._discard_newer(it, "rolled back by a restore")
+                self._last = it
+                restored = Restored(
+                    state, it, s.tier, s.describe(), tuple(attempts), time.perf_counter() - t0
+                )
+                self._log.info(
+                    "restored",
+                    tier=s.tier.value,
+                    source=s.describe(),
+                    iteration=it,
+                    seconds=round(restored.seconds, 3),
+                    skipped=len(attempts),
+                )
+                return restored
+        raise NoValidCheckpoint(self.config.job, self.config.rank, iteration, attempts)
+
+    def _load(self, source: Source, iteration: int, into: Any) -> Any:
+        snap, private = source.load(iteration, self._pool)
+        data = (
+            torch.frombuffer(snap.data, dtype=torch.uint8)
+            if len(snap.data)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        state = codec.decode(snap.meta, data, private=private, into=into, safe_globals=self._safe)
+        if self.config.verify_finite:
+            bad = list(codec.nonfinite_tensors(state))
+            if bad:
+                raise CheckpointCorrupt(f"non-finite values in {len(bad)} tensor(s), e.g. {bad[:3]}")
+        return state
+
+    def _discard_newer(self, iteration: int, why: str) -> None:
+        """Linear timeline: nothing newer than ``iteration`` may be restored later. Best effort per tier."""
+        job, rank = self.config.job, self.config.rank
+        gone: dict[str, list[int]] = {}
+        if local := self._store.withdraw_newer(iteration):
+            gone["local"] = local
+        for peer in self.peers:
+            try:
+                newer = [i.iteration for i in peer.list(job) if i.rank == rank and i.iteration > iteration]
+                for it in newer:
+                    peer.drop(job, rank, it)
+                if newer:
+                    gone[peer.describe()] = newer
+            except UnicronError as exc:
+                self._log.warning("could not drop newer replicas", peer=peer.describe(), error=str(exc))
+        if self.storage is not None:
+            try:
+                if remote := persist.discard_newer(self.storage, job, rank, iteration):
+                    gone[self.storage.describe()] = remote
+            except UnicronError as exc:
+                self._log.warning("could not discard newer persisted snapshots", error=str(exc))
+        if gone:
+            self._log.warning(
+                "discarded snapshots newer than the current iteration",
+                reason=why,
+                iteration=iteration,
+                discarded=gone,
+            )
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Finish background work and release the slots. The shared memory stays (a restarted process
+        restores from it); ``LocalStore.remove(config.local_root())`` frees it for good."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(TimeoutError):
+            self.wait()
+        self._queues[0].put(_STOP)
+        for t in self._threads:
+            t.join()
+        if self._pool is not None:
+            self._pool.shutdown()
+        self._store.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def local_root(self) -> Path:
+        return self._store.root
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager(job={self.config.job!r}, rank={self.config.rank}, pid={os.getpid()})"

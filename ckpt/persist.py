@@ -1,0 +1,179 @@
+"""The remote tier: snapshots persisted to a :class:`ckpt.api.Storage`, with manifests and retention.
+
+Layout under ``<job>/rank-<rank>/``::
+
+    iter-<iteration>/shard-<i>.bin    chunk i of the tensor bytes (the checksummed chunks of SnapshotInfo)
+    iter-<iteration>/meta.bin         the metadata bytes
+    manifest-<iteration>.json         {"format", "crc32", "body": {"info", "meta", "shards": [...]}}
+
+Shards and metadata are written (durably) first, the manifest last: an iteration exists only once its
+manifest does, so a writer killed mid-way leaves the previous manifest the newest valid one. Each
+manifest carries a CRC of its own body and the CRC of every shard; a reader checks them all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from ckpt.api import CheckpointCorrupt, ObjectMissing, Snapshot, SnapshotInfo, Storage
+from ckpt.codec import byte_view, crc
+from unicron.errors import InvalidRecord
+
+_MANIFEST_RX = re.compile(r"manifest-(\d{12})\.json$")
+_ITER_RX = re.compile(r"iter-(\d{12})/")
+
+
+def rank_prefix(job: str, rank: int) -> str:
+    return f"{job}/rank-{rank:05d}/"
+
+
+def manifest_key(job: str, rank: int, iteration: int) -> str:
+    return f"{rank_prefix(job, rank)}manifest-{iteration:012d}.json"
+
+
+def _iter_prefix(job: str, rank: int, iteration: int) -> str:
+    return f"{rank_prefix(job, rank)}iter-{iteration:012d}/"
+
+
+def _canonical(body: Any) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
+    """Write ``snap`` (shards, metadata, then the manifest); then keep only the newest ``keep``."""
+    info = snap.info
+    base = _iter_prefix(info.job, info.rank, info.iteration)
+    shards = []
+    for i, (off, n) in enumerate(info.chunks()):
+        key = f"{base}shard-{i:05d}.bin"
+        storage.write(key, snap.data[off : off + n])
+        shards.append({"key": key, "offset": off, "length": n, "crc32": info.chunk_crcs[i]})
+    storage.write(f"{base}meta.bin", snap.meta)
+    body = {
+        "info": info.to_dict(),
+        "meta": {"key": f"{base}meta.bin", "length": info.meta_len, "crc32": info.meta_crc},
+        "shards": shards,
+    }
+    key = manifest_key(info.job, info.rank, info.iteration)
+    storage.write(key, _canonical({"format": 1, "crc32": crc(_canonical(body)), "body": body}))
+    apply_retention(storage, info.job, info.rank, keep)
+    return key
+
+
+def iterations(storage: Storage, job: str, rank: int) -> list[int]:
+    """Iterations with a published manifest, oldest first (the manifests are not verified here)."""
+    out = []
+    for key in storage.list(f"{rank_prefix(job, rank)}manifest-"):
+        m = _MANIFEST_RX.search(key)
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _read_manifest(
+    storage: Storage, job: str, rank: int, iteration: int
+) -> tuple[SnapshotInfo, dict[str, Any]]:
+    key = manifest_key(job, rank, iteration)
+    try:
+        raw = json.loads(storage.read(key))
+        body = raw["body"]
+        if raw.get("format") != 1:
+            raise CheckpointCorrupt(f"{key}: unknown manifest format {raw.get('format')!r}")
+        if crc(_canonical(body)) != raw["crc32"]:
+            raise CheckpointCorrupt(f"checksum mismatch in {key}")
+        info = SnapshotInfo.from_dict(body["info"])
+        shards = body["shards"]
+        meta = body["meta"]
+        if not isinstance(shards, list) or not isinstance(meta, dict):
+            raise CheckpointCorrupt(f"{key}: malformed shard list")
+    except ObjectMissing as exc:
+        raise CheckpointCorrupt(f"manifest {key} vanished") from exc
+    except (ValueError, KeyError, TypeError, InvalidRecord) as exc:
+        raise CheckpointCorrupt(f"{key} unreadable: {exc}") from exc
+    if (info.job, info.rank, info.iteration) != (job, rank, iteration):
+        raise CheckpointCorrupt(
+            f"stale: {key} describes job {info.job!r} rank {info.rank} iteration {info.iteration}"
+        )
+    expect = [(o, n, c) for (o, n), c in zip(info.chunks(), info.chunk_crcs, strict=True)]
+    try:
+        got = [(int(s["offset"]), int(s["length"]), int(s["crc32"])) for s in shards]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorrupt(f"{key}: malformed shard entry: {exc}") from exc
+    if got != expect:
+        raise CheckpointCorrupt(f"{key}: shard list does not cover the data as its info says")
+    return info, body
+
+
+def _read_exact(storage: Storage, key: str, out: memoryview, what: str) -> None:
+    try:
+        size = storage.size(key)
+    except ObjectMissing as exc:
+        raise CheckpointCorrupt(f"partial: {what} {key} is missing") from exc
+    if size != len(out):
+        raise CheckpointCorrupt(f"partial: {what} {key} has {size} bytes, the manifest says {len(out)}")
+    if storage.read_into(key, out) != len(out):
+        raise CheckpointCorrupt(f"partial: {what} {key} was short")
+
+
+def load(storage: Storage, job: str, rank: int, iteration: int, pool: Executor | None = None) -> Snapshot:
+    """Read and verify every byte of one persisted snapshot; raises CheckpointCorrupt naming the bad part."""
+    info, body = _read_manifest(storage, job, rank, iteration)
+    meta = bytearray(info.meta_len)
+    _read_exact(storage, body["meta"]["key"], memoryview(meta), "metadata")
+    if crc(meta) != info.meta_crc:
+        raise CheckpointCorrupt(f"checksum mismatch in metadata {body['meta']['key']}")
+    data = byte_view(torch.empty(info.data_len, dtype=torch.uint8))
+
+    def one(i: int) -> None:
+        s = body["shards"][i]
+        view = data[s["offset"] : s["offset"] + s["length"]]
+        _read_exact(storage, s["key"], view, "shard")
+        if crc(view) != s["crc32"]:
+            raise CheckpointCorrupt(f"checksum mismatch in shard {i} ({s['key']})")
+
+    indices = range(len(body["shards"]))
+    if pool is None:
+        for i in indices:
+            one(i)
+    else:
+        for _ in pool.map(one, indices):
+            pass
+    return Snapshot(info=info, meta=bytes(meta), data=data)
+
+
+def _delete_iteration(storage: Storage, job: str, rank: int, iteration: int) -> None:
+    storage.delete(manifest_key(job, rank, iteration))  # first: never a manifest naming deleted shards
+    for key in storage.list(_iter_prefix(job, rank, iteration)):
+        storage.delete(key)
+
+
+def apply_retention(storage: Storage, job: str, rank: int, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` manifests (with their shards), and orphaned shards of writes
+    that died before their manifest (older than the newest manifest). Returns deleted iterations."""
+    its = iterations(storage, job, rank)
+    gone = its[:-keep] if keep > 0 else []
+    for it in gone:
+        _delete_iteration(storage, job, rank, it)
+    if its:
+        kept = set(its) - set(gone)
+        orphans = set()
+        for key in storage.list(f"{rank_prefix(job, rank)}iter-"):
+            m = _ITER_RX.search(key)
+            if m and int(m.group(1)) not in kept and int(m.group(1)) < its[-1]:
+                orphans.add(int(m.group(1)))
+        for it in sorted(orphans):
+            _delete_iteration(storage, job, rank, it)
+    return gone
+
+
+def discard_newer(storage: Storage, job: str, rank: int, iteration: int) -> list[int]:
+    """Delete persisted iterations newer than ``iteration`` (an abandoned timeline after a rollback)."""
+    newer = [it for it in iterations(storage, job, rank) if it > iteration]
+    for it in newer:
+        _delete_iteration(storage, job, rank, it)
+    return newer

@@ -1,0 +1,406 @@
+"""The peer tier: other ranks' snapshots held in this node's memory, served over TCP.
+
+:class:`ReplicaMemory` holds snapshots under a byte budget: to make room it evicts the oldest
+iteration first, but never the newest complete snapshot of a rank (a replacement that dies half-way
+must not leave the rank with nothing), so a budget should be at least twice the bytes of the ranks
+replicated here. :class:`ReplicaServer` puts it on a TCP port, embeddable in the agent or standalone
+(``python -m ckpt.replica --listen HOST:PORT --budget-bytes N``); :class:`ReplicaClient` talks to it.
+
+Protocol (see :mod:`ckpt.wire` for framing), one request per connection:
+
+* ``put {info}`` -> ``{ok}`` (space reserved; or ``ok: false`` before any payload is sent)
+  -> meta + data -> ``{ok}``
+* ``get {job, rank, iteration}`` -> ``{ok, info}`` + meta + data, or ``{ok: false, missing: true}``
+* ``list {job}`` -> ``{ok, items: [info, ...]}``;  ``drop {job, rank, iteration}`` -> ``{ok, dropped}``
+* ``stat`` -> ``{ok, used, budget, count}``
+
+The server trusts the cluster network (no authentication) and never verifies or recomputes
+checksums: the restoring rank verifies against the checksums the source computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import signal
+import socket
+import socketserver
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt import wire
+from ckpt.api import ReplicaRejected, ReplicaStore, ReplicaUnavailable, Snapshot, SnapshotInfo, check_name
+from ckpt.codec import byte_view
+from unicron.errors import ConfigError, InvalidRecord, UnicronError
+
+Key = tuple[str, int, int]
+
+
+@dataclass
+class _Held:
+    snap: Snapshot
+    seq: int
+
+
+def _alloc(n: int) -> memoryview:
+    # torch.empty does not touch the pages (bytearray would zero them first)
+    return byte_view(torch.empty(n, dtype=torch.uint8))
+
+
+class ReplicaMemory(ReplicaStore):
+    """In-process replica holder with a byte budget (thread-safe)."""
+
+    def __init__(self, budget_bytes: int, name: str = "memory") -> None:
+        if budget_bytes <= 0:
+            raise ConfigError(f"ReplicaMemory budget_bytes={budget_bytes}: must be positive")
+        self.budget = budget_bytes
+        self.name = name
+        self._held: dict[Key, _Held] = {}
+        self._reserved = 0
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+
+    def describe(self) -> str:
+        return self.name
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used()
+
+    def _used(self) -> int:
+        return self._reserved + sum(h.snap.info.nbytes for h in self._held.values())
+
+    def _newest(self) -> set[Key]:
+        best: dict[tuple[str, int], Key] = {}
+        for key in self._held:
+            cur = best.get(key[:2])
+            if cur is None or key[2] > cur[2]:
+                best[key[:2]] = key
+        return set(best.values())
+
+    def reserve(self, info: SnapshotInfo) -> int:
+        """Make room for ``info``'s bytes (evicting), or raise ReplicaRejected. Returns the bytes reserved."""
+        n = info.nbytes
+        with self._lock:
+            if n > self.budget:
+                raise ReplicaRejected(
+                    f"{self.name}: a {n}-byte snapshot exceeds the whole budget of {self.budget}"
+                )
+            while self._used() + n > self.budget:
+                keep = self._newest()
+                victims = sorted(
+                    (k for k in self._held if k not in keep), key=lambda k: (k[2], self._held[k].seq)
+                )
+                if not victims:
+                    raise ReplicaRejected(
+                        f"{self.name}: over budget: need {n} bytes, {self._used()} of {self.budget} in use, "
+                        "and nothing evictable (each held snapshot is the newest of its rank)"
+                    )
+                del self._held[victims[0]]
+            self._reserved += n
+        return n
+
+    def release(self, reserved: int) -> None:
+        with self._lock:
+            self._reserved -= reserved
+
+    def commit(self, snap: Snapshot, reserved: int) -> None:
+        key = (snap.info.job, snap.info.rank, snap.info.iteration)
+        with self._lock:
+            self._reserved -= reserved
+            self._held[key] = _Held(snap, next(self._seq))
+
+    def put(self, snapshot: Snapshot) -> None:
+        reserved = self.reserve(snapshot.info)
+        try:
+            data = _alloc(len(snapshot.data))
+            data[:] = snapshot.data
+        except BaseException:
+            self.release(reserved)
+            raise
+        self.commit(Snapshot(snapshot.info, bytes(snapshot.meta), data), reserved)
+
+    def get(self, job: str, rank: int, iteration: int) -> Snapshot | None:
+        with self._lock:
+            held = self._held.get((job, rank, iteration))
+        return None if held is None else held.snap
+
+    def list(self, job: str | None = None) -> list[SnapshotInfo]:
+        with self._lock:
+            return [h.snap.info for k, h in sorted(self._held.items()) if job is None or k[0] == job]
+
+    def drop(self, job: str, rank: int | None = None, iteration: int | None = None) -> int:
+        with self._lock:
+            gone = [
+                k for k in self._held if k[0] == job and rank in (None, k[1]) and iteration in (None, k[2])
+            ]
+            for k in gone:
+                del self._held[k]
+        return len(gone)
+
+
+# --------------------------------------------------------------------------------------------- server
+
+
+def _int(h: dict[str, Any], name: str, optional: bool = False) -> Any:
+    v = h.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise InvalidRecord(f"replica request: field {name!r} must be a non-negative integer, got {v!r}")
+    return v
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _TCPServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(self.server.io_timeout_s)
+        try:
+            h = wire.recv_header(sock)
+            op = h.get("op")
+            handler = {
+                "put": self._put,
+                "get": self._get,
+                "list": self._list,
+                "drop": self._drop,
+                "stat": self._stat,
+            }.get(str(op))
+            if handler is None:
+                raise InvalidRecord(f"replica request: unknown op {op!r}")
+            handler(sock, h)
+        except InvalidRecord as exc:
+            self._reply(sock, {"ok": False, "error": str(exc)})
+        except (OSError, UnicronError):
+            pass  # the client went away mid-request; nothing was committed
+
+    @staticmethod
+    def _reply(sock: socket.socket, header: dict[str, Any], payloads: tuple[Any, ...] = ()) -> None:
+        with contextlib.suppress(OSError):
+            wire.send(sock, header, payloads)
+
+    def _put(self, sock: socket.socket, h: dict[str, Any]) -> None:
+        mem = self.server.memory
+        info = SnapshotInfo.from_dict(h.get("info"))
+        try:
+            reserved = mem.reserve(info)
+        except ReplicaRejected as exc:
+            self._reply(sock, {"ok": False, "error": str(exc)})
+            return
+        try:
+            wire.send(sock, {"ok": True})
+            meta = bytearray(info.meta_len)
+            wire.recv_into(sock, memoryview(meta))
+            data = _alloc(info.data_len)
+            wire.recv_into(sock, data)
+        except BaseException:
+            mem.release(reserved)  # a partial transfer is never committed
+            raise
+        mem.commit(Snapshot(info, bytes(meta), data), reserved)
+        self._reply(sock, {"ok": True})
+
+    def _get(self, sock: socket.socket, h: dict[str, Any]) -> None:
+        job = check_name(str(h.get("job")), "replica request job")
+        snap = self.server.memory.get(job, _int(h, "rank"), _int(h, "iteration"))
+        if snap is None:
+            self._reply(sock, {"ok": False, "missing": True, "error": "not held"})
+            return
+        self._reply(sock, {"ok": True, "info": snap.info.to_dict()}, (snap.meta, snap.data))
+
+    def _list(self, sock: socket.socket, h: dict[str, Any]) -> None:
+        job = h.get("job")
+        items = self.server.memory.list(None if job is None else str(job))
+        self._reply(sock, {"ok": True, "items": [i.to_dict() for i in items]})
+
+    def _drop(self, sock: socket.socket, h: dict[str, Any]) -> None:
+        job = check_name(str(h.get("job")), "replica request job")
+        n = self.server.memory.drop(job, _int(h, "rank", True), _int(h, "iteration", True))
+        self._reply(sock, {"ok": True, "dropped": n})
+
+    def _stat(self, sock: socket.socket, h: dict[str, Any]) -> None:
+        mem = self.server.memory
+        self._reply(
+            sock, {"ok": True, "used": mem.used_bytes, "budget": mem.budget, "count": len(mem.list())}
+        )
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+
+    def __init__(self, addr: tuple[str, int], memory: ReplicaMemory, io_timeout_s: float) -> None:
+        self.memory = memory
+        self.io_timeout_s = io_timeout_s
+        self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+        super().__init__(addr, _Handler)
+
+
+class ReplicaServer:
+    """Agent side: ``ReplicaServer("0.0.0.0:7070", budget_bytes).start()`` ... ``.stop()``.
+
+    ``memory`` is the held set; the agent can also ``memory.drop(job)`` directly when a job ends.
+    """
+
+    def __init__(self, addr: str, budget_bytes: int, io_timeout_s: float = 60.0) -> None:
+        self._bind = wire.parse_addr(addr, "ReplicaServer addr")
+        self.memory = ReplicaMemory(budget_bytes, name=f"replica-server {addr}")
+        self.io_timeout_s = io_timeout_s
+        self._server: _TCPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        if self._server is None:
+            raise RuntimeError("ReplicaServer is not started")
+        host, port = str(self._server.server_address[0]), int(self._server.server_address[1])
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def start(self) -> ReplicaServer:
+        """Bind (port 0 picks a free one; see ``address``) and serve in a daemon thread."""
+        try:
+            self._server = _TCPServer(self._bind, self.memory, self.io_timeout_s)
+        except OSError as exc:
+            raise ConfigError(f"ReplicaServer: cannot listen on {self._bind}: {exc}") from exc
+        self.memory.name = f"replica-server {self.address}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="ckpt-replica-server",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+# --------------------------------------------------------------------------------------------- client
+
+
+class ReplicaClient(ReplicaStore):
+    """Training side's handle on one peer's :class:`ReplicaServer` (a connection per request)."""
+
+    def __init__(self, addr: str, timeout_s: float = 60.0) -> None:
+        self.addr = addr
+        self._target = wire.parse_addr(addr, "ReplicaClient addr")
+        self.timeout_s = timeout_s
+
+    def describe(self) -> str:
+        return self.addr
+
+    def _call(self, header: dict[str, Any], body: Any = None) -> Any:
+        try:
+            with socket.create_connection(self._target, timeout=self.timeout_s) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                wire.send(sock, header)
+                reply = wire.recv_header(sock)
+                return body(sock, reply) if body is not None else reply
+        except (OSError, InvalidRecord) as exc:
+            raise ReplicaUnavailable(f"replica server {self.addr}: {exc}") from exc
+
+    def put(self, snapshot: Snapshot) -> None:
+        def body(sock: socket.socket, reply: dict[str, Any]) -> dict[str, Any]:
+            if not reply.get("ok"):
+                return reply
+            sock.sendall(snapshot.meta)
+            if len(snapshot.data):
+                sock.sendall(snapshot.data)
+            return wire.recv_header(sock)
+
+        reply = self._call({"op": "put", "info": snapshot.info.to_dict()}, body)
+        if not reply.get("ok"):
+            raise ReplicaRejected(f"replica server {self.addr}: {reply.get('error')}")
+
+    def get(self, job: str, rank: int, iteration: int) -> Snapshot | None:
+        def body(sock: socket.socket, reply: dict[str, Any]) -> Snapshot | None:
+            if not reply.get("ok"):
+                if reply.get("missing"):
+                    return None
+                raise ReplicaRejected(f"replica server {self.addr}: {reply.get('error')}")
+            info = SnapshotInfo.from_dict(reply.get("info"))
+            meta = bytearray(info.meta_len)
+            wire.recv_into(sock, memoryview(meta))
+            data = _alloc(info.data_len)
+            wire.recv_into(sock, data)
+            return Snapshot(info, bytes(meta), data)
+
+        result: Snapshot | None = self._call(
+            {"op": "get", "job": job, "rank": rank, "iteration": iteration}, body
+        )
+        return result
+
+    def list(self, job: str | None = None) -> list[SnapshotInfo]:
+        reply = self._call({"op": "list", "job": job})
+        try:
+            return [SnapshotInfo.from_dict(i) for i in reply["items"]]
+        except (KeyError, TypeError) as exc:
+            raise ReplicaUnavailable(f"replica server {self.addr}: malformed list reply") from exc
+
+    def drop(self, job: str, rank: int | None = None, iteration: int | None = None) -> int:
+        reply = self._call({"op": "drop", "job": job, "rank": rank, "iteration": iteration})
+        if not reply.get("ok"):
+            raise ReplicaRejected(f"replica server {self.addr}: {reply.get('error')}")
+        return int(reply["dropped"])
+
+    def stat(self) -> dict[str, Any]:
+        reply: dict[str, Any] = self._call({"op": "stat"})
+        return reply
+
+
+# --------------------------------------------------------------------------------------------- standalone
+
+
+def parse_bytes(text: str) -> int:
+    """``"512M"``, ``"4G"``, ``"1048576"`` -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = units.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if mult != 1 else t) * mult)
+    except ValueError as exc:
+        raise ConfigError(f"--budget-bytes: {text!r} is not a size like 4G, 512M or 1048576") from exc
+    if n <= 0:
+        raise ConfigError(f"--budget-bytes: {text!r} must be positive")
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ckpt.replica", description="Serve peers' snapshots from memory."
+    )
+    parser.add_argument(
+        "--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0: any free port)"
+    )
+    parser.add_argument("--budget-bytes", default="1G", help="memory for replicas, e.g. 64G")
+    args = parser.parse_args(argv)
+    try:
+        server = ReplicaServer(args.listen, parse_bytes(args.budget_bytes)).start()
+    except UnicronError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"listening on {server.address}", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

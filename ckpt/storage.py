@@ -1,0 +1,175 @@
+"""Implementations of :class:`ckpt.api.Storage`: a filesystem directory, and process memory (for tests
+and as the simplest example of a non-filesystem backend)."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import uuid
+from pathlib import Path
+
+from ckpt.api import Buffer, ObjectMissing, Storage, StorageUnavailable
+from unicron.errors import InvalidRecord
+
+_KEY_RX = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$")
+
+
+def check_key(key: str) -> str:
+    """Keys are relative, ``/``-separated, no empty, hidden, ``.`` or ``..`` segments."""
+    if not isinstance(key, str) or not _KEY_RX.match(key) or len(key) > 1024:
+        raise InvalidRecord(
+            f"storage key {key!r}: use '/'-separated [A-Za-z0-9._-] names not starting with '.'"
+        )
+    return key
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FilesystemStorage(Storage):
+    """Objects are files under ``root``; a write goes to a hidden temporary name, is fsync'd, renamed
+    into place and the directory fsync'd, so a crash leaves either the old object or the new one."""
+
+    def __init__(self, root: Path | str, drop_cache: bool = True) -> None:
+        #: directory holding the objects (created if missing)
+        self.root = Path(root)
+        #: evict written files from the page cache: a checkpoint is read back rarely, and keeping
+        #: gigabytes of it cached would push the training job's own pages out
+        self.drop_cache = drop_cache
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def describe(self) -> str:
+        return f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _makedirs(self, d: Path) -> None:
+        missing = []
+        while not d.exists():
+            missing.append(d)
+            d = d.parent
+        for m in reversed(missing):
+            m.mkdir(exist_ok=True)
+            _fsync_dir(m.parent)  # the new directory entry itself must be durable
+
+    def write(self, key: str, data: Buffer) -> None:
+        path = self._path(key)
+        try:
+            self._makedirs(path.parent)
+            tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+                if self.drop_cache:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise StorageUnavailable(f"writing {self.describe()}/{key}: {exc}") from exc
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError as exc:
+            raise ObjectMissing(f"{self.describe()}/{key} does not exist") from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"reading {self.describe()}/{key}: {exc}") from exc
+
+    def read_into(self, key: str, out: memoryview) -> int:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                total = 0
+                view = out.cast("B") if out.format != "B" else out
+                while total < len(view):
+                    n = f.readinto(view[total:])
+                    if not n:
+                        break
+                    total += n
+                if total == len(view) and f.read(1):
+                    raise StorageUnavailable(
+                        f"{self.describe()}/{key} is larger than the {len(view)}-byte buffer"
+                    )
+                return total
+        except FileNotFoundError as exc:
+            raise ObjectMissing(f"{self.describe()}/{key} does not exist") from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"reading {self.describe()}/{key}: {exc}") from exc
+
+    def list(self, prefix: str) -> list[str]:
+        head = prefix.rpartition("/")[0]
+        base = self.root / check_key(head) if head else self.root
+        out = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for name in filenames:
+                if name.startswith("."):
+                    continue  # temporaries of writes in progress (or killed)
+                key = name if rel == "." else f"{rel}/{name}"
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink(missing_ok=True)
+            parent = path.parent
+            while parent != self.root and not any(parent.iterdir()):
+                parent.rmdir()  # leave no empty per-iteration directories behind
+                parent = parent.parent
+        except OSError as exc:
+            raise StorageUnavailable(f"deleting {self.describe()}/{key}: {exc}") from exc
+
+
+class MemoryStorage(Storage):
+    """Objects in a dict: no durability; the reference implementation of the contract's semantics."""
+
+    def __init__(self) -> None:
+        self._objects: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        return f"memory://{id(self):x}"
+
+    def write(self, key: str, data: Buffer) -> None:
+        blob = bytes(data)
+        with self._lock:
+            self._objects[check_key(key)] = blob
+
+    def _get(self, key: str) -> bytes:
+        with self._lock:
+            blob = self._objects.get(check_key(key))
+        if blob is None:
+            raise ObjectMissing(f"{self.describe()}/{key} does not exist")
+        return blob
+
+    def size(self, key: str) -> int:
+        return len(self._get(key))
+
+    def read_into(self, key: str, out: memoryview) -> int:
+        blob = self._get(key)
+        if len(blob) > len(out):
+            raise StorageUnavailable(f"{self.describe()}/{key} is larger than the {len(out)}-byte buffer")
+        out[: len(blob)] = blob
+        return len(blob)
+
+    def list(self, prefix: str) -> list[str]:
+        with self._lock:
+            return sorted(k for k in self._objects if k.startswith(prefix))
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop(check_key(key), None)
