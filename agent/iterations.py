@@ -1,0 +1,330 @@
+"""Online statistical monitoring of iteration times (paper §4.1, Figure 6).
+
+Training is periodic: in a fixed configuration, iterations take about the same time. Two rules follow:
+
+* **Hang** (Table 1 "task hang", sev2): an iteration still running ``hang_factor`` (3) times the
+  baseline iteration time after it started is a failure. This catches what only times out much
+  later (a NCCL collective waiting on a dead peer times out after up to 30 minutes).
+* **Degradation** (recorded, not acted on): completed iterations slower than ``degrade_factor``
+  (1.1) times the baseline are counted, and a DEGRADATION finding is raised when the slowdown is
+  *sustained*: the mean of the last ``window`` iterations exceeds 1.1x the baseline. A per-iteration
+  rule would fire constantly: with ±20 % jitter a quarter of all healthy iterations exceed 1.1x
+  the mean. The mean of 20 such iterations has a standard deviation of ~2.6 % of the mean, so 1.1x
+  is ~4 standard deviations away; a real 30 % slowdown crosses it within ``window`` iterations.
+
+The baseline is the mean of the last ``baseline_window`` completed train-phase iterations after
+``warmup_iterations`` (compilation, allocator warm-up). Iterations longer than ``outlier_factor``
+(2) times the baseline - a stall that eventually finished, an iteration already reported as a hang -
+never enter it: one 30-minute stall in a window of 100 ten-second iterations would otherwise raise
+the mean 2.8x and blind the detector to the next hang. Moderately slow iterations do enter it, on
+purpose: excluding everything above 1.1x would cut off the top of the normal jitter and bias the
+baseline low (to ~0.89x the true mean with ±20 % jitter), and a lasting change of pace (e.g. after
+micro-batches were redistributed to fewer ranks) becomes the new normal after about one window.
+
+:class:`IterationMonitor` is pure logic with time passed in (one per rank). :class:`HangWatcher` is
+the thread that sleeps until the earliest deadline of all monitors and reports findings.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from unicron.errors import ConfigError
+from unicron.protocol import PHASE_TRAIN
+from unicron.types import ErrorKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IterationSettings:
+    """Thresholds of the statistical monitor (paper §4.1)."""
+
+    hang_factor: float = 3.0
+    """An iteration running longer than this times the baseline is a hang (the paper's grey line)."""
+    degrade_factor: float = 1.1
+    """An iteration slower than this times the baseline is slow (the paper's blue line)."""
+    warmup_iterations: int = 5
+    """The first completed iterations (compilation, allocator warm-up) never enter the baseline."""
+    min_samples: int = 5
+    """Completed iterations after warm-up needed before hangs are judged."""
+    window: int = 20
+    """Recent iterations whose mean decides a sustained degradation."""
+    baseline_window: int = 100
+    """Recent normal iterations whose mean is the baseline."""
+    outlier_factor: float = 2.0
+    """Completed iterations longer than this times the baseline stay out of it (a stall that ended);
+    ``math.inf`` lets every iteration update the baseline."""
+    min_hang_s: float = 0.0
+    """Floor of the hang threshold in seconds, for very short iterations where a GC pause or a
+    scheduling hiccup is a sizeable multiple of the iteration."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("hang_factor", self.hang_factor > 1.0, "> 1"),
+            ("degrade_factor", self.degrade_factor > 1.0, "> 1"),
+            ("warmup_iterations", self.warmup_iterations >= 0, ">= 0"),
+            ("min_samples", self.min_samples >= 1, ">= 1"),
+            ("window", self.window >= 1, ">= 1"),
+            ("baseline_window", self.baseline_window >= max(self.window, self.min_samples),
+             ">= window and >= min_samples"),
+            ("outlier_factor", self.outlier_factor > self.degrade_factor, "> degrade_factor"),
+            ("min_hang_s", self.min_hang_s >= 0.0, ">= 0"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"iteration monitor: {name} must be {rule}, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An abnormal status found by statistical monitoring."""
+
+    kind: ErrorKind
+    """TASK_HANG or DEGRADATION."""
+    step: int | None
+    """The hung iteration's step, or the last step of the slow window."""
+    message: str
+    """What was measured against what."""
+    ts: float
+    """When the condition became true: the hang deadline, or the end of the iteration that made the
+    slowdown sustained (use as the report's source timestamp)."""
+    onset_ts: float
+    """When the problem began: the hung iteration's start, or the start of the slow window."""
+
+
+class IterationMonitor:
+    """Iteration statistics of one rank. Thread-safe: rank messages and the watcher thread meet here."""
+
+    def __init__(self, settings: IterationSettings | None = None) -> None:
+        self.settings = settings or IterationSettings()
+        self._lock = threading.Lock()
+        self.on_change: Callable[[], None] | None = None
+        """Called (outside the monitor's lock) after every input; :class:`HangWatcher` sets it."""
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the baseline (e.g. after a reconfiguration): warm-up starts again."""
+        with self._lock:
+            self._phase = PHASE_TRAIN
+            self._open: tuple[int, float] | None = None  # (step, start ts) of the running iteration
+            self._tainted = False  # the open iteration spanned a non-train phase
+            self._hang_reported = False
+            self._completed = 0  # train iterations completed, warm-up included
+            self._baseline: deque[float] = deque(maxlen=self.settings.baseline_window)
+            self._sum = 0.0
+            self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.window)  # (start, dur)
+            self._degraded = False
+            self._pending: list[Finding] = []
+            self.slow_iterations = 0
+            """Completed iterations slower than degrade_factor x baseline (Figure 6's red dots)."""
+
+    # --- inputs ----------------------------------------------------------------------------------
+
+    def iter_start(self, step: int, ts: float) -> None:
+        with self._lock:
+            self._open = (step, ts)
+            self._tainted = self._phase != PHASE_TRAIN
+            self._hang_reported = False
+        self._changed()
+
+    def iter_end(self, step: int, duration_s: float, ts: float) -> None:
+        with self._lock:
+            counted = self._phase == PHASE_TRAIN and not self._tainted and not self._hang_reported
+            if self._open is not None and self._open[0] == step:
+                self._open = None
+            if counted and duration_s >= 0:
+                self._record(step, duration_s, ts)
+        self._changed()
+
+    def phase(self, name: str, ts: float) -> None:
+        with self._lock:
+            if name != PHASE_TRAIN and self._open is not None:
+                self._tainted = True  # its duration includes e.g. a checkpoint: not a training sample
+            elif name == PHASE_TRAIN and self._phase != PHASE_TRAIN and self._open is not None:
+                self._open = (self._open[0], ts)  # the hang clock restarts when training resumes
+            self._phase = name
+        self._changed()
+
+    def _changed(self) -> None:
+        hook = self.on_change
+        if hook is not None:
+            hook()
+
+    # --- statistics ------------------------------------------------------------------------------
+
+    def _mean(self) -> float | None:
+        if len(self._baseline) < self.settings.min_samples:
+            return None
+        return self._sum / len(self._baseline)
+
+    def _record(self, step: int, duration: float, ts: float) -> None:
+        self._completed += 1
+        if self._completed <= self.settings.warmup_iterations:
+            return
+        s = self.settings
+        mean = self._mean()
+        if mean is not None and duration > s.degrade_factor * mean:
+            self.slow_iterations += 1
+        if mean is None or duration <= s.outlier_factor * mean:
+            if len(self._baseline) == self._baseline.maxlen:
+                self._sum -= self._baseline[0]
+            self._baseline.append(duration)
+            self._sum += duration
+        self._recent.append((ts - duration, duration))
+        self._judge_degradation(step, ts)
+
+    def _judge_degradation(self, step: int, ts: float) -> None:
+        s = self.settings
+        mean = self._mean()
+        if mean is None or len(self._recent) < s.window:
+            return
+        recent = sum(d for _, d in self._recent) / len(self._recent)
+        slow = recent > s.degrade_factor * mean
+        if slow and not self._degraded:
+            self._pending.append(Finding(
+                ErrorKind.DEGRADATION, step,
+                f"mean of the last {len(self._recent)} iterations {recent:.3f} s > "
+                f"{s.degrade_factor} x baseline {mean:.3f} s ({self.slow_iterations} slow iterations so far)",
+                ts, self._recent[0][0],
+            ))
+        self._degraded = slow
+
+    def baseline(self) -> float | None:
+        """The baseline iteration time in seconds; None until warm-up and min_samples are done."""
+        with self._lock:
+            return self._mean()
+
+    def _deadline(self) -> float | None:
+        mean = self._mean()
+        if self._open is None or self._phase != PHASE_TRAIN or mean is None or self._hang_reported:
+            return None
+        return self._open[1] + max(self.settings.hang_factor * mean, self.settings.min_hang_s)
+
+    def deadline(self) -> float | None:
+        """When the running iteration becomes a hang. None: no iteration open, not in the train
+        phase, no baseline yet (warm-up), or its hang was already reported."""
+        with self._lock:
+            return self._deadline()
+
+    def check(self, now: float) -> list[Finding]:
+        """Findings due at ``now``: pending degradations, and at most one TASK_HANG per iteration."""
+        with self._lock:
+            out, self._pending = self._pending, []
+            deadline = self._deadline()
+            if deadline is not None and now >= deadline and self._open is not None:
+                step, start = self._open
+                mean = self._mean() or 0.0
+                self._hang_reported = True
+                out.append(Finding(
+                    ErrorKind.TASK_HANG, step,
+                    f"iteration {step} running {now - start:.3f} s > {self.settings.hang_factor} x "
+                    f"mean iteration time {mean:.3f} s",
+                    deadline, start,
+                ))
+            return out
+
+    def stats(self) -> dict[str, float | int | None]:
+        """Summary for the node status record."""
+        with self._lock:
+            return {
+                "baseline_s": self._mean(),
+                "completed": self._completed,
+                "slow_iterations": self.slow_iterations,
+                "step": self._open[0] if self._open else None,
+            }
+
+
+FindingCallback = Callable[[Hashable, Finding], None]
+
+
+class HangWatcher:
+    """One thread for all monitors of the node: it sleeps until the earliest deadline (a condition
+    variable woken by every monitor input, never a fixed poll) and calls ``on_finding(key, finding)``."""
+
+    def __init__(self, on_finding: FindingCallback, clock: Callable[[], float] = time.time) -> None:
+        self._on_finding = on_finding
+        self._clock = clock  # the ranks' timestamps are wall-clock (time.time) too
+        self._cond = threading.Condition()
+        self._monitors: dict[Hashable, IterationMonitor] = {}
+        self._generation = 0
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, key: Hashable, monitor: IterationMonitor) -> None:
+        """Watch ``monitor`` (one rank), reported under ``key`` (e.g. ``(task, rank)``)."""
+        monitor.on_change = self.rearm
+        with self._cond:
+            self._monitors[key] = monitor
+        self.rearm()
+
+    def remove(self, key: Hashable) -> None:
+        with self._cond:
+            monitor = self._monitors.pop(key, None)
+        if monitor is not None:
+            monitor.on_change = None
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Recompute the earliest deadline now (called automatically on every monitor input)."""
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="hang-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                generation = self._generation
+                monitors = list(self._monitors.items())
+            # Monitors are consulted without the watcher's lock: a monitor input calls rearm()
+            # while holding nothing, and the watcher never waits on a monitor while holding its own.
+            earliest = self._scan(monitors)
+            with self._cond:
+                if self._stopped:
+                    return
+                if self._generation != generation:
+                    continue  # something changed while scanning: scan again
+                timeout = None if earliest is None else max(0.0, earliest - self._clock())
+                self._cond.wait(timeout)
+
+    def _scan(self, monitors: list[tuple[Hashable, IterationMonitor]]) -> float | None:
+        earliest: float | None = None
+        for key, monitor in monitors:
+            for finding in monitor.check(self._clock()):
+                self._deliver(key, finding)
+            deadline = monitor.deadline()
+            if deadline is not None and (earliest is None or deadline < earliest):
+                earliest = deadline
+        return earliest
+
+    def _deliver(self, key: Hashable, finding: Finding) -> None:
+        log.warning("%s: %s: %s", key, finding.kind.value, finding.message)
+        try:
+            self._on_finding(key, finding)
+        except Exception:
+            log.exception("%s: on_finding callback failed", key)
+
+
+__all__ = ["Finding", "HangWatcher", "IterationMonitor", "IterationSettings"]

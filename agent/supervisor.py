@@ -1,0 +1,359 @@
+"""Process supervision of the node's training ranks (paper §4.1, Table 1 "exited abnormally").
+
+Each rank runs as a child process in its own process group. Per child:
+
+* a **waiter thread** blocked in ``waitpid`` learns of the exit the moment the kernel reaps it (no
+  poll loop) and calls ``on_exit`` with a :class:`RankExit` saying whether the agent asked for it;
+* a **stderr reader thread** forwards every line (rank-prefixed) to the agent's stderr or a sink and
+  calls ``on_stderr_match`` when :func:`unicron.patterns.match` recognises a Table 1 status (at most
+  once per kind per ``match_interval_s``, so a rank spewing the same error does not flood reports).
+
+Ranks die with the agent: each child is started with ``PR_SET_PDEATHSIG = SIGKILL``. An agent killed
+by SIGKILL (or OOM) runs no clean-up code; without this its ranks would stay alive as orphans,
+holding their GPUs and their NCCL communicators, while the coordinator (which sees the node's lease
+expire) restarts the task elsewhere. The kernel sends the signal when the *thread* that forked the
+child exits, so all children are forked from one long-lived spawner thread owned by the supervisor,
+never from whichever (possibly short-lived) thread called :meth:`Supervisor.launch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from unicron import patterns
+from unicron.errors import ConfigError, PermanentError
+from unicron.types import ErrorKind
+
+log = logging.getLogger(__name__)
+
+RUNNING, STOPPED, EXITED = "running", "stopped", "exited"
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How a rank's process ended."""
+
+    rank: int
+    """The rank the process ran."""
+    pid: int
+    """Its process id."""
+    returncode: int
+    """Exit status; negative: killed by that signal (``subprocess`` convention)."""
+    ts: float
+    """Wall-clock time the exit was observed (``waitpid`` returned)."""
+    requested: bool
+    """The agent asked for it (:meth:`Supervisor.kill`, ``terminate_all``): an expected exit."""
+    stderr_kind: ErrorKind | None
+    """The last Table 1 status matched in the rank's stderr, if any (the likely cause)."""
+
+    @property
+    def signal(self) -> int | None:
+        """The signal that killed the process, or None for a normal exit."""
+        return -self.returncode if self.returncode < 0 else None
+
+    @property
+    def abnormal(self) -> bool:
+        """A failure to report: not requested, and not a clean exit 0."""
+        return not self.requested and self.returncode != 0
+
+
+@dataclass(frozen=True)
+class ProcStatus:
+    """One rank's process as :meth:`Supervisor.status` reports it."""
+
+    rank: int
+    """The rank."""
+    pid: int
+    """Its process id."""
+    state: str
+    """"running", "stopped" (SIGSTOP) or "exited"."""
+    returncode: int | None
+    """Exit status once exited."""
+    requested: bool
+    """Whether a kill was requested by the agent."""
+
+
+ExitCallback = Callable[[RankExit], None]
+#: on_stderr_match(rank, kind, line, ts)
+MatchCallback = Callable[[int, ErrorKind, str, float], None]
+#: stderr_sink(rank, line): where forwarded stderr lines go
+StderrSink = Callable[[int, str], None]
+
+
+def _stderr_writer() -> StderrSink:
+    lock = threading.Lock()
+
+    def write(rank: int, line: str) -> None:
+        with lock:
+            sys.stderr.write(f"[rank {rank}] {line}\n")
+            sys.stderr.flush()
+
+    return write
+
+
+def _pdeathsig_preexec(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn`` setting the parent-death signal. Everything is resolved before the fork: the
+    child only makes two system calls (no imports, no allocation that could hit a lock)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent:  # the agent died between fork and prctl: nobody will signal us
+            os._exit(126)
+
+    return preexec
+
+
+class RankProcess:
+    """One supervised rank process (created by :meth:`Supervisor.launch`)."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes]) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.pid = popen.pid
+        self.state = RUNNING
+        self.requested = False
+        self.exit: RankExit | None = None
+        self.exited = threading.Event()
+        self.last_kind: ErrorKind | None = None
+        self.last_report: dict[ErrorKind, float] = {}
+        self.reader: threading.Thread | None = None
+        self.waiter: threading.Thread | None = None
+
+    def status(self) -> ProcStatus:
+        rc = self.exit.returncode if self.exit else None
+        return ProcStatus(self.rank, self.pid, self.state, rc, self.requested)
+
+
+class Supervisor:
+    """Launches and watches the ranks of this node (one process per rank, keyed by rank number).
+
+    Callbacks run on the per-child threads; keep them short (hand off to the agent's queue).
+    """
+
+    def __init__(
+        self,
+        on_exit: ExitCallback,
+        on_stderr_match: MatchCallback | None = None,
+        stderr_sink: StderrSink | None = None,
+        match_interval_s: float = 10.0,
+        stderr_grace_s: float = 0.01,
+        pdeathsig: bool = True,
+    ) -> None:
+        self._on_exit = on_exit
+        self._on_match = on_stderr_match
+        self._sink = stderr_sink or _stderr_writer()
+        self._match_interval = match_interval_s
+        # A dying rank prints its error right before exiting: give its reader this long to reach EOF
+        # so the stderr match is reported (and RankExit.stderr_kind set) before the exit itself.
+        self._stderr_grace = stderr_grace_s
+        self._preexec = _pdeathsig_preexec(signal.SIGKILL) if pdeathsig else None
+        self._procs: dict[int, RankProcess] = {}
+        self._lock = threading.Lock()
+        # The one long-lived thread that forks every child (see the module docstring on PDEATHSIG).
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-spawner")
+
+    # --- launching -------------------------------------------------------------------------------
+
+    def launch(
+        self,
+        rank: int,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdout_path: str | None = None,
+    ) -> RankProcess:
+        """Start ``argv`` as ``rank``. ``env`` is the child's whole environment (None: the agent's);
+        ``stdout_path``: append stdout there (None: inherit the agent's stdout). stderr is piped."""
+        if not argv:
+            raise ConfigError(f"rank {rank}: empty command line")
+        with self._lock:
+            old = self._procs.get(rank)
+            if old is not None and old.state != EXITED:
+                raise PermanentError(f"rank {rank} is already running as pid {old.pid}; kill it first")
+        proc = self._spawner.submit(self._spawn, rank, list(argv), env, cwd, stdout_path).result()
+        with self._lock:
+            self._procs[rank] = proc
+        proc.reader = threading.Thread(
+            target=self._read_stderr, args=(proc,), name=f"rank-{rank}-stderr", daemon=True
+        )
+        proc.waiter = threading.Thread(
+            target=self._wait, args=(proc,), name=f"rank-{rank}-waiter", daemon=True
+        )
+        proc.reader.start()
+        proc.waiter.start()
+        log.info("rank %d started: pid %d: %s", rank, proc.pid, " ".join(argv))
+        return proc
+
+    def _spawn(
+        self,
+        rank: int,
+        argv: list[str],
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        stdout_path: str | None,
+    ) -> RankProcess:
+        try:
+            with contextlib.ExitStack() as stack:
+                out = stack.enter_context(open(stdout_path, "ab")) if stdout_path else None
+                popen = subprocess.Popen(
+                    argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
+                    process_group=0, preexec_fn=self._preexec, close_fds=True,
+                )
+        except OSError as exc:
+            raise PermanentError(f"rank {rank}: cannot start {argv[0]!r}: {exc}") from exc
+        return RankProcess(rank, popen)
+
+    # --- per-child threads -----------------------------------------------------------------------
+
+    def _read_stderr(self, proc: RankProcess) -> None:
+        stream = proc.popen.stderr
+        assert stream is not None
+        for raw in iter(lambda: stream.readline(65536), b""):
+            ts = time.time()
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            try:
+                self._sink(proc.rank, line)
+            except Exception:
+                log.exception("rank %d: stderr sink failed", proc.rank)
+            kind = patterns.match(line)
+            if kind is not None:
+                self._matched(proc, kind, line, ts)
+        stream.close()
+
+    def _matched(self, proc: RankProcess, kind: ErrorKind, line: str, ts: float) -> None:
+        proc.last_kind = kind
+        now = time.monotonic()
+        last = proc.last_report.get(kind)
+        if last is not None and now - last < self._match_interval:
+            return
+        proc.last_report[kind] = now
+        if self._on_match is not None:
+            try:
+                self._on_match(proc.rank, kind, line, ts)
+            except Exception:
+                log.exception("rank %d: on_stderr_match callback failed", proc.rank)
+
+    def _wait(self, proc: RankProcess) -> None:
+        returncode = proc.popen.wait()  # blocks in waitpid: the exit is seen when it happens
+        ts = time.time()
+        # Helpers the rank left behind in its group (data loader workers, ...) must not keep the GPU.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.reader is not None:
+            proc.reader.join(self._stderr_grace)
+        with self._lock:
+            proc.state = EXITED
+            proc.exit = RankExit(proc.rank, proc.pid, returncode, ts, proc.requested, proc.last_kind)
+        proc.exited.set()
+        level = logging.WARNING if proc.exit.abnormal else logging.INFO
+        log.log(level, "rank %d (pid %d) exited with %d%s", proc.rank, proc.pid, returncode,
+                " (requested)" if proc.requested else "")
+        try:
+            self._on_exit(proc.exit)
+        except Exception:
+            log.exception("rank %d: on_exit callback failed", proc.rank)
+
+    # --- control ---------------------------------------------------------------------------------
+
+    def _get(self, rank: int) -> RankProcess:
+        with self._lock:
+            proc = self._procs.get(rank)
+        if proc is None:
+            raise ConfigError(f"rank {rank} is not supervised on this node")
+        return proc
+
+    def _signal(self, proc: RankProcess, sig: int) -> bool:
+        """Signal the rank's whole process group; False if it already exited."""
+        with self._lock:
+            if proc.state == EXITED:
+                return False
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return False
+            return True
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL, grace_s: float = 10.0) -> None:
+        """Ask ``rank`` to exit (an expected exit, not a failure). With SIGTERM (or any signal other
+        than SIGKILL), SIGKILL follows after ``grace_s`` if the rank is still alive."""
+        proc = self._get(rank)
+        with self._lock:
+            if proc.state == EXITED:
+                return
+            proc.requested = True
+            stopped = proc.state == STOPPED
+        if stopped and sig != signal.SIGKILL:
+            self._signal(proc, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        if self._signal(proc, sig) and sig != signal.SIGKILL:
+            threading.Thread(target=self._escalate, args=(proc, grace_s), name=f"rank-{rank}-grace",
+                             daemon=True).start()
+
+    def _escalate(self, proc: RankProcess, grace_s: float) -> None:
+        if not proc.exited.wait(grace_s):
+            log.warning("rank %d did not exit within %.1f s; sending SIGKILL", proc.rank, grace_s)
+            self._signal(proc, signal.SIGKILL)
+
+    def stop(self, rank: int) -> None:
+        """Freeze ``rank`` (SIGSTOP to its process group)."""
+        proc = self._get(rank)
+        if self._signal(proc, signal.SIGSTOP):
+            with self._lock:
+                proc.state = STOPPED if proc.state != EXITED else EXITED
+
+    def cont(self, rank: int) -> None:
+        """Resume a rank frozen by :meth:`stop`."""
+        proc = self._get(rank)
+        if self._signal(proc, signal.SIGCONT):
+            with self._lock:
+                proc.state = RUNNING if proc.state != EXITED else EXITED
+
+    def wait(self, rank: int, timeout_s: float | None = None) -> RankExit | None:
+        """Block until ``rank`` exited and its ``on_exit`` ran; None on timeout."""
+        proc = self._get(rank)
+        if not proc.exited.wait(timeout_s):
+            return None
+        if proc.waiter is not None:
+            proc.waiter.join(timeout_s)
+        return proc.exit
+
+    def terminate_all(self, grace_s: float = 10.0) -> list[RankExit]:
+        """SIGTERM every live rank, SIGKILL those still alive after ``grace_s``; returns their exits."""
+        with self._lock:
+            live = [p for p in self._procs.values() if p.state != EXITED]
+        for proc in live:
+            self.kill(proc.rank, signal.SIGTERM, grace_s)
+        exits = []
+        for proc in live:
+            proc.exited.wait(grace_s + 5.0)
+            if proc.waiter is not None:
+                proc.waiter.join(1.0)
+            if proc.exit is not None:
+                exits.append(proc.exit)
+        return exits
+
+    def status(self) -> dict[int, ProcStatus]:
+        """Every supervised rank's process, by rank."""
+        with self._lock:
+            return {rank: proc.status() for rank, proc in sorted(self._procs.items())}
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Terminate all ranks and release the spawner thread."""
+        self.terminate_all(grace_s)
+        self._spawner.shutdown(wait=True)

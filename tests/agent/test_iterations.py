@@ -1,0 +1,224 @@
+"""Online statistical monitoring: pure rules with synthetic timestamps, and the watcher thread's timing."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Hashable, Iterator
+
+import pytest
+
+from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings
+from unicron.errors import ConfigError
+from unicron.types import ErrorKind
+
+HANG, DEGR = ErrorKind.TASK_HANG, ErrorKind.DEGRADATION
+
+
+def feed(mon: IterationMonitor, durations: list[float], t0: float = 0.0, step0: int = 0) -> float:
+    """Run back-to-back iterations of the given durations starting at ``t0``; returns the end time."""
+    t = t0
+    for i, d in enumerate(durations):
+        mon.iter_start(step0 + i, t)
+        t += d
+        mon.iter_end(step0 + i, d, t)
+    return t
+
+
+def steady(mean: float = 0.1, n: int = 10) -> IterationMonitor:
+    mon = IterationMonitor(IterationSettings(warmup_iterations=2, min_samples=5))
+    feed(mon, [mean] * n)
+    return mon
+
+
+def test_no_false_alarm_with_20_percent_jitter() -> None:
+    rng = random.Random(1234)
+    mon = IterationMonitor()
+    findings: list[Finding] = []
+    t = 0.0
+    for step in range(2000):
+        d = rng.uniform(0.8, 1.2)
+        mon.iter_start(step, t)
+        findings += mon.check(t + rng.uniform(0, d))  # somewhere inside the iteration
+        findings += mon.check(t + d - 1e-9)  # its last moment: the longest it has been running
+        t += d
+        mon.iter_end(step, d, t)
+    findings += mon.check(t)
+    assert mon.baseline() == pytest.approx(1.0, rel=0.05)
+    assert [f for f in findings if f.kind is HANG] == []
+    assert findings == []  # nor a (sustained) degradation
+    assert 300 < mon.slow_iterations < 700  # about a quarter of the iterations exceed 1.1x: counted only
+
+
+def test_hang_at_three_times_the_mean_reported_once() -> None:
+    mon = steady(0.1)
+    mon.iter_start(50, 100.0)
+    assert mon.deadline() == pytest.approx(100.3)
+    assert mon.check(100.299) == []
+    (f,) = mon.check(100.3)
+    assert (f.kind, f.step, f.onset_ts) == (HANG, 50, 100.0) and f.ts == pytest.approx(100.3)
+    assert mon.check(101.0) == [] and mon.deadline() is None  # at most one per iteration
+    mon.iter_start(51, 200.0)  # the next iteration is judged afresh
+    assert [f.kind for f in mon.check(200.31)] == [HANG]
+
+
+def test_no_deadline_during_warmup_or_without_an_open_iteration() -> None:
+    s = IterationSettings(warmup_iterations=3, min_samples=2)
+    mon = IterationMonitor(s)
+    for n in range(4):  # 3 warm-up iterations + 1 sample < min_samples
+        mon.iter_start(n, float(n))
+        assert mon.deadline() is None
+        mon.iter_end(n, 0.5, n + 0.5)
+    assert mon.deadline() is None and mon.baseline() is None
+    feed(mon, [0.5], t0=10.0, step0=4)
+    assert mon.baseline() == pytest.approx(0.5) and mon.deadline() is None  # nothing running
+    mon.iter_start(5, 20.0)
+    assert mon.deadline() == pytest.approx(21.5)
+
+
+def test_warmup_iterations_do_not_enter_the_baseline() -> None:
+    mon = IterationMonitor(IterationSettings(warmup_iterations=2, min_samples=3))
+    feed(mon, [30.0, 20.0, 1.0, 1.0, 1.0])
+    assert mon.baseline() == pytest.approx(1.0)
+
+
+def test_non_train_phase_suspends_hang_detection_and_restarts_the_clock() -> None:
+    mon = steady(0.1)
+    mon.iter_start(20, 50.0)
+    mon.phase("checkpoint", 50.05)
+    assert mon.deadline() is None and mon.check(60.0) == []
+    mon.phase("train", 60.0)
+    assert mon.deadline() == pytest.approx(60.3)
+    mon.iter_end(20, 10.1, 60.1)  # spanned a checkpoint: not a training sample
+    assert mon.baseline() == pytest.approx(0.1)
+
+
+def test_completed_stalls_do_not_inflate_the_baseline() -> None:
+    mon = steady(0.1, n=20)
+    mon.iter_start(30, 10.0)
+    assert [f.kind for f in mon.check(10.5)] == [HANG]
+    mon.iter_end(30, 1800.0, 1810.0)  # the hung iteration finally finished
+    feed(mon, [0.25], t0=2000.0, step0=31)  # 2.5x: an outlier, never reported as a hang
+    assert mon.baseline() == pytest.approx(0.1)
+
+
+def test_sustained_slowdown_is_one_degradation_finding() -> None:
+    rng = random.Random(7)
+    mon = IterationMonitor()
+    t = feed(mon, [rng.uniform(0.8, 1.2) for _ in range(200)])
+    assert mon.check(t) == []
+    t = feed(mon, [1.3 * rng.uniform(0.9, 1.1) for _ in range(40)], t0=t, step0=200)
+    findings = mon.check(t)
+    assert [f.kind for f in findings] == [DEGR]
+    assert 200 <= (findings[0].step or 0) < 240 and findings[0].onset_ts < findings[0].ts
+    assert mon.slow_iterations >= 30
+
+
+def test_isolated_slow_iterations_are_counted_not_reported() -> None:
+    mon = IterationMonitor()
+    durations = [1.5 if i % 25 == 24 else 1.0 for i in range(300)]
+    t = feed(mon, durations)
+    assert mon.check(t) == []
+    assert mon.slow_iterations == sum(d > 1.1 for d in durations[mon.settings.warmup_iterations + 5:])
+
+
+@pytest.mark.parametrize("field", ["hang_factor", "degrade_factor"])
+def test_bad_settings_name_the_field(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        IterationSettings(**{field: 0.5})  # type: ignore[arg-type]
+
+
+# --- the watcher thread ------------------------------------------------------------------------
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.got: list[tuple[Hashable, Finding, float]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, key: Hashable, finding: Finding) -> None:
+        with self.cond:
+            self.got.append((key, finding, time.time()))
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout_s: float = 2.0) -> list[tuple[Hashable, Finding, float]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.got) >= n, timeout_s), self.got
+            return list(self.got)
+
+
+class CountingClock:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return time.time()
+
+
+@pytest.fixture
+def watched() -> Iterator[tuple[HangWatcher, Sink, CountingClock]]:
+    sink, clock = Sink(), CountingClock()
+    watcher = HangWatcher(sink, clock=clock)
+    watcher.start()
+    try:
+        yield watcher, sink, clock
+    finally:
+        watcher.stop()
+
+
+def test_stall_reported_at_its_deadline(watched: tuple[HangWatcher, Sink, CountingClock]) -> None:
+    watcher, sink, clock = watched
+    now = time.time()
+    mon = steady(0.1)
+    feed(mon, [0.1] * 5, t0=now - 1.0, step0=10)  # recent history, in the past
+    watcher.add(("t", 3), mon)
+    start = time.time()
+    mon.iter_start(99, start)  # ... and the rank never reports its end
+    time.sleep(0.2)
+    calls_while_waiting = clock.calls
+    ((key, finding, seen),) = sink.wait(1)
+    assert key == ("t", 3) and finding.kind is HANG and finding.step == 99
+    print(f"stall reported {(seen - start) * 1e3:.1f} ms after its iteration started (deadline 300 ms)")
+    assert 0.300 <= seen - start < 0.350
+    assert calls_while_waiting < 20  # it slept until the deadline instead of polling
+
+
+def test_earlier_deadline_rearms_the_watcher(watched: tuple[HangWatcher, Sink, CountingClock]) -> None:
+    watcher, sink, _ = watched
+    slow, fast = steady(1.0), steady(0.05)
+    watcher.add("slow", slow)
+    watcher.add("fast", fast)
+    slow.iter_start(1, time.time())  # deadline in 3 s: the watcher goes to sleep until then
+    time.sleep(0.02)
+    start = time.time()
+    fast.iter_start(1, start)  # deadline in 150 ms: must wake the watcher
+    ((key, _, seen),) = sink.wait(1)
+    assert key == "fast" and 0.150 <= seen - start < 0.200
+
+
+def test_iteration_ending_in_time_is_not_reported(watched: tuple[HangWatcher, Sink, CountingClock]) -> None:
+    watcher, sink, _ = watched
+    mon = steady(0.05)
+    watcher.add("r", mon)
+    t = time.time()
+    mon.iter_start(1, t)
+    time.sleep(0.1)  # 2x the mean: slow but not hung
+    mon.iter_end(1, 0.1, time.time())
+    time.sleep(0.1)
+    assert sink.got == []
+    watcher.remove("r")
+    mon.iter_start(2, time.time())
+    time.sleep(0.2)
+    assert sink.got == [] and mon.on_change is None
+
+
+def test_degradation_delivered_through_the_watcher(watched: tuple[HangWatcher, Sink, CountingClock]) -> None:
+    watcher, sink, _ = watched
+    mon = IterationMonitor()
+    watcher.add("r", mon)
+    t = feed(mon, [1.0] * 60, t0=time.time() - 1000.0)
+    feed(mon, [1.5] * 20, t0=t, step0=60)
+    ((_, finding, _),) = sink.wait(1)
+    assert finding.kind is DEGR

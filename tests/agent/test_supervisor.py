@@ -1,0 +1,235 @@
+"""Process supervision with real child processes (python -c snippets)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, Supervisor
+from unicron.errors import PermanentError
+from unicron.types import ErrorKind
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+def py(code: str) -> list[str]:
+    return [PY, "-c", code]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.order: list[str] = []  # "exit" / "match", in callback order
+        self.exit_list: list[tuple[RankExit, float]] = []  # (exit, time.time() in the callback)
+        self.matches: list[tuple[int, ErrorKind, str, float]] = []
+        self.lines: list[tuple[int, str]] = []
+        self.cond = threading.Condition()
+
+    def on_exit(self, exit: RankExit) -> None:
+        seen = time.time()
+        with self.cond:
+            self.order.append("exit")
+            self.exit_list.append((exit, seen))
+            self.cond.notify_all()
+
+    def on_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+        with self.cond:
+            self.order.append("match")
+            self.matches.append((rank, kind, line, ts))
+            self.cond.notify_all()
+
+    def sink(self, rank: int, line: str) -> None:
+        with self.cond:
+            self.lines.append((rank, line))
+
+    def exits(self, n: int, timeout_s: float = 10.0) -> list[tuple[RankExit, float]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.exit_list) >= n, timeout_s), self.order
+            return list(self.exit_list)
+
+
+@pytest.fixture
+def ev() -> Events:
+    return Events()
+
+
+@pytest.fixture
+def sup(ev: Events) -> Iterator[Supervisor]:
+    s = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink)
+    try:
+        yield s
+    finally:
+        s.close(grace_s=1.0)
+
+
+def test_exit_is_detected_within_milliseconds_of_the_childs_exit(
+    sup: Supervisor, ev: Events, tmp_path: Path,
+) -> None:
+    lags = []
+    for i in range(3):
+        stamp = tmp_path / f"ts{i}"
+        code = f"import os, time; t = time.time(); open({str(stamp)!r}, 'w').write(repr(t)); os._exit(3)"
+        sup.launch(i, py(code))
+        exit, seen = ev.exits(i + 1)[i]
+        lags.append(seen - float(stamp.read_text()))
+        assert (exit.rank, exit.returncode, exit.requested, exit.abnormal) == (i, 3, False, True)
+        assert exit.ts <= seen
+    print(f"child exit -> on_exit: {[f'{lag * 1e3:.1f} ms' for lag in lags]}")
+    assert max(lags) < 0.050
+
+
+def test_kill_by_someone_else_is_abnormal(sup: Supervisor, ev: Events) -> None:
+    proc = sup.launch(0, py("import time; time.sleep(30)"))
+    os.kill(proc.pid, signal.SIGKILL)
+    ((exit, _),) = ev.exits(1)
+    assert exit.returncode == -signal.SIGKILL and exit.signal == signal.SIGKILL
+    assert exit.abnormal and not exit.requested
+
+
+def test_requested_termination_is_not_a_failure(sup: Supervisor, ev: Events) -> None:
+    sup.launch(0, py("import time; time.sleep(30)"))
+    sup.kill(0, signal.SIGTERM, grace_s=5.0)
+    ((exit, _),) = ev.exits(1)
+    assert exit.requested and not exit.abnormal and exit.returncode == -signal.SIGTERM
+    assert sup.status()[0].state == EXITED
+
+
+def test_ignored_sigterm_escalates_to_sigkill(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    sup.launch(0, py("import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                     f"pathlib.Path({str(ready)!r}).touch(); time.sleep(30)"))
+    while not ready.exists():
+        time.sleep(0.005)
+    t0 = time.time()
+    sup.kill(0, signal.SIGTERM, grace_s=0.2)
+    ((exit, seen),) = ev.exits(1)
+    assert exit.returncode == -signal.SIGKILL and exit.requested and not exit.abnormal
+    assert 0.2 <= seen - t0 < 2.0
+
+
+def test_clean_exit_is_not_abnormal(sup: Supervisor, ev: Events) -> None:
+    sup.launch(0, py("pass"))
+    ((exit, _),) = ev.exits(1)
+    assert exit.returncode == 0 and not exit.abnormal
+
+
+def test_stderr_lines_are_forwarded_and_matched_with_rate_limit(sup: Supervisor, ev: Events) -> None:
+    ima = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    code = ("import sys\n"
+            "print('step 1 ok', file=sys.stderr)\n"
+            "print('Watchdog caught collective operation timeout', file=sys.stderr)\n"
+            f"for _ in range(3): print({ima!r}, file=sys.stderr)\n"
+            "sys.exit(1)\n")
+    sup.launch(5, py(code))
+    ev.exits(1)
+    assert [(r, k, line) for r, k, line, _ in ev.matches] == [
+        (5, ErrorKind.NCCL_TIMEOUT, "Watchdog caught collective operation timeout"),
+        (5, ErrorKind.ILLEGAL_MEMORY_ACCESS, ima),
+    ]
+    assert ev.order == ["match", "match", "exit"]  # the cause arrives before the exit
+    exit = ev.exits(1)[0][0]
+    assert exit.stderr_kind is ErrorKind.ILLEGAL_MEMORY_ACCESS and exit.returncode == 1
+    nccl = "Watchdog caught collective operation timeout"
+    assert ev.lines == [(5, "step 1 ok"), (5, nccl), (5, ima), (5, ima), (5, ima)]
+
+
+def test_stop_and_cont(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
+    ticks = tmp_path / "ticks"
+    loop = f"import time\nwhile True:\n open({str(ticks)!r}, 'a').write('.')\n time.sleep(0.01)"
+    proc = sup.launch(0, py(loop))
+    while not ticks.exists():
+        time.sleep(0.005)
+    sup.stop(0)
+    assert sup.status()[0].state == STOPPED
+    time.sleep(0.05)
+    frozen = ticks.stat().st_size
+    time.sleep(0.1)
+    assert ticks.stat().st_size == frozen
+    sup.cont(0)
+    assert sup.status()[0].state == RUNNING
+    time.sleep(0.1)
+    assert ticks.stat().st_size > frozen
+    sup.kill(0, signal.SIGTERM)  # a SIGTERM reaches even a stopped rank (it is continued first)
+    assert sup.wait(0, 5.0) is not None and proc.exit is not None and not proc.exit.abnormal
+
+
+def test_terminate_all(sup: Supervisor, ev: Events) -> None:
+    for rank in range(3):
+        sup.launch(rank, py("import time; time.sleep(30)"))
+    exits = sup.terminate_all(grace_s=2.0)
+    assert sorted(e.rank for e in exits) == [0, 1, 2]
+    assert all(e.requested and not e.abnormal for e in exits)
+    assert {s.state for s in sup.status().values()} == {EXITED}
+
+
+def test_launch_errors(sup: Supervisor) -> None:
+    with pytest.raises(PermanentError, match="cannot start"):
+        sup.launch(0, ["/nonexistent/trainer"])
+    sup.launch(1, py("import time; time.sleep(30)"))
+    with pytest.raises(PermanentError, match="already running"):
+        sup.launch(1, py("pass"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie is dead, just not yet reaped by its new parent
+
+
+def _wait_dead(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_helpers_left_in_the_ranks_group_are_killed_when_it_exits(sup: Supervisor, ev: Events) -> None:
+    code = ("import subprocess, sys\n"
+            f"p = subprocess.Popen([{PY!r}, '-c', 'import time; time.sleep(30)'])\n"
+            "print(p.pid, flush=True, file=sys.stderr)\n")
+    sup.launch(0, py(code))
+    ev.exits(1)
+    helper = int(ev.lines[0][1])
+    assert _wait_dead(helper, 2.0)
+
+
+AGENT = """
+import sys, time
+from agent.supervisor import Supervisor
+sup = Supervisor(lambda e: None, pdeathsig=sys.argv[1] == "1")
+proc = sup.launch(0, [sys.executable, "-c", "import time; time.sleep(30)"])
+print(proc.pid, flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("pdeathsig", [True, False])
+def test_ranks_die_with_a_sigkilled_agent(pdeathsig: bool) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    agent = subprocess.Popen([PY, "-c", AGENT, "1" if pdeathsig else "0"], env=env, stdout=subprocess.PIPE)
+    assert agent.stdout is not None
+    rank_pid = int(agent.stdout.readline())
+    assert _alive(rank_pid)
+    agent.kill()
+    agent.wait()
+    try:
+        if pdeathsig:
+            assert _wait_dead(rank_pid, 2.0), "rank outlived its SIGKILLed agent"
+        else:  # control: without PDEATHSIG the rank is orphaned, which is what the option prevents
+            time.sleep(0.3)
+            assert _alive(rank_pid)
+    finally:
+        if _alive(rank_pid):
+            os.killpg(rank_pid, signal.SIGKILL)
