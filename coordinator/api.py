@@ -1,0 +1,234 @@
+"""The coordinator's gRPC API (``unicron/proto/coordinator.proto``; docs/api.md).
+
+The servicer knows nothing of the daemon: it talks to a :class:`ControlPlane`, which the daemon
+implements. Its jobs are the boundary ones: validate task specs (:func:`parse_task_spec`, against the
+cluster's size) before anything is changed, turn records into JSON and back, and map the project's
+exceptions to gRPC status codes, so that a client sees "INVALID_ARGUMENT: task.weight: ..." rather
+than a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpc
+
+from coordinator.tasks import TaskSpec, parse_task_spec
+from unicron import log as ulog
+from unicron.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
+from unicron.proto import coordinator_pb2 as pb
+from unicron.proto import coordinator_pb2_grpc as pb_grpc
+
+log = ulog.get("unicron.coordinator.api")
+
+T = TypeVar("T")
+
+
+class NotFound(PermanentError):
+    """The named task or node does not exist (gRPC NOT_FOUND)."""
+
+
+class AlreadyExists(PermanentError):
+    """A task of that name is already in the task set (gRPC ALREADY_EXISTS)."""
+
+
+class ControlPlane(Protocol):
+    """What the API needs from the coordinator. The daemon implements it.
+
+    Every method is called from one of the server's worker threads, concurrently with the daemon's
+    own loop, so an implementation must be thread-safe (e.g. hand the request to the loop thread and
+    wait for its answer). Errors are raised as :mod:`unicron.errors` exceptions (or :class:`NotFound`
+    / :class:`AlreadyExists`); the servicer maps them to status codes (see :func:`status_for`).
+    """
+
+    def submit(self, spec: TaskSpec) -> None:
+        """Add a validated task to the task set. :class:`AlreadyExists` if the name is taken."""
+
+    def cancel(self, name: str) -> None:
+        """Remove a task from the task set, stopping its ranks. :class:`NotFound` if unknown."""
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """Every task with its state: name, phase, weight, min_gpus, gpus, generation, nodes, restarts,
+        step, reason (JSON-serialisable values)."""
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every node as the coordinator sees it (JSON-serialisable values, "node" = its name)."""
+
+    def drain(self, node: str) -> None:
+        """Stop scheduling on ``node`` and move its tasks off. :class:`NotFound` if unknown. Idempotent."""
+
+    def undrain(self, node: str) -> None:
+        """Schedule on ``node`` again. :class:`NotFound` if unknown. Idempotent."""
+
+    def incidents(self, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` incidents (``Incident.to_dict()``), oldest first; 0 means all kept."""
+
+    def cluster_gpus(self) -> int | None:
+        """GPUs a task's ``min_gpus`` is checked against (None: not known, skip the check)."""
+
+    def gpus_per_node(self) -> int | None:
+        """GPUs per node when all nodes have the same count, for the ``tp_size`` check (None: skip)."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code a client sees for ``exc`` (see coordinator.proto)."""
+    # Order matters: NotLeader and InvalidRecord are PermanentErrors with a more specific meaning.
+    if isinstance(exc, InvalidRecord):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, AlreadyExists):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, NotLeader | TemporaryError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, PermanentError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    # default=str: an enum or timestamp type a record forgot to convert must not fail the whole list
+    return json.dumps(record, default=str, sort_keys=True)
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, control_plane: ControlPlane) -> None:
+        self.cp = control_plane
+
+    def _run(self, context: Any, rpc: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:
+            code = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("API call failed", rpc=rpc)
+                message = f"internal error in {rpc} ({type(exc).__name__}: {exc}); see the coordinator's log"
+            else:
+                log.info("API call refused", rpc=rpc, code=code.name, error=str(exc))
+                message = str(exc)
+            _abort(context, code, message)
+
+    def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitReply:
+        def submit() -> pb.SubmitReply:
+            data = _load_spec(request.spec_json)
+            spec = parse_task_spec(data, self.cp.cluster_gpus(), self.cp.gpus_per_node())
+            self.cp.submit(spec)
+            log.info("task submitted", task=spec.name, weight=spec.weight, min_gpus=spec.min_gpus)
+            return pb.SubmitReply(task_json=_dumps(spec.to_dict()))
+
+        return self._run(context, "Submit", submit)
+
+    def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelReply:
+        def cancel() -> pb.CancelReply:
+            self.cp.cancel(_required(request.name, "name"))
+            log.info("task cancelled", task=request.name)
+            return pb.CancelReply()
+
+        return self._run(context, "Cancel", cancel)
+
+    def ListTasks(self, request: pb.ListTasksRequest, context: Any) -> pb.TaskList:
+        def list_tasks() -> pb.TaskList:
+            tasks = self.cp.tasks()
+            if request.name:
+                tasks = [t for t in tasks if t.get("name") == request.name]
+                if not tasks:
+                    raise NotFound(f"no task named {request.name!r} (see 'unicron tasks')")
+            return pb.TaskList(task_json=[_dumps(t) for t in tasks])
+
+        return self._run(context, "ListTasks", list_tasks)
+
+    def ListNodes(self, request: pb.ListNodesRequest, context: Any) -> pb.NodeList:
+        return self._run(
+            context, "ListNodes", lambda: pb.NodeList(node_json=[_dumps(n) for n in self.cp.nodes()])
+        )
+
+    def Drain(self, request: pb.NodeRequest, context: Any) -> pb.NodeReply:
+        def drain() -> pb.NodeReply:
+            self.cp.drain(_required(request.node, "node"))
+            log.info("node drained", node=request.node)
+            return pb.NodeReply()
+
+        return self._run(context, "Drain", drain)
+
+    def Undrain(self, request: pb.NodeRequest, context: Any) -> pb.NodeReply:
+        def undrain() -> pb.NodeReply:
+            self.cp.undrain(_required(request.node, "node"))
+            log.info("node undrained", node=request.node)
+            return pb.NodeReply()
+
+        return self._run(context, "Undrain", undrain)
+
+    def ListIncidents(self, request: pb.ListIncidentsRequest, context: Any) -> pb.IncidentList:
+        return self._run(
+            context, "ListIncidents",
+            lambda: pb.IncidentList(incident_json=[_dumps(i) for i in self.cp.incidents(request.limit)]),
+        )
+
+
+def _abort(context: Any, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("grpc context.abort returned")  # it raises; this keeps the type checker honest
+
+
+def _load_spec(spec_json: str) -> Any:
+    try:
+        return json.loads(spec_json)
+    except ValueError as exc:
+        raise InvalidRecord(f"task: not valid JSON ({exc})") from exc
+
+
+def _required(value: str, field: str) -> str:
+    if not value:
+        raise InvalidRecord(f"{field}: missing")
+    return value
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def advertised(host: str, port: int) -> str:
+    """The address clients should dial: a wildcard listen address is replaced by this host's name."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return join_host_port(host, port)
+
+
+def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
+          workers: int = 4) -> tuple[grpc.Server, str]:
+    """Start the API server on ``host:port`` (port 0: any free port). Returns it and the address to dial."""
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unicron-api"),
+        # without this, gRPC sets SO_REUSEPORT and a second coordinator on a fixed port would share it
+        options=[("grpc.so_reuseport", 0)],
+    )
+    # the generated module has no annotations
+    pb_grpc.add_CoordinatorServicer_to_server(  # type: ignore[no-untyped-call]
+        CoordinatorServicer(control_plane), server
+    )
+    listen = join_host_port(host, port)
+    try:
+        bound = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        bound = 0
+        reason = str(exc)
+    else:
+        reason = "port in use or address not local"
+    if not bound:
+        raise ConfigError(
+            f"the API cannot listen on {listen} ({reason}); change --listen-host / UNICRON_COORDINATOR_HOST "
+            "or --api-port / UNICRON_API_PORT"
+        )
+    server.start()
+    address = advertised(host, bound)
+    log.info("API serving", listen=join_host_port(host, bound), address=address)
+    return server, address
+
+
+def stop(server: grpc.Server, grace_s: float = 1.0) -> None:
+    """Stop accepting calls, let running ones finish for up to ``grace_s``, then cancel them."""
+    server.stop(grace_s).wait()
