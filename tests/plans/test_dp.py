@@ -30,10 +30,8 @@ def instances(draw: st.DrawFn) -> tuple[list[dp.Choices], list[np.ndarray], list
     pruned, gains, changes = [], [], []
     for _ in range(m):
         size = capacity + 1
-        if integers:
-            raw = draw(st.lists(st.integers(0, 6), min_size=size, max_size=size))
-        else:
-            raw = draw(st.lists(st.floats(0.0, 1e3), min_size=size, max_size=size))
+        values: st.SearchStrategy[float] = st.integers(0, 6).map(float) if integers else st.floats(0.0, 1e3)
+        raw = draw(st.lists(values, min_size=size, max_size=size))
         throughput = np.array(raw, dtype=np.float64)
         if mode == "near":
             throughput += 1e-4 * np.array(draw(st.lists(st.integers(0, 2), min_size=size, max_size=size)))
