@@ -10,7 +10,7 @@ from plans import dp
 from plans.problem import ClusterSpec, TaskDemand, check_names, task_curve, waf_at
 from plans.result import PlanResult, evaluate
 from plans.throughput import CostModel
-from plans.waf import ReliabilityModel, choices, gain_table, waf_table
+from plans.waf import ReliabilityModel, all_choices, choices, gain_table, waf_table
 from unicron.errors import InvalidRecord
 
 Unit = Literal["gpu", "node"]
@@ -45,8 +45,11 @@ class WafPlanner(Planner):
 
     name = "unicron"
 
-    def problem(self, cluster: ClusterSpec, tasks: Sequence[TaskDemand]) -> list[dp.Choices]:
-        """Each task's candidate allocations and rewards, in units, for ``dp.solve``."""
+    def problem(
+        self, cluster: ClusterSpec, tasks: Sequence[TaskDemand], prune: bool = True
+    ) -> list[dp.Choices]:
+        """Each task's candidate allocations and rewards, in units, for ``dp.solve`` (``prune=False``:
+        every allocation, the dense O(m·n²) programme)."""
         unit = self.unit_size(cluster)
         capacity = cluster.n_gpus // unit
         d_running = self.reliability.d_running_s(cluster.n_gpus)
@@ -59,7 +62,7 @@ class WafPlanner(Planner):
             g, chg = gain_table(
                 f, current, task.faulted, waf_at(task, curve, task.current_gpus), d_running, task.transition_s
             )
-            out.append(choices(g, chg))
+            out.append(choices(g, chg) if prune else all_choices(g, chg))
         return out
 
     def plan(self, cluster: ClusterSpec, tasks: Sequence[TaskDemand]) -> PlanResult:
