@@ -16,14 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
+import structlog
 
 from coordinator.tasks import TaskSpec, parse_task_spec
-from unicron import log as ulog
 from unicron.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
 from unicron.proto import coordinator_pb2 as pb
 from unicron.proto import coordinator_pb2_grpc as pb_grpc
 
-log = ulog.get("unicron.coordinator.api")
+# A lazy proxy, so that unicron.log.configure() called later (by main) still applies; a logger from
+# unicron.log.get() at import time would keep structlog's default config (stdout, console format).
+log = structlog.get_logger("unicron.coordinator.api")
 
 T = TypeVar("T")
 

@@ -1,0 +1,314 @@
+"""The coordinator's gRPC API and the CLI commands on top of it, over real gRPC on loopback.
+
+Under test: the servicer (validation before any change, errors -> status codes, JSON round trip)
+and the CLI (address from --api or the etcd leader key, failover following, tables/JSON, clean
+errors). The daemon is not: it sits behind the ControlPlane protocol, played here by a small
+in-memory test double.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from coordinator.api import AlreadyExists, ControlPlane, NotFound, serve, stop
+from coordinator.tasks import TaskSpec
+from unicron import cli
+from unicron import log as ulog
+from unicron.errors import NotLeader, PermanentError, StoreUnavailable
+from unicron.etcd import Store
+from unicron.etcd_server import EtcdServer, free_port
+from unicron.keyspace import Keyspace
+from unicron.proto import coordinator_pb2 as pb
+from unicron.proto import coordinator_pb2_grpc as pb_grpc
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "task.json"
+
+
+class FakeControlPlane:
+    """In-memory ControlPlane: keeps what it is told, and raises ``fail`` from every call if set."""
+
+    def __init__(self, cluster_gpus: int = 8, gpus_per_node: int = 4) -> None:
+        self.specs: dict[str, TaskSpec] = {}
+        self.node_names = ["n1", "n2"]
+        self.drained: set[str] = set()
+        self.gpus, self.per_node = cluster_gpus, gpus_per_node
+        self.incident_log = [{"incident_id": f"i{k}", "kind": "cuda_error", "node": "n1"} for k in range(5)]
+        self.fail: Exception | None = None
+        self._lock = threading.Lock()
+
+    def _check(self) -> None:
+        if self.fail is not None:
+            raise self.fail
+
+    def submit(self, spec: TaskSpec) -> None:
+        self._check()
+        with self._lock:
+            if spec.name in self.specs:
+                raise AlreadyExists(f"task {spec.name!r} already exists; cancel it or pick another name")
+            self.specs[spec.name] = spec
+
+    def cancel(self, name: str) -> None:
+        self._check()
+        with self._lock:
+            if self.specs.pop(name, None) is None:
+                raise NotFound(f"no task named {name!r}")
+
+    def tasks(self) -> list[dict[str, Any]]:
+        self._check()
+        with self._lock:
+            return [{"name": s.name, "phase": "pending", "weight": s.weight, "min_gpus": s.min_gpus,
+                     "gpus": 0, "generation": 0, "nodes": [], "restarts": 0, "step": None,
+                     "reason": "waiting for GPUs"} for s in self.specs.values()]
+
+    def nodes(self) -> list[dict[str, Any]]:
+        self._check()
+        return [{"node": n, "gpus": self.per_node, "drained": n in self.drained} for n in self.node_names]
+
+    def _known(self, node: str) -> None:
+        if node not in self.node_names:
+            raise NotFound(f"no node named {node!r}")
+
+    def drain(self, node: str) -> None:
+        self._check()
+        self._known(node)
+        self.drained.add(node)
+
+    def undrain(self, node: str) -> None:
+        self._check()
+        self._known(node)
+        self.drained.discard(node)
+
+    def incidents(self, limit: int) -> list[dict[str, Any]]:
+        self._check()
+        return self.incident_log[-limit:] if limit else list(self.incident_log)
+
+    def cluster_gpus(self) -> int | None:
+        return self.gpus
+
+    def gpus_per_node(self) -> int | None:
+        return self.per_node
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _logs_to_stderr() -> None:
+    # the servicer logs; keep it off stdout, where the CLI's JSON output is checked
+    ulog.configure("INFO", stream=sys.__stderr__)
+
+
+@pytest.fixture
+def plane() -> FakeControlPlane:
+    return FakeControlPlane()
+
+
+@pytest.fixture
+def api(plane: FakeControlPlane) -> Iterator[str]:
+    control_plane: ControlPlane = plane  # the double must satisfy the protocol the daemon implements
+    server, address = serve(control_plane, "127.0.0.1", 0)
+    try:
+        yield address
+    finally:
+        stop(server, 0.1)
+
+
+@pytest.fixture
+def stub(api: str) -> Iterator[Any]:
+    with grpc.insecure_channel(api) as channel:
+        yield pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def spec() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(EXAMPLE.read_text())
+    return data
+
+
+@pytest.fixture
+def unicron(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
+    """Run the real ``unicron`` entry point; returns (exit code, stdout, stderr)."""
+    if "unicron.commands.tasks" not in cli.COMMAND_MODULES:  # until the lead registers the module
+        monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "unicron.commands.tasks"))
+    monkeypatch.delenv("UNICRON_API", raising=False)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+# --- the servicer ----------------------------------------------------------------------------
+
+
+def test_submit_round_trips_the_spec(stub: Any, plane: FakeControlPlane, spec: dict[str, Any]) -> None:
+    reply = stub.Submit(pb.SubmitRequest(spec_json=json.dumps(spec)), timeout=5)
+    accepted = json.loads(reply.task_json)
+    assert accepted == plane.specs[spec["name"]].to_dict()
+    assert accepted["model"] == spec["model"] and accepted["command"] == spec["command"]
+
+    listed = [json.loads(t) for t in stub.ListTasks(pb.ListTasksRequest(), timeout=5).task_json]
+    assert listed == plane.tasks()
+    one = stub.ListTasks(pb.ListTasksRequest(name=spec["name"]), timeout=5).task_json
+    assert [json.loads(t)["name"] for t in one] == [spec["name"]]
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"gpus": 4}, "unknown field"),
+    ({"weight": 2.5}, "task.weight"),
+    ({"min_gpus": 16}, "task.min_gpus"),  # the double's cluster has 8 GPUs
+    ({"command": None}, "task.command"),
+    ({"tp_size": 8, "min_gpus": 8}, "task.tp_size"),  # 8 does not divide 4 GPUs per node
+])
+def test_bad_spec_is_invalid_argument_naming_the_field(
+    stub: Any, plane: FakeControlPlane, spec: dict[str, Any], change: dict[str, Any], field: str,
+) -> None:
+    bad = copy.deepcopy(spec)
+    bad.update(change)
+    if change.get("command", "") is None:
+        del bad["command"]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Submit(pb.SubmitRequest(spec_json=json.dumps(bad)), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    assert plane.specs == {}
+
+
+def test_not_json_is_invalid_argument(stub: Any, plane: FakeControlPlane) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Submit(pb.SubmitRequest(spec_json="{name: x"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not valid JSON" in err.value.details()
+    assert plane.specs == {}
+
+
+def test_refusals_map_to_their_status_codes(stub: Any, spec: dict[str, Any]) -> None:
+    stub.Submit(pb.SubmitRequest(spec_json=json.dumps(spec)), timeout=5)
+    again = pb.SubmitRequest(spec_json=json.dumps(spec))
+    calls: list[tuple[Callable[[], Any], Any]] = [
+        (lambda: stub.Submit(again, timeout=5), grpc.StatusCode.ALREADY_EXISTS),
+        (lambda: stub.Cancel(pb.CancelRequest(name="nope"), timeout=5), grpc.StatusCode.NOT_FOUND),
+        (lambda: stub.Cancel(pb.CancelRequest(name=""), timeout=5), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: stub.Drain(pb.NodeRequest(node="n9"), timeout=5), grpc.StatusCode.NOT_FOUND),
+        (lambda: stub.ListTasks(pb.ListTasksRequest(name="nope"), timeout=5), grpc.StatusCode.NOT_FOUND),
+    ]
+    for rpc, code in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            rpc()
+        assert err.value.code() == code, err.value.details()
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (NotLeader("deposed"), grpc.StatusCode.UNAVAILABLE),
+    (StoreUnavailable("etcd down"), grpc.StatusCode.UNAVAILABLE),
+    (PermanentError("cannot"), grpc.StatusCode.FAILED_PRECONDITION),
+    (RuntimeError("bug"), grpc.StatusCode.INTERNAL),
+])
+def test_daemon_errors_map_to_status_and_server_keeps_serving(
+    stub: Any, plane: FakeControlPlane, exc: Exception, code: grpc.StatusCode,
+) -> None:
+    plane.fail = exc
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ListNodes(pb.ListNodesRequest(), timeout=5)
+    assert err.value.code() == code
+    assert str(exc) in err.value.details()
+    plane.fail = None
+    nodes = [json.loads(n) for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).node_json]
+    assert [n["node"] for n in nodes] == plane.node_names
+
+
+def test_drain_undrain_and_incident_limit(stub: Any, plane: FakeControlPlane) -> None:
+    stub.Drain(pb.NodeRequest(node="n2"), timeout=5)
+    assert plane.drained == {"n2"}
+    stub.Undrain(pb.NodeRequest(node="n2"), timeout=5)
+    assert plane.drained == set()
+    newest = stub.ListIncidents(pb.ListIncidentsRequest(limit=2), timeout=5).incident_json
+    got = [json.loads(i) for i in newest]
+    assert got == plane.incident_log[-2:]
+    everything = stub.ListIncidents(pb.ListIncidentsRequest(), timeout=5).incident_json
+    assert len(everything) == len(plane.incident_log)
+
+
+def test_serve_refuses_a_taken_port(plane: FakeControlPlane, api: str) -> None:
+    port = int(api.rsplit(":", 1)[1])
+    with pytest.raises(PermanentError, match="cannot listen"):
+        serve(plane, "127.0.0.1", port)
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+def test_cli_submit_tasks_drain_cancel(unicron: Any, api: str, plane: FakeControlPlane) -> None:
+    code, out, err = unicron("submit", str(EXAMPLE), "--api", api)
+    assert code == 0, err
+    assert "submitted task gpt-1p3b" in out and "gpt-1p3b" in plane.specs
+
+    code, out, _ = unicron("tasks", "--api", api, "--json")
+    assert code == 0 and json.loads(out) == plane.tasks()
+    code, out, _ = unicron("tasks", "--api", api)
+    header, row = out.splitlines()
+    assert header.split()[:3] == ["NAME", "PHASE", "WEIGHT"] and row.split()[:2] == ["gpt-1p3b", "pending"]
+
+    assert unicron("drain", "n1", "--api", api)[0] == 0 and plane.drained == {"n1"}
+    code, out, _ = unicron("undrain", "n1", "--api", api, "--json")
+    assert code == 0 and json.loads(out) == {"node": "n1", "drained": False} and plane.drained == set()
+
+    assert unicron("cancel", "gpt-1p3b", "--api", api)[0] == 0 and plane.specs == {}
+    code, out, err = unicron("cancel", "gpt-1p3b", "--api", api)
+    assert code == 1 and "no task named 'gpt-1p3b'" in err and "Traceback" not in err
+
+
+def test_cli_bad_spec_exits_1_naming_the_field(
+    unicron: Any, api: str, plane: FakeControlPlane, spec: dict[str, Any], tmp_path: Path,
+) -> None:
+    path = tmp_path / "task.json"
+    path.write_text(json.dumps({**spec, "weight": 7}))
+    code, out, err = unicron("submit", str(path), "--api", api)
+    assert code == 1 and out == ""
+    assert err.startswith("unicron submit: task.weight:") and "Traceback" not in err
+    path.write_text('{"name": "x",\n "command": [}')
+    code, _, err = unicron("submit", str(path), "--api", api)
+    assert code == 1 and f"{path}: not valid JSON" in err and "line 2" in err
+    assert plane.specs == {}
+
+
+def test_cli_unreachable_api_is_a_clear_error(unicron: Any) -> None:
+    code, _, err = unicron("tasks", "--api", f"127.0.0.1:{free_port()}", "--timeout", "2")
+    assert code == 1 and "is unavailable" in err and "Traceback" not in err
+
+
+def test_cli_finds_the_api_in_the_leader_key_and_follows_failover(
+    unicron: Any, api: str, plane: FakeControlPlane, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    keys = Keyspace(prefix)
+    flags = ("--etcd", etcd_server.endpoint, "--prefix", prefix)
+    code, _, err = unicron("tasks", *flags, "--timeout", "0.5")
+    assert code == 1 and "no coordinator leads" in err
+
+    store.put(keys.leader(), json.dumps({"link": "127.0.0.1:1", "pid": 1}))
+    code, _, err = unicron("tasks", *flags)
+    assert code == 1 and "publishes no API address" in err
+
+    store.put(keys.leader(), json.dumps({"link": "127.0.0.1:1", "pid": 1, "api": api}))
+    code, out, err = unicron("drain", "n2", *flags, "--json")
+    assert code == 0, err
+    assert json.loads(out)["drained"] is True and plane.drained == {"n2"}
+
+    # the published leader is dead; a new one takes over while the CLI retries
+    store.put(keys.leader(), json.dumps({"link": "127.0.0.1:1", "pid": 1, "api": f"127.0.0.1:{free_port()}"}))
+    timer = threading.Timer(0.8, lambda: store.put(keys.leader(), json.dumps({"pid": 2, "api": api})))
+    timer.start()
+    try:
+        code, out, err = unicron("undrain", "n2", *flags, "--timeout", "10")
+    finally:
+        timer.join()
+    assert code == 0, err
+    assert plane.drained == set()
