@@ -265,9 +265,7 @@ def _fill(p: _Problem, keep: Keep) -> dict[str, dict[str, int]]:
     return out
 
 
-def moved_workers(
-    new: Mapping[str, Mapping[str, int]], current: Mapping[str, Mapping[str, int]]
-) -> int:
+def moved_workers(new: Mapping[str, Mapping[str, int]], current: Mapping[str, Mapping[str, int]]) -> int:
     """Workers started somewhere they were not before: ``sum(new - min(new, old))`` over tasks and nodes."""
     moved = 0
     for task, row in new.items():

@@ -1,0 +1,500 @@
+"""Scenario tests of the decision core (paper Figure 7), driven only through events.
+
+``Sim`` is a tiny driver with a simulated clock; the helpers here are shared with
+test_decision_table.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from coordinator.classify import classify
+from coordinator.decision import (
+    Action,
+    ActionFailed,
+    ActionSucceeded,
+    Alert,
+    Assign,
+    CoreState,
+    DecisionCore,
+    DecisionSettings,
+    Event,
+    IncidentRaised,
+    IsolateNode,
+    MarkTaskFailed,
+    NodeDrained,
+    NodeJoined,
+    NodeLost,
+    NodeState,
+    NodeUndrained,
+    ProgressMade,
+    Reattempt,
+    RestartRanks,
+    StopTask,
+    TaskCancelled,
+    TaskFinished,
+    TaskPhase,
+    TaskSubmitted,
+    Tick,
+    Transition,
+    from_dict,
+    to_dict,
+)
+from coordinator.tasks import TaskSpec, parse_task_spec
+from unicron.errors import ConfigError, InvalidRecord, PermanentError
+from unicron.types import DetectionMethod, ErrorKind, Report
+
+M = DetectionMethod
+K = ErrorKind
+SEV3_KIND = (M.EXCEPTION_PROPAGATION, K.CONNECTION_REFUSED_RESET)
+SEV2_KIND = (M.PROCESS_SUPERVISION, K.EXITED_ABNORMALLY)
+SEV1_KIND = (M.EXCEPTION_PROPAGATION, K.ECC_ERROR)
+
+
+def spec(name: str, **fields: Any) -> TaskSpec:
+    return parse_task_spec({"name": name, "command": ["python", "pretrain_gpt.py"], **fields}, None)
+
+
+class Sim:
+    """Feeds events with a clock that advances one second per event (or as told)."""
+
+    def __init__(self, settings: DecisionSettings | None = None, core: DecisionCore | None = None) -> None:
+        self.core = core or DecisionCore(settings)
+        self.state = self.core.initial_state()
+        self.t = 0.0
+        self.incidents = 0
+        self.events: list[Event] = []
+        self.transitions: list[Transition] = []
+
+    def feed(self, event: Event) -> list[Action]:
+        self.events.append(event)
+        self.state, actions, self.transitions = self.core.explain(self.state, event)
+        return actions
+
+    def ts(self, advance: float = 1.0) -> float:
+        self.t += advance
+        return self.t
+
+    # events
+    def join(self, node: str, gpus: int = 8) -> list[Action]:
+        return self.feed(NodeJoined(ts=self.ts(), node=node, gpus=gpus))
+
+    def submit(self, name: str, **fields: Any) -> list[Action]:
+        return self.feed(TaskSubmitted(ts=self.ts(), spec=spec(name, **fields)))
+
+    def ok(self, action: Action) -> list[Action]:
+        return self.feed(ActionSucceeded(ts=self.ts(), action_id=action.action_id))
+
+    def fail(self, action: Action, node: str | None = None) -> list[Action]:
+        return self.feed(
+            ActionFailed(ts=self.ts(), action_id=action.action_id, reason="agent said no", node=node)
+        )
+
+    def incident(
+        self,
+        node: str,
+        kind: tuple[DetectionMethod, ErrorKind],
+        task: str | None = None,
+        rank: int | None = None,
+        generation: int | None = None,
+    ) -> list[Action]:
+        self.incidents += 1
+        ts = self.ts()
+        report = Report(
+            method=kind[0], kind=kind[1], node=node, task=task, rank=rank, source_ts=ts, agent_ts=ts
+        )
+        incident = classify(report, detected_ts=ts, incident_id=f"i{self.incidents}")
+        return self.feed(IncidentRaised(ts=ts, incident=incident, generation=generation))
+
+    def progress(self, task: str, step: int, current_generation: bool = True) -> list[Action]:
+        gen = self.state.tasks[task].generation if current_generation else None
+        return self.feed(ProgressMade(ts=self.ts(), task=task, step=step, generation=gen))
+
+    # queries
+    def phase(self, task: str) -> TaskPhase:
+        return self.state.tasks[task].phase
+
+    def gpus(self, task: str) -> dict[str, int]:
+        return {n: len(r) for n, r in self.state.tasks[task].placement.items()}
+
+    def outstanding(self, task: str) -> str:
+        o = self.state.tasks[task].outstanding
+        assert o is not None, f"{task} has no outstanding action"
+        return o.action_id
+
+    def confirm_all(self, actions: Sequence[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Assign | Reattempt | RestartRanks):
+                self.ok(a)
+
+
+def only(actions: Sequence[Action], kind: type[Any]) -> list[Any]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def one(actions: Sequence[Action], kind: type[Any], task: str | None = None) -> Any:
+    found = [a for a in only(actions, kind) if task is None or a.task == task]
+    assert len(found) == 1, f"expected one {kind.__name__} for {task}, got {actions}"
+    return found[0]
+
+
+def running_cluster(
+    nodes: Mapping[str, int], tasks: Mapping[str, Mapping[str, Any]], sim: Sim | None = None
+) -> Sim:
+    """Join the nodes, submit the tasks and confirm every assignment until all run."""
+    sim = sim or Sim()
+    for node, gpus in nodes.items():
+        sim.join(node, gpus)
+    for name, fields in tasks.items():
+        sim.submit(name, **fields)
+    for name in tasks:
+        if sim.phase(name) is TaskPhase.RECONFIGURING:
+            sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(name)))
+    return sim
+
+
+# --- Figure 7 ①: sev3 -> reattempt ------------------------------------------------------------------
+
+
+def test_sev3_reattempt_succeeds_and_task_runs_on() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    gen = sim.state.tasks["job"].generation
+    acts = sim.incident("n1", SEV3_KIND, task="job", rank=3)
+    r = one(acts, Reattempt, "job")
+    assert (r.generation, r.node, r.failed_ranks, r.members) == (gen, "n1", (3,), tuple(range(8)))
+    assert sim.phase("job") is TaskPhase.REATTEMPTING
+    assert sim.ok(r) == []
+    assert sim.phase("job") is TaskPhase.RUNNING
+    assert sim.state.tasks["job"].generation == gen  # reattempt in place: same configuration
+
+
+def test_sev3_reattempt_fails_then_restart_succeeds() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
+    r = one(sim.incident("n2", (M.STATISTICAL_MONITORING, K.NCCL_TIMEOUT), task="job"), Reattempt)
+    restart = one(sim.fail(r), RestartRanks, "job")  # upgraded to sev2
+    assert restart.node == "n2" and restart.ranks == tuple(sim.state.tasks["job"].placement["n2"])
+    assert restart.restart_epoch == 1 and restart.generation == r.generation
+    assert sim.phase("job") is TaskPhase.RESTARTING
+    sim.ok(restart)
+    assert sim.phase("job") is TaskPhase.RUNNING
+    assert sim.state.nodes["n2"].status is NodeState.UP
+
+
+def test_restart_fails_then_node_isolated_and_task_reconfigured() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
+    restart = one(sim.incident("n1", SEV2_KIND, task="job", rank=2), RestartRanks)
+    assert restart.node == "n1" and restart.ranks == tuple(range(8))
+    acts = sim.fail(restart)  # upgraded to sev1
+    assert one(acts, IsolateNode).node == "n1"
+    assign = one(acts, Assign, "job")
+    assert set(assign.placement) == {"n2"} and assign.world_size == 8
+    assert sim.state.nodes["n1"].status is NodeState.ISOLATED
+    assert sim.phase("job") is TaskPhase.RECONFIGURING
+    sim.ok(assign)
+    assert sim.phase("job") is TaskPhase.RUNNING
+
+
+def test_node_lost_with_two_tasks_reconfigures_both() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8, "n3": 8}, {"a": {"min_gpus": 4}, "b": {"min_gpus": 4}})
+    shared = [n for n in sim.state.nodes if sim.gpus("a").get(n) and sim.gpus("b").get(n)]
+    assert shared, "the even split puts both tasks on one node"
+    lost = shared[0]
+    acts = sim.feed(NodeLost(ts=sim.ts(), node=lost, reason="lease expired"))
+    assert {a.task for a in only(acts, Assign)} == {"a", "b"}
+    for a in only(acts, Assign):
+        assert lost not in a.placement
+    assert sum(a.world_size for a in only(acts, Assign)) == 16
+    assert sim.state.nodes[lost].status is NodeState.LOST
+    assert only(acts, Alert)
+
+
+def test_join_reconfigures_and_hands_out_new_gpus() -> None:
+    sim = running_cluster({"n1": 8}, {"a": {"min_gpus": 2}, "b": {"min_gpus": 2}})
+    assert sim.gpus("a") == {"n1": 4} and sim.gpus("b") == {"n1": 4}
+    acts = sim.join("n2")
+    assert sum(a.world_size for a in only(acts, Assign)) == 16
+    assert sum(sum(sim.gpus(t).values()) for t in ("a", "b")) == 16
+    # both kept their GPUs on n1 (fewest moved workers) and grew onto n2
+    assert sim.gpus("a")["n1"] == 4 and sim.gpus("b")["n1"] == 4
+
+
+def test_finished_task_gpus_go_to_the_others() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {}, "b": {}})
+    assert sum(sim.gpus("b").values()) == 8
+    acts = sim.feed(TaskFinished(ts=sim.ts(), task="a"))
+    assert sim.phase("a") is TaskPhase.FINISHED
+    assert one(acts, Assign, "b").world_size == 16
+    assert not only(acts, StopTask)
+
+
+def test_submit_above_free_stays_pending_then_runs_after_join() -> None:
+    sim = running_cluster({"n1": 8}, {"small": {"weight": 2.0}})
+    acts = sim.submit("big", min_gpus=8)
+    assert sim.phase("big") is TaskPhase.PENDING and not only(acts, Assign)
+    assert "at least 8" in sim.state.tasks["big"].reason
+    acts = sim.join("n2")
+    big = one(acts, Assign, "big")
+    assert big.world_size >= 8
+    sim.ok(big)
+    assert sim.phase("big") is TaskPhase.RUNNING
+    assert sum(sim.gpus("small").values()) + big.world_size == 16
+
+
+def test_restart_loop_without_progress_marks_task_failed_with_reason() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    sim.progress("job", 40)
+    restarts = 0
+    for _ in range(10):
+        acts = sim.incident("n1", SEV2_KIND, task="job", rank=0)
+        if sim.phase("job") is TaskPhase.FAILED:
+            break
+        sim.ok(one(acts, RestartRanks))
+        sim.progress("job", 35)  # resumed from a checkpoint, crashes again before step 40
+        restarts += 1
+    assert restarts == DecisionSettings().max_restarts_without_progress
+    failed = one(acts, MarkTaskFailed, "job")
+    assert failed.reason.startswith("no progress across 3 restarts since step 40")
+    assert one(acts, StopTask, "job")
+    assert sim.state.tasks["job"].placement == {}
+
+
+def test_progress_past_the_fault_resets_the_restart_budget() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    for step in range(1, 8):  # 7 restarts, but the task moves on between them
+        sim.progress("job", step * 100)
+        sim.ok(one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks))
+        sim.progress("job", step * 100 + 1)
+        assert sim.phase("job") is TaskPhase.RUNNING
+
+
+def test_unconfirmed_action_expires_on_tick() -> None:
+    settings = DecisionSettings(reattempt_deadline_s=30.0)
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}}, Sim(settings))
+    one(sim.incident("n1", SEV3_KIND, task="job"), Reattempt)
+    assert sim.feed(Tick(ts=sim.ts(10))) == []
+    acts = sim.feed(Tick(ts=sim.ts(30)))
+    assert one(acts, RestartRanks).node == "n1"  # the missed deadline counted as a failed reattempt
+    restart = one(acts, RestartRanks)
+    acts = sim.feed(Tick(ts=sim.ts(settings.restart_deadline_s)))
+    assert one(acts, IsolateNode).node == "n1"
+    assert one(acts, Assign).placement.keys() == {"n2"}
+    assert sim.ok(restart) == []  # a late confirmation of a superseded action changes nothing
+    assert sim.phase("job") is TaskPhase.RECONFIGURING
+
+
+def test_progress_under_the_new_generation_confirms_an_assignment() -> None:
+    sim = Sim()
+    sim.join("n1")
+    sim.submit("job")
+    sim.progress("job", 1)
+    assert sim.phase("job") is TaskPhase.RUNNING
+
+
+# --- merging, staleness, operators ------------------------------------------------------------------
+
+
+def test_incidents_during_a_recovery_merge_or_escalate() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
+    one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks)
+    assert sim.incident("n1", SEV3_KIND, task="job") == []  # a consequence of the restart
+    assert sim.incident("n2", SEV2_KIND, task="job") == []  # merged into the restart under way
+    assert sim.phase("job") is TaskPhase.RESTARTING
+    acts = sim.incident("n2", SEV1_KIND)  # more severe: escalates
+    assert one(acts, IsolateNode).node == "n2"
+    assert one(acts, Assign).placement.keys() == {"n1"}
+    assert sim.incident("n1", SEV3_KIND, task="job") == []  # during a reconfigure: ignored
+    assert sim.phase("job") is TaskPhase.RECONFIGURING
+
+
+def test_stale_incident_from_an_old_generation_is_ignored() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    old = sim.state.tasks["job"].generation
+    sim.ok(one(sim.join("n2"), Assign, "job"))
+    assert sim.state.tasks["job"].generation == old + 1
+    assert sim.incident("n1", SEV2_KIND, task="job", generation=old) == []
+    assert sim.phase("job") is TaskPhase.RUNNING
+    assert only(sim.incident("n1", SEV2_KIND, task="job", generation=old + 1), RestartRanks)
+
+
+def test_degradation_is_recorded_only() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    assert sim.incident("n1", (M.STATISTICAL_MONITORING, K.DEGRADATION), task="job") == []
+    assert sim.phase("job") is TaskPhase.RUNNING
+
+
+def test_sev1_on_an_idle_node_isolates_it_until_undrained() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 8}})
+    acts = sim.incident("n2", (M.EXCEPTION_PROPAGATION, K.NVLINK_ERROR))
+    assert one(acts, IsolateNode).node == "n2"
+    sim.confirm_all(acts)
+    assert sim.gpus("job") == {"n1": 8}
+    assert sim.join("n2") and sim.state.nodes["n2"].status is NodeState.UP  # repaired node re-joins
+    acts = sim.incident("n2", SEV1_KIND)
+    sim.confirm_all(acts)
+    assert sim.feed(NodeUndrained(ts=sim.ts(), node="n2"))
+    assert sum(sim.gpus("job").values()) == 16
+
+
+def test_drained_node_moves_tasks_without_a_fault_and_survives_agent_restarts() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
+    acts = sim.feed(NodeDrained(ts=sim.ts(), node="n1"))
+    assert one(acts, Assign).placement.keys() == {"n2"}
+    assert not only(acts, IsolateNode)
+    sim.confirm_all(acts)
+    assert sim.state.tasks["job"].restarts == 0
+    assert sim.join("n1") == []  # still drained
+    acts = sim.feed(NodeUndrained(ts=sim.ts(), node="n1"))
+    assert one(acts, Assign).world_size == 16
+
+
+def test_cancel_stops_the_task_and_frees_its_gpus() -> None:
+    sim = running_cluster({"n1": 8}, {"a": {"min_gpus": 4}, "b": {"min_gpus": 4}})
+    acts = sim.feed(TaskCancelled(ts=sim.ts(), task="a"))
+    stop = one(acts, StopTask, "a")
+    assign = one(acts, Assign, "b")
+    assert acts.index(stop) < acts.index(assign)
+    assert assign.world_size == 8
+
+
+def test_higher_weight_task_preempts_and_stop_precedes_assign() -> None:
+    sim = running_cluster({"n1": 8}, {"low": {"min_gpus": 8, "weight": 0.5}})
+    acts = sim.submit("high", min_gpus=8, weight=2.0)
+    stop, assign = one(acts, StopTask, "low"), one(acts, Assign, "high")
+    assert acts.index(stop) < acts.index(assign)
+    assert sim.phase("low") is TaskPhase.PENDING
+    sim.feed(TaskFinished(ts=sim.ts(), task="high"))
+    assert sim.phase("low") is TaskPhase.RECONFIGURING
+
+
+def test_resubmitting_an_active_task_is_refused() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    acts = sim.submit("job")
+    assert "already" in one(acts, Alert).message
+
+
+def test_tensor_parallel_groups_stay_inside_nodes() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8, "n3": 8}, {"tp": {"tp_size": 4, "min_gpus": 8}, "dp": {}})
+    for node, ranks in sim.state.tasks["tp"].placement.items():
+        assert len(ranks) % 4 == 0 and ranks == list(range(ranks[0], ranks[0] + len(ranks))), node
+        assert ranks[0] % 4 == 0
+    acts = sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="power"))
+    for a in only(acts, Assign):
+        if a.task == "tp":
+            assert all(len(r) % 4 == 0 and r[0] % 4 == 0 for r in a.placement.values())
+
+
+# --- persistence and determinism ---------------------------------------------------------------------
+
+
+def _busy_history(seed: int) -> Sim:
+    """A random but reproducible mix of events touching most of the machine."""
+    rng = random.Random(seed)
+    sim = running_cluster(
+        {"n1": 8, "n2": 8, "n3": 8, "n4": 4},
+        {"a": {"min_gpus": 4}, "b": {"tp_size": 2, "min_gpus": 4, "weight": 1.5}},
+    )
+    for step in range(60):
+        active = [t for t, e in sorted(sim.state.tasks.items()) if e.placement]
+        roll = rng.random()
+        if roll < 0.3 and active:
+            task = rng.choice(active)
+            node = rng.choice(sorted(sim.state.tasks[task].placement))
+            kind = rng.choice([SEV3_KIND, SEV2_KIND, SEV2_KIND, SEV1_KIND])
+            sim.incident(node, kind, task=task)
+        elif roll < 0.6:
+            outstanding = [e.outstanding for e in sim.state.tasks.values() if e.outstanding]
+            if outstanding:
+                o = rng.choice(outstanding)
+                if rng.random() < 0.8:
+                    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=o.action_id))
+                else:
+                    sim.feed(ActionFailed(ts=sim.ts(), action_id=o.action_id, reason="x"))
+        elif roll < 0.7:
+            down = [n for n, e in sorted(sim.state.nodes.items()) if e.status is not NodeState.UP]
+            if down:
+                sim.join(rng.choice(down))
+        elif roll < 0.8 and active:
+            sim.progress(rng.choice(active), step * 10)
+        elif roll < 0.85:
+            sim.submit(f"t{step}", min_gpus=rng.choice([1, 2, 8]))
+        elif roll < 0.9 and active:
+            sim.feed(TaskFinished(ts=sim.ts(), task=rng.choice(active)))
+        else:
+            sim.feed(Tick(ts=sim.ts(rng.choice([5.0, 60.0, 400.0]))))
+    return sim
+
+
+def test_state_round_trips_through_json_and_resumes_identically() -> None:
+    sim = _busy_history(1)
+    text = json.dumps(sim.state.to_dict())
+    restored = CoreState.from_dict(json.loads(text))
+    assert restored == sim.state
+    # a coordinator restarted from the persisted state decides exactly as the old one would have
+    follow: list[Event] = [NodeJoined(ts=sim.t + 1, node="n9", gpus=8), Tick(ts=sim.t + 1000)]
+    a = Sim(core=sim.core)
+    a.state = sim.state
+    b = Sim(core=sim.core)
+    b.state = restored
+    for ev in follow:
+        assert a.feed(ev) == b.feed(ev)
+
+
+def test_same_events_give_same_actions() -> None:
+    history = _busy_history(7)
+    one_run, other_run = Sim(), Sim()
+    for ev in history.events:
+        assert one_run.feed(ev) == other_run.feed(ev)
+    assert one_run.state == other_run.state == history.state
+
+
+def test_handle_does_not_modify_its_input_state() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    before = json.dumps(sim.state.to_dict(), sort_keys=True)
+    sim.core.handle(sim.state, NodeLost(ts=100.0, node="n1", reason="gone"))
+    assert json.dumps(sim.state.to_dict(), sort_keys=True) == before
+
+
+def test_events_and_actions_round_trip_through_json() -> None:
+    sim = _busy_history(3)
+    assert sim.events
+    for ev in sim.events:
+        assert from_dict(json.loads(json.dumps(to_dict(ev)))) == ev
+    replay = Sim()
+    for ev in sim.events:
+        for action in replay.feed(ev):
+            assert from_dict(json.loads(json.dumps(to_dict(action)))) == action
+
+
+def test_malformed_records_raise_invalid_record() -> None:
+    with pytest.raises(InvalidRecord, match="unknown type"):
+        from_dict({"type": "Explode"})
+    with pytest.raises(InvalidRecord):
+        from_dict({"type": "Tick", "ts": 1.0, "bogus": 2})
+    with pytest.raises(InvalidRecord, match="decision state"):
+        CoreState.from_dict({"now": 0})
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ConfigError, match="max_reattempts"):
+        DecisionSettings(max_reattempts=-1)
+    with pytest.raises(ConfigError, match="restart_deadline_s"):
+        DecisionSettings(restart_deadline_s=0)
+
+
+class _BrokenAllocator:
+    def allocate(
+        self, tasks: Any, healthy_gpus: int, gpus_per_node: int, current: Any, faulted: Any
+    ) -> dict[str, int]:
+        return {t.name: healthy_gpus + 1 for t in tasks}
+
+
+def test_an_allocator_breaking_its_contract_is_refused() -> None:
+    sim = Sim(core=DecisionCore(allocator=_BrokenAllocator()))
+    sim.join("n1")
+    with pytest.raises(PermanentError, match="allocator"):
+        sim.submit("job")

@@ -1,0 +1,167 @@
+"""Every edge of the Figure 7 transition table, each reached and triggered through real events."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from coordinator.decision import (
+    BUDGETED,
+    TRANSITIONS,
+    Action,
+    ActionFailed,
+    ActionSucceeded,
+    Alert,
+    Assign,
+    DecisionSettings,
+    IsolateNode,
+    MarkTaskFailed,
+    Reattempt,
+    Response,
+    RestartRanks,
+    StopTask,
+    TaskCancelled,
+    TaskFinished,
+    TaskPhase,
+    Transition,
+    Trigger,
+)
+from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, SEV3_KIND, Sim
+
+P = TaskPhase
+T = Trigger
+R = Response
+JOB = "job"
+
+#: what each response must emit for the task (consequences such as the re-plan included)
+EMITS: dict[Response, set[type[Action]]] = {
+    R.MERGE: set(),
+    R.REATTEMPT: {Reattempt},
+    R.RESTART: {RestartRanks},
+    R.RECONFIGURE: {Assign},
+    R.ESCALATE: {IsolateNode, Assign},
+    R.REASSIGN: {Assign},
+    R.ASSIGN: {Assign},
+    R.STOP: {StopTask},
+    R.RECOVERED: set(),
+    R.FAIL: {StopTask, MarkTaskFailed, Alert},
+    R.RELEASE: set(),
+    R.STOP_RELEASE: {StopTask},
+    R.WITHDRAW: set(),
+}
+
+
+def _settings(phase: TaskPhase, trigger: Trigger) -> DecisionSettings:
+    """Budgets that make the budget-exhaustion triggers reachable."""
+    if trigger is T.NO_PROGRESS:
+        # RESTARTING needs one restart to get there; everywhere else the very next one is over budget
+        return DecisionSettings(max_restarts_without_progress=1 if phase is P.RESTARTING else 0)
+    if trigger is T.REATTEMPTS_SPENT and phase is P.RUNNING:
+        return DecisionSettings(max_reattempts=0)
+    if trigger is T.ACTION_FAILED and phase is P.REATTEMPTING:
+        return DecisionSettings(max_reattempts=2)  # a second reattempt is still allowed
+    return DecisionSettings()
+
+
+def _in_phase(phase: TaskPhase, settings: DecisionSettings) -> Sim:
+    """Two 8-GPU nodes; ``job`` (8 GPUs minimum, spread over both) brought into ``phase`` by events."""
+    sim = Sim(settings)
+    sim.join("n1")
+    sim.join("n2")
+    if phase is P.PENDING:
+        sim.submit(JOB, min_gpus=24)
+        return sim
+    sim.submit(JOB, min_gpus=8)
+    if phase is P.RECONFIGURING:
+        return sim
+    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
+    sim.progress(JOB, 5)
+    if phase is P.REATTEMPTING:
+        sim.incident("n1", SEV3_KIND, task=JOB)
+    elif phase is P.RESTARTING:
+        sim.incident("n1", SEV2_KIND, task=JOB)
+    assert sim.phase(JOB) is phase
+    return sim
+
+
+def _action_failed(sim: Sim) -> list[Action]:
+    return sim.feed(ActionFailed(ts=sim.ts(), action_id=sim.outstanding(JOB), reason="refused"))
+
+
+def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
+    """The event(s) that deliver ``trigger`` to a task in ``phase``."""
+    if trigger is T.SEV3:
+        return lambda sim: sim.incident("n1", SEV3_KIND, task=JOB)
+    if trigger is T.SEV2:
+        return lambda sim: sim.incident("n1", SEV2_KIND, task=JOB)
+    if trigger is T.SEV1:
+        return lambda sim: sim.incident("n1", SEV1_KIND)
+    if trigger is T.ACTION_OK:
+        return lambda sim: sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
+    if trigger is T.ACTION_FAILED:
+        return _action_failed
+    if trigger is T.PROGRESS:
+        return lambda sim: sim.progress(JOB, 100)
+    if trigger is T.REATTEMPTS_SPENT:
+        # RUNNING with no reattempts allowed: a sev3; REATTEMPTING: the one reattempt failed
+        return (
+            _action_failed
+            if phase is P.REATTEMPTING
+            else (lambda sim: sim.incident("n1", SEV3_KIND, task=JOB))
+        )
+    if trigger is T.NO_PROGRESS:
+        if phase in (P.RUNNING, P.REATTEMPTING):
+            return lambda sim: sim.incident("n1", SEV2_KIND, task=JOB)
+        return _action_failed
+    if trigger is T.RESIZED:
+        return lambda sim: sim.join("n3")
+    if trigger is T.UNPLACED:
+        return lambda sim: sim.submit("vip", min_gpus=16, weight=2.0)
+    if trigger is T.FINISHED:
+        return lambda sim: sim.feed(TaskFinished(ts=sim.ts(), task=JOB))
+    if trigger is T.CANCELLED:
+        return lambda sim: sim.feed(TaskCancelled(ts=sim.ts(), task=JOB))
+    raise AssertionError(f"no driver for {trigger}")
+
+
+EDGES = sorted(TRANSITIONS.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value))
+
+
+@pytest.mark.parametrize(("edge", "target"), EDGES, ids=[f"{p.value}-{t.value}" for (p, t), _ in EDGES])
+def test_edge(edge: tuple[TaskPhase, Trigger], target: tuple[TaskPhase, Response]) -> None:
+    phase, trigger = edge
+    next_phase, response = target
+    settings = _settings(phase, trigger)
+    sim = _in_phase(phase, settings)
+    actions = _drive(phase, trigger)(sim)
+    mine = [t for t in sim.transitions if t.task == JOB]
+    assert mine, f"no transition for {JOB}; actions {actions}"
+    first: Transition = mine[0]
+    assert (first.phase, first.trigger, first.next_phase, first.response) == (
+        phase,
+        trigger,
+        next_phase,
+        response,
+    )
+    emitted = {type(a) for a in actions if getattr(a, "task", None) in (JOB, None)}
+    assert EMITS[response] <= emitted, f"{response} should emit {EMITS[response]}, got {actions}"
+    if response in (R.MERGE, R.RECOVERED, R.RELEASE, R.WITHDRAW):
+        assert not [a for a in actions if getattr(a, "task", None) == JOB]
+    if len(mine) == 1:  # no later edge in the same event (e.g. the re-plan after RECONFIGURE)
+        assert sim.phase(JOB) is next_phase
+
+
+def test_every_budget_has_its_exhaustion_edge_wherever_the_budgeted_response_is_used() -> None:
+    for (phase, _), (_, response) in TRANSITIONS.items():
+        if response in BUDGETED:
+            assert (phase, BUDGETED[response]) in TRANSITIONS, (phase, response)
+
+
+def test_final_phases_have_no_edges() -> None:
+    final = {P.FINISHED, P.FAILED, P.CANCELLED}
+    assert not [edge for edge in TRANSITIONS if edge[0] in final]
+    sim = _in_phase(P.RUNNING, DecisionSettings())
+    sim.feed(TaskFinished(ts=sim.ts(), task=JOB))
+    assert sim.incident("n1", SEV2_KIND, task=JOB) == []
+    assert sim.phase(JOB) is P.FINISHED
