@@ -417,6 +417,13 @@ class CheckpointManager(Checkpointer):
             if iteration is not None
             else sorted({x for v in held.values() for x in v}, reverse=True)
         )
+        if not targets:  # say so for every source that answered
+            unreachable = {a.source for a in attempts}
+            attempts += [
+                TierAttempt(s.tier, s.describe(), None, "holds nothing")
+                for s in sources
+                if s.describe() not in unreachable
+            ]
         for it in targets:
             for i, s in enumerate(sources):
                 if it not in held[i]:

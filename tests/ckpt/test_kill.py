@@ -1,0 +1,154 @@
+"""Real processes killed with SIGKILL mid-snapshot and mid-persistence: the previous state must survive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt import CheckpointConfig, CheckpointManager, FilesystemStorage, Snapshot, Tier
+from ckpt.codec import decode
+from ckpt.persist import iterations as persisted_iterations
+from ckpt.persist import load as load_persisted
+from tests.ckpt.helpers import assert_same, filled_state
+
+Make = Callable[..., CheckpointConfig]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_line(proc: subprocess.Popen[str], prefix: str) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"child exited ({proc.wait()}) before printing {prefix!r}")
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+
+
+def test_kill_mid_write_leaves_previous_snapshot(make_config: Make) -> None:
+    cfg = make_config()
+    child = _spawn(
+        """
+        import sys, time
+        from ckpt import CheckpointConfig, CheckpointManager, LocalStore
+        from tests.ckpt.helpers import filled_state
+        cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=4096)
+        with CheckpointManager(cfg) as m:
+            m.save(filled_state(1), 1)
+        # the second snapshot, as save() writes it: withdraw a free slot, copy into it ... and die there
+        store = LocalStore(cfg.local_root()); store.lock()
+        slot = next(k for k in range(2) if k not in store.published())
+        data = store.prepare(slot, 1 << 16)
+        data[: 1 << 15].fill_(0xAB)
+        print("mid-write", slot, flush=True)
+        time.sleep(60)
+        """,
+        cfg.local_dir,
+    )
+    slot = int(_wait_line(child, "mid-write").split()[1])
+    _kill(child)
+    assert (Path(cfg.local_dir) / f"slot-{slot}.data").read_bytes()[:4] == b"\xab" * 4  # it did die mid-write
+    with CheckpointManager(cfg) as m:
+        r = m.restore()
+    assert (r.tier, r.iteration, r.skipped) == (Tier.LOCAL, 1, ())
+    assert_same(filled_state(1), r.state)
+
+
+def test_kill_at_a_random_point_of_a_save_loop(make_config: Make) -> None:
+    cfg = make_config(chunk_bytes=1 << 20)
+    child = _spawn(
+        """
+        import sys
+        from ckpt import CheckpointConfig, CheckpointManager
+        from tests.ckpt.helpers import filled_state
+        cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=1 << 20)
+        m = CheckpointManager(cfg)
+        it = 0
+        while True:
+            it += 1
+            t = m.save(filled_state(it, 8 << 20), it)
+            if it > 1:
+                print("published", last.iteration if last.result().published else -1, flush=True)
+            last = t
+        """,
+        cfg.local_dir,
+    )
+    for _ in range(4):
+        published = int(_wait_line(child, "published").split()[1])
+    time.sleep(0.05)
+    _kill(child)
+    with CheckpointManager(cfg) as m:
+        r = m.restore()
+    assert r.tier == Tier.LOCAL and r.iteration >= published
+    assert_same(filled_state(r.iteration, 8 << 20), r.state)
+
+
+def test_kill_during_persistence_keeps_previous_manifest(make_config: Make, tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    cfg = make_config(persist_every=1)
+    child = _spawn(
+        """
+        import sys, time
+        from ckpt import CheckpointConfig, CheckpointManager, FilesystemStorage
+        from tests.ckpt.helpers import filled_state
+
+        class SlowStorage(FilesystemStorage):  # a slow remote store: each shard takes a while to land
+            def write(self, key, data):
+                if "/shard-" in key:
+                    time.sleep(0.2)
+                super().write(key, data)
+
+        cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=4096, persist_every=1)
+        m = CheckpointManager(cfg, storage=SlowStorage(sys.argv[2]))
+        assert m.save(filled_state(1, 5 * 4096), 1).result().persisted
+        m.save(filled_state(2, 5 * 4096), 2)
+        print("persisting 2", flush=True)
+        time.sleep(60)
+        """,
+        cfg.local_dir,
+        str(remote),
+    )
+    _wait_line(child, "persisting 2")
+    iter2 = remote / "job-1" / "rank-00000" / f"iter-{2:012d}"
+    deadline = time.monotonic() + 20
+    while not (iter2.exists() and any(iter2.glob("shard-*.bin"))):
+        assert time.monotonic() < deadline, "the child never started persisting iteration 2"
+        time.sleep(0.02)
+    _kill(child)
+    storage = FilesystemStorage(remote)
+    assert persisted_iterations(storage, "job-1", 0) == [1]  # iteration 2 has shards but no manifest
+    assert_same(filled_state(1, 5 * 4096), _decode(load_persisted(storage, "job-1", 0, 1)))
+    fresh = make_config(node="node-b", persist_every=1)  # restore on another node: remote is all there is
+    with CheckpointManager(fresh, storage=storage) as m:
+        r = m.restore()
+        assert (r.tier, r.iteration) == (Tier.REMOTE, 1)
+        assert m.save(filled_state(3, 5 * 4096), 3).result(30).persisted
+    assert not iter2.exists()  # the orphaned shards of the killed write were cleaned up
+    assert persisted_iterations(storage, "job-1", 0) == [1, 3]
+
+
+def _decode(snap: Snapshot) -> Any:
+    return decode(snap.meta, torch.frombuffer(snap.data, dtype=torch.uint8), private=True)

@@ -1,0 +1,199 @@
+"""CheckpointManager end to end: save, restore by the nearest principle, verification and fallbacks."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    FilesystemStorage,
+    NoValidCheckpoint,
+    ReplicaClient,
+    ReplicaServer,
+    Tier,
+    restore_rng_state,
+)
+from ckpt.persist import iterations as persisted_iterations
+from tests.ckpt.helpers import assert_same, filled_state, train_state
+
+Make = Callable[..., CheckpointConfig]
+
+
+def _draws() -> list[float]:
+    return [random.random(), float(np.random.rand()), float(torch.rand(1))]
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_restored_state_equals_saved_rng_streams_included(make_config: Make) -> None:
+    state, _, _ = train_state()
+    expected = _draws()  # what the streams yield right after the captured point
+    with CheckpointManager(make_config()) as m:
+        ticket = m.save(state, 7)
+        outcome = ticket.result(30)
+        assert outcome.published and not outcome.errors
+        assert 0 < ticket.blocking_s < 5
+    torch.manual_seed(123)  # move every stream away from the captured point
+    random.seed(123)
+    np.random.seed(123)
+    with CheckpointManager(make_config()) as m:  # a new process would do the same: reopen and restore
+        r = m.restore()
+    assert (r.iteration, r.tier) == (7, Tier.LOCAL)
+    assert_same(state, r.state)
+    restore_rng_state(r.state["rng"])
+    assert _draws() == expected
+
+
+def test_restore_into_live_model_and_optimizer(make_config: Make) -> None:
+    state, _, _ = train_state(seed=1)
+    with CheckpointManager(make_config()) as m:
+        m.save(state, 3)
+        m.wait()
+        _, model, opt = train_state(seed=2)  # a fresh process: same structure, other values
+        live = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        r = m.restore(into=live)
+    assert r.state["model"]["0.weight"] is live["model"]["0.weight"]  # filled in place, no new tensor
+    first = next(model.parameters())  # "0.weight"
+    assert torch.equal(first, state["model"]["0.weight"])
+    assert torch.equal(opt.state[first]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert_same(state, r.state)
+
+
+def test_double_buffering_keeps_newest_and_previous(make_config: Make) -> None:
+    with CheckpointManager(make_config()) as m:
+        for it in (1, 2, 3):
+            m.save(filled_state(it), it)
+        m.wait()
+        assert m.available()[0][2] == [2, 3]
+        assert m.restore(2).state["iteration"] == 2
+        with pytest.raises(CheckpointError, match="not after"):
+            m.save(filled_state(2), 2)
+
+
+def test_node_lost_restores_from_peer(make_config: Make, replica_server: ReplicaServer) -> None:
+    state, _, _ = train_state()
+    peer = ReplicaClient(replica_server.address)
+    with CheckpointManager(make_config(node="node-a"), peers=[peer]) as m:
+        out = m.save(state, 5).result(30)
+        assert out.replicas == (replica_server.address,)
+        first_root = m.local_root
+    shutil.rmtree(first_root.parent)  # node-a is gone, and its memory with it
+    with CheckpointManager(make_config(node="node-c"), peers=[peer]) as m:  # replacement node
+        r = m.restore()
+    assert (r.tier, r.source, r.iteration) == (Tier.PEER, replica_server.address, 5)
+    assert [a.reason for a in r.skipped] == ["holds nothing"]
+    assert_same(state, r.state)
+
+
+def test_flipped_byte_skips_tier_and_names_reason(
+    make_config: Make, replica_server: ReplicaServer, tmp_path: Path
+) -> None:
+    storage = FilesystemStorage(tmp_path / "remote")
+    peer = ReplicaClient(replica_server.address)
+    state = filled_state(4, nbytes=5 * 4096)
+    cfg = make_config(persist_every=1)
+    with CheckpointManager(cfg, peers=[peer], storage=storage) as m:
+        assert m.save(state, 4).result(30).persisted
+        slot = next(iter(m._store.published()))
+    _flip_byte(Path(cfg.local_dir) / f"slot-{slot}.data", 3 * 4096 + 17)  # a bit flip in local memory
+    with CheckpointManager(cfg, peers=[peer], storage=storage) as m:
+        r = m.restore()
+    assert r.tier == Tier.PEER
+    assert "checksum mismatch in chunk 3" in r.skipped[0].reason
+    assert_same(state, r.state)
+
+    replica_server.memory.drop("job-1")  # now only remote storage holds it, and one shard goes bad
+    _flip_byte(tmp_path / "remote" / "job-1" / "rank-00000" / f"iter-{4:012d}" / "shard-00002.bin", 5)
+    with CheckpointManager(cfg, peers=[peer], storage=storage) as m, pytest.raises(NoValidCheckpoint) as err:
+        m.restore()
+    text = str(err.value)
+    assert "local" in text and "checksum mismatch in chunk 3" in text
+    assert f"peer ({replica_server.address})" in text and "holds nothing" in text
+    assert "remote" in text and "checksum mismatch in shard 2" in text
+    assert len(err.value.attempts) == 3
+
+
+def test_corrupt_newest_falls_back_to_older_valid(make_config: Make) -> None:
+    cfg = make_config()
+    with CheckpointManager(cfg) as m:
+        m.save(filled_state(1), 1)
+        m.save(filled_state(2), 2)
+        m.wait()
+        slot2 = next(k for k, v in m._store.published().items() if v.iteration == 2)
+    _flip_byte(Path(cfg.local_dir) / f"slot-{slot2}.data", 100)
+    with CheckpointManager(cfg) as m:
+        r = m.restore()
+        assert r.iteration == 1 and "checksum mismatch" in r.skipped[0].reason
+        assert m.available()[0][2] == [1]  # the bad newer one is withdrawn: the timeline went back
+
+
+def test_nonfinite_state_rejected_when_asked(make_config: Make) -> None:
+    cfg = make_config(verify_finite=True)
+    with CheckpointManager(cfg) as m:
+        m.save({"w": torch.tensor([1.0, float("nan")])}, 1)
+        m.wait()
+        with pytest.raises(NoValidCheckpoint, match="non-finite"):
+            m.restore()
+
+
+def test_persistence_every_n_and_retention(make_config: Make, tmp_path: Path) -> None:
+    storage = FilesystemStorage(tmp_path / "remote")
+    with CheckpointManager(make_config(persist_every=2, keep_remote=2), storage=storage) as m:
+        outcomes = [m.save(filled_state(it), it).result(30) for it in range(1, 8)]
+    assert [o.persisted for o in outcomes] == [None, True, None, True, None, True, None]
+    assert persisted_iterations(storage, "job-1", 0) == [4, 6]
+
+
+def test_restore_with_nothing_anywhere(make_config: Make, tmp_path: Path) -> None:
+    with CheckpointManager(make_config(), storage=FilesystemStorage(tmp_path / "r")) as m:
+        with pytest.raises(NoValidCheckpoint) as err:
+            m.restore()
+        assert "local" in str(err.value) and "remote" in str(err.value)
+        m.save(filled_state(0), 0)  # a fresh start is then possible
+
+
+def test_unreachable_peer_is_skipped(make_config: Make) -> None:
+    dead = ReplicaClient("127.0.0.1:9", timeout_s=1)
+    with CheckpointManager(make_config(), peers=[dead]) as m:
+        out = m.save(filled_state(1), 1).result(30)
+        assert out.published and out.replicas == () and "127.0.0.1:9" in out.errors[0]
+        r = m.restore()
+    assert r.tier == Tier.LOCAL and "unreachable" in r.skipped[0].reason
+
+
+def test_second_writer_for_same_rank_refused(make_config: Make) -> None:
+    with CheckpointManager(make_config()), pytest.raises(CheckpointError, match="in use"):
+        CheckpointManager(make_config())
+
+
+@pytest.mark.gpu
+def test_gpu_state_snapshot_fence_and_restore_into_gpu(make_config: Make) -> None:
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    expected = {"w": model.weight.detach().cpu().clone()}
+    with CheckpointManager(make_config()) as m:
+        ticket = m.save(state, 1)
+        m.fence()  # the optimizer step below must not overwrite the weights before they are copied
+        opt.step()
+        assert ticket.result(60).published
+        r = m.restore(into={"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert r.state["model"]["weight"].is_cuda
+    assert torch.equal(model.weight.detach().cpu(), expected["w"])

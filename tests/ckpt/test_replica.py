@@ -1,0 +1,136 @@
+"""The agent-side replica holder: budget and eviction, the TCP protocol, partial transfers, standalone use."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt import (
+    ReplicaClient,
+    ReplicaMemory,
+    ReplicaRejected,
+    ReplicaServer,
+    ReplicaUnavailable,
+    Snapshot,
+    wire,
+)
+from ckpt.api import SnapshotInfo
+from ckpt.codec import chunk_crcs, crc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def snap(rank: int, iteration: int, nbytes: int = 1000, job: str = "job-1") -> Snapshot:
+    data = bytearray(nbytes)
+    data[:64] = os.urandom(min(64, nbytes))
+    meta = f"meta {rank} {iteration}".encode()
+    info = SnapshotInfo(
+        job=job,
+        rank=rank,
+        iteration=iteration,
+        meta_len=len(meta),
+        meta_crc=crc(meta),
+        data_len=nbytes,
+        chunk_bytes=4096,
+        chunk_crcs=chunk_crcs(memoryview(data), 4096),
+        created=time.time(),
+    )
+    return Snapshot(info, meta, memoryview(data))
+
+
+def held(store: ReplicaMemory | ReplicaClient) -> list[tuple[int, int]]:
+    return [(i.rank, i.iteration) for i in store.list("job-1")]
+
+
+def test_eviction_oldest_first_never_newest_of_a_rank() -> None:
+    one = snap(0, 1).info.nbytes
+    mem = ReplicaMemory(budget_bytes=4 * one)
+    for it in (1, 2):
+        mem.put(snap(0, it))
+        mem.put(snap(1, it))
+    assert held(mem) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    mem.put(snap(0, 3))  # full: the oldest iteration goes first
+    assert held(mem) == [(0, 2), (0, 3), (1, 1), (1, 2)]
+    mem.put(snap(2, 1))  # a new rank: room comes from the oldest iteration that is not a rank's newest
+    assert held(mem) == [(0, 2), (0, 3), (1, 2), (2, 1)]
+    assert mem.used_bytes <= mem.budget
+
+
+def test_rejects_when_only_newest_snapshots_are_held() -> None:
+    one = snap(0, 1).info.nbytes
+    mem = ReplicaMemory(budget_bytes=2 * one)
+    mem.put(snap(0, 1))
+    mem.put(snap(1, 1))
+    with pytest.raises(ReplicaRejected, match="nothing evictable"):
+        mem.put(snap(2, 1))
+    with pytest.raises(ReplicaRejected, match="exceeds the whole budget"):
+        mem.put(snap(3, 1, nbytes=3 * one))
+    assert held(mem) == [(0, 1), (1, 1)]
+
+
+def test_put_get_list_drop_over_tcp(replica_server: ReplicaServer) -> None:
+    client = ReplicaClient(replica_server.address)
+    s = snap(3, 9, nbytes=300_000)
+    client.put(s)
+    got = client.get("job-1", 3, 9)
+    assert got is not None and got.info == s.info and got.meta == s.meta and bytes(got.data) == bytes(s.data)
+    assert client.get("job-1", 3, 10) is None
+    assert held(client) == [(3, 9)]
+    assert client.stat()["used"] == s.info.nbytes
+    assert client.drop("job-1", rank=3) == 1
+    assert held(client) == [] and client.stat()["used"] == 0
+
+
+def test_partial_transfer_is_never_committed(replica_server: ReplicaServer) -> None:
+    client = ReplicaClient(replica_server.address)
+    client.put(snap(0, 1))
+    s = snap(0, 2, nbytes=100_000)
+    with socket.create_connection(wire.parse_addr(replica_server.address)) as sock:  # a sender that dies
+        wire.send(sock, {"op": "put", "info": s.info.to_dict()})
+        assert wire.recv_header(sock)["ok"]
+        sock.sendall(s.meta + bytes(s.data[:50_000]))
+    deadline = time.monotonic() + 10
+    while client.stat()["used"] != snap(0, 1).info.nbytes:  # the reservation is given back
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert held(client) == [(0, 1)]
+
+
+def test_over_budget_refused_before_payload(replica_server: ReplicaServer) -> None:
+    client = ReplicaClient(replica_server.address)
+    with pytest.raises(ReplicaRejected, match="exceeds the whole budget"):
+        client.put(snap(0, 1, nbytes=replica_server.memory.budget + 1))
+
+
+def test_garbage_request_gets_an_error_not_a_crash(replica_server: ReplicaServer) -> None:
+    with socket.create_connection(wire.parse_addr(replica_server.address)) as sock:
+        wire.send(sock, {"op": "explode"})
+        reply = wire.recv_header(sock)
+    assert not reply["ok"] and "unknown op" in reply["error"]
+    assert ReplicaClient(replica_server.address).stat()["ok"]
+
+
+def test_standalone_server_process() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt.replica", "--listen", "127.0.0.1:0", "--budget-bytes", "8M"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    try:
+        assert proc.stdout is not None
+        addr = proc.stdout.readline().split()[-1]
+        client = ReplicaClient(addr)
+        client.put(snap(0, 1))
+        assert client.stat()["budget"] == 8 << 20 and held(client) == [(0, 1)]
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+    with pytest.raises(ReplicaUnavailable):
+        ReplicaClient(addr, timeout_s=2).list()
