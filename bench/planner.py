@@ -69,7 +69,7 @@ def replan_state(planner: WafPlanner, m: int, n: int) -> tuple[ClusterSpec, list
 
 
 def solve_times(quick: bool) -> dict[str, Any]:
-    repeat = 3 if quick else 7
+    repeat = 3 if quick else 15
     out: dict[str, Any] = {}
     units: tuple[Unit, ...] = ("node", "gpu")
     for unit in units:

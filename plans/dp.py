@@ -57,36 +57,39 @@ def solve(tasks: Sequence[Choices], capacity: int, rel_tol: float = 1e-9) -> Sol
 
     The recurrence runs on G - eps * changes (``epsilon``): plans whose rewards are within eps per
     change of each other are ties, and the one with fewer changes wins. Each step streams over the
-    task's choices, updating the running column-wise maximum in place (faster than materialising
-    the |choices| x (capacity+1) matrix: fewer passes over memory).
+    task's choices, folding each shifted copy of S(i-1, .) into S(i, .) with an in-place maximum
+    (two passes over memory per choice; no argmax bookkeeping). The traceback recomputes, at the
+    one column it needs per task, which choice reached the maximum: the same float additions give
+    bit-identical values, so the first exact match is the choice (the smallest one on a tie).
     """
     width = capacity + 1
     eps = epsilon([c.gains for c in tasks], rel_tol)
-    best = np.zeros(width)
-    picks = np.zeros((len(tasks), width), dtype=np.int32)
+    scores = []
+    tables = [np.zeros(width)]  # tables[i] = S(i, .)
+    scratch = np.empty(width)
     for i, task in enumerate(tasks):
         if len(task.units) == 0 or task.units[0] != 0:
             raise ValueError(f"task {i}: choices must start with 0 units")
         score = task.gains - eps * task.changes
-        rows = int(np.searchsorted(task.units, capacity, side="right"))
-        new = best + score[0]
-        pick = picks[i]
-        for r in range(1, rows):
+        scores.append(score)
+        prev = tables[-1]
+        new = prev + score[0]
+        for r in range(1, int(np.searchsorted(task.units, capacity, side="right"))):
             k = int(task.units[r])
-            candidate = best[: width - k] + score[r]
-            column = new[k:]
-            better = candidate > column  # strict: on a tie the smaller allocation stays
-            np.maximum(column, candidate, out=column)
-            pick[k:][better] = r
-        best = new
+            shifted = np.add(prev[: width - k], score[r], out=scratch[: width - k])
+            np.maximum(new[k:], shifted, out=new[k:])
+        tables.append(new)
     units, value, changes = [], 0.0, 0
     j = capacity
     for i in range(len(tasks) - 1, -1, -1):
-        r = int(picks[i, j])
-        k = int(tasks[i].units[r])
+        task = tasks[i]
+        rows = int(np.searchsorted(task.units, j, side="right"))
+        reached = tables[i][j - task.units[:rows]] + scores[i][:rows]
+        r = int(np.flatnonzero(reached == tables[i + 1][j])[0])
+        k = int(task.units[r])
         units.append(k)
-        value += float(tasks[i].gains[r])
-        changes += int(tasks[i].changes[r])
+        value += float(task.gains[r])
+        changes += int(task.changes[r])
         j -= k
     return Solution(value, changes, tuple(reversed(units)))
 

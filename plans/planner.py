@@ -6,6 +6,9 @@ import abc
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from plans import dp
 from plans.problem import ClusterSpec, TaskDemand, check_names, task_curve, waf_at
 from plans.result import PlanResult, evaluate
@@ -56,13 +59,22 @@ class WafPlanner(Planner):
         out = []
         for task in tasks:
             curve = task_curve(task, cluster, self.cost)
-            min_units = -(-task.min_gpus // unit)
-            f = waf_table(curve.dense(capacity, unit), task.weight, min_units)
             current = task.current_gpus // unit if task.current_gpus % unit == 0 else None
-            g, chg = gain_table(
-                f, current, task.faulted, waf_at(task, curve, task.current_gpus), d_running, task.transition_s
-            )
-            out.append(choices(g, chg) if prune else all_choices(g, chg))
+            units: npt.NDArray[np.int64] | None = None
+            if prune:
+                # Only 0, the present allocation and the counts some configuration uses exactly:
+                # everywhere else T = 0 and G(k) <= G(0) (docs/planner.md).
+                points = {x // unit for x in curve.gpus if x % unit == 0 and x // unit <= capacity} | {0}
+                if current is not None and current <= capacity:
+                    points.add(current)
+                units = np.array(sorted(points), dtype=np.int64)
+                throughput = np.array([curve.at(int(k) * unit) for k in units])
+            else:
+                throughput = curve.dense(capacity, unit)
+            f = waf_table(throughput, task.weight, -(-task.min_gpus // unit), units)
+            waf_now = waf_at(task, curve, task.current_gpus)
+            g, chg = gain_table(f, current, task.faulted, waf_now, d_running, task.transition_s, units)
+            out.append(choices(g, chg, units) if prune else all_choices(g, chg))
         return out
 
     def plan(self, cluster: ClusterSpec, tasks: Sequence[TaskDemand]) -> PlanResult:

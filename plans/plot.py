@@ -31,8 +31,9 @@ def plot_throughput(
 ) -> dict[str, list[float]]:
     """Write the two-panel figure to ``out`` and return the plotted values.
 
-    Solid markers are GPU counts some configuration uses exactly; lines join them. Hollow markers at
-    zero are counts no configuration fits (the task would leave GPUs idle): the dips of Figure 4.
+    Dots are GPU counts some configuration uses exactly; lines join them. Crosses in the strip below
+    zero (one row per model) are counts no configuration uses exactly, where T = 0: the task would
+    have to leave GPUs idle. Both kinds of dip are the non-monotonic shape of Figure 4.
     """
     import matplotlib
 
@@ -42,14 +43,20 @@ def plot_throughput(
     gpu = gpu or gpu_type("A800-80GB")
     rows = throughput_rows(gpu, sizes, gpu_counts)
     fig, (ax_ratio, ax_agg) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for size, values in rows.items():
+    top_ratio = max(
+        (f / (x * gpu.peak_flops) for v in rows.values() for x, f in zip(gpu_counts, v, strict=True)),
+        default=1,
+    )
+    top_agg = max((f / 1e15 for v in rows.values() for f in v), default=1)
+    for i, (size, values) in enumerate(rows.items()):
         ok = [(x, f) for x, f in zip(gpu_counts, values, strict=True) if f > 0]
         gaps = [x for x, f in zip(gpu_counts, values, strict=True) if f <= 0]
         line = ax_ratio.plot([x for x, _ in ok], [f / (x * gpu.peak_flops) for x, f in ok], "o-", label=size)
         color = line[0].get_color()
         ax_agg.plot([x for x, _ in ok], [f / 1e15 for _, f in ok], "o-", color=color, label=size)
-        for ax in (ax_ratio, ax_agg):
-            ax.plot(gaps, [0.0] * len(gaps), "o", mfc="none", color=color, ms=4)
+        # One row per model below zero: "no configuration uses exactly this many GPUs" (T = 0).
+        for ax, top in ((ax_ratio, top_ratio), (ax_agg, top_agg)):
+            ax.plot(gaps, [-(i + 1) * 0.025 * top] * len(gaps), "x", color=color, ms=4)
     ax_ratio.set_title(f"(a) achieved FLOP/s ratio ({gpu.name})")
     ax_ratio.set_ylabel("achieved / peak FLOP/s")
     ax_agg.set_title("(b) aggregate achieved FLOP/s")
@@ -58,7 +65,8 @@ def plot_throughput(
         ax.set_xlabel("GPUs")
         ax.set_xticks(list(gpu_counts)[1::2])
         ax.grid(alpha=0.3)
-        ax.legend(title="GPT-3", fontsize=8)
+        ax.axhline(0.0, color="grey", lw=0.5)
+        ax.legend(title="GPT-3 (x: T=0)", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -53,38 +53,55 @@ class ReliabilityModel:
         return ReliabilityModel(rate, hours)
 
 
-def waf_table(throughput: FloatArray, weight: float, min_units: int) -> FloatArray:
-    """Eq. 2: F = w · T where the allocation meets the task's minimum, else 0."""
+def _index(n: int, units: IntArray | None) -> IntArray:
+    return np.arange(n, dtype=np.int64) if units is None else units
+
+
+def waf_table(
+    throughput: FloatArray, weight: float, min_units: int, units: IntArray | None = None
+) -> FloatArray:
+    """Eq. 2: F = w · T where the allocation meets the task's minimum, else 0.
+
+    Entry i is the allocation ``units[i]`` (default: i units) for every table in this module.
+    """
     f = weight * throughput
-    f[: min(min_units, len(f))] = 0.0
+    f[_index(len(f), units) < min_units] = 0.0
     return f
 
 
 def gain_table(
-    waf: FloatArray, current: int | None, faulted: bool, waf_now: float, d_running: float, d_transition: float
+    waf: FloatArray,
+    current: int | None,
+    faulted: bool,
+    waf_now: float,
+    d_running: float,
+    d_transition: float,
+    units: IntArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """Eq. 3 and 4: G(k) = F(k)·D_running - F(x_i)·1(k ≠ x_i or faulted)·D_transition, and the indicator.
 
-    ``current`` is the unit index of the task's present allocation, None when it is not a whole
-    number of units (then every choice is a change); ``waf_now`` is F(t_i, x_i) in GPUs.
+    ``current`` is the task's present allocation in units, None when it is not a whole number of
+    units (then every choice is a change); ``waf_now`` is F(t_i, x_i) in GPUs.
     """
     changes = np.ones(len(waf), dtype=np.int64)
-    if current is not None and not faulted and current < len(waf):
-        changes[current] = 0
+    if current is not None and not faulted:
+        changes[_index(len(waf), units) == current] = 0
     gains = waf * d_running - waf_now * d_transition * changes
     return gains, changes
 
 
-def choices(gains: FloatArray, changes: IntArray) -> Choices:
+def choices(gains: FloatArray, changes: IntArray, units: IntArray | None = None) -> Choices:
     """The allocations worth considering: k survives unless a smaller k' has G(k') ≥ G(k) and no more
-    changes. S(i-1, ·) never decreases with capacity, so a dominated k can never beat its k'."""
+    changes. S(i-1, ·) never decreases with capacity, so a dominated k can never beat its k'.
+    ``units`` (ascending, starting with 0) may already be a subset; see docs/planner.md for why
+    leaving out the allocations where T = 0 is exact."""
+    index = _index(len(gains), units)
     prefix = np.maximum.accumulate(gains)
     keep = np.zeros(len(gains), dtype=bool)
     keep[0] = True
     keep[1:] = gains[1:] > prefix[:-1]
     keep |= changes == 0  # the no-change choice is only dominated by another no-change choice: none
-    units = np.flatnonzero(keep)
-    return Choices(units.astype(np.int64), gains[units].copy(), changes[units].copy())
+    return Choices(index[keep].astype(np.int64), gains[keep].copy(), changes[keep].copy())
 
 
 def all_choices(gains: FloatArray, changes: IntArray) -> Choices:

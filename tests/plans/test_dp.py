@@ -122,8 +122,9 @@ def test_planner_equals_brute_force_on_gpt_tasks(unit: str, n: int, specs: list[
     size = planner.unit_size(cluster)
     gains, changes = _eq3_tables(cluster, tasks, size)
     want = dp.brute_force(gains, changes, n // size)
-    got = dp.solve(planner.problem(cluster, tasks), n // size)
-    _assert_same(got, want, gains, n // size)
+    for prune in (True, False):  # sparse choices, and every allocation (the dense programme)
+        got = dp.solve(planner.problem(cluster, tasks, prune=prune), n // size)
+        _assert_same(got, want, gains, n // size)
     result = planner.plan(cluster, tasks)
     assert result.objective == pytest.approx(want.value, rel=1e-9, abs=1.0)
     assert sum(result.changed.values()) == want.changes
