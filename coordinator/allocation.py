@@ -54,9 +54,9 @@ class EvenAllocator:
 
     It does not model throughput or transition cost. It (1) meets every task's minimum in priority
     order (weight, then already-running, then name); a task whose minimum does not fit gets 0 and stays
-    pending - never fewer than its minimum; then (2) hands out the rest round-robin in that order, one
-    step at a time to each task's next valid count (a multiple of tp*pp whose data-parallel size divides
-    the global batch), so GPUs are spread evenly.
+    pending - never fewer than its minimum; then (2) hands out the rest by water-filling: the task holding
+    fewest GPUs steps up to its next valid count (a multiple of tp*pp whose data-parallel size divides
+    the global batch), until no task can grow - so GPUs are spread evenly.
     """
 
     def allocate(
@@ -75,15 +75,15 @@ class EvenAllocator:
             if first is not None:
                 counts[task.name] = first
                 free -= first
-        grew = True
-        while grew:
-            grew = False
-            for task in order:
-                if counts[task.name] == 0:
-                    continue
-                nxt = _next_count(task, counts[task.name], counts[task.name] + free)
-                if nxt is not None:
-                    free -= nxt - counts[task.name]
-                    counts[task.name] = nxt
-                    grew = True
+        # water-filling: the task holding least grows by one step, until nobody can
+        growing = [t for t in order if counts[t.name] > 0]
+        rank = {t.name: i for i, t in enumerate(order)}
+        while growing:
+            task = min(growing, key=lambda t: (counts[t.name], rank[t.name]))
+            nxt = _next_count(task, counts[task.name], counts[task.name] + free)
+            if nxt is None:
+                growing.remove(task)
+                continue
+            free -= nxt - counts[task.name]
+            counts[task.name] = nxt
         return counts

@@ -1,0 +1,81 @@
+"""Paper Table 1, row by row, and the classifier's fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.classify import FALLBACK_SEVERITY, TABLE1, classify, severity_of
+from unicron.types import DetectionMethod, ErrorKind, Report, Severity
+
+M = DetectionMethod
+K = ErrorKind
+S = Severity
+
+# Transcribed from the paper's Table 1, independently of the module's table.
+PAPER_TABLE1 = [
+    (M.NODE_HEALTH, K.LOST_CONNECTION, S.SEV1),
+    (M.PROCESS_SUPERVISION, K.EXITED_ABNORMALLY, S.SEV2),
+    (M.EXCEPTION_PROPAGATION, K.CONNECTION_REFUSED_RESET, S.SEV3),
+    (M.EXCEPTION_PROPAGATION, K.ILLEGAL_MEMORY_ACCESS, S.SEV2),
+    (M.EXCEPTION_PROPAGATION, K.ECC_ERROR, S.SEV1),
+    (M.EXCEPTION_PROPAGATION, K.INVALID_DMA_MAPPING, S.SEV1),
+    (M.EXCEPTION_PROPAGATION, K.CUDA_ERROR, S.SEV2),
+    (M.EXCEPTION_PROPAGATION, K.NVLINK_ERROR, S.SEV1),
+    (M.EXCEPTION_PROPAGATION, K.GPU_DRIVER_ERROR, S.SEV1),
+    (M.EXCEPTION_PROPAGATION, K.OTHER_NETWORK_ERROR, S.SEV3),
+    (M.EXCEPTION_PROPAGATION, K.OTHER_SOFTWARE_ERROR, S.SEV2),
+    (M.STATISTICAL_MONITORING, K.NCCL_TIMEOUT, S.SEV3),
+    (M.STATISTICAL_MONITORING, K.LINK_FLAPPING, S.SEV3),
+    (M.STATISTICAL_MONITORING, K.TASK_HANG, S.SEV2),
+    (M.STATISTICAL_MONITORING, K.OTHER_SOFTWARE_ERROR, S.SEV2),
+]
+
+
+def test_table_has_exactly_the_papers_rows() -> None:
+    assert dict(TABLE1) == {(m, k): s for m, k, s in PAPER_TABLE1}
+
+
+@pytest.mark.parametrize(("method", "kind", "severity"), PAPER_TABLE1)
+def test_classify_each_row(method: DetectionMethod, kind: ErrorKind, severity: Severity) -> None:
+    report = Report(
+        method=method,
+        kind=kind,
+        node="n1",
+        task="job",
+        rank=3,
+        step=7,
+        message="boom",
+        source_ts=10.0,
+        agent_ts=10.5,
+    )
+    incident = classify(report, detected_ts=11.0, incident_id="inc-1")
+    assert incident.severity is severity
+    assert (incident.node, incident.task, incident.rank, incident.step, incident.message) == (
+        "n1",
+        "job",
+        3,
+        7,
+        "boom",
+    )
+    assert incident.report_id == report.report_id and incident.incident_id == "inc-1"
+    assert incident.detection_latency_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kind", [K.ECC_ERROR, K.NVLINK_ERROR, K.GPU_DRIVER_ERROR, K.INVALID_DMA_MAPPING])
+def test_gpu_monitor_events_are_node_level(kind: ErrorKind) -> None:
+    # the agent's GPU monitor (XID / ECC / NVLink) reports through exception propagation
+    assert severity_of(M.EXCEPTION_PROPAGATION, kind) is S.SEV1
+
+
+@pytest.mark.parametrize("method", list(M))
+def test_degradation_is_recorded_only(method: DetectionMethod) -> None:
+    assert severity_of(method, K.DEGRADATION) is None
+
+
+def test_unlisted_pairs_fall_back_to_other_software_errors_and_never_raise() -> None:
+    listed = {(m, k) for m, k, _ in PAPER_TABLE1}
+    for method in M:
+        for kind in K:
+            if (method, kind) in listed or kind is K.DEGRADATION:
+                continue
+            assert severity_of(method, kind) is FALLBACK_SEVERITY is S.SEV2, (method, kind)

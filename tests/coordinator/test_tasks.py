@@ -1,0 +1,117 @@
+"""Task specs: validation names the field and says what to do; JSON round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.tasks import TaskSpec, parse_task_spec
+from unicron.errors import InvalidRecord
+
+MODEL = {
+    "num_layers": 24,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "seq_length": 2048,
+    "vocab_size": 50257,
+    "global_batch_size": 64,
+}
+
+
+def task(**fields: Any) -> dict[str, Any]:
+    return {"name": "gpt-1", "command": ["python", "pretrain_gpt.py", "--tp", "2"], **fields}
+
+
+def test_defaults() -> None:
+    spec = parse_task_spec(task(), None)
+    assert (spec.weight, spec.min_gpus, spec.tp_size, spec.pp_size, spec.model, dict(spec.env)) == (
+        1.0,
+        1,
+        1,
+        1,
+        None,
+        {},
+    )
+    assert spec.command == ("python", "pretrain_gpt.py", "--tp", "2")
+
+
+def test_command_string_is_split_like_a_shell() -> None:
+    spec = parse_task_spec(task(command="python train.py --name 'a b'"), None)
+    assert spec.command == ("python", "train.py", "--name", "a b")
+
+
+def test_json_round_trip_including_the_example() -> None:
+    spec = parse_task_spec(
+        task(weight=1.5, tp_size=2, pp_size=2, min_gpus=8, model=MODEL, env={"A": "1"}), 64, 8
+    )
+    again = TaskSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec
+    example = Path(__file__).resolve().parents[2] / "docs" / "examples" / "task.json"
+    if example.exists():
+        parsed = parse_task_spec(json.loads(example.read_text()), None)
+        assert TaskSpec.from_dict(parsed.to_dict()) == parsed
+
+
+@pytest.mark.parametrize(
+    ("fields", "cluster", "per_node", "message"),
+    [
+        ({"colour": "red"}, None, None, r"task: unknown field\(s\) \['colour'\]"),
+        ({"command": []}, None, None, "task.command: is empty"),
+        ({"command": ""}, None, None, "task.command: is empty"),
+        ({"command": ["python", 3]}, None, None, "task.command: every argument must be a string"),
+        ({"command": "python 'unclosed"}, None, None, "task.command: cannot split"),
+        ({"weight": 3.0}, None, None, r"task.weight: 3.0 is outside \[0.5, 2.0\]"),
+        ({"weight": 0.1}, None, None, r"task.weight: 0.1 is outside"),
+        ({"weight": "high"}, None, None, "task.weight: expected a number"),
+        ({"weight": True}, None, None, "task.weight: expected a number"),
+        ({"min_gpus": 0}, None, None, "task.min_gpus: must be at least 1"),
+        ({"min_gpus": 2.5}, None, None, "task.min_gpus: expected a positive integer"),
+        ({"min_gpus": 32}, 16, None, "task.min_gpus: 32 is more than the cluster's 16 GPUs"),
+        ({"tp_size": 3, "min_gpus": 3}, None, 8, "task.tp_size: 3 does not divide the 8 GPUs per node"),
+        ({"tp_size": 2, "min_gpus": 3}, None, None, "task.min_gpus: 3 is not a multiple of tp_size"),
+        ({"name": "GPT"}, None, None, "task.name: 'GPT' is not a valid task name"),
+        ({"name": "a/b"}, None, None, "task.name"),
+        ({"name": "-a"}, None, None, "task.name"),
+        ({"name": "a" * 64}, None, None, "task.name"),
+        ({"env": {"A": 1}}, None, None, "task.env: entry 'A'"),
+        ({"model": {**MODEL, "depth": 3}}, None, None, r"task.model: unknown field\(s\) \['depth'\]"),
+        (
+            {"model": {k: v for k, v in MODEL.items() if k != "vocab_size"}},
+            None,
+            None,
+            "task.model.vocab_size: missing",
+        ),
+        (
+            {"model": {**MODEL, "hidden_size": 2050}},
+            None,
+            None,
+            "task.model.hidden_size: 2050 is not divisible",
+        ),
+        ({"model": {**MODEL, "seq_length": 0}}, None, None, "task.model.seq_length: must be at least 1"),
+        ({"model": MODEL, "min_gpus": 3}, None, None, "task.min_gpus: with 3 GPUs the data-parallel size"),
+    ],
+)
+def test_bad_specs_name_the_field(
+    fields: dict[str, Any], cluster: int | None, per_node: int | None, message: str
+) -> None:
+    with pytest.raises(InvalidRecord, match=message):
+        parse_task_spec(task(**fields), cluster, per_node)
+
+
+def test_missing_fields_and_non_objects() -> None:
+    with pytest.raises(InvalidRecord, match=r"task\.command: missing"):
+        parse_task_spec({"name": "a"}, None)
+    with pytest.raises(InvalidRecord, match=r"task\.name: missing"):
+        parse_task_spec({"command": ["x"]}, None)
+    with pytest.raises(InvalidRecord, match="expected a JSON object"):
+        parse_task_spec(["a"], None)
+
+
+def test_valid_counts_respect_parallelism_and_global_batch() -> None:
+    spec = parse_task_spec(task(tp_size=2, min_gpus=4, model={**MODEL, "global_batch_size": 12}), None)
+    valid = [g for g in range(0, 33) if spec.valid_count(g)]
+    # multiples of tp=2, at least 4, and DP (g/2) dividing the global batch of 12
+    assert valid == [0, 4, 6, 8, 12, 24]
