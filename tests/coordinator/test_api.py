@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -30,7 +31,8 @@ from unicron.keyspace import Keyspace
 from unicron.proto import coordinator_pb2 as pb
 from unicron.proto import coordinator_pb2_grpc as pb_grpc
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "task.json"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "docs" / "examples" / "task.json"
 
 
 class FakeControlPlane:
@@ -241,6 +243,14 @@ def test_serve_refuses_a_taken_port(plane: FakeControlPlane, api: str) -> None:
     port = int(api.rsplit(":", 1)[1])
     with pytest.raises(PermanentError, match="cannot listen"):
         serve(plane, "127.0.0.1", port)
+
+
+def test_committed_generated_code_matches_the_proto(tmp_path: Path) -> None:
+    subprocess.run(["bash", str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)], check=True,
+                   capture_output=True, timeout=60)
+    for name in ("coordinator_pb2.py", "coordinator_pb2.pyi", "coordinator_pb2_grpc.py"):
+        committed = (ROOT / "unicron" / "proto" / name).read_text()
+        assert (tmp_path / name).read_text() == committed, f"{name} is stale: run scripts/gen_proto.sh"
 
 
 # --- the CLI ---------------------------------------------------------------------------------
