@@ -32,6 +32,7 @@ import enum
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from coordinator.allocation import Allocator, EvenAllocator
@@ -355,55 +356,72 @@ _P = TaskPhase
 _T = Trigger
 _R = Response
 
-_COMMON: dict[Trigger, tuple[TaskPhase, Response]] = {
-    _T.RESIZED: (_P.RECONFIGURING, _R.ASSIGN),
-    _T.UNPLACED: (_P.PENDING, _R.STOP),
-    _T.FINISHED: (_P.FINISHED, _R.RELEASE),
-    _T.CANCELLED: (_P.CANCELLED, _R.STOP_RELEASE),
-    _T.NO_PROGRESS: (_P.FAILED, _R.FAIL),
-}
-
 #: Figure 7 per task. A (phase, trigger) pair not listed is ignored (e.g. anything in a final phase).
-TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = {
-    (_P.PENDING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ⑥ launched
-    (_P.PENDING, _T.CANCELLED): (_P.CANCELLED, _R.WITHDRAW),
-    **{(_P.RUNNING, t): v for t, v in _COMMON.items()},
-    (_P.RUNNING, _T.SEV3): (_P.REATTEMPTING, _R.REATTEMPT),  # ①
-    (_P.RUNNING, _T.SEV2): (_P.RESTARTING, _R.RESTART),  # ②
-    (_P.RUNNING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),  # ③
-    (_P.RUNNING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # no reattempts allowed: sev2
-    **{(_P.REATTEMPTING, t): v for t, v in _COMMON.items()},
-    (_P.REATTEMPTING, _T.SEV3): (_P.REATTEMPTING, _R.MERGE),
-    (_P.REATTEMPTING, _T.SEV2): (_P.RESTARTING, _R.RESTART),
-    (_P.REATTEMPTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
-    (_P.REATTEMPTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
-    (_P.REATTEMPTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
-    (_P.REATTEMPTING, _T.ACTION_FAILED): (_P.REATTEMPTING, _R.REATTEMPT),  # again, while reattempts last
-    (_P.REATTEMPTING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # upgraded to sev2
-    **{(_P.RESTARTING, t): v for t, v in _COMMON.items()},
-    (_P.RESTARTING, _T.SEV3): (_P.RESTARTING, _R.MERGE),
-    (_P.RESTARTING, _T.SEV2): (_P.RESTARTING, _R.MERGE),
-    (_P.RESTARTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
-    (_P.RESTARTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
-    (_P.RESTARTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
-    (_P.RESTARTING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.ESCALATE),  # upgraded to sev1
-    **{(_P.RECONFIGURING, t): v for t, v in _COMMON.items()},
-    (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
-    (_P.RECONFIGURING, _T.SEV2): (_P.RECONFIGURING, _R.MERGE),
-    (_P.RECONFIGURING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
-    (_P.RECONFIGURING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
-    (_P.RECONFIGURING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
-    (_P.RECONFIGURING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.REASSIGN),
-}
+TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = MappingProxyType(
+    {
+        # pending
+        (_P.PENDING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ⑥ launched
+        (_P.PENDING, _T.CANCELLED): (_P.CANCELLED, _R.WITHDRAW),
+        # running
+        (_P.RUNNING, _T.SEV3): (_P.REATTEMPTING, _R.REATTEMPT),  # ①
+        (_P.RUNNING, _T.SEV2): (_P.RESTARTING, _R.RESTART),  # ②
+        (_P.RUNNING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),  # ③
+        (_P.RUNNING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # no reattempts allowed: sev2
+        (_P.RUNNING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RUNNING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ④ join / ⑤ finish / ⑥ launch elsewhere
+        (_P.RUNNING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.RUNNING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RUNNING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        # reattempting
+        (_P.REATTEMPTING, _T.SEV3): (_P.REATTEMPTING, _R.MERGE),
+        (_P.REATTEMPTING, _T.SEV2): (_P.RESTARTING, _R.RESTART),
+        (_P.REATTEMPTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
+        (_P.REATTEMPTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
+        (_P.REATTEMPTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
+        (_P.REATTEMPTING, _T.ACTION_FAILED): (_P.REATTEMPTING, _R.REATTEMPT),  # again, while reattempts last
+        (_P.REATTEMPTING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # upgraded to sev2
+        (_P.REATTEMPTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.REATTEMPTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        (_P.REATTEMPTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.REATTEMPTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        # restarting
+        (_P.RESTARTING, _T.SEV3): (_P.RESTARTING, _R.MERGE),
+        (_P.RESTARTING, _T.SEV2): (_P.RESTARTING, _R.MERGE),
+        (_P.RESTARTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
+        (_P.RESTARTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
+        (_P.RESTARTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
+        (_P.RESTARTING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.ESCALATE),  # upgraded to sev1
+        (_P.RESTARTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RESTARTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        (_P.RESTARTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.RESTARTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RESTARTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        # reconfiguring
+        (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
+        (_P.RECONFIGURING, _T.SEV2): (_P.RECONFIGURING, _R.MERGE),
+        (_P.RECONFIGURING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
+        (_P.RECONFIGURING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
+        (_P.RECONFIGURING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
+        (_P.RECONFIGURING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.REASSIGN),
+        (_P.RECONFIGURING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RECONFIGURING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        (_P.RECONFIGURING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.RECONFIGURING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RECONFIGURING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+    }
+)
 
 #: A response that spends a budget, and the trigger that replaces it once the budget is spent
 #: (looked up again from the same phase).
-BUDGETED: Mapping[Response, Trigger] = {
-    _R.REATTEMPT: _T.REATTEMPTS_SPENT,
-    _R.RESTART: _T.NO_PROGRESS,
-    _R.ESCALATE: _T.NO_PROGRESS,
-    _R.REASSIGN: _T.NO_PROGRESS,
-}
+BUDGETED: Mapping[Response, Trigger] = MappingProxyType(
+    {
+        _R.REATTEMPT: _T.REATTEMPTS_SPENT,
+        _R.RESTART: _T.NO_PROGRESS,
+        _R.ESCALATE: _T.NO_PROGRESS,
+        _R.REASSIGN: _T.NO_PROGRESS,
+    }
+)
 
 _SEVERITY_TRIGGER = {Severity.SEV1: _T.SEV1, Severity.SEV2: _T.SEV2, Severity.SEV3: _T.SEV3}
 
@@ -641,7 +659,7 @@ class _Run:
             case NodeJoined():
                 self._on_join(event.node, event.gpus)
             case NodeLost():
-                self._node_down(event.node, NodeState.LOST, f"lost: {event.reason}")
+                self._node_down(event.node, NodeState.LOST, event.reason)
             case NodeDrained():
                 self._on_drain(event.node)
             case NodeUndrained():
