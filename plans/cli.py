@@ -59,14 +59,14 @@ def _print_plan(result: PlanResult, spec: PlanInput, out: TextIO) -> None:
         file=out,
     )
     header = (
-        f"  {'task':<12} {'model':<8} {'w':>4} {'GPUs':>5}  {'config':<24} {'T PF/s':>8} {'F PF/s':>8} "
+        f"  {'task':<12} {'model':<10} {'w':>4} {'GPUs':>5}  {'config':<24} {'T PF/s':>8} {'F PF/s':>8} "
         f"{'G EFLOP':>9}  changed"
     )
     print(header, file=out)
     for t in spec.tasks:
         cfg = result.configs[t.name]
         print(
-            f"  {t.name:<12} {t.model.label:<8} {t.weight:>4.2g} {result.allocation[t.name]:>5}  "
+            f"  {t.name:<12} {t.model.label:<10} {t.weight:>4.2g} {result.allocation[t.name]:>5}  "
             f"{cfg.describe() if cfg else '-':<24} {result.throughput[t.name] / 1e15:>8.3f} "
             f"{result.waf[t.name] / 1e15:>8.3f} {result.gain[t.name] / 1e18:>9.4g}  "
             f"{'yes' if result.changed[t.name] else 'no'}",

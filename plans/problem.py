@@ -58,6 +58,12 @@ class TaskDemand:
     """D_transition for this task, seconds (an estimate until measured)."""
     calibration: Calibration | None = None
     """Measured throughput, if the task has run."""
+    tp: int | None = None
+    """Pin tensor parallelism (a task launched with a fixed layout); None: searched."""
+    pp: int | None = None
+    """Pin pipeline parallelism; None: searched. With ``tp`` pinned too only DP is elastic."""
+    micro_batch: int | None = None
+    """Pin the micro-batch size; None: searched."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -67,6 +73,9 @@ class TaskDemand:
             raise InvalidRecord(f"{owner}.weight: must be a finite number > 0, got {self.weight!r}")
         _count(owner, "min_gpus", self.min_gpus, 0)
         _count(owner, "current_gpus", self.current_gpus, 0)
+        for field in ("tp", "pp", "micro_batch"):
+            if getattr(self, field) is not None:
+                _count(owner, field, getattr(self, field), 1)
         if not isinstance(self.transition_s, int | float) or not 0 <= self.transition_s < math.inf:
             raise InvalidRecord(
                 f"{owner}.transition_s: must be a finite number >= 0, got {self.transition_s!r}"
@@ -83,7 +92,9 @@ def check_names(tasks: Sequence[TaskDemand]) -> None:
 
 def task_curve(task: TaskDemand, cluster: ClusterSpec, cost: CostModel) -> ThroughputCurve:
     """T(t, ·) on this cluster's GPU type, calibrated by the task's measurements."""
-    curve = model_curve(task.model, cluster.gpu_type, cluster.gpus_per_node, cost)
+    curve = model_curve(
+        task.model, cluster.gpu_type, cluster.gpus_per_node, cost, task.tp, task.pp, task.micro_batch
+    )
     return calibrate(curve, task.calibration)
 
 

@@ -93,6 +93,9 @@ _TASK_FIELDS = {
     "faulted",
     "transition_s",
     "calibration",
+    "tp",
+    "pp",
+    "micro_batch",
 }
 
 

@@ -140,19 +140,25 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _enumerate(model: ModelSpec, gpus_per_node: int, cost: CostModel) -> IntArray:
-    """All (tp, pp, dp, micro_batch, recompute) tuples Megatron accepts for this model, as rows."""
+def _enumerate(
+    model: ModelSpec, gpus_per_node: int, cost: CostModel, tp: int | None, pp: int | None, mb: int | None
+) -> IntArray:
+    """All (tp, pp, dp, micro_batch, recompute) tuples Megatron accepts for this model, as rows;
+    ``tp``/``pp``/``mb`` not None pin that dimension (a task launched with a fixed layout)."""
     rows = []
-    tps = [t for t in _divisors(gpus_per_node) if model.heads % t == 0]
-    for tp in tps:
-        for pp in _divisors(model.layers):
+    tps = [t for t in _divisors(gpus_per_node) if model.heads % t == 0 and tp in (None, t)]
+    for t in tps:
+        for p in _divisors(model.layers):
+            if pp not in (None, p):
+                continue
             for dp in _divisors(model.global_batch):
-                for mb in _divisors(model.global_batch // dp):
-                    if mb > cost.max_micro_batch:
+                for b in _divisors(model.global_batch // dp):
+                    if b > cost.max_micro_batch and mb is None:
                         break
-                    rows.append((tp, pp, dp, mb, 0))
-                    rows.append((tp, pp, dp, mb, 1))
-    return np.array(rows, dtype=np.int64)
+                    if mb in (None, b):
+                        rows.append((t, p, dp, b, 0))
+                        rows.append((t, p, dp, b, 1))
+    return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
 def estimate(
@@ -218,9 +224,18 @@ def estimate(
 
 
 @functools.lru_cache(maxsize=512)
-def model_curve(model: ModelSpec, gpu: GpuType, gpus_per_node: int, cost: CostModel) -> ThroughputCurve:
-    """T(t, x) for every x any configuration reaches (the analytic model, no calibration)."""
-    cfg = _enumerate(model, gpus_per_node, cost)
+def model_curve(
+    model: ModelSpec,
+    gpu: GpuType,
+    gpus_per_node: int,
+    cost: CostModel,
+    tp: int | None = None,
+    pp: int | None = None,
+    micro_batch: int | None = None,
+) -> ThroughputCurve:
+    """T(t, x) for every x any configuration reaches (the analytic model, no calibration); ``tp``,
+    ``pp`` and ``micro_batch`` pin those dimensions when the task's layout is fixed."""
+    cfg = _enumerate(model, gpus_per_node, cost, tp, pp, micro_batch)
     iteration, memory = estimate(model, gpu, gpus_per_node, cost, cfg)
     fits = memory <= gpu.memory_bytes * (1 - cost.memory_reserve_fraction)
     cfg, iteration, memory = cfg[fits], iteration[fits], memory[fits]

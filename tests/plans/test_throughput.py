@@ -104,3 +104,13 @@ def test_bad_model_or_gpu_names_are_rejected_with_the_field() -> None:
     assert gpt3("gpt3-7b") is GPT3["7B"]
     with pytest.raises(InvalidRecord, match="calibration"):
         Calibration({0: 1.0})
+
+
+def test_a_pinned_layout_leaves_only_data_parallelism_elastic() -> None:
+    free = model_curve(GPT3["7B"], A800, 8, COST)
+    pinned = model_curve(GPT3["7B"], A800, 8, COST, tp=4, pp=2, micro_batch=1)
+    assert pinned.gpus and set(pinned.gpus) <= set(free.gpus)
+    for x, cfg in zip(pinned.gpus, pinned.configs, strict=True):
+        assert cfg is not None
+        assert (cfg.tp, cfg.pp, cfg.micro_batch) == (4, 2, 1)
+        assert pinned.at(x) <= free.at(x)  # a subset of the search can only be slower
