@@ -8,6 +8,7 @@ state. Every write is fenced by the leadership token (see :mod:`coordinator.lead
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -41,6 +42,8 @@ class _Input:
 
 IncidentHook = Callable[[Incident], None]
 
+EXIT_DEPOSED = 75  # EX_TEMPFAIL
+
 
 def connect_store(endpoints: str, timeout_s: float, stop: threading.Event, what: str) -> Store | None:
     """Connect to etcd, retrying with backoff and saying clearly what is wrong while it is down."""
@@ -73,7 +76,8 @@ class Coordinator:
         self._nodes: dict[str, NodeInfo] = {}
         self._lost_nodes: set[str] = set()
         self.incident_hooks: list[IncidentHook] = []
-        self.incidents: list[Incident] = []
+        self.incidents: collections.deque[Incident] = collections.deque(maxlen=1000)
+        self.deposed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -96,13 +100,15 @@ class Coordinator:
         log.info("coordinator leading", link=self.link.address)
         self._loop()
         self._shutdown()
-        return 0
+        # Non-zero when deposed, so systemd's Restart=on-failure brings us back as a standby.
+        return EXIT_DEPOSED if self.deposed else 0
 
     def stop(self) -> None:
         self.stop_event.set()
         self._inbox.put(_Input("stop", None, time.time()))
 
     def _on_deposed(self) -> None:
+        self.deposed = True
         log.error("deposed: another coordinator leads now; exiting so systemd restarts us as a standby")
         self.stop()
 

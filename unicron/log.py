@@ -47,4 +47,6 @@ def configure(level: str = "INFO", stream: Any = None, json: bool = True) -> Non
 
 def get(name: str, **bound: Any) -> Any:
     """A structlog logger named ``name`` with ``bound`` context (task=, node=, gpu=, rank=, step=)."""
-    return structlog.get_logger(name).bind(**bound)
+    # get_logger stays lazy: binding here would freeze the default configuration into a logger
+    # created at import time, before the daemon's configure() runs.
+    return structlog.get_logger(name, **bound)

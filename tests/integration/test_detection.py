@@ -1,0 +1,174 @@
+"""Every Table 1 detection path end to end: real etcd, coordinator, agents and gloo ranks.
+
+One cluster serves the module (starting it costs seconds); each test restarts the workload at a new
+generation when it needs healthy ranks, and picks its own incident by time and kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from unicron.commands.inject import request
+from unicron.localcluster import LocalCluster
+from unicron.types import DetectionMethod, ErrorKind, Incident, Severity
+
+WORKLOAD = [sys.executable, "-m", "unicron.workload", "--iter-time", "0.05", "--jitter", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "3"})
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+_generation = [0]
+
+
+def run_workload(cluster: LocalCluster, nodes: list[str], argv: list[str] | None = None) -> None:
+    _generation[0] += 1
+    cluster.assign_task("t1", argv or WORKLOAD, nodes, ranks_per_node=2, generation=_generation[0])
+
+    def stepping() -> bool:
+        st = [cluster.agent_status(n) for n in nodes]
+        # Only this generation's ranks count: the previous one's may linger in a status not yet rewritten.
+        steps = [r.get("step") for s in st if s and s.get("generation") == _generation[0]
+                 for r in s.get("ranks", []) if r.get("state") == "running"]
+        return len(steps) == 2 * len(nodes) and all(isinstance(x, int) and x >= 5 for x in steps)
+
+    cluster.wait_for(stepping, 60.0, "the workload to pass its warm-up", poll_s=0.1)
+
+
+def inject(cluster: LocalCluster, node: str, **req: object) -> float:
+    assert cluster.store is not None
+    answer = request(cluster.store, cluster.keys, node, dict(req))
+    assert answer["ok"], answer.get("detail")
+    return float(answer["executed_ts"])
+
+
+def expect(cluster: LocalCluster, after: float, kind: ErrorKind, severity: Severity,
+           method: DetectionMethod, timeout_s: float = 20.0) -> Incident:
+    inc = cluster.wait_incident(lambda i: i.kind is kind, timeout_s=timeout_s, after=after)
+    assert inc.severity is severity, inc
+    assert inc.method is method, inc
+    return inc
+
+
+def test_exception_propagation_each_severity(cluster: LocalCluster) -> None:
+    run_workload(cluster, ["node0", "node1"])
+    for kind, sev in ((ErrorKind.CONNECTION_REFUSED_RESET, Severity.SEV3), (ErrorKind.CUDA_ERROR, Severity.SEV2),
+                      (ErrorKind.ECC_ERROR, Severity.SEV1)):
+        t0 = inject(cluster, "node1", fault="raise", kind=kind.value, rank=2)
+        inc = expect(cluster, t0, kind, sev, DetectionMethod.EXCEPTION_PROPAGATION)
+        assert (inc.node, inc.task, inc.rank) == ("node1", "t1", 2)
+        assert inc.detected_ts - t0 < 5.0
+        run_workload(cluster, ["node0", "node1"])
+
+
+def test_rank_killed_is_process_supervision_sev2(cluster: LocalCluster) -> None:
+    run_workload(cluster, ["node0", "node1"])
+    t0 = inject(cluster, "node0", fault="kill-rank", rank=1)
+    inc = expect(cluster, t0 - 0.5, ErrorKind.EXITED_ABNORMALLY, Severity.SEV2, DetectionMethod.PROCESS_SUPERVISION)
+    assert inc.rank == 1 and "signal 9" in inc.message
+
+
+def test_stall_is_a_task_hang(cluster: LocalCluster) -> None:
+    run_workload(cluster, ["node0", "node1"])
+    t0 = inject(cluster, "node0", fault="stall", rank=0)
+    inc = expect(cluster, t0, ErrorKind.TASK_HANG, Severity.SEV2, DetectionMethod.STATISTICAL_MONITORING)
+    assert inc.task == "t1"
+
+
+def test_simulated_xid_is_sev1(cluster: LocalCluster) -> None:
+    run_workload(cluster, ["node0", "node1"])
+    t0 = inject(cluster, "node1", fault="xid", code=79, gpu=1)
+    inc = expect(cluster, t0, ErrorKind.GPU_DRIVER_ERROR, Severity.SEV1, DetectionMethod.EXCEPTION_PROPAGATION)
+    assert (inc.node, inc.gpu, inc.rank) == ("node1", 1, 3)
+
+
+def test_uninstrumented_stderr_is_matched(cluster: LocalCluster) -> None:
+    argv = [sys.executable, "-c",
+            "import sys,time; print('RuntimeError: CUDA error: an illegal memory access was encountered',"
+            " file=sys.stderr, flush=True); time.sleep(60)"]
+    t0 = time.time()
+    _generation[0] += 1
+    cluster.assign_task("t2", argv, ["node2"], ranks_per_node=1, generation=_generation[0])
+    inc = expect(cluster, t0, ErrorKind.ILLEGAL_MEMORY_ACCESS, Severity.SEV2, DetectionMethod.EXCEPTION_PROPAGATION)
+    assert inc.node == "node2"
+
+
+def test_agent_survives_malformed_socket_messages(cluster: LocalCluster) -> None:
+    path = os.path.join(cluster.run_dir, "node2.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(b"not json\n{\"type\": \"nope\"}\n[1,2]\n{\"type\":\"iter_end\",\"step\":\"x\"}\n" + b"x" * 100)
+    time.sleep(0.3)
+    assert cluster.agents["node2"].poll() is None
+    t0 = inject(cluster, "node2", fault="xid", code=48, gpu=0)
+    expect(cluster, t0, ErrorKind.ECC_ERROR, Severity.SEV1, DetectionMethod.EXCEPTION_PROPAGATION)
+
+
+def test_garbage_in_etcd_is_skipped(cluster: LocalCluster) -> None:
+    assert cluster.store is not None
+    cluster.store.put(cluster.keys.report("node2", "garbage1"), b"\xff{not json")
+    cluster.store.put(cluster.keys.report("node2", "garbage2"), json.dumps({"kind": "bogus"}))
+    cluster.store.put(cluster.keys.node("ghost"), "[]")
+    cluster.wait_for(lambda: cluster.store.get(cluster.keys.report("node2", "garbage2")) is None, 10.0,  # type: ignore[union-attr]
+                     "the coordinator to delete the garbage report")
+    assert cluster.coordinator is not None and cluster.coordinator.poll() is None
+    t0 = inject(cluster, "node2", fault="xid", code=74, gpu=1)
+    expect(cluster, t0, ErrorKind.NVLINK_ERROR, Severity.SEV1, DetectionMethod.EXCEPTION_PROPAGATION)
+
+
+def test_etcd_restart_keeps_ranks_and_loses_no_report(cluster: LocalCluster) -> None:
+    run_workload(cluster, ["node0", "node1"])
+    pids_before = {r["pid"] for r in cluster.agent_status("node0")["ranks"]}  # type: ignore[index]
+    cluster.etcd.stop()
+    # A fault while etcd is down: the report must wait in the agent and arrive after the restart.
+    os.kill(next(iter(pids_before)), signal.SIGKILL)
+    t_kill = time.time()
+    time.sleep(1.0)
+    cluster.etcd.start()
+    inc = cluster.wait_incident(lambda i: i.kind is ErrorKind.EXITED_ABNORMALLY and i.node == "node0",
+                                timeout_s=30.0, after=t_kill)
+    assert inc.source_ts <= inc.detected_ts
+    cluster.wait_for(lambda: set(cluster.registered_nodes()) >= {"node0", "node1", "node2"}, 20.0, "re-registration")
+    assert all(p.poll() is None for p in cluster.agents.values())
+
+
+def test_silenced_node_is_lost_by_heartbeat(cluster: LocalCluster) -> None:
+    proc = cluster.agents["node2"]
+    t0 = time.time()
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        inc = expect(cluster, t0, ErrorKind.LOST_CONNECTION, Severity.SEV1, DetectionMethod.NODE_HEALTH)
+        assert inc.node == "node2" and "heartbeat" in inc.message
+        assert inc.detected_ts - t0 < 3.0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    # Its lease expired meanwhile: the agent notices, re-registers and re-links.
+    cluster.wait_for(lambda: "node2" in cluster.registered_nodes(), 20.0, "node2 to re-register")
+    time.sleep(0.5)
+
+
+def test_killed_agent_is_lost_by_connection_close(cluster: LocalCluster) -> None:
+    proc = cluster.agents["node2"]
+    t0 = time.time()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    inc = expect(cluster, t0, ErrorKind.LOST_CONNECTION, Severity.SEV1, DetectionMethod.NODE_HEALTH)
+    assert inc.node == "node2" and "connection closed" in inc.message
+    assert inc.detected_ts - t0 < 1.0
+    cluster.start_agent("node2")
+    cluster.wait_for(lambda: "node2" in cluster.registered_nodes(), 30.0, "node2 to re-register")
