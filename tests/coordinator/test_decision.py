@@ -287,6 +287,20 @@ def test_unconfirmed_action_expires_on_tick() -> None:
     assert sim.phase("job") is TaskPhase.RECONFIGURING
 
 
+def test_assignment_failing_on_a_node_isolates_it_and_reassigns() -> None:
+    sim = Sim()
+    sim.join("n1")
+    sim.join("n2")
+    first = one(sim.submit("job"), Assign)
+    acts = sim.fail(first, node="n2")
+    assert one(acts, IsolateNode).node == "n2"
+    again = one(acts, Assign)
+    assert again.placement.keys() == {"n1"} and again.generation == first.generation + 1
+    assert sim.state.tasks["job"].restarts == 1  # charged to the task's budget
+    acts = sim.fail(again)  # no node named: same nodes, fresh generation
+    assert not only(acts, IsolateNode) and one(acts, Assign).placement.keys() == {"n1"}
+
+
 def test_progress_under_the_new_generation_confirms_an_assignment() -> None:
     sim = Sim()
     sim.join("n1")
