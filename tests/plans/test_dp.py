@@ -59,7 +59,7 @@ def _assert_same(got: dp.Solution, want: dp.Solution, gains: list[np.ndarray], c
     assert got.value == pytest.approx(sum(float(g[k]) for g, k in zip(gains, got.units, strict=True)))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_pruned_programme_equals_brute_force(case: tuple) -> None:  # type: ignore[type-arg]
     pruned, gains, changes, capacity = case
@@ -95,7 +95,7 @@ def _eq3_tables(
     return gains, changes
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, database=None)
 @given(
     st.sampled_from(["gpu", "node"]),
     st.integers(0, 40),
