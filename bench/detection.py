@@ -72,7 +72,7 @@ class Bench:
         inc = self.wait(lambda i: i.kind is ErrorKind.LOST_CONNECTION and i.node == "node2", t0)
         proc.wait()
         self.c.start_agent("node2")
-        self.c.wait_for(lambda: "node2" in self.c.registered_nodes(), 30.0, "re-registration")
+        self.c.wait_registered("node2")
         return inc.detected_ts - t0
 
     def node_silenced(self) -> tuple[float, float]:
@@ -85,7 +85,7 @@ class Bench:
         lease_s = time.time() - t0
         os.kill(proc.pid, signal.SIGCONT)
         self.c.wait_for(lambda: "node2" in self.c.registered_nodes(), 30.0, "re-registration")
-        time.sleep(0.3)  # let the link reconnect so the next silence is a fresh loss
+        time.sleep(0.5)  # let the link reconnect so the next silence is a fresh loss
         return inc.detected_ts - t0, lease_s
 
     def rank_killed(self) -> float:

@@ -230,6 +230,8 @@ class SaveOutcome:
     #: None when persistence was not due for this snapshot
     persisted: bool | None = None
     errors: tuple[str, ...] = field(default=())
+    #: seconds each background stage took: ("publish", s), ("replicate", s), ("persist", s)
+    stage_s: tuple[tuple[str, float], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------- interfaces

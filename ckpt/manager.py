@@ -116,7 +116,7 @@ class CheckpointConfig:
 class SaveTicket:
     """Returned by :meth:`CheckpointManager.save`: the stall it caused, and the background outcome."""
 
-    def __init__(self, iteration: int, nbytes: int, blocking_s: float, wait_s: float) -> None:
+    def __init__(self, iteration: int, nbytes: int, blocking_s: float, wait_s: float, copy_s: float) -> None:
         self.iteration = iteration
         #: bytes of the snapshot (metadata + tensor data)
         self.nbytes = nbytes
@@ -124,6 +124,8 @@ class SaveTicket:
         self.blocking_s = blocking_s
         #: of which waiting for a free slot (background work of earlier snapshots still running)
         self.wait_s = wait_s
+        #: of which copying the tensor bytes into the slot (GPU: queueing the copies)
+        self.copy_s = copy_s
         self._done = threading.Event()
         self._outcome: SaveOutcome | None = None
 
@@ -154,6 +156,7 @@ class _Job:
     replicas: list[str] = field(default_factory=list)
     persisted: bool | None = None
     errors: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 _STOP = object()
@@ -220,13 +223,15 @@ class CheckpointManager(Checkpointer):
         enc = codec.encode(state)
         slot = self._acquire_slot()
         t1 = time.perf_counter()
-        data = self._store.prepare(slot, enc.data_len, pin=enc.on_cuda)
         try:
+            data = self._store.prepare(slot, enc.data_len, pin=enc.on_cuda)
+            t2 = time.perf_counter()
             event = codec.copy_into(enc, data, self._copy_stream() if enc.on_cuda else None)
         except BaseException:
             self._release(slot)
             raise
-        ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), time.perf_counter() - t0, t1 - t0)
+        t3 = time.perf_counter()
+        ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), t3 - t0, t1 - t0, t3 - t2)
         self._last = iteration
         self._count += 1
         self._fence_event = event
@@ -296,11 +301,13 @@ class CheckpointManager(Checkpointer):
                 if index + 1 < len(self._queues):
                     self._queues[index + 1].put(_STOP)
                 return
+            t0 = time.perf_counter()
             try:
                 forward = fn(job)
             except Exception as exc:  # a stage must never die: the slot would stay busy forever
                 job.errors.append(f"{fn.__name__.strip('_')}: {type(exc).__name__}: {exc}")
                 forward = False
+            job.seconds[fn.__name__.strip("_")] = time.perf_counter() - t0
             if forward and index + 1 < len(self._queues):
                 self._queues[index + 1].put(job)
             else:
@@ -369,6 +376,7 @@ class CheckpointManager(Checkpointer):
                 replicas=tuple(job.replicas),
                 persisted=job.persisted if job.persist_due else None,
                 errors=tuple(job.errors),
+                stage_s=tuple(job.seconds.items()),
             )
         )
 

@@ -125,6 +125,19 @@ class LocalCluster:
         kvs, _ = self.store.get_prefix(self.keys.nodes())
         return [self.keys.tail(kv.key, self.keys.nodes()) for kv in kvs]
 
+    def wait_registered(self, node: str, timeout_s: float = 30.0) -> None:
+        """Wait until ``node``'s *current* agent process registered (not a dead one's lingering key)
+        and had time to open its link to the coordinator."""
+        assert self.store is not None
+        pid = self.agents[node].pid
+
+        def registered() -> bool:
+            kv = self.store.get(self.keys.node(node))  # type: ignore[union-attr]
+            return kv is not None and json.loads(kv.value).get("agent_pid") == pid
+
+        self.wait_for(registered, timeout_s, f"{node}'s agent (pid {pid}) to register")
+        time.sleep(0.3)  # the agent opens its coordinator link right after registering
+
     def incidents(self) -> list[Incident]:
         assert self.store is not None
         kvs, _ = self.store.get_prefix(self.keys.incidents())

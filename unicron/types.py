@@ -113,7 +113,7 @@ class Record:
     @classmethod
     def from_dict(cls, data: Any) -> Self:
         raw = dict(_check_fields(cls, data))
-        hints = _field_types(cls)
+        hints = _field_types(cls)  # type: ignore[arg-type]
         for name, value in raw.items():
             if not _matches(value, hints[name]):
                 raise InvalidRecord(f"{cls.__name__}.{name}: bad value {value!r} (expected {hints[name]})")

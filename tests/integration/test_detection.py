@@ -171,4 +171,4 @@ def test_killed_agent_is_lost_by_connection_close(cluster: LocalCluster) -> None
     assert inc.node == "node2" and "connection closed" in inc.message
     assert inc.detected_ts - t0 < 1.0
     cluster.start_agent("node2")
-    cluster.wait_for(lambda: "node2" in cluster.registered_nodes(), 30.0, "node2 to re-register")
+    cluster.wait_registered("node2")
