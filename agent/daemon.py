@@ -290,21 +290,6 @@ class Agent:
         self.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY,
                     f"rank {rank} exited abnormally ({what}){cause}", task=task, rank=rank,
                     gpu=self._gpu_of(task, rank), step=rt.steps.get(rank) if rt else None, source_ts=ex.ts)
-        if rt is not None and rt.assignment.host_store is not None:
-            threading.Thread(target=self._mark_rank_failed, args=(task, rank), daemon=True).start()
-
-    def _mark_rank_failed(self, task: str, rank: int) -> None:
-        """Tell the surviving ranks at once, through the rendezvous store, that ``rank`` is gone."""
-        with self._tasks_lock:
-            rt = self._tasks.get(task)
-        if rt is None:
-            return
-        try:
-            from unicron.runtime.store import mark_failed
-
-            mark_failed(rt.assignment.master_addr, rt.assignment.master_port, rank)
-        except Exception as exc:  # the survivors still find out by heartbeat staleness
-            log.info("could not mark rank failed in the store", task=task, rank=rank, error=str(exc))
 
     def _on_stderr_match(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, line, task=task, rank=rank,
@@ -371,7 +356,8 @@ class Agent:
             for name, rt in self._tasks.items():
                 task_name, generation = name, rt.assignment.generation
                 for r, st in rt.supervisor.status().items():
-                    ranks.append({**dataclasses.asdict(st), "task": name, "step": rt.steps.get(r)})
+                    ranks.append({**dataclasses.asdict(st), "task": name, "step": rt.steps.get(r),
+                                  "generation": rt.assignment.generation})
         status = NodeStatus(node=self.node, ts=time.time(), generation=generation, task=task_name, ranks=ranks,
                             gpu_health=[h.to_dict() for h in self.gpu_monitor.latest_health()])
         try:

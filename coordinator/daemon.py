@@ -18,7 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from concurrent.futures import Future
+
+from coordinator import api
+from coordinator import decision as d
 from coordinator.classify import classify
+from coordinator.executor import Executor
+from coordinator.tasks import TaskSpec
 from coordinator.leader import Leadership
 from coordinator.link import LinkServer
 from coordinator.settings import CoordinatorSettings
@@ -76,8 +82,14 @@ class Coordinator:
         self._nodes: dict[str, NodeInfo] = {}
         self._lost_nodes: set[str] = set()
         self.incident_hooks: list[IncidentHook] = []
-        self.incidents: collections.deque[Incident] = collections.deque(maxlen=1000)
+        self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=1000)
         self.deposed = False
+        self.core = d.DecisionCore(d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
+                                                      restart_deadline_s=settings.restart_deadline_s))
+        self.state = self.core.initial_state()
+        self.executor = Executor(self.keys, self._spec, self._node_host)
+        self._steps: dict[str, int] = {}
+        self._api_server: Any = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -90,12 +102,15 @@ class Coordinator:
             self.settings.listen_host, self.settings.link_port, self.settings.heartbeat_timeout_s,
             on_lost=self._on_link_lost, on_connected=self._on_link_connected,
         ).start()
-        address = json.dumps({"link": self.link.address, "pid": os.getpid()})
+        self._api_server, api_address = api.serve(self, self.settings.listen_host, self.settings.api_port)
+        address = json.dumps({"link": self.link.address, "api": api_address, "pid": os.getpid()})
         self.leadership = Leadership(self.store, self.keys, address, self.settings.leader_ttl_s,
                                      on_deposed=self._on_deposed)
         if not self.leadership.campaign(self.stop_event):
             return 0
+        self._load_state()
         self._start_watches()
+        threading.Thread(target=self._ticker, name="ticker", daemon=True).start()
         self.ready.set()
         log.info("coordinator leading", link=self.link.address)
         self._loop()
@@ -113,6 +128,8 @@ class Coordinator:
         self.stop()
 
     def _shutdown(self) -> None:
+        if self._api_server is not None:
+            api.stop(self._api_server)
         for w in self._watches:
             w.stop()
         if self.link is not None:
@@ -124,7 +141,8 @@ class Coordinator:
 
     def _start_watches(self) -> None:
         assert self.store is not None
-        for prefix, kind in ((self.keys.nodes(), "node"), (self.keys.reports(), "report")):
+        for prefix, kind in ((self.keys.nodes(), "node"), (self.keys.reports(), "report"),
+                             (self.keys.statuses(), "status")):
             kvs, rev = self.store.get_prefix(prefix)
             for kv in kvs:
                 self._inbox.put(_Input(kind, WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
@@ -147,6 +165,9 @@ class Coordinator:
             "report": self._handle_report_event,
             "link_lost": self._handle_link_lost,
             "link_connected": self._handle_link_connected,
+            "status": self._handle_status_event,
+            "event": lambda ev, ts: self._decide(ev),
+            "call": self._handle_call,
         }
         while not self.stop_event.is_set():
             try:
@@ -194,11 +215,12 @@ class Coordinator:
         except (InvalidRecord, ValueError) as exc:
             log.warning("ignoring garbage node record", key=ev.key, error=str(exc))
             return
-        joined = node not in self._nodes
+        previous = self._nodes.get(node)
         self._nodes[node] = info
         self._lost_nodes.discard(node)
-        if joined:
+        if previous is None or previous.agent_pid != info.agent_pid or previous.started_ts != info.started_ts:
             log.info("node registered", node=node, gpus=info.gpus, backend=info.gpu_backend)
+            self._decide(d.NodeJoined(ts=ts, node=node, gpus=info.gpus))
 
     def _node_lost(self, node: str, reason: str, ts: float) -> None:
         if node in self._lost_nodes:
@@ -235,6 +257,149 @@ class Coordinator:
             source_ts=incident.source_ts, detected_ts=incident.detected_ts,
             detection_latency_s=round(incident.detection_latency_s, 4),
         )
-        self.incidents.append(incident)
+        self.recent_incidents.append(incident)
         for hook in self.incident_hooks:
             hook(incident)
+        self._decide(d.IncidentRaised(ts=incident.detected_ts, incident=incident, generation=report.generation))
+
+    # --- the decision core ----------------------------------------------------------------------
+
+    def _load_state(self) -> None:
+        """Resume what a previous leader decided: the core's state and the nodes' assignments."""
+        assert self.store is not None
+        kv = self.store.get(self.keys.state())
+        if kv is not None:
+            try:
+                self.state = d.CoreState.from_dict(json.loads(kv.value))
+            except (InvalidRecord, ValueError) as exc:
+                log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
+        kvs, _ = self.store.get_prefix(self.keys.assignments())
+        self.executor.load({kv.key: kv.value for kv in kvs})
+
+    def _spec(self, task: str) -> TaskSpec | None:
+        entry = self.state.tasks.get(task)
+        return entry.spec if entry is not None else None
+
+    def _node_host(self, node: str) -> str:
+        info = self._nodes.get(node)
+        if info is None or info.host == os.uname().nodename:
+            return "127.0.0.1"
+        return info.host
+
+    def _ticker(self) -> None:
+        while not self.stop_event.wait(1.0):
+            self._inbox.put(_Input("event", d.Tick(ts=time.time()), time.time()))
+
+    def _decide(self, event: Any) -> None:
+        """Feed one event to the core, persist its state with the resulting node records, log."""
+        self.state, actions, edges = self.core.explain(self.state, event)
+        for edge in edges:
+            log.info("transition", edge=str(edge))
+        changed: set[str] = set()
+        for action in actions:
+            changed |= self.executor.apply(action)
+            log.warning("action", action=type(action).__name__, **{
+                k: v for k, v in d.to_dict(action).items() if k != "type" and isinstance(v, str | int | float)})
+        puts = dict(self.executor.record(node) for node in sorted(changed))
+        puts[self.keys.state()] = json.dumps(self.state.to_dict())
+        assert self.leadership is not None
+        self.leadership.write(puts=puts)
+
+    def _handle_status_event(self, ev: WatchEvent, ts: float) -> None:
+        """Iterations completed by a task's ranks are its progress (confirms a pending recovery)."""
+        if ev.kind == "delete":
+            return
+        try:
+            status = json.loads(ev.value)
+            ranks = [r for r in status.get("ranks", []) if isinstance(r, dict)]
+        except (ValueError, AttributeError):
+            return
+        best: dict[tuple[str, int], int] = {}
+        for r in ranks:
+            task, step, gen = r.get("task"), r.get("step"), r.get("generation")
+            if isinstance(task, str) and isinstance(step, int) and isinstance(gen, int):
+                best[(task, gen)] = max(step, best.get((task, gen), -1))
+        for (task, gen), step in best.items():
+            entry = self.state.tasks.get(task)
+            if entry is None or gen != entry.generation or step <= self._steps.get(f"{task}/{gen}", -1):
+                continue
+            self._steps[f"{task}/{gen}"] = step
+            self._decide(d.ProgressMade(ts=ts, task=task, step=step, generation=gen))
+
+    # --- the API (coordinator.api.ControlPlane), run on the loop thread ---------------------
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if not self.ready.is_set():
+            raise NotLeader("this coordinator is not the leader (yet); ask the one in the leader key")
+        fut: Future[Any] = Future()
+        self._inbox.put(_Input("call", (fn, fut), time.time()))
+        return fut.result(timeout=10.0)
+
+    def _handle_call(self, data: tuple[Callable[[], Any], Future[Any]], ts: float) -> None:
+        fn, fut = data
+        try:
+            fut.set_result(fn())
+        except Exception as exc:
+            fut.set_exception(exc)
+
+    def submit(self, spec: TaskSpec) -> None:
+        def run() -> None:
+            if spec.name in self.state.tasks:
+                raise api.AlreadyExists(f"task {spec.name!r} exists; cancel it first or pick another name")
+            assert self.leadership is not None
+            self.leadership.write(puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
+            self._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+        self._call(run)
+
+    def cancel(self, name: str) -> None:
+        def run() -> None:
+            if name not in self.state.tasks:
+                raise api.NotFound(f"no task {name!r}; see 'unicron tasks'")
+            self._decide(d.TaskCancelled(ts=time.time(), task=name))
+            assert self.leadership is not None
+            self.leadership.write(deletes=[self.keys.task(name)])
+        self._call(run)
+
+    def tasks(self) -> list[dict[str, Any]]:
+        def run() -> list[dict[str, Any]]:
+            return [{
+                "name": name, "phase": e.phase.value, "weight": e.spec.weight, "min_gpus": e.spec.min_gpus,
+                "gpus": len(e.all_ranks()), "generation": e.generation, "nodes": sorted(e.placement),
+                "restarts": e.restarts, "step": e.last_step, "reason": e.reason,
+            } for name, e in sorted(self.state.tasks.items())]
+        result: list[dict[str, Any]] = self._call(run)
+        return result
+
+    def nodes(self) -> list[dict[str, Any]]:
+        def run() -> list[dict[str, Any]]:
+            return [{"node": n, "gpus": e.gpus, "state": e.status.value, "reason": e.reason}
+                    for n, e in sorted(self.state.nodes.items())]
+        result: list[dict[str, Any]] = self._call(run)
+        return result
+
+    def _node_event(self, node: str, event: Any) -> None:
+        if node not in self.state.nodes:
+            raise api.NotFound(f"no node {node!r}; see 'unicron nodes'")
+        assert self.leadership is not None
+        if isinstance(event, d.NodeDrained):
+            self.leadership.write(puts={self.keys.drain(node): "1"})
+        else:
+            self.leadership.write(deletes=[self.keys.drain(node)])
+        self._decide(event)
+
+    def drain(self, node: str) -> None:
+        self._call(lambda: self._node_event(node, d.NodeDrained(ts=time.time(), node=node)))
+
+    def undrain(self, node: str) -> None:
+        self._call(lambda: self._node_event(node, d.NodeUndrained(ts=time.time(), node=node)))
+
+    def incidents(self, limit: int) -> list[dict[str, Any]]:
+        items = [i.to_dict() for i in list(self.recent_incidents)]
+        return items[-limit:] if limit > 0 else items
+
+    def cluster_gpus(self) -> int | None:
+        return sum(e.gpus for e in self.state.nodes.values()) or None
+
+    def gpus_per_node(self) -> int | None:
+        sizes = {e.gpus for e in self.state.nodes.values()}
+        return sizes.pop() if len(sizes) == 1 else None

@@ -26,6 +26,10 @@ class CoordinatorSettings:
     """A stopped leader is replaced this long after it stopped refreshing."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
     """Calls that exceed it count as etcd being unavailable and are retried."""
+    reattempt_deadline_s: float = setting(30.0, "UNICRON_REATTEMPT_DEADLINE", "seconds a sev3 reattempt may take before it counts as failed")
+    """Figure 7: a failed reattempt escalates to a sev2 restart."""
+    restart_deadline_s: float = setting(120.0, "UNICRON_RESTART_DEADLINE", "seconds a sev2 restart may take before it counts as failed")
+    """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 

@@ -8,6 +8,7 @@ and all-reduces a tensor, reporting every iteration and any exception to the age
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import random
 import time
@@ -27,7 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     client = AgentClient.from_env().connect()
     client.install_excepthook()
-    dist.init_process_group("gloo", init_method="env://")
+    if os.environ.get("UNICRON_EXTERNAL_STORE") == "1":
+        # The agent hosts the store (a sidecar that outlives any rank); ranks are its clients.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=120))
+        # Every rank must agree on the prefix: take rank 0's (published under a fixed key).
+        key = f"workload/g{os.environ.get('UNICRON_GENERATION', '0')}/prefix"
+        if int(os.environ["RANK"]) == 0:
+            store.set(key, prefix_name := f"p{time.time_ns()}")
+        else:
+            prefix_name = store.get(key).decode()
+        prefix = dist.PrefixStore(prefix_name, store)
+        dist.init_process_group("gloo", store=prefix, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo", init_method="env://")
     rng = random.Random(int(os.environ.get("RANK", "0")))
     x = torch.ones(1024)
     step = 0
