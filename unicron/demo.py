@@ -31,6 +31,10 @@ def _ranks(c: LocalCluster, task: str) -> list[dict[str, Any]]:
     return out
 
 
+def _running(c: LocalCluster, task: str) -> list[dict[str, Any]]:
+    return [r for r in _ranks(c, task) if r.get("state") == "running"]
+
+
 def _progress(c: LocalCluster, task: str) -> tuple[int, int]:
     """(generation, minimum step) over the task's running ranks; (-1, -1) if not all run."""
     ranks = [r for r in _ranks(c, task) if r.get("state") == "running"]
@@ -100,18 +104,18 @@ def run_demo(quick: bool = False) -> int:
         store, keys = c.store, c.keys
 
         def sev3() -> float:
-            r = _ranks(c, "alpha")[0]
+            r = _running(c, "alpha")[0]
             ans = request(store, keys, r["node"], {"fault": "raise", "kind": "connection_refused_reset",
                                                    "task": "alpha", "rank": r["rank"]})
             return float(ans["executed_ts"])
 
         def sev2() -> float:
-            r = _ranks(c, "alpha")[-1]
+            r = _running(c, "alpha")[-1]
             os.kill(int(r["pid"]), signal.SIGKILL)
             return time.time()
 
         def sev1() -> float:
-            node = _ranks(c, "beta")[0]["node"]
+            node = _running(c, "beta")[0]["node"]
             os.kill(c.agents[node].pid, signal.SIGKILL)
             return time.time()
 
