@@ -88,6 +88,11 @@ class CheckpointConfig:
     verify_finite: bool = setting(
         False, "UNICRON_CKPT_VERIFY_FINITE", "reject restored states holding NaN/Inf"
     )
+    #: CPU: copy the tensors in the background, overlapping the next forward/backward; the runtime
+    #: must then call fence() before the optimizer step (GPU copies are always asynchronous)
+    overlap: bool = setting(
+        False, "UNICRON_CKPT_OVERLAP", "CPU: copy in the background; fence() before stepping"
+    )
     #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
     safe_globals: str = setting(
         "", "UNICRON_CKPT_SAFE_GLOBALS", "extra module:Name globals allowed in a state"
@@ -157,6 +162,20 @@ class _Job:
     persisted: bool | None = None
     errors: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: overlap mode on CPU: the tensors still to copy (the publish stage copies them), else None
+    enc: codec.Encoded | None = None
+    #: the tensors' version counters at save(): a change before the copy finished means a torn copy
+    versions: list[int] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    #: set once the tensor bytes are in the slot (CPU overlap) -- what fence() waits for
+    copied: threading.Event = field(default_factory=threading.Event)
+    #: GPU: fence() ran before any modification, so later ones are ordered after the copies
+    fenced_clean: bool = False
+
+
+def _changed(job: _Job) -> list[int]:
+    """Indices of tensors modified in place since save() (their version counter moved)."""
+    return [i for i, (t, v) in enumerate(zip(job.tensors, job.versions, strict=True)) if t._version != v]
 
 
 _STOP = object()
@@ -192,7 +211,7 @@ class CheckpointManager(Checkpointer):
         self._last: int | None = None
         self._count = 0
         self._stream: Any = None
-        self._fence_event: Any = None
+        self._fence_job: _Job | None = None
         self._closed = False
         self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(3)]
         stages = (self._publish, self._replicate, self._persist)
@@ -223,10 +242,13 @@ class CheckpointManager(Checkpointer):
         enc = codec.encode(state)
         slot = self._acquire_slot()
         t1 = time.perf_counter()
+        background = self.config.overlap and not enc.on_cuda
         try:
             data = self._store.prepare(slot, enc.data_len, pin=enc.on_cuda)
             t2 = time.perf_counter()
-            event = codec.copy_into(enc, data, self._copy_stream() if enc.on_cuda else None)
+            event = None
+            if not background:
+                event = codec.copy_into(enc, data, self._copy_stream() if enc.on_cuda else None)
         except BaseException:
             self._release(slot)
             raise
@@ -234,23 +256,41 @@ class CheckpointManager(Checkpointer):
         ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), t3 - t0, t1 - t0, t3 - t2)
         self._last = iteration
         self._count += 1
-        self._fence_event = event
         due = (
             self.storage is not None
             and self.config.persist_every > 0
             and self._count % self.config.persist_every == 0
         )
+        job = _Job(
+            slot, iteration, enc.meta, enc.data_len, ticket, event, due, enc=enc if background else None
+        )
+        if background or event is not None:  # copies still to run: watch for modifications meanwhile
+            job.tensors = enc.tensors
+            job.versions = [t._version for t in enc.tensors]
+        else:
+            job.copied.set()
+        self._fence_job = job
         with self._cv:
             self._inflight.append(ticket)
-        self._queues[0].put(_Job(slot, iteration, enc.meta, enc.data_len, ticket, event, due))
+        self._queues[0].put(job)
         return ticket
 
     def fence(self) -> None:
-        """GPU only: call before the optimizer step after a save. Makes the current CUDA stream wait for
-        the snapshot's copies (no host stall); a no-op when the state was on CPU."""
-        if self._fence_event is not None:
-            torch.cuda.current_stream().wait_event(self._fence_event)
-            self._fence_event = None
+        """Call after save() and before the state is next modified (the optimizer step).
+
+        GPU: makes the current CUDA stream wait for the snapshot's copies (no host stall). CPU with
+        ``overlap``: waits for the background copy. CPU without: nothing to do. A snapshot whose tensors
+        were modified before its copy completed is discarded as torn, never published.
+        """
+        job, self._fence_job = self._fence_job, None
+        if job is None:
+            return
+        if job.event is not None:
+            torch.cuda.current_stream().wait_event(job.event)
+            with self._cv:
+                job.fenced_clean = not _changed(job)
+        else:
+            job.copied.wait()
 
     def wait(self, timeout: float | None = None) -> list[SaveOutcome]:
         """Wait for every snapshot's background work; returns their outcomes, oldest first."""
@@ -319,8 +359,25 @@ class CheckpointManager(Checkpointer):
         return Snapshot(job.info, job.meta, codec.byte_view(data))
 
     def _publish(self, job: _Job) -> bool:
-        if job.event is not None:
+        if job.enc is not None:  # CPU overlap: the copy happens here, off the training thread
+            try:
+                codec.copy_into(job.enc, self._store.data_view(job.slot, job.data_len))
+                torn = _changed(job)
+            finally:
+                job.enc = None
+                job.copied.set()
+        elif job.event is not None:
             job.event.synchronize()
+            with self._cv:
+                torn = [] if job.fenced_clean else _changed(job)
+        else:
+            torn = []  # copied synchronously inside save(): nothing could interleave
+        job.tensors = []
+        if torn:
+            raise CheckpointError(
+                f"torn snapshot discarded: {len(torn)} tensor(s) were modified before their copy completed "
+                "(call fence() after save() and before the optimizer step)"
+            )
         data = codec.byte_view(self._store.data_view(job.slot, job.data_len))
         crcs = codec.chunk_crcs(data, self.config.chunk_bytes, self._pool)
         job.info = SnapshotInfo(

@@ -181,6 +181,33 @@ def test_second_writer_for_same_rank_refused(make_config: Make) -> None:
         CheckpointManager(make_config())
 
 
+def test_overlap_copies_in_background_until_fence(make_config: Make) -> None:
+    state, model, opt = train_state(seed=3)
+    before = {k: v.clone() for k, v in state["model"].items()}
+    with CheckpointManager(make_config(overlap=True)) as m:
+        ticket = m.save(state, 1)
+        model(torch.randn(8, 32)).pow(2).mean().backward()  # the next forward/backward overlaps the copy
+        m.fence()  # ... and the optimizer step waits for it
+        opt.step()
+        assert ticket.result(30).published
+        r = m.restore()
+    assert_same(before, r.state["model"])
+
+
+def test_state_modified_before_its_copy_is_never_published_torn(make_config: Make) -> None:
+    w = torch.zeros(4 << 20)
+    with CheckpointManager(make_config(overlap=True, chunk_bytes=1 << 20)) as m:
+        m.save({"w": torch.ones(8 << 20)}, 1)  # keeps the background stage busy for a while
+        ticket = m.save({"w": w}, 2)
+        w.add_(1)  # no fence(): modified while (most likely) not yet copied
+        out = ticket.result(30)
+        if out.published:  # the copy won the race: then it must hold the values from before add_
+            assert torch.equal(m.restore(2).state["w"], torch.zeros(4 << 20))
+        else:
+            assert "torn snapshot discarded" in out.errors[0]
+            assert m.restore().iteration == 1  # the previous snapshot is what remains
+
+
 @pytest.mark.gpu
 def test_gpu_state_snapshot_fence_and_restore_into_gpu(make_config: Make) -> None:
     model = torch.nn.Linear(256, 256).cuda()
