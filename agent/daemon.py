@@ -12,6 +12,7 @@ wait in memory and are published once etcd is back), and the ranks keep running 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -176,10 +177,8 @@ class Agent:
         self.backend.close()
         self.rank_server.stop()
         if self.lease is not None:
-            try:
+            with contextlib.suppress(StoreUnavailable):
                 self.lease.revoke()
-            except StoreUnavailable:
-                pass
         if self.store is not None:
             self.store.close()
 
@@ -518,10 +517,8 @@ class Agent:
         except (KeyError, ValueError, LookupError) as exc:
             req.update(executed_ts=time.time(), detail=f"{type(exc).__name__}: {exc}", ok=False)
         assert self.store is not None
-        try:
+        with contextlib.suppress(StoreUnavailable):
             self.store.put(ev.key, json.dumps(req))
-        except StoreUnavailable:
-            pass
 
     def inject(self, req: dict[str, Any]) -> str:
         """Execute one fault-injection request (see ``unicron inject``). Returns what was done."""

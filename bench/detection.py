@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from unicron.commands.inject import request  # noqa: E402
-from unicron.localcluster import LocalCluster  # noqa: E402
-from unicron.types import ErrorKind, Incident  # noqa: E402
+from unicron.commands.inject import request
+from unicron.localcluster import LocalCluster
+from unicron.types import ErrorKind, Incident
 
 ITER_TIME = 0.05
 PAPER = {"node_silenced_s": 5.6, "rank_killed_s": 1.8, "exception_s": 0.3}

@@ -15,19 +15,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
-
-from concurrent.futures import Future
 
 from coordinator import api
 from coordinator import decision as d
 from coordinator.classify import classify
 from coordinator.executor import Executor
-from coordinator.tasks import TaskSpec
 from coordinator.leader import Leadership
 from coordinator.link import LinkServer
 from coordinator.settings import CoordinatorSettings
+from coordinator.tasks import TaskSpec
 from unicron import log as ulog
 from unicron.errors import InvalidRecord, NotLeader, StoreUnavailable
 from unicron.etcd import KeyValue, PrefixWatch, Store, WatchEvent

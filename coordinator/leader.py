@@ -53,7 +53,7 @@ class Leadership:
         self.token = None
         self.on_deposed()
 
-    def write(self, puts: Mapping[str, str | bytes] = {}, deletes: Sequence[str] = ()) -> None:  # noqa: B006
+    def write(self, puts: Mapping[str, str | bytes] = {}, deletes: Sequence[str] = ()) -> None:
         """A fenced write: applies only while we still hold the leader key we created."""
         if self.token is None:
             raise NotLeader("not the leader")

@@ -55,7 +55,8 @@ class LinkServer:
         self.on_lost = on_lost
         self.on_connected = on_connected
         self._sock = socket.create_server((host, port), reuse_port=False)
-        self.address = "%s:%d" % self._sock.getsockname()[:2]
+        host, port = self._sock.getsockname()[:2]
+        self.address = f"{host}:{port}"
         self._peers: dict[str, _Peer] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()

@@ -18,7 +18,7 @@ from unicron.errors import ConfigError
 T = TypeVar("T")
 
 
-def setting(default: Any, env: str, help: str) -> Any:  # noqa: A002 - mirrors argparse
+def setting(default: Any, env: str, help: str) -> Any:
     """A settings field: ``default`` value, environment variable ``env``, and the flag's ``help``."""
     return dataclasses.field(default=default, metadata={"env": env, "help": help})
 

@@ -146,7 +146,7 @@ class Store:
         self,
         guard_key: str,
         guard_revision: int,
-        puts: Mapping[str, str | bytes] = {},  # noqa: B006 - read-only default
+        puts: Mapping[str, str | bytes] = {},
         deletes: Sequence[str] = (),
         lease: Lease | None = None,
     ) -> bool:

@@ -7,6 +7,7 @@ make a daemon buffer without bound).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -61,8 +62,6 @@ class LineSocket:
             self._buf += chunk
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
