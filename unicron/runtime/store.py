@@ -1,0 +1,120 @@
+"""The task's rendezvous store: a TCPStore sidecar that outlives any rank, and the keys ranks share.
+
+Rank 0 may die, so no rank hosts the store: the agent (or a test launcher) runs
+``python -m unicron.runtime.store --host H --port P`` next to the task and every rank connects as a
+client. One sidecar serves one launch of one task (the agent starts a fresh one per assignment
+generation), so keys need no task prefix.
+
+Keys (all small ASCII values):
+
+* ``started/<rank>``: counter, +1 each time a process for ``rank`` starts; its value is that
+  process's *incarnation* (1 = first start, >1 = a restart that must rejoin).
+* ``failed/<rank>``: counter, +1 by :func:`mark_failed` whenever someone knows a process of ``rank``
+  died. Incarnation ``i`` is dead once ``failed >= i``.
+* ``hb/<rank>``: counter a rank's heartbeat thread bumps every ~50 ms.
+* ``join/<rank>``: the incarnation of a live process of ``rank`` asking to (re)join.
+* ``epoch/latest`` and ``epoch/<g>``: the agreed membership of each process-group epoch
+  (see :mod:`unicron.runtime.membership`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import signal
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+from unicron.errors import ConfigError, TemporaryError
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def started_key(rank: int) -> str:
+    return f"started/{rank}"
+
+
+def failed_key(rank: int) -> str:
+    return f"failed/{rank}"
+
+
+def hb_key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
+def join_key(rank: int) -> str:
+    return f"join/{rank}"
+
+
+def _check_addr(host: str, port: int) -> None:
+    if not host:
+        raise ConfigError("store host is empty; set MASTER_ADDR (or --host)")
+    if not 0 < port < 65536:
+        raise ConfigError(f"store port {port} is out of range 1..65535; set MASTER_PORT (or --port)")
+
+
+def connect(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """A client connection to the sidecar; raises TemporaryError if it cannot be reached in time."""
+    _check_addr(host, port)
+    try:
+        return dist.TCPStore(
+            host, port, None, False, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        raise TemporaryError(f"cannot reach the task store at {host}:{port}: {exc}") from exc
+
+
+def serve_store(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """Host the task's store at host:port (returns once listening; serves while the object lives)."""
+    _check_addr(host, port)
+    try:
+        return dist.TCPStore(
+            host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        raise TemporaryError(f"cannot serve the task store on {host}:{port}: {exc}") from exc
+
+
+def counter(store: dist.Store, key: str) -> int:
+    """Read a counter key without blocking (a missing key reads 0)."""
+    return int(store.add(key, 0))
+
+
+def mark_failed(host: str, port: int, rank: int, store: dist.Store | None = None) -> int:
+    """Record that the current process of ``rank`` died; returns the new failure count.
+
+    The agent calls this the moment its child exits, so survivors regroup without waiting for a
+    heartbeat to go stale. Pass ``store`` to reuse a connection.
+    """
+    s = store if store is not None else connect(host, port, timeout_s=5.0)
+    return int(s.add(failed_key(rank), 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m unicron.runtime.store", description="Host a task's TCPStore until killed."
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    args = parser.parse_args(argv)
+    try:
+        server = serve_store(args.host, args.port)
+    except (ConfigError, TemporaryError) as exc:
+        print(f"unicron store: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"unicron store listening on {args.host}:{args.port}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    del server
+    time.sleep(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
