@@ -533,7 +533,10 @@ class CheckpointManager(Checkpointer):
         raise NoValidCheckpoint(self.config.job, self.config.rank, iteration, attempts)
 
     def _load(self, source: Source, iteration: int, into: Any) -> Any:
-        snap, private = source.load(iteration, self._pool)
+        # training is stopped during a restore: verify with every core, not the background budget
+        workers = max(self.config.checksum_threads, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-verify") as pool:
+            snap, private = source.load(iteration, pool)
         data = (
             torch.frombuffer(snap.data, dtype=torch.uint8)
             if len(snap.data)
