@@ -1,0 +1,298 @@
+"""Gradient accumulation and data-parallel reduction with exact, resumable semantics.
+
+Every parameter's ``.grad`` is a view into one flat buffer (:class:`FlatGrads`), so autograd
+accumulates into it in place. The vector that is reduced is that buffer plus a short *tail*
+(``[loss sum, join flag]``) so the flags ride on the gradient collective instead of costing one.
+
+Two modes:
+
+* **sum** (default): each rank sums its micro-batches' gradients; buckets of a *copy* of the sum are
+  all-reduced (a failed gloo all-reduce can leave its buffer partly reduced). The result is the sum
+  over all B micro-batches whatever the split, equal up to rounding order.
+* **deterministic**: each rank keeps *contributions*: left folds of a block's micro-batches starting
+  at the block's first one, and single micro-batches otherwise. Buckets of all contributions are
+  all-gathered and every rank folds them in the canonical order (micro-batches within a block, then
+  blocks) — bit-identical for any data-parallel degree, failure or redistribution.
+
+Buckets are reduced in order and a completed bucket is final: after a failure only the remaining
+buckets are reduced again (paper §6 scenario #2: never overwrite reduced gradients).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from unicron.runtime.plan import BatchLayout
+
+TAIL = 2
+"""Extra elements after the gradients: [sum of micro-batch losses, number of pending join requests]."""
+TAIL_LOSS, TAIL_JOIN = 0, 1
+
+
+class RuntimeInvariantError(AssertionError):
+    """A bookkeeping invariant of the scheduler broke: a bug, never a peer failure."""
+
+
+class FlatGrads:
+    """Gradients of ``params`` as views into one buffer of ``numel + TAIL`` elements."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.buf = torch.zeros(self.numel + TAIL, dtype=dtype)
+        self._ptrs: list[int] = []
+        offset = 0
+        for p in self.params:
+            view = self.buf[offset : offset + p.numel()].view_as(p)
+            p.grad = view
+            self._ptrs.append(view.data_ptr())
+            offset += p.numel()
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.buf[: self.numel]
+
+    def check_views(self) -> None:
+        """Autograd must have accumulated in place; if it replaced a ``.grad``, sums would be lost."""
+        for p, ptr in zip(self.params, self._ptrs, strict=True):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                raise RuntimeInvariantError("a parameter's .grad no longer views the flat gradient buffer")
+
+
+def bucket_bounds(total: int, bucket_elems: int) -> list[tuple[int, int]]:
+    """[start, end) of each bucket of the ``total``-element reduce vector."""
+    step = max(1, bucket_elems)
+    return [(s, min(total, s + step)) for s in range(0, total, step)]
+
+
+# ------------------------------------------------------------------------------------- accumulation
+
+
+class Accumulator(ABC):
+    """What a rank holds of the current iteration's gradient, and which micro-batches it covers."""
+
+    def __init__(self, flat: FlatGrads) -> None:
+        self.flat = flat
+        self.done: list[int] = []
+
+    @abstractmethod
+    def begin_mb(self) -> None:
+        """Prepare the flat buffer for one micro-batch's backward."""
+
+    @abstractmethod
+    def end_mb(self, mb: int, loss: float, keep: bool) -> None:
+        """Record micro-batch ``mb`` (its gradient now in the flat buffer); ``keep=False`` discards it
+        (the replica had to compute it in lockstep but this rank's group already has it)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Start a new iteration."""
+
+
+class DirectSum(Accumulator):
+    """Autograd accumulates straight into the flat buffer: no per-micro-batch copy. Only safe when a
+    backward cannot fail half-way through, i.e. without tensor-parallel collectives."""
+
+    def begin_mb(self) -> None:
+        pass
+
+    def end_mb(self, mb: int, loss: float, keep: bool) -> None:
+        if not keep:
+            raise RuntimeInvariantError("DirectSum cannot discard a micro-batch already accumulated")
+        self.flat.buf[self.flat.numel + TAIL_LOSS] += loss
+        self.done.append(mb)
+
+    def reset(self) -> None:
+        self.flat.buf.zero_()
+        self.done = []
+
+    @property
+    def vector(self) -> torch.Tensor:
+        return self.flat.buf
+
+
+class SafeSum(Accumulator):
+    """Backward into a zeroed scratch, added to the sum only once the backward completed: a
+    tensor-parallel collective failing mid-backward cannot leave half a micro-batch in the sum."""
+
+    def __init__(self, flat: FlatGrads) -> None:
+        super().__init__(flat)
+        self.sum = torch.zeros_like(flat.buf)
+
+    def begin_mb(self) -> None:
+        self.flat.buf.zero_()
+
+    def end_mb(self, mb: int, loss: float, keep: bool) -> None:
+        if keep:
+            self.sum += self.flat.buf
+            self.sum[self.flat.numel + TAIL_LOSS] += loss
+            self.done.append(mb)
+
+    def reset(self) -> None:
+        self.sum.zero_()
+        self.done = []
+
+    @property
+    def vector(self) -> torch.Tensor:
+        return self.sum
+
+
+@dataclass
+class Contribution:
+    """A left fold of micro-batches ``start .. start+length-1`` (``length > 1`` only from a block start)."""
+
+    start: int
+    length: int
+    vec: torch.Tensor
+
+
+class Contributions(Accumulator):
+    """Deterministic mode: per-block prefix folds and single micro-batches, never one mixed sum."""
+
+    def __init__(self, flat: FlatGrads, layout: BatchLayout) -> None:
+        super().__init__(flat)
+        self.layout = layout
+        self.items: list[Contribution] = []
+
+    def begin_mb(self) -> None:
+        self.flat.buf.zero_()
+
+    def end_mb(self, mb: int, loss: float, keep: bool) -> None:
+        if not keep:
+            return
+        vec = self.flat.buf
+        vec[self.flat.numel + TAIL_LOSS] = loss
+        block_start = self.layout.block_start(self.layout.block_of(mb))
+        run = next((c for c in self.items if c.start == block_start and c.start + c.length == mb), None)
+        if run is not None and mb != block_start:
+            run.vec += vec  # extends the canonical left fold of this block
+            run.length += 1
+        else:
+            self.items.append(Contribution(mb, 1, vec.clone()))
+        self.done.append(mb)
+
+    def reset(self) -> None:
+        self.items = []
+        self.done = []
+
+
+# ----------------------------------------------------------------------------------------- reduction
+
+BucketHook = Callable[[int], None]
+"""Called with a bucket index before that bucket is reduced (fault injection, progress)."""
+
+
+@dataclass
+class ReduceProgress:
+    """The reduced vector of the current iteration and how many leading buckets of it are final."""
+
+    reduced: torch.Tensor
+    bounds: list[tuple[int, int]]
+    done: int = 0
+    #: deterministic mode: every rank's contribution table, gathered once per group
+    table: list[list[tuple[int, int]]] | None = field(default=None)
+
+    @property
+    def complete(self) -> bool:
+        return self.done == len(self.bounds)
+
+    def reset(self) -> None:
+        self.done = 0
+        self.table = None
+
+
+def reduce_sum(group: dist.ProcessGroup, vector: torch.Tensor, prog: ReduceProgress, hook: BucketHook) -> None:
+    """All-reduce the remaining buckets of a copy of ``vector`` over ``group``."""
+    for b in range(prog.done, len(prog.bounds)):
+        hook(b)
+        s, e = prog.bounds[b]
+        send = vector[s:e].clone()
+        group.allreduce([send]).wait()
+        prog.reduced[s:e] = send
+        prog.done = b + 1
+
+
+def _encode_table(items: Sequence[Contribution], slots: int) -> torch.Tensor:
+    t = torch.full((slots, 2), -1, dtype=torch.int64)
+    for i, c in enumerate(items):
+        t[i, 0], t[i, 1] = c.start, c.length
+    return t
+
+
+def reduce_gather(
+    group: dist.ProcessGroup,
+    acc: Contributions,
+    prog: ReduceProgress,
+    hook: BucketHook,
+) -> None:
+    """Deterministic reduction: all-gather the contributions bucket by bucket and fold them in the
+    canonical order. A completed bucket holds the final sum and is never recomputed."""
+    layout = acc.layout
+    size = group.size()
+    if prog.table is None:
+        mine = _encode_table(acc.items, layout.micro_batches)
+        tables = [torch.empty_like(mine) for _ in range(size)]
+        group.allgather([tables], [mine]).wait()
+        prog.table = [[(int(a), int(b)) for a, b in t.tolist() if a >= 0] for t in tables]
+    blocks = canonical_order(prog.table, layout)
+    slots = max(len(t) for t in prog.table)
+    for b in range(prog.done, len(prog.bounds)):
+        hook(b)
+        s, e = prog.bounds[b]
+        local = torch.zeros((slots, e - s), dtype=prog.reduced.dtype)
+        for i, c in enumerate(acc.items):
+            local[i] = c.vec[s:e]
+        out = [torch.empty_like(local) for _ in range(size)]
+        group.allgather([out], [local]).wait()
+        prog.reduced[s:e] = fold([[out[r][i] for r, i in blk] for blk in blocks])
+        prog.done = b + 1
+
+
+def canonical_order(table: Sequence[Sequence[tuple[int, int]]], layout: BatchLayout) -> list[list[tuple[int, int]]]:
+    """For each block, the (rank, slot) of its contributions in micro-batch order. Checks that every
+    micro-batch is covered exactly once and that only a block's first contribution is a fold."""
+    by_start: dict[int, tuple[int, int, int]] = {}
+    for r, items in enumerate(table):
+        for i, (start, length) in enumerate(items):
+            if start in by_start:
+                raise RuntimeInvariantError(f"micro-batch {start} contributed twice")
+            by_start[start] = (r, i, length)
+    blocks: list[list[tuple[int, int]]] = []
+    for block in range(layout.blocks):
+        first = layout.block_start(block)
+        pos, end, parts = first, first + layout.block_size, []
+        while pos < end:
+            if pos not in by_start:
+                raise RuntimeInvariantError(f"micro-batch {pos} is missing from the reduction")
+            r, i, length = by_start.pop(pos)
+            if length > 1 and pos != first:
+                raise RuntimeInvariantError(f"a fold of {length} starts mid-block at micro-batch {pos}")
+            parts.append((r, i))
+            pos += length
+        if pos != end:
+            raise RuntimeInvariantError(f"block {block} is over-covered")
+        blocks.append(parts)
+    if by_start:
+        raise RuntimeInvariantError(f"contributions start inside other folds: {sorted(by_start)}")
+    return blocks
+
+
+def fold(blocks: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """The canonical sum: each block's parts left to right, then the block sums left to right."""
+    total: torch.Tensor | None = None
+    for parts in blocks:
+        partial = parts[0].clone()
+        for p in parts[1:]:
+            partial += p
+        if total is None:
+            total = partial
+        else:
+            total += partial
+    if total is None:
+        raise RuntimeInvariantError("nothing to fold")
+    return total

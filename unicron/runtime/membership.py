@@ -1,0 +1,358 @@
+"""Process-group epochs: who is in, agreed through the store, and the gloo/NCCL groups of each epoch.
+
+An *epoch* is one agreed membership (a list of global ranks forming complete replicas) plus the process
+groups built for it under a fresh store prefix ``e<epoch>/...``. Epoch 0 is every rank of the launch.
+After a failure (or to admit joiners) the survivors move to the next epoch:
+
+1. **Knowledge**: which members are dead, in order of speed: ``failed/<rank>`` counters written by the
+   agent (:func:`unicron.runtime.store.mark_failed`), heartbeat staleness, the agent's ``Regroup``
+   instruction. With no one dead after the heartbeat window, the membership stays the same (an
+   in-place reattempt of a transient error).
+2. **Agreement**: ``compare_set("epoch/<g+1>", "", proposal)``: the first proposal wins and every
+   survivor adopts it, so all end with the same member list.
+3. **Barrier**: members check in under ``epoch/<g+1>/ready/<rank>`` while watching for a member dying
+   or a newer epoch appearing (then they move on to that one), and only then build their groups.
+
+A rank left out of an agreed epoch (its replica lost a rank, or it was presumed dead) gets
+:class:`Excluded` and rejoins later like a restarted process: it writes ``join/<rank>`` and waits for
+an epoch that includes it. Survivors admit complete replicas of joiners at an iteration boundary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from unicron.errors import InvalidRecord, PermanentError
+from unicron.runtime import store as keys
+from unicron.runtime.heartbeat import StalenessJudge
+from unicron.runtime.model import broken_group, solo_group
+from unicron.runtime.plan import Topology
+
+log = logging.getLogger(__name__)
+
+
+class Excluded(Exception):
+    """This rank is not a member of the agreed epoch; it must rejoin."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__(f"not a member of epoch {epoch}")
+        self.epoch = epoch
+
+
+class JobFinished(Exception):
+    """The job completed while this rank waited to join."""
+
+
+class RegroupFailed(PermanentError):
+    """No membership could be agreed and formed before the regroup deadline."""
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """The agreed membership of one epoch, as stored under ``epoch/<epoch>``."""
+
+    epoch: int
+    #: global ranks of the epoch, ascending (complete replicas only)
+    members: tuple[int, ...]
+    #: incarnation of each member's process (see :mod:`unicron.runtime.store`)
+    incarnations: dict[int, int]
+    #: why the epoch was formed (start, failure, reattempt, admission)
+    reason: str = ""
+
+    def encode(self) -> str:
+        return json.dumps(
+            {"epoch": self.epoch, "members": list(self.members),
+             "incarnations": {str(k): v for k, v in self.incarnations.items()}, "reason": self.reason},
+            sort_keys=True,
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> EpochRecord:
+        try:
+            obj = json.loads(raw)
+            return cls(
+                epoch=int(obj["epoch"]), members=tuple(int(m) for m in obj["members"]),
+                incarnations={int(k): int(v) for k, v in obj["incarnations"].items()},
+                reason=str(obj.get("reason", "")),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRecord(f"epoch record: {exc}: {raw!r:.200}") from exc
+
+
+@dataclass
+class Groups:
+    """This rank's process groups in one epoch."""
+
+    record: EpochRecord
+    #: all members (the data-parallel group itself when tp == 1)
+    world: dist.ProcessGroup
+    #: members with this rank's tensor-parallel rank
+    dp: dist.ProcessGroup
+    #: this rank's replica
+    tp: dist.ProcessGroup
+    dp_ranks: list[int] = field(default_factory=list)
+
+    def release(self) -> list[weakref.ref[dist.ProcessGroup]]:
+        """Drop this epoch's groups, replacing them with the :func:`broken_group` placeholder.
+
+        Peers blocked in a collective with us fail fast only once our sockets close, and gloo closes
+        them in the group's destructor (``abort()`` alone leaves them open), so the caller must drop
+        every other reference too; the returned weak references tell whether it did.
+        """
+        refs: list[weakref.ref[dist.ProcessGroup]] = []
+        seen: set[int] = set()
+        for name in ("world", "dp", "tp"):
+            g = getattr(self, name)
+            setattr(self, name, broken_group())
+            if g is solo_group() or g is broken_group() or id(g) in seen:
+                continue
+            seen.add(id(g))
+            try:
+                g.abort()
+            except Exception as exc:  # aborting a broken group may itself complain
+                log.debug("abort: %s", exc)
+            refs.append(weakref.ref(g))
+        return refs
+
+
+@dataclass(frozen=True)
+class CommSettings:
+    """Timeouts of group formation and failure detection."""
+
+    #: a collective that makes no progress for this long raises (gloo/NCCL timeout)
+    collective_timeout_s: float = 30.0
+    #: deadline for agreeing and forming a new epoch; longer than the collective timeout
+    regroup_timeout_s: float = 90.0
+    #: a peer whose heartbeat counter did not move for this long is presumed dead
+    heartbeat_window_s: float = 5.0
+    #: poll interval of the store while waiting
+    poll_s: float = 0.005
+    #: process-group backend: "gloo" (CPU) or "nccl"
+    backend: str = "gloo"
+
+
+Knowledge = Callable[[], set[int]]
+"""Extra failure knowledge: ranks the agent's Regroup instructions name as failed."""
+
+
+class Membership:
+    """Epoch agreement and group construction for one rank."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        topo: Topology,
+        incarnation: int,
+        settings: CommSettings,
+        knowledge: Knowledge | None = None,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.topo = topo
+        self.incarnation = incarnation
+        self.settings = settings
+        self.judge = StalenessJudge(store, settings.heartbeat_window_s)
+        #: seconds spent in the phases of the last regroup (for logs and benchmarks)
+        self.timing: dict[str, float] = {}
+        self._knowledge = knowledge or set
+
+    # --- records ---------------------------------------------------------------------------------
+
+    def _read(self, epoch: int) -> EpochRecord | None:
+        key = f"epoch/{epoch}"
+        if not self.store.check([key]):
+            return None
+        return EpochRecord.decode(self.store.get(key))
+
+    def _propose(self, rec: EpochRecord) -> EpochRecord:
+        won = self.store.compare_set(f"epoch/{rec.epoch}", "", rec.encode())
+        return EpochRecord.decode(won)
+
+    def latest(self, after: int) -> EpochRecord | None:
+        """The newest agreed epoch after ``after``, if any."""
+        found, e = None, after + 1
+        while (rec := self._read(e)) is not None:
+            found, e = rec, e + 1
+        return found
+
+    # --- knowledge -------------------------------------------------------------------------------
+
+    def dead(self, rec: EpochRecord, ranks: Iterable[int]) -> set[int]:
+        """Members of ``rec`` among ``ranks`` known or presumed dead right now."""
+        others = [r for r in ranks if r != self.rank]
+        out = {r for r in others if keys.counter(self.store, keys.failed_key(r)) >= rec.incarnations.get(r, 1)}
+        out |= self.judge.stale(r for r in others if r not in out)
+        return out | (self._knowledge() & set(others))
+
+    def joiners(self, members: Iterable[int]) -> dict[int, int]:
+        """Ranks outside ``members`` asking to join, as complete live replicas: rank -> incarnation."""
+        inside = set(members)
+        asking: dict[int, int] = {}
+        for r in range(self.topo.world_size):
+            if r in inside or not self.store.check([keys.join_key(r)]):
+                continue
+            inc = int(self.store.get(keys.join_key(r)))
+            if inc == keys.counter(self.store, keys.started_key(r)) and keys.counter(
+                self.store, keys.failed_key(r)
+            ) < inc:
+                asking[r] = inc
+        stale = self.judge.stale(asking)
+        complete = self.topo.full_replica_members(r for r in asking if r not in stale)
+        return {r: asking[r] for r in complete}
+
+    def has_joiners(self, members: Iterable[int]) -> bool:
+        """Cheap check used at every iteration boundary while some ranks are out."""
+        inside = set(members)
+        outside = [keys.join_key(r) for r in range(self.topo.world_size) if r not in inside]
+        return bool(outside) and any(self.store.check([k]) for k in outside) and bool(self.joiners(inside))
+
+    # --- epochs ----------------------------------------------------------------------------------
+
+    def start(self) -> Groups:
+        """Epoch 0 on a first start: every rank of the launch, all at incarnation 1."""
+        everyone = tuple(range(self.topo.world_size))
+        rec = self._propose(EpochRecord(0, everyone, dict.fromkeys(everyone, 1), "start"))
+        try:
+            return self._enter(rec, deadline=time.monotonic() + self.settings.regroup_timeout_s)
+        except _MovedOn as moved:  # a rank died before epoch 0 formed
+            return self.regroup(moved.record, "start", assume_same=True)
+
+    def regroup(self, current: EpochRecord, reason: str, assume_same: bool = False) -> Groups:
+        """Move to the next agreed epoch after ``current``.
+
+        ``assume_same``: propose at once without waiting for failure knowledge (this rank knows the
+        error was its own and transient, or the regroup is only to admit joiners).
+        """
+        deadline = time.monotonic() + self.settings.regroup_timeout_s
+        base = current
+        t0 = time.monotonic()
+        self.timing = {}
+        while time.monotonic() < deadline:
+            nxt = self.latest(base.epoch)
+            if nxt is None:
+                dead = self._wait_knowledge(base, deadline, assume_same)
+                self.timing["knowledge_s"] = time.monotonic() - t0
+                if dead is None:
+                    continue  # someone else proposed: adopt theirs
+                nxt = self._proposal(base, dead, reason)
+            self.timing["agreed_s"] = time.monotonic() - t0
+            try:
+                return self._enter(nxt, deadline)
+            except _MovedOn as moved:
+                base = moved.record
+                assume_same = True  # the dead are known; whoever proposes next removes them
+        raise RegroupFailed(f"rank {self.rank}: no epoch after {current.epoch} formed within "
+                            f"{self.settings.regroup_timeout_s:.0f}s")
+
+    def join(self, timeout_s: float) -> Groups:
+        """As a restarted or excluded process: ask to join and wait for an epoch that includes us."""
+        self.store.set(keys.join_key(self.rank), str(self.incarnation))
+        deadline = time.monotonic() + timeout_s
+        seen = -1
+        while time.monotonic() < deadline:
+            if self.store.check(["finished"]):
+                raise JobFinished()
+            rec = self.latest(seen)
+            if rec is not None:
+                seen = rec.epoch
+                if self.rank in rec.members and rec.incarnations.get(self.rank) == self.incarnation:
+                    try:
+                        return self._enter(rec, time.monotonic() + self.settings.regroup_timeout_s)
+                    except _MovedOn:
+                        continue
+            time.sleep(self.settings.poll_s * 4)
+        raise RegroupFailed(f"rank {self.rank}: not admitted to the job within {timeout_s:.0f}s")
+
+    def _proposal(self, base: EpochRecord, dead: set[int], reason: str) -> EpochRecord:
+        alive = [r for r in base.members if r not in dead]
+        members = self.topo.full_replica_members(alive)
+        incs = {r: base.incarnations[r] for r in members}
+        incs.update(self.joiners(members))
+        everyone = tuple(sorted(incs))
+        rec = EpochRecord(base.epoch + 1, everyone, incs, reason)
+        return self._propose(rec)
+
+    def _wait_knowledge(self, base: EpochRecord, deadline: float, assume_same: bool) -> set[int] | None:
+        """Dead members of ``base`` once known; None when another rank's proposal already exists."""
+        t0 = time.monotonic()
+        while time.monotonic() < deadline:
+            if self._read(base.epoch + 1) is not None:
+                return None
+            dead = self.dead(base, base.members)
+            if dead or assume_same:
+                return dead
+            if time.monotonic() - t0 > self.settings.heartbeat_window_s:
+                return set()  # everyone is alive: a transient error, regroup as we were
+            time.sleep(self.settings.poll_s)
+        raise RegroupFailed(f"rank {self.rank}: no failure knowledge after epoch {base.epoch}")
+
+    def _enter(self, rec: EpochRecord, deadline: float) -> Groups:
+        if self.rank not in rec.members:
+            raise Excluded(rec.epoch)
+        t0 = time.monotonic()
+        self._barrier(rec, deadline)
+        t1 = time.monotonic()
+        groups = self._build(rec)
+        self.timing.update(barrier_s=t1 - t0, build_s=time.monotonic() - t1)
+        return groups
+
+    def _barrier(self, rec: EpochRecord, deadline: float) -> None:
+        prefix = f"epoch/{rec.epoch}/ready/"
+        self.store.set(prefix + str(self.rank), str(self.incarnation))
+        want = [prefix + str(r) for r in rec.members]
+        while time.monotonic() < deadline:
+            if self.store.check(want):
+                return
+            newer = self._read(rec.epoch + 1)
+            if newer is not None:
+                raise _MovedOn(rec)
+            missing = [r for r in rec.members if not self.store.check([prefix + str(r)])]
+            if self.dead(rec, missing):
+                raise _MovedOn(rec)
+            time.sleep(self.settings.poll_s)
+        raise RegroupFailed(f"rank {self.rank}: members of epoch {rec.epoch} did not all arrive")
+
+    def _group(self, name: str, ranks: list[int]) -> dist.ProcessGroup:
+        if len(ranks) == 1 and self.settings.backend == "gloo":
+            return solo_group()
+        prefix = dist.PrefixStore(name, self.store)
+        timeout = datetime.timedelta(seconds=self.settings.collective_timeout_s)
+        index = ranks.index(self.rank)
+        if self.settings.backend == "nccl":
+            return dist.ProcessGroupNCCL(prefix, index, len(ranks))  # pragma: no cover - GPU only
+        return dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
+
+    def _build(self, rec: EpochRecord) -> Groups:
+        g = rec.epoch
+        members = list(rec.members)
+        dp_ranks = self.topo.dp_peers(members, self.rank)
+        replica = self.topo.ranks_of(self.topo.replica_of(self.rank))
+        try:
+            if self.topo.tp == 1:
+                world = dp = self._group(f"e{g}/dp", members)
+                tp = solo_group()
+            else:
+                world = self._group(f"e{g}/world", members)
+                dp = self._group(f"e{g}/dp{self.topo.tp_rank(self.rank)}", dp_ranks)
+                tp = self._group(f"e{g}/tp{self.topo.replica_of(self.rank)}", replica)
+        except RuntimeError as exc:
+            log.warning("rank %d: building the groups of epoch %d failed: %s", self.rank, g, exc)
+            raise _MovedOn(rec) from exc
+        return Groups(rec, world, dp, tp, dp_ranks)
+
+
+class _MovedOn(Exception):
+    """Epoch ``record`` cannot be formed (a member died or a newer epoch exists)."""
+
+    def __init__(self, record: EpochRecord) -> None:
+        super().__init__(f"epoch {record.epoch} abandoned")
+        self.record = record

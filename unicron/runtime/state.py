@@ -1,0 +1,162 @@
+"""A replica's training state and where a (re)joining rank gets it from (paper §6.3, nearest first).
+
+:class:`ReplicaState` is everything two data-parallel replicas share bit for bit: parameters, optimizer
+moments and the iteration counter. :class:`StateSource` is the one interface for bringing a rank's
+state in line with the healthy replicas:
+
+* :class:`ReplicaBroadcast`: a healthy data-parallel replica broadcasts its state over the epoch's
+  data-parallel group (one flat tensor per dtype);
+* :class:`CheckpointSource`: the in-memory checkpoint (``ckpt/``), when no replica holds the state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unicron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam settings (Megatron's own optimizer needs CUDA; torch's Adam is what runs on CPU)."""
+
+    #: learning rate
+    lr: float = 1e-3
+    #: Adam beta1
+    beta1: float = 0.9
+    #: Adam beta2
+    beta2: float = 0.95
+    #: Adam epsilon
+    eps: float = 1e-8
+    #: decoupled weight decay (AdamW) coefficient
+    weight_decay: float = 0.0
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+
+
+class ReplicaState:
+    """Parameters + optimizer state + iteration of one replica.
+
+    The optimizer state is created eagerly (zero moments, step 0: what Adam would create lazily), so
+    its layout never depends on whether a step ran, and a joiner can receive it in place.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig) -> None:
+        cfg.validate()
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            weight_decay=cfg.weight_decay, foreach=False,
+        )
+        for p in self.params:
+            self.optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        self.iteration = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the state, in a fixed order."""
+        out: list[torch.Tensor] = []
+        for p in self.params:
+            st = self.optimizer.state[p]
+            out += [p.data, st["exp_avg"], st["exp_avg_sq"], st["step"]]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items() if v is not None},
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.iteration = int(state["iteration"])
+
+
+class StateSource(ABC):
+    """Brings ``receivers`` in line with the healthy replicas of the epoch. Every member calls
+    :meth:`transfer` collectively (same arguments on all); returns False when this source cannot
+    serve (the caller tries the next one)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def transfer(
+        self, state: ReplicaState, group: dist.ProcessGroup, group_ranks: Sequence[int],
+        holders: Sequence[int], receivers: Sequence[int], me: int,
+    ) -> bool: ...
+
+
+def _broadcast_flat(group: dist.ProcessGroup, root: int, tensors: Sequence[torch.Tensor]) -> None:
+    """Broadcast ``tensors`` from group index ``root``, one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        ts = by_dtype[dtype]
+        flat = torch.cat([t.reshape(-1) for t in ts]) if group.rank() == root else torch.empty(
+            sum(t.numel() for t in ts), dtype=dtype
+        )
+        group.broadcast([flat], root).wait()
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class ReplicaBroadcast(StateSource):
+    """The lowest-ranked healthy replica in the data-parallel group broadcasts its state."""
+
+    name = "replica"
+
+    def transfer(
+        self, state: ReplicaState, group: dist.ProcessGroup, group_ranks: Sequence[int],
+        holders: Sequence[int], receivers: Sequence[int], me: int,
+    ) -> bool:
+        roots = [r for r in group_ranks if r in holders]
+        if not receivers:
+            return True
+        if not roots:
+            return False
+        root = group_ranks.index(roots[0])
+        it = torch.tensor([state.iteration], dtype=torch.int64)
+        group.broadcast([it], root).wait()
+        _broadcast_flat(group, root, state.tensors())
+        state.iteration = int(it.item())
+        return True
+
+
+class CheckpointSource(StateSource):
+    """Every receiver restores its own rank's newest in-memory checkpoint (``ckpt`` Checkpointer).
+
+    Used only when no data-parallel replica is healthy; the restored iteration is the same on every
+    rank because the checkpoint manager saves all ranks at the same iterations.
+    """
+
+    name = "checkpoint"
+
+    def __init__(self, checkpointer: Any) -> None:
+        self.checkpointer = checkpointer
+
+    def transfer(
+        self, state: ReplicaState, group: dist.ProcessGroup, group_ranks: Sequence[int],
+        holders: Sequence[int], receivers: Sequence[int], me: int,
+    ) -> bool:
+        if me not in receivers:
+            return True
+        restored = self.checkpointer.restore()
+        state.load_state_dict(restored.state)
+        return True

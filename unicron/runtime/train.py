@@ -1,0 +1,159 @@
+"""``python -m unicron.runtime.train`` / ``unicron train``: managed training of a small Megatron GPT.
+
+One process per rank, torchrun-style environment (set by the agent or :mod:`unicron.runtime.launch`):
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` (the task's store sidecar,
+:mod:`unicron.runtime.store`), and optionally ``UNICRON_AGENT_SOCKET``, ``UNICRON_TASK``,
+``UNICRON_GENERATION``, ``UNICRON_NODE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from unicron.client import AgentClient
+from unicron.errors import ConfigError, PermanentError, TemporaryError
+from unicron.runtime import store as keys
+from unicron.runtime.data import make_source
+from unicron.runtime.faults import FaultScript
+from unicron.runtime.heartbeat import Heartbeat
+from unicron.runtime.membership import CommSettings
+from unicron.runtime.model import ModelConfig, ensure_torch_distributed
+from unicron.runtime.plan import Topology
+from unicron.runtime.scheduler import RECOVERY_MODES, ScheduleConfig, Trainer
+from unicron.runtime.state import OptimConfig
+
+log = logging.getLogger("unicron.runtime.train")
+
+EXIT_CONFIG = 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    m.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    m.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    m.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    m.add_argument("--vocab", type=int, default=128, help="vocabulary size (default 128)")
+    m.add_argument("--dtype", default="float32", help="float32 | float64 | bfloat16 (default float32)")
+    m.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default 0)")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel size; divides WORLD_SIZE (default 1)")
+    t = p.add_argument_group("training")
+    t.add_argument("--global-batch-size", type=int, default=32, help="samples per iteration (default 32)")
+    t.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
+    t.add_argument("--iterations", type=int, default=10, help="iterations to run, 0 = until stopped (default 10)")
+    t.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    t.add_argument("--seed", type=int, default=1, help="seed of data order and per-micro-batch RNG (default 1)")
+    t.add_argument("--init-seed", type=int, default=1234, help="seed of parameter initialisation (default 1234)")
+    t.add_argument("--data-file", default="", help=".npy of token ids, or any file read as bytes (default: generated)")
+    t.add_argument("--iter-sleep", type=float, default=0.0, help="artificial delay per iteration, seconds")
+    t.add_argument("--threads", type=int, default=1, help="torch intra-op threads, pinned (default 1)")
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--deterministic", action="store_true", help="bit-identical results for any DP split")
+    s.add_argument("--blocks", type=int, default=0, help="canonical reduction blocks (default: initial DP size)")
+    s.add_argument("--bucket-elems", type=int, default=1 << 16, help="elements per gradient bucket")
+    s.add_argument("--recovery", default="redistribute", choices=RECOVERY_MODES,
+                   help="after a failure keep completed micro-batches (redistribute) or rerun the iteration")
+    s.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend")
+    s.add_argument("--collective-timeout", type=float, default=30.0, help="collective timeout, seconds")
+    s.add_argument("--regroup-timeout", type=float, default=90.0, help="regroup deadline, seconds (> collective)")
+    s.add_argument("--heartbeat-window", type=float, default=5.0, help="heartbeat staleness window, seconds")
+    s.add_argument("--join-timeout", type=float, default=600.0, help="how long a restarted rank waits to join")
+    o = p.add_argument_group("outputs")
+    o.add_argument("--out-dir", default="", help="write rank<R>.json (events, losses) and rank<R>.pt (params)")
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise ConfigError(f"environment variable {name} is not set (the agent or launcher sets it)")
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
+
+
+def configs(args: argparse.Namespace, world: int) -> tuple[ModelConfig, OptimConfig, ScheduleConfig, CommSettings]:
+    model = ModelConfig(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
+        dtype=args.dtype, dropout=args.dropout, init_seed=args.init_seed,
+    )
+    model.validate(args.tp)
+    if args.micro_batch_size < 1 or args.global_batch_size % args.micro_batch_size:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
+            f"--micro-batch-size {args.micro_batch_size}"
+        )
+    if args.iterations < 0:
+        raise ConfigError(f"--iterations must be >= 0, got {args.iterations}")
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.regroup_timeout <= args.collective_timeout:
+        raise ConfigError("--regroup-timeout must exceed --collective-timeout")
+    sched = ScheduleConfig(
+        micro_batches=args.global_batch_size // args.micro_batch_size, blocks=args.blocks,
+        micro_batch_size=args.micro_batch_size, iterations=args.iterations, deterministic=args.deterministic,
+        bucket_elems=args.bucket_elems, recovery=args.recovery, seed=args.seed, iter_sleep=args.iter_sleep,
+        join_timeout_s=args.join_timeout,
+    )
+    comm = CommSettings(
+        collective_timeout_s=args.collective_timeout, regroup_timeout_s=args.regroup_timeout,
+        heartbeat_window_s=args.heartbeat_window, backend=args.backend,
+    )
+    return model, OptimConfig(lr=args.lr), sched, comm
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=os.environ.get("UNICRON_LOG_LEVEL", "WARNING"))
+    try:
+        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        host, port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT")
+        topo = Topology(world, args.tp)
+        if not 0 <= rank < world:
+            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+        model_cfg, optim_cfg, sched, comm = configs(args, world)
+        data = make_source(args.data_file or None, args.vocab, args.seq, args.micro_batch_size, args.seed)
+        store = keys.connect(host, port)
+    except (ConfigError, TemporaryError) as exc:
+        print(f"unicron train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    torch.set_num_threads(args.threads)
+    ensure_torch_distributed()
+    incarnation = int(store.add(keys.started_key(rank), 1))
+    client = AgentClient.from_env().connect()
+    client.install_excepthook()
+    heartbeat = Heartbeat(host, port, rank).start()
+    trainer = Trainer(
+        rank=rank, topo=topo, store=store, incarnation=incarnation, model_cfg=model_cfg, optim_cfg=optim_cfg,
+        sched=sched, comm=comm, data=data, client=client,
+        faults=FaultScript.from_env(rank, incarnation, store),
+    )
+    try:
+        code = trainer.run()
+    except PermanentError as exc:
+        client.report_exception(exc, fatal=True)
+        print(f"unicron train: rank {rank}: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        heartbeat.stop()
+        if args.out_dir:
+            trainer.write_outputs(args.out_dir)
+    client.close()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m unicron.runtime.train", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
