@@ -80,6 +80,10 @@ class CheckpointConfig:
     )
     #: persisted snapshots kept per rank
     keep_remote: int = setting(2, "UNICRON_CKPT_KEEP_REMOTE", "persisted snapshots kept per rank")
+    #: threads copying CPU tensors into the slot (capped at the number of CPUs)
+    copy_threads: int = setting(
+        4, "UNICRON_CKPT_COPY_THREADS", "threads copying a snapshot into shared memory"
+    )
     #: threads checksumming chunks in parallel (they compete with training for CPU)
     checksum_threads: int = setting(
         1, "UNICRON_CKPT_CHECKSUM_THREADS", "threads computing/verifying checksums"
@@ -107,6 +111,7 @@ class CheckpointConfig:
             ("persist_every", self.persist_every >= 0, "must be >= 0"),
             ("keep_remote", self.keep_remote >= 1, "must be >= 1"),
             ("checksum_threads", self.checksum_threads >= 1, "must be >= 1"),
+            ("copy_threads", self.copy_threads >= 1, "must be >= 1"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -205,6 +210,8 @@ class CheckpointManager(Checkpointer):
         self._store.lock()
         threads = config.checksum_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-crc") if threads > 1 else None
+        self._copy_workers = min(config.copy_threads, os.cpu_count() or 1)
+        self._copy_pool = ThreadPoolExecutor(self._copy_workers, thread_name_prefix="ckpt-copy")
         self._cv = threading.Condition()
         self._busy = [False] * config.slots
         self._inflight: list[SaveTicket] = []
@@ -236,8 +243,10 @@ class CheckpointManager(Checkpointer):
             raise CheckpointError(
                 f"save: iteration {iteration} is not after the last saved or restored iteration {self._last}"
             )
-        if self._last is None:
-            self._discard_newer(iteration - 1, "a new timeline starts")
+        # A first save starts a new timeline. Peers and storage enforce it themselves when the snapshot
+        # reaches them (a push/persist of a rank replaces whatever newer one they had).
+        if self._last is None and (gone := self._store.withdraw_newer(iteration - 1)):
+            self._log.warning("discarded local snapshots newer than the first save", discarded=gone)
         t0 = time.perf_counter()
         enc = codec.encode(state)
         slot = self._acquire_slot()
@@ -248,7 +257,8 @@ class CheckpointManager(Checkpointer):
             t2 = time.perf_counter()
             event = None
             if not background:
-                event = codec.copy_into(enc, data, self._copy_stream() if enc.on_cuda else None)
+                stream = self._copy_stream() if enc.on_cuda else None
+                event = codec.copy_into(enc, data, stream, self._copy_pool, self._copy_workers)
         except BaseException:
             self._release(slot)
             raise
@@ -361,7 +371,8 @@ class CheckpointManager(Checkpointer):
     def _publish(self, job: _Job) -> bool:
         if job.enc is not None:  # CPU overlap: the copy happens here, off the training thread
             try:
-                codec.copy_into(job.enc, self._store.data_view(job.slot, job.data_len))
+                slot_data = self._store.data_view(job.slot, job.data_len)
+                codec.copy_into(job.enc, slot_data, None, self._copy_pool, self._copy_workers)
                 torn = _changed(job)
             finally:
                 job.enc = None
@@ -516,7 +527,7 @@ class CheckpointManager(Checkpointer):
                         reason=str(exc),
                     )
                     continue
-                self._discard_newer(it, "rolled back by a restore")
+                self._discard_newer(it, skip={a.source for a in attempts if a.iteration is None})
                 self._last = it
                 restored = Restored(
                     state, it, s.tier, s.describe(), tuple(attempts), time.perf_counter() - t0
@@ -549,13 +560,16 @@ class CheckpointManager(Checkpointer):
                 raise CheckpointCorrupt(f"non-finite values in {len(bad)} tensor(s), e.g. {bad[:3]}")
         return state
 
-    def _discard_newer(self, iteration: int, why: str) -> None:
-        """Linear timeline: nothing newer than ``iteration`` may be restored later. Best effort per tier."""
+    def _discard_newer(self, iteration: int, skip: set[str]) -> None:
+        """Linear timeline after a restore: nothing newer than ``iteration`` may be restored later.
+        Best effort per tier; ``skip``: sources found unreachable a moment ago."""
         job, rank = self.config.job, self.config.rank
         gone: dict[str, list[int]] = {}
         if local := self._store.withdraw_newer(iteration):
             gone["local"] = local
         for peer in self.peers:
+            if peer.describe() in skip:
+                continue
             try:
                 newer = [i.iteration for i in peer.list(job) if i.rank == rank and i.iteration > iteration]
                 for it in newer:
@@ -564,19 +578,14 @@ class CheckpointManager(Checkpointer):
                     gone[peer.describe()] = newer
             except UnicronError as exc:
                 self._log.warning("could not drop newer replicas", peer=peer.describe(), error=str(exc))
-        if self.storage is not None:
+        if self.storage is not None and self.storage.describe() not in skip:
             try:
                 if remote := persist.discard_newer(self.storage, job, rank, iteration):
                     gone[self.storage.describe()] = remote
             except UnicronError as exc:
                 self._log.warning("could not discard newer persisted snapshots", error=str(exc))
         if gone:
-            self._log.warning(
-                "discarded snapshots newer than the current iteration",
-                reason=why,
-                iteration=iteration,
-                discarded=gone,
-            )
+            self._log.warning("rolled back: discarded newer snapshots", iteration=iteration, discarded=gone)
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -593,6 +602,7 @@ class CheckpointManager(Checkpointer):
             t.join()
         if self._pool is not None:
             self._pool.shutdown()
+        self._copy_pool.shutdown()
         self._store.close()
 
     def __enter__(self) -> CheckpointManager:

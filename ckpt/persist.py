@@ -47,6 +47,7 @@ def _canonical(body: Any) -> bytes:
 def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
     """Write ``snap`` (shards, metadata, then the manifest); then keep only the newest ``keep``."""
     info = snap.info
+    discard_newer(storage, info.job, info.rank, info.iteration)  # linear timeline: newer ones were abandoned
     base = _iter_prefix(info.job, info.rank, info.iteration)
     shards = []
     for i, (off, n) in enumerate(info.chunks()):

@@ -115,6 +115,9 @@ class ReplicaMemory(ReplicaStore):
         with self._lock:
             self._reserved -= reserved
             self._held[key] = _Held(snap, next(self._seq))
+            # a rank's timeline is linear: anything newer than what it just pushed was abandoned
+            for k in [k for k in self._held if k[:2] == key[:2] and k[2] > key[2]]:
+                del self._held[k]
 
     def put(self, snapshot: Snapshot) -> None:
         reserved = self.reserve(snapshot.info)

@@ -6,6 +6,7 @@ import collections
 import io
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,25 @@ def test_into_fills_matching_tensors_and_keeps_the_rest() -> None:
     assert out["w"] is live_w and torch.equal(live_w, saved["w"])
     assert out["odd"] is not live["odd"] and torch.equal(out["odd"], saved["odd"])
     assert out["n"] == 5
+
+
+def test_parallel_raw_copy_matches_values_including_lazy_views() -> None:
+    big = torch.randn(5 << 20)  # 20 MiB: split into pieces shared by the workers
+    z = torch.randn(8, dtype=torch.complex64)
+    state = {
+        "big": big,
+        "conj": z.conj(),
+        "neg": z.conj().imag,
+        "small": torch.arange(7),
+        "t": big[:64].view(8, 8).t(),
+    }
+    enc = encode(state)
+    data = torch.empty(enc.data_len, dtype=torch.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        copy_into(enc, data, None, pool, workers=2)
+    out = decode(enc.meta, data, private=True)
+    for k, v in state.items():
+        assert torch.equal(out[k], v.resolve_conj().resolve_neg()), k
 
 
 @pytest.mark.gpu

@@ -85,6 +85,17 @@ def test_double_buffering_keeps_newest_and_previous(make_config: Make) -> None:
             m.save(filled_state(2), 2)
 
 
+def test_first_save_without_restore_starts_a_new_timeline(make_config: Make) -> None:
+    with CheckpointManager(make_config()) as m:
+        m.save(filled_state(5), 5)
+        m.save(filled_state(6), 6)
+    with CheckpointManager(make_config()) as m:  # the runtime starts over from scratch
+        m.save(filled_state(0), 0)
+        m.wait()
+        assert m.available()[0][2] == [0]
+        assert m.restore().iteration == 0
+
+
 def test_node_lost_restores_from_peer(make_config: Make, replica_server: ReplicaServer) -> None:
     state, _, _ = train_state()
     peer = ReplicaClient(replica_server.address)

@@ -134,3 +134,12 @@ def test_standalone_server_process() -> None:
         assert proc.wait(10) == 0
     with pytest.raises(ReplicaUnavailable):
         ReplicaClient(addr, timeout_s=2).list()
+
+
+def test_a_push_replaces_newer_snapshots_of_its_rank() -> None:
+    mem = ReplicaMemory(budget_bytes=1 << 20)
+    for it in (5, 6):
+        mem.put(snap(0, it))
+    mem.put(snap(1, 9))
+    mem.put(snap(0, 3))  # rank 0 rolled back to 3: its 5 and 6 belong to an abandoned timeline
+    assert held(mem) == [(0, 3), (1, 9)]

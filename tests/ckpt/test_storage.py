@@ -110,3 +110,10 @@ def test_every_damage_is_detected(storage: Storage, damage: str, reason: str) ->
         storage.write(mkey, b"{not json")
     with pytest.raises(CheckpointCorrupt, match=reason):
         load(storage, "job-1", 2, 3)
+
+
+def test_persisting_an_older_iteration_discards_newer_ones(storage: Storage) -> None:
+    for it in (5, 6):
+        persist(storage, _snap(it), keep=3)
+    persist(storage, _snap(3), keep=3)  # the rank rolled back: 5 and 6 must never be restored
+    assert iterations(storage, "job-1", 2) == [3]
