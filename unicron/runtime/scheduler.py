@@ -105,8 +105,7 @@ class CommFailure(Exception):
     """A collective failed: this rank's groups are broken and a regroup is due."""
 
 
-def is_comm_error(exc: BaseException) -> bool:
-    """Errors of collectives (gloo raises plain RuntimeError; NCCL raises DistBackendError)."""
+def _is_comm_error_1(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     if not isinstance(exc, RuntimeError):
@@ -115,6 +114,23 @@ def is_comm_error(exc: BaseException) -> bool:
     return "gloo" in text.lower() or "nccl" in text.lower() or match(text) in (
         ErrorKind.CONNECTION_REFUSED_RESET, ErrorKind.OTHER_NETWORK_ERROR, ErrorKind.NCCL_TIMEOUT,
     )
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Errors of collectives (gloo raises plain RuntimeError; NCCL raises DistBackendError).
+
+    torch's collective wrappers log a failure by looking the group up in the default world's map,
+    where our per-epoch groups are not registered, so the original error can arrive as the context
+    of a ValueError: the whole chain is examined.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if _is_comm_error_1(cur):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def severity_of_kind(kind: ErrorKind) -> Severity:
@@ -261,18 +277,18 @@ class Trainer:
         if sev is Severity.SEV3:
             # In-place reattempt: break our groups so peers fail fast, regroup with the same members.
             self.client.report_exception(fault, fatal=False)
-            self._event("injected", kind=fault.kind.value, severity=int(sev))
+            self._event("injected", error_kind=fault.kind.value, severity=int(sev))
             self._break(fault)
             self.pending = ("reattempt", True)
             return
         self.client.report_exception(fault, fatal=True)
-        self._event("fatal", kind=fault.kind.value, severity=int(sev))
+        self._event("fatal", error_kind=fault.kind.value, severity=int(sev))
         raise SystemExit(3)
 
     def _collective(self, what: str, fn: Any) -> Any:
         try:
             return fn()
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             if not is_comm_error(exc):
                 raise
             self._broken(what, exc)
@@ -329,7 +345,7 @@ class Trainer:
             self.acc.begin_mb()
             try:
                 loss = self._forward_backward(mb)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:
                 if not is_comm_error(exc):
                     raise
                 self._broken(f"micro-batch {mb}", exc)
@@ -542,7 +558,7 @@ class Trainer:
         ones this rank lacks (never overwriting a bucket it already reduced)."""
         s, e = self.prog.bounds[lo][0], self.prog.bounds[hi - 1][1]
         buf = self.prog.reduced[s:e].clone()
-        self._collective("catch-up", lambda: self.groups.dp.broadcast([buf], root).wait())
+        self._collective("catch-up", lambda: self.groups.dp.broadcast(buf, root).wait())
         if apply and self.prog.done < hi:
             start = self.prog.bounds[max(self.prog.done, lo)][0]
             self.prog.reduced[start:e] = buf[start - s :]
@@ -585,6 +601,7 @@ class Trainer:
         self.todo = list(self.plan.get(self.replica, []))
         self.keep_mask = complete[self.topo.tp_rank(self.rank)]
         self.prog.table = None
+        self.membership.timing.update(kept_buckets=self.prog.done, redo_mbs=len(self.todo))
 
     def _record(self, epoch: int) -> EpochRecord:
         if epoch == self.groups.record.epoch:

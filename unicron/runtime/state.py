@@ -110,7 +110,7 @@ def _broadcast_flat(group: dist.ProcessGroup, root: int, tensors: Sequence[torch
         flat = torch.cat([t.reshape(-1) for t in ts]) if group.rank() == root else torch.empty(
             sum(t.numel() for t in ts), dtype=dtype
         )
-        group.broadcast([flat], root).wait()
+        group.broadcast(flat, root).wait()
         offset = 0
         for t in ts:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -133,7 +133,7 @@ class ReplicaBroadcast(StateSource):
             return False
         root = group_ranks.index(roots[0])
         it = torch.tensor([state.iteration], dtype=torch.int64)
-        group.broadcast([it], root).wait()
+        group.broadcast(it, root).wait()
         _broadcast_flat(group, root, state.tensors())
         state.iteration = int(it.item())
         return True
