@@ -10,8 +10,9 @@ once the first one is published.
 
 ``restore()`` follows the nearest principle: local memory, then each peer, then remote storage; every
 copy is verified against the checksums computed at the source, and a missing, partial, stale or
-corrupt copy is skipped with its reason logged. The timeline is linear: restoring iteration k (or
-starting to save from k) discards whatever any tier holds that is newer than k.
+corrupt copy is skipped with its reason logged. The timeline is linear: restoring iteration k discards
+whatever any tier holds that is newer than k; a first save at k withdraws newer local snapshots, and a
+peer or the storage drops a rank's newer snapshots when an older one of that rank reaches it.
 """
 
 from __future__ import annotations

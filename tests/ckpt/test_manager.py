@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -179,10 +180,13 @@ def test_restore_with_nothing_anywhere(make_config: Make, tmp_path: Path) -> Non
 
 
 def test_unreachable_peer_is_skipped(make_config: Make) -> None:
-    dead = ReplicaClient("127.0.0.1:9", timeout_s=1)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = ReplicaClient(addr, timeout_s=1)
     with CheckpointManager(make_config(), peers=[dead]) as m:
         out = m.save(filled_state(1), 1).result(30)
-        assert out.published and out.replicas == () and "127.0.0.1:9" in out.errors[0]
+        assert out.published and out.replicas == () and addr in out.errors[0]
         r = m.restore()
     assert r.tier == Tier.LOCAL and "unreachable" in r.skipped[0].reason
 
