@@ -47,6 +47,11 @@ class _Held:
     seq: int
 
 
+def transfer_timeout(base_s: float, nbytes: int) -> float:
+    """A sendall's timeout covers the whole transfer: allow for a slow link (100 MB/s) on top."""
+    return base_s + nbytes / 100e6
+
+
 def _alloc(n: int) -> memoryview:
     # torch.empty does not touch the pages (bytearray would zero them first)
     return byte_view(torch.empty(n, dtype=torch.uint8))
@@ -215,6 +220,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if snap is None:
             self._reply(sock, {"ok": False, "missing": True, "error": "not held"})
             return
+        sock.settimeout(transfer_timeout(self.server.io_timeout_s, snap.info.nbytes))
         self._reply(sock, {"ok": True, "info": snap.info.to_dict()}, (snap.meta, snap.data))
 
     def _list(self, sock: socket.socket, h: dict[str, Any]) -> None:
@@ -320,6 +326,7 @@ class ReplicaClient(ReplicaStore):
         def body(sock: socket.socket, reply: dict[str, Any]) -> dict[str, Any]:
             if not reply.get("ok"):
                 return reply
+            sock.settimeout(transfer_timeout(self.timeout_s, snapshot.info.nbytes))
             sock.sendall(snapshot.meta)
             if len(snapshot.data):
                 sock.sendall(snapshot.data)
