@@ -181,9 +181,8 @@ class Store:
 class Lease:
     """An etcd lease kept alive by a background thread.
 
-    ``on_lost`` is called (once) when the lease is found expired — e.g. this process was stopped
-    for longer than the TTL, or etcd was unreachable that long — so the owner can re-register
-    under a new lease.
+    ``on_lost`` is called (once) when etcd reports the lease expired — e.g. this process was
+    stopped for longer than the TTL — so the owner can re-register under a new lease.
     """
 
     def __init__(self, store: Store, ttl_s: int, on_lost: Callable[[], None] | None) -> None:
@@ -199,22 +198,21 @@ class Lease:
         self._thread.start()
 
     def _keepalive(self) -> None:
+        # Only etcd's own answer (TTL <= 0: the lease expired) marks the lease lost. While etcd is
+        # unreachable we keep trying: etcd renews every lease when it restarts, so an outage longer
+        # than the TTL does not by itself end the lease, and giving up early made a healthy leader
+        # step down (seen). Safety never rests on this guess: leader writes are fenced.
         interval = max(0.1, self.ttl_s / 4)
-        last_ok = time.monotonic()
         while not self._stop.wait(interval):
             try:
                 with _converted("lease keepalive"):
                     responses = list(self.store.client.refresh_lease(self.lease_id))
-                remaining = int(responses[0].TTL) if responses else 0
             except StoreUnavailable as exc:
-                log.warning("lease %x keepalive failed: %s", self.lease_id, exc)
-                if time.monotonic() - last_ok <= self.ttl_s:
-                    continue
-                remaining = 0
-            if remaining <= 0:
+                log.warning("lease %x keepalive failed (will retry): %s", self.lease_id, exc)
+                continue
+            if not responses or int(responses[0].TTL) <= 0:
                 self._mark_lost()
                 return
-            last_ok = time.monotonic()
 
     def _mark_lost(self) -> None:
         if self.lost.is_set():

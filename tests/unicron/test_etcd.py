@@ -100,3 +100,18 @@ def test_watch_resumes_after_restart_without_losing_events(etcd_server: EtcdServ
     watch.stop()
     other.close()
     store.close()
+
+
+def test_lease_survives_an_etcd_outage_longer_than_its_ttl(etcd_server: EtcdServer) -> None:
+    store = Store(etcd_server.endpoint, timeout_s=0.5)
+    lost = threading.Event()
+    lease = store.lease(2, on_lost=lost.set)
+    store.put("/held", "v", lease=lease)
+    etcd_server.stop()
+    time.sleep(3.0)  # longer than the TTL: the client must not give the lease up on its own
+    etcd_server.start()
+    time.sleep(1.5)  # several keepalive rounds after the restart
+    assert not lost.is_set()
+    assert store.get("/held") is not None
+    lease.revoke()
+    store.close()
