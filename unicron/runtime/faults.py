@@ -22,10 +22,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from unicron.client import InjectedFault
 from unicron.errors import ConfigError
+from unicron.runtime.comm import Store
 from unicron.types import ErrorKind
 
 ENV = "UNICRON_RUNTIME_FAULTS"
@@ -61,13 +60,13 @@ def parse(spec: str) -> list[Fault]:
 
 
 class FaultScript:
-    def __init__(self, faults: list[Fault], rank: int, incarnation: int, store: dist.Store | None) -> None:
+    def __init__(self, faults: list[Fault], rank: int, incarnation: int, store: Store | None) -> None:
         self.faults = faults if incarnation == 1 else []
         self.rank = rank
         self.store = store
 
     @classmethod
-    def from_env(cls, rank: int, incarnation: int, store: dist.Store | None) -> FaultScript:
+    def from_env(cls, rank: int, incarnation: int, store: Store | None) -> FaultScript:
         return cls(parse(os.environ.get(ENV, "")), rank, incarnation, store)
 
     def at(self, iteration: int, point: str) -> None:

@@ -2,7 +2,7 @@
 
 Every parameter's ``.grad`` is a view into one flat buffer (:class:`FlatGrads`), so autograd
 accumulates into it in place. The vector that is reduced is that buffer plus a short *tail*
-(``[loss sum, join flag]``) so the flags ride on the gradient collective instead of costing one.
+(``[loss sum, join flag, stop flag]``) so the flags ride on the gradient collective instead of costing one.
 
 Two modes:
 
@@ -25,13 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from unicron.runtime.comm import CommGroup
 from unicron.runtime.plan import BatchLayout
 
-TAIL = 2
-"""Extra elements after the gradients: [sum of micro-batch losses, number of pending join requests]."""
-TAIL_LOSS, TAIL_JOIN = 0, 1
+TAIL = 3
+"""Extra elements after the gradients: [sum of micro-batch losses, ranks seeing join requests, ranks
+asked to stop]; summed with the gradient, so every member learns the flags at the same boundary."""
+TAIL_LOSS, TAIL_JOIN, TAIL_STOP = 0, 1, 2
 
 
 class RuntimeInvariantError(AssertionError):
@@ -206,7 +207,7 @@ class ReduceProgress:
         self.table = None
 
 
-def reduce_sum(group: dist.ProcessGroup, vector: torch.Tensor, prog: ReduceProgress, hook: BucketHook) -> None:
+def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hook: BucketHook) -> None:
     """All-reduce the remaining buckets of a copy of ``vector`` over ``group``."""
     for b in range(prog.done, len(prog.bounds)):
         hook(b)
@@ -225,7 +226,7 @@ def _encode_table(items: Sequence[Contribution], slots: int) -> torch.Tensor:
 
 
 def reduce_gather(
-    group: dist.ProcessGroup,
+    group: CommGroup,
     acc: Contributions,
     prog: ReduceProgress,
     hook: BucketHook,

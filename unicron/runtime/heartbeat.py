@@ -12,9 +12,8 @@ import threading
 import time
 from collections.abc import Iterable
 
-import torch.distributed as dist
-
 from unicron.runtime import store as keys
+from unicron.runtime.comm import Store
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class StalenessJudge:
     for ``window_s``. A counter still at 0 belongs to a process that has not started beating yet
     (still importing, or never launched): not judged here; the agent's ``failed/`` mark covers it."""
 
-    def __init__(self, store: dist.Store, window_s: float) -> None:
+    def __init__(self, store: Store, window_s: float) -> None:
         self._store = store
         self._window = window_s
         self._seen: dict[int, tuple[int, float]] = {}

@@ -8,8 +8,10 @@ abnormally (optionally restarting it, as the agent does for a sev2 failure).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,8 +23,19 @@ from typing import Any
 
 from unicron.errors import TemporaryError
 from unicron.runtime import store as keys
+from unicron.runtime.epoch import EpochRecord
 
 PYTHON = sys.executable
+
+
+def base_env() -> dict[str, str]:
+    """This environment, with the repository importable and one intra-op thread by default."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("UNICRON_AGENT_SOCKET", None)
+    return env
 
 
 def free_port() -> int:
@@ -31,10 +44,83 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class Zygote:
+    """Client of :mod:`unicron.runtime.zygote`: forks rank processes from a pre-imported parent."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [PYTHON, "-m", "unicron.runtime.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        )
+        self._cond = threading.Condition()
+        self._pids: dict[int, int] = {}
+        self.codes: dict[int, int] = {}
+        self._next = 0
+        assert self.proc.stdout is not None
+        first = json.loads(self.proc.stdout.readline() or b'{"op": "dead"}')
+        if first.get("op") != "ready":
+            raise TemporaryError("the zygote process did not start")
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self._cond:
+                if msg["op"] == "spawned":
+                    self._pids[msg["id"]] = msg["pid"]
+                elif msg["op"] == "exit":
+                    self.codes[msg["pid"]] = msg["code"]
+                self._cond.notify_all()
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], log: str) -> ForkedProc:
+        assert self.proc.stdin is not None
+        with self._cond:
+            ident = self._next
+            self._next += 1
+            self.proc.stdin.write((json.dumps(
+                {"op": "spawn", "id": ident, "argv": list(argv), "env": env, "log": log}) + "\n").encode())
+            self.proc.stdin.flush()
+            if not self._cond.wait_for(lambda: ident in self._pids, timeout=30):
+                raise TemporaryError("the zygote did not fork a rank in 30 s")
+            return ForkedProc(self, self._pids[ident])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+class ForkedProc:
+    """The part of ``Popen`` LocalJob uses, for a process forked by the zygote."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+
+    def poll(self) -> int | None:
+        with self.zygote._cond:
+            return self.zygote.codes.get(self.pid)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        with self.zygote._cond:
+            self.zygote._cond.wait_for(lambda: self.pid in self.zygote.codes, timeout=timeout)
+            return self.zygote.codes.get(self.pid)
+
+
 @dataclass
 class RankProc:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProc
     incarnation: int
     log_path: str
 
@@ -54,12 +140,17 @@ class LocalJob:
     host: str = "127.0.0.1"
     #: host the store in this process (a thread of TCPStore) instead of a sidecar subprocess
     store_in_process: bool = True
+    #: fork ranks from a pre-imported zygote (fast; tests) instead of exec'ing python (as the agent does)
+    fork: bool = False
+    #: a zygote shared between jobs (implies fork; not closed by this job)
+    zygote: Zygote | None = None
 
     def __post_init__(self) -> None:
         self.port = free_port()
         self.procs: dict[int, RankProc] = {}
         self.history: list[dict[str, Any]] = []
         self._store_proc: subprocess.Popen[bytes] | None = None
+        self._zygote: Zygote | None = None
         self._store: Any = None
         self._server: Any = None
         self._stop = threading.Event()
@@ -75,6 +166,10 @@ class LocalJob:
             self._store = keys.connect(self.host, self.port)
         else:
             self._start_sidecar()
+        if self.zygote is not None:
+            self._zygote = self.zygote
+        elif self.fork:
+            self._zygote = Zygote(self._base_env())
         for r in range(self.world):
             self._spawn(r)
         self._monitor.start()
@@ -96,12 +191,7 @@ class LocalJob:
                 time.sleep(0.2)
 
     def _base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.pop("UNICRON_AGENT_SOCKET", None)
-        return env
+        return base_env()
 
     def _spawn(self, rank: int) -> None:
         env = self._base_env()
@@ -114,11 +204,13 @@ class LocalJob:
         prev = self.procs.get(rank)
         inc = prev.incarnation + 1 if prev else 1
         log_path = os.path.join(self.out_dir, f"rank{rank}.{inc}.log")
-        with open(log_path, "wb") as fh:
-            proc = subprocess.Popen(
-                [PYTHON, "-m", self.module, *self.args, "--out-dir", os.path.join(self.out_dir, f"inc{inc}")],
-                stdout=fh, stderr=subprocess.STDOUT, env=env,
-            )
+        argv = [*self.args, "--out-dir", os.path.join(self.out_dir, f"inc{inc}")]
+        proc: subprocess.Popen[bytes] | ForkedProc
+        if self._zygote is not None:
+            proc = self._zygote.spawn(argv, env, log_path)
+        else:
+            with open(log_path, "wb") as fh:
+                proc = subprocess.Popen([PYTHON, "-m", self.module, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env)
         self.procs[rank] = RankProc(rank, proc, inc, log_path)
         self.history.append({"event": "spawn", "rank": rank, "incarnation": inc, "ts": time.time()})
 
@@ -168,6 +260,8 @@ class LocalJob:
                 if rp.proc.poll() is None:
                     rp.proc.kill()
                     rp.proc.wait()
+        if self._zygote is not None and self._zygote is not self.zygote:
+            self._zygote.close()
         if self._store_proc is not None and self._store_proc.poll() is None:
             self._store_proc.terminate()
             try:
@@ -182,6 +276,18 @@ class LocalJob:
         self.stop()
 
     # --- results ---------------------------------------------------------------------------------
+
+    def set_key(self, key: str, value: str) -> None:
+        """Write a store key (e.g. ``stop``: every rank stops at the next iteration boundary)."""
+        self._store.set(key, value)
+
+    def epochs(self) -> list[EpochRecord]:
+        """Every agreed epoch record so far."""
+        out, e = [], 0
+        while (raw := self.store_value(f"epoch/{e}")) is not None:
+            out.append(EpochRecord.decode(raw))
+            e += 1
+        return out
 
     def store_value(self, key: str) -> str | None:
         if self._store is None or not self._store.check([key]):

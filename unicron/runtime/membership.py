@@ -20,23 +20,23 @@ an epoch that includes it. Survivors admit complete replicas of joiners at an it
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
-from unicron.errors import InvalidRecord, PermanentError
+from unicron.errors import PermanentError
 from unicron.runtime import store as keys
+from unicron.runtime.comm import CommGroup, Store, new_group
+from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import StalenessJudge
 from unicron.runtime.model import broken_group, solo_group
 from unicron.runtime.plan import Topology
 
 log = logging.getLogger(__name__)
+
+FINISHED_KEY = "finished"
 
 
 class Excluded(Exception):
@@ -55,59 +55,27 @@ class RegroupFailed(PermanentError):
     """No membership could be agreed and formed before the regroup deadline."""
 
 
-@dataclass(frozen=True)
-class EpochRecord:
-    """The agreed membership of one epoch, as stored under ``epoch/<epoch>``."""
-
-    epoch: int
-    #: global ranks of the epoch, ascending (complete replicas only)
-    members: tuple[int, ...]
-    #: incarnation of each member's process (see :mod:`unicron.runtime.store`)
-    incarnations: dict[int, int]
-    #: why the epoch was formed (start, failure, reattempt, admission)
-    reason: str = ""
-
-    def encode(self) -> str:
-        return json.dumps(
-            {"epoch": self.epoch, "members": list(self.members),
-             "incarnations": {str(k): v for k, v in self.incarnations.items()}, "reason": self.reason},
-            sort_keys=True,
-        )
-
-    @classmethod
-    def decode(cls, raw: bytes | str) -> EpochRecord:
-        try:
-            obj = json.loads(raw)
-            return cls(
-                epoch=int(obj["epoch"]), members=tuple(int(m) for m in obj["members"]),
-                incarnations={int(k): int(v) for k, v in obj["incarnations"].items()},
-                reason=str(obj.get("reason", "")),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidRecord(f"epoch record: {exc}: {raw!r:.200}") from exc
-
-
 @dataclass
 class Groups:
     """This rank's process groups in one epoch."""
 
     record: EpochRecord
     #: all members (the data-parallel group itself when tp == 1)
-    world: dist.ProcessGroup
+    world: CommGroup
     #: members with this rank's tensor-parallel rank
-    dp: dist.ProcessGroup
+    dp: CommGroup
     #: this rank's replica
-    tp: dist.ProcessGroup
+    tp: CommGroup
     dp_ranks: list[int] = field(default_factory=list)
 
-    def release(self) -> list[weakref.ref[dist.ProcessGroup]]:
+    def release(self) -> list[weakref.ref[CommGroup]]:
         """Drop this epoch's groups, replacing them with the :func:`broken_group` placeholder.
 
         Peers blocked in a collective with us fail fast only once our sockets close, and gloo closes
         them in the group's destructor (``abort()`` alone leaves them open), so the caller must drop
         every other reference too; the returned weak references tell whether it did.
         """
-        refs: list[weakref.ref[dist.ProcessGroup]] = []
+        refs: list[weakref.ref[CommGroup]] = []
         seen: set[int] = set()
         for name in ("world", "dp", "tp"):
             g = getattr(self, name)
@@ -148,7 +116,7 @@ class Membership:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Store,
         rank: int,
         topo: Topology,
         incarnation: int,
@@ -259,7 +227,7 @@ class Membership:
         deadline = time.monotonic() + timeout_s
         seen = -1
         while time.monotonic() < deadline:
-            if self.store.check(["finished"]):
+            if self.store.check([FINISHED_KEY]):
                 raise JobFinished()
             rec = self.latest(seen)
             if rec is not None:
@@ -321,15 +289,13 @@ class Membership:
             time.sleep(self.settings.poll_s)
         raise RegroupFailed(f"rank {self.rank}: members of epoch {rec.epoch} did not all arrive")
 
-    def _group(self, name: str, ranks: list[int]) -> dist.ProcessGroup:
+    def _group(self, name: str, ranks: list[int]) -> CommGroup:
         if len(ranks) == 1 and self.settings.backend == "gloo":
             return solo_group()
-        prefix = dist.PrefixStore(name, self.store)
-        timeout = datetime.timedelta(seconds=self.settings.collective_timeout_s)
-        index = ranks.index(self.rank)
-        if self.settings.backend == "nccl":
-            return dist.ProcessGroupNCCL(prefix, index, len(ranks))  # pragma: no cover - GPU only
-        return dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
+        return new_group(
+            self.settings.backend, self.store, name, ranks.index(self.rank), len(ranks),
+            self.settings.collective_timeout_s,
+        )
 
     def _build(self, rec: EpochRecord) -> Groups:
         g = rec.epoch

@@ -15,7 +15,6 @@ to rounding.
 
 from __future__ import annotations
 
-import datetime
 import math
 import warnings
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from unicron.errors import ConfigError
+from unicron.runtime.comm import CommGroup, HashStore, allreduce_max, new_group
 
 with warnings.catch_warnings():
     # Megatron warns at import that Transformer Engine / Apex are absent: expected on CPU.
@@ -136,8 +136,8 @@ class SDPAttention(MegatronModule):  # type: ignore[misc]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
 
-_SOLO: dist.ProcessGroup | None = None
-_BROKEN: dist.ProcessGroup | None = None
+_SOLO: CommGroup | None = None
+_BROKEN: CommGroup | None = None
 
 
 def ensure_torch_distributed() -> None:
@@ -145,33 +145,29 @@ def ensure_torch_distributed() -> None:
     give the process a private one-rank default group. It never communicates: the runtime's real
     groups are built per epoch, because a job-wide default group dies with any rank."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
 
 
-def solo_group() -> dist.ProcessGroup:
+def solo_group() -> CommGroup:
     """A one-rank group for the parallel dimensions this runtime does not split (pp, cp, ...)."""
     global _SOLO
     ensure_torch_distributed()
     if _SOLO is None:
-        _SOLO = dist.ProcessGroupGloo(
-            dist.PrefixStore("unicron-solo", dist.HashStore()), 0, 1, datetime.timedelta(seconds=60)
-        )
+        _SOLO = new_group("gloo", HashStore(), "unicron-solo", 0, 1, 60.0)
     return _SOLO
 
 
-def broken_group() -> dist.ProcessGroup:
+def broken_group() -> CommGroup:
     """Placeholder that takes a released group's place (in the model and in
     :class:`~unicron.runtime.membership.Groups`) until the next epoch's group is bound."""
     global _BROKEN
     ensure_torch_distributed()
     if _BROKEN is None:
-        _BROKEN = dist.ProcessGroupGloo(
-            dist.PrefixStore("unicron-broken", dist.HashStore()), 0, 1, datetime.timedelta(seconds=60)
-        )
+        _BROKEN = new_group("gloo", HashStore(), "unicron-broken", 0, 1, 60.0)
     return _BROKEN
 
 
-def pg_collection(tp_group: dist.ProcessGroup) -> ProcessGroupCollection:
+def pg_collection(tp_group: CommGroup) -> ProcessGroupCollection:
     solo = solo_group()
     return ProcessGroupCollection(
         tp=tp_group, pp=solo, mp=tp_group, embd=solo, pos_embd=solo, cp=solo, tp_cp=tp_group,
@@ -190,7 +186,7 @@ def transformer_config(cfg: ModelConfig, tp: int) -> TransformerConfig:
     )
 
 
-def build_gpt(cfg: ModelConfig, tp_group: dist.ProcessGroup) -> GPTModel:
+def build_gpt(cfg: ModelConfig, tp_group: CommGroup) -> GPTModel:
     """The GPT, on CPU, identical on every replica (same init seed)."""
     tp = tp_group.size()
     cfg.validate(tp)
@@ -207,7 +203,7 @@ def build_gpt(cfg: ModelConfig, tp_group: dist.ProcessGroup) -> GPTModel:
     return model.to(cfg.torch_dtype)
 
 
-def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, tp_group: CommGroup) -> torch.Tensor:
     """Mean next-token cross-entropy of one micro-batch over vocabulary-split logits.
 
     Megatron's own vocab-parallel cross-entropy reads the TP group from ``parallel_state`` and its
@@ -223,7 +219,7 @@ def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, tp_grou
     with torch.no_grad():
         peak = logits.max(dim=-1, keepdim=True).values
         if tp_group.size() > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp_group)
+            allreduce_max(tp_group, peak)
     shifted = logits - peak
     sum_exp = shifted.exp().sum(dim=-1)
     local = labels - start
@@ -232,10 +228,11 @@ def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, tp_grou
     if tp_group.size() > 1:
         sum_exp = reduce_from_tensor_model_parallel_region(sum_exp, group=tp_group)
         target = reduce_from_tensor_model_parallel_region(target, group=tp_group)
-    return (sum_exp.log() - target).mean()
+    loss: torch.Tensor = (sum_exp.log() - target).mean()
+    return loss
 
 
-def rebind_groups(model: torch.nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
+def rebind_groups(model: torch.nn.Module, old: CommGroup, new: CommGroup) -> int:
     """Point every reference to ``old`` inside ``model`` (module attributes and their
     ProcessGroupCollections) at ``new``; returns how many were replaced. Used when a replica's
     tensor-parallel group is re-formed in place."""

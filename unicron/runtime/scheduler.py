@@ -37,13 +37,17 @@ import torch.distributed as dist
 from unicron import protocol
 from unicron.client import AgentClient, InjectedFault
 from unicron.patterns import match
+from unicron.runtime import membership
 from unicron.runtime import store as keys
+from unicron.runtime.comm import CommGroup, Store
 from unicron.runtime.data import TokenSource
+from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.faults import FaultScript
 from unicron.runtime.grads import (
     TAIL,
     TAIL_JOIN,
     TAIL_LOSS,
+    TAIL_STOP,
     Accumulator,
     Contributions,
     DirectSum,
@@ -55,7 +59,7 @@ from unicron.runtime.grads import (
     reduce_gather,
     reduce_sum,
 )
-from unicron.runtime.membership import CommSettings, EpochRecord, Excluded, Groups, JobFinished, Membership
+from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
 from unicron.runtime.model import ModelConfig, broken_group, build_gpt, lm_loss, rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, redistribute
 from unicron.runtime.state import OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
@@ -64,6 +68,10 @@ from unicron.types import ErrorKind, Severity
 log = logging.getLogger(__name__)
 
 RECOVERY_MODES = ("redistribute", "rerun")
+STOP_KEY = "stop"
+"""Store key that asks every rank to stop at the next iteration boundary (the launcher's Stop)."""
+FINISHED_KEY = membership.FINISHED_KEY
+"""Store key written when training ends, so that ranks waiting to join exit too."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,7 @@ class Trainer:
         *,
         rank: int,
         topo: Topology,
-        store: dist.Store,
+        store: Store,
         incarnation: int,
         model_cfg: ModelConfig,
         optim_cfg: OptimConfig,
@@ -173,10 +181,11 @@ class Trainer:
         self._agent_dead: set[int] = set()
         self.membership = Membership(store, rank, topo, incarnation, comm, knowledge=self._agent_knowledge)
         self.events: list[Event] = []
-        self.stop_requested = False
+        self.stop_requested = False  # asked (agent Stop or the store's stop key); acted on once agreed
+        self.stopping = False  # agreed by every member at the last commit
         # Filled by _setup once the first groups exist.
         self.groups: Groups
-        self.model_tp: dist.ProcessGroup
+        self.model_tp: CommGroup
         self.state: ReplicaState
         self.flat: FlatGrads
         self.acc: Accumulator
@@ -247,12 +256,11 @@ class Trainer:
         except JobFinished:
             self._event("finished", note="the job completed while this rank waited to join")
             return 0
-        if self.sched.iterations:
-            self.store.set("finished", str(self.it))
+        self.store.set(FINISHED_KEY, str(self.it))
         return 0
 
     def _finished(self) -> bool:
-        if self.stop_requested:
+        if self.stopping:
             return True
         return bool(self.sched.iterations) and self.it >= self.sched.iterations
 
@@ -267,8 +275,8 @@ class Trainer:
                     continue
                 self._compute()
                 self._reduce()
-                join = self._commit_check()
-                self._commit(join)
+                join, stop = self._commit_check()
+                self._commit(join, stop)
             except CommFailure:
                 self.pending = ("failure", False)
 
@@ -334,7 +342,7 @@ class Trainer:
         torch.manual_seed(mb_seed(self.sched.seed, self.it, mb))
         tokens, labels = self.data.batch(self.it, mb)
         loss = lm_loss(self.state.model, tokens, labels, self.groups.tp)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
 
     def _compute(self) -> None:
@@ -363,34 +371,44 @@ class Trainer:
             return 0.0
         return 1.0 if self.membership.has_joiners(members) else 0.0
 
+    def _stop_flag(self) -> float:
+        if not self.stop_requested:
+            self._read_instructions()
+        return 1.0 if self.stop_requested or self.store.check([STOP_KEY]) else 0.0
+
     def _reduce(self) -> None:
         if self.prog.complete:
             return
-        flag = self._join_flag() if self.prog.done < len(self.prog.bounds) else 0.0
+        join, stop = self._join_flag(), self._stop_flag()
         hook = lambda b: self.faults.at(self.it, f"bucket{b}")  # noqa: E731
         n = self.flat.numel
         if isinstance(self.acc, Contributions):
             acc = self.acc
             for i, c in enumerate(acc.items):
-                c.vec[n + TAIL_JOIN] = flag if i == 0 else 0.0
+                c.vec[n + TAIL_JOIN] = join if i == 0 else 0.0
+                c.vec[n + TAIL_STOP] = stop if i == 0 else 0.0
             self._collective("gather", lambda: reduce_gather(self.groups.dp, acc, self.prog, hook))
         else:
             vector = self.acc.vector  # type: ignore[attr-defined]
-            vector[n + TAIL_JOIN] = flag
+            vector[n + TAIL_JOIN], vector[n + TAIL_STOP] = join, stop
             self._collective("all-reduce", lambda: reduce_sum(self.groups.dp, vector, self.prog, hook))
 
-    def _commit_check(self) -> bool:
-        """Whether joiners are waiting. With TP > 1 this is also the commit point: every rank of the
-        replica has all buckets before any of them steps (a partner may still need our old params)."""
-        join = float(self.prog.reduced[self.flat.numel + TAIL_JOIN])
+    def _commit_check(self) -> tuple[bool, bool]:
+        """(joiners waiting, stop requested), agreed by all. With TP > 1 this is also the commit
+        point: every rank of the replica has all buckets before any of them steps (a partner may
+        still need our old parameters to recompute a micro-batch)."""
+        n = self.flat.numel
+        flags = self.prog.reduced[n + TAIL_JOIN : n + TAIL_STOP + 1].to(torch.float64)
         if self.topo.tp > 1:
-            t = torch.tensor([join], dtype=torch.float64)
-            self._collective("commit", lambda: self.groups.tp.allreduce([t]).wait())
-            join = float(t.item())
+            self._collective("commit", lambda: self.groups.tp.allreduce([flags]).wait())
         self.faults.at(self.it, "commit")
-        return join > 0
+        return bool(flags[0] > 0), bool(flags[1] > 0)
 
-    def _commit(self, join: bool) -> None:
+    def _tail_flags(self) -> tuple[bool, bool]:
+        n = self.flat.numel
+        return bool(self.prog.reduced[n + TAIL_JOIN] > 0), bool(self.prog.reduced[n + TAIL_STOP] > 0)
+
+    def _commit(self, join: bool, stop: bool) -> None:
         """Step the optimizer with sum/B and move to the next iteration."""
         n = self.flat.numel
         b = self.layout.micro_batches
@@ -403,7 +421,9 @@ class Trainer:
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
         self._drain_instructions()
-        if join:
+        if stop:
+            self.stopping = True
+        elif join:
             self.pending = ("admission", True)
 
     # --- agent -----------------------------------------------------------------------------------
@@ -515,7 +535,7 @@ class Trainer:
             ahead_base = max(table[r][4] for r in holders if table[r][1] == top)
             if self.rank in behind:
                 self.prog.done = nb
-                self._commit(join=False)
+                self._commit(*self._tail_flags())
             for r in behind:
                 table[r][1], table[r][2], table[r][4] = top, 0, ahead_base
                 table[r][5:] = [0] * self.layout.micro_batches
@@ -536,7 +556,7 @@ class Trainer:
                 self.prog.done = max(self.prog.done, mine_best)
         committed = all(v == nb for v in best.values())
         if committed and not self.fresh and self.it == top:
-            self._commit(join=False)
+            self._commit(*self._tail_flags())
 
         # C. joiners take parameters, optimizer state and iteration from a healthy replica.
         joiners = [r for r in dp_ranks if table[r][3] == 1]
@@ -626,5 +646,5 @@ class Trainer:
             )
 
 
-def connect_store(host: str, port: int) -> dist.Store:
+def connect_store(host: str, port: int) -> Store:
     return keys.connect(host, port)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from unicron.errors import ConfigError
+from unicron.runtime.comm import CommGroup
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,12 @@ class StateSource(ABC):
 
     @abstractmethod
     def transfer(
-        self, state: ReplicaState, group: dist.ProcessGroup, group_ranks: Sequence[int],
+        self, state: ReplicaState, group: CommGroup, group_ranks: Sequence[int],
         holders: Sequence[int], receivers: Sequence[int], me: int,
     ) -> bool: ...
 
 
-def _broadcast_flat(group: dist.ProcessGroup, root: int, tensors: Sequence[torch.Tensor]) -> None:
+def _broadcast_flat(group: CommGroup, root: int, tensors: Sequence[torch.Tensor]) -> None:
     """Broadcast ``tensors`` from group index ``root``, one flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -123,7 +123,7 @@ class ReplicaBroadcast(StateSource):
     name = "replica"
 
     def transfer(
-        self, state: ReplicaState, group: dist.ProcessGroup, group_ranks: Sequence[int],
+        self, state: ReplicaState, group: CommGroup, group_ranks: Sequence[int],
         holders: Sequence[int], receivers: Sequence[int], me: int,
     ) -> bool:
         roots = [r for r in group_ranks if r in holders]
@@ -152,7 +152,7 @@ class CheckpointSource(StateSource):
         self.checkpointer = checkpointer
 
     def transfer(
-        self, state: ReplicaState, group: dist.ProcessGroup, group_ranks: Sequence[int],
+        self, state: ReplicaState, group: CommGroup, group_ranks: Sequence[int],
         holders: Sequence[int], receivers: Sequence[int], me: int,
     ) -> bool:
         if me not in receivers:

@@ -26,9 +26,8 @@ import sys
 import threading
 import time
 
-import torch.distributed as dist
-
 from unicron.errors import ConfigError, TemporaryError
+from unicron.runtime.comm import Store, TCPStore
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -56,34 +55,34 @@ def _check_addr(host: str, port: int) -> None:
         raise ConfigError(f"store port {port} is out of range 1..65535; set MASTER_PORT (or --port)")
 
 
-def connect(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+def connect(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> TCPStore:
     """A client connection to the sidecar; raises TemporaryError if it cannot be reached in time."""
     _check_addr(host, port)
     try:
-        return dist.TCPStore(
+        return TCPStore(
             host, port, None, False, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
         )
     except (RuntimeError, OSError) as exc:
         raise TemporaryError(f"cannot reach the task store at {host}:{port}: {exc}") from exc
 
 
-def serve_store(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+def serve_store(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> TCPStore:
     """Host the task's store at host:port (returns once listening; serves while the object lives)."""
     _check_addr(host, port)
     try:
-        return dist.TCPStore(
+        return TCPStore(
             host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
         )
     except (RuntimeError, OSError) as exc:
         raise TemporaryError(f"cannot serve the task store on {host}:{port}: {exc}") from exc
 
 
-def counter(store: dist.Store, key: str) -> int:
+def counter(store: Store, key: str) -> int:
     """Read a counter key without blocking (a missing key reads 0)."""
     return int(store.add(key, 0))
 
 
-def mark_failed(host: str, port: int, rank: int, store: dist.Store | None = None) -> int:
+def mark_failed(host: str, port: int, rank: int, store: Store | None = None) -> int:
     """Record that the current process of ``rank`` died; returns the new failure count.
 
     The agent calls this the moment its child exits, so survivors regroup without waiting for a
