@@ -111,23 +111,37 @@ class Bench:
         inc = self.wait(lambda i: i.kind is ErrorKind.GPU_DRIVER_ERROR and i.node == "node2", t0)
         return inc.detected_ts - inc.source_ts  # source_ts: when the simulated GPU raised the XID
 
+    def mean_iteration(self, window_s: float = 1.0) -> float:
+        """The workload's measured mean iteration time (step rate over ``window_s``)."""
+        s0, t0 = self.min_step(), time.time()
+        time.sleep(window_s)
+        s1, t1 = self.min_step(), time.time()
+        return (t1 - t0) / max(1, s1 - s0)
+
     def stall(self) -> float:
+        d_iter = self.mean_iteration()
         victim = next(r for r in self.ranks() if r.get("rank") == 0)
         t0 = time.time()
         os.kill(int(victim["pid"]), signal.SIGSTOP)  # type: ignore[call-overload]
         inc = self.wait(lambda i: i.kind is ErrorKind.TASK_HANG, t0)
         os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
         self.start_workload()
-        return (inc.detected_ts - t0) / ITER_TIME
+        return (inc.detected_ts - t0) / d_iter
 
     def false_alarms(self, iterations: int) -> tuple[int, int]:
-        t0 = time.time()
-        self.start_workload(iterations=iterations + 20, jitter=0.2)
-        self.c.wait_for(lambda: self.min_step() >= iterations or not self.ranks(), 30 + iterations * ITER_TIME * 3,
-                        "the fault-free run", poll_s=0.2)
-        bad = [i for i in self.c.incidents() if i.detected_ts >= t0 and i.kind is not ErrorKind.DEGRADATION]
-        degraded = [i for i in self.c.incidents() if i.detected_ts >= t0 and i.kind is ErrorKind.DEGRADATION]
-        return len(bad), len(degraded)
+        self.start_workload(jitter=0.2)
+        t0, first = time.time(), self.min_step()
+        self.c.wait_for(lambda: self.min_step() >= first + iterations, 120 + iterations * ITER_TIME * 3,
+                        "the fault-free run", poll_s=0.5)
+        incidents = [i for i in self.c.incidents() if i.detected_ts >= t0]
+        bad = [i for i in incidents if i.kind is not ErrorKind.DEGRADATION]
+        for i in bad:
+            progress(f"false alarm: {i.kind.value} {i.message}")
+        return len(bad), len(incidents) - len(bad)
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def p50(xs: list[float]) -> float:
@@ -146,16 +160,16 @@ def main() -> int:
     with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}) as cluster:
         b = Bench(cluster)
         b.start_workload()
-        for _ in range(n):
-            results["xid"].append(b.xid())
-            results["exception"].append(b.exception())
-            results["rank_killed"].append(b.rank_killed())
-            results["stall"].append(b.stall())
-        for _ in range(n):
+        for i in range(n):
+            for kind in ("xid", "exception", "rank_killed", "stall"):
+                results[kind].append(getattr(b, kind)())
+                progress(f"{i}: {kind} {results[kind][-1]:.4f}")
+        for i in range(n):
             results["agent_killed"].append(b.agent_killed())
             hb, lease = b.node_silenced()
             results["node_silenced"].append(hb)
             results["lease_expiry"].append(lease)
+            progress(f"{i}: agent_killed {results['agent_killed'][-1]:.4f} silenced {hb:.4f} lease {lease:.4f}")
         false_alarms, degradations = b.false_alarms(clean_iters)
     for k, xs in results.items():
         print(f"{k:>14}: n={len(xs)} p50={p50(xs)} max={round(max(xs), 4)} all={[round(x, 3) for x in xs]}")

@@ -6,10 +6,14 @@ the lead adapts it to :class:`Allocator`. Until then :class:`EvenAllocator` stan
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from coordinator.tasks import TaskSpec
+from plans.api import ClusterSpec, ModelSpec, TaskDemand, WafPlanner, gpu_type
+
+log = logging.getLogger(__name__)
 
 
 class Allocator(Protocol):
@@ -86,4 +90,52 @@ class EvenAllocator:
                 continue
             free -= nxt - counts[task.name]
             counts[task.name] = nxt
+        return counts
+
+
+def task_demand(task: TaskSpec, current: Mapping[str, int], faulted: set[str]) -> TaskDemand:
+    assert task.model is not None
+    m = task.model
+    model = ModelSpec(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+                      seq_len=m.seq_length, vocab=m.vocab_size, global_batch=m.global_batch_size, name=task.name)
+    # The task was launched with a fixed TP x PP and micro-batch: only its data-parallel size is elastic.
+    return TaskDemand(name=task.name, model=model, weight=task.weight, min_gpus=task.min_gpus,
+                      current_gpus=current.get(task.name, 0), faulted=task.name in faulted,
+                      tp=task.tp_size, pp=task.pp_size, micro_batch=m.micro_batch_size)
+
+
+class WafAllocator:
+    """The paper's plan generation: maximise sum_i G(t_i, x_i') (Eq. 3) with the planner's DP.
+
+    ``gpu_type`` names the accelerator for the throughput model (``plans.hardware``). Counts the
+    planner returns are runnable configurations of the pinned TP x PP; one that the task spec would
+    not accept (it never happened in the tests) makes the whole answer fall back to EvenAllocator.
+    """
+
+    def __init__(self, gpu_type_name: str = "A800", planner: WafPlanner | None = None) -> None:
+        self.gpu = gpu_type(gpu_type_name)
+        self.planner = planner or WafPlanner()
+        self.fallback = EvenAllocator()
+
+    def allocate(
+        self,
+        tasks: Sequence[TaskSpec],
+        healthy_gpus: int,
+        gpus_per_node: int,
+        current: Mapping[str, int],
+        faulted: set[str],
+    ) -> dict[str, int]:
+        if not tasks:
+            return {}
+        unmodelled = [t.name for t in tasks if t.model is None]
+        if unmodelled:
+            log.info("tasks %s have no model description: allocating evenly", unmodelled)
+            return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
+        cluster = ClusterSpec(gpu_type=self.gpu, n_gpus=healthy_gpus, gpus_per_node=gpus_per_node)
+        result = self.planner.plan(cluster, [task_demand(t, current, faulted) for t in tasks])
+        counts = {t.name: result.allocation.get(t.name, 0) for t in tasks}
+        bad = [t.name for t in tasks if not t.valid_count(counts[t.name])]
+        if bad or sum(counts.values()) > healthy_gpus:
+            log.warning("planner answer not runnable for %s; allocating evenly", bad)
+            return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         return counts

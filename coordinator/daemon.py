@@ -21,6 +21,7 @@ from typing import Any
 
 from coordinator import api
 from coordinator import decision as d
+from coordinator.allocation import WafAllocator
 from coordinator.classify import classify
 from coordinator.executor import Executor
 from coordinator.leader import Leadership
@@ -83,8 +84,11 @@ class Coordinator:
         self.incident_hooks: list[IncidentHook] = []
         self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=1000)
         self.deposed = False
-        self.core = d.DecisionCore(d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
-                                                      restart_deadline_s=settings.restart_deadline_s))
+        self.core = d.DecisionCore(
+            d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
+                               restart_deadline_s=settings.restart_deadline_s),
+            WafAllocator(settings.gpu_type),
+        )
         self.state = self.core.initial_state()
         self.executor = Executor(self.keys, self._spec, self._node_host)
         self._steps: dict[str, int] = {}

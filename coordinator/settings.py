@@ -30,10 +30,18 @@ class CoordinatorSettings:
     """Figure 7: a failed reattempt escalates to a sev2 restart."""
     restart_deadline_s: float = setting(120.0, "UNICRON_RESTART_DEADLINE", "seconds a sev2 restart may take before it counts as failed")
     """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
+    gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")
+    """One of plans.hardware's types (A100, A800, H100, H200); the cluster is assumed homogeneous."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 
     def validate(self) -> None:
+        from plans.api import gpu_type
+
+        try:
+            gpu_type(self.gpu_type)
+        except Exception as exc:
+            raise ConfigError(f"--gpu-type / UNICRON_GPU_TYPE: {exc}") from exc
         if self.heartbeat_timeout_s <= 0:
             raise ConfigError("--heartbeat-timeout-s / UNICRON_HEARTBEAT_TIMEOUT must be > 0")
         if self.leader_ttl_s < 2:
