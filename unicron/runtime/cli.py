@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--regroup-timeout", type=float, default=90.0, help="regroup deadline, seconds (> collective)")
     s.add_argument("--heartbeat-window", type=float, default=5.0, help="heartbeat staleness window, seconds")
     s.add_argument("--join-timeout", type=float, default=600.0, help="how long a restarted rank waits to join")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--ckpt", default="none", choices=("none", "torch-save", "memory"),
+                   help="checkpointer: in-memory (ckpt subsystem) or torch.save files (default none)")
+    c.add_argument("--ckpt-dir", default="", help="directory of torch-save files / in-memory slots")
+    c.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
+    c.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
     o = p.add_argument_group("outputs")
     o.add_argument("--out-dir", default="", help="write rank<R>.json (events, losses) and rank<R>.pt (params)")
 

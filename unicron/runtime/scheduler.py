@@ -34,8 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckpt.api import Checkpointer
 from unicron import protocol
 from unicron.client import AgentClient, InjectedFault
+from unicron.errors import ConfigError, PermanentError
 from unicron.patterns import match
 from unicron.runtime import membership
 from unicron.runtime import store as keys
@@ -62,7 +64,7 @@ from unicron.runtime.grads import (
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
 from unicron.runtime.model import ModelConfig, broken_group, build_gpt, lm_loss, rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, redistribute
-from unicron.runtime.state import OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
+from unicron.runtime.state import CheckpointSource, OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
 from unicron.types import ErrorKind, Severity
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,10 @@ class Event:
     kind: str
     ts: float
     data: dict[str, Any] = field(default_factory=dict)
+
+
+class RestoreMismatch(PermanentError):
+    """Ranks restored checkpoints of different iterations."""
 
 
 class CommFailure(Exception):
@@ -167,17 +173,20 @@ class Trainer:
         data: TokenSource,
         client: AgentClient,
         faults: FaultScript,
-        sources: list[StateSource] | None = None,
+        checkpointer: Checkpointer | None = None,
+        ckpt_every: int = 0,
+        resume: bool = False,
     ) -> None:
         if sched.recovery not in RECOVERY_MODES:
-            from unicron.errors import ConfigError
-
             raise ConfigError(f"--recovery {sched.recovery!r}: choose one of {RECOVERY_MODES}")
         self.rank, self.topo, self.store, self.incarnation = rank, topo, store, incarnation
         self.model_cfg, self.optim_cfg, self.sched, self.comm = model_cfg, optim_cfg, sched, comm
         self.data, self.client, self.faults = data, client, faults
         self.layout = BatchLayout(sched.micro_batches, sched.blocks or topo.replicas)
-        self.sources: list[StateSource] = sources if sources is not None else [ReplicaBroadcast()]
+        self.checkpointer, self.ckpt_every, self.resume = checkpointer, ckpt_every, resume
+        self.sources: list[StateSource] = [ReplicaBroadcast()]
+        if checkpointer is not None:
+            self.sources.append(CheckpointSource(checkpointer))
         self._agent_dead: set[int] = set()
         self.membership = Membership(store, rank, topo, incarnation, comm, knowledge=self._agent_knowledge)
         self.events: list[Event] = []
@@ -207,15 +216,21 @@ class Trainer:
         self.model_tp = groups.tp
         self.state = ReplicaState(model, self.optim_cfg)
         self.flat = FlatGrads(self.state.params, self.model_cfg.torch_dtype)
-        if self.sched.deterministic:
+        self.set_deterministic(self.sched.deterministic)
+        total = self.flat.numel + TAIL
+        self.prog = ReduceProgress(torch.zeros(total, dtype=self.flat.buf.dtype), bucket_bounds(total, self.sched.bucket_elems))
+
+    def set_deterministic(self, on: bool) -> None:
+        """Choose the accumulation (and so the reduction) mode; only at an iteration boundary."""
+        if hasattr(self, "acc") and (self.acc.done or self.prog.done):
+            raise RuntimeInvariantError("the reduction mode can change only between iterations")
+        if on:
             self.acc = Contributions(self.flat, self.layout)
         elif self.topo.tp > 1:
             self.acc = SafeSum(self.flat)
         else:
             self.acc = DirectSum(self.flat)
         self.acc.reset()
-        total = self.flat.numel + TAIL
-        self.prog = ReduceProgress(torch.zeros(total, dtype=self.flat.buf.dtype), bucket_bounds(total, self.sched.bucket_elems))
 
     @property
     def replica(self) -> int:
@@ -231,35 +246,49 @@ class Trainer:
     # --- main loop -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train until the configured iterations are done or the agent says stop; returns an exit code."""
+        """Train until the configured iterations are done or the job is stopped; returns an exit code."""
         try:
-            if self.incarnation == 1:
-                t0 = time.time()
-                groups = self.membership.start()
-                self._setup(groups)
-                self.fresh = False
-                self._new_iteration(groups.record)
-                self._regroup_done(groups.record, "start", t0)
-            else:
-                self._rejoin(first=True)
-            while not self._finished():
-                try:
-                    with self.client.iteration(self.it):
-                        self.faults.at(self.it, "start")
-                        if self.sched.iter_sleep:
-                            time.sleep(self.sched.iter_sleep)
-                        self._iteration()
-                except InjectedFault as fault:
-                    self._on_injected(fault)
-                except Excluded:
-                    self._rejoin(first=not hasattr(self, "state"))
+            self.begin()
+            while not self.finished():
+                self.step()
         except JobFinished:
             self._event("finished", note="the job completed while this rank waited to join")
             return 0
         self.store.set(FINISHED_KEY, str(self.it))
+        wait = getattr(self.checkpointer, "wait", None)
+        if callable(wait):
+            wait()  # let the last snapshot's background work finish before the process exits
         return 0
 
-    def _finished(self) -> bool:
+    def begin(self) -> None:
+        """Enter the job: epoch 0 on a first start (restoring the checkpoint with ``resume``), else
+        wait to be admitted and take the state from a replica."""
+        if self.incarnation == 1:
+            t0 = time.time()
+            groups = self.membership.start()
+            self._setup(groups)
+            self._new_iteration(groups.record)
+            self.fresh = self.resume and self.checkpointer is not None
+            if self.fresh:
+                self._agree()  # nobody holds state: every rank restores its checkpoint
+            self._regroup_done(groups.record, "start", t0)
+        else:
+            self._rejoin(first=True)
+
+    def step(self) -> None:
+        """One iteration, with whatever regroups it takes."""
+        try:
+            with self.client.iteration(self.it):
+                self.faults.at(self.it, "start")
+                if self.sched.iter_sleep:
+                    time.sleep(self.sched.iter_sleep)
+                self._iteration()
+        except InjectedFault as fault:
+            self._on_injected(fault)
+        except Excluded:
+            self._rejoin(first=not hasattr(self, "state"))
+
+    def finished(self) -> bool:
         if self.stopping:
             return True
         return bool(self.sched.iterations) and self.it >= self.sched.iterations
@@ -404,6 +433,14 @@ class Trainer:
         self.faults.at(self.it, "commit")
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
+    def _checkpoint(self) -> None:
+        if self.checkpointer is None or not self.ckpt_every or self.it % self.ckpt_every:
+            return
+        t0 = time.time()
+        with self.client.phase(protocol.PHASE_CHECKPOINT):
+            self.checkpointer.save(self.state.state_dict(), self.it)
+        self._event("checkpoint", it=self.it, seconds=time.time() - t0)
+
     def _tail_flags(self) -> tuple[bool, bool]:
         n = self.flat.numel
         return bool(self.prog.reduced[n + TAIL_JOIN] > 0), bool(self.prog.reduced[n + TAIL_STOP] > 0)
@@ -420,6 +457,7 @@ class Trainer:
                     dp=len(self.topo.replicas_in(self.groups.record.members)))
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
+        self._checkpoint()
         self._drain_instructions()
         if stop:
             self.stopping = True
@@ -518,7 +556,8 @@ class Trainer:
         table = {int(t[0]): t.tolist() for t in table_t}
         holders = [r for r, row in table.items() if row[3] == 0]
         if not holders:
-            raise RuntimeInvariantError("no member holds training state; restore from a checkpoint")
+            self._restore_everyone()
+            return
         top = max(table[r][1] for r in holders)
         nb = len(self.prog.bounds)
         dp_ranks = self.groups.dp_ranks
@@ -572,6 +611,29 @@ class Trainer:
 
         # D. whatever some group's sum lacks is (re)computed by a live replica.
         self._replan(table, holders)
+
+    def _restore_everyone(self) -> None:
+        """No member holds a replica's state (the whole job restarted): all restore the checkpoint,
+        which must be of one iteration on every rank."""
+        self._transfer_state([], list(self.groups.dp_ranks))
+        found = self._restored_iterations()
+        if len(found) > 1 and self.checkpointer is not None:
+            # A rank's newest snapshot may not have been published when the job died: all go back
+            # to the newest iteration every rank holds.
+            if self.it != found[0]:
+                self.state.load_state_dict(self.checkpointer.restore(iteration=found[0]).state)
+            found = self._restored_iterations()
+        if len(found) != 1:
+            raise RestoreMismatch(f"ranks restored different iterations {found}; no common checkpoint")
+        self.fresh = False
+        self._new_iteration(self.groups.record)
+        self._event("restored", it=self.it)
+
+    def _restored_iterations(self) -> list[int]:
+        mine = torch.tensor([self.it], dtype=torch.int64)
+        its = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
+        self._collective("restore", lambda: self.groups.world.allgather([its], [mine]).wait())
+        return sorted({int(t) for t in its})
 
     def _fetch_buckets(self, root: int, lo: int, hi: int, apply: bool) -> None:
         """Broadcast reduced buckets [lo, hi) from DP-group index ``root``; with ``apply`` take the

@@ -74,9 +74,10 @@ class ReplicaState:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """References, not copies: a checkpointer copies what it keeps."""
         return {
             "iteration": self.iteration,
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items() if v is not None},
+            "model": {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)},
             "optimizer": self.optimizer.state_dict(),
         }
 

@@ -19,6 +19,7 @@ import torch
 from unicron.client import AgentClient
 from unicron.errors import ConfigError, PermanentError, TemporaryError
 from unicron.runtime import store as keys
+from unicron.runtime.checkpoint import make_checkpointer
 from unicron.runtime.cli import add_arguments
 from unicron.runtime.data import make_source
 from unicron.runtime.faults import FaultScript
@@ -86,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
         model_cfg, optim_cfg, sched, comm = configs(args, world)
         data = make_source(args.data_file or None, args.vocab, args.seq, args.micro_batch_size, args.seed)
+        if args.ckpt_every < 0:
+            raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+        checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank)
         store = keys.connect(host, port)
     except (ConfigError, TemporaryError) as exc:
         print(f"unicron train: {exc}", file=sys.stderr)
@@ -99,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(
         rank=rank, topo=topo, store=store, incarnation=incarnation, model_cfg=model_cfg, optim_cfg=optim_cfg,
         sched=sched, comm=comm, data=data, client=client,
-        faults=FaultScript.from_env(rank, incarnation, store),
+        faults=FaultScript.from_env(rank, incarnation, store), checkpointer=checkpointer,
+        ckpt_every=args.ckpt_every, resume=args.resume,
     )
     try:
         code = trainer.run()
