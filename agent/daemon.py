@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -30,7 +31,7 @@ from agent.gpu.simulated import SimulatedBackend
 from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
 from agent.ranks import RankServer
 from agent.settings import AgentSettings
-from agent.supervisor import RankExit, Supervisor
+from agent.supervisor import RankExit, Supervisor, pdeathsig_preexec
 from unicron import log as ulog
 from unicron import patterns, protocol
 from unicron.errors import InvalidRecord, StoreUnavailable
@@ -441,8 +442,8 @@ class Agent:
 
     def _start_task(self, a: TaskAssignment) -> None:
         supervisor = Supervisor(
-            on_exit=lambda ex, t=a.task: self._on_exit(t, ex),
-            on_stderr_match=lambda rank, kind, line, ts, t=a.task: self._on_stderr_match(t, rank, kind, line, ts),
+            on_exit=functools.partial(self._on_exit, a.task),
+            on_stderr_match=functools.partial(self._on_stderr_match, a.task),
         )
         rt = _RunningTask(a, supervisor)
         self._tasks[a.task] = rt
@@ -463,9 +464,10 @@ class Agent:
         import subprocess
         import sys
 
+        # Dies with the agent like the ranks do (an orphaned store would hold the port).
         proc = subprocess.Popen(
             [sys.executable, "-m", "unicron.runtime.store", "--host", a.master_addr, "--port", str(a.master_port)],
-            start_new_session=True,
+            start_new_session=True, preexec_fn=pdeathsig_preexec(signal.SIGKILL),
         )
         return proc
 

@@ -104,7 +104,7 @@ def _stderr_writer() -> StderrSink:
     return write
 
 
-def _pdeathsig_preexec(sig: int) -> Callable[[], None]:
+def pdeathsig_preexec(sig: int) -> Callable[[], None]:
     """A ``preexec_fn`` setting the parent-death signal. Everything is resolved before the fork: the
     child only makes two system calls (no imports, no allocation that could hit a lock)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -163,7 +163,7 @@ class Supervisor:
         # A dying rank prints its error right before exiting: give its reader this long to reach EOF
         # so the stderr match is reported (and RankExit.stderr_kind set) before the exit itself.
         self._stderr_grace = stderr_grace_s
-        self._preexec = _pdeathsig_preexec(signal.SIGKILL) if pdeathsig else None
+        self._preexec = pdeathsig_preexec(signal.SIGKILL) if pdeathsig else None
         self._procs: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         # The one long-lived thread that forks every child (see the module docstring on PDEATHSIG).

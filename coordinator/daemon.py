@@ -9,6 +9,7 @@ state. Every write is fenced by the leadership token (see :mod:`coordinator.lead
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import queue
@@ -151,10 +152,13 @@ class Coordinator:
                 self._inbox.put(_Input(kind, WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
             self._watches.append(
                 self.store.watch_prefix(
-                    prefix, lambda ev, k=kind: self._inbox.put(_Input(k, ev, time.time())),
-                    start_revision=rev + 1, on_resync=lambda kvs, k=kind: self._resync(k, kvs),
+                    prefix, functools.partial(self._enqueue, kind), start_revision=rev + 1,
+                    on_resync=functools.partial(self._resync, kind),
                 )
             )
+
+    def _enqueue(self, kind: str, ev: WatchEvent) -> None:
+        self._inbox.put(_Input(kind, ev, time.time()))
 
     def _resync(self, kind: str, kvs: list[KeyValue]) -> None:
         for kv in kvs:

@@ -6,6 +6,7 @@ make progress again, and ends with both tasks training.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -98,7 +99,8 @@ def run_demo(quick: bool = False) -> int:
                 json.dump({"name": name, "command": workload, "weight": weight, "min_gpus": 2}, f)
             cli(["submit", path])
         for name in ("alpha", "beta"):
-            c.wait_for(lambda n=name: _progress(c, n)[1] >= 8, 180.0, f"{name} to train", poll_s=0.5)
+            c.wait_for(functools.partial(lambda n: _progress(c, n)[1] >= 8, name), 180.0, f"{name} to train",
+                       poll_s=0.5)
         cli(["tasks"])
         assert c.store is not None
         store, keys = c.store, c.keys

@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from unicron.client import AgentClient
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     client.install_excepthook()
     if os.environ.get("UNICRON_EXTERNAL_STORE") == "1":
         # The agent hosts the store (a sidecar that outlives any rank); ranks are its clients.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=120))
         # Every rank must agree on the prefix: take rank 0's (published under a fixed key).
         key = f"workload/g{os.environ.get('UNICRON_GENERATION', '0')}/prefix"
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             store.set(key, prefix_name := f"p{time.time_ns()}")
         else:
             prefix_name = store.get(key).decode()
-        prefix = dist.PrefixStore(prefix_name, store)
+        prefix = PrefixStore(prefix_name, store)
         dist.init_process_group("gloo", store=prefix, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
     else:
