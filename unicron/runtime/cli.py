@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("scheduler")
     s.add_argument("--deterministic", action="store_true", help="bit-identical results for any DP split")
     s.add_argument("--blocks", type=int, default=0, help="canonical reduction blocks (default: initial DP size)")
-    s.add_argument("--bucket-elems", type=int, default=1 << 16, help="elements per gradient bucket")
+    s.add_argument("--bucket-elems", type=int, default=1 << 22,
+                   help="elements per gradient bucket (completed buckets survive a failure; default 4M)")
     s.add_argument("--recovery", default="redistribute", choices=("redistribute", "rerun"),
                    help="after a failure keep completed micro-batches (redistribute) or rerun the iteration")
     s.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend")

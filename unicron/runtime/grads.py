@@ -80,6 +80,8 @@ class Accumulator(ABC):
     def __init__(self, flat: FlatGrads) -> None:
         self.flat = flat
         self.done: list[int] = []
+        #: sum of the kept micro-batches' losses (written into the tail when reducing)
+        self.loss_sum = 0.0
 
     @abstractmethod
     def begin_mb(self) -> None:
@@ -105,12 +107,13 @@ class DirectSum(Accumulator):
     def end_mb(self, mb: int, loss: float, keep: bool) -> None:
         if not keep:
             raise RuntimeInvariantError("DirectSum cannot discard a micro-batch already accumulated")
-        self.flat.buf[self.flat.numel + TAIL_LOSS] += loss
+        self.loss_sum += loss
         self.done.append(mb)
 
     def reset(self) -> None:
         self.flat.buf.zero_()
         self.done = []
+        self.loss_sum = 0.0
 
     @property
     def vector(self) -> torch.Tensor:
@@ -131,12 +134,13 @@ class SafeSum(Accumulator):
     def end_mb(self, mb: int, loss: float, keep: bool) -> None:
         if keep:
             self.sum += self.flat.buf
-            self.sum[self.flat.numel + TAIL_LOSS] += loss
+            self.loss_sum += loss
             self.done.append(mb)
 
     def reset(self) -> None:
         self.sum.zero_()
         self.done = []
+        self.loss_sum = 0.0
 
     @property
     def vector(self) -> torch.Tensor:

@@ -47,9 +47,10 @@ def free_port() -> int:
 class Zygote:
     """Client of :mod:`unicron.runtime.zygote`: forks rank processes from a pre-imported parent."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], modules: Sequence[str] = ("unicron.runtime.train",)) -> None:
         self.proc = subprocess.Popen(
-            [PYTHON, "-m", "unicron.runtime.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            [PYTHON, "-m", "unicron.runtime.zygote", *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env,
         )
         self._cond = threading.Condition()
         self._pids: dict[int, int] = {}
@@ -73,13 +74,14 @@ class Zygote:
                     self.codes[msg["pid"]] = msg["code"]
                 self._cond.notify_all()
 
-    def spawn(self, argv: Sequence[str], env: dict[str, str], log: str) -> ForkedProc:
+    def spawn(self, argv: Sequence[str], env: dict[str, str], log: str, module: str) -> ForkedProc:
         assert self.proc.stdin is not None
         with self._cond:
             ident = self._next
             self._next += 1
             self.proc.stdin.write((json.dumps(
-                {"op": "spawn", "id": ident, "argv": list(argv), "env": env, "log": log}) + "\n").encode())
+                {"op": "spawn", "id": ident, "argv": list(argv), "env": env, "log": log, "module": module})
+                + "\n").encode())
             self.proc.stdin.flush()
             if not self._cond.wait_for(lambda: ident in self._pids, timeout=30):
                 raise TemporaryError("the zygote did not fork a rank in 30 s")
@@ -144,6 +146,9 @@ class LocalJob:
     fork: bool = False
     #: a zygote shared between jobs (implies fork; not closed by this job)
     zygote: Zygote | None = None
+    #: call mark_failed when a rank exits abnormally (what the agent does); off to emulate a job
+    #: whose survivors only learn of a death through their own timeouts
+    mark_failures: bool = True
 
     def __post_init__(self) -> None:
         self.port = free_port()
@@ -207,7 +212,7 @@ class LocalJob:
         argv = [*self.args, "--out-dir", os.path.join(self.out_dir, f"inc{inc}")]
         proc: subprocess.Popen[bytes] | ForkedProc
         if self._zygote is not None:
-            proc = self._zygote.spawn(argv, env, log_path)
+            proc = self._zygote.spawn(argv, env, log_path, self.module)
         else:
             with open(log_path, "wb") as fh:
                 proc = subprocess.Popen([PYTHON, "-m", self.module, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -226,10 +231,10 @@ class LocalJob:
                 handled.add((rp.rank, rp.incarnation))
                 self.history.append({"event": "exit", "rank": rp.rank, "incarnation": rp.incarnation,
                                      "code": code, "ts": time.time()})
-                if code != 0:
+                if code != 0 and self.mark_failures:
                     keys.mark_failed(self.host, self.port, rp.rank, store=self._store)
-                    if rp.rank in self.restart:
-                        threading.Timer(self.restart[rp.rank], self._respawn, args=(rp.rank,)).start()
+                if code != 0 and rp.rank in self.restart:
+                    threading.Timer(self.restart[rp.rank], self._respawn, args=(rp.rank,)).start()
             self._stop.wait(0.005)
 
     def _respawn(self, rank: int) -> None:

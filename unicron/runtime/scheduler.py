@@ -61,17 +61,16 @@ from unicron.runtime.grads import (
     reduce_gather,
     reduce_sum,
 )
+from unicron.runtime.heartbeat import STOP_KEY, Heartbeat
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
 from unicron.runtime.model import ModelConfig, broken_group, build_gpt, lm_loss, rebind_groups
-from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, redistribute
+from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, redistribute, seed_rng
 from unicron.runtime.state import CheckpointSource, OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
 from unicron.types import ErrorKind, Severity
 
 log = logging.getLogger(__name__)
 
 RECOVERY_MODES = ("redistribute", "rerun")
-STOP_KEY = "stop"
-"""Store key that asks every rank to stop at the next iteration boundary (the launcher's Stop)."""
 FINISHED_KEY = membership.FINISHED_KEY
 """Store key written when training ends, so that ranks waiting to join exit too."""
 
@@ -91,7 +90,7 @@ class ScheduleConfig:
     #: deterministic mode: bit-identical results for any data-parallel split
     deterministic: bool = False
     #: elements per gradient bucket (buckets are reduced in order; completed ones are final)
-    bucket_elems: int = 1 << 16
+    bucket_elems: int = 1 << 22
     #: after a failure: "redistribute" keeps completed work; "rerun" recomputes the whole iteration
     recovery: str = "redistribute"
     #: seed of data order and per-micro-batch RNG
@@ -176,6 +175,7 @@ class Trainer:
         checkpointer: Checkpointer | None = None,
         ckpt_every: int = 0,
         resume: bool = False,
+        watcher: Heartbeat | None = None,
     ) -> None:
         if sched.recovery not in RECOVERY_MODES:
             raise ConfigError(f"--recovery {sched.recovery!r}: choose one of {RECOVERY_MODES}")
@@ -184,6 +184,7 @@ class Trainer:
         self.data, self.client, self.faults = data, client, faults
         self.layout = BatchLayout(sched.micro_batches, sched.blocks or topo.replicas)
         self.checkpointer, self.ckpt_every, self.resume = checkpointer, ckpt_every, resume
+        self.watcher = watcher
         self.sources: list[StateSource] = [ReplicaBroadcast()]
         if checkpointer is not None:
             self.sources.append(CheckpointSource(checkpointer))
@@ -368,7 +369,8 @@ class Trainer:
         self.mb_position = 0
 
     def _forward_backward(self, mb: int) -> float:
-        torch.manual_seed(mb_seed(self.sched.seed, self.it, mb))
+        if self.model_cfg.dropout > 0:  # the only consumer of randomness in the forward
+            seed_rng(mb_seed(self.sched.seed, self.it, mb))
         tokens, labels = self.data.batch(self.it, mb)
         loss = lm_loss(self.state.model, tokens, labels, self.groups.tp)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -389,7 +391,8 @@ class Trainer:
             self.acc.end_mb(mb, loss, keep)
             self.todo.pop(0)
             self.mb_position += 1
-            self.client.microbatch_done(self.it, mb)
+            if self.client.enabled:
+                self.client.microbatch_done(self.it, mb)
         self.flat.check_views()
 
     # --- reduce and commit -----------------------------------------------------------------------
@@ -398,12 +401,17 @@ class Trainer:
         members = self.groups.record.members
         if len(members) == self.topo.world_size:
             return 0.0
+        if self.watcher is not None:
+            self.watcher.outside = tuple(r for r in range(self.topo.world_size) if r not in members)
+            if not self.watcher.join_seen:
+                return 0.0  # the watcher saw no request: skip the store on the iteration's path
         return 1.0 if self.membership.has_joiners(members) else 0.0
 
     def _stop_flag(self) -> float:
         if not self.stop_requested:
             self._read_instructions()
-        return 1.0 if self.stop_requested or self.store.check([STOP_KEY]) else 0.0
+        seen = self.watcher.stop_seen if self.watcher is not None else self.store.check([STOP_KEY])
+        return 1.0 if self.stop_requested or seen else 0.0
 
     def _reduce(self) -> None:
         if self.prog.complete:
@@ -419,7 +427,7 @@ class Trainer:
             self._collective("gather", lambda: reduce_gather(self.groups.dp, acc, self.prog, hook))
         else:
             vector = self.acc.vector  # type: ignore[attr-defined]
-            vector[n + TAIL_JOIN], vector[n + TAIL_STOP] = join, stop
+            vector[n + TAIL_LOSS : n + TAIL] = torch.tensor([self.acc.loss_sum, join, stop], dtype=vector.dtype)
             self._collective("all-reduce", lambda: reduce_sum(self.groups.dp, vector, self.prog, hook))
 
     def _commit_check(self) -> tuple[bool, bool]:

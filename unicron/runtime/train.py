@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -77,40 +78,59 @@ def configs(args: argparse.Namespace, world: int) -> tuple[ModelConfig, OptimCon
     return model, OptimConfig(lr=args.lr), sched, comm
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=os.environ.get("UNICRON_LOG_LEVEL", "WARNING"))
-    try:
-        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-        host, port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT")
-        topo = Topology(world, args.tp)
-        if not 0 <= rank < world:
-            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
-        model_cfg, optim_cfg, sched, comm = configs(args, world)
-        data = make_source(args.data_file or None, args.vocab, args.seq, args.micro_batch_size, args.seed)
-        if args.ckpt_every < 0:
-            raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
-        checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank)
-        store = keys.connect(host, port)
-    except (ConfigError, TemporaryError) as exc:
-        print(f"unicron train: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+@dataclass
+class Rank:
+    """A rank's runtime, built from the command line and environment but not yet running."""
+
+    trainer: Trainer
+    heartbeat: Heartbeat
+    client: AgentClient
+
+
+def build(args: argparse.Namespace) -> Rank:
+    """Validate ``args`` and the environment, connect to the store and the agent, build the Trainer.
+    Raises ConfigError / TemporaryError with a message naming the flag or variable."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    host, port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT")
+    topo = Topology(world, args.tp)
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    model_cfg, optim_cfg, sched, comm = configs(args, world)
+    data = make_source(args.data_file or None, args.vocab, args.seq, args.micro_batch_size, args.seed)
+    if args.ckpt_every < 0:
+        raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    if args.ckpt not in ("none", "torch-save", "memory"):
+        raise ConfigError(f"--ckpt {args.ckpt!r}: choose none, torch-save or memory")
+    heartbeat = Heartbeat(host, port, rank, world=world).start()  # forks: before any thread exists
+    store = keys.connect(host, port)
     torch.set_num_threads(args.threads)
     ensure_torch_distributed()
+    checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank)
     incarnation = int(store.add(keys.started_key(rank), 1))
     client = AgentClient.from_env().connect()
     client.install_excepthook()
-    heartbeat = Heartbeat(host, port, rank).start()
     trainer = Trainer(
         rank=rank, topo=topo, store=store, incarnation=incarnation, model_cfg=model_cfg, optim_cfg=optim_cfg,
         sched=sched, comm=comm, data=data, client=client,
         faults=FaultScript.from_env(rank, incarnation, store), checkpointer=checkpointer,
-        ckpt_every=args.ckpt_every, resume=args.resume,
+        ckpt_every=args.ckpt_every, resume=args.resume, watcher=heartbeat,
     )
+    return Rank(trainer, heartbeat, client)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=os.environ.get("UNICRON_LOG_LEVEL", "WARNING"))
+    try:
+        built = build(args)
+    except (ConfigError, TemporaryError) as exc:
+        print(f"unicron train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    trainer, heartbeat, client = built.trainer, built.heartbeat, built.client
     try:
         code = trainer.run()
     except PermanentError as exc:
         client.report_exception(exc, fatal=True)
-        print(f"unicron train: rank {rank}: {exc}", file=sys.stderr)
+        print(f"unicron train: rank {trainer.rank}: {exc}", file=sys.stderr)
         code = 1
     finally:
         heartbeat.stop()

@@ -14,6 +14,7 @@ Only :class:`unicron.runtime.launch.LocalJob` uses it; the agent execs ranks nor
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import select
@@ -36,11 +37,10 @@ def _child(msg: dict[str, Any]) -> None:
     os.environ.update(msg["env"])
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    from unicron.runtime import train
-
+    module = importlib.import_module(msg.get("module", "unicron.runtime.train"))  # imported already
     code = 1
     try:
-        code = train.main(msg["argv"])
+        code = module.main(msg["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -68,7 +68,8 @@ def _reap(out: Any) -> None:
 
 
 def main() -> int:
-    import unicron.runtime.train  # noqa: F401 - the whole point: import once, fork many
+    for name in sys.argv[1:] or ["unicron.runtime.train"]:
+        importlib.import_module(name)  # the whole point: import once, fork many
 
     inp, out = sys.stdin, sys.stdout
     out.write(json.dumps({"op": "ready", "pid": os.getpid()}) + "\n")

@@ -1,0 +1,227 @@
+"""Finishing a failed iteration by redistributing micro-batches (paper §6), against its alternatives.
+
+A 4-rank Megatron-core GPT on CPU (gloo). Rank 3 is SIGKILLed in iteration ``F`` after ``P`` of its
+``k`` micro-batches; the launcher marks it failed the moment it exits, as the agent does. Measured in
+the same run, each from the moment of death to the end of iteration ``F``:
+
+* ``redistribute_s``: survivors regroup in place and compute the dead rank's micro-batches;
+* ``rerun_iteration_s``: (a) survivors regroup in place but recompute the whole iteration;
+* ``restart_from_ckpt_s``: (b) every rank is killed and relaunched (new processes), restores the
+  torch.save checkpoint written after every iteration (the baseline's best case: only the failed
+  iteration is lost) and recomputes iteration ``F``.
+
+Also: the scheduler's cost against a plain training loop with no failures, and the cost of
+deterministic mode (``unicron.runtime.perf``: the three alternate in the same processes); exactness
+after the failure against the failure-free run (float64 default mode, bit-identity in deterministic
+mode, float32).
+
+    .venv/bin/python bench/redistribute.py [--quick]
+
+The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from unicron.runtime.compare import bitwise_equal, load_params, max_rel_diff, per_tensor
+from unicron.runtime.launch import LocalJob, Zygote, base_env
+
+PROFILES: dict[str, dict[str, Any]] = {
+    # B = 16 micro-batches of 4 sequences: k = 4 per rank at DP = 4.
+    "quick": {"model": ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"],
+              "iterations": 4, "fail_it": 2, "fail_pos": 2, "rounds": 13, "per_round": 1},
+    "full": {"model": ["--layers", "4", "--hidden", "128", "--heads", "8", "--seq", "64", "--vocab", "512"],
+             "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 61, "per_round": 1},
+}
+BATCH = ["--global-batch-size", "64", "--micro-batch-size", "4"]
+COMM = ["--collective-timeout", "30", "--regroup-timeout", "60", "--heartbeat-window", "5"]
+WORLD = 4
+DEAD = 3
+
+
+class Bench:
+    def __init__(self, profile: dict[str, Any], root: str, zygote: Zygote) -> None:
+        self.p = profile
+        self.root = root
+        self.zygote = zygote
+        self.n = 0
+
+    def args(self, dtype: str, *extra: str) -> list[str]:
+        return [*self.p["model"], *BATCH, *COMM, "--iterations", str(self.p["iterations"]), "--dtype", dtype, *extra]
+
+    def job(self, args: list[str], faults: dict[int, str] | None = None, **kw: Any) -> LocalJob:
+        self.n += 1
+        env = {r: {"UNICRON_RUNTIME_FAULTS": f} for r, f in (faults or {}).items()}
+        return LocalJob(WORLD, args, os.path.join(self.root, f"job{self.n}"), rank_env=env, **kw)
+
+    def run(self, args: list[str], faults: dict[int, str] | None = None, **kw: Any) -> LocalJob:
+        job = self.job(args, faults, zygote=kw.pop("zygote", self.zygote), **kw)
+        with job:
+            codes = job.wait(600)
+        expect = {r: (-9 if faults and r in faults else 0) for r in range(WORLD)}
+        if codes != expect:
+            raise SystemExit(f"job {job.out_dir} exited {codes}, expected {expect}\n{job.logs()}")
+        return job
+
+    @property
+    def fault(self) -> dict[int, str]:
+        return {DEAD: f"die@{self.p['fail_it']}:mb{self.p['fail_pos']}"}
+
+    def death_to_iteration_end(self, job: LocalJob, incarnation: int = 1) -> float:
+        death = float(job.store_value(f"fault/{DEAD}/ts") or "nan")
+        ends = [e["ts"] for r in range(WORLD) if r != DEAD
+                for e in job.result(r, incarnation)["events"]
+                if e["kind"] == "iteration" and e["data"]["it"] == self.p["fail_it"]]
+        return max(ends) - death
+
+    # --- measurements ----------------------------------------------------------------------------
+
+    def perf(self) -> dict[str, Any]:
+        args = [*self.args("float32"), "--rounds", str(self.p["rounds"]), "--per-round", str(self.p["per_round"])]
+        self.n += 1
+        job = LocalJob(WORLD, args, os.path.join(self.root, f"job{self.n}"), module="unicron.runtime.perf",
+                       zygote=self.zygote)
+        with job:
+            codes = job.wait(600)
+        if any(c != 0 for c in codes.values()):
+            raise SystemExit(f"perf job failed {codes}\n{job.logs()}")
+        wall: dict[str, list[float]] = {}
+        cpu: dict[str, list[float]] = {}
+        for r in range(WORLD):
+            with open(os.path.join(job.out_dir, "inc1", f"perf_rank{r}.json")) as fh:
+                data = json.load(fh)
+            for m in data["times"]:
+                wall.setdefault(m, []).extend(data["times"][m])
+                cpu.setdefault(m, []).extend(data["cpu"][m])
+
+        def paired(t: dict[str, list[float]], a: str, b: str) -> float:
+            # iterations of the three kinds alternate; pair each with its neighbour of the other kind
+            return 100 * (statistics.median(x / y for x, y in zip(t[a], t[b], strict=True)) - 1)
+
+        med = {m: statistics.median(v) for m, v in wall.items()}
+        return {
+            "iterations_per_mode": len(wall["plain"]) // WORLD,
+            "plain_s": med["plain"], "scheduler_s": med["scheduler"], "deterministic_s": med["deterministic"],
+            "overhead_pct": paired(wall, "scheduler", "plain"),
+            "deterministic_overhead_pct": paired(wall, "deterministic", "scheduler"),
+            "overhead_cpu_pct": paired(cpu, "scheduler", "plain"),
+            "deterministic_overhead_cpu_pct": paired(cpu, "deterministic", "scheduler"),
+            "overhead_of_medians_pct": 100 * (med["scheduler"] / med["plain"] - 1),
+        }
+
+    def exactness_and_recovery(self) -> dict[str, Any]:
+        ref = self.run(self.args("float64"))
+        red = self.run(self.args("float64"), self.fault)
+        rerun = self.run(self.args("float64", "--recovery", "rerun"), self.fault)
+        det_ref = self.run(self.args("float32", "--deterministic"))
+        det = self.run(self.args("float32", "--deterministic"), self.fault)
+        ref_p, red_p = load_params(ref.params_path(0)), load_params(red.params_path(0))
+        regroup = [e["data"] for e in red.result(0)["events"]
+                   if e["kind"] == "regroup" and e["data"]["reason"] == "failure"][0]
+        ends = [e["ts"] for e in ref.result(0)["events"] if e["kind"] == "iteration"]
+        iteration_s = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+        return {
+            "redistribute_s": self.death_to_iteration_end(red),
+            "rerun_iteration_s": self.death_to_iteration_end(rerun),
+            "rerun_max_rel_diff_fp64": max_rel_diff(load_params(rerun.params_path(0)), ref_p),
+            "max_rel_diff_fp64": max_rel_diff(red_p, ref_p),
+            "max_rel_diff_fp64_worst_tensor": max(per_tensor(red_p, ref_p).items(), key=lambda kv: kv[1]),
+            "bitwise_equal": bitwise_equal(load_params(det.params_path(0)), load_params(det_ref.params_path(0))),
+            "regroup": regroup,
+            "failure_free_iteration_s": iteration_s,
+        }
+
+    def restart_from_checkpoint(self) -> dict[str, Any]:
+        """The conventional path: the whole job restarts (new processes) from a torch.save checkpoint."""
+        ckpt = os.path.join(self.root, "torch-save")
+        args = self.args("float64", "--ckpt", "torch-save", "--ckpt-dir", ckpt, "--ckpt-every", "1")
+        # Survivors of the first launch are not told of the death (no mark_failed, long heartbeat
+        # window): they cannot recover by themselves and are killed with the job, as a plain job is.
+        first = self.job([*args, "--heartbeat-window", "600"], self.fault, zygote=self.zygote, mark_failures=False)
+        with first:
+            while first.procs[DEAD].proc.poll() is None:
+                time.sleep(0.002)
+        death = float(first.store_value(f"fault/{DEAD}/ts") or "nan")
+        # Relaunch every rank as new processes (python -m unicron.runtime.train), as the agent would.
+        second = self.job([*args, "--resume"], fork=False)
+        with second:
+            codes = second.wait(600)
+        if any(c != 0 for c in codes.values()):
+            raise SystemExit(f"restarted job failed {codes}\n{second.logs()}")
+        ends = [e["ts"] for r in range(WORLD) for e in second.result(r)["events"]
+                if e["kind"] == "iteration" and e["data"]["it"] == self.p["fail_it"]]
+        restored = [e["data"]["it"] for e in second.result(0)["events"] if e["kind"] == "restored"]
+        return {"restart_from_ckpt_s": max(ends) - death, "restored_iteration": restored[0] if restored else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model, fewer rounds (< 1 minute)")
+    args = parser.parse_args()
+    profile = PROFILES["quick" if args.quick else "full"]
+    t0 = time.time()
+    root = tempfile.mkdtemp(prefix="unicron-redistribute-")
+    zygote = Zygote(base_env(), modules=("unicron.runtime.train", "unicron.runtime.perf"))
+    try:
+        bench = Bench(profile, root, zygote)
+        perf = bench.perf()
+        rec = bench.exactness_and_recovery()
+        restart = bench.restart_from_checkpoint()
+    finally:
+        zygote.close()
+    k = 16 // WORLD
+    print(f"profile: {'quick' if args.quick else 'full'}  model: {' '.join(profile['model'])}")
+    print(f"global batch: B=16 micro-batches of 4 sequences, DP={WORLD}, k={k}; rank {DEAD} killed in iteration "
+          f"{profile['fail_it']} after {profile['fail_pos']} of its {k} micro-batches")
+    print(f"failure-free iteration (float64, 4 ranks on this machine): {rec['failure_free_iteration_s']:.3f} s")
+    print("from death to the end of the iteration:")
+    print(f"  redistribute (Unicron):          {rec['redistribute_s']:.3f} s")
+    print(f"  rerun the iteration on survivors: {rec['rerun_iteration_s']:.3f} s")
+    print(f"  restart all ranks from torch.save checkpoint: {restart['restart_from_ckpt_s']:.3f} s "
+          f"(restored iteration {restart['restored_iteration']})")
+    r = rec["regroup"]
+    print(f"  regroup on rank 0: {r['seconds'] * 1000:.1f} ms (knowledge {r.get('knowledge_s', 0) * 1000:.1f} ms, "
+          f"barrier {r.get('barrier_s', 0) * 1000:.1f} ms, build {r.get('build_s', 0) * 1000:.1f} ms, "
+          f"agree {r.get('agree_s', 0) * 1000:.1f} ms); micro-batches taken over: {r.get('redo_mbs')}")
+    print(f"exactness: float64 max rel diff {rec['max_rel_diff_fp64']:.3e} (worst single tensor "
+          f"{rec['max_rel_diff_fp64_worst_tensor'][0]}: {rec['max_rel_diff_fp64_worst_tensor'][1]:.3e}); "
+          f"rerun {rec['rerun_max_rel_diff_fp64']:.3e}; deterministic float32 bitwise equal: {rec['bitwise_equal']}")
+    print(f"per iteration, float32, no failure ({perf['iterations_per_mode']} iterations each, medians): "
+          f"plain {perf['plain_s'] * 1000:.1f} ms, scheduler {perf['scheduler_s'] * 1000:.1f} ms, "
+          f"deterministic {perf['deterministic_s'] * 1000:.1f} ms")
+    print(f"  scheduler overhead (median of paired ratios, all ranks): wall {perf['overhead_pct']:+.2f} %, "
+          f"CPU {perf['overhead_cpu_pct']:+.2f} %; ratio of medians {perf['overhead_of_medians_pct']:+.2f} %")
+    print(f"  deterministic mode vs default: wall {perf['deterministic_overhead_pct']:+.2f} %, "
+          f"CPU {perf['deterministic_overhead_cpu_pct']:+.2f} %")
+    print(f"wall time {time.time() - t0:.1f} s")
+    out = {
+        "redistribute_s": round(rec["redistribute_s"], 4),
+        "rerun_iteration_s": round(rec["rerun_iteration_s"], 4),
+        "restart_from_ckpt_s": round(restart["restart_from_ckpt_s"], 4),
+        "speedup_vs_restart": round(restart["restart_from_ckpt_s"] / rec["redistribute_s"], 2),
+        "speedup_vs_rerun": round(rec["rerun_iteration_s"] / rec["redistribute_s"], 2),
+        "overhead_pct": round(perf["overhead_pct"], 3),
+        "overhead_cpu_pct": round(perf["overhead_cpu_pct"], 3),
+        "deterministic_overhead_pct": round(perf["deterministic_overhead_pct"], 3),
+        "max_rel_diff_fp64": rec["max_rel_diff_fp64"],
+        "bitwise_equal": rec["bitwise_equal"],
+        "regroup_s": round(r["seconds"], 4),
+        "failure_free_iteration_s": round(rec["failure_free_iteration_s"], 4),
+        "profile": "quick" if args.quick else "full",
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
