@@ -194,13 +194,24 @@ BucketHook = Callable[[int], None]
 
 @dataclass
 class ReduceProgress:
-    """The reduced vector of the current iteration and how many leading buckets of it are final."""
+    """The reduced buckets of the current iteration; the first ``done`` are final.
 
-    reduced: torch.Tensor
+    A bucket's result is stored only once its collective succeeded (a failed collective leaves its
+    own buffer half-reduced, never ours). After a commit the parts are kept, still holding the
+    previous iteration's sums, until the next iteration's buckets replace them one by one: a peer
+    whose last collective failed while ours succeeded can be sent what it missed.
+    """
+
     bounds: list[tuple[int, int]]
+    dtype: torch.dtype
     done: int = 0
+    parts: list[torch.Tensor | None] = field(default_factory=list)
     #: deterministic mode: every rank's contribution table, gathered once per group
-    table: list[list[tuple[int, int]]] | None = field(default=None)
+    table: list[list[tuple[int, int]]] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            self.parts = [None] * len(self.bounds)
 
     @property
     def complete(self) -> bool:
@@ -210,6 +221,25 @@ class ReduceProgress:
         self.done = 0
         self.table = None
 
+    def part(self, b: int) -> torch.Tensor:
+        t = self.parts[b]
+        if t is None:
+            raise RuntimeInvariantError(f"bucket {b} was never reduced")
+        return t
+
+    def tail(self) -> torch.Tensor:
+        """The reduced tail elements (the last TAIL elements of the last bucket)."""
+        return self.part(len(self.bounds) - 1)[-TAIL:]
+
+    def span(self, lo: int, hi: int) -> torch.Tensor:
+        """Buckets [lo, hi) as one tensor (a copy)."""
+        return torch.cat([self.part(b) for b in range(lo, hi)])
+
+    def scaled_into(self, out: torch.Tensor, scale: float) -> None:
+        """``out[s:e] = part * scale`` for every bucket (out has the full reduce-vector length)."""
+        for b, (s, e) in enumerate(self.bounds):
+            torch.mul(self.part(b), scale, out=out[s:e])
+
 
 def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hook: BucketHook) -> None:
     """All-reduce the remaining buckets of a copy of ``vector`` over ``group``."""
@@ -218,7 +248,7 @@ def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hoo
         s, e = prog.bounds[b]
         send = vector[s:e].clone()
         group.allreduce([send]).wait()
-        prog.reduced[s:e] = send
+        prog.parts[b] = send
         prog.done = b + 1
 
 
@@ -249,12 +279,12 @@ def reduce_gather(
     for b in range(prog.done, len(prog.bounds)):
         hook(b)
         s, e = prog.bounds[b]
-        local = torch.zeros((slots, e - s), dtype=prog.reduced.dtype)
+        local = torch.zeros((slots, e - s), dtype=prog.dtype)
         for i, c in enumerate(acc.items):
             local[i] = c.vec[s:e]
         out = [torch.empty_like(local) for _ in range(size)]
         group.allgather([out], [local]).wait()
-        prog.reduced[s:e] = fold([[out[r][i] for r, i in blk] for blk in blocks])
+        prog.parts[b] = fold([[out[r][i] for r, i in blk] for blk in blocks])
         prog.done = b + 1
 
 

@@ -219,7 +219,7 @@ class Trainer:
         self.flat = FlatGrads(self.state.params, self.model_cfg.torch_dtype)
         self.set_deterministic(self.sched.deterministic)
         total = self.flat.numel + TAIL
-        self.prog = ReduceProgress(torch.zeros(total, dtype=self.flat.buf.dtype), bucket_bounds(total, self.sched.bucket_elems))
+        self.prog = ReduceProgress(bucket_bounds(total, self.sched.bucket_elems), self.flat.buf.dtype)
 
     def set_deterministic(self, on: bool) -> None:
         """Choose the accumulation (and so the reduction) mode; only at an iteration boundary."""
@@ -434,8 +434,7 @@ class Trainer:
         """(joiners waiting, stop requested), agreed by all. With TP > 1 this is also the commit
         point: every rank of the replica has all buckets before any of them steps (a partner may
         still need our old parameters to recompute a micro-batch)."""
-        n = self.flat.numel
-        flags = self.prog.reduced[n + TAIL_JOIN : n + TAIL_STOP + 1].to(torch.float64)
+        flags = self.prog.tail()[TAIL_JOIN : TAIL_STOP + 1].to(torch.float64)
         if self.topo.tp > 1:
             self._collective("commit", lambda: self.groups.tp.allreduce([flags]).wait())
         self.faults.at(self.it, "commit")
@@ -450,16 +449,15 @@ class Trainer:
         self._event("checkpoint", it=self.it, seconds=time.time() - t0)
 
     def _tail_flags(self) -> tuple[bool, bool]:
-        n = self.flat.numel
-        return bool(self.prog.reduced[n + TAIL_JOIN] > 0), bool(self.prog.reduced[n + TAIL_STOP] > 0)
+        tail = self.prog.tail()
+        return bool(tail[TAIL_JOIN] > 0), bool(tail[TAIL_STOP] > 0)
 
     def _commit(self, join: bool, stop: bool) -> None:
         """Step the optimizer with sum/B and move to the next iteration."""
-        n = self.flat.numel
         b = self.layout.micro_batches
-        torch.mul(self.prog.reduced[:n], 1.0 / b, out=self.flat.grads)
+        self.prog.scaled_into(self.flat.buf, 1.0 / b)
         self.state.optimizer.step()
-        loss = float(self.prog.reduced[n + TAIL_LOSS]) / b
+        loss = float(self.prog.tail()[TAIL_LOSS]) / b
         self.losses.append(loss)
         self._event("iteration", it=self.it, loss=loss, epoch=self.groups.record.epoch,
                     dp=len(self.topo.replicas_in(self.groups.record.members)))
@@ -647,11 +645,15 @@ class Trainer:
         """Broadcast reduced buckets [lo, hi) from DP-group index ``root``; with ``apply`` take the
         ones this rank lacks (never overwriting a bucket it already reduced)."""
         s, e = self.prog.bounds[lo][0], self.prog.bounds[hi - 1][1]
-        buf = self.prog.reduced[s:e].clone()
+        if self.groups.dp.rank() == root:
+            buf = self.prog.span(lo, hi)
+        else:
+            buf = torch.empty(e - s, dtype=self.prog.dtype)
         self._collective("catch-up", lambda: self.groups.dp.broadcast(buf, root).wait())
-        if apply and self.prog.done < hi:
-            start = self.prog.bounds[max(self.prog.done, lo)][0]
-            self.prog.reduced[start:e] = buf[start - s :]
+        if apply:
+            for b in range(max(self.prog.done, lo), hi):
+                bs, be = self.prog.bounds[b]
+                self.prog.parts[b] = buf[bs - s : be - s].clone()
 
     def _transfer_state(self, holders: list[int], joiners: list[int]) -> None:
         for source in self.sources:

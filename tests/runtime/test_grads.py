@@ -1,0 +1,165 @@
+"""Accumulation and reduction: the canonical fold is bit-identical for any split, and completed
+buckets are never reduced again. Collectives run on real gloo groups (two ranks as threads)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from unicron.runtime.comm import CommGroup, HashStore, new_group
+from unicron.runtime.grads import (
+    TAIL,
+    Contributions,
+    DirectSum,
+    FlatGrads,
+    ReduceProgress,
+    RuntimeInvariantError,
+    bucket_bounds,
+    canonical_order,
+    fold,
+    reduce_gather,
+    reduce_sum,
+)
+from unicron.runtime.plan import BatchLayout
+
+LAYOUT = BatchLayout(micro_batches=8, blocks=4)
+
+
+def grads_of(mb: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + mb)
+    return [torch.randn(5, 3, generator=g) * 10 ** (mb % 4), torch.randn(7, generator=g)]
+
+
+def make_flat() -> FlatGrads:
+    params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(7))]
+    return FlatGrads(params, torch.float32)
+
+
+def run_mb(acc: Any, mb: int, keep: bool = True) -> None:
+    """What a backward does: the micro-batch's gradient lands in the parameters' .grad views."""
+    acc.begin_mb()
+    for p, g in zip(acc.flat.params, grads_of(mb), strict=True):
+        p.grad += g
+    acc.end_mb(mb, float(mb), keep)
+
+
+def contributions(order: list[int]) -> Contributions:
+    acc = Contributions(make_flat(), LAYOUT)
+    acc.reset()
+    for mb in order:
+        run_mb(acc, mb)
+    return acc
+
+
+def table(*accs: Contributions) -> list[list[tuple[int, int]]]:
+    return [[(c.start, c.length) for c in a.items] for a in accs]
+
+
+def folded(*accs: Contributions) -> torch.Tensor:
+    blocks = canonical_order(table(*accs), LAYOUT)
+    return fold([[accs[r].items[i].vec for r, i in blk] for blk in blocks])
+
+
+def test_fold_is_bit_identical_for_any_split_of_the_micro_batches() -> None:
+    one = folded(contributions(list(range(8))))  # one rank did everything, in order
+    four = folded(*(contributions([2 * r, 2 * r + 1]) for r in range(4)))  # DP = 4
+    # Rank 3 died; its micro-batches 6 and 7 were redistributed to ranks 0 and 1 as singles.
+    after_failure = folded(contributions([0, 1, 6]), contributions([2, 3, 7]), contributions([4, 5]))
+    assert torch.equal(one, four) and torch.equal(one, after_failure)
+    plain = sum(torch.cat([g.reshape(-1) for g in grads_of(mb)]) for mb in range(8))
+    assert not torch.equal(one[:-TAIL], plain)  # the order matters: that is why it is fixed
+    torch.testing.assert_close(one[:-TAIL], plain)
+
+
+def test_only_a_block_prefix_is_folded_the_rest_stays_single() -> None:
+    acc = contributions([1, 2, 3])  # starts mid-block 0: single 1, then block 1's prefix 2+3
+    assert [(c.start, c.length) for c in acc.items] == [(1, 1), (2, 2)]
+
+
+def test_canonical_order_rejects_double_or_missing_micro_batches() -> None:
+    with pytest.raises(RuntimeInvariantError, match="twice"):
+        canonical_order([[(0, 2)], [(0, 1)]], LAYOUT)
+    with pytest.raises(RuntimeInvariantError, match="missing"):
+        canonical_order([[(0, 2), (2, 2), (4, 2)]], LAYOUT)
+    with pytest.raises(RuntimeInvariantError, match="mid-block"):
+        canonical_order([[(0, 1), (1, 2)], [(3, 3)]], BatchLayout(6, 2))
+
+
+def test_direct_sum_refuses_to_discard() -> None:
+    acc = DirectSum(make_flat())
+    acc.reset()
+    with pytest.raises(RuntimeInvariantError):
+        run_mb(acc, 0, keep=False)
+
+
+def on_two_ranks(fn: Callable[[CommGroup, int], Any]) -> list[Any]:
+    store = HashStore()
+    out: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = fn(new_group("gloo", store, "t", rank, 2, 30.0), rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_gather_reduction_over_gloo_equals_the_single_rank_fold_bit_for_bit() -> None:
+    ref = folded(contributions(list(range(8))))
+    split = {0: [0, 1, 4, 5, 6], 1: [2, 3, 7]}
+
+    def body(group: CommGroup, rank: int) -> torch.Tensor:
+        acc = contributions(split[rank])
+        prog = ReduceProgress(bucket_bounds(ref.numel(), 7), ref.dtype)
+        reduce_gather(group, acc, prog, lambda b: None)
+        assert prog.complete
+        return prog.span(0, len(prog.bounds))
+
+    for reduced in on_two_ranks(body):
+        assert torch.equal(reduced, ref)
+
+
+def test_completed_buckets_are_kept_and_only_the_rest_is_reduced() -> None:
+    """Scenario #2: buckets reduced before a failure hold the final sum and are not touched again;
+    the accumulation itself is never reduced in place."""
+
+    def body(group: CommGroup, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        acc = DirectSum(make_flat())
+        acc.reset()
+        for mb in range(rank * 4, rank * 4 + 4):
+            run_mb(acc, mb)
+        before = acc.vector.clone()
+        bounds = bucket_bounds(acc.vector.numel(), 8)
+        prog = ReduceProgress(bounds, acc.vector.dtype, done=2)
+        prog.parts[0], prog.parts[1] = torch.full((8,), -1.0), torch.full((8,), -2.0)  # "already reduced"
+        reduce_sum(group, acc.vector, prog, lambda b: None)
+        return prog.span(0, len(bounds)), acc.vector, before
+
+    (red0, vec0, before0), (red1, _, before1) = on_two_ranks(body)
+    kept = 16
+    assert torch.equal(red0[:kept], torch.tensor([-1.0] * 8 + [-2.0] * 8)), "completed buckets were overwritten"
+    torch.testing.assert_close(red0[kept:], (before0 + before1)[kept:])
+    assert torch.equal(red0, red1)
+    assert torch.equal(vec0, before0), "the accumulation buffer was reduced in place"
+
+
+def test_flat_grads_views_survive_backward() -> None:
+    model = torch.nn.Linear(4, 3)
+    flat = FlatGrads(list(model.parameters()), torch.float32)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    flat.check_views()
+    assert float(flat.grads.abs().sum()) > 0

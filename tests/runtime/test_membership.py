@@ -1,0 +1,121 @@
+"""Epoch agreement through the real task store: the sidecar, failure marks, heartbeats, and a regroup
+of ranks (threads here, each with its own store connection and gloo groups) after one is marked dead."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from unicron.errors import InvalidRecord
+from unicron.runtime import store as keys
+from unicron.runtime.epoch import EpochRecord
+from unicron.runtime.heartbeat import STOP_KEY, Heartbeat, StalenessJudge
+from unicron.runtime.launch import base_env, free_port
+from unicron.runtime.membership import CommSettings, Membership
+from unicron.runtime.plan import Topology
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[tuple[str, int]]:
+    """``python -m unicron.runtime.store`` as the agent runs it (one per module: tests use disjoint keys)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unicron.runtime.store", "--host", "127.0.0.1", "--port", str(port)],
+        env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        assert proc.stdout is not None
+        assert b"listening" in proc.stdout.readline()
+        yield "127.0.0.1", port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_sidecar_serves_clients_and_mark_failed_counts(sidecar: tuple[str, int]) -> None:
+    host, port = sidecar
+    client = keys.connect(host, port)
+    assert keys.counter(client, keys.failed_key(3)) == 0
+    assert keys.mark_failed(host, port, 3) == 1
+    assert keys.mark_failed(host, port, 3, store=client) == 2
+    assert keys.counter(client, keys.failed_key(3)) == 2
+
+
+def test_sidecar_rejects_a_bad_port_with_a_message() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "unicron.runtime.store", "--port", "70000"], env=base_env(),
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and "out of range" in out.stderr
+
+
+def test_epoch_record_round_trip_and_garbage() -> None:
+    rec = EpochRecord(3, (0, 1), {0: 1, 1: 2}, "failure")
+    assert EpochRecord.decode(rec.encode()) == rec
+    with pytest.raises(InvalidRecord):
+        EpochRecord.decode(b'{"epoch": "x"}')
+
+
+def test_heartbeat_process_beats_watches_and_goes_stale_when_stopped(sidecar: tuple[str, int]) -> None:
+    host, port = sidecar
+    client = keys.connect(host, port)
+    beat = Heartbeat(host, port, rank=5, interval_s=0.02, world=8).start()
+    try:
+        judge = StalenessJudge(client, window_s=0.3)
+        time.sleep(0.3)
+        assert keys.counter(client, keys.hb_key(5)) > 0
+        assert not judge.stale([5]) and not judge.stale([5])
+        beat.outside = (6,)
+        client.set(keys.join_key(6), "1")
+        client.set(STOP_KEY, "1")
+        deadline = time.monotonic() + 5
+        while not (beat.join_seen and beat.stop_seen) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert beat.join_seen and beat.stop_seen
+        beat.paused = True
+        time.sleep(0.1)
+        judge.stale([5])
+        time.sleep(0.5)
+        assert judge.stale([5]) == {5}
+    finally:
+        beat.stop()
+    assert judge.stale([7]) == set()  # never beat: not judged (only marks cover it)
+
+
+def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple[str, int]) -> None:
+    host, port = sidecar
+    topo = Topology(world_size=3, tp=1)
+    settings = CommSettings(collective_timeout_s=20, regroup_timeout_s=30, heartbeat_window_s=5)
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    started = threading.Barrier(3)
+
+    def rank(r: int) -> None:
+        try:
+            m = Membership(keys.connect(host, port), r, topo, incarnation=1, settings=settings)
+            groups = m.start()
+            results[(r, "start")] = list(groups.record.members)
+            started.wait()
+            if r == 2:
+                keys.mark_failed(host, port, 2)  # what the agent does when the process exits
+                return
+            groups.release()
+            after = m.regroup(groups.record, "failure")
+            results[(r, "after")] = (after.record.epoch, list(after.record.members), after.dp.size())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert all(results[(r, "start")] == [0, 1, 2] for r in range(3))
+    assert results[(0, "after")] == results[(1, "after")] == (1, [0, 1], 2)
