@@ -233,14 +233,15 @@ class Agent:
 
     def report(self, method: DetectionMethod, kind: ErrorKind, message: str, *, task: str | None = None,
                rank: int | None = None, gpu: int | None = None, step: int | None = None,
-               source_ts: float | None = None) -> Report:
+               source_ts: float | None = None, handled: bool = False) -> Report:
         generation = None
         if task is not None:
             with self._tasks_lock:
                 rt = self._tasks.get(task)
                 generation = rt.assignment.generation if rt else None
         report = Report(method=method, kind=kind, node=self.node, message=message[:2000], task=task, gpu=gpu,
-                        rank=rank, step=step, generation=generation, source_ts=source_ts or time.time())
+                        rank=rank, step=step, generation=generation, handled=handled,
+                        source_ts=source_ts or time.time())
         log.warning("report", node=self.node, task=task, rank=rank, gpu=gpu, step=step, kind=kind.value,
                     method=method.value, message=message[:200])
         assert self.publisher is not None
@@ -312,12 +313,14 @@ class Agent:
             return mon
 
     def _on_rank_message(self, task: str, rank: int, msg: protocol.Message) -> None:
+        mon = self._monitor(task, rank)
         if isinstance(msg, protocol.ExceptionReport):
             kind = self._exception_kind(msg)
             self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, msg.message, task=task, rank=rank,
-                        gpu=self._gpu_of(task, rank), step=msg.step, source_ts=msg.ts)
+                        gpu=self._gpu_of(task, rank), step=msg.step, source_ts=msg.ts, handled=not msg.fatal)
+            if not msg.fatal and mon is not None:
+                mon.reset()  # the rank is regrouping: this iteration's pause is recovery, not a hang
             return
-        mon = self._monitor(task, rank)
         if mon is None:
             return
         if isinstance(msg, protocol.IterStart):
@@ -333,6 +336,8 @@ class Agent:
             mon.phase(msg.name, msg.ts)
             self.hang_watcher.rearm()
         elif isinstance(msg, protocol.RegroupDone):
+            # A new membership changes each rank's share of micro-batches, so its iteration time.
+            mon.reset()
             log.info("rank regrouped", task=task, rank=rank, generation=msg.generation, ok=msg.ok, detail=msg.detail)
 
     @staticmethod

@@ -68,4 +68,5 @@ def classify(report: Report, detected_ts: float, incident_id: str) -> Incident:
         source_ts=report.source_ts,
         detected_ts=detected_ts,
         report_id=report.report_id,
+        handled=report.handled,
     )

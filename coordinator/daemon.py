@@ -262,11 +262,14 @@ class Coordinator:
             method=incident.method.value, kind=incident.kind.value, task=incident.task, node=incident.node,
             gpu=incident.gpu, rank=incident.rank, step=incident.step, message=incident.message,
             source_ts=incident.source_ts, detected_ts=incident.detected_ts,
-            detection_latency_s=round(incident.detection_latency_s, 4),
+            detection_latency_s=round(incident.detection_latency_s, 4), handled=incident.handled,
         )
         self.recent_incidents.append(incident)
         for hook in self.incident_hooks:
             hook(incident)
+        if incident.handled:
+            log.info("incident handled in place by the runtime; no action", incident=incident.incident_id)
+            return
         self._decide(d.IncidentRaised(ts=incident.detected_ts, incident=incident, generation=report.generation))
 
     # --- the decision core ----------------------------------------------------------------------

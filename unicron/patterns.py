@@ -30,7 +30,8 @@ PATTERNS: tuple[tuple[re.Pattern[str], ErrorKind], ...] = tuple(
         (r"CUDA error|cudaError|CUBLAS_STATUS_|CUDNN_STATUS_|device-side assert", ErrorKind.CUDA_ERROR),
         (r"link flap|link (is )?down|port state change", ErrorKind.LINK_FLAPPING),
         (
-            r"connection refused|connection reset|ECONNREFUSED|ECONNRESET|connection closed by peer",
+            r"connection refused|connection reset|ECONNREFUSED|ECONNRESET|connection closed by peer"
+            r"|Connection(Reset|Refused|Aborted)Error",
             ErrorKind.CONNECTION_REFUSED_RESET,
         ),
         (

@@ -147,6 +147,8 @@ class Report(Record):
     rank: int | None = None
     step: int | None = None
     generation: int | None = None
+    #: the rank already recovered in place (the runtime's own sev3 reattempt): record, do not act
+    handled: bool = False
     #: wall-clock time the fault was observed at its source (process exit, exception raised, ...)
     source_ts: float = field(default_factory=time.time)
     #: wall-clock time the agent published the report
@@ -177,6 +179,7 @@ class Incident(Record):
     source_ts: float
     detected_ts: float
     report_id: str
+    handled: bool = False
 
     @property
     def detection_latency_s(self) -> float:

@@ -172,3 +172,16 @@ def test_killed_agent_is_lost_by_connection_close(cluster: LocalCluster) -> None
     assert inc.detected_ts - t0 < 1.0
     cluster.start_agent("node2")
     cluster.wait_registered("node2")
+
+
+def test_exception_handled_in_place_is_recorded_as_handled(cluster: LocalCluster) -> None:
+    # A rank that recovered by itself (the runtime's in-place regroup) reports fatal=False.
+    argv = [sys.executable, "-c",
+            "import time; from unicron.client import AgentClient; c = AgentClient.from_env().connect();"
+            "c.report_exception(ConnectionResetError('peer reset during all-reduce'), fatal=False);"
+            "time.sleep(60)"]
+    t0 = time.time()
+    _generation[0] += 1
+    cluster.assign_task("t3", argv, ["node2"], ranks_per_node=1, generation=_generation[0])
+    inc = expect(cluster, t0, ErrorKind.CONNECTION_REFUSED_RESET, Severity.SEV3, DetectionMethod.EXCEPTION_PROPAGATION)
+    assert inc.handled and inc.task == "t3"
