@@ -40,7 +40,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # B = 16 micro-batches of 4 sequences: k = 4 per rank at DP = 4.
     "quick": {"model": ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"],
               "iterations": 4, "fail_it": 2, "fail_pos": 2, "rounds": 13, "per_round": 1},
-    "full": {"model": ["--layers", "4", "--hidden", "128", "--heads", "8", "--seq", "64", "--vocab", "512"],
+    "full": {"model": ["--layers", "4", "--hidden", "96", "--heads", "4", "--seq", "64", "--vocab", "256"],
              "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 61, "per_round": 1},
 }
 BATCH = ["--global-batch-size", "64", "--micro-batch-size", "4"]

@@ -70,7 +70,7 @@ def test_fold_is_bit_identical_for_any_split_of_the_micro_batches() -> None:
     # Rank 3 died; its micro-batches 6 and 7 were redistributed to ranks 0 and 1 as singles.
     after_failure = folded(contributions([0, 1, 6]), contributions([2, 3, 7]), contributions([4, 5]))
     assert torch.equal(one, four) and torch.equal(one, after_failure)
-    plain = sum(torch.cat([g.reshape(-1) for g in grads_of(mb)]) for mb in range(8))
+    plain = torch.stack([torch.cat([g.reshape(-1) for g in grads_of(mb)]) for mb in range(8)]).sum(0)
     assert not torch.equal(one[:-TAIL], plain)  # the order matters: that is why it is fixed
     torch.testing.assert_close(one[:-TAIL], plain)
 

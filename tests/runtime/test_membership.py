@@ -92,7 +92,7 @@ def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple
     host, port = sidecar
     topo = Topology(world_size=3, tp=1)
     settings = CommSettings(collective_timeout_s=20, regroup_timeout_s=30, heartbeat_window_s=5)
-    results: dict[int, Any] = {}
+    results: dict[tuple[int, str], Any] = {}
     errors: list[BaseException] = []
     started = threading.Barrier(3)
 

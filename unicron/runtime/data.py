@@ -49,7 +49,7 @@ class FileTokens(TokenSource):
             arr = np.load(path, mmap_mode="r")
             if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
                 raise ConfigError(f"--data-file {path!r}: expected a 1-D integer array of token ids")
-            tokens = torch.from_numpy(np.asarray(arr, dtype=np.int64))
+            tokens = torch.from_numpy(np.array(arr, dtype=np.int64))  # a writable copy
         else:
             with open(path, "rb") as fh:
                 tokens = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8).to(torch.int64)

@@ -208,10 +208,27 @@ class ReduceProgress:
     parts: list[torch.Tensor | None] = field(default_factory=list)
     #: deterministic mode: every rank's contribution table, gathered once per group
     table: list[list[tuple[int, int]]] | None = None
+    #: per bucket, a spare buffer to reduce into (rotates with ``parts``: no allocation per iteration)
+    spare: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.parts:
             self.parts = [None] * len(self.bounds)
+        self.spare = [None] * len(self.bounds)
+
+    def scratch(self, b: int) -> torch.Tensor:
+        """A buffer for bucket ``b``'s collective that holds no result anyone may still need."""
+        t = self.spare[b]
+        if t is None:
+            s, e = self.bounds[b]
+            t = self.spare[b] = torch.empty(e - s, dtype=self.dtype)
+        return t
+
+    def store(self, b: int, result: torch.Tensor) -> None:
+        """Bucket ``b`` is final; the part it replaces (the previous iteration's) becomes the spare."""
+        old, self.parts[b] = self.parts[b], result
+        self.spare[b] = old if result is self.spare[b] else self.spare[b]
+        self.done = b + 1
 
     @property
     def complete(self) -> bool:
@@ -246,10 +263,10 @@ def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hoo
     for b in range(prog.done, len(prog.bounds)):
         hook(b)
         s, e = prog.bounds[b]
-        send = vector[s:e].clone()
+        send = prog.scratch(b)
+        send.copy_(vector[s:e])  # a copy: a failed all-reduce can leave its buffer half-reduced
         group.allreduce([send]).wait()
-        prog.parts[b] = send
-        prog.done = b + 1
+        prog.store(b, send)
 
 
 def _encode_table(items: Sequence[Contribution], slots: int) -> torch.Tensor:
@@ -284,8 +301,7 @@ def reduce_gather(
             local[i] = c.vec[s:e]
         out = [torch.empty_like(local) for _ in range(size)]
         group.allgather([out], [local]).wait()
-        prog.parts[b] = fold([[out[r][i] for r, i in blk] for blk in blocks])
-        prog.done = b + 1
+        prog.store(b, fold([[out[r][i] for r, i in blk] for blk in blocks]))
 
 
 def canonical_order(table: Sequence[Sequence[tuple[int, int]]], layout: BatchLayout) -> list[list[tuple[int, int]]]:

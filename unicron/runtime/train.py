@@ -102,11 +102,15 @@ def build(args: argparse.Namespace) -> Rank:
     if args.ckpt not in ("none", "torch-save", "memory"):
         raise ConfigError(f"--ckpt {args.ckpt!r}: choose none, torch-save or memory")
     heartbeat = Heartbeat(host, port, rank, world=world).start()  # forks: before any thread exists
-    store = keys.connect(host, port)
-    torch.set_num_threads(args.threads)
-    ensure_torch_distributed()
-    checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank)
-    incarnation = int(store.add(keys.started_key(rank), 1))
+    try:
+        store = keys.connect(host, port)
+        torch.set_num_threads(args.threads)
+        ensure_torch_distributed()
+        checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank)
+        incarnation = int(store.add(keys.started_key(rank), 1))
+    except BaseException:
+        heartbeat.stop()
+        raise
     client = AgentClient.from_env().connect()
     client.install_excepthook()
     trainer = Trainer(

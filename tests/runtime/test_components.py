@@ -1,0 +1,142 @@
+"""The runtime's smaller parts in one process: the GPT and its attention, data, faults, checkpoints,
+the command line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ckpt.api import NoValidCheckpoint
+from unicron.errors import ConfigError
+from unicron.runtime import cli, train
+from unicron.runtime.checkpoint import TorchSaveCheckpointer, make_checkpointer
+from unicron.runtime.data import FileTokens, SyntheticTokens, make_source
+from unicron.runtime.faults import Fault, parse
+from unicron.runtime.model import (
+    ModelConfig,
+    broken_group,
+    build_gpt,
+    ensure_torch_distributed,
+    lm_loss,
+    rebind_groups,
+    solo_group,
+)
+from unicron.runtime.scheduler import is_comm_error
+from unicron.runtime.state import OptimConfig, ReplicaState
+
+
+@pytest.fixture(scope="module")
+def gpt() -> Any:
+    ensure_torch_distributed()
+    return build_gpt(ModelConfig(dtype="float64"), solo_group())
+
+
+def test_gpt_uses_our_sdpa_attention_and_matches_a_naive_causal_attention(gpt: Any) -> None:
+    attn = gpt.decoder.layers[0].self_attention.core_attention
+    assert type(attn).__name__ == "SDPAttention"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))  # [s, b, h, d]
+    out = attn(q, k, v, None)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(16)
+    scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
+    naive = torch.einsum("bhst,tbhd->sbhd", F.softmax(scores, -1), v).reshape(6, 2, 64)
+    torch.testing.assert_close(out, naive)
+
+
+def test_gpt_trains_on_cpu_in_float64(gpt: Any) -> None:
+    assert {p.dtype for p in gpt.parameters()} == {torch.float64}
+    data = SyntheticTokens(vocab=128, seq=32, micro_batch_size=4, seed=1)
+    tokens, labels = data.batch(0, 0)
+    loss = lm_loss(gpt, tokens, labels, solo_group())
+    ref = F.cross_entropy(gpt(tokens, torch.arange(32).expand(4, 32), None).reshape(-1, 128), labels.reshape(-1))
+    torch.testing.assert_close(loss, ref)
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpt.parameters())
+    gpt.zero_grad(set_to_none=True)
+
+
+def test_rebinding_moves_every_reference_to_the_new_group(gpt: Any) -> None:
+    assert rebind_groups(gpt, solo_group(), broken_group()) > 0
+    assert rebind_groups(gpt, solo_group(), broken_group()) == 0
+    assert rebind_groups(gpt, broken_group(), solo_group()) > 0
+
+
+def test_replica_state_round_trips_through_a_torch_save_checkpoint(gpt: Any, tmp_path: Path) -> None:
+    state = ReplicaState(gpt, OptimConfig())
+    state.iteration = 7
+    ckpt = TorchSaveCheckpointer(str(tmp_path), rank=0, keep=1)
+    with pytest.raises(NoValidCheckpoint):
+        ckpt.restore()
+    ckpt.save(state.state_dict(), 7)
+    ckpt.save(state.state_dict(), 8)
+    assert [p.name for p in (tmp_path / "rank0").iterdir()] == ["it8.pt"]
+    other = ReplicaState(build_gpt(ModelConfig(dtype="float64", init_seed=99), solo_group()), OptimConfig())
+    other.load_state_dict(ckpt.restore().state)
+    assert other.iteration == 7
+    assert all(torch.equal(a, b) for a, b in zip(other.tensors(), state.tensors(), strict=True))
+    with pytest.raises(ConfigError, match="--ckpt-dir"):
+        make_checkpointer("torch-save", "", "job", 0)
+
+
+def test_data_depends_only_on_iteration_and_micro_batch(tmp_path: Path) -> None:
+    gen = make_source(None, vocab=128, seq=16, micro_batch_size=2, seed=3)
+    a, b = gen.batch(4, 1), gen.batch(4, 1)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], gen.batch(4, 2)[0])
+    assert torch.equal(a[0][:, 1:], a[1][:, :-1])  # labels are the next tokens
+    np.save(tmp_path / "toks.npy", np.arange(1000) % 97)
+    (tmp_path / "text.txt").write_bytes(b"hello unicron " * 20)
+    for name in ("toks.npy", "text.txt"):
+        src = make_source(str(tmp_path / name), vocab=128, seq=8, micro_batch_size=2, seed=3)
+        assert isinstance(src, FileTokens)
+        tokens, _ = src.batch(0, 5)
+        assert tokens.shape == (2, 8) and int(tokens.max()) < 128
+    with pytest.raises(ConfigError, match="does not exist"):
+        make_source(str(tmp_path / "missing"), 128, 8, 2, 3)
+
+
+def test_fault_scripts_parse_and_reject_garbage() -> None:
+    assert parse("die@2:mb1, raise@3:start:connection_refused_reset") == [
+        Fault("die", 2, "mb1"), Fault("raise", 3, "start", "connection_refused_reset"),
+    ]
+    for bad in ("die@x:mb1", "explode@1:mb0", "raise@1:start:not_a_kind"):
+        with pytest.raises(ConfigError):
+            parse(bad)
+
+
+def test_comm_errors_are_recognised_through_the_exception_chain() -> None:
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise ValueError("Process group is not initialized in the world group map") from inner
+    except ValueError as outer:
+        assert is_comm_error(outer)
+    assert not is_comm_error(RuntimeError("shape mismatch"))
+
+
+def test_cli_registers_train_and_reports_bad_settings_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["train", "--tp", "2", "--deterministic"])
+    assert args.func is not None and args.tp == 2 and args.deterministic
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            mp.delenv(var, raising=False)
+        assert train.main([]) == train.EXIT_CONFIG
+        assert "RANK is not set" in capsys.readouterr().err
+        mp.setenv("RANK", "0")
+        mp.setenv("WORLD_SIZE", "2")
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", "1")
+        assert train.main(["--global-batch-size", "30", "--micro-batch-size", "4"]) == train.EXIT_CONFIG
+        assert "--global-batch-size 30" in capsys.readouterr().err
+        assert train.main(["--tp", "3"]) == train.EXIT_CONFIG
+        assert "--tp 3" in capsys.readouterr().err
