@@ -29,6 +29,7 @@ from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
 from agent.gpu.simulated import SimulatedBackend
 from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
+from agent.marker import FailureMarker
 from agent.ranks import RankServer
 from agent.settings import AgentSettings
 from agent.supervisor import RankExit, Supervisor, pdeathsig_preexec
@@ -137,6 +138,7 @@ class Agent:
         self.socket_path = os.path.join(settings.run_dir, f"{settings.node}.sock")
         self.rank_server = RankServer(self.socket_path, self._on_rank_message)
         self._link: Any = None
+        self.marker = FailureMarker(preexec=pdeathsig_preexec(signal.SIGKILL))
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -147,6 +149,7 @@ class Agent:
         self.store = store
         self.publisher = ReportPublisher(store, self.keys, self.stop_event)
         self.rank_server.start()
+        self.marker.start()
         self.gpu_monitor.start()
         self.hang_watcher.start()
         self._register()
@@ -177,6 +180,7 @@ class Agent:
         self.gpu_monitor.stop()
         self.backend.close()
         self.rank_server.stop()
+        self.marker.stop()
         if self.lease is not None:
             with contextlib.suppress(StoreUnavailable):
                 self.lease.revoke()
@@ -286,6 +290,8 @@ class Agent:
         if not ex.abnormal:
             log.info("rank exited", task=task, rank=rank, returncode=ex.returncode, requested=ex.requested)
             return
+        if rt is not None:
+            self.marker.mark(rt.assignment.master_addr, rt.assignment.master_port, rank)
         what = f"signal {ex.signal}" if ex.signal else f"exit code {ex.returncode}"
         cause = f"; stderr showed {ex.stderr_kind.value}" if ex.stderr_kind else ""
         self.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY,

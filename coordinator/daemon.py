@@ -50,6 +50,7 @@ class _Input:
 IncidentHook = Callable[[Incident], None]
 
 EXIT_DEPOSED = 75  # EX_TEMPFAIL
+KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JSON log
 
 
 def connect_store(endpoints: str, timeout_s: float, stop: threading.Event, what: str) -> Store | None:
@@ -83,7 +84,8 @@ class Coordinator:
         self._nodes: dict[str, NodeInfo] = {}
         self._lost_nodes: set[str] = set()
         self.incident_hooks: list[IncidentHook] = []
-        self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=1000)
+        self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=KEEP_INCIDENTS)
+        self._incident_keys: collections.deque[str] = collections.deque()
         self.deposed = False
         self.core = d.DecisionCore(
             d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
@@ -253,10 +255,13 @@ class Coordinator:
     def _record(self, report: Report, report_key: str | None) -> None:
         incident = classify(report, detected_ts=time.time(), incident_id=new_id())
         assert self.leadership is not None
+        key = self.keys.incident(incident.incident_id)
+        expired = [self._incident_keys.popleft() for _ in range(max(0, len(self._incident_keys) + 1 - KEEP_INCIDENTS))]
         self.leadership.write(
-            puts={self.keys.incident(incident.incident_id): json.dumps(incident.to_dict())},
-            deletes=[report_key] if report_key else [],
+            puts={key: json.dumps(incident.to_dict())},
+            deletes=([report_key] if report_key else []) + expired,
         )
+        self._incident_keys.append(key)
         log.warning(
             "incident", incident=incident.incident_id, severity=str(incident.severity) if incident.severity else None,
             method=incident.method.value, kind=incident.kind.value, task=incident.task, node=incident.node,
@@ -285,6 +290,8 @@ class Coordinator:
                 log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
         kvs, _ = self.store.get_prefix(self.keys.assignments())
         self.executor.load({kv.key: kv.value for kv in kvs})
+        kvs, _ = self.store.get_prefix(self.keys.incidents())
+        self._incident_keys.extend(kv.key for kv in sorted(kvs, key=lambda kv: kv.create_revision))
 
     def _spec(self, task: str) -> TaskSpec | None:
         entry = self.state.tasks.get(task)

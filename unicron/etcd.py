@@ -26,7 +26,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,10 @@ from unicron.etcd import Store
 from unicron.etcd_server import EtcdServer, free_port
 from unicron.keyspace import Keyspace
 from unicron.types import Incident, NodeAssignment, RankSpec, TaskAssignment
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 class LocalCluster:
@@ -104,7 +109,15 @@ class LocalCluster:
         self.etcd.cleanup()
 
     def __enter__(self) -> LocalCluster:
-        return self.start()
+        # The cluster's processes run in their own sessions: a SIGTERM to this process must unwind
+        # through __exit__ (which stops them), not kill it with them orphaned.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -1,0 +1,69 @@
+"""Tells a task's surviving ranks, through its rendezvous store, that a rank died (see
+:mod:`unicron.runtime.marker`, the helper process that does the torch side)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+
+class FailureMarker:
+    """Owns the marker process; :meth:`mark` never blocks the caller and never raises."""
+
+    def __init__(self, preexec: Callable[[], object] | None = None) -> None:
+        self._preexec = preexec
+        self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> FailureMarker:
+        with self._lock:
+            self._spawn()
+        return self
+
+    def _spawn(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "unicron.runtime.marker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, bufsize=1, preexec_fn=self._preexec,
+        )
+        assert self._proc.stdout is not None
+        threading.Thread(target=self._read_answers, args=(self._proc.stdout,), name="marker-answers",
+                         daemon=True).start()
+
+    def _read_answers(self, out: IO[str]) -> None:
+        for line in out:
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue
+            if answer.get("ok") is False:
+                log.info("could not mark a rank failed in its store: %s", answer.get("error"))
+
+    def mark(self, host: str, port: int, rank: int) -> None:
+        request = json.dumps({"host": host, "port": port, "rank": rank}) + "\n"
+        with self._lock:
+            try:
+                if self._proc is None or self._proc.poll() is not None:
+                    self._spawn()
+                assert self._proc is not None and self._proc.stdin is not None
+                self._proc.stdin.write(request)
+                self._proc.stdin.flush()
+            except OSError as exc:  # survivors still find out by heartbeat staleness
+                log.warning("failure marker unavailable: %s", exc)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                if self._proc.stdin is not None:
+                    self._proc.stdin.close()
+                try:
+                    self._proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                self._proc = None
