@@ -57,9 +57,12 @@ class Runner:
         restart: Mapping[int, float] | None = None,
         timeout: float = 120.0,
         while_running: Callable[[LocalJob], None] | None = None,
+        env: Mapping[int, Mapping[str, str]] | None = None,
     ) -> Finished:
         self._n += 1
-        rank_env = {r: {"UNICRON_RUNTIME_FAULTS": spec} for r, spec in (faults or {}).items()}
+        rank_env = {r: dict(e) for r, e in (env or {}).items()}
+        for r, spec in (faults or {}).items():
+            rank_env.setdefault(r, {})["UNICRON_RUNTIME_FAULTS"] = spec
         job = LocalJob(world, list(args), str(self.root / f"job{self._n}"), rank_env=rank_env,
                        restart=dict(restart or {}), zygote=self.zygote)
         with job:
