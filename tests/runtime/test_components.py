@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ from unicron.runtime.model import (
 from unicron.runtime.scheduler import is_comm_error
 from unicron.runtime.state import OptimConfig, ReplicaState
 
+SMALL = ModelConfig(layers=2, hidden=64, heads=4, seq=32, vocab=128, dtype="float64")
+
 
 @pytest.fixture(scope="module")
 def gpt() -> Any:
     ensure_torch_distributed()
-    return build_gpt(ModelConfig(dtype="float64"), solo_group())
+    return build_gpt(SMALL, solo_group())
 
 
 def test_gpt_uses_our_sdpa_attention_and_matches_a_naive_causal_attention(gpt: Any) -> None:
@@ -77,7 +80,7 @@ def test_replica_state_round_trips_through_a_torch_save_checkpoint(gpt: Any, tmp
     ckpt.save(state.state_dict(), 7)
     ckpt.save(state.state_dict(), 8)
     assert [p.name for p in (tmp_path / "rank0").iterdir()] == ["it8.pt"]
-    other = ReplicaState(build_gpt(ModelConfig(dtype="float64", init_seed=99), solo_group()), OptimConfig())
+    other = ReplicaState(build_gpt(replace(SMALL, init_seed=99), solo_group()), OptimConfig())
     other.load_state_dict(ckpt.restore().state)
     assert other.iteration == 7
     assert all(torch.equal(a, b) for a, b in zip(other.tensors(), state.tensors(), strict=True))

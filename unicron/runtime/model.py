@@ -48,11 +48,11 @@ class ModelConfig:
     #: transformer layers
     layers: int = 2
     #: hidden size
-    hidden: int = 64
+    hidden: int = 128
     #: attention heads (must divide hidden, and be divisible by tp)
     heads: int = 4
     #: sequence length
-    seq: int = 32
+    seq: int = 64
     #: vocabulary size (must be divisible by tp)
     vocab: int = 128
     #: parameter dtype: float32, float64 or bfloat16

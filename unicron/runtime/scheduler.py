@@ -80,7 +80,7 @@ class ScheduleConfig:
     """How iterations are scheduled and reduced."""
 
     #: micro-batches per global batch (B)
-    micro_batches: int = 8
+    micro_batches: int = 16
     #: canonical reduction blocks V (0: the initial data-parallel size)
     blocks: int = 0
     #: samples per micro-batch
