@@ -34,7 +34,8 @@ class TorchSaveCheckpointer(Checkpointer):
     def _path(self, iteration: int) -> str:
         return os.path.join(self.dir, f"it{iteration}.pt")
 
-    def _held(self) -> list[int]:
+    def held(self) -> list[int]:
+        """Iterations of the snapshots on disk, ascending."""
         found = (re.match(r"it(\d+)\.pt$", os.path.basename(p)) for p in glob.glob(os.path.join(self.dir, "it*.pt")))
         return sorted(int(m.group(1)) for m in found if m)
 
@@ -42,18 +43,28 @@ class TorchSaveCheckpointer(Checkpointer):
         tmp = self._path(iteration) + ".tmp"
         torch.save(state, tmp)
         os.replace(tmp, self._path(iteration))
-        for old in self._held()[: -self.keep]:
+        for old in self.held()[: -self.keep]:
             os.remove(self._path(old))
 
     def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
         t0 = time.perf_counter()
-        held = self._held()
+        held = self.held()
         want = iteration if iteration is not None else (held[-1] if held else None)
         if want is None or want not in held:
             attempt = TierAttempt(Tier.REMOTE, self.dir, want, "no such checkpoint file")
             raise NoValidCheckpoint("torch-save", self.rank, iteration, [attempt])
         state = torch.load(self._path(want), map_location="cpu", weights_only=True)
         return Restored(state, want, Tier.REMOTE, self._path(want), seconds=time.perf_counter() - t0)
+
+
+def has_checkpoint(checkpointer: Checkpointer) -> bool:
+    """Whether ``checkpointer`` holds any snapshot of this rank (cheap: nothing is loaded)."""
+    if isinstance(checkpointer, TorchSaveCheckpointer):
+        return bool(checkpointer.held())
+    available = getattr(checkpointer, "available", None)
+    if callable(available):  # CheckpointManager: (tier, source, iterations or None) per source
+        return any(iterations for _, _, iterations in available())
+    return True
 
 
 def make_checkpointer(kind: str, directory: str, job: str, rank: int) -> Checkpointer | None:

@@ -41,6 +41,7 @@ from unicron.errors import ConfigError, PermanentError
 from unicron.patterns import match
 from unicron.runtime import membership
 from unicron.runtime import store as keys
+from unicron.runtime.checkpoint import has_checkpoint
 from unicron.runtime.comm import CommGroup, Store
 from unicron.runtime.data import TokenSource
 from unicron.runtime.epoch import EpochRecord
@@ -269,7 +270,7 @@ class Trainer:
             groups = self.membership.start()
             self._setup(groups)
             self._new_iteration(groups.record)
-            self.fresh = self.resume and self.checkpointer is not None
+            self.fresh = self.resume and self.checkpointer is not None and self._any_checkpoint()
             if self.fresh:
                 self._agree()  # nobody holds state: every rank restores its checkpoint
             self._regroup_done(groups.record, "start", t0)
@@ -634,6 +635,18 @@ class Trainer:
         self.fresh = False
         self._new_iteration(self.groups.record)
         self._event("restored", it=self.it)
+
+    def _any_checkpoint(self) -> bool:
+        """``--resume`` with no checkpoint on any rank (a first launch) starts from scratch, as
+        Megatron's ``--load`` does; the ranks decide together so that none restores alone."""
+        assert self.checkpointer is not None
+        mine = torch.tensor([int(has_checkpoint(self.checkpointer))], dtype=torch.int64)
+        flags = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
+        self._collective("resume", lambda: self.groups.world.allgather([flags], [mine]).wait())
+        found = any(int(f) for f in flags)
+        if not found:
+            self._event("fresh_start", reason="--resume: no checkpoint on any rank")
+        return found
 
     def _restored_iterations(self) -> list[int]:
         mine = torch.tensor([self.it], dtype=torch.int64)
