@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -98,19 +99,27 @@ class Bench:
             raise SystemExit(f"perf job failed {codes}\n{job.logs()}")
         wall: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
+        own: dict[str, list[float]] = {}  # wall minus forward/backward, collective waits, optimizer
         for r in range(WORLD):
             with open(os.path.join(job.out_dir, "inc1", f"perf_rank{r}.json")) as fh:
                 data = json.load(fh)
             for m in data["times"]:
                 wall.setdefault(m, []).extend(data["times"][m])
                 cpu.setdefault(m, []).extend(data["cpu"][m])
+                own.setdefault(m, []).extend(w - s for w, s in zip(data["times"][m], data["shared"][m], strict=True))
 
         def paired(t: dict[str, list[float]], a: str, b: str) -> float:
             # iterations of the three kinds alternate; pair each with its neighbour of the other kind
             return 100 * (statistics.median(x / y for x, y in zip(t[a], t[b], strict=True)) - 1)
 
         med = {m: statistics.median(v) for m, v in wall.items()}
+        own_med = {m: statistics.median(v) for m, v in own.items()}
+        ratios = [x / y for x, y in zip(wall["scheduler"], wall["plain"], strict=True)]
         return {
+            "own_ms": {m: 1000 * v for m, v in own_med.items()},
+            "overhead_attributed_pct": 100 * (own_med["scheduler"] - own_med["plain"]) / med["plain"],
+            "deterministic_attributed_pct": 100 * (own_med["deterministic"] - own_med["scheduler"]) / med["plain"],
+            "overhead_ci90_pct": [100 * (q - 1) for q in _bootstrap_median_ci(ratios)],
             "iterations_per_mode": len(wall["plain"]) // WORLD,
             "plain_s": med["plain"], "scheduler_s": med["scheduler"], "deterministic_s": med["deterministic"],
             "overhead_pct": paired(wall, "scheduler", "plain"),
@@ -173,6 +182,12 @@ class Bench:
         return {"restart_from_ckpt_s": max(ends) - death, "restored_iteration": restored[0] if restored else None}
 
 
+def _bootstrap_median_ci(values: list[float], n: int = 2000) -> tuple[float, float]:
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return meds[n // 20], meds[n - n // 20 - 1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, fewer rounds (< 1 minute)")
@@ -210,8 +225,15 @@ def main() -> int:
     print(f"per iteration, float32, no failure ({perf['iterations_per_mode']} iterations each, medians): "
           f"plain {perf['plain_s'] * 1000:.1f} ms, scheduler {perf['scheduler_s'] * 1000:.1f} ms, "
           f"deterministic {perf['deterministic_s'] * 1000:.1f} ms")
-    print(f"  scheduler overhead (median of paired ratios, all ranks): wall {perf['overhead_pct']:+.2f} %, "
-          f"CPU {perf['overhead_cpu_pct']:+.2f} %; ratio of medians {perf['overhead_of_medians_pct']:+.2f} %")
+    lo, hi = perf["overhead_ci90_pct"]
+    print(f"  scheduler overhead (median of paired ratios, all ranks): wall {perf['overhead_pct']:+.2f} % "
+          f"(90 % bootstrap interval {lo:+.2f} .. {hi:+.2f} %), CPU {perf['overhead_cpu_pct']:+.2f} %; "
+          f"ratio of medians {perf['overhead_of_medians_pct']:+.2f} %")
+    own = perf["own_ms"]
+    print(f"  loop's own time per iteration (wall minus forward/backward, collective waits, optimizer; medians): "
+          f"plain {own['plain']:.2f} ms, scheduler {own['scheduler']:.2f} ms, deterministic "
+          f"{own['deterministic']:.2f} ms -> attributed overhead {perf['overhead_attributed_pct']:+.2f} %, "
+          f"deterministic {perf['deterministic_attributed_pct']:+.2f} % of a plain iteration")
     print(f"  deterministic mode vs default: wall {perf['deterministic_overhead_pct']:+.2f} %, "
           f"CPU {perf['deterministic_overhead_cpu_pct']:+.2f} %")
     print(f"wall time {time.time() - t0:.1f} s")
@@ -223,6 +245,7 @@ def main() -> int:
         "speedup_vs_rerun": round(rec["rerun_iteration_s"] / rec["redistribute_s"], 2),
         "overhead_pct": round(perf["overhead_pct"], 3),
         "overhead_cpu_pct": round(perf["overhead_cpu_pct"], 3),
+        "overhead_attributed_pct": round(perf["overhead_attributed_pct"], 3),
         "deterministic_overhead_pct": round(perf["deterministic_overhead_pct"], 3),
         "max_rel_diff_fp64": rec["max_rel_diff_fp64"],
         "bitwise_equal": rec["bitwise_equal"],

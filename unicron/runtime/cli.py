@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--collective-timeout", type=float, default=30.0, help="collective timeout, seconds")
     s.add_argument("--regroup-timeout", type=float, default=90.0, help="regroup deadline, seconds (> collective)")
     s.add_argument("--heartbeat-window", type=float, default=5.0, help="heartbeat staleness window, seconds")
+    s.add_argument("--heartbeat-interval", type=float, default=0.2, help="seconds between heartbeats")
     s.add_argument("--join-timeout", type=float, default=600.0, help="how long a restarted rank waits to join")
     c = p.add_argument_group("checkpoints")
     c.add_argument("--ckpt", default="none", choices=("none", "torch-save", "memory"),

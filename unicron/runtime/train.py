@@ -101,7 +101,9 @@ def build(args: argparse.Namespace) -> Rank:
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.ckpt not in ("none", "torch-save", "memory"):
         raise ConfigError(f"--ckpt {args.ckpt!r}: choose none, torch-save or memory")
-    heartbeat = Heartbeat(host, port, rank, world=world).start()  # forks: before any thread exists
+    if not 0 < args.heartbeat_interval < args.heartbeat_window:
+        raise ConfigError("--heartbeat-interval must be > 0 and below --heartbeat-window")
+    heartbeat = Heartbeat(host, port, rank, interval_s=args.heartbeat_interval, world=world).start()  # forks
     try:
         store = keys.connect(host, port)
         torch.set_num_threads(args.threads)
