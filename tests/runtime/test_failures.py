@@ -122,23 +122,15 @@ def test_deterministic_mode_is_independent_of_dp(runner: Runner) -> None:
     assert bitwise_equal(done.params(3), done.params(0))
 
 
-def test_resume_without_any_checkpoint_starts_fresh_then_resumes(tmp_path: Any) -> None:
-    from unicron.runtime.launch import LocalJob
-
-    args = ["--iterations", "3", "--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1",
-            "--resume"]
-    first = LocalJob(world=2, args=args, out_dir=str(tmp_path / "a"), fork=True).start()
-    try:
-        assert first.wait(120) == {0: 0, 1: 0}
-        kinds = [e["kind"] for e in first.result(0)["events"]]
-        assert "fresh_start" in kinds and "restored" not in kinds
-    finally:
-        first.stop()
-    args[1] = "5"
-    second = LocalJob(world=2, args=args, out_dir=str(tmp_path / "b"), fork=True).start()
-    try:
-        assert second.wait(120) == {0: 0, 1: 0}
-        restored = [e["data"]["it"] for e in second.result(0)["events"] if e["kind"] == "restored"]
-        assert restored == [3]
-    finally:
-        second.stop()
+def test_resume_without_any_checkpoint_starts_fresh_then_resumes(runner: Runner, tmp_path: Any) -> None:
+    """``--resume`` on a first launch (no checkpoint on any rank) starts from scratch, decided by all
+    ranks together; the next launch restores the newest common iteration."""
+    ckpt = ["--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1", "--resume"]
+    first = runner.run(2, train_args(3, "float32", False, *ckpt))
+    assert first.codes == {0: 0, 1: 0}, first.job.logs()
+    kinds = [e["kind"] for e in first.result(0)["events"]]
+    assert "fresh_start" in kinds and "restored" not in kinds
+    second = runner.run(2, train_args(5, "float32", False, *ckpt))
+    assert second.codes == {0: 0, 1: 0}, second.job.logs()
+    assert [e["it"] for e in second.events(0, "restored")] == [3]
+    assert second.result(0)["losses"][0] != first.result(0)["losses"][0]  # trained on, not from scratch

@@ -135,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     times: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     shared: dict[str, list[float]] = {m: [] for m in MODES}
+    parts: dict[str, dict[str, list[float]]] = {m: {p: [] for p in SHARED} for m in MODES}
     plain_it = 0
     for r in range(args.rounds):
         order = MODES[r % 3 :] + MODES[: r % 3]
@@ -154,13 +155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     times[mode].append(time.perf_counter() - t0)
                     cpu[mode].append(time.process_time() - c0)
                     shared[mode].append(sum(sw.t.values()))
+                    for p in SHARED:
+                        parts[mode][p].append(sw.t[p])
     heartbeat.paused = False
     trainer.store.set("finished", str(trainer.it))
     heartbeat.stop()
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, f"perf_rank{trainer.rank}.json"), "w") as fh:
-            json.dump({"rank": trainer.rank, "times": times, "cpu": cpu, "shared": shared}, fh)
+            json.dump({"rank": trainer.rank, "times": times, "cpu": cpu, "shared": shared, "parts": parts}, fh)
     built.client.close()
     return 0
 

@@ -435,7 +435,7 @@ class Trainer:
         """(joiners waiting, stop requested), agreed by all. With TP > 1 this is also the commit
         point: every rank of the replica has all buckets before any of them steps (a partner may
         still need our old parameters to recompute a micro-batch)."""
-        flags = self.prog.tail()[TAIL_JOIN : TAIL_STOP + 1].to(torch.float64)
+        flags = self.prog.tail()[TAIL_JOIN : TAIL_STOP + 1].to(torch.float64, copy=True)  # never reduce a part
         if self.topo.tp > 1:
             self._collective("commit", lambda: self.groups.tp.allreduce([flags]).wait())
         self.faults.at(self.it, "commit")
