@@ -53,6 +53,8 @@ class Bench:
         self.c = c
         self.spec_path = os.path.join(spec_dir, "task.json")
         command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
+                   "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128",
+                   "--global-batch-size", "32", "--micro-batch-size", "4",
                    "--ckpt", "torch-save", "--ckpt-dir", os.path.join(spec_dir, "ckpt"),
                    "--ckpt-every", str(CKPT_EVERY), "--resume"]
         with open(self.spec_path, "w") as f:

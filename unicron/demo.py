@@ -95,9 +95,12 @@ def run_demo(quick: bool = False) -> int:
 
         for name, weight in (("alpha", 1.5), ("beta", 1.0)):
             # A small Megatron-core GPT on CPU/gloo (unicron train's default model).
-            command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05"]
+            command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
+                       # the model of the spec's model description below
+                       "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128",
+                       "--global-batch-size", "32", "--micro-batch-size", "4"]
             path = os.path.join(spec_dir, f"{name}.json")
-            # The model description is unicron train's default model: the planner allocates only counts
+            # The model description is the command's model: the planner allocates only counts
             # whose data-parallel size divides the 8 micro-batches (2 or 4 GPUs here).
             model = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
                      "vocab_size": 128, "global_batch_size": 32, "micro_batch_size": 4}
