@@ -43,7 +43,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "quick": {"model": ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"],
               "iterations": 4, "fail_it": 2, "fail_pos": 2, "rounds": 13, "per_round": 1, "reps": 1},
     "full": {"model": ["--layers", "4", "--hidden", "96", "--heads", "4", "--seq", "64", "--vocab", "256"],
-             "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 61, "per_round": 1, "reps": 5},
+             "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 151, "per_round": 1, "reps": 5},
 }
 BATCH = ["--global-batch-size", "64", "--micro-batch-size", "4"]
 COMM = ["--collective-timeout", "30", "--regroup-timeout", "60", "--heartbeat-window", "5"]

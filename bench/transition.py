@@ -34,9 +34,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from unicron.cli import main as cli  # noqa: E402
-from unicron.commands.inject import request  # noqa: E402
-from unicron.localcluster import LocalCluster  # noqa: E402
+from unicron.cli import main as cli
+from unicron.commands.inject import request
+from unicron.localcluster import LocalCluster
 
 TASK = "bench"
 CKPT_EVERY = 20
