@@ -753,7 +753,9 @@ class _Run:
             generation=entry.generation,
             restart_epoch=entry.restart_epoch,
             node=node,
-            ranks=tuple(entry.ranks_on(node)),
+            # Only the failed processes: the others keep their in-memory state and let the new ones
+            # rejoin (issue: a healthy rank restarted with them stalled the survivors' regroup).
+            ranks=tuple(r for r in entry.ranks_on(node) if r in fault.ranks) or tuple(entry.ranks_on(node)),
         )
         self.actions.append(action)
         self._track(entry, action.action_id, ActionKind.RESTART, node)

@@ -185,10 +185,16 @@ def test_sev3_reattempt_fails_then_restart_succeeds() -> None:
     assert sim.state.nodes["n2"].status is NodeState.UP
 
 
+def test_sev2_without_a_rank_restarts_the_nodes_ranks() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
+    restart = one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks)
+    assert restart.node == "n1" and restart.ranks == tuple(sim.state.tasks["job"].placement["n1"])
+
+
 def test_restart_fails_then_node_isolated_and_task_reconfigured() -> None:
     sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
     restart = one(sim.incident("n1", SEV2_KIND, task="job", rank=2), RestartRanks)
-    assert restart.node == "n1" and restart.ranks == tuple(range(8))
+    assert restart.node == "n1" and restart.ranks == (2,)  # only the failed process (issue 3.5)
     acts = sim.fail(restart)  # upgraded to sev1
     assert one(acts, IsolateNode).node == "n1"
     assign = one(acts, Assign, "job")
