@@ -361,8 +361,9 @@ class Coordinator:
 
     def submit(self, spec: TaskSpec) -> None:
         def run() -> None:
-            if spec.name in self.state.tasks:
-                raise api.AlreadyExists(f"task {spec.name!r} exists; cancel it first or pick another name")
+            old = self.state.tasks.get(spec.name)
+            if old is not None and old.phase in d.ACTIVE_PHASES:
+                raise api.AlreadyExists(f"task {spec.name!r} is active; cancel it first or pick another name")
             assert self.leadership is not None
             self.leadership.write(puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
             self._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
@@ -370,8 +371,9 @@ class Coordinator:
 
     def cancel(self, name: str) -> None:
         def run() -> None:
-            if name not in self.state.tasks:
-                raise api.NotFound(f"no task {name!r}; see 'unicron tasks'")
+            entry = self.state.tasks.get(name)
+            if entry is None or entry.phase not in d.ACTIVE_PHASES:
+                raise api.NotFound(f"no active task {name!r}; see 'unicron tasks'")
             self._decide(d.TaskCancelled(ts=time.time(), task=name))
             assert self.leadership is not None
             self.leadership.write(deletes=[self.keys.task(name)])
