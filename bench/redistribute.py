@@ -43,7 +43,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "quick": {"model": ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"],
               "iterations": 4, "fail_it": 2, "fail_pos": 2, "rounds": 13, "per_round": 1, "reps": 1},
     "full": {"model": ["--layers", "4", "--hidden", "96", "--heads", "4", "--seq", "64", "--vocab", "256"],
-             "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 151, "per_round": 1, "reps": 5},
+             "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 101, "per_round": 1, "reps": 5},
 }
 BATCH = ["--global-batch-size", "64", "--micro-batch-size", "4"]
 COMM = ["--collective-timeout", "30", "--regroup-timeout", "60", "--heartbeat-window", "5"]
@@ -89,7 +89,10 @@ class Bench:
     # --- measurements ----------------------------------------------------------------------------
 
     def perf(self) -> dict[str, Any]:
-        args = [*self.args("float32"), "--rounds", str(self.p["rounds"]), "--per-round", str(self.p["per_round"])]
+        # plain-b is plain again: an A/A control showing what the method reads as a "difference"
+        # between identical loops on this machine (its noise floor).
+        args = [*self.args("float32"), "--rounds", str(self.p["rounds"]), "--per-round", str(self.p["per_round"]),
+                "--modes", "plain,scheduler,deterministic,plain-b"]
         self.n += 1
         job = LocalJob(WORLD, args, os.path.join(self.root, f"job{self.n}"), module="unicron.runtime.perf",
                        zygote=self.zygote)
@@ -123,6 +126,7 @@ class Bench:
             "iterations_per_mode": len(wall["plain"]) // WORLD,
             "plain_s": med["plain"], "scheduler_s": med["scheduler"], "deterministic_s": med["deterministic"],
             "overhead_pct": paired(wall, "scheduler", "plain"),
+            "aa_control_pct": paired(wall, "plain-b", "plain"),
             "deterministic_overhead_pct": paired(wall, "deterministic", "scheduler"),
             "overhead_cpu_pct": paired(cpu, "scheduler", "plain"),
             "deterministic_overhead_cpu_pct": paired(cpu, "deterministic", "scheduler"),
@@ -230,6 +234,7 @@ def main() -> int:
           f"(90 % bootstrap interval {lo:+.2f} .. {hi:+.2f} %), CPU {perf['overhead_cpu_pct']:+.2f} %; "
           f"ratio of medians {perf['overhead_of_medians_pct']:+.2f} %")
     own = perf["own_ms"]
+    print(f"  A/A control (the plain loop against itself, same method): {perf['aa_control_pct']:+.2f} %")
     print(f"  loop's own time per iteration (wall minus forward/backward, collective waits, optimizer; medians): "
           f"plain {own['plain']:.2f} ms, scheduler {own['scheduler']:.2f} ms, deterministic "
           f"{own['deterministic']:.2f} ms -> attributed overhead {perf['overhead_attributed_pct']:+.2f} %, "
@@ -246,6 +251,7 @@ def main() -> int:
         "overhead_pct": round(perf["overhead_pct"], 3),
         "overhead_cpu_pct": round(perf["overhead_cpu_pct"], 3),
         "overhead_attributed_pct": round(perf["overhead_attributed_pct"], 3),
+        "aa_control_pct": round(perf["aa_control_pct"], 3),
         "deterministic_overhead_pct": round(perf["deterministic_overhead_pct"], 3),
         "max_rel_diff_fp64": rec["max_rel_diff_fp64"],
         "bitwise_equal": rec["bitwise_equal"],

@@ -115,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--rounds", type=int, default=4, help="rounds of the three kinds (first is warm-up)")
     parser.add_argument("--per-round", type=int, default=3, help="iterations of each kind per round")
+    parser.add_argument("--no-heartbeat", action="store_true", help="diagnostic: keep the beater paused throughout")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="kinds to alternate (diagnostic: 'plain,plain-b' is an A/A test of the method)")
     args = parser.parse_args(argv)
     try:
         built = build(args)
@@ -132,21 +135,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer._forward_backward = sw.timed("compute", trainer._forward_backward)  # type: ignore[method-assign]
     opt = trainer.state.optimizer
     opt.step = sw.timed("optimizer", opt.step)  # type: ignore[method-assign]
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    cpu: dict[str, list[float]] = {m: [] for m in MODES}
-    shared: dict[str, list[float]] = {m: [] for m in MODES}
-    parts: dict[str, dict[str, list[float]]] = {m: {p: [] for p in SHARED} for m in MODES}
+    modes = tuple(args.modes.split(","))
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    shared: dict[str, list[float]] = {m: [] for m in modes}
+    parts: dict[str, dict[str, list[float]]] = {m: {p: [] for p in SHARED} for m in modes}
     plain_it = 0
     for r in range(args.rounds):
-        order = MODES[r % 3 :] + MODES[: r % 3]
+        k = r % len(modes)
+        order = modes[k:] + modes[:k]
         for mode in order:
-            heartbeat.paused = mode == "plain"
-            if mode != "plain":
+            plain = mode.startswith("plain")
+            heartbeat.paused = plain or args.no_heartbeat
+            if not plain:
                 trainer.set_deterministic(mode == "deterministic")
             for _ in range(args.per_round):
                 sw.t = dict.fromkeys(SHARED, 0.0)
                 t0, c0 = time.perf_counter(), time.process_time()
-                if mode == "plain":
+                if plain:
                     plain_step(trainer, plain_it, sw)
                     plain_it += 1
                 else:
