@@ -40,7 +40,6 @@ from unicron.client import AgentClient, InjectedFault
 from unicron.errors import ConfigError, PermanentError
 from unicron.patterns import match
 from unicron.runtime import membership
-from unicron.runtime import store as keys
 from unicron.runtime.checkpoint import has_checkpoint
 from unicron.runtime.comm import CommGroup, Store
 from unicron.runtime.data import TokenSource
@@ -730,6 +729,3 @@ class Trainer:
                 os.path.join(out_dir, f"rank{self.rank}.pt"),
             )
 
-
-def connect_store(host: str, port: int) -> Store:
-    return keys.connect(host, port)
