@@ -1,0 +1,59 @@
+"""torch.save checkpoints on real processes: one directory per model-parallel shard, written by one live
+data-parallel replica and restored by every rank of the shard, whatever the job's size on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.runtime.conftest import Runner, train_args, wait_for
+from unicron.runtime.checkpoint import TorchSaveCheckpointer
+from unicron.runtime.compare import max_rel_diff
+from unicron.runtime.launch import LocalJob
+
+
+def ckpt_args(directory: Path, every: int = 1) -> list[str]:
+    return ["--ckpt", "torch-save", "--ckpt-dir", str(directory), "--ckpt-every", str(every), "--resume"]
+
+
+def held(directory: Path) -> list[int]:
+    return TorchSaveCheckpointer(str(directory), rank=0).held()
+
+
+def test_restart_after_a_rank_rejoined_resumes_the_newest_snapshot(runner: Runner, tmp_path: Path) -> None:
+    """Rank 3 dies and is restarted; the moment it is admitted again, the whole job is SIGKILLed (a
+    node lost right after a sev2 restart). A new launch restores the newest snapshot: the rejoined rank
+    has no older files of its own that would pull the job back to an iteration since pruned."""
+    ck = tmp_path / "ck"
+    args = train_args(0, "float32", False, "--iter-sleep", "0.05", *ckpt_args(ck))
+
+    def kill_when_rejoined(job: LocalJob) -> None:
+        wait_for(lambda: any(3 in e.members and e.incarnations.get(3) == 2 for e in job.epochs()), 60,
+                 "rank 3 to rejoin")
+        job.stop()  # SIGKILL every rank
+
+    first = runner.run(4, args, faults={3: "die@2:mb1"}, restart={3: 0.1}, while_running=kill_when_rejoined)
+    assert first.codes[3] == -9, first.job.logs()
+    newest = held(ck)[-1]
+    assert newest >= 2, f"no snapshot written after rank 3's death: {held(ck)}"
+    second = runner.run(4, train_args(newest + 2, "float32", False, *ckpt_args(ck)))
+    assert all(c == 0 for c in second.codes.values()), second.job.logs()
+    assert [e["it"] for e in second.events(3, "restored")] == [newest]
+    assert second.result(3)["iterations"] == newest + 2
+    # Only the lowest-ranked replica wrote: every other rank skipped its checkpoints.
+    assert second.events(0, "checkpoint") and not second.events(3, "checkpoint")
+
+
+def test_resume_with_fewer_ranks_restores_the_newest_iteration(runner: Runner, tmp_path: Path) -> None:
+    """4 ranks save every iteration; the job is relaunched with 2 ranks and ``--resume``: both restore
+    the shard's newest snapshot and train on to the parameters of an uninterrupted run."""
+    ck = tmp_path / "ck"
+    first = runner.run(4, train_args(3, "float64", False, "--blocks", "4", *ckpt_args(ck)))
+    assert all(c == 0 for c in first.codes.values()), first.job.logs()
+    assert held(ck) == [2, 3]
+    second = runner.run(2, train_args(5, "float64", False, "--blocks", "4", *ckpt_args(ck)))
+    assert second.codes == {0: 0, 1: 0}, second.job.logs()
+    assert [e["it"] for e in second.events(0, "restored")] == [3]
+    assert [e["it"] for e in second.events(1, "restored")] == [3]
+    assert [e["dp"] for e in second.events(0, "iteration")] == [2, 2]
+    diff = max_rel_diff(second.params(1), runner.reference(train_args(5, "float64", False)))
+    assert diff <= 1e-12, f"max rel diff {diff:.3e} against the uninterrupted run"
