@@ -2,12 +2,14 @@
 
 * ``memory``: :class:`ckpt.manager.CheckpointManager`, the hierarchical in-memory checkpoint (its own
   issue); used by :class:`unicron.runtime.state.CheckpointSource` when no replica holds the state.
-* ``torch-save``: :class:`TorchSaveCheckpointer`, every snapshot persisted with ``torch.save`` (the
-  conventional restart-from-checkpoint path; the benchmark's baseline).
+* ``torch-save``: :class:`TorchSaveCheckpointer`, snapshots persisted with ``torch.save``, one
+  directory per model-parallel shard written by one data-parallel replica (the conventional
+  restart-from-checkpoint path; the benchmark's baseline).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -23,12 +25,31 @@ KINDS = ("none", "torch-save", "memory")
 
 
 class TorchSaveCheckpointer(Checkpointer):
-    """``<directory>/rank<R>/it<N>.pt`` written atomically (temp file + rename); keeps the last ``keep``."""
+    """``<directory>/tp<K>/it<N>.pt``: one directory per model-parallel shard, as Megatron lays out
+    ``mp_rank_<tp>_<pp>``, written atomically (unique temp file + rename); keeps the last ``keep``.
 
-    def __init__(self, directory: str, rank: int, keep: int = 2) -> None:
-        self.dir = os.path.join(directory, f"rank{rank}")
+    With TP=1 every data-parallel replica holds the same parameters and optimizer state, so one
+    replica per shard writes (:attr:`shared_by_replicas`; the scheduler picks the lowest-ranked live
+    member of the shard's data-parallel group) and every rank of the shard reads the same files. A
+    restart with a different data-parallel size, or a rank that rejoined and has not saved since, then
+    restores the shard's newest snapshot instead of a stale per-rank one.
+    """
+
+    #: one writer per model-parallel shard; every rank of the shard restores the same files
+    shared_by_replicas = True
+
+    def __init__(self, directory: str, rank: int, keep: int = 2, shard: int = 0) -> None:
+        if keep < 1:
+            raise ConfigError(f"TorchSaveCheckpointer keep must be >= 1, got {keep}")
+        self.root = directory
         self.rank = rank
         self.keep = keep
+        self.use_shard(shard)
+
+    def use_shard(self, shard: int) -> None:
+        """Read and write the directory of tensor-parallel rank ``shard``."""
+        self.shard = shard
+        self.dir = os.path.join(self.root, f"tp{shard}")
         os.makedirs(self.dir, exist_ok=True)
 
     def _path(self, iteration: int) -> str:
@@ -40,11 +61,13 @@ class TorchSaveCheckpointer(Checkpointer):
         return sorted(int(m.group(1)) for m in found if m)
 
     def save(self, state: Any, iteration: int) -> None:
-        tmp = self._path(iteration) + ".tmp"
+        # Unique per writer: after a regroup the previous writer may still be finishing a save.
+        tmp = f"{self._path(iteration)}.{self.rank}.{os.getpid()}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self._path(iteration))
         for old in self.held()[: -self.keep]:
-            os.remove(self._path(old))
+            with contextlib.suppress(FileNotFoundError):  # pruned by a concurrent writer
+                os.remove(self._path(old))
 
     def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
         t0 = time.perf_counter()
@@ -58,7 +81,7 @@ class TorchSaveCheckpointer(Checkpointer):
 
 
 def has_checkpoint(checkpointer: Checkpointer) -> bool:
-    """Whether ``checkpointer`` holds any snapshot of this rank (cheap: nothing is loaded)."""
+    """Whether ``checkpointer`` holds any snapshot this rank can restore (cheap: nothing is loaded)."""
     if isinstance(checkpointer, TorchSaveCheckpointer):
         return bool(checkpointer.held())
     available = getattr(checkpointer, "available", None)

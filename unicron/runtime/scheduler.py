@@ -40,7 +40,7 @@ from unicron.client import AgentClient, InjectedFault
 from unicron.errors import ConfigError, PermanentError
 from unicron.patterns import match
 from unicron.runtime import membership
-from unicron.runtime.checkpoint import has_checkpoint
+from unicron.runtime.checkpoint import TorchSaveCheckpointer, has_checkpoint
 from unicron.runtime.comm import CommGroup, Store
 from unicron.runtime.data import TokenSource
 from unicron.runtime.epoch import EpochRecord
@@ -184,6 +184,8 @@ class Trainer:
         self.data, self.client, self.faults = data, client, faults
         self.layout = BatchLayout(sched.micro_batches, sched.blocks or topo.replicas)
         self.checkpointer, self.ckpt_every, self.resume = checkpointer, ckpt_every, resume
+        if isinstance(checkpointer, TorchSaveCheckpointer):
+            checkpointer.use_shard(topo.tp_rank(rank))  # the files of this rank's model-parallel shard
         self.watcher = watcher
         self.sources: list[StateSource] = [ReplicaBroadcast()]
         if checkpointer is not None:
@@ -443,6 +445,8 @@ class Trainer:
     def _checkpoint(self) -> None:
         if self.checkpointer is None or not self.ckpt_every or self.it % self.ckpt_every:
             return
+        if getattr(self.checkpointer, "shared_by_replicas", False) and self.rank != min(self.groups.dp_ranks):
+            return  # one live replica per shard writes; the others hold the same state
         t0 = time.time()
         with self.client.phase(protocol.PHASE_CHECKPOINT):
             self.checkpointer.save(self.state.state_dict(), self.it)
