@@ -117,10 +117,15 @@ class Bench:
         t0 = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)
         next_it = self.wait_next_iteration(step) - t0
+        # The agent shows a restarted rank with its predecessor's last step until the new process
+        # reports one, and that may be past ``step`` (read from a status up to 0.1 s old): only a step
+        # beyond both counts as rejoined. A new process takes seconds to start, so this read is stale.
+        stale = max([int(r["step"]) for r in self.ranks() if r["rank"] == victim["rank"]
+                     and isinstance(r.get("step"), int)], default=step)
 
         def rejoined() -> bool:
             back = [r for r in self.ranks() if r["rank"] == victim["rank"] and r["pid"] != victim["pid"]]
-            return bool(back) and isinstance(back[0].get("step"), int) and back[0]["step"] > step
+            return bool(back) and isinstance(back[0].get("step"), int) and back[0]["step"] > max(step, stale)
 
         self.c.wait_for(rejoined, 300.0, "the restarted rank to rejoin", poll_s=0.05)
         return next_it, time.time() - t0, 0
