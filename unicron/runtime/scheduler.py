@@ -148,7 +148,7 @@ def is_comm_error(exc: BaseException) -> bool:
 
 def severity_of_kind(kind: ErrorKind) -> Severity:
     """Table 1 severity of an exception a rank raises (coordinator.classify owns the table)."""
-    from coordinator.classify import severity_of
+    from unicron.severity import severity_of
     from unicron.types import DetectionMethod
 
     sev = severity_of(DetectionMethod.EXCEPTION_PROPAGATION, kind)
