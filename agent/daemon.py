@@ -33,6 +33,7 @@ from agent.marker import FailureMarker
 from agent.ranks import RankServer
 from agent.settings import AgentSettings
 from agent.supervisor import RankExit, Supervisor, pdeathsig_preexec
+from ckpt.replica import ReplicaServer
 from unicron import log as ulog
 from unicron import patterns, protocol
 from unicron.errors import InvalidRecord, StoreUnavailable
@@ -139,6 +140,8 @@ class Agent:
         self.rank_server = RankServer(self.socket_path, self._on_rank_message)
         self._link: Any = None
         self.marker = FailureMarker(preexec=pdeathsig_preexec(signal.SIGKILL))
+        # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
+        self.replicas: ReplicaServer | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -150,6 +153,9 @@ class Agent:
         self.publisher = ReportPublisher(store, self.keys, self.stop_event)
         self.rank_server.start()
         self.marker.start()
+        if self.settings.replica_budget_mb > 0:
+            self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
+                                          self.settings.replica_budget_mb << 20).start()
         self.gpu_monitor.start()
         self.hang_watcher.start()
         self._register()
@@ -181,6 +187,8 @@ class Agent:
         self.backend.close()
         self.rank_server.stop()
         self.marker.stop()
+        if self.replicas is not None:
+            self.replicas.stop()
         if self.lease is not None:
             with contextlib.suppress(StoreUnavailable):
                 self.lease.revoke()
@@ -195,7 +203,8 @@ class Agent:
             try:
                 self.lease = self.store.lease(self.settings.lease_ttl_s, on_lost=self._on_lease_lost)
                 info = NodeInfo(node=self.node, host=os.uname().nodename, gpus=self.backend.device_count(),
-                                gpu_backend=self.backend.name, agent_pid=os.getpid(), started_ts=time.time())
+                                gpu_backend=self.backend.name, agent_pid=os.getpid(), started_ts=time.time(),
+                                replica_addr=self.replicas.address if self.replicas is not None else "")
                 self.store.put(self.keys.node(self.node), json.dumps(info.to_dict()), lease=self.lease)
                 log.info("registered", node=self.node, lease=f"{self.lease.lease_id:x}")
                 return

@@ -37,6 +37,8 @@ class AgentSettings:
     """The first iterations (compilation, allocator warm-up) are slow and do not set the baseline."""
     replica_budget_mb: int = setting(1024, "UNICRON_REPLICA_BUDGET_MB", "memory for peers' checkpoint replicas")
     """0 disables the replica server."""
+    replica_host: str = setting("127.0.0.1", "UNICRON_REPLICA_HOST", "address the checkpoint replica server listens on")
+    """Must be reachable from the other nodes (the cluster network) in a real deployment."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
     """Calls that exceed it count as etcd being unavailable and are retried."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")

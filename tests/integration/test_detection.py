@@ -185,3 +185,13 @@ def test_exception_handled_in_place_is_recorded_as_handled(cluster: LocalCluster
     cluster.assign_task("t3", argv, ["node2"], ranks_per_node=1, generation=_generation[0])
     inc = expect(cluster, t0, ErrorKind.CONNECTION_REFUSED_RESET, Severity.SEV3, DetectionMethod.EXCEPTION_PROPAGATION)
     assert inc.handled and inc.task == "t3"
+
+
+def test_agents_host_checkpoint_replica_servers(cluster: LocalCluster) -> None:
+    from ckpt.replica import ReplicaClient
+
+    assert cluster.store is not None
+    for node in ("node0", "node1"):
+        info = json.loads(cluster.store.get(cluster.keys.node(node)).value)  # type: ignore[union-attr]
+        assert info["replica_addr"], info
+        assert ReplicaClient(info["replica_addr"], timeout_s=5.0).list("no-such-job") == []
