@@ -9,6 +9,7 @@ state. Every write is fenced by the leadership token (see :mod:`coordinator.lead
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import os
@@ -95,6 +96,7 @@ class Coordinator:
         self.state = self.core.initial_state()
         self.executor = Executor(self.keys, self._spec, self._node_host)
         self._steps: dict[str, int] = {}
+        self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: Any = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -252,7 +254,19 @@ class Coordinator:
             return
         self._record(report, report_key=ev.key)
 
+    def _is_regroup_consequence(self, report: Report) -> bool:
+        """A hang reported shortly after a rank of the same task recovered in place: its peers sat in
+        a collective while the ranks regrouped."""
+        if report.kind is not ErrorKind.TASK_HANG or report.task is None:
+            return False
+        since = self._last_handled.get(report.task)
+        return since is not None and report.source_ts - since <= self.settings.regroup_grace_s
+
     def _record(self, report: Report, report_key: str | None) -> None:
+        if report.handled and report.task is not None:
+            self._last_handled[report.task] = max(report.source_ts, self._last_handled.get(report.task, 0.0))
+        elif self._is_regroup_consequence(report):
+            report = dataclasses.replace(report, handled=True, message=f"{report.message} (during an in-place regroup)")
         incident = classify(report, detected_ts=time.time(), incident_id=new_id())
         assert self.leadership is not None
         key = self.keys.incident(incident.incident_id)

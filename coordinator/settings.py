@@ -30,6 +30,8 @@ class CoordinatorSettings:
     """Figure 7: a failed reattempt escalates to a sev2 restart."""
     restart_deadline_s: float = setting(120.0, "UNICRON_RESTART_DEADLINE", "seconds a sev2 restart may take before it counts as failed")
     """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
+    regroup_grace_s: float = setting(10.0, "UNICRON_REGROUP_GRACE", "seconds after a rank's in-place recovery during which the task's hang reports are its consequence")
+    """Peers wait in a collective while the ranks regroup; their hang detectors may fire meanwhile."""
     gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")
     """One of plans.hardware's types (A100, A800, H100, H200); the cluster is assumed homogeneous."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")

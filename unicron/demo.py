@@ -72,7 +72,14 @@ def _actions_since(c: LocalCluster, since: float) -> list[str]:
     return out
 
 
+def _settle(c: LocalCluster, task: str, timeout_s: float) -> None:
+    """Wait until every rank of ``task`` runs and the task has moved on a few iterations."""
+    _, start = _progress(c, task)
+    c.wait_for(lambda: _progress(c, task)[1] >= start + 3, timeout_s, f"task {task} to settle", poll_s=0.2)
+
+
 def _fault(c: LocalCluster, title: str, inject: Any, pick: Any, task: str, timeout_s: float) -> None:
+    _settle(c, task, timeout_s)
     gen, step = _progress(c, task)
     _say(f"--- {title}")
     t_fault = inject()
