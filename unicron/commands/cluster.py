@@ -75,7 +75,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     if args.json:
         return emit(args, items, [])
     rows = [{
-        "detected": _when(i.get("detected_ts")), "severity": f"sev{i['severity']}" if i.get("severity") else "info",
+        "detected": _when(i.get("detected_ts")), "severity": (f"sev{i['severity']}" if i.get("severity") else "info") + (" handled" if i.get("handled") else ""),
         "kind": i.get("kind"), "node": i.get("node"), "task": i.get("task"), "rank": i.get("rank"),
         "gpu": i.get("gpu"),
         "latency_ms": round(1000 * (i["detected_ts"] - i["source_ts"]), 1)
