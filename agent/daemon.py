@@ -37,7 +37,7 @@ from ckpt.replica import ReplicaServer
 from unicron import log as ulog
 from unicron import patterns, protocol
 from unicron.errors import InvalidRecord, StoreUnavailable
-from unicron.etcd import Lease, PrefixWatch, Store, WatchEvent
+from unicron.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.keyspace import Keyspace
 from unicron.types import (
     AssignmentResult,
@@ -51,23 +51,6 @@ from unicron.types import (
 )
 
 log = ulog.get("unicron.agent")
-
-
-def connect_store(settings: AgentSettings, stop: threading.Event) -> Store | None:
-    """Connect to etcd, retrying with backoff; says clearly what is wrong while it is down."""
-    backoff = 0.2
-    while not stop.is_set():
-        store = Store(settings.etcd, timeout_s=settings.etcd_timeout_s)
-        try:
-            store.revision()
-            return store
-        except StoreUnavailable as exc:
-            store.close()
-            log.error("etcd unreachable; retrying", node=settings.node, endpoints=settings.etcd,
-                      error=str(exc), retry_in_s=backoff, hint="start etcd or fix --etcd / UNICRON_ETCD")
-            stop.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
-    return None
 
 
 class ReportPublisher:
@@ -146,7 +129,8 @@ class Agent:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def run(self) -> int:
-        store = connect_store(self.settings, self.stop_event)
+        store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
+                                   f"agent of node {self.node}")
         if store is None:
             return 0
         self.store = store

@@ -32,7 +32,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import TaskSpec
 from unicron import log as ulog
 from unicron.errors import InvalidRecord, NotLeader, StoreUnavailable
-from unicron.etcd import KeyValue, PrefixWatch, Store, WatchEvent
+from unicron.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.keyspace import Keyspace
 from unicron.types import DetectionMethod, ErrorKind, Incident, NodeInfo, Report, new_id
 
@@ -52,23 +52,6 @@ IncidentHook = Callable[[Incident], None]
 
 EXIT_DEPOSED = 75  # EX_TEMPFAIL
 KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JSON log
-
-
-def connect_store(endpoints: str, timeout_s: float, stop: threading.Event, what: str) -> Store | None:
-    """Connect to etcd, retrying with backoff and saying clearly what is wrong while it is down."""
-    backoff = 0.2
-    while not stop.is_set():
-        store = Store(endpoints, timeout_s=timeout_s)
-        try:
-            store.revision()
-            return store
-        except StoreUnavailable as exc:
-            store.close()
-            log.error("etcd unreachable; retrying", what=what, endpoints=endpoints, error=str(exc),
-                      retry_in_s=backoff, hint="start etcd or fix --etcd / UNICRON_ETCD")
-            stop.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
-    return None
 
 
 class Coordinator:
@@ -103,7 +86,8 @@ class Coordinator:
 
     def run(self) -> int:
         """Run until stopped. Returns the process exit code."""
-        self.store = connect_store(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event, "coordinator")
+        self.store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
+                                        "coordinator")
         if self.store is None:
             return 0
         self.link = LinkServer(

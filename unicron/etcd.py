@@ -313,3 +313,21 @@ class PrefixWatch:
                     self.on_event(event)
                 except Exception:
                     log.exception("watch %s: handler failed on %s", self.prefix, event.key)
+
+
+def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str) -> Store | None:
+    """Connect to etcd, retrying with backoff (a daemon started before etcd waits for it), and say
+    clearly what is wrong while it is down. None if ``stop`` is set first."""
+    backoff = 0.2
+    while not stop.is_set():
+        store = Store(endpoints, timeout_s=timeout_s)
+        try:
+            store.revision()
+            return store
+        except StoreUnavailable as exc:
+            store.close()
+            log.error("etcd unreachable; retrying (%s, endpoints %s): %s; retry in %.1fs; "
+                      "hint: start etcd or fix --etcd / UNICRON_ETCD", who, endpoints, exc, backoff)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+    return None
