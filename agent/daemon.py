@@ -33,6 +33,7 @@ from agent.marker import FailureMarker
 from agent.ranks import RankServer
 from agent.settings import AgentSettings
 from agent.supervisor import RankExit, Supervisor, pdeathsig_preexec
+from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron import log as ulog
 from unicron import patterns, protocol
@@ -442,7 +443,30 @@ class Agent:
         })
         if self.backend.name == "simulated":
             env.pop("CUDA_VISIBLE_DEVICES")
+        peers = self._replica_peers()
+        if peers:
+            env["UNICRON_CKPT_PEERS"] = ",".join(peers)
         return env
+
+    def _replica_peers(self) -> list[str]:
+        """Replica servers of the next node(s) on the GEMINI ring: losing this node never loses both
+        copies of a rank's in-memory snapshot."""
+        assert self.store is not None
+        try:
+            kvs, _ = self.store.get_prefix(self.keys.nodes())
+        except StoreUnavailable:
+            return []
+        addrs: dict[str, str] = {}
+        for kv in kvs:
+            try:
+                info = NodeInfo.from_dict(json.loads(kv.value))
+            except (InvalidRecord, ValueError):
+                continue
+            if info.replica_addr:
+                addrs[info.node] = info.replica_addr
+        if self.node not in addrs:
+            return []
+        return [addrs[n] for n in replica_targets(self.node, addrs)]
 
     def _start_task(self, a: TaskAssignment) -> None:
         supervisor = Supervisor(

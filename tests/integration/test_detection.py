@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +196,18 @@ def test_agents_host_checkpoint_replica_servers(cluster: LocalCluster) -> None:
         info = json.loads(cluster.store.get(cluster.keys.node(node)).value)  # type: ignore[union-attr]
         assert info["replica_addr"], info
         assert ReplicaClient(info["replica_addr"], timeout_s=5.0).list("no-such-job") == []
+
+
+def test_in_memory_snapshots_are_replicated_to_the_ring_peer(cluster: LocalCluster, tmp_path: Path) -> None:
+    from ckpt.replica import ReplicaClient
+
+    argv = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
+            "--ckpt", "memory", "--ckpt-dir", str(tmp_path), "--ckpt-every", "2"]
+    _generation[0] += 1
+    cluster.assign_task("ck", argv, ["node0"], ranks_per_node=2, generation=_generation[0], host_store=True)
+    assert cluster.store is not None
+    peer = json.loads(cluster.store.get(cluster.keys.node("node1")).value)["replica_addr"]  # type: ignore[union-attr]
+    client = ReplicaClient(peer, timeout_s=5.0)
+    held = cluster.wait_for(lambda: {s.rank for s in client.list("ck")} == {0, 1} and client.list("ck"), 120.0,
+                            "both ranks' snapshots on node1's replica server", poll_s=0.5)
+    assert all(s.iteration >= 2 for s in held)

@@ -22,6 +22,8 @@ from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, Tier, TierAttemp
 from unicron.errors import ConfigError
 
 KINDS = ("none", "torch-save", "memory")
+ENV_CKPT_PEERS = "UNICRON_CKPT_PEERS"
+"""Comma-separated host:port of the replica servers that hold this rank's in-memory snapshots."""
 
 
 class TorchSaveCheckpointer(Checkpointer):
@@ -102,6 +104,10 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int) -> Checkpo
         from ckpt.manager import CheckpointConfig, CheckpointManager
 
         name = re.sub(r"[^A-Za-z0-9._-]", "-", job or "local")[:128] or "local"
+        from ckpt.replica import ReplicaClient
+
         local = os.path.join(directory, f"rank-{rank}") if directory else ""
-        return CheckpointManager(CheckpointConfig(job=name, rank=rank, local_dir=local))
+        # Peer nodes' replica servers (GEMINI placement), given by the agent that launched us.
+        peers = [ReplicaClient(a) for a in os.environ.get(ENV_CKPT_PEERS, "").split(",") if a.strip()]
+        return CheckpointManager(CheckpointConfig(job=name, rank=rank, local_dir=local), peers=peers)
     raise ConfigError(f"--ckpt {kind!r}: choose one of {KINDS}")
