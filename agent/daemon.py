@@ -328,13 +328,10 @@ class Agent:
             with self._tasks_lock:
                 if task in self._tasks:
                     self._tasks[task].steps[rank] = msg.step
-            self.hang_watcher.rearm()
         elif isinstance(msg, protocol.IterEnd):
             mon.iter_end(msg.step, msg.duration_s, msg.ts)
-            self.hang_watcher.rearm()
         elif isinstance(msg, protocol.Phase):
             mon.phase(msg.name, msg.ts)
-            self.hang_watcher.rearm()
         elif isinstance(msg, protocol.RegroupDone):
             # A new membership changes each rank's share of micro-batches, so its iteration time.
             mon.reset()

@@ -48,8 +48,6 @@ class _Input:
     ts: float
 
 
-IncidentHook = Callable[[Incident], None]
-
 EXIT_DEPOSED = 75  # EX_TEMPFAIL
 KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JSON log
 
@@ -67,7 +65,6 @@ class Coordinator:
         self._watches: list[PrefixWatch] = []
         self._nodes: dict[str, NodeInfo] = {}
         self._lost_nodes: set[str] = set()
-        self.incident_hooks: list[IncidentHook] = []
         self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=KEEP_INCIDENTS)
         self._incident_keys: collections.deque[str] = collections.deque()
         self.deposed = False
@@ -268,8 +265,6 @@ class Coordinator:
             detection_latency_s=round(incident.detection_latency_s, 4), handled=incident.handled,
         )
         self.recent_incidents.append(incident)
-        for hook in self.incident_hooks:
-            hook(incident)
         if incident.handled:
             log.info("incident handled in place by the runtime; no action", incident=incident.incident_id)
             return
@@ -315,6 +310,10 @@ class Coordinator:
             changed |= self.executor.apply(action)
             log.warning("action", action=type(action).__name__, **{
                 k: v for k, v in d.to_dict(action).items() if k != "type" and isinstance(v, str | int | float)})
+        if not edges and not actions and isinstance(event, d.Tick | d.ProgressMade):
+            # Clock ticks and plain progress decided nothing; the clock and last step are re-observed
+            # by a successor, so they are not worth a write per event.
+            return
         puts = dict(self.executor.record(node) for node in sorted(changed))
         puts[self.keys.state()] = json.dumps(self.state.to_dict())
         assert self.leadership is not None

@@ -130,10 +130,6 @@ class Store:
         with _converted(f"delete {key}"):
             return bool(self._client.delete(key))
 
-    def delete_prefix(self, prefix: str) -> None:
-        with _converted(f"delete prefix {prefix}"):
-            self._client.delete_prefix(prefix)
-
     def put_if_absent(self, key: str, value: str | bytes, lease: Lease | None = None) -> bool:
         with _converted(f"create {key}"):
             return bool(self._client.put_if_not_exists(key, value, lease=lease.lease_id if lease else None))

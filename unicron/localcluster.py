@@ -187,10 +187,3 @@ class LocalCluster:
             na = NodeAssignment(node=node, revision=self._revision, tasks=[ta.to_dict()])
             self.store.put(self.keys.assignment(node), json.dumps(na.to_dict()))
         return port
-
-    def clear_assignments(self) -> None:
-        assert self.store is not None
-        for node in self.node_names():
-            self._revision += 1
-            na = NodeAssignment(node=node, revision=self._revision, tasks=[])
-            self.store.put(self.keys.assignment(node), json.dumps(na.to_dict()))
