@@ -46,7 +46,8 @@ def run_workload(cluster: LocalCluster, nodes: list[str], argv: list[str] | None
         # Only this generation's ranks count: the previous one's may linger in a status not yet rewritten.
         steps = [r.get("step") for s in st if s and s.get("generation") == _generation[0]
                  for r in s.get("ranks", []) if r.get("state") == "running"]
-        return len(steps) == 2 * len(nodes) and all(isinstance(x, int) and x >= 5 for x in steps)
+        # Past the hang detector's warm-up (3 iterations) and its minimum of 5 samples, with margin.
+        return len(steps) == 2 * len(nodes) and all(isinstance(x, int) and x >= 12 for x in steps)
 
     cluster.wait_for(stepping, 60.0, "the workload to pass its warm-up", poll_s=0.1)
 
