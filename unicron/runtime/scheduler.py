@@ -210,6 +210,7 @@ class Trainer:
         self.pending: tuple[str, bool] | None = None  # (reason, assume_same) of a due regroup
         self.mb_position = 0
         self.losses: list[float] = []
+        self._plans: dict[int, tuple[int, Plan]] = {}  # epoch -> (live replicas, failure-free plan)
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -361,11 +362,21 @@ class Trainer:
 
     # --- compute ---------------------------------------------------------------------------------
 
+    def _epoch_plan(self, rec: EpochRecord) -> tuple[int, Plan]:
+        """(live replicas, failure-free plan) of an epoch: computed once, not every iteration."""
+        cached = self._plans.get(rec.epoch)
+        if cached is None:
+            replicas = self.topo.replicas_in(rec.members)
+            cached = self._plans[rec.epoch] = (len(replicas), initial_plan(self.layout, replicas))
+            for old in [e for e in self._plans if e < rec.epoch]:
+                del self._plans[old]
+        return cached
+
     def _new_iteration(self, rec: EpochRecord) -> None:
         self.acc.reset()
         self.prog.reset()
         self.base_epoch = rec.epoch
-        self.plan = initial_plan(self.layout, self.topo.replicas_in(rec.members))
+        self.plan = self._epoch_plan(rec)[1]
         self.todo = list(self.plan.get(self.replica, []))
         self.keep_mask = set()
         self.mb_position = 0
@@ -436,11 +447,13 @@ class Trainer:
         """(joiners waiting, stop requested), agreed by all. With TP > 1 this is also the commit
         point: every rank of the replica has all buckets before any of them steps (a partner may
         still need our old parameters to recompute a micro-batch)."""
-        flags = self.prog.tail()[TAIL_JOIN : TAIL_STOP + 1].to(torch.float64, copy=True)  # never reduce a part
+        join, stop = self._tail_flags()
         if self.topo.tp > 1:
+            flags = torch.tensor([float(join), float(stop)], dtype=torch.float64)  # never reduce a part
             self._collective("commit", lambda: self.groups.tp.allreduce([flags]).wait())
+            join, stop = bool(flags[0] > 0), bool(flags[1] > 0)
         self.faults.at(self.it, "commit")
-        return bool(flags[0] > 0), bool(flags[1] > 0)
+        return join, stop
 
     def _checkpoint(self) -> None:
         if self.checkpointer is None or not self.ckpt_every or self.it % self.ckpt_every:
@@ -453,8 +466,8 @@ class Trainer:
         self._event("checkpoint", it=self.it, seconds=time.time() - t0)
 
     def _tail_flags(self) -> tuple[bool, bool]:
-        tail = self.prog.tail()
-        return bool(tail[TAIL_JOIN] > 0), bool(tail[TAIL_STOP] > 0)
+        tail = self.prog.tail().tolist()
+        return tail[TAIL_JOIN] > 0, tail[TAIL_STOP] > 0
 
     def _commit(self, join: bool, stop: bool) -> None:
         """Step the optimizer with sum/B and move to the next iteration."""
@@ -464,7 +477,7 @@ class Trainer:
         loss = float(self.prog.tail()[TAIL_LOSS]) / b
         self.losses.append(loss)
         self._event("iteration", it=self.it, loss=loss, epoch=self.groups.record.epoch,
-                    dp=len(self.topo.replicas_in(self.groups.record.members)))
+                    dp=self._epoch_plan(self.groups.record)[0])
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
         self._checkpoint()
