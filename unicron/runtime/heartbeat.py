@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 STOP_KEY = "stop"
 """Store key that asks every rank to stop at the next iteration boundary (the launcher's Stop)."""
+WATCH_PERIOD_S = 1.0
+"""How often the beater looks at the stop key and join requests."""
 
 
 class Heartbeat:
@@ -118,14 +120,16 @@ class Heartbeat:
         key = keys.hb_key(self._rank)
         mem = self._mem
         failures = 0
+        # The stop key and join requests are looked at about once a second, not every beat: they are
+        # acted on at an iteration boundary anyway, and each look is a store round trip.
+        watch_every, tick = max(1, round(WATCH_PERIOD_S / self._interval)), 0
         while not mem[self._QUIT] and os.getppid() == parent:
             try:
                 if not mem[self._PAUSED] and _running(parent):
                     conn.add(key, 1)
-                    if conn.check([STOP_KEY]):
-                        mem[self._STOP_SEEN] = 1
-                    outside = [r for r in range(self._world) if mem[self._HEADER + r]]
-                    mem[self._JOIN_SEEN] = int(any(conn.check([keys.join_key(r)]) for r in outside))
+                    if tick % watch_every == 0:
+                        self._watch(conn)
+                    tick += 1
                 failures = 0
             except Exception as exc:
                 failures += 1
@@ -134,6 +138,13 @@ class Heartbeat:
                 if failures * self._interval > 30:
                     return  # the store is gone for good: stop beating, the rank will notice too
             time.sleep(self._interval)
+
+    def _watch(self, conn: Store) -> None:
+        mem = self._mem
+        if conn.check([STOP_KEY]):
+            mem[self._STOP_SEEN] = 1
+        outside = [r for r in range(self._world) if mem[self._HEADER + r]]
+        mem[self._JOIN_SEEN] = int(any(conn.check([keys.join_key(r)]) for r in outside))
 
 
 def _die_with_parent() -> None:

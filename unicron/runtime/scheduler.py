@@ -28,6 +28,7 @@ import logging
 import os
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ from unicron.runtime.comm import CommGroup, Store
 from unicron.runtime.data import TokenSource
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.faults import FaultScript
+from unicron.runtime.gcpolicy import GcPolicy
 from unicron.runtime.grads import (
     TAIL,
     TAIL_JOIN,
@@ -99,6 +101,12 @@ class ScheduleConfig:
     iter_sleep: float = 0.0
     #: how long a restarted rank waits to be admitted
     join_timeout_s: float = 600.0
+    #: collect garbage only at every Nth iteration boundary, on all ranks alike (0: automatic)
+    manual_gc_interval: int = 0
+
+
+EVENT_LOG_LIMIT = 10_000
+"""Newest events and losses a rank keeps for ``--out-dir`` (a long run must not grow without bound)."""
 
 
 @dataclass
@@ -192,7 +200,7 @@ class Trainer:
             self.sources.append(CheckpointSource(checkpointer))
         self._agent_dead: set[int] = set()
         self.membership = Membership(store, rank, topo, incarnation, comm, knowledge=self._agent_knowledge)
-        self.events: list[Event] = []
+        self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
         self.stop_requested = False  # asked (agent Stop or the store's stop key); acted on once agreed
         self.stopping = False  # agreed by every member at the last commit
         # Filled by _setup once the first groups exist.
@@ -209,7 +217,8 @@ class Trainer:
         self.fresh = True  # no valid replica state yet (joiner)
         self.pending: tuple[str, bool] | None = None  # (reason, assume_same) of a due regroup
         self.mb_position = 0
-        self.losses: list[float] = []
+        self.losses: deque[float] = deque(maxlen=EVENT_LOG_LIMIT)
+        self.gc = GcPolicy(sched.manual_gc_interval)
         self._plans: dict[int, tuple[int, Plan]] = {}  # epoch -> (live replicas, failure-free plan)
 
     # --- setup -----------------------------------------------------------------------------------
@@ -223,6 +232,7 @@ class Trainer:
         self.set_deterministic(self.sched.deterministic)
         total = self.flat.numel + TAIL
         self.prog = ReduceProgress(bucket_bounds(total, self.sched.bucket_elems), self.flat.buf.dtype)
+        self.gc.after_setup()
 
     def set_deterministic(self, on: bool) -> None:
         """Choose the accumulation (and so the reduction) mode; only at an iteration boundary."""
@@ -258,6 +268,8 @@ class Trainer:
         except JobFinished:
             self._event("finished", note="the job completed while this rank waited to join")
             return 0
+        finally:
+            self.gc.close()
         self.store.set(FINISHED_KEY, str(self.it))
         wait = getattr(self.checkpointer, "wait", None)
         if callable(wait):
@@ -481,6 +493,7 @@ class Trainer:
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
         self._checkpoint()
+        self.gc.at_boundary(self.it)
         self._drain_instructions()
         if stop:
             self.stopping = True
@@ -737,7 +750,7 @@ class Trainer:
         with open(os.path.join(out_dir, f"rank{self.rank}.json"), "w") as fh:
             json.dump(
                 {"rank": self.rank, "incarnation": self.incarnation, "iterations": self.it,
-                 "losses": self.losses, "events": [e.__dict__ for e in self.events]},
+                 "losses": list(self.losses), "events": [e.__dict__ for e in self.events]},
                 fh,
             )
         if not self.fresh and hasattr(self, "state"):

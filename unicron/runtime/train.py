@@ -61,6 +61,8 @@ def configs(args: argparse.Namespace, world: int) -> tuple[ModelConfig, OptimCon
         )
     if args.iterations < 0:
         raise ConfigError(f"--iterations must be >= 0, got {args.iterations}")
+    if args.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if args.regroup_timeout <= args.collective_timeout:
@@ -69,7 +71,7 @@ def configs(args: argparse.Namespace, world: int) -> tuple[ModelConfig, OptimCon
         micro_batches=args.global_batch_size // args.micro_batch_size, blocks=args.blocks,
         micro_batch_size=args.micro_batch_size, iterations=args.iterations, deterministic=args.deterministic,
         bucket_elems=args.bucket_elems, recovery=args.recovery, seed=args.seed, iter_sleep=args.iter_sleep,
-        join_timeout_s=args.join_timeout,
+        join_timeout_s=args.join_timeout, manual_gc_interval=args.manual_gc_interval,
     )
     comm = CommSettings(
         collective_timeout_s=args.collective_timeout, regroup_timeout_s=args.regroup_timeout,

@@ -1,0 +1,59 @@
+"""``unicron train`` flags: every one has an environment fallback named in its help."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import pytest
+
+from unicron.runtime.cli import add_arguments, env_name
+from unicron.runtime.gcpolicy import GcPolicy
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p
+
+
+def test_every_flag_names_its_environment_variable() -> None:
+    p = _parser()
+    flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) > 20
+    for action in flags:
+        assert env_name(action.option_strings[0]) in (action.help or ""), action.option_strings
+
+
+def test_environment_sets_the_default_and_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNICRON_TRAIN_LAYERS", "6")
+    monkeypatch.setenv("UNICRON_TRAIN_DETERMINISTIC", "true")
+    monkeypatch.setenv("UNICRON_TRAIN_MANUAL_GC_INTERVAL", "50")
+    args = _parser().parse_args([])
+    assert (args.layers, args.deterministic, args.manual_gc_interval) == (6, True, 50)
+    assert _parser().parse_args(["--layers", "3"]).layers == 3
+
+
+def test_a_bad_environment_value_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("UNICRON_TRAIN_HIDDEN", "wide")
+    with pytest.raises(SystemExit):
+        _parser().parse_args([])
+    err = capsys.readouterr().err
+    assert "--hidden" in err and "UNICRON_TRAIN_HIDDEN" in err and "'wide'" in err
+
+
+def test_manual_gc_collects_only_at_the_boundaries() -> None:
+    policy = GcPolicy(interval=3)
+    try:
+        policy.after_setup()
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        before = gc.get_stats()[2]["collections"]
+        for it in range(1, 7):
+            policy.at_boundary(it)
+        assert gc.get_stats()[2]["collections"] - before == 2  # iterations 3 and 6
+    finally:
+        policy.close()
+        gc.unfreeze()
+    assert gc.isenabled()
