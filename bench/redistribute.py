@@ -41,9 +41,11 @@ from unicron.runtime.launch import LocalJob, Zygote, base_env
 PROFILES: dict[str, dict[str, Any]] = {
     # B = 16 micro-batches of 4 sequences: k = 4 per rank at DP = 4.
     "quick": {"model": ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"],
-              "iterations": 4, "fail_it": 2, "fail_pos": 2, "rounds": 13, "per_round": 1, "reps": 1},
+              "iterations": 4, "fail_it": 2, "fail_pos": 2, "rounds": 9, "det_rounds": 5, "per_round": 1,
+              "reps": 1},
     "full": {"model": ["--layers", "4", "--hidden", "96", "--heads", "4", "--seq", "64", "--vocab", "256"],
-             "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 101, "per_round": 1, "reps": 5},
+             "iterations": 6, "fail_it": 3, "fail_pos": 2, "rounds": 601, "det_rounds": 101, "per_round": 1,
+             "reps": 5},
 }
 BATCH = ["--global-batch-size", "64", "--micro-batch-size", "4"]
 COMM = ["--collective-timeout", "30", "--regroup-timeout", "60", "--heartbeat-window", "5"]
@@ -88,21 +90,21 @@ class Bench:
 
     # --- measurements ----------------------------------------------------------------------------
 
-    def perf(self) -> dict[str, Any]:
-        # plain-b is plain again: an A/A control showing what the method reads as a "difference"
-        # between identical loops on this machine (its noise floor).
-        args = [*self.args("float32"), "--rounds", str(self.p["rounds"]), "--per-round", str(self.p["per_round"]),
-                "--modes", "plain,scheduler,deterministic,plain-b"]
+    def _perf_job(self, modes: str, rounds: int) -> tuple[dict[str, list[float]], ...]:
+        """Run the perf worker alternating ``modes``; per kind, every rank's iterations: wall seconds,
+        CPU seconds, and the loop's own seconds (wall minus forward/backward, collective waits, optimizer)."""
+        args = [*self.args("float32"), "--rounds", str(rounds), "--per-round", str(self.p["per_round"]),
+                "--modes", modes]
         self.n += 1
         job = LocalJob(WORLD, args, os.path.join(self.root, f"job{self.n}"), module="unicron.runtime.perf",
                        zygote=self.zygote)
         with job:
-            codes = job.wait(600)
+            codes = job.wait(1800)
         if any(c != 0 for c in codes.values()):
             raise SystemExit(f"perf job failed {codes}\n{job.logs()}")
         wall: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
-        own: dict[str, list[float]] = {}  # wall minus forward/backward, collective waits, optimizer
+        own: dict[str, list[float]] = {}
         for r in range(WORLD):
             with open(os.path.join(job.out_dir, "inc1", f"perf_rank{r}.json")) as fh:
                 data = json.load(fh)
@@ -110,26 +112,39 @@ class Bench:
                 wall.setdefault(m, []).extend(data["times"][m])
                 cpu.setdefault(m, []).extend(data["cpu"][m])
                 own.setdefault(m, []).extend(w - s for w, s in zip(data["times"][m], data["shared"][m], strict=True))
+        return wall, cpu, own
+
+    def perf(self) -> dict[str, Any]:
+        # Two jobs: the scheduler against the plain loop, with plain-b (the plain loop again) as an
+        # A/A control of what the method reads between identical loops (its noise floor); then
+        # deterministic mode against the default, whose larger cost needs fewer rounds.
+        wall, cpu, own = self._perf_job("plain,scheduler,plain-b", self.p["rounds"])
+        dwall, dcpu, down = self._perf_job("scheduler,deterministic", self.p["det_rounds"])
 
         def paired(t: dict[str, list[float]], a: str, b: str) -> float:
-            # iterations of the three kinds alternate; pair each with its neighbour of the other kind
+            # the kinds alternate within a round: pair each iteration with the other kind's in that round
             return 100 * (statistics.median(x / y for x, y in zip(t[a], t[b], strict=True)) - 1)
 
         med = {m: statistics.median(v) for m, v in wall.items()}
         own_med = {m: statistics.median(v) for m, v in own.items()}
+        down_med = {m: statistics.median(v) for m, v in down.items()}
         ratios = [x / y for x, y in zip(wall["scheduler"], wall["plain"], strict=True)]
+        aa = [x / y for x, y in zip(wall["plain-b"], wall["plain"], strict=True)]
         return {
-            "own_ms": {m: 1000 * v for m, v in own_med.items()},
+            "own_ms": {**{m: 1000 * v for m, v in own_med.items()}, "deterministic": 1000 * down_med["deterministic"]},
             "overhead_attributed_pct": 100 * (own_med["scheduler"] - own_med["plain"]) / med["plain"],
-            "deterministic_attributed_pct": 100 * (own_med["deterministic"] - own_med["scheduler"]) / med["plain"],
+            "deterministic_attributed_pct": 100 * (down_med["deterministic"] - down_med["scheduler"]) / med["plain"],
             "overhead_ci90_pct": [100 * (q - 1) for q in _bootstrap_median_ci(ratios)],
+            "aa_ci90_pct": [100 * (q - 1) for q in _bootstrap_median_ci(aa)],
             "iterations_per_mode": len(wall["plain"]) // WORLD,
-            "plain_s": med["plain"], "scheduler_s": med["scheduler"], "deterministic_s": med["deterministic"],
+            "det_iterations_per_mode": len(dwall["scheduler"]) // WORLD,
+            "plain_s": med["plain"], "scheduler_s": med["scheduler"],
+            "deterministic_s": statistics.median(dwall["deterministic"]),
             "overhead_pct": paired(wall, "scheduler", "plain"),
             "aa_control_pct": paired(wall, "plain-b", "plain"),
-            "deterministic_overhead_pct": paired(wall, "deterministic", "scheduler"),
+            "deterministic_overhead_pct": paired(dwall, "deterministic", "scheduler"),
             "overhead_cpu_pct": paired(cpu, "scheduler", "plain"),
-            "deterministic_overhead_cpu_pct": paired(cpu, "deterministic", "scheduler"),
+            "deterministic_overhead_cpu_pct": paired(dcpu, "deterministic", "scheduler"),
             "overhead_of_medians_pct": 100 * (med["scheduler"] / med["plain"] - 1),
         }
 
@@ -187,8 +202,14 @@ class Bench:
 
 
 def _bootstrap_median_ci(values: list[float], n: int = 2000) -> tuple[float, float]:
+    """90 % interval of the median of ``values`` (every rank's ratios, rank by rank), resampling
+    whole rounds: the ranks of one iteration wait for each other, so their ratios are not independent."""
+    per_round = len(values) // WORLD
+    rounds = [values[i::per_round] for i in range(per_round)]  # the WORLD ranks' ratios of one round
     rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    meds = sorted(
+        statistics.median(v for rnd in rng.choices(rounds, k=per_round) for v in rnd) for _ in range(n)
+    )
     return meds[n // 20], meds[n - n // 20 - 1]
 
 
@@ -226,15 +247,17 @@ def main() -> int:
     print(f"exactness: float64 max rel diff {rec['max_rel_diff_fp64']:.3e} (worst single tensor "
           f"{rec['max_rel_diff_fp64_worst_tensor'][0]}: {rec['max_rel_diff_fp64_worst_tensor'][1]:.3e}); "
           f"rerun {rec['rerun_max_rel_diff_fp64']:.3e}; deterministic float32 bitwise equal: {rec['bitwise_equal']}")
-    print(f"per iteration, float32, no failure ({perf['iterations_per_mode']} iterations each, medians): "
-          f"plain {perf['plain_s'] * 1000:.1f} ms, scheduler {perf['scheduler_s'] * 1000:.1f} ms, "
-          f"deterministic {perf['deterministic_s'] * 1000:.1f} ms")
+    print(f"per iteration, float32, no failure ({perf['iterations_per_mode']} iterations of each kind, "
+          f"{perf['det_iterations_per_mode']} for deterministic mode; medians): plain {perf['plain_s'] * 1000:.1f} ms, "
+          f"scheduler {perf['scheduler_s'] * 1000:.1f} ms, deterministic {perf['deterministic_s'] * 1000:.1f} ms")
     lo, hi = perf["overhead_ci90_pct"]
     print(f"  scheduler overhead (median of paired ratios, all ranks): wall {perf['overhead_pct']:+.2f} % "
           f"(90 % bootstrap interval {lo:+.2f} .. {hi:+.2f} %), CPU {perf['overhead_cpu_pct']:+.2f} %; "
           f"ratio of medians {perf['overhead_of_medians_pct']:+.2f} %")
     own = perf["own_ms"]
-    print(f"  A/A control (the plain loop against itself, same method): {perf['aa_control_pct']:+.2f} %")
+    alo, ahi = perf["aa_ci90_pct"]
+    print(f"  A/A control (the plain loop against itself, same method): {perf['aa_control_pct']:+.2f} % "
+          f"(90 % bootstrap interval {alo:+.2f} .. {ahi:+.2f} %)")
     print(f"  loop's own time per iteration (wall minus forward/backward, collective waits, optimizer; medians): "
           f"plain {own['plain']:.2f} ms, scheduler {own['scheduler']:.2f} ms, deterministic "
           f"{own['deterministic']:.2f} ms -> attributed overhead {perf['overhead_attributed_pct']:+.2f} %, "
@@ -249,6 +272,7 @@ def main() -> int:
         "speedup_vs_restart": round(restart["restart_from_ckpt_s"] / rec["redistribute_s"], 2),
         "speedup_vs_rerun": round(rec["rerun_iteration_s"] / rec["redistribute_s"], 2),
         "overhead_pct": round(perf["overhead_pct"], 3),
+        "overhead_ci90_pct": [round(x, 3) for x in perf["overhead_ci90_pct"]],
         "overhead_cpu_pct": round(perf["overhead_cpu_pct"], 3),
         "overhead_attributed_pct": round(perf["overhead_attributed_pct"], 3),
         "aa_control_pct": round(perf["aa_control_pct"], 3),
