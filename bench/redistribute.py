@@ -92,7 +92,7 @@ class Bench:
 
     def _perf_job(self, modes: str, rounds: int) -> tuple[dict[str, list[float]], ...]:
         """Run the perf worker alternating ``modes``; per kind, every rank's iterations: wall seconds,
-        CPU seconds, and the loop's own seconds (wall minus forward/backward, collective waits, optimizer)."""
+        process CPU seconds, training-thread CPU seconds, and the loop's own seconds (wall minus forward/backward, collective waits, optimizer)."""
         args = [*self.args("float32"), "--rounds", str(rounds), "--per-round", str(self.p["per_round"]),
                 "--modes", modes]
         self.n += 1
@@ -104,6 +104,7 @@ class Bench:
             raise SystemExit(f"perf job failed {codes}\n{job.logs()}")
         wall: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
+        tcpu: dict[str, list[float]] = {}
         own: dict[str, list[float]] = {}
         for r in range(WORLD):
             with open(os.path.join(job.out_dir, "inc1", f"perf_rank{r}.json")) as fh:
@@ -111,15 +112,16 @@ class Bench:
             for m in data["times"]:
                 wall.setdefault(m, []).extend(data["times"][m])
                 cpu.setdefault(m, []).extend(data["cpu"][m])
+                tcpu.setdefault(m, []).extend(data["thread_cpu"][m])
                 own.setdefault(m, []).extend(w - s for w, s in zip(data["times"][m], data["shared"][m], strict=True))
-        return wall, cpu, own
+        return wall, cpu, tcpu, own
 
     def perf(self) -> dict[str, Any]:
         # Two jobs: the scheduler against the plain loop, with plain-b (the plain loop again) as an
         # A/A control of what the method reads between identical loops (its noise floor); then
         # deterministic mode against the default, whose larger cost needs fewer rounds.
-        wall, cpu, own = self._perf_job("plain,scheduler,plain-b", self.p["rounds"])
-        dwall, dcpu, down = self._perf_job("scheduler,deterministic", self.p["det_rounds"])
+        wall, cpu, tcpu, own = self._perf_job("plain,scheduler,plain-b", self.p["rounds"])
+        dwall, dcpu, _, down = self._perf_job("scheduler,deterministic", self.p["det_rounds"])
 
         def paired(t: dict[str, list[float]], a: str, b: str) -> float:
             # the kinds alternate within a round: pair each iteration with the other kind's in that round
@@ -144,6 +146,9 @@ class Bench:
             "aa_control_pct": paired(wall, "plain-b", "plain"),
             "deterministic_overhead_pct": paired(dwall, "deterministic", "scheduler"),
             "overhead_cpu_pct": paired(cpu, "scheduler", "plain"),
+            "overhead_thread_cpu_pct": paired(tcpu, "scheduler", "plain"),
+            "aa_thread_cpu_pct": paired(tcpu, "plain-b", "plain"),
+            "thread_cpu_ms": {m: 1000 * statistics.median(v) for m, v in tcpu.items()},
             "deterministic_overhead_cpu_pct": paired(dcpu, "deterministic", "scheduler"),
             "overhead_of_medians_pct": 100 * (med["scheduler"] / med["plain"] - 1),
         }
@@ -255,6 +260,9 @@ def main() -> int:
           f"(90 % bootstrap interval {lo:+.2f} .. {hi:+.2f} %), CPU {perf['overhead_cpu_pct']:+.2f} %; "
           f"ratio of medians {perf['overhead_of_medians_pct']:+.2f} %")
     own = perf["own_ms"]
+    tc = perf["thread_cpu_ms"]
+    print(f"  training thread's CPU per iteration (medians): plain {tc['plain']:.2f} ms, scheduler "
+          f"{tc['scheduler']:.2f} ms: {perf['overhead_thread_cpu_pct']:+.2f} % (A/A {perf['aa_thread_cpu_pct']:+.2f} %)")
     alo, ahi = perf["aa_ci90_pct"]
     print(f"  A/A control (the plain loop against itself, same method): {perf['aa_control_pct']:+.2f} % "
           f"(90 % bootstrap interval {alo:+.2f} .. {ahi:+.2f} %)")
@@ -274,6 +282,7 @@ def main() -> int:
         "overhead_pct": round(perf["overhead_pct"], 3),
         "overhead_ci90_pct": [round(x, 3) for x in perf["overhead_ci90_pct"]],
         "overhead_cpu_pct": round(perf["overhead_cpu_pct"], 3),
+        "overhead_thread_cpu_pct": round(perf["overhead_thread_cpu_pct"], 3),
         "overhead_attributed_pct": round(perf["overhead_attributed_pct"], 3),
         "aa_control_pct": round(perf["aa_control_pct"], 3),
         "deterministic_overhead_pct": round(perf["deterministic_overhead_pct"], 3),

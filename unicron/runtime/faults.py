@@ -69,6 +69,11 @@ class FaultScript:
     def from_env(cls, rank: int, incarnation: int, store: Store | None) -> FaultScript:
         return cls(parse(os.environ.get(ENV, "")), rank, incarnation, store)
 
+    @property
+    def armed(self) -> bool:
+        """Whether any scripted fault is left (lets the hot loop skip formatting point names)."""
+        return bool(self.faults)
+
     def at(self, iteration: int, point: str) -> None:
         for f in self.faults:
             if f.iteration == iteration and f.point == point:

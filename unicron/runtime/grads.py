@@ -188,8 +188,8 @@ class Contributions(Accumulator):
 
 # ----------------------------------------------------------------------------------------- reduction
 
-BucketHook = Callable[[int], None]
-"""Called with a bucket index before that bucket is reduced (fault injection, progress)."""
+BucketHook = Callable[[int], None] | None
+"""Called with a bucket index before that bucket is reduced (fault injection); None when unused."""
 
 
 @dataclass
@@ -261,7 +261,8 @@ class ReduceProgress:
 def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hook: BucketHook) -> None:
     """All-reduce the remaining buckets of a copy of ``vector`` over ``group``."""
     for b in range(prog.done, len(prog.bounds)):
-        hook(b)
+        if hook is not None:
+            hook(b)
         s, e = prog.bounds[b]
         send = prog.scratch(b)
         send.copy_(vector[s:e])  # a copy: a failed all-reduce can leave its buffer half-reduced
@@ -294,7 +295,8 @@ def reduce_gather(
     blocks = canonical_order(prog.table, layout)
     slots = max(len(t) for t in prog.table)
     for b in range(prog.done, len(prog.bounds)):
-        hook(b)
+        if hook is not None:
+            hook(b)
         s, e = prog.bounds[b]
         local = torch.zeros((slots, e - s), dtype=prog.dtype)
         for i, c in enumerate(acc.items):

@@ -105,6 +105,9 @@ class ScheduleConfig:
     manual_gc_interval: int = 0
 
 
+VIEW_CHECK_EVERY = 100
+"""Iterations between checks that autograd still accumulates into the flat buffer (also checked on the
+first iteration): a replaced ``.grad`` would happen at the first backward, if ever."""
 EVENT_LOG_LIMIT = 10_000
 """Newest events and losses a rank keeps for ``--out-dir`` (a long run must not grow without bound)."""
 
@@ -217,6 +220,7 @@ class Trainer:
         self.fresh = True  # no valid replica state yet (joiner)
         self.pending: tuple[str, bool] | None = None  # (reason, assume_same) of a due regroup
         self.mb_position = 0
+        self.views_checked_at: int | None = None  # iteration of the last check that .grad views the flat buffer
         self.losses: deque[float] = deque(maxlen=EVENT_LOG_LIMIT)
         self.gc = GcPolicy(sched.manual_gc_interval)
         self._plans: dict[int, tuple[int, Plan]] = {}  # epoch -> (live replicas, failure-free plan)
@@ -232,6 +236,7 @@ class Trainer:
         self.set_deterministic(self.sched.deterministic)
         total = self.flat.numel + TAIL
         self.prog = ReduceProgress(bucket_bounds(total, self.sched.bucket_elems), self.flat.buf.dtype)
+        self.views_checked_at = None
         self.gc.after_setup()
 
     def set_deterministic(self, on: bool) -> None:
@@ -404,7 +409,8 @@ class Trainer:
     def _compute(self) -> None:
         while self.todo:
             mb = self.todo[0]
-            self.faults.at(self.it, f"mb{self.mb_position}")
+            if self.faults.armed:
+                self.faults.at(self.it, f"mb{self.mb_position}")
             keep = mb not in self.keep_mask
             self.acc.begin_mb()
             try:
@@ -418,7 +424,9 @@ class Trainer:
             self.mb_position += 1
             if self.client.enabled:
                 self.client.microbatch_done(self.it, mb)
-        self.flat.check_views()
+        if self.views_checked_at is None or self.it - self.views_checked_at >= VIEW_CHECK_EVERY:
+            self.flat.check_views()
+            self.views_checked_at = self.it
 
     # --- reduce and commit -----------------------------------------------------------------------
 
@@ -433,8 +441,7 @@ class Trainer:
         return 1.0 if self.membership.has_joiners(members) else 0.0
 
     def _stop_flag(self) -> float:
-        if not self.stop_requested:
-            self._read_instructions()
+        # the agent's Stop was read at the last boundary (_drain_instructions)
         seen = self.watcher.stop_seen if self.watcher is not None else self.store.check([STOP_KEY])
         return 1.0 if self.stop_requested or seen else 0.0
 
@@ -442,7 +449,7 @@ class Trainer:
         if self.prog.complete:
             return
         join, stop = self._join_flag(), self._stop_flag()
-        hook = lambda b: self.faults.at(self.it, f"bucket{b}")  # noqa: E731
+        hook = (lambda b: self.faults.at(self.it, f"bucket{b}")) if self.faults.armed else None
         n = self.flat.numel
         if isinstance(self.acc, Contributions):
             acc = self.acc
@@ -464,7 +471,8 @@ class Trainer:
             flags = torch.tensor([float(join), float(stop)], dtype=torch.float64)  # never reduce a part
             self._collective("commit", lambda: self.groups.tp.allreduce([flags]).wait())
             join, stop = bool(flags[0] > 0), bool(flags[1] > 0)
-        self.faults.at(self.it, "commit")
+        if self.faults.armed:
+            self.faults.at(self.it, "commit")
         return join, stop
 
     def _checkpoint(self) -> None:
