@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _opt(s, "--collective-timeout", type=float, default=30.0, help="collective timeout, seconds")
     _opt(s, "--regroup-timeout", type=float, default=90.0, help="regroup deadline, seconds (> collective)")
     _opt(s, "--heartbeat-window", type=float, default=5.0, help="heartbeat staleness window, seconds")
-    _opt(s, "--heartbeat-interval", type=float, default=0.2, help="seconds between heartbeats")
+    _opt(s, "--heartbeat-interval", type=float, default=0.5,
+         help="seconds between heartbeats (default 0.5; well below --heartbeat-window)")
     _opt(s, "--manual-gc-interval", type=int, default=0,
          help="collect Python garbage only every N iterations, on all ranks at once (0: automatic)")
     _opt(s, "--join-timeout", type=float, default=600.0, help="how long a restarted rank waits to join")
