@@ -3,6 +3,7 @@ buckets are never reduced again. Collectives run on real gloo groups (two ranks 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -144,7 +145,8 @@ def test_completed_buckets_are_kept_and_only_the_rest_is_reduced() -> None:
         before = acc.vector.clone()
         bounds = bucket_bounds(acc.vector.numel(), 8)
         prog = ReduceProgress(bounds, acc.vector.dtype, done=2)
-        prog.parts[0], prog.parts[1] = torch.full((8,), -1.0), torch.full((8,), -2.0)  # "already reduced"
+        prog.put(0, torch.full((8,), -1.0))  # "already reduced"
+        prog.put(1, torch.full((8,), -2.0))
         reduce_sum(group, acc.vector, prog, lambda b: None)
         return prog.span(0, len(bounds)), acc.vector, before
 
@@ -163,3 +165,58 @@ def test_flat_grads_views_survive_backward() -> None:
         model(torch.randn(2, 4)).sum().backward()
     flat.check_views()
     assert float(flat.grads.abs().sum()) > 0
+
+
+def test_parts_hold_the_scaled_gradient_with_a_raw_tail_and_are_read_in_place() -> None:
+    numel, bounds = 10, bucket_bounds(10 + TAIL, 4)
+    prog = ReduceProgress(bounds, torch.float64, numel=numel, scale=0.25)
+    raw = torch.arange(numel + TAIL, dtype=torch.float64)
+    for it in range(2):  # parts alternate between the two buffers, bucket by bucket
+        prog.reset()
+        for b, (s, e) in enumerate(bounds):
+            prog.store(b, prog.stage(b, raw[s:e] + it))
+        grads = prog.final_grads()
+        assert grads is not None and grads.numel() == numel
+        assert torch.equal(grads, (raw[:numel] + it) * 0.25)
+        assert prog.tail().tolist() == (raw[numel:] + it).tolist()  # loss sum and flags are not scaled
+    with pytest.raises(RuntimeInvariantError):
+        prog.store(0, torch.zeros(4, dtype=torch.float64))  # only a bucket's scratch can become final
+
+
+def test_after_a_recovery_that_reduced_some_buckets_twice_the_gradient_is_gathered_from_both_buffers() -> None:
+    numel, bounds = 10, bucket_bounds(10 + TAIL, 4)
+    prog = ReduceProgress(bounds, torch.float64, numel=numel, scale=0.5)
+    raw = torch.arange(numel + TAIL, dtype=torch.float64)
+    for b, (s, e) in enumerate(bounds):
+        prog.store(b, prog.stage(b, raw[s:e]))
+    prog.reset()  # --recovery rerun: bucket 0 reduced again, the others not yet
+    prog.store(0, prog.stage(0, raw[0:4]))
+    assert prog.final_grads() is None
+    out = torch.full((numel + TAIL,), -1.0, dtype=torch.float64)
+    prog.copy_grads_into(out)
+    assert torch.equal(out[:numel], raw[:numel] * 0.5)
+    assert torch.equal(out[numel:], torch.full((TAIL,), -1.0, dtype=torch.float64))
+
+
+def test_the_optimizer_reads_the_reduced_buffer_and_accumulation_returns_to_the_flat_buffer() -> None:
+    model = torch.nn.Linear(4, 3)
+    flat = FlatGrads(list(model.parameters()), torch.float32)
+    reduced = torch.arange(flat.numel + TAIL, dtype=torch.float32)
+    flat.bind(reduced[: flat.numel])
+    assert model.weight.grad is not None and model.weight.grad.data_ptr() == reduced.data_ptr()
+    with pytest.raises(RuntimeInvariantError):
+        flat.check_views()  # accumulating now would miss the flat buffer
+    acc = DirectSum(flat)
+    acc.reset()
+    model(torch.randn(2, 4)).sum().backward()
+    flat.check_views()
+    assert float(flat.grads.abs().sum()) > 0 and torch.equal(reduced, torch.arange(flat.numel + TAIL, dtype=torch.float32))
+
+
+def test_the_tail_is_never_split_across_buckets() -> None:
+    for total in range(TAIL, 40):
+        for size in range(1, 12):
+            bounds = bucket_bounds(total, size)
+            assert bounds[0][0] == 0 and bounds[-1][1] == total
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+            assert bounds[-1][1] - bounds[-1][0] >= TAIL

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -46,13 +46,29 @@ class FlatGrads:
         self.params = [p for p in params if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.buf = torch.zeros(self.numel + TAIL, dtype=dtype)
-        self._ptrs: list[int] = []
-        offset = 0
-        for p in self.params:
-            view = self.buf[offset : offset + p.numel()].view_as(p)
-            p.grad = view
-            self._ptrs.append(view.data_ptr())
-            offset += p.numel()
+        self._views: dict[int, list[torch.Tensor]] = {}  # data_ptr of a buffer -> per-parameter views
+        self._bound = 0
+        self.bind(self.buf)
+        self._ptrs = [v.data_ptr() for v in self._views[self.buf.data_ptr()]]
+
+    def bind(self, grads: torch.Tensor) -> None:
+        """Point every ``.grad`` at its slice of ``grads`` (``numel`` elements or more): the flat
+        buffer for accumulating, the reduced gradient for the optimizer step."""
+        key = grads.data_ptr()
+        if key == self._bound:
+            return
+        views = self._views.get(key)
+        if views is None:
+            views, offset = [], 0
+            for p in self.params:
+                views.append(grads[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            if len(self._views) > 4:
+                self._views.clear()  # views of buffers no longer in use
+            self._views[key] = views
+        for p, v in zip(self.params, views, strict=True):
+            p.grad = v
+        self._bound = key
 
     @property
     def grads(self) -> torch.Tensor:
@@ -60,15 +76,21 @@ class FlatGrads:
 
     def check_views(self) -> None:
         """Autograd must have accumulated in place; if it replaced a ``.grad``, sums would be lost."""
+        if self._bound != self.buf.data_ptr():
+            raise RuntimeInvariantError("the parameters' .grad are not bound to the flat buffer while accumulating")
         for p, ptr in zip(self.params, self._ptrs, strict=True):
             if p.grad is None or p.grad.data_ptr() != ptr:
                 raise RuntimeInvariantError("a parameter's .grad no longer views the flat gradient buffer")
 
 
 def bucket_bounds(total: int, bucket_elems: int) -> list[tuple[int, int]]:
-    """[start, end) of each bucket of the ``total``-element reduce vector."""
+    """[start, end) of each bucket of the ``total``-element reduce vector. The last bucket holds the
+    whole tail: a last bucket shorter than TAIL is merged into the ones before."""
     step = max(1, bucket_elems)
-    return [(s, min(total, s + step)) for s in range(0, total, step)]
+    bounds = [(s, min(total, s + step)) for s in range(0, total, step)]
+    while len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < TAIL:
+        bounds[-2:] = [(bounds[-2][0], total)]
+    return bounds
 
 
 # ------------------------------------------------------------------------------------- accumulation
@@ -111,6 +133,7 @@ class DirectSum(Accumulator):
         self.done.append(mb)
 
     def reset(self) -> None:
+        self.flat.bind(self.flat.buf)
         self.flat.buf.zero_()
         self.done = []
         self.loss_sum = 0.0
@@ -129,6 +152,7 @@ class SafeSum(Accumulator):
         self.sum = torch.zeros_like(flat.buf)
 
     def begin_mb(self) -> None:
+        self.flat.bind(self.flat.buf)
         self.flat.buf.zero_()
 
     def end_mb(self, mb: int, loss: float, keep: bool) -> None:
@@ -165,6 +189,7 @@ class Contributions(Accumulator):
         self.items: list[Contribution] = []
 
     def begin_mb(self) -> None:
+        self.flat.bind(self.flat.buf)
         self.flat.buf.zero_()
 
     def end_mb(self, mb: int, loss: float, keep: bool) -> None:
@@ -192,43 +217,69 @@ BucketHook = Callable[[int], None] | None
 """Called with a bucket index before that bucket is reduced (fault injection); None when unused."""
 
 
-@dataclass
 class ReduceProgress:
     """The reduced buckets of the current iteration; the first ``done`` are final.
 
-    A bucket's result is stored only once its collective succeeded (a failed collective leaves its
-    own buffer half-reduced, never ours). After a commit the parts are kept, still holding the
-    previous iteration's sums, until the next iteration's buckets replace them one by one: a peer
-    whose last collective failed while ours succeeded can be sent what it missed.
+    Each bucket's part holds the *final* gradient: the sum over all micro-batches already multiplied
+    by ``scale`` (1/B; the tail elements stay raw sums). The parts live in two full-length buffers: a
+    bucket is reduced into the buffer its current part is not in (its *scratch*), and becomes final
+    only once the collective succeeded (a failed collective leaves its own buffer half-reduced, never
+    a part). After a commit the parts are kept, still holding the previous iteration's gradient, until
+    the next iteration's buckets replace them one by one: a peer whose last collective failed while
+    ours succeeded can be sent what it missed. When every part sits in one buffer (any iteration that
+    completed without a failure), :meth:`final_grads` is that buffer and the optimizer reads it in
+    place: no pass over the gradient after the collective.
     """
 
-    bounds: list[tuple[int, int]]
-    dtype: torch.dtype
-    done: int = 0
-    parts: list[torch.Tensor | None] = field(default_factory=list)
-    #: deterministic mode: every rank's contribution table, gathered once per group
-    table: list[list[tuple[int, int]]] | None = None
-    #: per bucket, a spare buffer to reduce into (rotates with ``parts``: no allocation per iteration)
-    spare: list[torch.Tensor | None] = field(default_factory=list)
+    def __init__(self, bounds: list[tuple[int, int]], dtype: torch.dtype, numel: int | None = None,
+                 scale: float = 1.0, done: int = 0) -> None:
+        self.bounds = bounds
+        self.dtype = dtype
+        self.total = bounds[-1][1] if bounds else 0
+        #: leading elements that are gradients (scaled); the rest is the raw tail
+        self.numel = self.total if numel is None else numel
+        self.scale = scale
+        self.done = done
+        #: deterministic mode: every rank's contribution table, gathered once per group
+        self.table: list[list[tuple[int, int]]] | None = None
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._side = [-1] * len(bounds)  # per bucket: the buffer holding its part (-1: never reduced)
 
-    def __post_init__(self) -> None:
-        if not self.parts:
-            self.parts = [None] * len(self.bounds)
-        self.spare = [None] * len(self.bounds)
+    def _buffer(self, side: int) -> torch.Tensor:
+        buf = self._bufs[side]
+        if buf is None:
+            buf = self._bufs[side] = torch.zeros(self.total, dtype=self.dtype)
+        return buf
 
     def scratch(self, b: int) -> torch.Tensor:
-        """A buffer for bucket ``b``'s collective that holds no result anyone may still need."""
-        t = self.spare[b]
-        if t is None:
-            s, e = self.bounds[b]
-            t = self.spare[b] = torch.empty(e - s, dtype=self.dtype)
-        return t
+        """Where bucket ``b`` is reduced: the buffer that does not hold its part."""
+        s, e = self.bounds[b]
+        return self._buffer(1 if self._side[b] == 0 else 0)[s:e]
+
+    def stage(self, b: int, raw: torch.Tensor) -> torch.Tensor:
+        """Fill bucket ``b``'s scratch from its raw sums ``raw``: gradients scaled, tail copied (one
+        pass, in place of a plain copy); returns the scratch."""
+        s, e = self.bounds[b]
+        out = self.scratch(b)
+        g = max(0, min(e, self.numel) - s)
+        if self.scale == 1.0:
+            out.copy_(raw)
+        else:
+            torch.mul(raw[:g], self.scale, out=out[:g])
+            out[g:].copy_(raw[g:])
+        return out
 
     def store(self, b: int, result: torch.Tensor) -> None:
-        """Bucket ``b`` is final; the part it replaces (the previous iteration's) becomes the spare."""
-        old, self.parts[b] = self.parts[b], result
-        self.spare[b] = old if result is self.spare[b] else self.spare[b]
+        """Bucket ``b`` (reduced in its scratch) is final."""
+        if result.data_ptr() != self.scratch(b).data_ptr():
+            raise RuntimeInvariantError(f"bucket {b} was not reduced in its scratch buffer")
+        self._side[b] = 1 if self._side[b] == 0 else 0
         self.done = b + 1
+
+    def put(self, b: int, part: torch.Tensor) -> None:
+        """Take bucket ``b``'s final part from a peer (already scaled); ``done`` is the caller's."""
+        self.scratch(b).copy_(part)
+        self._side[b] = 1 if self._side[b] == 0 else 0
 
     @property
     def complete(self) -> bool:
@@ -239,10 +290,11 @@ class ReduceProgress:
         self.table = None
 
     def part(self, b: int) -> torch.Tensor:
-        t = self.parts[b]
-        if t is None:
+        side = self._side[b]
+        if side < 0:
             raise RuntimeInvariantError(f"bucket {b} was never reduced")
-        return t
+        s, e = self.bounds[b]
+        return self._buffer(side)[s:e]
 
     def tail(self) -> torch.Tensor:
         """The reduced tail elements (the last TAIL elements of the last bucket)."""
@@ -252,20 +304,27 @@ class ReduceProgress:
         """Buckets [lo, hi) as one tensor (a copy)."""
         return torch.cat([self.part(b) for b in range(lo, hi)])
 
-    def scaled_into(self, out: torch.Tensor, scale: float) -> None:
-        """``out[s:e] = part * scale`` for every bucket (out has the full reduce-vector length)."""
+    def final_grads(self) -> torch.Tensor | None:
+        """The whole final gradient as one tensor, when every part sits in the same buffer."""
+        sides = set(self._side)
+        if len(sides) != 1 or -1 in sides:
+            return None
+        return self._buffer(sides.pop())[: self.numel]
+
+    def copy_grads_into(self, out: torch.Tensor) -> None:
+        """``out[:numel]`` = the final gradient, gathered from the parts (after a mixed recovery)."""
         for b, (s, e) in enumerate(self.bounds):
-            torch.mul(self.part(b), scale, out=out[s:e])
+            g = max(0, min(e, self.numel) - s)
+            out[s : s + g].copy_(self.part(b)[:g])
 
 
 def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hook: BucketHook) -> None:
-    """All-reduce the remaining buckets of a copy of ``vector`` over ``group``."""
+    """All-reduce the remaining buckets of a scaled copy of ``vector`` over ``group``."""
     for b in range(prog.done, len(prog.bounds)):
         if hook is not None:
             hook(b)
         s, e = prog.bounds[b]
-        send = prog.scratch(b)
-        send.copy_(vector[s:e])  # a copy: a failed all-reduce can leave its buffer half-reduced
+        send = prog.stage(b, vector[s:e])  # a copy: a failed all-reduce can leave its buffer half-reduced
         group.allreduce([send]).wait()
         prog.store(b, send)
 
@@ -303,7 +362,8 @@ def reduce_gather(
             local[i] = c.vec[s:e]
         out = [torch.empty_like(local) for _ in range(size)]
         group.allgather([out], [local]).wait()
-        prog.store(b, fold([[out[r][i] for r, i in blk] for blk in blocks]))
+        total = fold([[out[r][i] for r, i in blk] for blk in blocks])
+        prog.store(b, prog.stage(b, total))
 
 
 def canonical_order(table: Sequence[Sequence[tuple[int, int]]], layout: BatchLayout) -> list[list[tuple[int, int]]]:

@@ -235,7 +235,8 @@ class Trainer:
         self.flat = FlatGrads(self.state.params, self.model_cfg.torch_dtype)
         self.set_deterministic(self.sched.deterministic)
         total = self.flat.numel + TAIL
-        self.prog = ReduceProgress(bucket_bounds(total, self.sched.bucket_elems), self.flat.buf.dtype)
+        self.prog = ReduceProgress(bucket_bounds(total, self.sched.bucket_elems), self.flat.buf.dtype,
+                                   numel=self.flat.numel, scale=1.0 / self.layout.micro_batches)
         self.views_checked_at = None
         self.gc.after_setup()
 
@@ -490,9 +491,13 @@ class Trainer:
         return tail[TAIL_JOIN] > 0, tail[TAIL_STOP] > 0
 
     def _commit(self, join: bool, stop: bool) -> None:
-        """Step the optimizer with sum/B and move to the next iteration."""
+        """Step the optimizer with sum/B (the parts hold it) and move to the next iteration."""
         b = self.layout.micro_batches
-        self.prog.scaled_into(self.flat.buf, 1.0 / b)
+        grads = self.prog.final_grads()
+        if grads is not None:
+            self.flat.bind(grads)  # the optimizer reads the reduced buffer in place
+        else:
+            self.prog.copy_grads_into(self.flat.buf)  # parts spread over both buffers after a recovery
         self.state.optimizer.step()
         loss = float(self.prog.tail()[TAIL_LOSS]) / b
         self.losses.append(loss)
@@ -703,7 +708,7 @@ class Trainer:
         if apply:
             for b in range(max(self.prog.done, lo), hi):
                 bs, be = self.prog.bounds[b]
-                self.prog.parts[b] = buf[bs - s : be - s].clone()
+                self.prog.put(b, buf[bs - s : be - s])
 
     def _transfer_state(self, holders: list[int], joiners: list[int]) -> None:
         for source in self.sources:
