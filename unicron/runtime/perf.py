@@ -11,9 +11,8 @@ of three kinds on the same model, data and gloo group:
 
 Alternating makes slow drifts of a shared machine hit all kinds alike. The order within a round is
 shuffled (seeded by the round, so every rank runs the same kind at once): a fixed rotation keeps each
-kind behind the same predecessor, and an iteration's after-effects on the next one (caches, the
-allocator, the beater waking up) then bias the comparison (measured: an A/A pair read +0.5 %
-over 400 rounds with rotation).
+kind behind the same predecessor, so an iteration's after-effects on the next one (caches, the
+allocator, the beater waking up) could bias the comparison.
 
 Writes ``perf_rank<R>.json`` under ``--out-dir``: per kind, in round order, every iteration's
 wall-clock seconds, process CPU seconds, the training thread's CPU seconds (what the loop itself
