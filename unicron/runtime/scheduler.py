@@ -425,7 +425,7 @@ class Trainer:
             self.mb_position += 1
             if self.client.enabled:
                 self.client.microbatch_done(self.it, mb)
-        if self.views_checked_at is None or self.it - self.views_checked_at >= VIEW_CHECK_EVERY:
+        if self.views_checked_at is None or abs(self.it - self.views_checked_at) >= VIEW_CHECK_EVERY:
             self.flat.check_views()
             self.views_checked_at = self.it
 
