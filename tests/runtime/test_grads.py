@@ -4,13 +4,13 @@ buckets are never reduced again. Collectives run on real gloo groups (two ranks 
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+from tests.runtime.threads import run_ranks
 from unicron.runtime.comm import CommGroup, HashStore, new_group
 from unicron.runtime.grads import (
     TAIL,
@@ -99,23 +99,7 @@ def test_direct_sum_refuses_to_discard() -> None:
 
 def on_two_ranks(fn: Callable[[CommGroup, int], Any]) -> list[Any]:
     store = HashStore()
-    out: list[Any] = [None, None]
-    errors: list[BaseException] = []
-
-    def body(rank: int) -> None:
-        try:
-            out[rank] = fn(new_group("gloo", store, "t", rank, 2, 30.0), rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
+    return run_ranks(2, lambda rank: fn(new_group("gloo", store, "t", rank, 2, 30.0), rank))
 
 
 def test_gather_reduction_over_gloo_equals_the_single_rank_fold_bit_for_bit() -> None:

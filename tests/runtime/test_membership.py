@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.runtime.threads import run_ranks
 from unicron.errors import InvalidRecord
 from unicron.runtime import store as keys
 from unicron.runtime.epoch import EpochRecord
@@ -93,29 +94,20 @@ def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple
     topo = Topology(world_size=3, tp=1)
     settings = CommSettings(collective_timeout_s=20, regroup_timeout_s=30, heartbeat_window_s=5)
     results: dict[tuple[int, str], Any] = {}
-    errors: list[BaseException] = []
     started = threading.Barrier(3)
 
     def rank(r: int) -> None:
-        try:
-            m = Membership(keys.connect(host, port), r, topo, incarnation=1, settings=settings)
-            groups = m.start()
-            results[(r, "start")] = list(groups.record.members)
-            started.wait()
-            if r == 2:
-                keys.mark_failed(host, port, 2)  # what the agent does when the process exits
-                return
-            groups.release()
-            after = m.regroup(groups.record, "failure")
-            results[(r, "after")] = (after.record.epoch, list(after.record.members), after.dp.size())
-        except BaseException as exc:
-            errors.append(exc)
+        m = Membership(keys.connect(host, port), r, topo, incarnation=1, settings=settings)
+        groups = m.start()
+        results[(r, "start")] = list(groups.record.members)
+        started.wait()
+        if r == 2:
+            keys.mark_failed(host, port, 2)  # what the agent does when the process exits
+            return
+        groups.release()
+        after = m.regroup(groups.record, "failure")
+        results[(r, "after")] = (after.record.epoch, list(after.record.members), after.dp.size())
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    run_ranks(3, rank)
     assert all(results[(r, "start")] == [0, 1, 2] for r in range(3))
     assert results[(0, "after")] == results[(1, "after")] == (1, [0, 1], 2)

@@ -251,6 +251,11 @@ class ReduceProgress:
             buf = self._bufs[side] = torch.zeros(self.total, dtype=self.dtype)
         return buf
 
+    def _grad_elems(self, b: int) -> int:
+        """How many of bucket ``b``'s leading elements are gradients (the rest is tail)."""
+        s, e = self.bounds[b]
+        return max(0, min(e, self.numel) - s)
+
     def scratch(self, b: int) -> torch.Tensor:
         """Where bucket ``b`` is reduced: the buffer that does not hold its part."""
         s, e = self.bounds[b]
@@ -259,9 +264,8 @@ class ReduceProgress:
     def stage(self, b: int, raw: torch.Tensor) -> torch.Tensor:
         """Fill bucket ``b``'s scratch from its raw sums ``raw``: gradients scaled, tail copied (one
         pass, in place of a plain copy); returns the scratch."""
-        s, e = self.bounds[b]
         out = self.scratch(b)
-        g = max(0, min(e, self.numel) - s)
+        g = self._grad_elems(b)
         if self.scale == 1.0:
             out.copy_(raw)
         else:
@@ -313,8 +317,8 @@ class ReduceProgress:
 
     def copy_grads_into(self, out: torch.Tensor) -> None:
         """``out[:numel]`` = the final gradient, gathered from the parts (after a mixed recovery)."""
-        for b, (s, e) in enumerate(self.bounds):
-            g = max(0, min(e, self.numel) - s)
+        for b, (s, _) in enumerate(self.bounds):
+            g = self._grad_elems(b)
             out[s : s + g].copy_(self.part(b)[:g])
 
 
