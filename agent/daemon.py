@@ -40,6 +40,7 @@ from unicron import patterns, protocol
 from unicron.errors import InvalidRecord, StoreUnavailable
 from unicron.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.keyspace import Keyspace
+from unicron.prefork import Prefork
 from unicron.types import (
     AssignmentResult,
     DetectionMethod,
@@ -124,6 +125,9 @@ class Agent:
         self.rank_server = RankServer(self.socket_path, self._on_rank_message)
         self._link: Any = None
         self.marker = FailureMarker(preexec=pdeathsig_preexec(signal.SIGKILL))
+        modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
+        self.prefork = (Prefork(modules, os.path.join(settings.run_dir, f"{settings.node}.pf"),
+                                preexec=pdeathsig_preexec(signal.SIGKILL)) if modules else None)
         # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
         self.replicas: ReplicaServer | None = None
 
@@ -138,6 +142,8 @@ class Agent:
         self.publisher = ReportPublisher(store, self.keys, self.stop_event)
         self.rank_server.start()
         self.marker.start()
+        if self.prefork is not None:
+            self.prefork.start()  # from the main thread, which lives as long as the agent (PDEATHSIG)
         if self.settings.replica_budget_mb > 0:
             self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
                                           self.settings.replica_budget_mb << 20).start()
@@ -172,6 +178,8 @@ class Agent:
         self.backend.close()
         self.rank_server.stop()
         self.marker.stop()
+        if self.prefork is not None:
+            self.prefork.close()
         if self.replicas is not None:
             self.replicas.stop()
         if self.lease is not None:
@@ -431,6 +439,7 @@ class Agent:
 
     def _rank_env(self, a: TaskAssignment, spec: Any) -> dict[str, str]:
         env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")  # torchrun's default
         env.update(a.env)
         env.update({
             "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank), "WORLD_SIZE": str(a.world_size),
@@ -469,6 +478,7 @@ class Agent:
         supervisor = Supervisor(
             on_exit=functools.partial(self._on_exit, a.task),
             on_stderr_match=functools.partial(self._on_stderr_match, a.task),
+            prefork=self.prefork,
         )
         rt = _RunningTask(a, supervisor)
         self._tasks[a.task] = rt

@@ -39,6 +39,10 @@ class AgentSettings:
     """0 disables the replica server."""
     replica_host: str = setting("127.0.0.1", "UNICRON_REPLICA_HOST", "address the checkpoint replica server listens on")
     """Must be reachable from the other nodes (the cluster network) in a real deployment."""
+    prefork: str = setting("unicron.runtime.train", "UNICRON_PREFORK",
+                           "modules a warm spawner imports once to fork ranks from (comma-separated; empty: off)")
+    """Ranks started as ``<agent's python> -m MODULE`` for these modules are forked, already imported
+    (milliseconds instead of seconds for torch + Megatron); costs one idle process holding the imports."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
     """Calls that exceed it count as etcd being unavailable and are retried."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")

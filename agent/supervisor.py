@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from unicron import patterns
 from unicron.errors import ConfigError, PermanentError
+from unicron.prefork import Prefork, PreforkedProcess, PreforkUnavailable
 from unicron.types import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,10 @@ def pdeathsig_preexec(sig: int) -> Callable[[], None]:
 
 
 class RankProcess:
-    """One supervised rank process (created by :meth:`Supervisor.launch`)."""
+    """One supervised rank process (created by :meth:`Supervisor.launch`): exec'd, or forked by the
+    node's warm spawner (:mod:`unicron.prefork`)."""
 
-    def __init__(self, rank: int, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes] | PreforkedProcess) -> None:
         self.rank = rank
         self.popen = popen
         self.pid = popen.pid
@@ -155,6 +157,7 @@ class Supervisor:
         match_interval_s: float = 10.0,
         stderr_grace_s: float = 0.01,
         pdeathsig: bool = True,
+        prefork: Prefork | None = None,
     ) -> None:
         self._on_exit = on_exit
         self._on_match = on_stderr_match
@@ -164,6 +167,7 @@ class Supervisor:
         # so the stderr match is reported (and RankExit.stderr_kind set) before the exit itself.
         self._stderr_grace = stderr_grace_s
         self._preexec = pdeathsig_preexec(signal.SIGKILL) if pdeathsig else None
+        self._prefork = prefork
         self._procs: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         # The one long-lived thread that forks every child (see the module docstring on PDEATHSIG).
@@ -198,7 +202,8 @@ class Supervisor:
         )
         proc.reader.start()
         proc.waiter.start()
-        log.info("rank %d started: pid %d: %s", rank, proc.pid, " ".join(argv))
+        how = "forked by the spawner" if isinstance(proc.popen, PreforkedProcess) else "new process"
+        log.info("rank %d started: pid %d (%s): %s", rank, proc.pid, how, " ".join(argv))
         return proc
 
     def _spawn(
@@ -212,6 +217,12 @@ class Supervisor:
         try:
             with contextlib.ExitStack() as stack:
                 out = stack.enter_context(open(stdout_path, "ab")) if stdout_path else None
+                if self._prefork is not None and self._prefork.eligible(argv, env):
+                    try:
+                        forked = self._prefork.spawn(argv, env, cwd, out.fileno() if out else None)
+                        return RankProcess(rank, forked)
+                    except PreforkUnavailable as exc:
+                        log.info("rank %d: starting a new process: %s", rank, exc)
                 popen = subprocess.Popen(
                     argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
                     process_group=0, preexec_fn=self._preexec, close_fds=True,

@@ -35,8 +35,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from unicron.prefork import Prefork
 from unicron.runtime.compare import bitwise_equal, load_params, max_rel_diff, per_tensor
-from unicron.runtime.launch import LocalJob, Zygote, base_env
+from unicron.runtime.launch import LocalJob, warm_spawner
 
 PROFILES: dict[str, dict[str, Any]] = {
     # B = 16 micro-batches of 4 sequences: k = 4 per rank at DP = 4.
@@ -54,10 +55,10 @@ DEAD = 3
 
 
 class Bench:
-    def __init__(self, profile: dict[str, Any], root: str, zygote: Zygote) -> None:
+    def __init__(self, profile: dict[str, Any], root: str, spawner: Prefork) -> None:
         self.p = profile
         self.root = root
-        self.zygote = zygote
+        self.spawner = spawner
         self.n = 0
 
     def args(self, dtype: str, *extra: str) -> list[str]:
@@ -69,7 +70,7 @@ class Bench:
         return LocalJob(WORLD, args, os.path.join(self.root, f"job{self.n}"), rank_env=env, **kw)
 
     def run(self, args: list[str], faults: dict[int, str] | None = None, **kw: Any) -> LocalJob:
-        job = self.job(args, faults, zygote=kw.pop("zygote", self.zygote), **kw)
+        job = self.job(args, faults, spawner=kw.pop("spawner", self.spawner), **kw)
         with job:
             codes = job.wait(600)
         expect = {r: (-9 if faults and r in faults else 0) for r in range(WORLD)}
@@ -97,7 +98,7 @@ class Bench:
                 "--modes", modes]
         self.n += 1
         job = LocalJob(WORLD, args, os.path.join(self.root, f"job{self.n}"), module="unicron.runtime.perf",
-                       zygote=self.zygote)
+                       spawner=self.spawner)
         with job:
             codes = job.wait(1800)
         if any(c != 0 for c in codes.values()):
@@ -189,7 +190,7 @@ class Bench:
         args = self.args("float64", "--ckpt", "torch-save", "--ckpt-dir", ckpt, "--ckpt-every", "1")
         # Survivors of the first launch are not told of the death (no mark_failed, long heartbeat
         # window): they cannot recover by themselves and are killed with the job, as a plain job is.
-        first = self.job([*args, "--heartbeat-window", "600"], self.fault, zygote=self.zygote, mark_failures=False)
+        first = self.job([*args, "--heartbeat-window", "600"], self.fault, spawner=self.spawner, mark_failures=False)
         with first:
             while first.procs[DEAD].proc.poll() is None:
                 time.sleep(0.002)
@@ -225,14 +226,14 @@ def main() -> int:
     profile = PROFILES["quick" if args.quick else "full"]
     t0 = time.time()
     root = tempfile.mkdtemp(prefix="unicron-redistribute-")
-    zygote = Zygote(base_env(), modules=("unicron.runtime.train", "unicron.runtime.perf"))
+    spawner = warm_spawner(("unicron.runtime.train", "unicron.runtime.perf"))
     try:
-        bench = Bench(profile, root, zygote)
+        bench = Bench(profile, root, spawner)
         perf = bench.perf()
         rec = bench.exactness_and_recovery()
         restart = bench.restart_from_checkpoint()
     finally:
-        zygote.close()
+        spawner.close()
     k = 16 // WORLD
     print(f"profile: {'quick' if args.quick else 'full'}  model: {' '.join(profile['model'])}")
     print(f"global batch: B=16 micro-batches of 4 sequences, DP={WORLD}, k={k}; rank {DEAD} killed in iteration "

@@ -12,7 +12,9 @@ and measures the time until the task completes its next iteration:
   task is placed again (new processes) and resumes from its newest checkpoint.
 * ``baseline_restart`` (same run): the whole task is stopped and submitted again, every process new,
   resuming from its last ``torch.save`` checkpoint — what torchrun and Megatron do. Its time counts the
-  iterations computed again since that checkpoint, until the task is past the failed iteration.
+  iterations computed again since that checkpoint, until the task is past the failed iteration. Its
+  processes, like every rank's, are forked from the agents' warm spawner (``unicron/prefork.py``), which
+  torchrun does not have: if anything, this baseline is faster than torchrun's.
 
 Iteration progress is read from the agents' status, written every 0.1 s here. ``iterations_redone``:
 iterations completed before the fault that had to be computed again (the fault's iteration minus the

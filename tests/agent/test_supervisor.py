@@ -1,4 +1,6 @@
-"""Process supervision with real child processes (python -c snippets)."""
+"""Process supervision with real child processes (python -c snippets), each test run twice: ranks
+exec'd as new processes, and ranks forked by the warm spawner (unicron.prefork): the supervisor's
+contract is the same for both."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 
 from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, Supervisor
 from unicron.errors import PermanentError
+from unicron.prefork import Prefork, PreforkedProcess
 from unicron.types import ErrorKind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,11 +64,38 @@ def ev() -> Events:
     return Events()
 
 
-@pytest.fixture
-def sup(ev: Events) -> Iterator[Supervisor]:
-    s = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink)
+def started(prefork: Prefork, timeout_s: float = 30.0) -> Prefork:
+    prefork.start()
+    deadline = time.monotonic() + timeout_s
+    while not prefork.ready():
+        assert time.monotonic() < deadline, "the spawner did not come up"
+        time.sleep(0.02)
+    return prefork
+
+
+@pytest.fixture(scope="module")
+def spawner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefork]:
+    prefork = started(Prefork(["unicron.prefork"], str(tmp_path_factory.mktemp("pf") / "s")))
+    try:
+        yield prefork
+    finally:
+        prefork.close()
+
+
+@pytest.fixture(autouse=True)
+def one_openmp_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the agent gives its ranks (torchrun's default) and the spawner runs with: ranks qualify
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(params=["exec", "prefork"])
+def sup(request: pytest.FixtureRequest, ev: Events) -> Iterator[Supervisor]:
+    prefork = request.getfixturevalue("spawner") if request.param == "prefork" else None
+    s = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink, prefork=prefork)
     try:
         yield s
+        kinds = {type(p.popen) for p in s._procs.values()}
+        assert kinds <= ({PreforkedProcess} if prefork else {subprocess.Popen}), kinds
     finally:
         s.close(grace_s=1.0)
 
@@ -140,6 +170,21 @@ def test_stderr_lines_are_forwarded_and_matched_with_rate_limit(sup: Supervisor,
     assert exit.stderr_kind is ErrorKind.ILLEGAL_MEMORY_ACCESS and exit.returncode == 1
     nccl = "Watchdog caught collective operation timeout"
     assert ev.lines == [(5, "step 1 ok"), (5, nccl), (5, ima), (5, ima), (5, ima)]
+
+
+def test_exit_runs_thread_pool_shutdown_and_atexit_as_a_new_process_would(sup: Supervisor, ev: Events) -> None:
+    code = ("import atexit, sys\n"
+            "from concurrent.futures import ThreadPoolExecutor\n"
+            "pool = ThreadPoolExecutor(1)\n"
+            "pool.submit(int).result()\n"  # an idle non-daemon worker stays: exit must still stop it
+            "atexit.register(lambda: print('atexit ran', file=sys.stderr))\n")
+    sup.launch(0, py(code))
+    ((exit, _),) = ev.exits(1, timeout_s=10.0)
+    assert exit.returncode == 0
+    deadline = time.monotonic() + 2.0
+    while (0, "atexit ran") not in ev.lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (0, "atexit ran") in ev.lines
 
 
 def test_stop_and_cont(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
@@ -231,6 +276,83 @@ def test_ranks_die_with_a_sigkilled_agent(pdeathsig: bool) -> None:
         else:  # control: without PDEATHSIG the rank is orphaned, which is what the option prevents
             time.sleep(0.3)
             assert _alive(rank_pid)
+    finally:
+        if _alive(rank_pid):
+            os.killpg(rank_pid, signal.SIGKILL)
+
+
+# --- the warm spawner itself -------------------------------------------------------------------
+
+
+def test_forked_module_rank_gets_its_argv_env_cwd_and_stdout(spawner: Prefork, ev: Events, tmp_path: Path) -> None:
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink, prefork=spawner)
+    try:
+        env = {**os.environ, "RANK": "5"}
+        out = tmp_path / "rank.log"
+        proc = sup.launch(0, [PY, "-m", "unicron.prefork", "--help"], env, cwd=str(tmp_path), stdout_path=str(out))
+        assert isinstance(proc.popen, PreforkedProcess)  # forked, not exec'd
+        ((exit, _),) = ev.exits(1)
+        assert exit.returncode == 0
+        assert "usage: python -m unicron.prefork" in out.read_text()
+        code = "import os, sys; print(os.environ['RANK'], os.getcwd(), sys.argv[1:], sys.stdin.read() == '', file=sys.stderr)"
+        sup.launch(1, [PY, "-c", code, "x"], env, cwd=str(tmp_path))
+        ev.exits(2)
+        assert ev.lines == [(1, f"5 {tmp_path} ['x'] True")]
+    finally:
+        sup.close(grace_s=1.0)
+
+
+def test_commands_the_spawner_cannot_run_exactly_are_exec(spawner: Prefork, ev: Events, tmp_path: Path) -> None:
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink, prefork=spawner)
+    try:
+        not_preloaded = sup.launch(0, [PY, "-m", "json.tool", "--help"])
+        other_path = sup.launch(1, py("pass"), {**os.environ, "PYTHONPATH": str(tmp_path)})
+        more_threads = sup.launch(2, py("pass"), {**os.environ, "OMP_NUM_THREADS": "4"})
+        for proc in (not_preloaded, other_path, more_threads):
+            assert isinstance(proc.popen, subprocess.Popen)
+        ev.exits(3)
+    finally:
+        sup.close(grace_s=1.0)
+
+
+def test_a_stopped_spawner_falls_back_to_exec(ev: Events, tmp_path: Path) -> None:
+    prefork = started(Prefork([], str(tmp_path / "s")))
+    prefork.close()
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink, prefork=prefork)
+    try:
+        proc = sup.launch(0, py("raise SystemExit(4)"))
+        assert isinstance(proc.popen, subprocess.Popen)
+        ((exit, _),) = ev.exits(1)
+        assert exit.returncode == 4
+    finally:
+        sup.close(grace_s=1.0)
+
+
+PREFORK_AGENT = """
+import sys, time
+from unicron.prefork import Prefork
+from agent.supervisor import Supervisor, pdeathsig_preexec
+import signal
+pf = Prefork([], sys.argv[1], preexec=pdeathsig_preexec(signal.SIGKILL)).start()
+while not pf.ready():
+    time.sleep(0.02)
+proc = Supervisor(lambda e: None, prefork=pf).launch(0, [sys.executable, "-c", "import time; time.sleep(30)"])
+print(type(proc.popen).__name__, proc.pid, flush=True)
+time.sleep(30)
+"""
+
+
+def test_forked_ranks_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    agent = subprocess.Popen([PY, "-c", PREFORK_AGENT, str(tmp_path / "s")], env=env, stdout=subprocess.PIPE)
+    assert agent.stdout is not None
+    kind, pid = agent.stdout.readline().split()
+    rank_pid = int(pid)
+    assert kind == b"PreforkedProcess" and _alive(rank_pid)
+    agent.kill()
+    agent.wait()
+    try:
+        assert _wait_dead(rank_pid, 2.0), "a forked rank outlived its SIGKILLed agent"
     finally:
         if _alive(rank_pid):
             os.killpg(rank_pid, signal.SIGKILL)

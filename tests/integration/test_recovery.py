@@ -113,6 +113,10 @@ def test_sev2_restarts_only_the_failed_rank_which_rejoins(cluster: LocalCluster)
     survivors = {r["rank"]: r["pid"] for r in before if r["rank"] != victim["rank"]}
     assert {r["rank"]: r["pid"] for r in ranks(cluster) if r["rank"] in survivors} == survivors
     assert "RestartRanks" in actions_since(cluster, t0)
+    # the agent's warm spawner had long finished importing: the new process was forked from it
+    new_pid = {r["rank"]: r["pid"] for r in ranks(cluster)}[victim["rank"]]
+    agent_log = Path(cluster.run_dir, f"agent-{victim['node']}.log").read_text(errors="replace")
+    assert f"rank {victim['rank']} started: pid {new_pid} (forked by the spawner)" in agent_log
     trains_past(cluster, top_step(cluster))
 
 

@@ -1,5 +1,5 @@
-"""Real multi-process jobs for the runtime tests: ranks are forked from one pre-imported zygote per
-session (see unicron.runtime.zygote) so that a 4-rank job costs about a second, not an import each."""
+"""Real multi-process jobs for the runtime tests: ranks are forked from one warm spawner per session
+(unicron.prefork, the agent's) so that a 4-rank job costs about a second, not an import each."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from unicron.prefork import Prefork
 from unicron.runtime.compare import load_params
-from unicron.runtime.launch import LocalJob, Zygote, base_env
+from unicron.runtime.launch import LocalJob, warm_spawner
 
 #: a small GPT and batch shared by the tests (4 gradient buckets of float64)
 MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"]
@@ -43,8 +44,8 @@ class Finished:
 
 
 class Runner:
-    def __init__(self, zygote: Zygote, root: Path) -> None:
-        self.zygote = zygote
+    def __init__(self, spawner: Prefork, root: Path) -> None:
+        self.spawner = spawner
         self.root = root
         self._refs: dict[tuple[str, ...], Finished] = {}
         self._n = 0
@@ -64,7 +65,7 @@ class Runner:
         for r, spec in (faults or {}).items():
             rank_env.setdefault(r, {})["UNICRON_RUNTIME_FAULTS"] = spec
         job = LocalJob(world, list(args), str(self.root / f"job{self._n}"), rank_env=rank_env,
-                       restart=dict(restart or {}), zygote=self.zygote)
+                       restart=dict(restart or {}), spawner=self.spawner)
         with job:
             if while_running is not None:
                 while_running(job)
@@ -92,11 +93,11 @@ class Runner:
 
 @pytest.fixture(scope="session")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runner]:
-    zygote = Zygote(base_env())
+    spawner = warm_spawner()
     try:
-        yield Runner(zygote, tmp_path_factory.mktemp("runtime"))
+        yield Runner(spawner, tmp_path_factory.mktemp("runtime"))
     finally:
-        zygote.close()
+        spawner.close()
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:

@@ -8,13 +8,12 @@ abnormally (optionally restarting it, as the agent does for a sev2 failure).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unicron.errors import TemporaryError
+from unicron.prefork import Prefork, PreforkedProcess
 from unicron.runtime import store as keys
 from unicron.runtime.epoch import EpochRecord
 
@@ -44,85 +44,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Zygote:
-    """Client of :mod:`unicron.runtime.zygote`: forks rank processes from a pre-imported parent."""
-
-    def __init__(self, env: dict[str, str], modules: Sequence[str] = ("unicron.runtime.train",)) -> None:
-        self.proc = subprocess.Popen(
-            [PYTHON, "-m", "unicron.runtime.zygote", *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env,
-        )
-        self._cond = threading.Condition()
-        self._pids: dict[int, int] = {}
-        self.codes: dict[int, int] = {}
-        self._next = 0
-        assert self.proc.stdout is not None
-        first = json.loads(self.proc.stdout.readline() or b'{"op": "dead"}')
-        if first.get("op") != "ready":
-            raise TemporaryError("the zygote process did not start")
-        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            msg = json.loads(line)
-            with self._cond:
-                if msg["op"] == "spawned":
-                    self._pids[msg["id"]] = msg["pid"]
-                elif msg["op"] == "exit":
-                    self.codes[msg["pid"]] = msg["code"]
-                self._cond.notify_all()
-
-    def spawn(self, argv: Sequence[str], env: dict[str, str], log: str, module: str) -> ForkedProc:
-        assert self.proc.stdin is not None
-        with self._cond:
-            ident = self._next
-            self._next += 1
-            self.proc.stdin.write((json.dumps(
-                {"op": "spawn", "id": ident, "argv": list(argv), "env": env, "log": log, "module": module})
-                + "\n").encode())
-            self.proc.stdin.flush()
-            if not self._cond.wait_for(lambda: ident in self._pids, timeout=30):
-                raise TemporaryError("the zygote did not fork a rank in 30 s")
-            return ForkedProc(self, self._pids[ident])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(b'{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-
-
-class ForkedProc:
-    """The part of ``Popen`` LocalJob uses, for a process forked by the zygote."""
-
-    def __init__(self, zygote: Zygote, pid: int) -> None:
-        self.zygote, self.pid = zygote, pid
-
-    def poll(self) -> int | None:
-        with self.zygote._cond:
-            return self.zygote.codes.get(self.pid)
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        with self.zygote._cond:
-            self.zygote._cond.wait_for(lambda: self.pid in self.zygote.codes, timeout=timeout)
-            return self.zygote.codes.get(self.pid)
+def warm_spawner(modules: Sequence[str] = ("unicron.runtime.train",)) -> Prefork:
+    """A started spawner (the agent's, :mod:`unicron.prefork`) that pre-imported ``modules``: a rank
+    forked from it starts in milliseconds, not the seconds of importing torch and Megatron-core."""
+    sock = os.path.join(tempfile.mkdtemp(prefix="unicron-spawner-"), "s")
+    return Prefork(modules, sock, python=PYTHON, env=base_env()).start().wait_ready()
 
 
 @dataclass
 class RankProc:
     rank: int
-    proc: subprocess.Popen[bytes] | ForkedProc
+    proc: subprocess.Popen[bytes] | PreforkedProcess
     incarnation: int
     log_path: str
 
@@ -142,10 +74,10 @@ class LocalJob:
     host: str = "127.0.0.1"
     #: host the store in this process (a thread of TCPStore) instead of a sidecar subprocess
     store_in_process: bool = True
-    #: fork ranks from a pre-imported zygote (fast; tests) instead of exec'ing python (as the agent does)
+    #: fork ranks from a warm spawner (fast; tests) instead of exec'ing python
     fork: bool = False
-    #: a zygote shared between jobs (implies fork; not closed by this job)
-    zygote: Zygote | None = None
+    #: a warm spawner (:func:`warm_spawner`) shared between jobs (implies fork; not closed by this job)
+    spawner: Prefork | None = None
     #: call mark_failed when a rank exits abnormally (what the agent does); off to emulate a job
     #: whose survivors only learn of a death through their own timeouts
     mark_failures: bool = True
@@ -155,7 +87,7 @@ class LocalJob:
         self.procs: dict[int, RankProc] = {}
         self.history: list[dict[str, Any]] = []
         self._store_proc: subprocess.Popen[bytes] | None = None
-        self._zygote: Zygote | None = None
+        self._spawner: Prefork | None = None
         self._store: Any = None
         self._server: Any = None
         self._stop = threading.Event()
@@ -171,10 +103,10 @@ class LocalJob:
             self._store = keys.connect(self.host, self.port)
         else:
             self._start_sidecar()
-        if self.zygote is not None:
-            self._zygote = self.zygote
+        if self.spawner is not None:
+            self._spawner = self.spawner
         elif self.fork:
-            self._zygote = Zygote(self._base_env())
+            self._spawner = warm_spawner((self.module,))
         for r in range(self.world):
             self._spawn(r)
         self._monitor.start()
@@ -210,11 +142,11 @@ class LocalJob:
         inc = prev.incarnation + 1 if prev else 1
         log_path = os.path.join(self.out_dir, f"rank{rank}.{inc}.log")
         argv = [*self.args, "--out-dir", os.path.join(self.out_dir, f"inc{inc}")]
-        proc: subprocess.Popen[bytes] | ForkedProc
-        if self._zygote is not None:
-            proc = self._zygote.spawn(argv, env, log_path, self.module)
-        else:
-            with open(log_path, "wb") as fh:
+        proc: subprocess.Popen[bytes] | PreforkedProcess
+        with open(log_path, "wb") as fh:
+            if self._spawner is not None:
+                proc = self._spawner.spawn([PYTHON, "-m", self.module, *argv], env, None, fh.fileno(), fh.fileno())
+            else:
                 proc = subprocess.Popen([PYTHON, "-m", self.module, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env)
         self.procs[rank] = RankProc(rank, proc, inc, log_path)
         self.history.append({"event": "spawn", "rank": rank, "incarnation": inc, "ts": time.time()})
@@ -265,8 +197,8 @@ class LocalJob:
                 if rp.proc.poll() is None:
                     rp.proc.kill()
                     rp.proc.wait()
-        if self._zygote is not None and self._zygote is not self.zygote:
-            self._zygote.close()
+        if self._spawner is not None and self._spawner is not self.spawner:
+            self._spawner.close()
         if self._store_proc is not None and self._store_proc.poll() is None:
             self._store_proc.terminate()
             try:
