@@ -143,7 +143,7 @@ class Agent:
         self.rank_server.start()
         self.marker.start()
         if self.prefork is not None:
-            self.prefork.start()  # from the main thread, which lives as long as the agent (PDEATHSIG)
+            self.prefork.start()
         if self.settings.replica_budget_mb > 0:
             self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
                                           self.settings.replica_budget_mb << 20).start()

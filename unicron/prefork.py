@@ -34,6 +34,7 @@ import ctypes.util
 import importlib
 import json
 import logging
+import math
 import os
 import runpy
 import select
@@ -46,6 +47,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 log = logging.getLogger(__name__)
@@ -122,22 +124,42 @@ class Prefork:
     """The agent's handle on its spawner process."""
 
     def __init__(self, modules: Sequence[str], socket_path: str, python: str = sys.executable,
-                 preexec: Callable[[], None] | None = None, env: Mapping[str, str] | None = None) -> None:
+                 preexec: Callable[[], None] | None = None, env: Mapping[str, str] | None = None,
+                 restart_backoff_s: float = 60.0) -> None:
         self.modules = tuple(m for m in modules if m)
         self.socket_path = socket_path
         self.python = python
         self._preexec = preexec
         self._proc: subprocess.Popen[bytes] | None = None
         self._env = spawner_env(os.environ if env is None else env)
+        self._backoff = restart_backoff_s
+        self._started_at = -math.inf
+        # PDEATHSIG fires when the *thread* that forked the spawner exits: start it from one thread
+        # that lives as long as this handle, whichever thread asks.
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefork-starter")
+        self._closed = False
 
     def start(self) -> Prefork:
+        self._starter.submit(self._launch).result()
+        return self
+
+    def _launch(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
+        self._started_at = time.monotonic()
         self._proc = subprocess.Popen(
             [self.python, "-m", "unicron.prefork", "--socket", self.socket_path, "--preload", ",".join(self.modules)],
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=self._preexec, env=self._env,
         )
-        return self
+
+    def _restart_if_dead(self) -> None:
+        """A spawner that died is started again (in the background, at most once per backoff); ranks
+        are exec'd meanwhile."""
+        dead = self._proc is not None and self._proc.poll() is not None
+        if dead and not self._closed and time.monotonic() - self._started_at >= self._backoff:
+            log.warning("the rank spawner exited with %s; starting it again", self._proc.returncode if self._proc else None)
+            self._started_at = time.monotonic()
+            self._starter.submit(self._launch)
 
     def ready(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and os.path.exists(self.socket_path)
@@ -164,6 +186,7 @@ class Prefork:
         to ``stderr``, or when None to a pipe read through the result's ``stderr``. Raises
         :class:`PreforkUnavailable` when it cannot."""
         if not self.ready():
+            self._restart_if_dead()
             raise PreforkUnavailable("the rank spawner is not running (yet)")
         request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env),
                               "cwd": cwd}).encode()
@@ -188,6 +211,8 @@ class Prefork:
         return PreforkedProcess(pid, conn, reader, os.fdopen(read_end, "rb") if read_end >= 0 else None)
 
     def close(self) -> None:
+        self._closed = True
+        self._starter.shutdown(wait=True)
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:

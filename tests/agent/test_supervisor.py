@@ -316,8 +316,8 @@ def test_commands_the_spawner_cannot_run_exactly_are_exec(spawner: Prefork, ev: 
 
 
 def test_a_stopped_spawner_falls_back_to_exec(ev: Events, tmp_path: Path) -> None:
-    prefork = started(Prefork([], str(tmp_path / "s")))
-    prefork.close()
+    prefork = started(Prefork([], str(tmp_path / "s"), restart_backoff_s=0.0))
+    prefork.close()  # closed: not started again either
     sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink, prefork=prefork)
     try:
         proc = sup.launch(0, py("raise SystemExit(4)"))
@@ -326,6 +326,26 @@ def test_a_stopped_spawner_falls_back_to_exec(ev: Events, tmp_path: Path) -> Non
         assert exit.returncode == 4
     finally:
         sup.close(grace_s=1.0)
+
+
+def test_a_spawner_that_died_is_started_again(ev: Events, tmp_path: Path) -> None:
+    prefork = started(Prefork([], str(tmp_path / "s"), restart_backoff_s=0.0))
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink, prefork=prefork)
+    try:
+        assert prefork._proc is not None
+        prefork._proc.kill()
+        prefork._proc.wait()
+        meanwhile = sup.launch(0, py("pass"))
+        assert isinstance(meanwhile.popen, subprocess.Popen)  # exec'd while the spawner restarts
+        deadline = time.monotonic() + 30
+        while not prefork.ready():
+            assert time.monotonic() < deadline, "the spawner was not started again"
+            time.sleep(0.02)
+        assert isinstance(sup.launch(1, py("pass")).popen, PreforkedProcess)
+        ev.exits(2)
+    finally:
+        sup.close(grace_s=1.0)
+        prefork.close()
 
 
 PREFORK_AGENT = """
