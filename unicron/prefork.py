@@ -5,9 +5,9 @@ the CI machine, more when several ranks start at once); that is most of a sev2 r
 time and part of every reconfiguration. The agent itself must never import torch (it would starve its
 heartbeats), so a separate **spawner** process (``python -m unicron.prefork``) pre-imports the modules
 named by ``--prefork`` and ``fork()``s a rank per request. A rank command qualifies when it is
-``<the agent's python> -m MODULE ...`` for a pre-imported module (or ``-c CODE``) and its ``PYTHON*``
-environment equals the spawner's; anything else is started as a new process, as is every rank while
-the spawner is still importing or gone.
+``<the agent's python> -m MODULE ...`` for a pre-imported module (or ``-c CODE``) and its start-up
+environment (:func:`startup_env`) equals the spawner's; anything else is started as a new process, as
+is every rank while the spawner is still importing or gone.
 
 What the supervisor relies on holds for forked ranks too: a rank runs in its own process group, its
 stdout/stderr are the files the agent passes (file descriptors over the Unix socket), and it dies with
