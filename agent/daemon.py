@@ -32,11 +32,11 @@ from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
 from agent.marker import FailureMarker
 from agent.ranks import RankServer
 from agent.settings import AgentSettings
-from agent.supervisor import RankExit, Supervisor, pdeathsig_preexec
+from agent.supervisor import RankExit, Supervisor
 from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron import log as ulog
-from unicron import patterns, protocol
+from unicron import parentdeath, patterns, protocol
 from unicron.errors import InvalidRecord, StoreUnavailable
 from unicron.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.keyspace import Keyspace
@@ -124,10 +124,10 @@ class Agent:
         self.socket_path = os.path.join(settings.run_dir, f"{settings.node}.sock")
         self.rank_server = RankServer(self.socket_path, self._on_rank_message)
         self._link: Any = None
-        self.marker = FailureMarker(preexec=pdeathsig_preexec(signal.SIGKILL))
+        self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
         self.prefork = (Prefork(modules, os.path.join(settings.run_dir, f"{settings.node}.pf"),
-                                preexec=pdeathsig_preexec(signal.SIGKILL)) if modules else None)
+                                preexec=parentdeath.preexec(signal.SIGKILL)) if modules else None)
         # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
         self.replicas: ReplicaServer | None = None
 
@@ -502,7 +502,7 @@ class Agent:
         # Dies with the agent like the ranks do (an orphaned store would hold the port).
         proc = subprocess.Popen(
             [sys.executable, "-m", "unicron.runtime.store", "--host", a.master_addr, "--port", str(a.master_port)],
-            start_new_session=True, preexec_fn=pdeathsig_preexec(signal.SIGKILL),
+            start_new_session=True, preexec_fn=parentdeath.preexec(signal.SIGKILL),
         )
         return proc
 

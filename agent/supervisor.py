@@ -19,8 +19,6 @@ never from whichever (possibly short-lived) thread called :meth:`Supervisor.laun
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -32,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from unicron import patterns
+from unicron import parentdeath, patterns
 from unicron.errors import ConfigError, PermanentError
 from unicron.prefork import Prefork, PreforkedProcess, PreforkUnavailable
 from unicron.types import ErrorKind
@@ -40,7 +38,6 @@ from unicron.types import ErrorKind
 log = logging.getLogger(__name__)
 
 RUNNING, STOPPED, EXITED = "running", "stopped", "exited"
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -105,22 +102,6 @@ def _stderr_writer() -> StderrSink:
     return write
 
 
-def pdeathsig_preexec(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn`` setting the parent-death signal. Everything is resolved before the fork: the
-    child only makes two system calls (no imports, no allocation that could hit a lock)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    prctl = libc.prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-            os._exit(126)
-        if os.getppid() != parent:  # the agent died between fork and prctl: nobody will signal us
-            os._exit(126)
-
-    return preexec
-
-
 class RankProcess:
     """One supervised rank process (created by :meth:`Supervisor.launch`): exec'd, or forked by the
     node's warm spawner (:mod:`unicron.prefork`)."""
@@ -166,7 +147,7 @@ class Supervisor:
         # A dying rank prints its error right before exiting: give its reader this long to reach EOF
         # so the stderr match is reported (and RankExit.stderr_kind set) before the exit itself.
         self._stderr_grace = stderr_grace_s
-        self._preexec = pdeathsig_preexec(signal.SIGKILL) if pdeathsig else None
+        self._preexec = parentdeath.preexec(signal.SIGKILL) if pdeathsig else None
         self._prefork = prefork
         self._procs: dict[int, RankProcess] = {}
         self._lock = threading.Lock()

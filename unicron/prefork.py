@@ -29,8 +29,6 @@ import argparse
 import atexit
 import builtins
 import contextlib
-import ctypes
-import ctypes.util
 import importlib
 import json
 import logging
@@ -50,9 +48,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
+from unicron.parentdeath import die_with_parent
+
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct(">I")
 _MAX_REQUEST = 1 << 24
 _BLOCKED_WHILE_FORKING = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
@@ -227,13 +226,6 @@ class Prefork:
 # ---------------------------------------------------------------------------------- spawner's side
 
 
-def _set_pdeathsig(parent: int) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
-        os._exit(126)
-
-
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     data, fds, _, _ = socket.recv_fds(conn, 65536, 2)
     while len(data) < _HEADER.size:
@@ -312,7 +304,7 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
         for fd in keep_closed:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        _set_pdeathsig(spawner)
+        die_with_parent(spawner)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)
@@ -332,7 +324,7 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
 
 def serve(socket_path: str, modules: Sequence[str]) -> int:
     parent = os.getppid()
-    _set_pdeathsig(parent)
+    die_with_parent(parent)
     for name in modules:
         importlib.import_module(name)  # the whole point: import once, fork many
     threads = len(os.listdir("/proc/self/task"))

@@ -351,9 +351,10 @@ def test_a_spawner_that_died_is_started_again(ev: Events, tmp_path: Path) -> Non
 PREFORK_AGENT = """
 import sys, time
 from unicron.prefork import Prefork
-from agent.supervisor import Supervisor, pdeathsig_preexec
+from agent.supervisor import Supervisor
+from unicron.parentdeath import preexec
 import signal
-pf = Prefork([], sys.argv[1], preexec=pdeathsig_preexec(signal.SIGKILL)).start()
+pf = Prefork([], sys.argv[1], preexec=preexec(signal.SIGKILL)).start()
 while not pf.ready():
     time.sleep(0.02)
 proc = Supervisor(lambda e: None, prefork=pf).launch(0, [sys.executable, "-c", "import time; time.sleep(30)"])

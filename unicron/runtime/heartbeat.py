@@ -12,8 +12,6 @@ the iteration's path: the loop reads the thread's last observation.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -21,6 +19,7 @@ import signal
 import time
 from collections.abc import Iterable
 
+from unicron.parentdeath import die_with_parent
 from unicron.runtime import store as keys
 from unicron.runtime.comm import Store
 
@@ -110,7 +109,7 @@ class Heartbeat:
             self._pid = 0
 
     def _child(self, parent: int) -> None:
-        _die_with_parent()
+        die_with_parent(parent)  # (also checked each tick: getppid)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank handles ^C; we follow it out
         try:
             conn = keys.connect(self._host, self._port)
@@ -145,15 +144,6 @@ class Heartbeat:
             mem[self._STOP_SEEN] = 1
         outside = [r for r in range(self._world) if mem[self._HEADER + r]]
         mem[self._JOIN_SEEN] = int(any(conn.check([keys.join_key(r)]) for r in outside))
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the getppid() check ends the loop within a tick
 
 
 def _running(pid: int) -> bool:

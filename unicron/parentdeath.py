@@ -1,0 +1,52 @@
+"""Processes that die with their parent: Linux ``PR_SET_PDEATHSIG``.
+
+Used wherever a helper must not outlive the process that started it: the agent's ranks, store sidecar,
+failure marker and warm spawner; the spawner's ranks; a rank's heartbeat beater. The kernel sends the
+signal when the *thread* that forked the child exits, so long-lived parents fork from one long-lived
+thread. After ``prctl`` the child checks that its parent is still the one it expects: a parent that
+died between ``fork`` and ``prctl`` would never signal it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _prctl() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl: Callable[..., int] = libc.prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: callers' own parent checks remain
+    return prctl
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """In a forked child: receive ``sig`` when the parent dies; exit now if ``parent`` is gone already."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(126)
+
+
+def preexec(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``Popen(preexec_fn=...)`` doing :func:`die_with_parent` for the calling process. Everything is
+    resolved before the fork: the child only makes two system calls (no imports, no allocation that
+    could hit a lock held by another thread of the parent)."""
+    prctl = _prctl()
+    parent = os.getpid()
+
+    def run() -> None:
+        if prctl is not None and prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent:
+            os._exit(126)
+
+    return run
