@@ -259,8 +259,12 @@ def _exit_code(value: object) -> int:
 def _run_rank(request: dict[str, Any]) -> int:
     """In the forked child: become what ``python ARGV...`` would have been, and run it."""
     argv: list[str] = request["argv"]
+    sys.orig_argv = list(argv)
     os.environ.clear()
     os.environ.update(request["env"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # fresh entropy, as a new process's would be (random reseeds itself at fork)
+        numpy.random.seed()
     if request.get("cwd"):
         os.chdir(request["cwd"])
     try:
@@ -276,8 +280,13 @@ def _run_rank(request: dict[str, Any]) -> int:
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc.code)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        # as the interpreter does: sys.excepthook, which the rank may have replaced (unicron.client
+        # reports the exception to the agent through it)
+        try:
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+        except BaseException:
+            traceback.print_exception(exc)
         code = 1
     # What the interpreter does at exit, in its order: threading's exit hooks (they stop executor
     # workers) and joining non-daemon threads, then atexit.

@@ -187,6 +187,19 @@ def test_exit_runs_thread_pool_shutdown_and_atexit_as_a_new_process_would(sup: S
     assert (0, "atexit ran") in ev.lines
 
 
+def test_an_uncaught_exception_goes_through_sys_excepthook(sup: Supervisor, ev: Events) -> None:
+    code = ("import sys\n"
+            "sys.excepthook = lambda t, e, tb: print('hooked', t.__name__, e, file=sys.stderr)\n"
+            "raise ValueError('boom')\n")
+    sup.launch(0, py(code))
+    ((exit, _),) = ev.exits(1)
+    assert exit.returncode == 1
+    deadline = time.monotonic() + 2.0
+    while (0, "hooked ValueError boom") not in ev.lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (0, "hooked ValueError boom") in ev.lines
+
+
 def test_stop_and_cont(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
     ticks = tmp_path / "ticks"
     loop = f"import time\nwhile True:\n open({str(ticks)!r}, 'a').write('.')\n time.sleep(0.01)"

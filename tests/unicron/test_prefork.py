@@ -84,3 +84,20 @@ def test_a_spawner_whose_imports_start_threads_refuses_to_serve(tmp_path: Path,
             p.wait_ready(30.0)
     finally:
         p.close()
+
+
+def test_forked_ranks_do_not_share_numpy_random_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    p = Prefork(["numpy"], str(tmp_path / "s")).start().wait_ready(60.0)
+    try:
+        draws = []
+        for i in range(2):
+            out = tmp_path / f"out{i}.log"
+            with open(out, "wb") as fh:
+                proc = p.spawn([PY, "-c", "import numpy; print(numpy.random.randint(1 << 30))"], None, None,
+                               fh.fileno(), fh.fileno())
+            assert proc.wait() == 0
+            draws.append(out.read_text().strip())
+        assert draws[0] != draws[1]  # a new process's entropy each, not the spawner's state twice
+    finally:
+        p.close()
