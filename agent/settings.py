@@ -39,7 +39,7 @@ class AgentSettings:
     """0 disables the replica server."""
     replica_host: str = setting("127.0.0.1", "UNICRON_REPLICA_HOST", "address the checkpoint replica server listens on")
     """Must be reachable from the other nodes (the cluster network) in a real deployment."""
-    prefork: str = setting("unicron.runtime.train", "UNICRON_PREFORK",
+    prefork: str = setting("unicron.runtime.train,unicron.workload", "UNICRON_PREFORK",
                            "modules a warm spawner imports once to fork ranks from (comma-separated; empty: off)")
     """Ranks started as ``<agent's python> -m MODULE`` for these modules are forked, already imported
     (milliseconds instead of seconds for torch + Megatron); costs one idle process holding the imports."""
