@@ -191,15 +191,17 @@ class Prefork:
                               "cwd": cwd}).encode()
         read_end, write_end = os.pipe() if stderr is None else (-1, os.dup(stderr))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        reader = conn.makefile("rb")
         try:
             conn.settimeout(10.0)
             conn.connect(self.socket_path)
             out = sys.stdout.fileno() if stdout is None else stdout
             socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [out, write_end])
-            reader = conn.makefile("rb")
             answer = json.loads(reader.readline() or b"{}")
             pid = int(answer["pid"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
+            # hanging up makes the spawner kill a rank it may have forked already (no twin)
+            reader.close()
             conn.close()
             if read_end >= 0:
                 os.close(read_end)
@@ -353,14 +355,19 @@ def serve(socket_path: str, modules: Sequence[str]) -> int:
     listener.listen(64)
     os.rename(tmp, socket_path)  # the socket appears only once everything is imported
     ranks: dict[int, socket.socket] = {}
+    hung_up: set[int] = set()
     stopping = False
     try:
         while not stopping:
-            ready, _, _ = select.select([listener.fileno(), wake_r], [], [], 1.0)
+            watched = {c.fileno(): pid for pid, c in ranks.items() if pid not in hung_up}
+            ready, _, _ = select.select([listener.fileno(), wake_r, *watched], [], [], 1.0)
             if wake_r in ready:
                 with contextlib.suppress(BlockingIOError):
                     stopping = signal.SIGTERM in os.read(wake_r, 4096)
-            _reap(ranks)
+            for fd in ready:
+                if fd in watched:
+                    _on_hang_up(watched[fd], ranks[watched[fd]], hung_up)
+            _reap(ranks, hung_up)
             if os.getppid() != parent:
                 break
             if listener.fileno() in ready:
@@ -394,14 +401,24 @@ def _accept(listener: socket.socket, ranks: dict[int, socket.socket], own_fds: l
         os.setpgid(pid, pid)  # also here: the group must exist before the agent learns the pid
     for fd in fds:
         os.close(fd)
-    try:
+    ranks[pid] = conn
+    with contextlib.suppress(OSError):  # if the agent is gone already, the hang-up kills the rank
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        ranks[pid] = conn
-    except OSError:
-        conn.close()  # the agent gave up on this rank: it still runs, reaped without a report
 
 
-def _reap(ranks: dict[int, socket.socket]) -> None:
+def _on_hang_up(pid: int, conn: socket.socket, hung_up: set[int]) -> None:
+    """The agent closed a rank's connection (it gave up waiting for the pid, or dropped the rank):
+    nobody supervises that rank any more, so it must not live on. The agent never sends anything
+    after the request, so a readable connection means end of file."""
+    with contextlib.suppress(OSError):
+        if conn.recv(1):
+            return
+    hung_up.add(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _reap(ranks: dict[int, socket.socket], hung_up: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -410,6 +427,7 @@ def _reap(ranks: dict[int, socket.socket]) -> None:
         if pid == 0:
             return
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        hung_up.discard(pid)
         conn = ranks.pop(pid, None)
         if conn is not None:
             with contextlib.suppress(OSError):

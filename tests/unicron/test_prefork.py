@@ -101,3 +101,17 @@ def test_forked_ranks_do_not_share_numpy_random_state(tmp_path: Path, monkeypatc
         assert draws[0] != draws[1]  # a new process's entropy each, not the spawner's state twice
     finally:
         p.close()
+
+
+def test_a_rank_whose_connection_the_agent_dropped_is_killed(prefork: Prefork, tmp_path: Path) -> None:
+    """A rank lives only while someone waits on it: an agent that gave up on the pid (and starts the
+    rank as a new process instead) must not leave a forked twin running."""
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = prefork.spawn([PY, "-c", "import time; time.sleep(60)"], None, None, out.fileno(), out.fileno())
+    proc._reader.close()  # (the socket closes with its last file object)
+    proc._conn.close()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{proc.pid}").exists() and "Z" not in Path(f"/proc/{proc.pid}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the orphaned rank still runs"
+        time.sleep(0.02)
+    assert _exit_code(prefork, "pass", tmp_path) == 0  # and the spawner serves on
