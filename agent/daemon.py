@@ -40,7 +40,7 @@ from unicron import parentdeath, patterns, protocol
 from unicron.errors import InvalidRecord, StoreUnavailable
 from unicron.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.keyspace import Keyspace
-from unicron.prefork import Prefork
+from unicron.prefork import Prefork, with_torchrun_threads
 from unicron.types import (
     AssignmentResult,
     DetectionMethod,
@@ -438,8 +438,7 @@ class Agent:
                 rt.assignment = a
 
     def _rank_env(self, a: TaskAssignment, spec: Any) -> dict[str, str]:
-        env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")  # torchrun's default
+        env = with_torchrun_threads(os.environ)
         env.update(a.env)
         env.update({
             "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank), "WORLD_SIZE": str(a.world_size),

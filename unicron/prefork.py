@@ -73,9 +73,9 @@ def startup_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
 
 
-def spawner_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The spawner's environment: ``env`` with torchrun's default of one OpenMP thread (the agent
-    gives its ranks the same default), which also keeps the spawner single-threaded."""
+def with_torchrun_threads(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with torchrun's default of one OpenMP thread: what the agent gives its ranks and the
+    spawner runs with (which also keeps the spawner single-threaded)."""
     return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
 
 
@@ -130,7 +130,7 @@ class Prefork:
         self.python = python
         self._preexec = preexec
         self._proc: subprocess.Popen[bytes] | None = None
-        self._env = spawner_env(os.environ if env is None else env)
+        self._env = with_torchrun_threads(os.environ if env is None else env)
         self._backoff = restart_backoff_s
         self._started_at = -math.inf
         # PDEATHSIG fires when the *thread* that forked the spawner exits: start it from one thread
@@ -156,7 +156,7 @@ class Prefork:
         are exec'd meanwhile."""
         dead = self._proc is not None and self._proc.poll() is not None
         if dead and not self._closed and time.monotonic() - self._started_at >= self._backoff:
-            log.warning("the rank spawner exited with %s; starting it again", self._proc.returncode if self._proc else None)
+            log.warning("the rank spawner is gone; starting it again")
             self._started_at = time.monotonic()
             self._starter.submit(self._launch)
 

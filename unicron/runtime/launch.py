@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,7 @@ def free_port() -> int:
 def warm_spawner(modules: Sequence[str] = ("unicron.runtime.train",)) -> Prefork:
     """A started spawner (the agent's, :mod:`unicron.prefork`) that pre-imported ``modules``: a rank
     forked from it starts in milliseconds, not the seconds of importing torch and Megatron-core."""
-    sock = os.path.join(tempfile.mkdtemp(prefix="unicron-spawner-"), "s")
+    sock = os.path.join(tempfile.gettempdir(), f"unicron-spawner-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
     return Prefork(modules, sock, python=PYTHON, env=base_env()).start().wait_ready()
 
 
