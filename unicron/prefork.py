@@ -57,6 +57,18 @@ _MAX_REQUEST = 1 << 24
 _BLOCKED_WHILE_FORKING = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
 
 
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM a child, SIGKILL it if it has not exited after ``grace_s``, and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class PreforkUnavailable(Exception):
     """The spawner cannot start this rank (not ready, gone, refused): start it as a new process."""
 
@@ -214,13 +226,8 @@ class Prefork:
     def close(self) -> None:
         self._closed = True
         self._starter.shutdown(wait=True)
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            stop_process(self._proc)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 

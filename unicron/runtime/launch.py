@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unicron.errors import TemporaryError
-from unicron.prefork import Prefork, PreforkedProcess
+from unicron.prefork import Prefork, PreforkedProcess, stop_process
 from unicron.runtime import store as keys
 from unicron.runtime.epoch import EpochRecord
 
@@ -200,12 +200,8 @@ class LocalJob:
                     rp.proc.wait()
         if self._spawner is not None and self._spawner is not self.spawner:
             self._spawner.close()
-        if self._store_proc is not None and self._store_proc.poll() is None:
-            self._store_proc.terminate()
-            try:
-                self._store_proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._store_proc.kill()
+        if self._store_proc is not None:
+            stop_process(self._store_proc)
 
     def __enter__(self) -> LocalJob:
         return self.start()
