@@ -29,19 +29,21 @@ from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
 from agent.gpu.simulated import SimulatedBackend
 from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
+from agent.link import LinkClient
 from agent.marker import FailureMarker
+from agent.prefork import Prefork, with_torchrun_threads
 from agent.ranks import RankServer
 from agent.settings import AgentSettings
 from agent.supervisor import RankExit, Supervisor
 from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
-from unicron import log as ulog
-from unicron import parentdeath, patterns, protocol
-from unicron.errors import InvalidRecord, StoreUnavailable
-from unicron.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
-from unicron.keyspace import Keyspace
-from unicron.prefork import Prefork, with_torchrun_threads
-from unicron.types import (
+from unicron.kernel import log as ulog
+from unicron.kernel import parentdeath, patterns, protocol
+from unicron.kernel.errors import InvalidRecord, StoreUnavailable
+from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
+from unicron.kernel.inject import Fault, Injection, parse_injection
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import (
     AssignmentResult,
     DetectionMethod,
     ErrorKind,
@@ -150,8 +152,6 @@ class Agent:
         self.gpu_monitor.start()
         self.hang_watcher.start()
         self._register()
-        from coordinator.link import LinkClient  # the link protocol lives with its server
-
         self._link = LinkClient(self.node, self.settings.heartbeat_s, self._resolve_coordinator).start()
         self._start_watches()
         self.ready.set()
@@ -539,75 +539,72 @@ class Agent:
         if ev.kind == "delete":
             return
         try:
-            req = json.loads(ev.value)
-            if not isinstance(req, dict) or "fault" not in req:
-                raise ValueError("expected an object with a 'fault' field")
-        except ValueError as exc:
+            req = parse_injection(ev.value)
+        except InvalidRecord as exc:
             log.warning("ignoring malformed injection", key=ev.key, error=str(exc))
             return
-        if "executed_ts" in req:
+        if req.executed_ts is not None:
             return
         try:
-            detail = self.inject(req)
-            req.update(executed_ts=time.time(), detail=detail, ok=True)
+            answer = req.answered(ok=True, detail=self.inject(req))
         except (KeyError, ValueError, LookupError) as exc:
-            req.update(executed_ts=time.time(), detail=f"{type(exc).__name__}: {exc}", ok=False)
+            answer = req.answered(ok=False, detail=f"{type(exc).__name__}: {exc}")
         assert self.store is not None
         with contextlib.suppress(StoreUnavailable):
-            self.store.put(ev.key, json.dumps(req))
+            self.store.put(ev.key, json.dumps(answer.to_dict()))
 
-    def inject(self, req: dict[str, Any]) -> str:
+    def inject(self, req: Injection) -> str:
         """Execute one fault-injection request (see ``unicron inject``). Returns what was done."""
-        fault = req["fault"]
-        handlers: dict[str, Callable[[dict[str, Any]], str]] = {
-            "xid": self._inject_xid, "kill-rank": self._inject_kill_rank, "stall": self._inject_stall,
-            "raise": self._inject_raise, "slow": self._inject_slow,
+        handlers: dict[Fault, Callable[[Injection], str]] = {
+            Fault.XID: self._inject_xid, Fault.KILL_RANK: self._inject_kill_rank,
+            Fault.STALL: self._inject_stall, Fault.RAISE: self._inject_raise,
+            Fault.SLOW: self._inject_slow,
         }
-        if fault not in handlers:
-            raise ValueError(f"unknown fault {fault!r}; expected one of {sorted(handlers)}")
-        return handlers[fault](req)
+        return handlers[req.fault](req)
 
-    def _find_rank(self, req: dict[str, Any]) -> tuple[_RunningTask, int]:
+    def _find_rank(self, req: Injection) -> tuple[_RunningTask, int]:
         with self._tasks_lock:
-            task = req.get("task") or next(iter(self._tasks), None)
+            task = req.task or next(iter(self._tasks), None)
             if task is None or task not in self._tasks:
                 raise LookupError(f"no task {task!r} running on node {self.node}")
             rt = self._tasks[task]
             ranks = [s.rank for s in rt.assignment.rank_specs()]
-            rank = int(req.get("rank", ranks[0]))
+            rank = ranks[0] if req.rank is None else req.rank
             if rank not in ranks:
                 raise LookupError(f"rank {rank} of task {task} is not on node {self.node} (has {ranks})")
             return rt, rank
 
-    def _inject_xid(self, req: dict[str, Any]) -> str:
+    def _inject_xid(self, req: Injection) -> str:
         if not isinstance(self.backend, SimulatedBackend):
             raise ValueError("xid injection needs the simulated GPU backend")
-        gpu, code = int(req.get("gpu", 0)), int(req["code"])
+        if req.code is None:
+            raise ValueError("xid injection needs a code")
+        gpu, code = req.gpu, req.code
         self.backend.inject_xid(gpu, code)
         return f"XID {code} on simulated GPU {gpu}"
 
-    def _inject_kill_rank(self, req: dict[str, Any]) -> str:
+    def _inject_kill_rank(self, req: Injection) -> str:
         rt, rank = self._find_rank(req)
         # Signalled directly, not through Supervisor.kill: an injected kill must look like a crash.
         pid = rt.supervisor.status()[rank].pid
         os.kill(pid, signal.SIGKILL)
         return f"SIGKILL rank {rank} (pid {pid}) of task {rt.assignment.task}"
 
-    def _inject_stall(self, req: dict[str, Any]) -> str:
+    def _inject_stall(self, req: Injection) -> str:
         rt, rank = self._find_rank(req)
         rt.supervisor.stop(rank)
         return f"SIGSTOP rank {rank} (pid {rt.supervisor.status()[rank].pid}) of task {rt.assignment.task}"
 
-    def _inject_raise(self, req: dict[str, Any]) -> str:
+    def _inject_raise(self, req: Injection) -> str:
         rt, rank = self._find_rank(req)
-        kind = ErrorKind(req.get("kind", ErrorKind.OTHER_SOFTWARE_ERROR.value))
+        kind = req.kind or ErrorKind.OTHER_SOFTWARE_ERROR
         if not self.rank_server.send(rt.assignment.task, rank, protocol.InjectRaise(kind=kind.value)):
             raise LookupError(f"rank {rank} is not connected to the agent socket")
         return f"raise {kind.value} in rank {rank} of task {rt.assignment.task}"
 
-    def _inject_slow(self, req: dict[str, Any]) -> str:
+    def _inject_slow(self, req: Injection) -> str:
         rt, rank = self._find_rank(req)
-        delay, n = float(req.get("delay_s", 1.0)), int(req.get("iterations", 1))
+        delay, n = req.delay_s, req.iterations
         if not self.rank_server.send(rt.assignment.task, rank, protocol.InjectSlow(delay_s=delay, iterations=n)):
             raise LookupError(f"rank {rank} is not connected to the agent socket")
         return f"slow {n} iteration(s) of rank {rank} by {delay}s"

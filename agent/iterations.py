@@ -34,9 +34,9 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from unicron.errors import ConfigError
-from unicron.protocol import PHASE_TRAIN
-from unicron.types import ErrorKind
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.protocol import PHASE_TRAIN
+from unicron.kernel.types import ErrorKind
 
 log = logging.getLogger(__name__)
 

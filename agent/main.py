@@ -12,7 +12,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import sys
 
 from agent.settings import AgentSettings
-from unicron import daemon
+from unicron.kernel import daemon
 
 
 def _build(settings: AgentSettings) -> daemon.Daemon:

@@ -1,6 +1,6 @@
 """The agent's Unix socket for its ranks (exception propagation and progress reports, paper §4.1).
 
-Each rank connects once (``unicron.client.AgentClient``), introduces itself with ``Hello`` and then
+Each rank connects once (``unicron.kernel.client.AgentClient``), introduces itself with ``Hello`` and then
 streams messages. A malformed line is logged and skipped; it never closes the connection or the
 server. Instructions flow back on the same connection.
 """
@@ -14,8 +14,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-from unicron import protocol, wire
-from unicron.errors import InvalidRecord
+from unicron.kernel import protocol, wire
+from unicron.kernel.errors import InvalidRecord
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""Agent settings: every field is a flag with an environment fallback (see unicron.config)."""
+"""Agent settings: every field is a flag with an environment fallback (see unicron.kernel.config)."""
 
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
 
-from unicron.config import setting
-from unicron.errors import ConfigError
+from unicron.kernel.config import setting
+from unicron.kernel.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class AgentSettings:
     """0 disables the replica server."""
     replica_host: str = setting("127.0.0.1", "UNICRON_REPLICA_HOST", "address the checkpoint replica server listens on")
     """Must be reachable from the other nodes (the cluster network) in a real deployment."""
-    prefork: str = setting("unicron.runtime.train,unicron.workload", "UNICRON_PREFORK",
+    prefork: str = setting("unicron.runtime.train,unicron.runtime.workload", "UNICRON_PREFORK",
                            "modules a warm spawner imports once to fork ranks from (comma-separated; empty: off)")
     """Ranks started as ``<agent's python> -m MODULE`` for these modules are forked, already imported
     (milliseconds instead of seconds for torch + Megatron); costs one idle process holding the imports."""

@@ -5,7 +5,7 @@ Each rank runs as a child process in its own process group. Per child:
 * a **waiter thread** blocked in ``waitpid`` learns of the exit the moment the kernel reaps it (no
   poll loop) and calls ``on_exit`` with a :class:`RankExit` saying whether the agent asked for it;
 * a **stderr reader thread** forwards every line (rank-prefixed) to the agent's stderr or a sink and
-  calls ``on_stderr_match`` when :func:`unicron.patterns.match` recognises a Table 1 status (at most
+  calls ``on_stderr_match`` when :func:`unicron.kernel.patterns.match` recognises a Table 1 status (at most
   once per kind per ``match_interval_s``, so a rank spewing the same error does not flood reports).
 
 Ranks die with the agent: each child is started with ``PR_SET_PDEATHSIG = SIGKILL``. An agent killed
@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from unicron import parentdeath, patterns
-from unicron.errors import ConfigError, PermanentError
-from unicron.prefork import Prefork, PreforkedProcess, PreforkUnavailable
-from unicron.types import ErrorKind
+from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
+from unicron.kernel import parentdeath, patterns
+from unicron.kernel.errors import ConfigError, PermanentError
+from unicron.kernel.types import ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _stderr_writer() -> StderrSink:
 
 class RankProcess:
     """One supervised rank process (created by :meth:`Supervisor.launch`): exec'd, or forked by the
-    node's warm spawner (:mod:`unicron.prefork`)."""
+    node's warm spawner (:mod:`agent.prefork`)."""
 
     def __init__(self, rank: int, popen: subprocess.Popen[bytes] | PreforkedProcess) -> None:
         self.rank = rank

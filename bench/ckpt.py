@@ -41,16 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt import (
-    CheckpointConfig,
-    CheckpointManager,
-    FilesystemStorage,
-    ReplicaClient,
-    ReplicaServer,
-    Tier,
-    capture_rng_state,
-)
+from ckpt.api import Tier
 from ckpt.codec import encode
+from ckpt.manager import CheckpointConfig, CheckpointManager
+from ckpt.replica import ReplicaClient, ReplicaServer
+from ckpt.rng import capture_rng_state
+from ckpt.storage import FilesystemStorage
 
 GB = 1e9
 

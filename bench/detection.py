@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from unicron.commands.inject import request
-from unicron.localcluster import LocalCluster
-from unicron.types import ErrorKind, Incident
+from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.inject import Injection, request
+from unicron.kernel.types import ErrorKind, Incident
 
 ITER_TIME = 0.05
 PAPER = {"node_silenced_s": 5.6, "rank_killed_s": 1.8, "exception_s": 0.3}
@@ -41,7 +41,7 @@ class Bench:
 
     def start_workload(self, iterations: int = 0, jitter: float = 0.2) -> None:
         self.generation += 1
-        argv = [sys.executable, "-m", "unicron.workload", "--iter-time", str(ITER_TIME), "--jitter", str(jitter),
+        argv = [sys.executable, "-m", "unicron.runtime.workload", "--iter-time", str(ITER_TIME), "--jitter", str(jitter),
                 "--iterations", str(iterations)]
         self.c.assign_task("bench", argv, ["node0", "node1"], ranks_per_node=2, generation=self.generation)
         self.c.wait_for(lambda: self.min_step() >= 8, 60.0, "warm-up", poll_s=0.05)
@@ -99,7 +99,7 @@ class Bench:
     def exception(self) -> float:
         assert self.c.store is not None
         t0 = time.time()
-        request(self.c.store, self.c.keys, "node1", {"fault": "raise", "kind": "cuda_error", "rank": 2})
+        request(self.c.store, self.c.keys, "node1", Injection.from_dict({"fault": "raise", "kind": "cuda_error", "rank": 2}))
         inc = self.wait(lambda i: i.kind is ErrorKind.CUDA_ERROR and i.rank == 2, t0)
         self.start_workload()
         return inc.detected_ts - inc.source_ts  # source_ts: when the rank raised it
@@ -107,7 +107,7 @@ class Bench:
     def xid(self) -> float:
         assert self.c.store is not None
         t0 = time.time()
-        request(self.c.store, self.c.keys, "node2", {"fault": "xid", "code": 79, "gpu": 0})
+        request(self.c.store, self.c.keys, "node2", Injection.from_dict({"fault": "xid", "code": 79, "gpu": 0}))
         inc = self.wait(lambda i: i.kind is ErrorKind.GPU_DRIVER_ERROR and i.node == "node2", t0)
         return inc.detected_ts - inc.source_ts  # source_ts: when the simulated GPU raised the XID
 

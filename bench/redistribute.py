@@ -35,9 +35,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from unicron.prefork import Prefork
+from agent.prefork import Prefork
+from unicron.cluster.launch import LocalJob, warm_spawner
 from unicron.runtime.compare import bitwise_equal, load_params, max_rel_diff, per_tensor
-from unicron.runtime.launch import LocalJob, warm_spawner
 
 PROFILES: dict[str, dict[str, Any]] = {
     # B = 16 micro-batches of 4 sequences: k = 4 per rank at DP = 4. Full: 1800 measured rounds of the

@@ -13,7 +13,7 @@ and measures the time until the task completes its next iteration:
 * ``baseline_restart`` (same run): the whole task is stopped and submitted again, every process new,
   resuming from its last ``torch.save`` checkpoint — what torchrun and Megatron do. Its time counts the
   iterations computed again since that checkpoint, until the task is past the failed iteration. Its
-  processes, like every rank's, are forked from the agents' warm spawner (``unicron/prefork.py``), which
+  processes, like every rank's, are forked from the agents' warm spawner (``agent/prefork.py``), which
   torchrun does not have: if anything, this baseline is faster than torchrun's.
 
 Iteration progress is read from the agents' status, written every 0.1 s here. ``iterations_redone``:
@@ -37,9 +37,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from unicron.cli import main as cli
-from unicron.commands.inject import request
-from unicron.localcluster import LocalCluster
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.inject import Injection, request
 from unicron.runtime.checkpoint import TorchSaveCheckpointer
 
 TASK = "bench"
@@ -109,8 +109,8 @@ class Bench:
         step = max(self.steps())
         assert self.c.store is not None
         ans = request(self.c.store, self.c.keys, victim["node"],
-                      {"fault": "raise", "kind": "connection_refused_reset", "task": TASK, "rank": victim["rank"]})
-        t0 = float(ans["executed_ts"])
+                      Injection.from_dict({"fault": "raise", "kind": "connection_refused_reset", "task": TASK, "rank": victim["rank"]}))
+        t0 = float(ans.executed_ts or 0.0)
         return self.wait_next_iteration(step) - t0, 0
 
     def restart(self) -> tuple[float, float, int]:

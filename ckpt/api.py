@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from unicron.errors import InvalidRecord, PermanentError, TemporaryError
+from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError
 
 #: Anything whose bytes can be written (bytes, bytearray, memoryview over an mmap or an array).
 Buffer: TypeAlias = bytes | bytearray | memoryview

@@ -28,7 +28,7 @@ import torch
 
 from ckpt.api import CheckpointCorrupt, CheckpointError, Snapshot, SnapshotInfo
 from ckpt.codec import byte_view
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 _PUBLISHED = "PUBLISHED"
 

@@ -47,9 +47,9 @@ from ckpt.api import (
 )
 from ckpt.local import LocalStore
 from ckpt.tiers import LocalSource, PeerSource, RemoteSource, Source
-from unicron import log
-from unicron.config import setting
-from unicron.errors import ConfigError, InvalidRecord, UnicronError
+from unicron.kernel import log
+from unicron.kernel.config import setting
+from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
 
 DEFAULT_SHM = "/dev/shm/unicron-ckpt"
 
@@ -57,7 +57,7 @@ DEFAULT_SHM = "/dev/shm/unicron-ckpt"
 @dataclass
 class CheckpointConfig:
     """Settings of one rank's checkpoint manager (tunables read UNICRON_CKPT_* variables via
-    ``unicron.config.from_args``)."""
+    ``unicron.kernel.config.from_args``)."""
 
     #: the training task's id: names the shared-memory directory, replica keys and remote prefix
     job: str

@@ -22,7 +22,7 @@ import torch
 
 from ckpt.api import CheckpointCorrupt, ObjectMissing, Snapshot, SnapshotInfo, Storage
 from ckpt.codec import byte_view, crc
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 _MANIFEST_RX = re.compile(r"manifest-(\d{12})\.json$")
 _ITER_RX = re.compile(r"iter-(\d{12})/")

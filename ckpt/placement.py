@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 
 
 def replica_targets(node: str, nodes: Iterable[str], copies: int = 1) -> list[str]:

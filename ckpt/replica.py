@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import mmap
 import signal
 import socket
 import socketserver
@@ -31,12 +32,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ckpt import wire
 from ckpt.api import ReplicaRejected, ReplicaStore, ReplicaUnavailable, Snapshot, SnapshotInfo, check_name
-from ckpt.codec import byte_view
-from unicron.errors import ConfigError, InvalidRecord, UnicronError
+from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
 
 Key = tuple[str, int, int]
 
@@ -53,8 +51,9 @@ def transfer_timeout(base_s: float, nbytes: int) -> float:
 
 
 def _alloc(n: int) -> memoryview:
-    # torch.empty does not touch the pages (bytearray would zero them first)
-    return byte_view(torch.empty(n, dtype=torch.uint8))
+    # An anonymous mapping does not touch the pages (bytearray would zero them first), and needs no
+    # torch: the agent hosts this server and must never import torch (it would starve its heartbeats).
+    return memoryview(mmap.mmap(-1, n)) if n > 0 else memoryview(bytearray())
 
 
 class ReplicaMemory(ReplicaStore):

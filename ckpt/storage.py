@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from ckpt.api import Buffer, ObjectMissing, Storage, StorageUnavailable
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 _KEY_RX = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$")
 

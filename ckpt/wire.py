@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckpt.api import Buffer
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 MAGIC = b"UCR1"
 _HEAD = struct.Struct("!4sI")

@@ -1,4 +1,4 @@
-"""The coordinator's gRPC API (``unicron/proto/coordinator.proto``; docs/api.md).
+"""The coordinator's gRPC API (``unicron/kernel/proto/coordinator.proto``; docs/api.md).
 
 The servicer knows nothing of the daemon: it talks to a :class:`ControlPlane`, which the daemon
 implements. Its jobs are the boundary ones: validate task specs (:func:`parse_task_spec`, against the
@@ -19,12 +19,12 @@ import grpc
 import structlog
 
 from coordinator.tasks import TaskSpec, parse_task_spec
-from unicron.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
-from unicron.proto import coordinator_pb2 as pb
-from unicron.proto import coordinator_pb2_grpc as pb_grpc
+from unicron.kernel.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
+from unicron.kernel.proto import coordinator_pb2 as pb
+from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
-# A lazy proxy, so that unicron.log.configure() called later (by main) still applies; a logger from
-# unicron.log.get() at import time would keep structlog's default config (stdout, console format).
+# A lazy proxy, so that unicron.kernel.log.configure() called later (by main) still applies; a logger from
+# unicron.kernel.log.get() at import time would keep structlog's default config (stdout, console format).
 log = structlog.get_logger("unicron.coordinator.api")
 
 T = TypeVar("T")
@@ -43,7 +43,7 @@ class ControlPlane(Protocol):
 
     Every method is called from one of the server's worker threads, concurrently with the daemon's
     own loop, so an implementation must be thread-safe (e.g. hand the request to the loop thread and
-    wait for its answer). Errors are raised as :mod:`unicron.errors` exceptions (or :class:`NotFound`
+    wait for its answer). Errors are raised as :mod:`unicron.kernel.errors` exceptions (or :class:`NotFound`
     / :class:`AlreadyExists`); the servicer maps them to status codes (see :func:`status_for`).
     """
 

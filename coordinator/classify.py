@@ -1,4 +1,4 @@
-"""Severity classification of reports into incidents, by paper Table 1 (``unicron.severity``).
+"""Severity classification of reports into incidents, by paper Table 1 (``unicron.kernel.severity``).
 
 GPU health events found by the agent's GPU monitor (XID / ECC / NVLink) arrive as
 ``EXCEPTION_PROPAGATION`` reports of kind ECC_ERROR / NVLINK_ERROR / GPU_DRIVER_ERROR /
@@ -8,8 +8,8 @@ is recorded only: severity ``None``, no recovery action.
 
 from __future__ import annotations
 
-from unicron.severity import FALLBACK_SEVERITY, TABLE1, severity_of
-from unicron.types import Incident, Report
+from unicron.kernel.severity import FALLBACK_SEVERITY, TABLE1, severity_of
+from unicron.kernel.types import Incident, Report
 
 __all__ = ["FALLBACK_SEVERITY", "TABLE1", "classify", "severity_of"]
 

@@ -30,11 +30,11 @@ from coordinator.leader import Leadership
 from coordinator.link import LinkServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import TaskSpec
-from unicron import log as ulog
-from unicron.errors import InvalidRecord, NotLeader, StoreUnavailable
-from unicron.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
-from unicron.keyspace import Keyspace
-from unicron.types import DetectionMethod, ErrorKind, Incident, NodeInfo, Report, new_id
+from unicron.kernel import log as ulog
+from unicron.kernel.errors import InvalidRecord, NotLeader, StoreUnavailable
+from unicron.kernel.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, NodeInfo, Report, new_id
 
 log = ulog.get("unicron.coordinator")
 

@@ -20,7 +20,7 @@ at most ``max_reattempts`` times per incident, and a task that needs more than
 ``max_restarts_without_progress`` restarts (or restart-driven reconfigurations) without its step
 advancing is marked failed. Every tracked action has a deadline; a missed deadline counts as failure.
 
-Counters, following :class:`unicron.types.TaskAssignment`: ``generation`` grows on every assignment
+Counters, following :class:`unicron.kernel.types.TaskAssignment`: ``generation`` grows on every assignment
 (agents replace all the task's processes), ``restart_epoch`` on every sev2 restart (only the named
 ranks are relaunched and rejoin), ``regroup_epoch`` on every sev3 reattempt (no process restarts).
 """
@@ -38,8 +38,8 @@ from typing import Any
 from coordinator.allocation import Allocator, EvenAllocator
 from coordinator.placement import place
 from coordinator.tasks import TaskSpec, parse_task_spec
-from unicron.errors import ConfigError, InvalidRecord, PermanentError
-from unicron.types import Incident, Severity
+from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError
+from unicron.kernel.types import Incident, Severity
 
 # ---------------------------------------------------------------------------------------------------
 # settings

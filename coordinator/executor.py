@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 
 from coordinator import decision as d
 from coordinator.tasks import TaskSpec
-from unicron.errors import InvalidRecord
-from unicron.etcd_server import free_port
-from unicron.keyspace import Keyspace
-from unicron.types import NodeAssignment, RankSpec, TaskAssignment
+from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.net import free_port
+from unicron.kernel.types import NodeAssignment, RankSpec, TaskAssignment
 
 
 class Executor:

@@ -2,7 +2,7 @@
 
 A coordinator becomes leader by creating the ``leader`` key under its own lease. The key's
 ``create_revision`` is the fencing token: every write the leader makes is a transaction guarded by
-it (:meth:`unicron.etcd.Store.guarded_txn`). If the lease expires (the leader was stopped or cut
+it (:meth:`unicron.kernel.etcd.Store.guarded_txn`). If the lease expires (the leader was stopped or cut
 off) and another coordinator takes over, the old leader's token no longer matches and none of its
 writes land, even if it wakes up believing it still leads.
 """
@@ -13,9 +13,9 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from unicron.errors import NotLeader, StoreUnavailable
-from unicron.etcd import Lease, Store
-from unicron.keyspace import Keyspace
+from unicron.kernel.errors import NotLeader, StoreUnavailable
+from unicron.kernel.etcd import Lease, Store
+from unicron.kernel.keyspace import Keyspace
 
 log = logging.getLogger(__name__)
 

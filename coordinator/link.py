@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from unicron import wire
-from unicron.errors import InvalidRecord
+from unicron.kernel import link, wire
+from unicron.kernel.errors import InvalidRecord
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +102,15 @@ class LinkServer:
             log.warning("link: bad hello (%s); closing", exc)
             return None
         conn.sock.settimeout(None)
-        node = msg.get("node") if msg and msg.get("type") == "hello" else None
-        if not isinstance(node, str) or not node:
-            log.warning("link: first message was not a hello with a node name: %r", msg)
+        try:
+            hello = link.parse(msg) if msg is not None else None
+        except InvalidRecord as exc:
+            log.warning("link: bad hello (%s); closing", exc)
             return None
-        return node
+        if not isinstance(hello, link.LinkHello):
+            log.warning("link: first message was not a hello: %r", msg)
+            return None
+        return hello.node
 
     def _serve(self, conn: wire.LineSocket) -> None:
         node = self._hello(conn)
@@ -123,7 +127,7 @@ class LinkServer:
             old.lost = True  # replaced by a reconnect: the old socket's close is not a loss
             old.conn.close()
         with contextlib.suppress(OSError):
-            conn.send({"type": "welcome"})
+            conn.send(link.Welcome().to_wire())
         if self.on_connected is not None:
             self.on_connected(node, now)
         self._read_heartbeats(peer)
@@ -167,57 +171,3 @@ class LinkServer:
                     continue
             for p in expired:
                 self._lose(p, "heartbeat timeout")
-
-
-class LinkClient:
-    """The agent's end: connect to the leader, say hello, heartbeat; reconnect when it breaks."""
-
-    def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], str | None]) -> None:
-        self.node = node
-        self.heartbeat_s = heartbeat_s
-        self.resolve = resolve  # returns the current leader's "host:port", or None
-        self._stop = threading.Event()
-        self.connected = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="link-client", daemon=True)
-
-    def start(self) -> LinkClient:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-
-    def _connect(self) -> wire.LineSocket | None:
-        addr = self.resolve()
-        if not addr:
-            return None
-        host, _, port = addr.rpartition(":")
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=2.0)
-        except (OSError, ValueError) as exc:
-            log.info("link: cannot reach coordinator at %s: %s", addr, exc)
-            return None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = wire.LineSocket(sock)
-        conn.send({"type": "hello", "node": self.node})
-        return conn
-
-    def _run(self) -> None:
-        backoff = 0.05
-        while not self._stop.is_set():
-            conn = self._connect()
-            if conn is None:
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            backoff = 0.05
-            self.connected.set()
-            try:
-                while not self._stop.wait(self.heartbeat_s):
-                    conn.send({"type": "hb", "ts": time.time()})
-            except OSError as exc:
-                log.warning("link to coordinator broke (%s); reconnecting", exc)
-            finally:
-                self.connected.clear()
-                conn.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from coordinator.settings import CoordinatorSettings
-from unicron import daemon
+from unicron.kernel import daemon
 
 
 def _build(settings: CoordinatorSettings) -> daemon.Daemon:

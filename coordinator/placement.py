@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from unicron.errors import PermanentError
+from unicron.kernel.errors import PermanentError
 
 Keep = dict[str, dict[str, int]]  # task -> node -> kept GPUs
 

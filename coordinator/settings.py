@@ -1,11 +1,11 @@
-"""Coordinator settings: every field is a flag with an environment fallback (see unicron.config)."""
+"""Coordinator settings: every field is a flag with an environment fallback (see unicron.kernel.config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unicron.config import setting
-from unicron.errors import ConfigError
+from unicron.kernel.config import setting
+from unicron.kernel.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ T_necessary: the fewest GPUs it may run on), the parallelism that constrains how
 (tensor-parallel groups stay inside a node), a model description for the throughput model, and env.
 
 ``parse_task_spec`` is the only way in from untrusted JSON: every problem raises
-:class:`unicron.errors.InvalidRecord` whose message names the field and says what to do.
+:class:`unicron.kernel.errors.InvalidRecord` whose message names the field and says what to do.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 #: a task name must be usable as one etcd key segment
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")

@@ -12,7 +12,7 @@ from plans.planner import Planner, WafPlanner
 from plans.problem import unmet_minimums
 from plans.result import PlanResult
 from plans.spec import PlanInput, load
-from unicron.errors import InvalidRecord, UnicronError
+from unicron.kernel.errors import InvalidRecord, UnicronError
 
 PLANNERS = ("unicron", *BASELINES)
 

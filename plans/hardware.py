@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 GIB = 1 << 30
 

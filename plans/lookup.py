@@ -18,7 +18,7 @@ from dataclasses import replace
 from plans.planner import WafPlanner
 from plans.problem import ClusterSpec, TaskDemand, check_names
 from plans.result import PlanResult
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 
 def lost_scenario(

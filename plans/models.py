@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 
 def _positive_int(owner: str, field: str, value: object) -> None:

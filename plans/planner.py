@@ -14,7 +14,7 @@ from plans.problem import ClusterSpec, TaskDemand, check_names, task_curve, waf_
 from plans.result import PlanResult, evaluate
 from plans.throughput import CostModel
 from plans.waf import ReliabilityModel, all_choices, choices, gain_table, waf_table
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 Unit = Literal["gpu", "node"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from plans.hardware import GpuType
 from plans.models import ModelSpec
 from plans.throughput import Calibration, CostModel, ThroughputCurve, calibrate, model_curve
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 #: Default D_transition, seconds, until the coordinator has measured the task's own.
 DEFAULT_TRANSITION_S = 300.0

@@ -1,6 +1,6 @@
 """The planner's JSON input (``unicron plan --input FILE``); docs/planner.md describes the format.
 
-Every problem raises :class:`unicron.errors.InvalidRecord` naming the offending field.
+Every problem raises :class:`unicron.kernel.errors.InvalidRecord` naming the offending field.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from plans.models import ModelSpec, gpt3
 from plans.problem import ClusterSpec, TaskDemand, check_names
 from plans.throughput import Calibration
 from plans.waf import ReliabilityModel
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 _MODEL_FIELDS = {f.name for f in fields(ModelSpec)}
 

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from plans.hardware import GpuType
 from plans.models import ModelSpec
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

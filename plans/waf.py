@@ -14,7 +14,7 @@ import numpy as np
 
 from plans.dp import Choices
 from plans.throughput import FloatArray, IntArray
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 #: Default failure rate: one failure every 3 days on the paper's 128-GPU cluster (§2.4 O1 says the
 #: mean time between failures of a 128-GPU cluster ranges from a day to a week).

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from unicron.etcd import Store
-from unicron.etcd_server import EtcdServer
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel.etcd import Store
 
 
 def _has_cuda() -> bool:

@@ -11,8 +11,8 @@ import abc
 import time
 from dataclasses import dataclass, field
 
-from unicron.errors import PermanentError, TemporaryError
-from unicron.types import ErrorKind
+from unicron.kernel.errors import PermanentError, TemporaryError
+from unicron.kernel.types import ErrorKind
 
 RECOVERY_NONE = "none"
 """``GpuHealth.recovery_action`` when the driver asks for nothing."""

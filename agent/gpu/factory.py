@@ -6,7 +6,7 @@ import logging
 
 from agent.gpu.api import GpuBackend, GpuBackendUnavailable
 from agent.gpu.simulated import SimulatedBackend
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

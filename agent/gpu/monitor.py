@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 from agent.gpu.api import RECOVERY_NONE, GpuBackend, GpuEvent, GpuHealth, GpuLost
-from unicron.errors import ConfigError
-from unicron.types import ErrorKind
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.types import ErrorKind
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from agent.gpu.api import (
     is_healthy,
 )
 from agent.gpu.xid import event_for_xid
-from unicron.types import ErrorKind
+from unicron.kernel.types import ErrorKind
 
 log = logging.getLogger(__name__)
 

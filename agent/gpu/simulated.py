@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from agent.gpu.api import RECOVERY_NONE, GpuBackend, GpuError, GpuEvent, GpuHealth, GpuLost, is_healthy
 from agent.gpu.xid import event_for_xid
-from unicron.errors import ConfigError
-from unicron.types import ErrorKind
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.types import ErrorKind
 
 
 @dataclass

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from agent.gpu.api import GpuEvent
-from unicron.types import ErrorKind
+from unicron.kernel.types import ErrorKind
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 
 from agent.gpu import GpuEvent, GpuHealth, GpuMonitor, SimulatedBackend
 from agent.gpu.monitor import health_transitions
-from unicron.types import ErrorKind
+from unicron.kernel.types import ErrorKind
 
 
 class Recorder:

@@ -9,8 +9,8 @@ import pynvml
 import pytest
 
 from agent.gpu import GpuBackendUnavailable, GpuError, GpuLost, SimulatedBackend, nvml, open_backend
-from unicron.errors import ConfigError
-from unicron.types import ErrorKind
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.types import ErrorKind
 
 
 def _nvml_works() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.gpu import xid
-from unicron.types import ErrorKind
+from unicron.kernel.types import ErrorKind
 
 # Mappings fixed by the design (issue 2): the kind decides the severity the coordinator applies.
 EXPECTED = {

@@ -10,8 +10,8 @@ from collections.abc import Hashable, Iterator
 import pytest
 
 from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings
-from unicron.errors import ConfigError
-from unicron.types import ErrorKind
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.types import ErrorKind
 
 HANG, DEGR = ErrorKind.TASK_HANG, ErrorKind.DEGRADATION
 

@@ -1,5 +1,5 @@
 """Process supervision with real child processes (python -c snippets), each test run twice: ranks
-exec'd as new processes, and ranks forked by the warm spawner (unicron.prefork): the supervisor's
+exec'd as new processes, and ranks forked by the warm spawner (agent.prefork): the supervisor's
 contract is the same for both."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.prefork import Prefork, PreforkedProcess
 from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, Supervisor
-from unicron.errors import PermanentError
-from unicron.prefork import Prefork, PreforkedProcess
-from unicron.types import ErrorKind
+from unicron.kernel.errors import PermanentError
+from unicron.kernel.types import ErrorKind
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -75,7 +75,7 @@ def started(prefork: Prefork, timeout_s: float = 30.0) -> Prefork:
 
 @pytest.fixture(scope="module")
 def spawner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefork]:
-    prefork = started(Prefork(["unicron.prefork"], str(tmp_path_factory.mktemp("pf") / "s")))
+    prefork = started(Prefork(["agent.prefork"], str(tmp_path_factory.mktemp("pf") / "s")))
     try:
         yield prefork
     finally:
@@ -302,11 +302,11 @@ def test_forked_module_rank_gets_its_argv_env_cwd_and_stdout(spawner: Prefork, e
     try:
         env = {**os.environ, "RANK": "5"}
         out = tmp_path / "rank.log"
-        proc = sup.launch(0, [PY, "-m", "unicron.prefork", "--help"], env, cwd=str(tmp_path), stdout_path=str(out))
+        proc = sup.launch(0, [PY, "-m", "agent.prefork", "--help"], env, cwd=str(tmp_path), stdout_path=str(out))
         assert isinstance(proc.popen, PreforkedProcess)  # forked, not exec'd
         ((exit, _),) = ev.exits(1)
         assert exit.returncode == 0
-        assert "usage: python -m unicron.prefork" in out.read_text()
+        assert "usage: python -m agent.prefork" in out.read_text()
         code = "import os, sys; print(os.environ['RANK'], os.getcwd(), sys.argv[1:], sys.stdin.read() == '', file=sys.stderr)"
         sup.launch(1, [PY, "-c", code, "x"], env, cwd=str(tmp_path))
         ev.exits(2)
@@ -363,9 +363,9 @@ def test_a_spawner_that_died_is_started_again(ev: Events, tmp_path: Path) -> Non
 
 PREFORK_AGENT = """
 import sys, time
-from unicron.prefork import Prefork
+from agent.prefork import Prefork
 from agent.supervisor import Supervisor
-from unicron.parentdeath import preexec
+from unicron.kernel.parentdeath import preexec
 import signal
 pf = Prefork([], sys.argv[1], preexec=preexec(signal.SIGKILL)).start()
 while not pf.ready():

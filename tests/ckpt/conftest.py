@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from ckpt import CheckpointConfig, ReplicaServer
+from ckpt.manager import CheckpointConfig
+from ckpt.replica import ReplicaServer
 
 
 @pytest.fixture

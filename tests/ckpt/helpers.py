@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt import capture_rng_state
+from ckpt.rng import capture_rng_state
 
 
 def train_state(

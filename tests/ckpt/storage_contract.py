@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from ckpt.api import ObjectMissing, Storage
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 
 class StorageContract:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import CheckpointCorrupt, CheckpointError
+from ckpt.api import CheckpointCorrupt, CheckpointError
 from ckpt.codec import _META_HEAD, _META_MAGIC, copy_into, decode, encode, parse_safe_globals
 from tests.ckpt.helpers import assert_same
 

@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
-from ckpt import CheckpointConfig, CheckpointManager, FilesystemStorage, Snapshot, Tier
+from ckpt.api import Snapshot, Tier
 from ckpt.codec import decode
+from ckpt.manager import CheckpointConfig, CheckpointManager
 from ckpt.persist import iterations as persisted_iterations
 from ckpt.persist import load as load_persisted
+from ckpt.storage import FilesystemStorage
 from tests.ckpt.helpers import assert_same, filled_state
 
 Make = Callable[..., CheckpointConfig]
@@ -53,7 +55,8 @@ def test_kill_mid_write_leaves_previous_snapshot(make_config: Make) -> None:
     child = _spawn(
         """
         import sys, time
-        from ckpt import CheckpointConfig, CheckpointManager, LocalStore
+        from ckpt.local import LocalStore
+        from ckpt.manager import CheckpointConfig, CheckpointManager
         from tests.ckpt.helpers import filled_state
         cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=4096)
         with CheckpointManager(cfg) as m:
@@ -82,7 +85,7 @@ def test_kill_at_a_random_point_of_a_save_loop(make_config: Make) -> None:
     child = _spawn(
         """
         import sys
-        from ckpt import CheckpointConfig, CheckpointManager
+        from ckpt.manager import CheckpointConfig, CheckpointManager
         from tests.ckpt.helpers import filled_state
         cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=1 << 20)
         m = CheckpointManager(cfg)
@@ -112,7 +115,8 @@ def test_kill_during_persistence_keeps_previous_manifest(make_config: Make, tmp_
     child = _spawn(
         """
         import sys, time
-        from ckpt import CheckpointConfig, CheckpointManager, FilesystemStorage
+        from ckpt.manager import CheckpointConfig, CheckpointManager
+        from ckpt.storage import FilesystemStorage
         from tests.ckpt.helpers import filled_state
 
         class SlowStorage(FilesystemStorage):  # a slow remote store: each shard takes a while to land

@@ -12,18 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import (
-    CheckpointConfig,
-    CheckpointError,
-    CheckpointManager,
-    FilesystemStorage,
-    NoValidCheckpoint,
-    ReplicaClient,
-    ReplicaServer,
-    Tier,
-    restore_rng_state,
-)
+from ckpt.api import CheckpointError, NoValidCheckpoint, Tier
+from ckpt.manager import CheckpointConfig, CheckpointManager
 from ckpt.persist import iterations as persisted_iterations
+from ckpt.replica import ReplicaClient, ReplicaServer
+from ckpt.rng import restore_rng_state
+from ckpt.storage import FilesystemStorage
 from tests.ckpt.helpers import assert_same, filled_state, train_state
 
 Make = Callable[..., CheckpointConfig]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt import replica_plan, replica_targets
-from unicron.errors import ConfigError
+from ckpt.placement import replica_plan, replica_targets
+from unicron.kernel.errors import ConfigError
 
 
 @pytest.mark.parametrize("n_nodes", [2, 3, 5, 8])

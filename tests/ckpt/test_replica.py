@@ -11,17 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt import (
-    ReplicaClient,
-    ReplicaMemory,
-    ReplicaRejected,
-    ReplicaServer,
-    ReplicaUnavailable,
-    Snapshot,
-    wire,
-)
-from ckpt.api import SnapshotInfo
+from ckpt import wire
+from ckpt.api import ReplicaRejected, ReplicaUnavailable, Snapshot, SnapshotInfo
 from ckpt.codec import chunk_crcs, crc
+from ckpt.replica import ReplicaClient, ReplicaMemory, ReplicaServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import CheckpointCorrupt, FilesystemStorage, MemoryStorage, Snapshot, Storage
-from ckpt.api import SnapshotInfo
+from ckpt.api import CheckpointCorrupt, Snapshot, SnapshotInfo, Storage
 from ckpt.codec import byte_view, chunk_crcs, crc
 from ckpt.persist import apply_retention, iterations, load, manifest_key, persist
+from ckpt.storage import FilesystemStorage, MemoryStorage
 from tests.ckpt.storage_contract import StorageContract
 
 

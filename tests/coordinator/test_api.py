@@ -22,14 +22,15 @@ import pytest
 
 from coordinator.api import AlreadyExists, ControlPlane, NotFound, serve, stop
 from coordinator.tasks import TaskSpec
-from unicron import cli
-from unicron import log as ulog
-from unicron.errors import NotLeader, PermanentError, StoreUnavailable
-from unicron.etcd import Store
-from unicron.etcd_server import EtcdServer, free_port
-from unicron.keyspace import Keyspace
-from unicron.proto import coordinator_pb2 as pb
-from unicron.proto import coordinator_pb2_grpc as pb_grpc
+from unicron.cli import main as cli
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel import log as ulog
+from unicron.kernel.errors import NotLeader, PermanentError, StoreUnavailable
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.net import free_port
+from unicron.kernel.proto import coordinator_pb2 as pb
+from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "task.json"
@@ -136,8 +137,8 @@ def spec() -> dict[str, Any]:
 @pytest.fixture
 def unicron(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
     """Run the real ``unicron`` entry point; returns (exit code, stdout, stderr)."""
-    if "unicron.commands.tasks" not in cli.COMMAND_MODULES:  # until the lead registers the module
-        monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "unicron.commands.tasks"))
+    if "unicron.cli.tasks" not in cli.COMMAND_MODULES:  # until the lead registers the module
+        monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "unicron.cli.tasks"))
     monkeypatch.delenv("UNICRON_API", raising=False)
 
     def run(*argv: str) -> tuple[int, str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.classify import FALLBACK_SEVERITY, TABLE1, classify, severity_of
-from unicron.types import DetectionMethod, ErrorKind, Report, Severity
+from unicron.kernel.types import DetectionMethod, ErrorKind, Report, Severity
 
 M = DetectionMethod
 K = ErrorKind

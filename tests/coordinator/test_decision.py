@@ -46,8 +46,8 @@ from coordinator.decision import (
     to_dict,
 )
 from coordinator.tasks import TaskSpec, parse_task_spec
-from unicron.errors import ConfigError, InvalidRecord, PermanentError
-from unicron.types import DetectionMethod, ErrorKind, Report
+from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError
+from unicron.kernel.types import DetectionMethod, ErrorKind, Report
 
 M = DetectionMethod
 K = ErrorKind

@@ -6,7 +6,7 @@ import random
 
 from coordinator.allocation import Allocator, EvenAllocator
 from coordinator.tasks import TaskSpec, parse_task_spec
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 
 def spec(name: str, **fields: object) -> TaskSpec:

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from coordinator.leader import Leadership
-from unicron.errors import NotLeader
-from unicron.etcd import Store
-from unicron.keyspace import Keyspace
+from unicron.kernel.errors import NotLeader
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
 
 
 def test_a_deposed_leader_cannot_write(store: Store) -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from coordinator.placement import moved_workers, place
-from unicron.errors import PermanentError
+from unicron.kernel.errors import PermanentError
 
 Placement = dict[str, dict[str, int]]
 

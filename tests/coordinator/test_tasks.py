@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from coordinator.tasks import TaskSpec, parse_task_spec
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 MODEL = {
     "num_layers": 24,

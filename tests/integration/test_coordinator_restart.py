@@ -10,8 +10,8 @@ import sys
 from contextlib import redirect_stdout
 from typing import Any
 
-from unicron.cli import main as cli
-from unicron.localcluster import LocalCluster
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 

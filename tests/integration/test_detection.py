@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from unicron.commands.inject import request
-from unicron.localcluster import LocalCluster
-from unicron.types import DetectionMethod, ErrorKind, Incident, Severity
+from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.inject import Injection, request
+from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, Severity
 
-WORKLOAD = [sys.executable, "-m", "unicron.workload", "--iter-time", "0.05", "--jitter", "0.1"]
+WORKLOAD = [sys.executable, "-m", "unicron.runtime.workload", "--iter-time", "0.05", "--jitter", "0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,9 @@ def run_workload(cluster: LocalCluster, nodes: list[str], argv: list[str] | None
 
 def inject(cluster: LocalCluster, node: str, **req: object) -> float:
     assert cluster.store is not None
-    answer = request(cluster.store, cluster.keys, node, dict(req))
-    assert answer["ok"], answer.get("detail")
-    return float(answer["executed_ts"])
+    answer = request(cluster.store, cluster.keys, node, Injection.from_dict(dict(req)))
+    assert answer.ok, answer.detail
+    return float(answer.executed_ts or 0.0)
 
 
 def expect(cluster: LocalCluster, after: float, kind: ErrorKind, severity: Severity,
@@ -179,7 +179,7 @@ def test_killed_agent_is_lost_by_connection_close(cluster: LocalCluster) -> None
 def test_exception_handled_in_place_is_recorded_as_handled(cluster: LocalCluster) -> None:
     # A rank that recovered by itself (the runtime's in-place regroup) reports fatal=False.
     argv = [sys.executable, "-c",
-            "import time; from unicron.client import AgentClient; c = AgentClient.from_env().connect();"
+            "import time; from unicron.kernel.client import AgentClient; c = AgentClient.from_env().connect();"
             "c.report_exception(ConnectionResetError('peer reset during all-reduce'), fatal=False);"
             "time.sleep(60)"]
     t0 = time.time()

@@ -12,13 +12,13 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-from unicron.cli import main as cli
-from unicron.localcluster import LocalCluster
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
 
 # Trains (reports) three iterations, then crashes: progress never goes past step 2.
 CRASHER = [sys.executable, "-c",
            "import time, sys\n"
-           "from unicron.client import AgentClient\n"
+           "from unicron.kernel.client import AgentClient\n"
            "c = AgentClient.from_env().connect()\n"
            "for s in range(3):\n"
            "    with c.iteration(s): time.sleep(0.2)\n"

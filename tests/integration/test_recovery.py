@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from unicron.cli import main as cli
-from unicron.commands.inject import request
-from unicron.localcluster import LocalCluster
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.inject import Injection, request
 
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 128,
          "global_batch_size": 32, "micro_batch_size": 4}
@@ -87,7 +87,7 @@ def test_sev3_is_handled_in_place_without_an_action(cluster: LocalCluster) -> No
     assert cluster.store is not None
     t0 = time.time()
     request(cluster.store, cluster.keys, victim["node"],
-            {"fault": "raise", "kind": "connection_refused_reset", "task": "job", "rank": victim["rank"]})
+            Injection.from_dict({"fault": "raise", "kind": "connection_refused_reset", "task": "job", "rank": victim["rank"]}))
     inc = cluster.wait_incident(lambda i: i.kind.value == "connection_refused_reset", after=t0 - 1)
     assert inc.handled
     pids = {r["pid"] for r in ranks(cluster)}

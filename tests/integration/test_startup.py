@@ -9,9 +9,9 @@ import sys
 import tempfile
 import time
 
-from unicron.etcd import Store
-from unicron.etcd_server import EtcdServer
-from unicron.keyspace import Keyspace
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
 
 
 def _wait(pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import pytest
 from plans.lookup import LookupTable
 from plans.planner import WafPlanner
 from plans.table3 import case
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 
 @pytest.mark.parametrize("unit", ["gpu", "node"], ids=["gpu-units", "node-units"])

@@ -8,7 +8,7 @@ import pytest
 from plans.hardware import GPU_TYPES, gpu_type
 from plans.models import GPT3, gpt3
 from plans.throughput import Calibration, CostModel, calibrate, estimate, model_curve
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 A800 = gpu_type("A800-80GB")
 COST = CostModel()

@@ -11,7 +11,7 @@ from plans.planner import WafPlanner
 from plans.problem import ClusterSpec, TaskDemand, task_curve, waf_at
 from plans.throughput import Calibration, CostModel
 from plans.waf import ReliabilityModel, waf_table
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 A800 = gpu_type("A800")
 

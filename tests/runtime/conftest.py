@@ -1,5 +1,5 @@
 """Real multi-process jobs for the runtime tests: ranks are forked from one warm spawner per session
-(unicron.prefork, the agent's) so that a 4-rank job costs about a second, not an import each."""
+(agent.prefork, the agent's) so that a 4-rank job costs about a second, not an import each."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from unicron.prefork import Prefork
+from agent.prefork import Prefork
+from unicron.cluster.launch import LocalJob, warm_spawner
 from unicron.runtime.compare import load_params
-from unicron.runtime.launch import LocalJob, warm_spawner
 
 #: a small GPT and batch shared by the tests (4 gradient buckets of float64)
 MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"]

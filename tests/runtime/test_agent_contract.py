@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.runtime.conftest import Runner, train_args, wait_for
-from unicron import protocol, wire
-from unicron.runtime.launch import LocalJob
+from unicron.cluster.launch import LocalJob
+from unicron.kernel import protocol, wire
 
 
 class FakeAgentSocket:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.runtime.conftest import Runner, train_args, wait_for
+from unicron.cluster.launch import LocalJob
 from unicron.runtime.checkpoint import TorchSaveCheckpointer
 from unicron.runtime.compare import max_rel_diff
-from unicron.runtime.launch import LocalJob
 
 
 def ckpt_args(directory: Path, every: int = 1) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ckpt.api import NoValidCheckpoint
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 from unicron.runtime import cli, train
 from unicron.runtime.checkpoint import TorchSaveCheckpointer, make_checkpointer
 from unicron.runtime.data import FileTokens, SyntheticTokens, make_source

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.runtime.conftest import Finished, Runner, train_args, wait_for
+from unicron.cluster.launch import LocalJob
 from unicron.runtime.compare import bitwise_equal, max_rel_diff
-from unicron.runtime.launch import LocalJob
 
 Params = dict[str, torch.Tensor]
 TOLERANCE = {"float64": 1e-12, "float32": 1e-5}

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from tests.runtime.threads import run_ranks
-from unicron.errors import InvalidRecord
+from unicron.cluster.launch import base_env
+from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.net import free_port
 from unicron.runtime import store as keys
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat, StalenessJudge
-from unicron.runtime.launch import base_env, free_port
 from unicron.runtime.membership import CommSettings, Membership
 from unicron.runtime.plan import Topology
 

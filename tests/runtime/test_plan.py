@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 from unicron.runtime.plan import BatchLayout, Topology, initial_plan, mb_seed, redistribute
 
 

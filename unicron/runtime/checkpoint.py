@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, Tier, TierAttempt
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 
 KINDS = ("none", "torch-save", "memory")
 ENV_CKPT_PEERS = "UNICRON_CKPT_PEERS"

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 from unicron.runtime.plan import mb_seed
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from unicron.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 ``ACTION@ITERATION:POINT[:ARG]``:
 
 * ACTION ``die``: SIGKILL this process (a real death: sockets close, the launcher sees exit -9);
-  ``raise``: raise :class:`unicron.client.InjectedFault` of kind ARG (what ``unicron inject raise``
+  ``raise``: raise :class:`unicron.kernel.client.InjectedFault` of kind ARG (what ``unicron inject raise``
   does through the agent); ``stall``: sleep ARG seconds.
 * POINT ``start`` (iteration start), ``mbN`` (before this rank's N-th micro-batch of the iteration,
   0-based, counting micro-batches taken over after a regroup), ``bucketN`` (before reducing gradient
@@ -22,10 +22,10 @@ import signal
 import time
 from dataclasses import dataclass
 
-from unicron.client import InjectedFault
-from unicron.errors import ConfigError
+from unicron.kernel.client import InjectedFault
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.types import ErrorKind
 from unicron.runtime.comm import Store
-from unicron.types import ErrorKind
 
 ENV = "UNICRON_RUNTIME_FAULTS"
 ACTIONS = ("die", "raise", "stall")

@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Iterable
 
-from unicron.parentdeath import die_with_parent
+from unicron.kernel.parentdeath import die_with_parent
 from unicron.runtime import store as keys
 from unicron.runtime.comm import Store
 

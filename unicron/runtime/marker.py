@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from unicron.errors import UnicronError
+from unicron.kernel.errors import UnicronError
 from unicron.runtime.store import connect, mark_failed
 
 

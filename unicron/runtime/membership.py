@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from unicron.errors import PermanentError
+from unicron.kernel.errors import PermanentError
 from unicron.runtime import store as keys
 from unicron.runtime.comm import CommGroup, Store, new_group
 from unicron.runtime.epoch import EpochRecord

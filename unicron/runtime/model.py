@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 from unicron.runtime.comm import CommGroup, HashStore, allreduce_max, new_group
 
 with warnings.catch_warnings():

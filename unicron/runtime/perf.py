@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from unicron.errors import ConfigError, TemporaryError
+from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.runtime.cli import add_arguments
 from unicron.runtime.comm import CommGroup, Work
 from unicron.runtime.model import lm_loss

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 
 Plan = dict[int, list[int]]
 """replica id -> ascending micro-batch indices it must compute."""

@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from ckpt.api import Checkpointer
-from unicron import protocol
-from unicron.client import AgentClient, InjectedFault
-from unicron.errors import ConfigError, PermanentError
-from unicron.patterns import match
+from unicron.kernel import protocol
+from unicron.kernel.client import AgentClient, InjectedFault
+from unicron.kernel.errors import ConfigError, PermanentError
+from unicron.kernel.patterns import match
+from unicron.kernel.types import ErrorKind, Severity
 from unicron.runtime import membership
 from unicron.runtime.checkpoint import TorchSaveCheckpointer, has_checkpoint
 from unicron.runtime.comm import CommGroup, Store
@@ -68,7 +69,6 @@ from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinish
 from unicron.runtime.model import ModelConfig, broken_group, build_gpt, lm_loss, rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, redistribute, seed_rng
 from unicron.runtime.state import CheckpointSource, OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
-from unicron.types import ErrorKind, Severity
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ def is_comm_error(exc: BaseException) -> bool:
 
 def severity_of_kind(kind: ErrorKind) -> Severity:
     """Table 1 severity of an exception a rank raises (coordinator.classify owns the table)."""
-    from unicron.severity import severity_of
-    from unicron.types import DetectionMethod
+    from unicron.kernel.severity import severity_of
+    from unicron.kernel.types import DetectionMethod
 
     sev = severity_of(DetectionMethod.EXCEPTION_PROPAGATION, kind)
     return sev if sev is not None else Severity.SEV2

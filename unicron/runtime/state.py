@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from unicron.errors import ConfigError
+from unicron.kernel.errors import ConfigError
 from unicron.runtime.comm import CommGroup
 
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from unicron.errors import ConfigError, TemporaryError
+from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.runtime.comm import Store, TCPStore
 
 DEFAULT_TIMEOUT_S = 30.0

@@ -1,6 +1,6 @@
 """``python -m unicron.runtime.train`` / ``unicron train``: managed training of a small Megatron GPT.
 
-One process per rank, torchrun-style environment (set by the agent or :mod:`unicron.runtime.launch`):
+One process per rank, torchrun-style environment (set by the agent or :mod:`unicron.cluster.launch`):
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` (the task's store sidecar,
 :mod:`unicron.runtime.store`), and optionally ``UNICRON_AGENT_SOCKET``, ``UNICRON_TASK``,
 ``UNICRON_GENERATION``, ``UNICRON_NODE``.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unicron.client import AgentClient
-from unicron.errors import ConfigError, PermanentError, TemporaryError
+from unicron.kernel.client import AgentClient
+from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.runtime import store as keys
 from unicron.runtime.checkpoint import make_checkpointer
 from unicron.runtime.cli import add_arguments

@@ -1,0 +1,460 @@
+"""Warm rank starts: a spawner process that imported the training stack once and forks ranks from it.
+
+A rank started as a new interpreter spends seconds importing torch and Megatron-core (5 s of CPU on
+the CI machine, more when several ranks start at once); that is most of a sev2 restart's transition
+time and part of every reconfiguration. The agent itself must never import torch (it would starve its
+heartbeats), so a separate **spawner** process (``python -m agent.prefork``) pre-imports the modules
+named by ``--prefork`` and ``fork()``s a rank per request. A rank command qualifies when it is
+``<the agent's python> -m MODULE ...`` for a pre-imported module (or ``-c CODE``) and its start-up
+environment (:func:`startup_env`) equals the spawner's; anything else is started as a new process, as
+is every rank while the spawner is still importing or gone.
+
+What the supervisor relies on holds for forked ranks too: a rank runs in its own process group, its
+stdout/stderr are the files the agent passes (file descriptors over the Unix socket), and it dies with
+the agent: the spawner has ``PR_SET_PDEATHSIG`` towards the agent, each rank towards the spawner. The
+spawner reaps its ranks and writes each exit status, the moment ``SIGCHLD`` wakes it, on the
+connection that requested the rank; the agent's waiter thread blocks reading it. The spawner has no
+threads (so forking it is safe) and never initialises CUDA (so a forked rank can).
+
+The agent runs one per node; :class:`unicron.cluster.launch.LocalJob` (tests, benchmarks) uses the same.
+
+Protocol, one connection per rank: the agent sends a 4-byte big-endian length and a JSON request
+``{"argv", "env", "cwd"}`` with its stdout and stderr descriptors attached; the spawner answers
+``{"pid": P}`` then, when the rank has exited, ``{"exit": CODE}`` (negative: killed by that signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import builtins
+import contextlib
+import importlib
+import json
+import logging
+import math
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
+
+from unicron.kernel.parentdeath import die_with_parent
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">I")
+_MAX_REQUEST = 1 << 24
+_BLOCKED_WHILE_FORKING = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM a child, SIGKILL it if it has not exited after ``grace_s``, and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class PreforkUnavailable(Exception):
+    """The spawner cannot start this rank (not ready, gone, refused): start it as a new process."""
+
+
+# ------------------------------------------------------------------------------------ agent's side
+
+
+_STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_")
+
+
+def startup_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables read once, when the interpreter, the loader or the OpenMP runtime start: a forked
+    rank lives with the spawner's."""
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
+
+
+def with_torchrun_threads(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with torchrun's default of one OpenMP thread: what the agent gives its ranks and the
+    spawner runs with (which also keeps the spawner single-threaded)."""
+    return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+
+
+class PreforkedProcess:
+    """The part of ``Popen`` the agent's supervisor and LocalJob use, for a rank forked by the spawner."""
+
+    def __init__(self, pid: int, conn: socket.socket, reader: IO[bytes], stderr: IO[bytes] | None) -> None:
+        self.pid = pid
+        self.stderr = stderr
+        self.returncode: int | None = None
+        self._conn, self._reader = conn, reader
+        self._waiter: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        """The exit code, or None while running (a thread waits for the report: no polling cost)."""
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self.wait, name=f"prefork-wait-{self.pid}", daemon=True)
+            self._waiter.start()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        """Block until the spawner reports the exit. Its connection closing without a report means
+        the spawner died, and its ranks with it (PDEATHSIG): reported as SIGKILL."""
+        with self._lock:  # one reader of the report, however many threads wait
+            if self.returncode is None:
+                line = self._reader.readline()
+                try:
+                    code = int(json.loads(line)["exit"])
+                except (ValueError, KeyError, TypeError):
+                    code = -signal.SIGKILL
+                with contextlib.suppress(OSError):
+                    self._reader.close()
+                    self._conn.close()
+                self.returncode = code
+            return self.returncode
+
+
+class Prefork:
+    """The agent's handle on its spawner process."""
+
+    def __init__(self, modules: Sequence[str], socket_path: str, python: str = sys.executable,
+                 preexec: Callable[[], None] | None = None, env: Mapping[str, str] | None = None,
+                 restart_backoff_s: float = 60.0) -> None:
+        self.modules = tuple(m for m in modules if m)
+        self.socket_path = socket_path
+        self.python = python
+        self._preexec = preexec
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._env = with_torchrun_threads(os.environ if env is None else env)
+        self._backoff = restart_backoff_s
+        self._started_at = -math.inf
+        # PDEATHSIG fires when the *thread* that forked the spawner exits: start it from one thread
+        # that lives as long as this handle, whichever thread asks.
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefork-starter")
+        self._closed = False
+
+    def start(self) -> Prefork:
+        self._starter.submit(self._launch).result()
+        return self
+
+    def _launch(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        self._started_at = time.monotonic()
+        self._proc = subprocess.Popen(
+            [self.python, "-m", "agent.prefork", "--socket", self.socket_path, "--preload", ",".join(self.modules)],
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=self._preexec, env=self._env,
+        )
+
+    def _restart_if_dead(self) -> None:
+        """A spawner that died is started again (in the background, at most once per backoff); ranks
+        are exec'd meanwhile."""
+        dead = self._proc is not None and self._proc.poll() is not None
+        if dead and not self._closed and time.monotonic() - self._started_at >= self._backoff:
+            log.warning("the rank spawner is gone; starting it again")
+            self._started_at = time.monotonic()
+            self._starter.submit(self._launch)
+
+    def ready(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and os.path.exists(self.socket_path)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> Prefork:
+        """Block until the spawner serves (its imports done); :class:`PreforkUnavailable` if it died."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if self._proc is None or self._proc.poll() is not None or time.monotonic() > deadline:
+                raise PreforkUnavailable("the rank spawner did not come up")
+            time.sleep(0.02)
+        return self
+
+    def eligible(self, argv: Sequence[str], env: Mapping[str, str] | None) -> bool:
+        """Whether forking from the spawner runs exactly what exec'ing ``argv`` would."""
+        rank_env = startup_env(os.environ if env is None else env)
+        if len(argv) < 3 or argv[0] != self.python or rank_env != startup_env(self._env):
+            return False
+        return argv[1] == "-c" or (argv[1] == "-m" and argv[2] in self.modules)
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
+              stdout: int | None, stderr: int | None = None) -> PreforkedProcess:
+        """Fork ``argv`` from the spawner; stdout goes to ``stdout`` (a descriptor; None: ours), stderr
+        to ``stderr``, or when None to a pipe read through the result's ``stderr``. Raises
+        :class:`PreforkUnavailable` when it cannot."""
+        if not self.ready():
+            self._restart_if_dead()
+            raise PreforkUnavailable("the rank spawner is not running (yet)")
+        request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env),
+                              "cwd": cwd}).encode()
+        read_end, write_end = os.pipe() if stderr is None else (-1, os.dup(stderr))
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        reader = conn.makefile("rb")
+        try:
+            conn.settimeout(10.0)
+            conn.connect(self.socket_path)
+            out = sys.stdout.fileno() if stdout is None else stdout
+            socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [out, write_end])
+            answer = json.loads(reader.readline() or b"{}")
+            pid = int(answer["pid"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # hanging up makes the spawner kill a rank it may have forked already (no twin)
+            reader.close()
+            conn.close()
+            if read_end >= 0:
+                os.close(read_end)
+            raise PreforkUnavailable(f"the rank spawner did not start the rank: {exc}") from exc
+        finally:
+            os.close(write_end)
+        conn.settimeout(None)
+        return PreforkedProcess(pid, conn, reader, os.fdopen(read_end, "rb") if read_end >= 0 else None)
+
+    def close(self) -> None:
+        self._closed = True
+        self._starter.shutdown(wait=True)
+        if self._proc is not None:
+            stop_process(self._proc)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+
+# ---------------------------------------------------------------------------------- spawner's side
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 65536, 2)
+    while len(data) < _HEADER.size:
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ValueError("truncated request")
+        data += chunk
+    (size,) = _HEADER.unpack_from(data)
+    if size > _MAX_REQUEST:
+        raise ValueError(f"request of {size} bytes")
+    body = data[_HEADER.size :]
+    while len(body) < size:
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ValueError("truncated request")
+        body += chunk
+    if len(fds) != 2:
+        raise ValueError(f"expected stdout and stderr descriptors, got {len(fds)}")
+    return json.loads(body), fds
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _run_rank(request: dict[str, Any]) -> int:
+    """In the forked child: become what ``python ARGV...`` would have been, and run it."""
+    argv: list[str] = request["argv"]
+    sys.orig_argv = list(argv)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # fresh entropy, as a new process's would be (random reseeds itself at fork)
+        numpy.random.seed()
+    if request.get("cwd"):
+        os.chdir(request["cwd"])
+    try:
+        if argv[1] == "-c":
+            sys.argv = ["-c", *argv[3:]]
+            namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+            exec(compile(argv[2], "<string>", "exec"), namespace)
+        else:
+            sys.argv = [argv[2], *argv[3:]]
+            # As under ``python -m``, the module runs as __main__ only (what it imports stays loaded).
+            sys.modules.pop(argv[2], None)
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:
+        # as the interpreter does: sys.excepthook, which the rank may have replaced (unicron.kernel.client
+        # reports the exception to the agent through it)
+        try:
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+        except BaseException:
+            traceback.print_exception(exc)
+        code = 1
+    # What the interpreter does at exit, in its order: threading's exit hooks (they stop executor
+    # workers) and joining non-daemon threads, then atexit.
+    shutdown = getattr(threading, "_shutdown", None)
+    if callable(shutdown):
+        shutdown()
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    return code
+
+
+def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: list[int],
+           mask: set[int | signal.Signals]) -> None:
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its own process group, as the supervisor signals ranks by group
+        # Signals sent before this point stayed blocked: they now meet the default handlers a new
+        # process would have, not the spawner's.
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGPIPE stays ignored, as Python sets it
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for fd in keep_closed:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        die_with_parent(spawner)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (devnull, *fds):
+            if fd > 2:
+                os.close(fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        code = _run_rank(request)
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(socket_path: str, modules: Sequence[str]) -> int:
+    parent = os.getppid()
+    die_with_parent(parent)
+    for name in modules:
+        importlib.import_module(name)  # the whole point: import once, fork many
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1:  # a forked child would inherit locks held by threads that do not exist in it
+        print(f"prefork: preloading {','.join(modules)} started {threads - 1} thread(s); forking is unsafe, "
+              "ranks start as new processes (is OMP_NUM_THREADS unset?)", file=sys.stderr)
+        return 2
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # handled in the loop: leave through finally
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = f"{socket_path}.{os.getpid()}"
+    listener.bind(tmp)
+    listener.listen(64)
+    os.rename(tmp, socket_path)  # the socket appears only once everything is imported
+    ranks: dict[int, socket.socket] = {}
+    hung_up: set[int] = set()
+    stopping = False
+    try:
+        while not stopping:
+            watched = {c.fileno(): pid for pid, c in ranks.items() if pid not in hung_up}
+            ready, _, _ = select.select([listener.fileno(), wake_r, *watched], [], [], 1.0)
+            if wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    stopping = signal.SIGTERM in os.read(wake_r, 4096)
+            for fd in ready:
+                if fd in watched:
+                    _on_hang_up(watched[fd], ranks[watched[fd]], hung_up)
+            _reap(ranks, hung_up)
+            if os.getppid() != parent:
+                break
+            if listener.fileno() in ready:
+                _accept(listener, ranks, [listener.fileno(), wake_r, wake_w])
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+    return 0
+
+
+def _accept(listener: socket.socket, ranks: dict[int, socket.socket], own_fds: list[int]) -> None:
+    conn, _ = listener.accept()
+    conn.settimeout(5.0)
+    try:
+        request, fds = _receive(conn)
+    except (OSError, ValueError) as exc:
+        log.warning("prefork: bad request: %s", exc)
+        conn.close()
+        return
+    keep_closed = [*own_fds, conn.fileno(), *(c.fileno() for c in ranks.values())]
+    spawner = os.getpid()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_WHILE_FORKING)
+    pid = os.fork()
+    if pid == 0:
+        _child(request, fds, spawner, keep_closed, mask)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # also here: the group must exist before the agent learns the pid
+    for fd in fds:
+        os.close(fd)
+    ranks[pid] = conn
+    with contextlib.suppress(OSError):  # if the agent is gone already, the hang-up kills the rank
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+
+def _on_hang_up(pid: int, conn: socket.socket, hung_up: set[int]) -> None:
+    """The agent closed a rank's connection (it gave up waiting for the pid, or dropped the rank):
+    nobody supervises that rank any more, so it must not live on. The agent never sends anything
+    after the request, so a readable connection means end of file."""
+    with contextlib.suppress(OSError):
+        if conn.recv(1):
+            return
+    hung_up.add(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _reap(ranks: dict[int, socket.socket], hung_up: set[int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        hung_up.discard(pid)
+        conn = ranks.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+            conn.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agent.prefork", description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
+    parser.add_argument("--preload", default="", help="comma-separated modules to import before serving")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent's ^C reaches us too; it stops us itself
+    try:
+        return serve(args.socket, [m for m in args.preload.split(",") if m])
+    except ImportError as exc:
+        print(f"prefork: cannot preload: {exc}; ranks start as new processes", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

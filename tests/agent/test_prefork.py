@@ -1,0 +1,117 @@
+"""The warm spawner's own robustness (its use by the supervisor: tests/agent/test_supervisor.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.prefork import Prefork, PreforkUnavailable
+
+PY = sys.executable
+
+
+@pytest.fixture
+def prefork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Prefork]:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    p = Prefork([], str(tmp_path / "s")).start().wait_ready(30.0)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _exit_code(prefork: Prefork, code: str, tmp_path: Path) -> int:
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = prefork.spawn([PY, "-c", code], None, None, out.fileno(), out.fileno())
+    return proc.wait()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"",  # connects and hangs up
+    b"not a length-prefixed request",
+    struct.pack(">I", 1 << 30) + b"{}",  # absurd length
+    struct.pack(">I", 7) + b"{broken",  # not JSON
+    struct.pack(">I", 2) + b"{}",  # JSON, but no descriptors attached
+])
+def test_bad_requests_are_refused_and_the_spawner_keeps_serving(prefork: Prefork, tmp_path: Path,
+                                                                garbage: bytes) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10.0)
+        conn.connect(prefork.socket_path)
+        conn.sendall(garbage)
+        conn.shutdown(socket.SHUT_WR)
+        assert conn.recv(100) == b""  # refused: closed without an answer
+    assert prefork.ready()
+    assert _exit_code(prefork, "raise SystemExit(7)", tmp_path) == 7
+
+
+def test_exit_codes_follow_popen_conventions(prefork: Prefork, tmp_path: Path) -> None:
+    assert _exit_code(prefork, "pass", tmp_path) == 0
+    assert _exit_code(prefork, "raise SystemExit('bad config')", tmp_path) == 1
+    assert "bad config" in (tmp_path / "out.log").read_text()
+    assert _exit_code(prefork, "raise ValueError('boom')", tmp_path) == 1
+    assert "ValueError: boom" in (tmp_path / "out.log").read_text()
+    assert _exit_code(prefork, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", tmp_path) == -9
+
+
+def test_poll_does_not_block_and_sees_the_exit(prefork: Prefork, tmp_path: Path) -> None:
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = prefork.spawn([PY, "-c", "import time; time.sleep(0.5)"], None, None, out.fileno(), out.fileno())
+    t0 = time.monotonic()
+    assert proc.poll() is None and time.monotonic() - t0 < 0.1
+    deadline = time.monotonic() + 10
+    while proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert proc.returncode == 0
+
+
+def test_a_spawner_whose_imports_start_threads_refuses_to_serve(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = tmp_path / "threaded_mod.py"
+    mod.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = Prefork(["threaded_mod"], str(tmp_path / "s")).start()
+    try:
+        with pytest.raises(PreforkUnavailable, match="did not come up"):
+            p.wait_ready(30.0)
+    finally:
+        p.close()
+
+
+def test_forked_ranks_do_not_share_numpy_random_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    p = Prefork(["numpy"], str(tmp_path / "s")).start().wait_ready(60.0)
+    try:
+        draws = []
+        for i in range(2):
+            out = tmp_path / f"out{i}.log"
+            with open(out, "wb") as fh:
+                proc = p.spawn([PY, "-c", "import numpy; print(numpy.random.randint(1 << 30))"], None, None,
+                               fh.fileno(), fh.fileno())
+            assert proc.wait() == 0
+            draws.append(out.read_text().strip())
+        assert draws[0] != draws[1]  # a new process's entropy each, not the spawner's state twice
+    finally:
+        p.close()
+
+
+def test_a_rank_whose_connection_the_agent_dropped_is_killed(prefork: Prefork, tmp_path: Path) -> None:
+    """A rank lives only while someone waits on it: an agent that gave up on the pid (and starts the
+    rank as a new process instead) must not leave a forked twin running."""
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = prefork.spawn([PY, "-c", "import time; time.sleep(60)"], None, None, out.fileno(), out.fileno())
+    proc._reader.close()  # (the socket closes with its last file object)
+    proc._conn.close()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{proc.pid}").exists() and "Z" not in Path(f"/proc/{proc.pid}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the orphaned rank still runs"
+        time.sleep(0.02)
+    assert _exit_code(prefork, "pass", tmp_path) == 0  # and the spawner serves on

@@ -1,0 +1,33 @@
+"""Error text -> Table 1 status: specific patterns win, unknown text is 'other software error'."""
+
+from __future__ import annotations
+
+import pytest
+
+from unicron.kernel.patterns import classify_text, match
+from unicron.kernel.types import ErrorKind as K
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("RuntimeError: CUDA error: an illegal memory access was encountered", K.ILLEGAL_MEMORY_ACCESS),
+    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", K.ECC_ERROR),
+    ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", K.GPU_DRIVER_ERROR),
+    ("NCCL WARN NET/IB : Got completion with error 12, NVLink error", K.NVLINK_ERROR),
+    ("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)", K.NCCL_TIMEOUT),
+    ("RuntimeError: CUDA error: device-side assert triggered", K.CUDA_ERROR),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:123",
+     K.CONNECTION_REFUSED_RESET),
+    ("ConnectionRefusedError: [Errno 111] Connection refused", K.CONNECTION_REFUSED_RESET),
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1275, ncclSystemError",
+     K.OTHER_NETWORK_ERROR),
+    ("mlx5_core 0000:5e:00.0: Port module event: module 0, Cable plugged; link down", K.LINK_FLAPPING),
+])
+def test_known_error_text(text: str, kind: K) -> None:
+    assert match(text) is kind
+    assert classify_text(text) is kind
+
+
+@pytest.mark.parametrize("text", ["", "KeyError: 'loss'", "\xff\xfe garbage \x00", "x" * 100_000])
+def test_unknown_text_is_other_software_error_and_never_raises(text: str) -> None:
+    assert match(text) is None
+    assert classify_text(text) is K.OTHER_SOFTWARE_ERROR

@@ -1,0 +1,1 @@
+"""The `unicron` command line: one module per group of subcommands (top layer)."""

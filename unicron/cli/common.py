@@ -1,0 +1,64 @@
+"""What the cluster commands share: etcd connection flags and table/JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", default=os.environ.get("UNICRON_ETCD", "127.0.0.1:2379"),
+                   help="etcd endpoints host:port[,...] (env: UNICRON_ETCD; default 127.0.0.1:2379)")
+    p.add_argument("--prefix", default=os.environ.get("UNICRON_PREFIX", DEFAULT_PREFIX),
+                   help=f"etcd key prefix (env: UNICRON_PREFIX; default {DEFAULT_PREFIX})")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+
+
+def open_store(args: argparse.Namespace) -> tuple[Store, Keyspace]:
+    store = Store(args.etcd, timeout_s=3.0)
+    try:
+        store.revision()
+    except StoreUnavailable as exc:
+        store.close()
+        raise StoreUnavailable(f"cannot reach etcd at {args.etcd}: start it or pass --etcd / UNICRON_ETCD") from exc
+    return store, Keyspace(args.prefix)
+
+
+def read_json_prefix(store: Store, prefix: str) -> list[tuple[str, Any]]:
+    """(key, parsed value) under ``prefix``; unparsable values come back as {"error": ...}."""
+    kvs, _ = store.get_prefix(prefix)
+    out: list[tuple[str, Any]] = []
+    for kv in kvs:
+        try:
+            out.append((kv.key, json.loads(kv.value)))
+        except ValueError:
+            out.append((kv.key, {"error": f"unparsable value {kv.value[:60]!r}"}))
+    return out
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    if not rows:
+        print("(none)")
+        return
+    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def emit(args: argparse.Namespace, rows: list[dict[str, Any]], columns: Sequence[str]) -> int:
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        print_table(rows, columns)
+    return 0

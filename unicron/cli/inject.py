@@ -1,0 +1,101 @@
+"""``unicron inject``: the fault-injection harness.
+
+``kill-node`` (SIGKILL the node's agent) and ``silence-node`` (SIGSTOP it; ``--resume`` sends
+SIGCONT) act on the agent's process directly, so they work only on the machine the agent runs on
+(the local demo, tests, benchmarks). Every other fault is executed by the node's agent: the
+request goes to ``inject/<node>/<id>`` in etcd and the agent writes back when it executed it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+
+from unicron.cli.common import add_cluster_flags, open_store
+from unicron.kernel.errors import PermanentError
+from unicron.kernel.etcd import Store
+from unicron.kernel.inject import Fault, Injection, request
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import ErrorKind
+
+AGENT_FAULTS = tuple(f.value for f in Fault)
+LOCAL_FAULTS = ("kill-node", "silence-node")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("inject", help="inject a fault (for tests, demos and drills)")
+    add_cluster_flags(p)
+    p.add_argument("fault", choices=LOCAL_FAULTS + AGENT_FAULTS)
+    p.add_argument("arg", nargs="?", help="raise: the error kind (e.g. cuda_error); xid: the XID code (e.g. 79)")
+    p.add_argument("--node", required=True, help="the node to inject on")
+    p.add_argument("--task", help="the task (default: the node's first task)")
+    p.add_argument("--rank", type=int, help="the global rank (default: the node's first rank of the task)")
+    p.add_argument("--gpu", type=int, default=0, help="xid: the simulated GPU index (default 0)")
+    p.add_argument("--delay", type=float, default=1.0, help="slow: seconds added per iteration (default 1.0)")
+    p.add_argument("--iterations", type=int, default=1, help="slow: how many iterations (default 1)")
+    p.add_argument("--resume", action="store_true", help="silence-node: send SIGCONT instead (end the silence)")
+    p.set_defaults(func=cmd_inject)
+
+
+def _stamp(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
+
+
+def agent_pid(store: Store, keys: Keyspace, node: str) -> int:
+    kv = store.get(keys.node(node))
+    if kv is None:
+        raise PermanentError(f"node {node!r} is not registered (see 'unicron nodes')")
+    pid = json.loads(kv.value).get("agent_pid")
+    if not isinstance(pid, int):
+        raise PermanentError(f"node {node!r} has no agent pid in its record")
+    return pid
+
+
+def signal_agent(store: Store, keys: Keyspace, node: str, sig: signal.Signals) -> tuple[int, float]:
+    pid = agent_pid(store, keys, node)
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError as exc:
+        raise PermanentError(f"agent pid {pid} of node {node} is not on this machine (or already dead)") from exc
+    return pid, time.time()
+
+
+def build_request(args: argparse.Namespace) -> Injection:
+    fault = Fault(args.fault)
+    req = Injection(fault=fault, task=args.task or None, rank=args.rank)
+    if fault is Fault.RAISE:
+        kinds = [k.value for k in ErrorKind if k is not ErrorKind.DEGRADATION]
+        if args.arg not in kinds:
+            raise PermanentError(f"raise needs an error kind, one of: {', '.join(kinds)}")
+        return replace(req, kind=ErrorKind(args.arg))
+    if fault is Fault.XID:
+        if not (args.arg or "").isdigit():
+            raise PermanentError("xid needs a numeric XID code, e.g. 'unicron inject xid 79 --node n1'")
+        return replace(req, code=int(args.arg), gpu=args.gpu)
+    if fault is Fault.SLOW:
+        return replace(req, delay_s=args.delay, iterations=args.iterations)
+    return req
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    store, keys = open_store(args)
+    try:
+        if args.fault in LOCAL_FAULTS:
+            sig = signal.SIGKILL if args.fault == "kill-node" else (signal.SIGCONT if args.resume else signal.SIGSTOP)
+            pid, ts = signal_agent(store, keys, args.node, sig)
+            print(f"{_stamp(ts)} {args.fault}: sent {sig.name} to agent pid {pid} of node {args.node}")
+            return 0
+        answer = request(store, keys, args.node, build_request(args))
+        stamp = _stamp(answer.executed_ts or 0.0)
+        if not answer.ok:
+            print(f"{stamp} {args.fault} on node {args.node} FAILED: {answer.detail}")
+            return 1
+        print(f"{stamp} {args.fault} on node {args.node}: {answer.detail}")
+        return 0
+    finally:
+        store.close()

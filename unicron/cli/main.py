@@ -1,0 +1,59 @@
+"""``unicron``: the command-line interface.
+
+Subcommands live in their own modules, each exposing ``register(subparsers)``; this file only
+collects them. A command module that fails to import (e.g. an optional dependency missing) takes
+only its own subcommands away, with the reason shown in ``unicron --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from unicron.kernel.errors import UnicronError
+
+COMMAND_MODULES = (
+    "unicron.cli.cluster",
+    "unicron.cli.inject",
+    "unicron.cli.tasks",
+    "unicron.cli.demo",
+    "unicron.runtime.cli",
+    "plans.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unicron", description="Self-healing workload manager for LLM training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    missing: list[str] = []
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            missing.append(f"{name} ({exc})")
+            continue
+        module.register(sub)
+    if missing:
+        parser.epilog = "unavailable command modules: " + "; ".join(missing)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args))
+    except UnicronError as exc:
+        print(f"unicron {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""``unicron submit|cancel|tasks|drain|undrain``: the task set and drains, through the coordinator's API.
+
+These commands go through the leading coordinator's gRPC API (docs/api.md), because the coordinator
+validates specs against the cluster and acts on the change. Its address is the ``api`` field of the
+leader key in etcd, or ``--api host:port`` / ``UNICRON_API`` to skip etcd. When the address came from
+etcd, a coordinator that is unreachable or no longer leads (a failover) is retried against the new
+leader until ``--timeout``. ``nodes``, ``status`` and ``incidents`` (unicron.cli.cluster) read etcd
+directly instead, so they work while no coordinator runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from unicron.cli.common import add_cluster_flags, emit, open_store
+from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError, UnicronError
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.proto import coordinator_pb2 as pb
+from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
+
+TASK_COLUMNS = (
+    "name", "phase", "weight", "min_gpus", "gpus", "nodes", "generation", "restarts", "step", "reason",
+)
+_RETRY_PAUSE_S = 0.3
+#: statuses that mean "the coordinator refused; retrying will not help"
+_REFUSALS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("submit", help="add a task to the task set (JSON spec; see docs/api.md)")
+    add_api_flags(p)
+    p.add_argument("file", metavar="FILE", help="the task spec, a JSON object; '-' reads standard input")
+    p.set_defaults(func=cmd_submit)
+    p = sub.add_parser("cancel", help="remove a task from the task set, stopping its ranks")
+    add_api_flags(p)
+    p.add_argument("name", metavar="NAME", help="the task")
+    p.set_defaults(func=cmd_cancel)
+    p = sub.add_parser("tasks", help="list the task set with each task's state")
+    add_api_flags(p)
+    p.add_argument("name", metavar="NAME", nargs="?", help="only this task")
+    p.set_defaults(func=cmd_tasks)
+    p = sub.add_parser("drain", help="stop scheduling on a node and move its tasks off it")
+    add_api_flags(p)
+    p.add_argument("node", metavar="NODE")
+    p.set_defaults(func=cmd_drain)
+    p = sub.add_parser("undrain", help="schedule on a drained node again")
+    add_api_flags(p)
+    p.add_argument("node", metavar="NODE")
+    p.set_defaults(func=cmd_undrain)
+
+
+def add_api_flags(p: argparse.ArgumentParser) -> None:
+    add_cluster_flags(p)
+    p.add_argument("--api", default=os.environ.get("UNICRON_API") or None, metavar="HOST:PORT",
+                   help="coordinator API address (env: UNICRON_API; default: from the leader key in etcd)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="give up after this long, following failovers meanwhile (default 10)")
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+class ApiClient:
+    """Calls one RPC of the leading coordinator. ``resolve`` returns the address to dial; with
+    ``follow`` it is asked again after an UNAVAILABLE answer, so a call survives a failover."""
+
+    def __init__(self, resolve: Callable[[], str], timeout_s: float, follow: bool) -> None:
+        self.resolve = resolve
+        self.timeout_s = timeout_s
+        self.follow = follow
+
+    def call(self, rpc: str, request: Any) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._call_once(rpc, request, deadline)
+            except TemporaryError:
+                # UNAVAILABLE means the request was not acted on, so asking the next leader is safe
+                if not self.follow or time.monotonic() + _RETRY_PAUSE_S >= deadline:
+                    raise
+            time.sleep(_RETRY_PAUSE_S)
+
+    def _call_once(self, rpc: str, request: Any, deadline: float) -> Any:
+        address = self.resolve()
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]  # generated, unannotated
+            method = getattr(stub, rpc)
+            try:
+                return method(request, timeout=max(0.05, deadline - time.monotonic()))
+            except grpc.RpcError as exc:
+                raise error_from_status(exc.code(), exc.details() or "", address) from None
+
+
+def error_from_status(code: grpc.StatusCode, details: str, address: str) -> UnicronError:
+    """The project's exception for a gRPC status (the inverse of coordinator.api.status_for)."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRecord(details)
+    if code in _REFUSALS:
+        return PermanentError(details)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return TemporaryError(
+            f"the coordinator's API at {address} is unavailable ({details}); check that unicron-coordinator "
+            "runs, or pass --api / UNICRON_API"
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TemporaryError(
+            f"no answer from the coordinator's API at {address} in time; retry or raise --timeout"
+        )
+    return UnicronError(f"the coordinator's API at {address} failed ({code.name}): {details}")
+
+
+def leader_api(store: Store, keys: Keyspace) -> str:
+    """The API address the leading coordinator published in the leader key."""
+    kv = store.get(keys.leader())
+    if kv is None:
+        raise TemporaryError(
+            f"no coordinator leads the cluster under prefix {keys.prefix!r} (no leader key); start "
+            "unicron-coordinator, check --prefix, or pass --api"
+        )
+    try:
+        value = json.loads(kv.value)
+    except ValueError as exc:
+        raise InvalidRecord(f"leader key {keys.leader()}: not JSON ({exc})") from exc
+    api = value.get("api") if isinstance(value, dict) else None
+    if not isinstance(api, str) or not api:
+        raise PermanentError(
+            f"leader key {keys.leader()}: the leading coordinator publishes no API address ('api' field); "
+            "it is too old or was started without its API"
+        )
+    return api
+
+
+def call(args: argparse.Namespace, rpc: str, request: Any) -> Any:
+    """Call ``rpc`` on the coordinator chosen by ``--api`` or the leader key."""
+    if args.api:
+        return ApiClient(lambda: str(args.api), args.timeout, follow=False).call(rpc, request)
+    store, keys = open_store(args)
+    try:
+        return ApiClient(lambda: leader_api(store, keys), args.timeout, follow=True).call(rpc, request)
+    finally:
+        store.close()
+
+
+# --- the commands ----------------------------------------------------------------------------
+
+
+def read_spec(path: str) -> str:
+    """The spec file's text, checked to be JSON so that a syntax error names the file and line."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PermanentError(f"{path}: cannot read the task spec ({exc.strerror})") from exc
+    where = "standard input" if path == "-" else path
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRecord(
+            f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from exc
+    return text
+
+
+def _done(args: argparse.Namespace, message: str, record: dict[str, Any]) -> int:
+    if args.json:
+        json.dump(record, sys.stdout, indent=2)
+        print()
+    else:
+        print(message)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    reply = call(args, "Submit", pb.SubmitRequest(spec_json=read_spec(args.file)))
+    spec = json.loads(reply.task_json)
+    summary = (f"submitted task {spec['name']} (weight {spec['weight']}, min_gpus {spec['min_gpus']}, "
+               f"tp {spec['tp_size']} x pp {spec['pp_size']})")
+    return _done(args, summary, spec)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    call(args, "Cancel", pb.CancelRequest(name=args.name))
+    return _done(args, f"cancelled task {args.name}", {"task": args.name, "cancelled": True})
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    call(args, "Drain", pb.NodeRequest(node=args.node))
+    return _done(args, f"drained node {args.node}; its tasks are moved off it",
+                 {"node": args.node, "drained": True})
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    call(args, "Undrain", pb.NodeRequest(node=args.node))
+    return _done(args, f"undrained node {args.node}", {"node": args.node, "drained": False})
+
+
+def _cell(value: Any) -> Any:
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else value
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    reply = call(args, "ListTasks", pb.ListTasksRequest(name=args.name or ""))
+    tasks = [json.loads(t) for t in reply.task_json]
+    if args.json:
+        return emit(args, tasks, [])
+    rows = [{c: _cell(t.get(c)) for c in TASK_COLUMNS} for t in tasks]
+    return emit(args, rows, TASK_COLUMNS)

@@ -1,0 +1,190 @@
+"""A whole Unicron cluster on this machine: a throwaway etcd, a coordinator and N agents, each a
+real process. Used by the integration tests, the local demo and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.net import free_port
+from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        agents: int = 3,
+        gpus_per_agent: int = 2,
+        prefix: str = "/unicron",
+        run_dir: str | None = None,
+        extra_env: dict[str, str] | None = None,
+        quiet: bool = True,
+    ) -> None:
+        self.n_agents = agents
+        self.gpus_per_agent = gpus_per_agent
+        self.keys = Keyspace(prefix)
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="unicron-run-")
+        self.etcd = EtcdServer()
+        self.store: Store | None = None
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.extra_env = extra_env or {}
+        self.quiet = quiet
+        self._revision = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def node_names(self) -> list[str]:
+        return [f"node{i}" for i in range(self.n_agents)]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "UNICRON_ETCD": self.etcd.endpoint, "UNICRON_PREFIX": self.keys.prefix, "UNICRON_RUN_DIR": self.run_dir,
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        log_path = Path(self.run_dir) / f"{log_name}.log"
+        out = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen([sys.executable, *argv], env=self._env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        out.close()
+        return proc
+
+    def start(self, timeout_s: float = 60.0) -> LocalCluster:
+        self.etcd.start()
+        self.store = Store(self.etcd.endpoint)
+        self.start_coordinator()
+        for node in self.node_names():
+            self.start_agent(node)
+        self.wait_for(lambda: len(self.registered_nodes()) == self.n_agents, timeout_s, "agents to register")
+        return self
+
+    def start_coordinator(self) -> None:
+        self.coordinator = self._spawn(["-m", "coordinator.main"], "coordinator")
+        self.wait_for(lambda: self.store is not None and self.store.get(self.keys.leader()) is not None, 30.0,
+                      "the coordinator to lead")
+
+    def start_agent(self, node: str) -> None:
+        self.agents[node] = self._spawn(
+            ["-m", "agent.main", "--node", node, "--gpu-backend", "simulated", "--gpus", str(self.gpus_per_agent)],
+            f"agent-{node}",
+        )
+
+    def stop(self) -> None:
+        procs = [p for p in (*self.agents.values(), self.coordinator) if p is not None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if self.store is not None:
+            self.store.close()
+        self.etcd.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        # The cluster's processes run in their own sessions: a SIGTERM to this process must unwind
+        # through __exit__ (which stops them), not kill it with them orphaned.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- observation -------------------------------------------------------------------------
+
+    def wait_for(self, pred: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = pred()
+            if value:
+                return value
+            time.sleep(poll_s)
+        raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}; logs in {self.run_dir}")
+
+    def registered_nodes(self) -> list[str]:
+        assert self.store is not None
+        kvs, _ = self.store.get_prefix(self.keys.nodes())
+        return [self.keys.tail(kv.key, self.keys.nodes()) for kv in kvs]
+
+    def wait_registered(self, node: str, timeout_s: float = 30.0) -> None:
+        """Wait until ``node``'s *current* agent process registered (not a dead one's lingering key)
+        and had time to open its link to the coordinator."""
+        assert self.store is not None
+        pid = self.agents[node].pid
+
+        def registered() -> bool:
+            kv = self.store.get(self.keys.node(node))  # type: ignore[union-attr]
+            return kv is not None and json.loads(kv.value).get("agent_pid") == pid
+
+        self.wait_for(registered, timeout_s, f"{node}'s agent (pid {pid}) to register")
+        time.sleep(0.3)  # the agent opens its coordinator link right after registering
+
+    def incidents(self) -> list[Incident]:
+        assert self.store is not None
+        kvs, _ = self.store.get_prefix(self.keys.incidents())
+        out = [Incident.from_dict(json.loads(kv.value)) for kv in kvs]
+        return sorted(out, key=lambda i: i.detected_ts)
+
+    def wait_incident(self, pred: Callable[[Incident], bool], timeout_s: float = 30.0,
+                      after: float = 0.0) -> Incident:
+        def find() -> Incident | None:
+            return next((i for i in self.incidents() if i.detected_ts >= after and pred(i)), None)
+
+        result: Incident = self.wait_for(find, timeout_s, "an incident")
+        return result
+
+    def agent_status(self, node: str) -> dict[str, Any] | None:
+        assert self.store is not None
+        kv = self.store.get(self.keys.status(node))
+        return json.loads(kv.value) if kv else None
+
+    # --- direct assignment (tests that drive agents without the decision core) ----------------
+
+    def assign_task(self, task: str, argv: list[str], nodes: list[str], ranks_per_node: int,
+                    env: dict[str, str] | None = None, generation: int = 1, host_store: bool = False) -> int:
+        """Write assignments running ``argv`` on ``ranks_per_node`` ranks of each of ``nodes``."""
+        assert self.store is not None
+        port = free_port()
+        world = len(nodes) * ranks_per_node
+        for i, node in enumerate(nodes):
+            ranks = [RankSpec(rank=i * ranks_per_node + j, local_rank=j, gpu=j).to_dict() for j in range(ranks_per_node)]
+            ta = TaskAssignment(task=task, generation=generation, argv=argv, env=env or {}, world_size=world,
+                                ranks=ranks, master_addr="127.0.0.1", master_port=port,
+                                host_store=host_store and i == 0)
+            self._revision += 1
+            na = NodeAssignment(node=node, revision=self._revision, tasks=[ta.to_dict()])
+            self.store.put(self.keys.assignment(node), json.dumps(na.to_dict()))
+        return port

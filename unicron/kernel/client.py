@@ -1,0 +1,204 @@
+"""The rank-side client: how a training process talks to its node's agent.
+
+A rank reports progress (iteration start/end, micro-batch completions, phases) and exceptions, and
+receives instructions (regroup, stop) and injected faults. Without ``UNICRON_AGENT_SOCKET`` (a run
+outside Unicron) every call is a no-op, so the same training script runs managed or not.
+
+Reporting never raises into training: if the agent goes away, the client logs once and goes quiet;
+the agent's own supervision notices a rank that stops talking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback as tb
+from collections.abc import Iterator
+from types import TracebackType
+
+from unicron.kernel import protocol, wire
+from unicron.kernel.errors import InvalidRecord, UnicronError
+from unicron.kernel.types import ErrorKind
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(UnicronError):
+    """Raised inside a rank by ``unicron inject raise KIND``; carries the Table 1 kind to report."""
+
+    def __init__(self, kind: ErrorKind, message: str = "") -> None:
+        super().__init__(message or f"injected fault: {kind.value}")
+        self.kind = kind
+
+
+class AgentClient:
+    def __init__(
+        self,
+        rank: int,
+        local_rank: int,
+        task: str = "",
+        generation: int = 0,
+        socket_path: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.local_rank = local_rank
+        self.task = task
+        self.generation = generation
+        self.socket_path = socket_path if socket_path is not None else os.environ.get(protocol.ENV_SOCKET)
+        self.instructions: queue.Queue[protocol.Message] = queue.Queue()
+        self._conn: wire.LineSocket | None = None
+        self._reader: threading.Thread | None = None
+        self._pending_slow: list[protocol.InjectSlow] = []
+        self._pending_raise: protocol.InjectRaise | None = None
+        self._inject_lock = threading.Lock()
+        self._step: int | None = None
+
+    @classmethod
+    def from_env(cls) -> AgentClient:
+        """Build from the torchrun-style environment the agent sets (RANK, LOCAL_RANK, UNICRON_TASK, ...)."""
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            task=os.environ.get("UNICRON_TASK", ""),
+            generation=int(os.environ.get("UNICRON_GENERATION", "0")),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._conn is not None
+
+    def connect(self) -> AgentClient:
+        if not self.socket_path:
+            return self
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            log.warning("unicron agent socket %s unreachable (%s); running unmanaged", self.socket_path, exc)
+            return self
+        self._conn = wire.LineSocket(sock)
+        self.send(
+            protocol.Hello(
+                rank=self.rank, local_rank=self.local_rank, pid=os.getpid(), task=self.task,
+                generation=self.generation,
+            )
+        )
+        self._reader = threading.Thread(target=self._read_loop, name="unicron-client", daemon=True)
+        self._reader.start()
+        return self
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def send(self, msg: protocol.Message) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            conn.send(msg.to_wire())
+        except OSError as exc:
+            log.warning("lost the unicron agent socket (%s); reporting stops", exc)
+            self._conn = None
+
+    # --- instructions ----------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        conn = self._conn
+        while conn is not None:
+            try:
+                line = conn.recv_line()
+            except (OSError, InvalidRecord):
+                return
+            if line is None:
+                return
+            try:
+                msg = protocol.parse(wire.decode(line))
+            except InvalidRecord as exc:
+                log.warning("ignoring bad instruction from agent: %s", exc)
+                continue
+            if isinstance(msg, protocol.InjectSlow):
+                with self._inject_lock:
+                    self._pending_slow.extend([msg] * max(1, msg.iterations))
+            elif isinstance(msg, protocol.InjectRaise):
+                with self._inject_lock:
+                    self._pending_raise = msg
+            else:
+                self.instructions.put(msg)
+
+    def next_instruction(self, timeout: float | None = 0.0) -> protocol.Message | None:
+        """The next instruction from the agent, waiting up to ``timeout`` seconds (None: forever)."""
+        try:
+            if timeout == 0.0:
+                return self.instructions.get_nowait()
+            return self.instructions.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def check_injected(self) -> None:
+        """Apply injected faults; called at iteration boundaries by :meth:`iteration`."""
+        with self._inject_lock:
+            slow = self._pending_slow.pop(0) if self._pending_slow else None
+            fault, self._pending_raise = self._pending_raise, None
+        if slow is not None:
+            time.sleep(slow.delay_s)
+        if fault is not None:
+            try:
+                kind = ErrorKind(fault.kind)
+            except ValueError:
+                kind = ErrorKind.OTHER_SOFTWARE_ERROR
+            raise InjectedFault(kind, fault.message)
+
+    # --- progress --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def iteration(self, step: int) -> Iterator[None]:
+        """Bracket one training iteration: reports start and end (with duration) to the agent."""
+        self._step = step
+        t0 = time.time()
+        self.send(protocol.IterStart(step=step, ts=t0))
+        self.check_injected()
+        yield
+        t1 = time.time()
+        self.send(protocol.IterEnd(step=step, duration_s=t1 - t0, ts=t1))
+
+    def microbatch_done(self, step: int, index: int) -> None:
+        self.send(protocol.MicrobatchDone(step=step, index=index))
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A non-training phase (checkpoint, eval): iterations inside it are not judged for hangs."""
+        self.send(protocol.Phase(name=name))
+        try:
+            yield
+        finally:
+            self.send(protocol.Phase(name=protocol.PHASE_TRAIN))
+
+    def report_exception(self, exc: BaseException, fatal: bool = True) -> None:
+        kind = exc.kind.value if isinstance(exc, InjectedFault) else ""
+        text = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
+        self.send(
+            protocol.ExceptionReport(
+                message=f"{type(exc).__name__}: {exc}", kind=kind, traceback=text[-8000:],
+                step=self._step, fatal=fatal,
+            )
+        )
+
+    def install_excepthook(self) -> None:
+        """Report any uncaught exception to the agent before the interpreter prints it and exits."""
+        previous = sys.excepthook
+
+        def hook(t: type[BaseException], e: BaseException, trace: TracebackType | None) -> None:
+            if not isinstance(e, KeyboardInterrupt):
+                self.report_exception(e)
+            previous(t, e, trace)
+
+        sys.excepthook = hook

@@ -1,0 +1,82 @@
+"""Fault-injection requests (``inject/<node>/<id>``): the record the CLI, the demo and the tests write and
+the node's agent executes, and the client-side round trip."""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Self
+
+from unicron.kernel.errors import InvalidRecord, TemporaryError
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import ErrorKind, Record, new_id
+
+
+class Fault(enum.StrEnum):
+    """Faults a node's agent executes (``kill-node``/``silence-node`` signal the agent itself, see the CLI)."""
+
+    KILL_RANK = "kill-rank"
+    RAISE = "raise"
+    STALL = "stall"
+    XID = "xid"
+    SLOW = "slow"
+
+
+@dataclass(frozen=True)
+class Injection(Record):
+    """One request; the agent writes it back with ``executed_ts``, ``ok`` and ``detail`` set."""
+
+    fault: Fault
+    task: str | None = None
+    rank: int | None = None
+    #: raise: the error kind the rank raises
+    kind: ErrorKind | None = None
+    #: xid: the XID code and the simulated GPU it hits
+    code: int | None = None
+    gpu: int = 0
+    #: slow: seconds added per iteration, for how many iterations
+    delay_s: float = 1.0
+    iterations: int = 1
+    requested_ts: float = field(default_factory=time.time)
+    executed_ts: float | None = None
+    ok: bool | None = None
+    detail: str = ""
+
+    @classmethod
+    def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        raw["fault"] = Fault(raw["fault"])
+        if raw.get("kind") is not None:
+            raw["kind"] = ErrorKind(raw["kind"])
+        return raw
+
+    def answered(self, ok: bool, detail: str) -> Self:
+        return replace(self, executed_ts=time.time(), ok=ok, detail=detail)
+
+
+def parse_injection(value: bytes | str) -> Injection:
+    """The request stored at an ``inject/`` key; :class:`InvalidRecord` on anything malformed."""
+    try:
+        return Injection.from_dict(json.loads(value))
+    except ValueError as exc:
+        raise InvalidRecord(f"injection: not JSON ({exc})") from exc
+
+
+def request(store: Store, keys: Keyspace, node: str, req: Injection, timeout_s: float = 5.0) -> Injection:
+    """Ask ``node``'s agent to execute ``req``; returns the agent's answer (``executed_ts`` set)."""
+    key = keys.injection(node, new_id())
+    store.put(key, json.dumps(req.to_dict()))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            kv = store.get(key)
+            if kv is not None:
+                answer = parse_injection(kv.value)
+                if answer.executed_ts is not None:
+                    return answer
+            time.sleep(0.01)
+    finally:
+        store.delete(key)
+    raise TemporaryError(f"node {node}'s agent did not execute the injection within {timeout_s}s")

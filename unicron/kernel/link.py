@@ -1,0 +1,57 @@
+"""Messages on the agent <-> coordinator link (one TCP connection per agent, one JSON line each).
+
+Agent -> coordinator: ``LinkHello`` first, then a ``Heartbeat`` every ``heartbeat_s``, and ``Goodbye``
+before a planned stop. Coordinator -> agent: ``Welcome`` once the hello is accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.protocol import Message
+
+
+@dataclass(frozen=True)
+class LinkHello(Message):
+    TYPE: ClassVar[str] = "hello"
+    node: str
+
+    def __post_init__(self) -> None:
+        if not self.node:
+            raise InvalidRecord("LinkHello.node: empty node name")
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    TYPE: ClassVar[str] = "welcome"
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "hb"
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Goodbye(Message):
+    """The agent stops on purpose (``systemctl stop``): its node is leaving, not failing."""
+
+    TYPE: ClassVar[str] = "goodbye"
+    reason: str = ""
+
+
+LinkMessage = LinkHello | Welcome | Heartbeat | Goodbye
+
+LINK_TYPES: dict[str, type[LinkMessage]] = {cls.TYPE: cls for cls in (LinkHello, Welcome, Heartbeat, Goodbye)}
+
+
+def parse(obj: dict[str, Any]) -> LinkMessage:
+    body = dict(obj)
+    tag = body.pop("type", None)
+    cls = LINK_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise InvalidRecord(f"unknown link message type {tag!r}; expected one of {sorted(LINK_TYPES)}")
+    return cls.from_dict(body)

@@ -1,0 +1,56 @@
+"""Error text -> Table 1 error status.
+
+One ordered table serves both the agent's stderr matcher (uninstrumented programs) and the
+classification of exception reports whose rank did not name a kind. Specific patterns come first:
+"CUDA error: an illegal memory access" is an illegal memory access, not a generic CUDA error.
+"""
+
+from __future__ import annotations
+
+import re
+
+from unicron.kernel.types import ErrorKind
+
+PATTERNS: tuple[tuple[re.Pattern[str], ErrorKind], ...] = tuple(
+    (re.compile(rx, re.IGNORECASE), kind)
+    for rx, kind in (
+        (r"illegal memory access|cudaErrorIllegalAddress", ErrorKind.ILLEGAL_MEMORY_ACCESS),
+        (r"\bECC\b|uncorrectable ecc|double[- ]bit", ErrorKind.ECC_ERROR),
+        (r"invalid dma mapping|dma mapping error|iommu fault", ErrorKind.INVALID_DMA_MAPPING),
+        (r"nvlink", ErrorKind.NVLINK_ERROR),
+        (
+            r"fallen off the bus|gpu driver|driver shutting down|NVRM: |cudaErrorDevicesUnavailable"
+            r"|CUDA driver version is insufficient|no CUDA-capable device",
+            ErrorKind.GPU_DRIVER_ERROR,
+        ),
+        (
+            r"Watchdog caught collective operation timeout|NCCL.{0,40}time(d)? ?out|collective operation timeout",
+            ErrorKind.NCCL_TIMEOUT,
+        ),
+        (r"CUDA error|cudaError|CUBLAS_STATUS_|CUDNN_STATUS_|device-side assert", ErrorKind.CUDA_ERROR),
+        (r"link flap|link (is )?down|port state change", ErrorKind.LINK_FLAPPING),
+        (
+            r"connection refused|connection reset|ECONNREFUSED|ECONNRESET|connection closed by peer"
+            r"|Connection(Reset|Refused|Aborted)Error",
+            ErrorKind.CONNECTION_REFUSED_RESET,
+        ),
+        (
+            r"NCCL error|ncclSystemError|ncclInternalError|ncclRemoteError|broken pipe|network is unreachable"
+            r"|no route to host|gloo.{0,40}(timeout|timed out|error)",
+            ErrorKind.OTHER_NETWORK_ERROR,
+        ),
+    )
+)
+
+
+def match(text: str) -> ErrorKind | None:
+    """The Table 1 status named by ``text``, or None when no known pattern occurs in it."""
+    for rx, kind in PATTERNS:
+        if rx.search(text):
+            return kind
+    return None
+
+
+def classify_text(text: str) -> ErrorKind:
+    """Like :func:`match`, but unknown text is an "other software error" (Table 1's catch-all)."""
+    return match(text) or ErrorKind.OTHER_SOFTWARE_ERROR

@@ -1,0 +1,164 @@
+"""Messages between a training rank and its node's agent (local Unix socket, one JSON line each).
+
+Rank -> agent: ``Hello`` first, then progress (``IterStart``, ``IterEnd``, ``MicrobatchDone``,
+``Phase``), failures (``ExceptionReport``) and acknowledgements (``RegroupDone``).
+Agent -> rank: instructions (``Regroup``, ``Stop``) and fault injection (``InjectRaise``,
+``InjectSlow``, used by ``unicron inject``).
+
+Every message has a ``type`` tag; :func:`parse` turns a decoded JSON object back into its class and
+raises :class:`~unicron.kernel.errors.InvalidRecord` for an unknown type or bad fields.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.types import Record
+
+ENV_SOCKET = "UNICRON_AGENT_SOCKET"
+"""Environment variable the agent sets for each rank: path of its Unix socket."""
+
+PHASE_TRAIN = "train"
+PHASE_CHECKPOINT = "checkpoint"
+PHASE_EVAL = "eval"
+PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL)
+
+
+class Message(Record):
+    TYPE: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **self.to_dict()}
+
+
+# --- rank -> agent -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "hello"
+    rank: int
+    local_rank: int
+    pid: int
+    task: str = ""
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class IterStart(Message):
+    TYPE: ClassVar[str] = "iter_start"
+    step: int
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class IterEnd(Message):
+    TYPE: ClassVar[str] = "iter_end"
+    step: int
+    duration_s: float
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class MicrobatchDone(Message):
+    TYPE: ClassVar[str] = "microbatch_done"
+    step: int
+    index: int  # global micro-batch index within the iteration's global batch
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Phase(Message):
+    """The rank entered a phase; statistical monitoring only judges iterations in the train phase."""
+
+    TYPE: ClassVar[str] = "phase"
+    name: str
+    ts: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.name not in PHASES:
+            raise InvalidRecord(f"phase: name must be one of {PHASES}, got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class ExceptionReport(Message):
+    """An exception inside the rank. ``kind`` is an ErrorKind value when the rank knows it, else ""
+    and the agent classifies ``message``/``traceback`` with :mod:`unicron.kernel.patterns`."""
+
+    TYPE: ClassVar[str] = "exception"
+    message: str
+    kind: str = ""
+    traceback: str = ""
+    step: int | None = None
+    fatal: bool = True  # False: the rank handled it (e.g. regrouped) and keeps running
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class RegroupDone(Message):
+    TYPE: ClassVar[str] = "regroup_done"
+    generation: int
+    ok: bool
+    detail: str = ""
+    ts: float = field(default_factory=time.time)
+
+
+# --- agent -> rank -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Regroup(Message):
+    """Re-form the task's process group in place at ``generation`` with ``members`` (global ranks)
+    after ``failed`` ranks were lost (sev3 reattempt, or redistribution after a rank died)."""
+
+    TYPE: ClassVar[str] = "regroup"
+    generation: int
+    members: list[int]
+    failed: list[int]
+    master_addr: str = ""
+    master_port: int = 0
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    TYPE: ClassVar[str] = "stop"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class InjectRaise(Message):
+    """Fault injection: raise an exception of ``kind`` (an ErrorKind value) at the next iteration boundary."""
+
+    TYPE: ClassVar[str] = "inject_raise"
+    kind: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class InjectSlow(Message):
+    """Fault injection: delay the next ``iterations`` iterations by ``delay_s`` each."""
+
+    TYPE: ClassVar[str] = "inject_slow"
+    delay_s: float
+    iterations: int = 1
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, IterStart, IterEnd, MicrobatchDone, Phase, ExceptionReport, RegroupDone,
+        Regroup, Stop, InjectRaise, InjectSlow,
+    )
+}
+
+
+def parse(obj: dict[str, Any]) -> Message:
+    body = dict(obj)
+    tag = body.pop("type", None)
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise InvalidRecord(f"unknown message type {tag!r}; expected one of {sorted(MESSAGE_TYPES)}")
+    return cls.from_dict(body)

@@ -1,0 +1,291 @@
+"""Types shared by the agent, the coordinator, the CLI and the training-side library.
+
+Everything here is plain data: frozen dataclasses that round-trip through JSON (``to_dict`` /
+``from_dict``), so the same record can live in etcd, cross a socket and appear in a JSON log.
+``from_dict`` raises :class:`unicron.kernel.errors.InvalidRecord` on anything malformed, never a bare
+``KeyError``/``TypeError``, so daemons can log and skip garbage instead of crashing.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+import types
+import typing
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Self
+
+from unicron.kernel.errors import InvalidRecord
+
+
+class Severity(enum.IntEnum):
+    """Paper Table 1: sev1 is the most severe (node-level), sev3 the least (transient)."""
+
+    SEV1 = 1
+    SEV2 = 2
+    SEV3 = 3
+
+    def escalate(self) -> Severity:
+        """Figure 7: a failed reattempt becomes sev2, a failed restart becomes sev1."""
+        return Severity(max(1, self.value - 1))
+
+    def __str__(self) -> str:
+        return f"sev{self.value}"
+
+
+class DetectionMethod(enum.StrEnum):
+    """The four detection methods of paper §4.1."""
+
+    NODE_HEALTH = "node_health_monitoring"
+    PROCESS_SUPERVISION = "process_supervision"
+    EXCEPTION_PROPAGATION = "exception_propagation"
+    STATISTICAL_MONITORING = "online_statistical_monitoring"
+
+
+class ErrorKind(enum.StrEnum):
+    """Error statuses of paper Table 1, plus DEGRADATION (a slow but completed iteration: recorded, not acted on)."""
+
+    LOST_CONNECTION = "lost_connection"
+    EXITED_ABNORMALLY = "exited_abnormally"
+    CONNECTION_REFUSED_RESET = "connection_refused_reset"
+    ILLEGAL_MEMORY_ACCESS = "illegal_memory_access"
+    ECC_ERROR = "ecc_error"
+    INVALID_DMA_MAPPING = "invalid_dma_mapping"
+    CUDA_ERROR = "cuda_error"
+    NVLINK_ERROR = "nvlink_error"
+    GPU_DRIVER_ERROR = "gpu_driver_error"
+    OTHER_NETWORK_ERROR = "other_network_error"
+    OTHER_SOFTWARE_ERROR = "other_software_error"
+    NCCL_TIMEOUT = "nccl_timeout"
+    LINK_FLAPPING = "link_flapping"
+    TASK_HANG = "task_hang"
+    DEGRADATION = "degradation"
+
+
+def _check_fields(cls: type[Any], data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise InvalidRecord(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise InvalidRecord(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+    return data
+
+
+@functools.cache
+def _field_types(cls: type[Any]) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Shallow JSON-level type check: enough to reject garbage, not a schema language."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is not None:
+        hint = origin
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return True  # checked by the enum constructor in _coerce
+    if hint is tuple:
+        return isinstance(value, list | tuple)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+class Record:
+    """Mixin: JSON round-trip with validation of field names and shallow types.
+
+    Subclasses coerce enums in ``_coerce``.
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in asdict(self).items()}  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Self:
+        raw = dict(_check_fields(cls, data))
+        hints = _field_types(cls)  # type: ignore[arg-type]
+        for name, value in raw.items():
+            if not _matches(value, hints[name]):
+                raise InvalidRecord(f"{cls.__name__}.{name}: bad value {value!r} (expected {hints[name]})")
+        try:
+            raw = cls._coerce(raw)
+            return cls(**raw)
+        except InvalidRecord:
+            raise
+        except (TypeError, ValueError, KeyError) as exc:
+            raise InvalidRecord(f"{cls.__name__}: {exc}") from exc
+
+    @classmethod
+    def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return raw
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class Report(Record):
+    """An abnormal status observed by an agent (or by the coordinator itself for node loss)."""
+
+    method: DetectionMethod
+    kind: ErrorKind
+    node: str
+    message: str = ""
+    task: str | None = None
+    gpu: int | None = None
+    rank: int | None = None
+    step: int | None = None
+    generation: int | None = None
+    #: the rank already recovered in place (the runtime's own sev3 reattempt): record, do not act
+    handled: bool = False
+    #: wall-clock time the fault was observed at its source (process exit, exception raised, ...)
+    source_ts: float = field(default_factory=time.time)
+    #: wall-clock time the agent published the report
+    agent_ts: float = field(default_factory=time.time)
+    report_id: str = field(default_factory=new_id)
+
+    @classmethod
+    def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        raw["method"] = DetectionMethod(raw["method"])
+        raw["kind"] = ErrorKind(raw["kind"])
+        return raw
+
+
+@dataclass(frozen=True)
+class Incident(Record):
+    """A classified report, as the coordinator records it under ``incidents/``."""
+
+    incident_id: str
+    severity: Severity | None  # None: recorded only (degradation), no recovery action
+    method: DetectionMethod
+    kind: ErrorKind
+    node: str
+    message: str
+    task: str | None
+    gpu: int | None
+    rank: int | None
+    step: int | None
+    source_ts: float
+    detected_ts: float
+    report_id: str
+    handled: bool = False
+
+    @property
+    def detection_latency_s(self) -> float:
+        return self.detected_ts - self.source_ts
+
+    @classmethod
+    def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        raw["method"] = DetectionMethod(raw["method"])
+        raw["kind"] = ErrorKind(raw["kind"])
+        raw["severity"] = None if raw["severity"] is None else Severity(raw["severity"])
+        return raw
+
+
+@dataclass(frozen=True)
+class NodeInfo(Record):
+    """What an agent registers about its node (under its lease)."""
+
+    node: str
+    host: str
+    gpus: int
+    gpu_backend: str  # "nvml" | "simulated"
+    agent_pid: int
+    started_ts: float
+    #: address of the agent's checkpoint replica server, "" if none
+    replica_addr: str = ""
+
+
+@dataclass(frozen=True)
+class RankStatus(Record):
+    rank: int
+    local_rank: int
+    pid: int
+    state: str  # "running" | "exited" | "stopped"
+    step: int | None = None
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeStatus(Record):
+    """An agent's periodic summary of its node, written under its lease."""
+
+    node: str
+    ts: float
+    generation: int | None
+    task: str | None
+    ranks: list[dict[str, Any]]
+    gpu_health: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RankSpec(Record):
+    """One training process to run on a node."""
+
+    rank: int
+    local_rank: int
+    gpu: int
+
+
+@dataclass(frozen=True)
+class TaskAssignment(Record):
+    """What one node must run for one task (desired state, written by the coordinator).
+
+    ``generation`` changes on every reconfiguration: the agent then replaces all the task's
+    processes. ``restart_epoch`` changes for a sev2 restart: only ``restart_ranks`` are relaunched
+    with the same configuration and rejoin the running ones. ``regroup_epoch`` changes for a sev3
+    reattempt: running ranks get a Regroup instruction, no process is restarted.
+    """
+
+    task: str
+    generation: int
+    argv: list[str]
+    env: dict[str, str]
+    world_size: int
+    ranks: list[dict[str, Any]]  # RankSpec dicts
+    master_addr: str
+    master_port: int
+    host_store: bool = False
+    restart_epoch: int = 0
+    restart_ranks: list[int] = field(default_factory=list)
+    regroup_epoch: int = 0
+    regroup_members: list[int] = field(default_factory=list)
+    regroup_failed: list[int] = field(default_factory=list)
+
+    def rank_specs(self) -> list[RankSpec]:
+        return [RankSpec.from_dict(r) for r in self.ranks]
+
+
+@dataclass(frozen=True)
+class NodeAssignment(Record):
+    """Everything a node must run; ``revision`` only grows, so agents can ignore stale writes."""
+
+    node: str
+    revision: int
+    tasks: list[dict[str, Any]]  # TaskAssignment dicts
+
+    def task_assignments(self) -> list[TaskAssignment]:
+        return [TaskAssignment.from_dict(t) for t in self.tasks]
+
+
+@dataclass(frozen=True)
+class AssignmentResult(Record):
+    """What an agent observed after reconciling (observed state, written by the agent)."""
+
+    node: str
+    revision: int
+    ok: bool
+    detail: str
+    tasks: dict[str, dict[str, Any]]  # task -> {"generation", "restart_epoch", "regroup_epoch", "ranks": {rank: state}}
+    ts: float = field(default_factory=time.time)

@@ -1,0 +1,67 @@
+"""Newline-delimited JSON over stream sockets: the framing of every Unicron socket.
+
+Used by the rank <-> agent Unix socket and the agent <-> coordinator TCP link. One message is one
+JSON object on one line. Lines longer than ``MAX_LINE`` are rejected (a peer sending garbage must not
+make a daemon buffer without bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from typing import Any
+
+from unicron.kernel.errors import InvalidRecord
+
+MAX_LINE = 1 << 20
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRecord(f"not a JSON line: {line[:80]!r}") from exc
+    if not isinstance(obj, dict):
+        raise InvalidRecord(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+class LineSocket:
+    """A stream socket read line by line and written whole-message at a time (thread-safe sends)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+        self._send_lock = threading.Lock()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        data = encode(obj)
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    def recv_line(self) -> bytes | None:
+        """Next line without its newline, or None at EOF. Raises InvalidRecord for an over-long line."""
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl >= 0:
+                line = bytes(self._buf[:nl])
+                del self._buf[: nl + 1]
+                return line
+            if len(self._buf) > MAX_LINE:
+                self._buf.clear()
+                raise InvalidRecord(f"line longer than {MAX_LINE} bytes")
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self._buf += chunk
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
