@@ -13,7 +13,6 @@ wait in memory and are published once etcd is back), and the ranks keep running 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -50,8 +49,10 @@ from unicron.kernel.types import (
     NodeAssignment,
     NodeInfo,
     NodeStatus,
+    RankStatus,
     Report,
     TaskAssignment,
+    TaskResult,
 )
 
 log = ulog.get("unicron.agent")
@@ -360,14 +361,15 @@ class Agent:
         if self.store is None or self.lease is None:
             return
         with self._tasks_lock:
-            ranks: list[dict[str, Any]] = []
+            ranks: list[RankStatus] = []
             task_name: str | None = None
             generation: int | None = None
             for name, rt in self._tasks.items():
                 task_name, generation = name, rt.assignment.generation
                 for r, st in rt.supervisor.status().items():
-                    ranks.append({**dataclasses.asdict(st), "task": name, "step": rt.steps.get(r),
-                                  "generation": rt.assignment.generation})
+                    ranks.append(RankStatus(task=name, generation=rt.assignment.generation, rank=st.rank, pid=st.pid,
+                                            state=st.state, returncode=st.returncode, requested=st.requested,
+                                            step=rt.steps.get(r)))
         status = NodeStatus(node=self.node, ts=time.time(), generation=generation, task=task_name, ranks=ranks,
                             gpu_health=[h.to_dict() for h in self.gpu_monitor.latest_health()])
         try:
@@ -404,12 +406,11 @@ class Agent:
         assert self.store is not None
         with self._tasks_lock:
             tasks = {
-                name: {
-                    "generation": rt.assignment.generation,
-                    "restart_epoch": rt.assignment.restart_epoch,
-                    "regroup_epoch": rt.assignment.regroup_epoch,
-                    "ranks": {str(r): st.state for r, st in rt.supervisor.status().items()},
-                }
+                name: TaskResult(
+                    generation=rt.assignment.generation, restart_epoch=rt.assignment.restart_epoch,
+                    regroup_epoch=rt.assignment.regroup_epoch,
+                    ranks={str(r): st.state for r, st in rt.supervisor.status().items()},
+                )
                 for name, rt in self._tasks.items()
             }
         result = AssignmentResult(node=self.node, revision=revision, ok=ok, detail=detail, tasks=tasks)

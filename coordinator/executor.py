@@ -8,6 +8,7 @@ becomes leader) and returns the node records to write; the daemon writes them fe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 
@@ -61,7 +62,7 @@ class Executor:
     def record(self, node: str) -> tuple[str, str]:
         """The (key, JSON) to write for ``node``'s desired state, at a fresh revision."""
         self.revision += 1
-        tasks = [t.to_dict() for _, t in sorted(self.desired.get(node, {}).items())]
+        tasks = [t for _, t in sorted(self.desired.get(node, {}).items())]
         na = NodeAssignment(node=node, revision=self.revision, tasks=tasks)
         return self.keys.assignment(node), json.dumps(na.to_dict())
 
@@ -73,7 +74,7 @@ class Executor:
         return changed
 
     def _free_gpus(self, node: str, task: str, gpus: int) -> list[int]:
-        used = {r["gpu"] for name, t in self.desired.get(node, {}).items() if name != task for r in t.ranks}
+        used = {r.gpu for name, t in self.desired.get(node, {}).items() if name != task for r in t.ranks}
         return [g for g in range(gpus) if g not in used]
 
     def _assign(self, action: d.Assign) -> set[str]:
@@ -88,7 +89,7 @@ class Executor:
         port = free_port()
         for node, ranks in sorted(placement.items()):
             free = self._free_gpus(node, action.task, gpus=max(len(ranks), 64))
-            specs = [RankSpec(rank=r, local_rank=i, gpu=free[i]).to_dict() for i, r in enumerate(ranks)]
+            specs = [RankSpec(rank=r, local_rank=i, gpu=free[i]) for i, r in enumerate(ranks)]
             self.desired.setdefault(node, {})[action.task] = TaskAssignment(
                 task=action.task, generation=action.generation, argv=list(spec.command),
                 # The rendezvous store is the agent's sidecar, never rank 0 (which may die).
@@ -105,7 +106,6 @@ class Executor:
             current = self.desired.get(node, {}).get(task)
             if current is None:
                 continue
-            data = {**current.to_dict(), **fields}
-            self.desired[node][task] = TaskAssignment.from_dict(data)
+            self.desired[node][task] = dataclasses.replace(current, **fields)  # type: ignore[arg-type]
             changed.add(node)
         return changed

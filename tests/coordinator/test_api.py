@@ -250,7 +250,7 @@ def test_committed_generated_code_matches_the_proto(tmp_path: Path) -> None:
     subprocess.run(["bash", str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)], check=True,
                    capture_output=True, timeout=60)
     for name in ("coordinator_pb2.py", "coordinator_pb2.pyi", "coordinator_pb2_grpc.py"):
-        committed = (ROOT / "unicron" / "proto" / name).read_text()
+        committed = (ROOT / "unicron" / "kernel" / "proto" / name).read_text()
         assert (tmp_path / name).read_text() == committed, f"{name} is stale: run scripts/gen_proto.sh"
 
 

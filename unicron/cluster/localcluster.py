@@ -180,11 +180,11 @@ class LocalCluster:
         port = free_port()
         world = len(nodes) * ranks_per_node
         for i, node in enumerate(nodes):
-            ranks = [RankSpec(rank=i * ranks_per_node + j, local_rank=j, gpu=j).to_dict() for j in range(ranks_per_node)]
+            ranks = [RankSpec(rank=i * ranks_per_node + j, local_rank=j, gpu=j) for j in range(ranks_per_node)]
             ta = TaskAssignment(task=task, generation=generation, argv=argv, env=env or {}, world_size=world,
                                 ranks=ranks, master_addr="127.0.0.1", master_port=port,
                                 host_store=host_store and i == 0)
             self._revision += 1
-            na = NodeAssignment(node=node, revision=self._revision, tasks=[ta.to_dict()])
+            na = NodeAssignment(node=node, revision=self._revision, tasks=[ta])
             self.store.put(self.keys.assignment(node), json.dumps(na.to_dict()))
         return port

@@ -98,7 +98,25 @@ def _matches(value: Any, hint: Any) -> bool:
         return True  # checked by the enum constructor in _coerce
     if hint is tuple:
         return isinstance(value, list | tuple)
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return isinstance(value, dict | hint)
     return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _nested(value: Any, hint: Any) -> Any:
+    """Build nested records: a ``Record`` field, or a list/tuple/dict of them, from their JSON form."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return value if value is None or len(inner) != 1 else _nested(value, inner[0])
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return value if isinstance(value, hint) else hint.from_dict(value)
+    if origin in (list, tuple) and args and isinstance(value, list | tuple):
+        items = [_nested(v, args[0]) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict and len(args) == 2 and isinstance(value, dict):
+        return {k: _nested(v, args[1]) for k, v in value.items()}
+    return value
 
 
 class Record:
@@ -117,6 +135,7 @@ class Record:
         for name, value in raw.items():
             if not _matches(value, hints[name]):
                 raise InvalidRecord(f"{cls.__name__}.{name}: bad value {value!r} (expected {hints[name]})")
+            raw[name] = _nested(value, hints[name])
         try:
             raw = cls._coerce(raw)
             return cls(**raw)
@@ -209,12 +228,19 @@ class NodeInfo(Record):
 
 @dataclass(frozen=True)
 class RankStatus(Record):
+    """One rank process of a node, as its agent reports it in ``status/<node>``."""
+
+    task: str
+    #: the task generation this process was launched for (a rank's own, not its node's newest)
+    generation: int
     rank: int
-    local_rank: int
     pid: int
     state: str  # "running" | "exited" | "stopped"
+    returncode: int | None = None
+    #: whether the agent asked this process to stop (an exit then is no failure)
+    requested: bool = False
+    #: the last iteration the rank reported
     step: int | None = None
-    exit_code: int | None = None
 
 
 @dataclass(frozen=True)
@@ -225,7 +251,7 @@ class NodeStatus(Record):
     ts: float
     generation: int | None
     task: str | None
-    ranks: list[dict[str, Any]]
+    ranks: list[RankStatus]
     gpu_health: list[dict[str, Any]]
 
 
@@ -253,7 +279,7 @@ class TaskAssignment(Record):
     argv: list[str]
     env: dict[str, str]
     world_size: int
-    ranks: list[dict[str, Any]]  # RankSpec dicts
+    ranks: list[RankSpec]
     master_addr: str
     master_port: int
     host_store: bool = False
@@ -264,7 +290,7 @@ class TaskAssignment(Record):
     regroup_failed: list[int] = field(default_factory=list)
 
     def rank_specs(self) -> list[RankSpec]:
-        return [RankSpec.from_dict(r) for r in self.ranks]
+        return list(self.ranks)
 
 
 @dataclass(frozen=True)
@@ -273,10 +299,20 @@ class NodeAssignment(Record):
 
     node: str
     revision: int
-    tasks: list[dict[str, Any]]  # TaskAssignment dicts
+    tasks: list[TaskAssignment]
 
     def task_assignments(self) -> list[TaskAssignment]:
-        return [TaskAssignment.from_dict(t) for t in self.tasks]
+        return list(self.tasks)
+
+
+@dataclass(frozen=True)
+class TaskResult(Record):
+    """One task as an agent found it after reconciling: what it runs and each rank's process state."""
+
+    generation: int
+    restart_epoch: int
+    regroup_epoch: int
+    ranks: dict[str, str]  # rank (JSON keys are strings) -> "running" | "exited" | "stopped"
 
 
 @dataclass(frozen=True)
@@ -287,5 +323,5 @@ class AssignmentResult(Record):
     revision: int
     ok: bool
     detail: str
-    tasks: dict[str, dict[str, Any]]  # task -> {"generation", "restart_epoch", "regroup_epoch", "ranks": {rank: state}}
+    tasks: dict[str, TaskResult]
     ts: float = field(default_factory=time.time)
