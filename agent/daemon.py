@@ -100,6 +100,7 @@ class _RunningTask:
         self.supervisor = supervisor
         self.monitors: dict[int, IterationMonitor] = {}
         self.steps: dict[int, int] = {}
+        self.launched_epoch: dict[int, int] = {}  # rank -> restart epoch its current process was launched at
         self.store_proc: Any = None
 
 
@@ -369,7 +370,7 @@ class Agent:
                 for r, st in rt.supervisor.status().items():
                     ranks.append(RankStatus(task=name, generation=rt.assignment.generation, rank=st.rank, pid=st.pid,
                                             state=st.state, returncode=st.returncode, requested=st.requested,
-                                            step=rt.steps.get(r)))
+                                            step=rt.steps.get(r), restart_epoch=rt.launched_epoch.get(r, 0)))
         status = NodeStatus(node=self.node, ts=time.time(), generation=generation, task=task_name, ranks=ranks,
                             gpu_health=[h.to_dict() for h in self.gpu_monitor.latest_health()])
         try:
@@ -492,6 +493,7 @@ class Agent:
         a = rt.assignment
         log_dir = os.path.join(self.settings.run_dir, "logs", a.task)
         os.makedirs(log_dir, exist_ok=True)
+        rt.launched_epoch[spec.rank] = a.restart_epoch
         rt.supervisor.launch(spec.rank, a.argv, self._rank_env(a, spec),
                              stdout_path=os.path.join(log_dir, f"rank{spec.rank}.log"))
 

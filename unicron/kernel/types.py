@@ -241,6 +241,9 @@ class RankStatus(Record):
     requested: bool = False
     #: the last iteration the rank reported
     step: int | None = None
+    #: the task's restart epoch when this process was launched: progress confirms a sev2 restart only
+    #: when it comes from a process launched at (or after) the restart's epoch
+    restart_epoch: int = 0
 
 
 @dataclass(frozen=True)
