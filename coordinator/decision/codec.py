@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import fields
 from typing import Any
 
@@ -19,6 +20,7 @@ from coordinator.decision.events import (
     ActionFailed,
     ActionSucceeded,
     Event,
+    FailureCause,
     IncidentRaised,
     NodeDrained,
     NodeJoined,
@@ -56,12 +58,14 @@ _ACTION_TYPES: dict[str, type[Any]] = {
 }
 
 
-def to_dict(item: Event | Action) -> dict[str, Any]:
+def to_dict(item: Event | Action) -> dict[str, object]:
     """An event or action as JSON-ready data, with its class name under ``type``."""
-    out: dict[str, Any] = {"type": type(item).__name__}
+    out: dict[str, object] = {"type": type(item).__name__}
     for f in fields(item):
         value = getattr(item, f.name)
-        if isinstance(value, Incident | TaskSpec):
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, Incident | TaskSpec):
             value = value.to_dict()
         elif isinstance(value, tuple):
             value = list(value)
@@ -71,7 +75,7 @@ def to_dict(item: Event | Action) -> dict[str, Any]:
     return out
 
 
-def from_dict(data: Any) -> Event | Action:
+def from_dict(data: object) -> Event | Action:
     """Inverse of :func:`to_dict`; raises InvalidRecord on anything malformed."""
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
         raise InvalidRecord("decision record: expected an object with a 'type'")
@@ -86,6 +90,8 @@ def from_dict(data: Any) -> Event | Action:
             raw["spec"] = parse_task_spec(raw["spec"], None)
         if "placement" in raw:
             raw["placement"] = {n: tuple(r) for n, r in raw["placement"].items()}
+        if "cause" in raw:
+            raw["cause"] = FailureCause(raw["cause"])
         for key in ("members", "failed_ranks", "ranks"):
             if key in raw:
                 raw[key] = tuple(raw[key])

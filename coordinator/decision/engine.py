@@ -27,6 +27,7 @@ from coordinator.decision.events import (
     ActionFailed,
     ActionSucceeded,
     Event,
+    FailureCause,
     IncidentRaised,
     NodeDrained,
     NodeJoined,
@@ -66,6 +67,7 @@ class _Fault:
     node: str | None = None
     ranks: tuple[int, ...] = ()
     placement: Mapping[str, int] | None = None  # for RESIZED
+    fatal: bool = False  # the reason is the task's failure itself (TASK_ERROR), not a spent budget
 
 
 @dataclass(frozen=True)
@@ -150,10 +152,12 @@ class _Run:
     def _alert(self, message: str, task: str | None = None, node: str | None = None) -> None:
         self.actions.append(Alert(action_id=self._id(), message=message, task=task, node=node))
 
-    def _track(self, entry: TaskEntry, action_id: str, kind: ActionKind, node: str | None) -> None:
-        entry.outstanding = Outstanding(
-            action_id, kind, self.state.now + self.settings.deadline_s(kind), node
-        )
+    def _track(
+        self, entry: TaskEntry, action_id: str, kind: ActionKind, node: str | None, waiting: list[str]
+    ) -> None:
+        """``waiting``: the nodes whose ``assign/<node>`` record the executor rewrites for this action."""
+        deadline = self.state.now + self.settings.deadline_s(kind)
+        entry.outstanding = Outstanding(action_id, kind, deadline, node, sorted(waiting))
 
     def _tasks_on(self, node: str) -> list[str]:
         return [
@@ -183,9 +187,9 @@ class _Run:
             case TaskCancelled():
                 self._fire_named(event.task, _T.CANCELLED, _Fault("cancelled by the user"))
             case ActionSucceeded():
-                self._on_result(event.action_id, None)
+                self._on_success(event)
             case ActionFailed():
-                self._on_result(event.action_id, event)
+                self._on_failure(event)
             case ProgressMade():
                 self._on_progress(event)
             case Tick():
@@ -247,7 +251,8 @@ class _Run:
             failed_ranks=tuple(entry.failed_ranks),
         )
         self.actions.append(action)
-        self._track(entry, action.action_id, ActionKind.REATTEMPT, node)
+        # the executor bumps regroup_epoch on every node of the task: each of them confirms
+        self._track(entry, action.action_id, ActionKind.REATTEMPT, node, list(entry.placement))
 
     def _do_restart(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         node = fault.node if fault.node in entry.placement else entry.fault_node
@@ -270,7 +275,7 @@ class _Run:
             ranks=tuple(r for r in entry.ranks_on(node) if r in fault.ranks) or tuple(entry.ranks_on(node)),
         )
         self.actions.append(action)
-        self._track(entry, action.action_id, ActionKind.RESTART, node)
+        self._track(entry, action.action_id, ActionKind.RESTART, node, [node])
 
     def _force_replan(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         entry.outstanding = None
@@ -310,7 +315,7 @@ class _Run:
             reason=fault.reason,
         )
         self.actions.append(action)
-        self._track(entry, action.action_id, ActionKind.ASSIGN, None)
+        self._track(entry, action.action_id, ActionKind.ASSIGN, None, list(entry.placement))
 
     def _clear(self, entry: TaskEntry, reason: str) -> None:
         entry.placement = {}
@@ -329,8 +334,11 @@ class _Run:
         entry.reason = ""
 
     def _do_fail(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
-        since = "launch" if entry.no_progress_since is None else f"step {entry.no_progress_since}"
-        reason = f"no progress across {entry.restarts} restarts since {since}; last fault: {fault.reason}"
+        if fault.fatal:
+            reason = fault.reason
+        else:
+            since = "launch" if entry.no_progress_since is None else f"step {entry.no_progress_since}"
+            reason = f"no progress across {entry.restarts} restarts since {since}; last fault: {fault.reason}"
         self._clear(entry, reason)
         self.actions.append(StopTask(action_id=self._id(), task=name, reason=reason))
         self.actions.append(MarkTaskFailed(action_id=self._id(), task=name, reason=reason))
@@ -426,18 +434,38 @@ class _Run:
         self.state.tasks[spec.name] = TaskEntry(spec, generation=generation, reason="waiting for a plan")
         self.replan = True
 
-    def _on_result(self, action_id: str, failure: ActionFailed | None) -> None:
+    def _outstanding(self, action_id: str) -> tuple[str, Outstanding] | None:
+        """The task waiting for ``action_id``; None for a superseded (or never tracked) action."""
         for name, entry in sorted(self.state.tasks.items()):
             o = entry.outstanding
-            if o is None or o.action_id != action_id:
-                continue
-            if failure is None:
-                self._fire(name, _T.ACTION_OK, _Fault("confirmed"))
-            else:
-                reason = f"{o.kind.value} {action_id} failed: {failure.reason}"
-                self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=failure.node or o.node))
+            if o is not None and o.action_id == action_id:
+                return name, o
+        return None
+
+    def _on_success(self, event: ActionSucceeded) -> None:
+        found = self._outstanding(event.action_id)
+        if found is None:
+            return  # a late result of a superseded action changes nothing
+        name, o = found
+        if event.node is not None and o.waiting:
+            if event.node in o.waiting:
+                o.waiting.remove(event.node)
+            if o.waiting:
+                return  # the ranks on the other nodes have not been confirmed yet
+        self._fire(name, _T.ACTION_OK, _Fault("confirmed"))
+
+    def _on_failure(self, event: ActionFailed) -> None:
+        found = self._outstanding(event.action_id)
+        if found is None:
             return
-        # an action that was superseded (or never tracked): its result changes nothing
+        name, o = found
+        reason = f"{o.kind.value} {event.action_id} failed: {event.reason}"
+        if event.cause is FailureCause.TASK:
+            # the command itself cannot run: retrying elsewhere would only spread the failure over
+            # healthy nodes, so the task fails at once and every node stays in service
+            self._fire(name, _T.TASK_ERROR, _Fault(reason, fatal=True))
+        else:
+            self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=event.node or o.node))
 
     def _on_progress(self, event: ProgressMade) -> None:
         entry = self.state.tasks.get(event.task)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from coordinator.tasks import TaskSpec
@@ -79,10 +80,24 @@ class TaskCancelled:
 
 @dataclass(frozen=True, kw_only=True)
 class ActionSucceeded:
-    """A tracked action (Reattempt, RestartRanks, Assign) was carried out and the ranks run."""
+    """A tracked action (Reattempt, RestartRanks, Assign) was carried out and the ranks run.
+
+    ``node``: the node that reports it. An action written to several nodes (an Assign over two nodes,
+    a Reattempt) is confirmed once every one of them has reported; ``None`` confirms it outright.
+    """
 
     ts: float
     action_id: str
+    node: str | None = None
+
+
+class FailureCause(enum.StrEnum):
+    """Whose fault a failed action is: it decides whether a node is taken out of service."""
+
+    NODE = "node"
+    """The node may be at fault (or nobody knows): escalate (restart -> isolate the node)."""
+    TASK = "task"
+    """The task's own command cannot run there (e.g. it cannot start): the task fails, no node is blamed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +108,7 @@ class ActionFailed:
     action_id: str
     reason: str
     node: str | None = None
+    cause: FailureCause = FailureCause.NODE
 
 
 @dataclass(frozen=True, kw_only=True)

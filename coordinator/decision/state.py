@@ -57,6 +57,9 @@ class Outstanding:
     kind: ActionKind
     deadline: float
     node: str | None = None
+    """The node a restart or reattempt is for (the one to isolate if it fails)."""
+    waiting: list[str] = field(default_factory=list)
+    """Nodes whose ``assign/<node>`` record carries the action and that have not confirmed it yet."""
 
 
 @dataclass
@@ -103,7 +106,10 @@ class CoreState:
         }
 
     @classmethod
-    def from_dict(cls, data: Any) -> CoreState:
+    def from_dict(cls, data: object) -> CoreState:
+        """Inverse of :meth:`to_dict`; raises InvalidRecord on anything malformed."""
+        if not isinstance(data, dict):
+            raise InvalidRecord("decision state: expected an object; delete the state key to start afresh")
         try:
             state = cls(now=float(data["now"]), counter=int(data["counter"]))
             for n, e in data["nodes"].items():
@@ -129,7 +135,13 @@ def _task_to_dict(e: TaskEntry) -> dict[str, Any]:
     out["outstanding"] = (
         None
         if o is None
-        else {"action_id": o.action_id, "kind": o.kind.value, "deadline": o.deadline, "node": o.node}
+        else {
+            "action_id": o.action_id,
+            "kind": o.kind.value,
+            "deadline": o.deadline,
+            "node": o.node,
+            "waiting": list(o.waiting),
+        }
     )
     return out
 
@@ -143,7 +155,13 @@ def _task_from_dict(d: dict[str, Any]) -> TaskEntry:
     raw["outstanding"] = (
         None
         if o is None
-        else Outstanding(str(o["action_id"]), ActionKind(o["kind"]), float(o["deadline"]), o["node"])
+        else Outstanding(
+            str(o["action_id"]),
+            ActionKind(o["kind"]),
+            float(o["deadline"]),
+            o["node"],
+            [str(n) for n in o.get("waiting", [])],  # absent in states written before it existed
+        )
     )
     return TaskEntry(**raw)
 

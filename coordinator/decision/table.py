@@ -20,6 +20,7 @@ class Trigger(enum.StrEnum):
     SEV1 = "sev1"  # a node the task has ranks on was isolated or lost
     ACTION_OK = "action_ok"  # the task's outstanding action was confirmed
     ACTION_FAILED = "action_failed"  # ... failed, or missed its deadline
+    TASK_ERROR = "task_error"  # ... failed through the task's own fault (its command cannot run)
     PROGRESS = "progress"  # the task advanced under its current configuration: the recovery worked
     REATTEMPTS_SPENT = "reattempts_spent"  # a reattempt was due but the incident's reattempts are spent
     NO_PROGRESS = "no_progress"  # a restart was due but the restart budget is spent
@@ -75,6 +76,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.REATTEMPTING, _T.ACTION_FAILED): (_P.REATTEMPTING, _R.REATTEMPT),  # again, while reattempts last
         (_P.REATTEMPTING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # upgraded to sev2
         (_P.REATTEMPTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.REATTEMPTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
         (_P.REATTEMPTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.REATTEMPTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
@@ -87,6 +89,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RESTARTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
         (_P.RESTARTING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.ESCALATE),  # upgraded to sev1
         (_P.RESTARTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RESTARTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
         (_P.RESTARTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.RESTARTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RESTARTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
@@ -99,6 +102,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
         (_P.RECONFIGURING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.REASSIGN),
         (_P.RECONFIGURING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RECONFIGURING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
         (_P.RECONFIGURING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.RECONFIGURING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RECONFIGURING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
