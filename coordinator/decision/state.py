@@ -94,7 +94,7 @@ class CoreState:
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
     tasks: dict[str, TaskEntry] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "now": self.now,
             "counter": self.counter,
@@ -125,7 +125,7 @@ class CoreState:
         return state
 
 
-def _task_to_dict(e: TaskEntry) -> dict[str, Any]:
+def _task_to_dict(e: TaskEntry) -> dict[str, object]:
     out = {f.name: getattr(e, f.name) for f in fields(e)}
     out["spec"] = e.spec.to_dict()
     out["phase"] = e.phase.value
