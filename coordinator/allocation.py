@@ -6,14 +6,14 @@ the lead adapts it to :class:`Allocator`. Until then :class:`EvenAllocator` stan
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from coordinator.tasks import TaskSpec
 from plans.api import ClusterSpec, ModelSpec, TaskDemand, WafPlanner, gpu_type
+from unicron.kernel import log as ulog
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 
 class Allocator(Protocol):
@@ -129,13 +129,13 @@ class WafAllocator:
             return {}
         unmodelled = [t.name for t in tasks if t.model is None]
         if unmodelled:
-            log.info("tasks %s have no model description: allocating evenly", unmodelled)
+            log.info("tasks without a model description: allocating evenly", tasks=unmodelled)
             return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         cluster = ClusterSpec(gpu_type=self.gpu, n_gpus=healthy_gpus, gpus_per_node=gpus_per_node)
         result = self.planner.plan(cluster, [task_demand(t, current, faulted) for t in tasks])
         counts = {t.name: result.allocation.get(t.name, 0) for t in tasks}
         bad = [t.name for t in tasks if not t.valid_count(counts[t.name])]
         if bad or sum(counts.values()) > healthy_gpus:
-            log.warning("planner answer not runnable for %s; allocating evenly", bad)
+            log.warning("planner answer not runnable: allocating evenly", tasks=bad, planned=counts, usable=healthy_gpus)
             return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         return counts

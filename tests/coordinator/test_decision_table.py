@@ -15,6 +15,7 @@ from coordinator.decision import (
     Alert,
     Assign,
     DecisionSettings,
+    FailureCause,
     IsolateNode,
     MarkTaskFailed,
     Reattempt,
@@ -101,6 +102,12 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return lambda sim: sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
     if trigger is T.ACTION_FAILED:
         return _action_failed
+    if trigger is T.TASK_ERROR:
+        return lambda sim: sim.feed(
+            ActionFailed(
+                ts=sim.ts(), action_id=sim.outstanding(JOB), reason="cannot start", cause=FailureCause.TASK
+            )
+        )
     if trigger is T.PROGRESS:
         return lambda sim: sim.progress(JOB, 100)
     if trigger is T.REATTEMPTS_SPENT:

@@ -1,0 +1,100 @@
+"""The decision core's outputs: one frozen dataclass per action, the :data:`Action` union, and
+:class:`ActionKind`, the actions that are tracked (they have a deadline and a result)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reattempt:
+    """sev3 ①: running ranks regroup and retry the failed operation in place; no process restarts."""
+
+    action_id: str
+    task: str
+    generation: int
+    regroup_epoch: int
+    node: str
+    members: tuple[int, ...]
+    """Every rank of the task (they all re-form their communicators)."""
+    failed_ranks: tuple[int, ...]
+    """The ranks the incident named."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartRanks:
+    """sev2 ②: relaunch these ranks on ``node`` with the same configuration; the others rejoin them."""
+
+    action_id: str
+    task: str
+    generation: int
+    restart_epoch: int
+    node: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class IsolateNode:
+    """sev1 ③: take the node out of every plan until it is undrained or re-joins."""
+
+    action_id: str
+    node: str
+    reason: str
+    task: None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assign:
+    """Run ``task`` as ``generation`` with these global ranks per node (launch or reconfiguration).
+
+    Ranks on a node are consecutive and each node holds whole tensor-parallel groups.
+    """
+
+    action_id: str
+    task: str
+    generation: int
+    placement: Mapping[str, tuple[int, ...]]
+    world_size: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopTask:
+    """Stop every process of the task (preempted, cancelled or failed). Returned before any Assign."""
+
+    action_id: str
+    task: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MarkTaskFailed:
+    """Record the task as failed, with the reason, for the user."""
+
+    action_id: str
+    task: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alert:
+    """Something an operator should see (a node isolated or lost, a task failed)."""
+
+    action_id: str
+    message: str
+    task: str | None = None
+    node: str | None = None
+
+
+Action = Reattempt | RestartRanks | IsolateNode | Assign | StopTask | MarkTaskFailed | Alert
+
+
+class ActionKind(enum.StrEnum):
+    """The tracked actions (with a deadline and a result)."""
+
+    REATTEMPT = "reattempt"
+    RESTART = "restart"
+    ASSIGN = "assign"
+

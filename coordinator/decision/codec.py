@@ -1,0 +1,103 @@
+"""JSON for events and actions (trace files, logs, the daemon's action records)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import fields
+from typing import Any
+
+from coordinator.decision.actions import (
+    Action,
+    Alert,
+    Assign,
+    IsolateNode,
+    MarkTaskFailed,
+    Reattempt,
+    RestartRanks,
+    StopTask,
+)
+from coordinator.decision.events import (
+    ActionFailed,
+    ActionSucceeded,
+    Event,
+    FailureCause,
+    IncidentRaised,
+    NodeDrained,
+    NodeJoined,
+    NodeLost,
+    NodeUndrained,
+    ProgressMade,
+    TaskCancelled,
+    TaskFinished,
+    TaskSubmitted,
+    Tick,
+)
+from coordinator.tasks import TaskSpec, parse_task_spec
+from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.types import Incident
+
+_EVENT_TYPES: dict[str, type[Any]] = {
+    c.__name__: c
+    for c in (
+        IncidentRaised,
+        NodeJoined,
+        NodeLost,
+        NodeDrained,
+        NodeUndrained,
+        TaskSubmitted,
+        TaskFinished,
+        TaskCancelled,
+        ActionSucceeded,
+        ActionFailed,
+        ProgressMade,
+        Tick,
+    )
+}
+_ACTION_TYPES: dict[str, type[Any]] = {
+    c.__name__: c for c in (Reattempt, RestartRanks, IsolateNode, Assign, StopTask, MarkTaskFailed, Alert)
+}
+
+
+def to_dict(item: Event | Action) -> dict[str, object]:
+    """An event or action as JSON-ready data, with its class name under ``type``."""
+    out: dict[str, object] = {"type": type(item).__name__}
+    for f in fields(item):
+        value = getattr(item, f.name)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, Incident | TaskSpec):
+            value = value.to_dict()
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif f.name == "placement":
+            value = {n: list(r) for n, r in value.items()}
+        out[f.name] = value
+    return out
+
+
+def from_dict(data: object) -> Event | Action:
+    """Inverse of :func:`to_dict`; raises InvalidRecord on anything malformed."""
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise InvalidRecord("decision record: expected an object with a 'type'")
+    cls = _EVENT_TYPES.get(data["type"]) or _ACTION_TYPES.get(data["type"])
+    if cls is None:
+        raise InvalidRecord(f"decision record: unknown type {data['type']!r}")
+    raw = {k: v for k, v in data.items() if k != "type"}
+    try:
+        if "incident" in raw:
+            raw["incident"] = Incident.from_dict(raw["incident"])
+        if "spec" in raw:
+            raw["spec"] = parse_task_spec(raw["spec"], None)
+        if "placement" in raw:
+            raw["placement"] = {n: tuple(r) for n, r in raw["placement"].items()}
+        if "cause" in raw:
+            raw["cause"] = FailureCause(raw["cause"])
+        for key in ("members", "failed_ranks", "ranks"):
+            if key in raw:
+                raw[key] = tuple(raw[key])
+        result: Event | Action = cls(**raw)
+    except InvalidRecord:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidRecord(f"decision record {data['type']}: {exc}") from exc
+    return result

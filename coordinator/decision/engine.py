@@ -1,0 +1,564 @@
+"""The engine: :class:`DecisionCore` applies one event to a state and returns the new state and the
+actions, by firing triggers through :data:`~coordinator.decision.table.TRANSITIONS`.
+
+A reconfiguration asks the :class:`~coordinator.allocation.Allocator` for counts over *all* tasks
+(the global optimum may move healthy tasks too), then :func:`~coordinator.placement.place` for nodes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from coordinator.allocation import Allocator, EvenAllocator
+from coordinator.decision.actions import (
+    Action,
+    ActionKind,
+    Alert,
+    Assign,
+    IsolateNode,
+    MarkTaskFailed,
+    Reattempt,
+    RestartRanks,
+    StopTask,
+)
+from coordinator.decision.events import (
+    ActionFailed,
+    ActionSucceeded,
+    Event,
+    FailureCause,
+    IncidentRaised,
+    NodeDrained,
+    NodeJoined,
+    NodeLost,
+    NodeUndrained,
+    ProgressMade,
+    TaskCancelled,
+    TaskFinished,
+    TaskSubmitted,
+    Tick,
+)
+from coordinator.decision.settings import DecisionSettings
+from coordinator.decision.state import (
+    ACTIVE_PHASES,
+    CoreState,
+    NodeEntry,
+    NodeState,
+    Outstanding,
+    TaskEntry,
+    TaskPhase,
+)
+from coordinator.decision.table import BUDGETED, SEVERITY_TRIGGER, TRANSITIONS, Response, Trigger
+from coordinator.placement import place
+from coordinator.tasks import TaskSpec
+from unicron.kernel.errors import PermanentError
+from unicron.kernel.types import Severity
+
+_T = Trigger
+_R = Response
+
+
+@dataclass(frozen=True)
+class _Fault:
+    """What a trigger carries to its response."""
+
+    reason: str
+    node: str | None = None
+    ranks: tuple[int, ...] = ()
+    placement: Mapping[str, int] | None = None  # for RESIZED
+    fatal: bool = False  # the reason is the task's failure itself (TASK_ERROR), not a spent budget
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One edge of :data:`TRANSITIONS` taken for one task (for logs and tests)."""
+
+    task: str
+    phase: TaskPhase
+    trigger: Trigger
+    """The trigger looked up last: a spent budget replaces the original trigger (see ``cause``)."""
+    next_phase: TaskPhase
+    response: Response
+    cause: Trigger
+    """The trigger that arrived."""
+    reason: str
+
+    def __str__(self) -> str:
+        via = "" if self.cause is self.trigger else f" (via {self.cause.value})"
+        return (
+            f"{self.task}: {self.phase.value} --{self.trigger.value}{via}--> {self.next_phase.value} "
+            f"[{self.response.value}] {self.reason}"
+        )
+
+
+class DecisionCore:
+    """``handle(state, event) -> (new_state, actions)``: pure and deterministic; ``state`` is not modified."""
+
+    def __init__(self, settings: DecisionSettings | None = None, allocator: Allocator | None = None) -> None:
+        self.settings = settings or DecisionSettings()
+        self.allocator: Allocator = allocator or EvenAllocator()
+
+    @staticmethod
+    def initial_state() -> CoreState:
+        return CoreState()
+
+    def handle(self, state: CoreState, event: Event) -> tuple[CoreState, list[Action]]:
+        """Apply one event. Carry out the actions in order (every StopTask precedes the Assigns)."""
+        new_state, actions, _ = self.explain(state, event)
+        return new_state, actions
+
+    def explain(self, state: CoreState, event: Event) -> tuple[CoreState, list[Action], list[Transition]]:
+        """:meth:`handle`, plus the table edges it took, in order (for the daemon's log)."""
+        run = _Run(self, copy.deepcopy(state))
+        run.handle(event)
+        return run.state, run.actions, run.transitions
+
+
+class _Run:
+    """One ``handle`` call: mutates its private copy of the state and collects actions."""
+
+    def __init__(self, core: DecisionCore, state: CoreState) -> None:
+        self.settings = core.settings
+        self.allocator = core.allocator
+        self.state = state
+        self.actions: list[Action] = []
+        self.transitions: list[Transition] = []
+        self.replan = False
+        self.forced: set[str] = set()  # tasks that must get a fresh Assign even if their placement stays
+        self.faulted: set[str] = set()  # tasks that lost a worker (paper Eq. 4)
+        self.responses: dict[Response, Callable[[str, TaskEntry, _Fault], None]] = {
+            _R.MERGE: self._do_merge,
+            _R.REATTEMPT: self._do_reattempt,
+            _R.RESTART: self._do_restart,
+            _R.RECONFIGURE: self._do_reconfigure,
+            _R.ESCALATE: self._do_escalate,
+            _R.REASSIGN: self._do_reassign,
+            _R.ASSIGN: self._do_assign,
+            _R.STOP: self._do_stop,
+            _R.RECOVERED: self._do_recovered,
+            _R.FAIL: self._do_fail,
+            _R.RELEASE: self._do_release,
+            _R.STOP_RELEASE: self._do_stop_release,
+            _R.WITHDRAW: self._do_withdraw,
+        }
+
+    # -- plumbing -----------------------------------------------------------------------------------
+
+    def _id(self) -> str:
+        self.state.counter += 1
+        return f"a{self.state.counter}"
+
+    def _alert(self, message: str, task: str | None = None, node: str | None = None) -> None:
+        self.actions.append(Alert(action_id=self._id(), message=message, task=task, node=node))
+
+    def _track(
+        self, entry: TaskEntry, action_id: str, kind: ActionKind, node: str | None, waiting: list[str]
+    ) -> None:
+        """``waiting``: the nodes whose ``assign/<node>`` record the executor rewrites for this action."""
+        deadline = self.state.now + self.settings.deadline_s(kind)
+        entry.outstanding = Outstanding(action_id, kind, deadline, node, sorted(waiting))
+
+    def _tasks_on(self, node: str) -> list[str]:
+        return [
+            t
+            for t, e in sorted(self.state.tasks.items())
+            if e.phase in ACTIVE_PHASES and e.placement.get(node)
+        ]
+
+    def handle(self, event: Event) -> None:
+        self.state.now = max(self.state.now, event.ts)
+        self._expire()
+        match event:
+            case IncidentRaised():
+                self._on_incident(event)
+            case NodeJoined():
+                self._on_join(event.node, event.gpus)
+            case NodeLost():
+                self._node_down(event.node, NodeState.LOST, event.reason)
+            case NodeDrained():
+                self._on_drain(event.node)
+            case NodeUndrained():
+                self._on_undrain(event.node)
+            case TaskSubmitted():
+                self._on_submit(event.spec)
+            case TaskFinished():
+                self._fire_named(event.task, _T.FINISHED, _Fault("finished"))
+            case TaskCancelled():
+                self._fire_named(event.task, _T.CANCELLED, _Fault("cancelled by the user"))
+            case ActionSucceeded():
+                self._on_success(event)
+            case ActionFailed():
+                self._on_failure(event)
+            case ProgressMade():
+                self._on_progress(event)
+            case Tick():
+                pass
+        if self.replan:
+            self._reconfigure()
+
+    # -- the table ----------------------------------------------------------------------------------
+
+    def _fire(self, name: str, trigger: Trigger, fault: _Fault) -> None:
+        entry = self.state.tasks[name]
+        edge = TRANSITIONS.get((entry.phase, trigger))
+        if edge is None:
+            return
+        phase, response = edge
+        taken = trigger
+        while response in BUDGETED and self._spent(entry, response):
+            taken = BUDGETED[response]
+            phase, response = TRANSITIONS[(entry.phase, taken)]
+        self.transitions.append(Transition(name, entry.phase, taken, phase, response, trigger, fault.reason))
+        entry.phase = phase
+        self.responses[response](name, entry, fault)
+
+    def _fire_named(self, name: str, trigger: Trigger, fault: _Fault) -> None:
+        if name in self.state.tasks:
+            self._fire(name, trigger, fault)
+
+    def _spent(self, entry: TaskEntry, response: Response) -> bool:
+        if response is _R.REATTEMPT:
+            return entry.reattempts >= self.settings.max_reattempts
+        return entry.restarts >= self.settings.max_restarts_without_progress
+
+    def _count_restart(self, entry: TaskEntry) -> None:
+        if entry.restarts == 0:
+            entry.no_progress_since = entry.last_step
+        entry.restarts += 1
+
+    # -- responses ----------------------------------------------------------------------------------
+
+    def _do_merge(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        pass
+
+    def _do_reattempt(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        if fault.node is not None and fault.ranks:
+            entry.fault_node, entry.failed_ranks = fault.node, list(fault.ranks)
+        if entry.reattempts == 0:
+            entry.recovery_step = entry.last_step
+        entry.reattempts += 1
+        entry.regroup_epoch += 1
+        entry.reason = fault.reason
+        node = entry.fault_node or min(entry.placement)
+        action = Reattempt(
+            action_id=self._id(),
+            task=name,
+            generation=entry.generation,
+            regroup_epoch=entry.regroup_epoch,
+            node=node,
+            members=entry.all_ranks(),
+            failed_ranks=tuple(entry.failed_ranks),
+        )
+        self.actions.append(action)
+        # the executor bumps regroup_epoch on every node of the task: each of them confirms
+        self._track(entry, action.action_id, ActionKind.REATTEMPT, node, list(entry.placement))
+
+    def _do_restart(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        node = fault.node if fault.node in entry.placement else entry.fault_node
+        if node not in entry.placement:  # cannot happen: faults are routed by the task's nodes
+            raise PermanentError(f"decision: restart of {name!r} has no node of the task")
+        assert node is not None
+        self._count_restart(entry)
+        entry.fault_node = node
+        entry.recovery_step = entry.last_step
+        entry.restart_epoch += 1
+        entry.reason = fault.reason
+        action = RestartRanks(
+            action_id=self._id(),
+            task=name,
+            generation=entry.generation,
+            restart_epoch=entry.restart_epoch,
+            node=node,
+            # Only the failed processes: the others keep their in-memory state and let the new ones
+            # rejoin (issue: a healthy rank restarted with them stalled the survivors' regroup).
+            ranks=tuple(r for r in entry.ranks_on(node) if r in fault.ranks) or tuple(entry.ranks_on(node)),
+        )
+        self.actions.append(action)
+        self._track(entry, action.action_id, ActionKind.RESTART, node, [node])
+
+    def _force_replan(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        entry.outstanding = None
+        entry.reason = fault.reason
+        self.forced.add(name)
+        self.faulted.add(name)
+        self.replan = True
+
+    def _do_reconfigure(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        self._force_replan(name, entry, fault)
+
+    def _do_escalate(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        self._count_restart(entry)
+        self._force_replan(name, entry, fault)
+        if fault.node is not None:
+            self._node_down(fault.node, NodeState.ISOLATED, f"restart of task {name} failed: {fault.reason}")
+
+    def _do_reassign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        self._count_restart(entry)
+        self._force_replan(name, entry, fault)
+        if fault.node is not None:
+            self._node_down(
+                fault.node, NodeState.ISOLATED, f"assignment of task {name} failed: {fault.reason}"
+            )
+
+    def _do_assign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        assert fault.placement is not None
+        entry.placement = _ranks(entry.placement, fault.placement)
+        entry.generation += 1
+        entry.recovery_step = entry.last_step
+        action = Assign(
+            action_id=self._id(),
+            task=name,
+            generation=entry.generation,
+            placement={n: tuple(r) for n, r in sorted(entry.placement.items())},
+            world_size=sum(fault.placement.values()),
+            reason=fault.reason,
+        )
+        self.actions.append(action)
+        self._track(entry, action.action_id, ActionKind.ASSIGN, None, list(entry.placement))
+
+    def _clear(self, entry: TaskEntry, reason: str) -> None:
+        entry.placement = {}
+        entry.outstanding = None
+        entry.reason = reason
+
+    def _do_stop(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        self._clear(entry, fault.reason)
+        self.actions.append(StopTask(action_id=self._id(), task=name, reason=fault.reason))
+
+    def _do_recovered(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        entry.outstanding = None
+        entry.reattempts = 0
+        entry.fault_node = None
+        entry.failed_ranks = []
+        entry.reason = ""
+
+    def _do_fail(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        if fault.fatal:
+            reason = fault.reason
+        else:
+            since = "launch" if entry.no_progress_since is None else f"step {entry.no_progress_since}"
+            reason = f"no progress across {entry.restarts} restarts since {since}; last fault: {fault.reason}"
+        self._clear(entry, reason)
+        self.actions.append(StopTask(action_id=self._id(), task=name, reason=reason))
+        self.actions.append(MarkTaskFailed(action_id=self._id(), task=name, reason=reason))
+        self._alert(f"task {name} failed: {reason}", task=name)
+        self.replan = True
+
+    def _do_release(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        self._clear(entry, fault.reason)
+        self.replan = True
+
+    def _do_stop_release(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        self._do_stop(name, entry, fault)
+        self.replan = True
+
+    def _do_withdraw(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        entry.reason = fault.reason
+
+    # -- events -------------------------------------------------------------------------------------
+
+    def _expire(self) -> None:
+        for name, entry in sorted(self.state.tasks.items()):
+            o = entry.outstanding
+            if o is not None and o.deadline <= self.state.now:
+                reason = f"{o.kind.value} {o.action_id} not confirmed within its deadline"
+                self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=o.node))
+
+    def _on_incident(self, event: IncidentRaised) -> None:
+        inc = event.incident
+        if inc.severity is None:
+            return  # degradation: recorded by the daemon, no recovery
+        reason = f"{inc.severity} {inc.kind.value} on {inc.node} ({inc.incident_id})"
+        if inc.severity is Severity.SEV1:
+            self._node_down(inc.node, NodeState.ISOLATED, reason)
+            return
+        for name in self._tasks_on(inc.node):
+            entry = self.state.tasks[name]
+            if inc.task is not None and inc.task != name:
+                continue
+            if event.generation is not None and event.generation < entry.generation:
+                continue  # a leftover of a replaced configuration
+            on_node = entry.ranks_on(inc.node)
+            ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
+            self._fire(name, SEVERITY_TRIGGER[inc.severity], _Fault(reason, node=inc.node, ranks=ranks))
+
+    def _node_down(self, node: str, status: NodeState, reason: str) -> None:
+        """A sev1 on ``node``: take it out of service, and every task on it reconfigures."""
+        entry = self.state.nodes.get(node)
+        if entry is None:
+            return  # never joined: nothing runs there
+        if entry.status in (NodeState.UP, NodeState.DRAINED):
+            if status is NodeState.ISOLATED:
+                self.actions.append(IsolateNode(action_id=self._id(), node=node, reason=reason))
+            self._alert(f"node {node} {status.value}: {reason}", node=node)
+            self.replan = True
+        if entry.status is not status and entry.status is not NodeState.LOST:
+            entry.status, entry.reason = status, reason
+        for name in self._tasks_on(node):
+            ranks = tuple(self.state.tasks[name].ranks_on(node))
+            self._fire(name, _T.SEV1, _Fault(reason, node=node, ranks=ranks))
+
+    def _on_join(self, node: str, gpus: int) -> None:
+        entry = self.state.nodes.get(node)
+        if entry is None:
+            self.state.nodes[node] = NodeEntry(gpus)
+            self.replan = True
+        elif entry.status is NodeState.DRAINED:
+            entry.gpus = gpus  # an operator's drain outlives agent restarts
+        elif entry.status is not NodeState.UP or entry.gpus != gpus:
+            entry.gpus, entry.status, entry.reason = gpus, NodeState.UP, ""
+            self.replan = True
+
+    def _on_drain(self, node: str) -> None:
+        entry = self.state.nodes.get(node)
+        if entry is not None and entry.status is NodeState.UP:
+            entry.status, entry.reason = NodeState.DRAINED, "drained by an operator"
+            self.replan = True
+
+    def _on_undrain(self, node: str) -> None:
+        entry = self.state.nodes.get(node)
+        if entry is not None and entry.status in (NodeState.DRAINED, NodeState.ISOLATED):
+            entry.status, entry.reason = NodeState.UP, ""
+            self.replan = True
+
+    def _on_submit(self, spec: TaskSpec) -> None:
+        old = self.state.tasks.get(spec.name)
+        if old is not None and old.phase in ACTIVE_PHASES:
+            self._alert(
+                f"task {spec.name} is already in the task set; cancel it before resubmitting", task=spec.name
+            )
+            return
+        # a resubmitted name continues its generation count, so late reports of the old run stay stale
+        generation = 0 if old is None else old.generation
+        self.state.tasks[spec.name] = TaskEntry(spec, generation=generation, reason="waiting for a plan")
+        self.replan = True
+
+    def _outstanding(self, action_id: str) -> tuple[str, Outstanding] | None:
+        """The task waiting for ``action_id``; None for a superseded (or never tracked) action."""
+        for name, entry in sorted(self.state.tasks.items()):
+            o = entry.outstanding
+            if o is not None and o.action_id == action_id:
+                return name, o
+        return None
+
+    def _on_success(self, event: ActionSucceeded) -> None:
+        found = self._outstanding(event.action_id)
+        if found is None:
+            return  # a late result of a superseded action changes nothing
+        name, o = found
+        if event.node is not None and o.waiting:
+            if event.node in o.waiting:
+                o.waiting.remove(event.node)
+            if o.waiting:
+                return  # the ranks on the other nodes have not been confirmed yet
+        self._fire(name, _T.ACTION_OK, _Fault("confirmed"))
+
+    def _on_failure(self, event: ActionFailed) -> None:
+        found = self._outstanding(event.action_id)
+        if found is None:
+            return
+        name, o = found
+        reason = f"{o.kind.value} {event.action_id} failed: {event.reason}"
+        if event.cause is FailureCause.TASK:
+            # the command itself cannot run: retrying elsewhere would only spread the failure over
+            # healthy nodes, so the task fails at once and every node stays in service
+            self._fire(name, _T.TASK_ERROR, _Fault(reason, fatal=True))
+        else:
+            self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=event.node or o.node))
+
+    def _on_progress(self, event: ProgressMade) -> None:
+        entry = self.state.tasks.get(event.task)
+        if entry is None or entry.phase not in ACTIVE_PHASES:
+            return
+        if entry.last_step is None or event.step > entry.last_step:
+            entry.last_step = event.step
+        if entry.restarts and (entry.no_progress_since is None or event.step > entry.no_progress_since):
+            entry.restarts, entry.no_progress_since = 0, None
+        if event.generation is None or event.generation != entry.generation:
+            return
+        # a reattempt or restart keeps the generation: only a step past the fault proves it worked
+        same_config = entry.phase in (TaskPhase.REATTEMPTING, TaskPhase.RESTARTING)
+        if same_config and entry.recovery_step is not None and event.step <= entry.recovery_step:
+            return
+        self._fire(event.task, _T.PROGRESS, _Fault(f"step {event.step} completed"))
+
+    # -- reconfiguration ----------------------------------------------------------------------------
+
+    def _reconfigure(self) -> None:
+        """Re-plan every active task over the usable nodes (paper: the global optimum may move others)."""
+        active = [t for t, e in sorted(self.state.tasks.items()) if e.phase in ACTIVE_PHASES]
+        usable = {
+            n: e.gpus for n, e in sorted(self.state.nodes.items()) if e.status is NodeState.UP and e.gpus > 0
+        }
+        specs = [self.state.tasks[t].spec for t in active]
+        counts, placement = self._plan(specs, usable)
+        # tasks losing all their GPUs first, so that every StopTask comes before the Assigns that reuse them
+        for name in active:
+            entry = self.state.tasks[name]
+            if counts[name] == 0:
+                reason = (
+                    f"waiting for GPUs: needs at least {entry.spec.min_gpus}, "
+                    f"{sum(usable.values())} usable in the cluster"
+                )
+                if entry.placement:
+                    self._fire(name, _T.UNPLACED, _Fault(f"preempted; {reason}"))
+                else:
+                    entry.reason = reason
+        for name in active:
+            entry = self.state.tasks[name]
+            new = placement[name]
+            if not new:
+                continue
+            if new != {n: len(r) for n, r in entry.placement.items()} or name in self.forced:
+                why = entry.reason if name in self.forced else "new plan"
+                self._fire(name, _T.RESIZED, _Fault(why, placement=new))
+
+    def _plan(
+        self, specs: list[TaskSpec], usable: dict[str, int]
+    ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+        gpus_per_node = max(usable.values(), default=0)
+        current = {s.name: sum(len(r) for r in self.state.tasks[s.name].placement.values()) for s in specs}
+        holdings = {
+            s.name: {n: len(r) for n, r in self.state.tasks[s.name].placement.items() if n in usable}
+            for s in specs
+        }
+        tp = {s.name: s.tp_size for s in specs}
+        total = sum(usable.values())
+        # counts that cannot be cut into whole TP groups on these nodes: offer the allocator less
+        for budget in range(total, -1, -1):
+            counts = self.allocator.allocate(specs, budget, gpus_per_node, current, set(self.faulted))
+            _check_counts(counts, specs, budget)
+            try:
+                placement = place(counts, usable, holdings, tp)
+            except PermanentError:
+                continue
+            if budget < total:
+                self._alert(
+                    f"{total - budget} GPUs left idle: the plan could not be cut into whole TP groups"
+                )
+            return counts, placement
+        raise PermanentError("decision: not even an empty plan could be placed")  # place({0...}) never fails
+
+
+def _check_counts(counts: Mapping[str, int], specs: list[TaskSpec], budget: int) -> None:
+    """The allocator is pluggable: refuse a plan that breaks its contract rather than act on it."""
+    for spec in specs:
+        got = counts.get(spec.name)
+        if got is None or not spec.valid_count(got):
+            raise PermanentError(f"allocator: invalid count {got!r} for task {spec.name!r}")
+    if sum(counts.values()) > budget:
+        raise PermanentError(f"allocator: {sum(counts.values())} GPUs planned, only {budget} usable")
+
+
+def _ranks(old: Mapping[str, list[int]], new: Mapping[str, int]) -> dict[str, list[int]]:
+    """Global ranks per node: consecutive blocks, nodes the task keeps first in their old rank order."""
+    kept = sorted((n for n in new if old.get(n)), key=lambda n: (min(old[n]), n))
+    order = kept + sorted(n for n in new if not old.get(n))
+    out: dict[str, list[int]] = {}
+    rank = 0
+    for node in order:
+        out[node] = list(range(rank, rank + new[node]))
+        rank += new[node]
+    return out
+

@@ -1,0 +1,144 @@
+"""The decision core's inputs: one frozen dataclass per event, and the :data:`Event` union."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from coordinator.tasks import TaskSpec
+from unicron.kernel.types import Incident
+
+
+@dataclass(frozen=True, kw_only=True)
+class IncidentRaised:
+    """A classified incident (``coordinator.classify``)."""
+
+    ts: float
+    incident: Incident
+    generation: int | None = None
+    """The task generation the reporting process ran under (``Report.generation``); an incident from an
+    older generation than the task's current one is a leftover of a replaced configuration and ignored."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeJoined:
+    """An agent registered (new node, or a lost/isolated node back): reconfigure ④."""
+
+    ts: float
+    node: str
+    gpus: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLost:
+    """The node's agent is gone (lease expired / link dropped): a sev1 on that node."""
+
+    ts: float
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeDrained:
+    """An operator takes the node out of service; its tasks move without counting as a fault."""
+
+    ts: float
+    node: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeUndrained:
+    """An operator returns a drained or isolated node to service."""
+
+    ts: float
+    node: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSubmitted:
+    """A task joins the task set: reconfigure ⑥ (it stays pending if its minimum does not fit)."""
+
+    ts: float
+    spec: TaskSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskFinished:
+    """The task's training completed: its GPUs go to the others (reconfigure ⑤)."""
+
+    ts: float
+    task: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskCancelled:
+    """A user withdrew the task: stop it and give its GPUs to the others."""
+
+    ts: float
+    task: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionSucceeded:
+    """A tracked action (Reattempt, RestartRanks, Assign) was carried out and the ranks run.
+
+    ``node``: the node that reports it. An action written to several nodes (an Assign over two nodes,
+    a Reattempt) is confirmed once every one of them has reported; ``None`` confirms it outright.
+    """
+
+    ts: float
+    action_id: str
+    node: str | None = None
+
+
+class FailureCause(enum.StrEnum):
+    """Whose fault a failed action is: it decides whether a node is taken out of service."""
+
+    NODE = "node"
+    """The node may be at fault (or nobody knows): escalate (restart -> isolate the node)."""
+    TASK = "task"
+    """The task's own command cannot run there (e.g. it cannot start): the task fails, no node is blamed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionFailed:
+    """A tracked action could not be carried out; ``node``: where it failed, if known."""
+
+    ts: float
+    action_id: str
+    reason: str
+    node: str | None = None
+    cause: FailureCause = FailureCause.NODE
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressMade:
+    """A task reported a completed step. With the current ``generation`` it also confirms a recovery."""
+
+    ts: float
+    task: str
+    step: int
+    generation: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tick:
+    """Nothing happened but time passed: lets action deadlines expire."""
+
+    ts: float
+
+
+Event = (
+    IncidentRaised
+    | NodeJoined
+    | NodeLost
+    | NodeDrained
+    | NodeUndrained
+    | TaskSubmitted
+    | TaskFinished
+    | TaskCancelled
+    | ActionSucceeded
+    | ActionFailed
+    | ProgressMade
+    | Tick
+)

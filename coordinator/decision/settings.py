@@ -1,0 +1,43 @@
+"""Budgets and deadlines of the decision core."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from coordinator.decision.actions import ActionKind
+from unicron.kernel.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DecisionSettings:
+    """Budgets and deadlines of the decision core."""
+
+    max_reattempts: int = 1
+    """Reattempts in place per incident before it is escalated to sev2 (paper: one)."""
+    max_restarts_without_progress: int = 3
+    """Restarts (and restart-driven reconfigurations) a task may take while its step does not advance;
+    the next fault marks it failed instead of restarting it again."""
+    reattempt_deadline_s: float = 30.0
+    """Seconds for a reattempt to be confirmed before it counts as failed."""
+    restart_deadline_s: float = 120.0
+    """Seconds for a restart to be confirmed before it counts as failed."""
+    reconfigure_deadline_s: float = 300.0
+    """Seconds for an assignment (launch or reconfiguration) to be confirmed before it counts as failed."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("max_"):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ConfigError(f"decision.{f.name}: expected an integer >= 0, got {value!r}")
+            elif not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"decision.{f.name}: expected a number of seconds > 0, got {value!r}")
+
+    def deadline_s(self, kind: ActionKind) -> float:
+        return {
+            ActionKind.REATTEMPT: self.reattempt_deadline_s,
+            ActionKind.RESTART: self.restart_deadline_s,
+            ActionKind.ASSIGN: self.reconfigure_deadline_s,
+        }[kind]
+

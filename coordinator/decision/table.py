@@ -1,0 +1,126 @@
+"""Figure 7 per task as an explicit table: ``TRANSITIONS[(phase, trigger)] -> (next phase, response)``.
+
+The engine (:mod:`coordinator.decision.engine`) turns events into triggers, looks them up here and
+carries out the response; a (phase, trigger) pair not listed is ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from coordinator.decision.state import TaskPhase
+from unicron.kernel.types import Severity
+
+
+class Trigger(enum.StrEnum):
+    SEV3 = "sev3"  # a sev3 incident names one of the task's ranks / nodes
+    SEV2 = "sev2"
+    SEV1 = "sev1"  # a node the task has ranks on was isolated or lost
+    ACTION_OK = "action_ok"  # the task's outstanding action was confirmed
+    ACTION_FAILED = "action_failed"  # ... failed, or missed its deadline
+    TASK_ERROR = "task_error"  # ... failed through the task's own fault (its command cannot run)
+    PROGRESS = "progress"  # the task advanced under its current configuration: the recovery worked
+    REATTEMPTS_SPENT = "reattempts_spent"  # a reattempt was due but the incident's reattempts are spent
+    NO_PROGRESS = "no_progress"  # a restart was due but the restart budget is spent
+    RESIZED = "resized"  # a reconfiguration gave the task a different placement (or a fresh one)
+    UNPLACED = "unplaced"  # a reconfiguration gave the task no GPUs
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+class Response(enum.StrEnum):
+    MERGE = "merge"  # nothing: the incident is a consequence of the recovery under way
+    REATTEMPT = "reattempt"  # emit Reattempt
+    RESTART = "restart"  # emit RestartRanks on the faulty node
+    RECONFIGURE = "reconfigure"  # the node is isolated already: re-plan with this task forced to move
+    ESCALATE = "escalate"  # failed restart -> sev1: isolate the restart's node, re-plan
+    REASSIGN = "reassign"  # failed assignment: isolate the node it failed on (if known), re-plan
+    ASSIGN = "assign"  # emit Assign with the new placement
+    STOP = "stop"  # emit StopTask; the task waits for GPUs
+    RECOVERED = "recovered"  # clear the outstanding action
+    FAIL = "fail"  # emit StopTask + MarkTaskFailed + Alert; its GPUs go to the others
+    RELEASE = "release"  # finished: its GPUs go to the others
+    STOP_RELEASE = "stop_release"  # cancelled while holding GPUs: emit StopTask, GPUs go to the others
+    WITHDRAW = "withdraw"  # cancelled while pending: nothing to stop
+
+
+
+_P = TaskPhase
+_T = Trigger
+_R = Response
+
+#: Figure 7 per task. A (phase, trigger) pair not listed is ignored (e.g. anything in a final phase).
+TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = MappingProxyType(
+    {
+        # pending
+        (_P.PENDING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ⑥ launched
+        (_P.PENDING, _T.CANCELLED): (_P.CANCELLED, _R.WITHDRAW),
+        # running
+        (_P.RUNNING, _T.SEV3): (_P.REATTEMPTING, _R.REATTEMPT),  # ①
+        (_P.RUNNING, _T.SEV2): (_P.RESTARTING, _R.RESTART),  # ②
+        (_P.RUNNING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),  # ③
+        (_P.RUNNING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # no reattempts allowed: sev2
+        (_P.RUNNING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RUNNING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ④ join / ⑤ finish / ⑥ launch elsewhere
+        (_P.RUNNING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.RUNNING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RUNNING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        # reattempting
+        (_P.REATTEMPTING, _T.SEV3): (_P.REATTEMPTING, _R.MERGE),
+        (_P.REATTEMPTING, _T.SEV2): (_P.RESTARTING, _R.RESTART),
+        (_P.REATTEMPTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
+        (_P.REATTEMPTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
+        (_P.REATTEMPTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
+        (_P.REATTEMPTING, _T.ACTION_FAILED): (_P.REATTEMPTING, _R.REATTEMPT),  # again, while reattempts last
+        (_P.REATTEMPTING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # upgraded to sev2
+        (_P.REATTEMPTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.REATTEMPTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
+        (_P.REATTEMPTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        (_P.REATTEMPTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.REATTEMPTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        # restarting
+        (_P.RESTARTING, _T.SEV3): (_P.RESTARTING, _R.MERGE),
+        (_P.RESTARTING, _T.SEV2): (_P.RESTARTING, _R.MERGE),
+        (_P.RESTARTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
+        (_P.RESTARTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
+        (_P.RESTARTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
+        (_P.RESTARTING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.ESCALATE),  # upgraded to sev1
+        (_P.RESTARTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RESTARTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
+        (_P.RESTARTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        (_P.RESTARTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.RESTARTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RESTARTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        # reconfiguring
+        (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
+        (_P.RECONFIGURING, _T.SEV2): (_P.RECONFIGURING, _R.MERGE),
+        (_P.RECONFIGURING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
+        (_P.RECONFIGURING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
+        (_P.RECONFIGURING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
+        (_P.RECONFIGURING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.REASSIGN),
+        (_P.RECONFIGURING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
+        (_P.RECONFIGURING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
+        (_P.RECONFIGURING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        (_P.RECONFIGURING, _T.UNPLACED): (_P.PENDING, _R.STOP),
+        (_P.RECONFIGURING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RECONFIGURING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+    }
+)
+
+#: A response that spends a budget, and the trigger that replaces it once the budget is spent
+#: (looked up again from the same phase).
+BUDGETED: Mapping[Response, Trigger] = MappingProxyType(
+    {
+        _R.REATTEMPT: _T.REATTEMPTS_SPENT,
+        _R.RESTART: _T.NO_PROGRESS,
+        _R.ESCALATE: _T.NO_PROGRESS,
+        _R.REASSIGN: _T.NO_PROGRESS,
+    }
+)
+
+SEVERITY_TRIGGER: Mapping[Severity, Trigger] = MappingProxyType(
+    {Severity.SEV1: _T.SEV1, Severity.SEV2: _T.SEV2, Severity.SEV3: _T.SEV3}
+)

@@ -1,0 +1,267 @@
+"""The contract events the daemon wires (issue 12 item 3, core side): TaskFinished, NodeLost,
+ActionSucceeded / ActionFailed, and the helpers that map an agent's result to action ids."""
+
+from __future__ import annotations
+
+import json
+
+from coordinator.decision import (
+    ActionFailed,
+    ActionKind,
+    ActionSucceeded,
+    Alert,
+    Assign,
+    CoreState,
+    FailureCause,
+    IsolateNode,
+    MarkTaskFailed,
+    NodeLost,
+    NodeState,
+    Reattempt,
+    RestartRanks,
+    StopTask,
+    TaskFinished,
+    TaskPhase,
+    awaited,
+    from_dict,
+    result_events,
+    to_dict,
+)
+from tests.coordinator.test_decision import SEV2_KIND, SEV3_KIND, Sim, one, only, running_cluster
+from unicron.kernel.types import AssignmentResult, TaskResult
+
+P = TaskPhase
+
+
+def _result(
+    node: str, tasks: dict[str, tuple[int, int, int]], ok: bool = True, detail: str = "applied"
+) -> AssignmentResult:
+    """An agent's result: task -> (generation, restart_epoch, regroup_epoch)."""
+    return AssignmentResult(
+        node=node,
+        revision=7,
+        ok=ok,
+        detail=detail,
+        tasks={t: TaskResult(generation=g, restart_epoch=r, regroup_epoch=e, ranks={}) for t, (g, r, e) in tasks.items()},
+    )
+
+
+def _counters(sim: Sim, task: str) -> tuple[int, int, int]:
+    e = sim.state.tasks[task]
+    return e.generation, e.restart_epoch, e.regroup_epoch
+
+
+# --- TaskFinished ------------------------------------------------------------------------------------
+
+
+def test_finished_task_releases_its_gpus_to_a_pending_task_in_the_same_decision() -> None:
+    sim = running_cluster({"n1": 8}, {"first": {"min_gpus": 8}})
+    sim.submit("second", min_gpus=8)
+    assert sim.phase("second") is P.PENDING  # no room while "first" runs
+    acts = sim.feed(TaskFinished(ts=sim.ts(), task="first"))
+    assert sim.phase("first") is P.FINISHED
+    assert sim.state.tasks["first"].placement == {} and sim.state.tasks["first"].outstanding is None
+    assign = one(acts, Assign, "second")
+    assert assign.placement == {"n1": tuple(range(8))}
+    assert sim.phase("second") is P.RECONFIGURING
+    assert not only(acts, StopTask)  # a finished task's ranks have exited: nothing to stop
+
+
+def test_finished_during_a_recovery_still_releases_and_later_results_are_ignored() -> None:
+    sim = running_cluster({"n1": 8}, {"first": {"min_gpus": 8}})
+    restart = one(sim.incident("n1", SEV2_KIND, task="first", rank=1), RestartRanks)
+    sim.submit("second", min_gpus=8)
+    acts = sim.feed(TaskFinished(ts=sim.ts(), task="first"))
+    assert one(acts, Assign, "second")
+    assert sim.fail(restart) == []  # the restart's late failure must not isolate the node
+    assert sim.state.nodes["n1"].status is NodeState.UP
+
+
+# --- NodeLost ----------------------------------------------------------------------------------------
+
+
+def test_node_lost_is_a_sev1_every_task_on_it_moves_and_the_node_stays_out_until_it_rejoins() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 8}})
+    assert sim.gpus("job") == {"n1": 8, "n2": 8}
+    restart = one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks)  # a recovery under way
+    acts = sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="lease expired"))
+    assert sim.state.nodes["n1"].status is NodeState.LOST
+    assert one(acts, Alert).node == "n1"
+    assert not only(acts, IsolateNode)  # nothing to tell a node that is gone; its status keeps it out
+    assert one(acts, Assign, "job").placement.keys() == {"n2"}
+    assert any(t.task == "job" and t.trigger.value == "sev1" for t in sim.transitions)
+    assert sim.ok(restart) == []  # superseded by the reconfiguration
+    sim.ok(one(acts, Assign, "job"))
+    assert sim.join("n3") and sim.state.nodes["n1"].status is NodeState.LOST  # not back by itself
+    sim.join("n1")
+    assert sim.state.nodes["n1"].status.value == "up"
+
+
+def test_node_lost_twice_or_unknown_changes_nothing() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 8}})
+    sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="gone"))
+    assert sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="gone")) == []
+    assert sim.feed(NodeLost(ts=sim.ts(), node="never-joined", reason="gone")) == []
+
+
+# --- ActionSucceeded / ActionFailed ------------------------------------------------------------------
+
+
+def test_failed_reattempt_escalates_at_once_to_a_restart() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    r = one(sim.incident("n1", SEV3_KIND, task="job", rank=2), Reattempt)
+    acts = sim.feed(ActionFailed(ts=sim.ts(0.1), action_id=r.action_id, reason="regroup refused", node="n1"))
+    restart = one(acts, RestartRanks)  # the node's ranks: a refused regroup may have stuck its peers
+    assert restart.node == "n1" and 2 in restart.ranks
+    assert sim.phase("job") is P.RESTARTING
+
+
+def test_failed_restart_isolates_the_node_at_once_and_reconfigures() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 8}})
+    restart = one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks)
+    acts = sim.feed(ActionFailed(ts=sim.ts(0.1), action_id=restart.action_id, reason="spawn failed"))
+    assert one(acts, IsolateNode).node == "n1"
+    assert one(acts, Assign, "job").placement.keys() == {"n2"}
+
+
+def test_assign_whose_command_cannot_start_fails_the_task_and_isolates_nothing() -> None:
+    sim = Sim()
+    sim.join("n1")
+    sim.join("n2")
+    broken = one(sim.submit("broken", min_gpus=16), Assign)
+    sim.submit("waiting", min_gpus=8)
+    assert sim.phase("waiting") is P.PENDING
+    acts = sim.feed(
+        ActionFailed(
+            ts=sim.ts(),
+            action_id=broken.action_id,
+            reason="FileNotFoundError: no such file: 'pretrain_gpt.py'",
+            node="n1",
+            cause=FailureCause.TASK,
+        )
+    )
+    failed = one(acts, MarkTaskFailed, "broken")
+    assert "FileNotFoundError" in failed.reason and failed.reason.startswith(f"assign {broken.action_id}")
+    assert one(acts, StopTask, "broken")
+    assert not only(acts, IsolateNode)
+    assert {n.status for n in sim.state.nodes.values()} == {NodeState.UP}
+    assert sim.phase("broken") is P.FAILED
+    assert one(acts, Assign, "waiting")  # its GPUs go to the pending task in the same decision
+    assert sim.fail(broken) == []  # further results of the failed task change nothing
+
+
+def test_restart_whose_command_cannot_start_fails_the_task_without_isolating_the_node() -> None:
+    sim = running_cluster({"n1": 8}, {"job": {}})
+    restart = one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks)
+    acts = sim.feed(
+        ActionFailed(ts=sim.ts(), action_id=restart.action_id, reason="exec failed", cause=FailureCause.TASK)
+    )
+    assert one(acts, MarkTaskFailed, "job")
+    assert not only(acts, IsolateNode) and sim.state.nodes["n1"].status is NodeState.UP
+
+
+def test_an_assignment_that_keeps_failing_ends_in_a_failed_task_not_a_loop() -> None:
+    sim = Sim()
+    sim.join("n1")
+    acts = sim.submit("job")
+    for _ in range(20):
+        if sim.phase("job") is P.FAILED:
+            break
+        acts = sim.fail(one(acts, Assign, "job"))  # no node named: nothing isolated, re-planned
+    assert sim.phase("job") is P.FAILED
+    assert one(acts, MarkTaskFailed, "job").reason.startswith("no progress across 3 restarts")
+    assert sim.state.nodes["n1"].status is NodeState.UP
+
+
+def test_a_multi_node_assignment_is_confirmed_once_every_node_reported() -> None:
+    sim = Sim()
+    sim.join("n1")
+    sim.join("n2")
+    assign = one(sim.submit("job", min_gpus=16), Assign)
+    assert sim.state.tasks["job"].outstanding is not None
+    assert sim.state.tasks["job"].outstanding.waiting == ["n1", "n2"]
+    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=assign.action_id, node="n1"))
+    assert sim.phase("job") is P.RECONFIGURING
+    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=assign.action_id, node="n1"))  # a repeat: still waiting
+    assert sim.phase("job") is P.RECONFIGURING
+    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=assign.action_id, node="n2"))
+    assert sim.phase("job") is P.RUNNING
+
+
+# --- the daemon's helpers: awaited / result_events ---------------------------------------------------
+
+
+def test_result_of_each_node_confirms_an_assignment_through_the_helpers() -> None:
+    sim = Sim()
+    sim.join("n1")
+    sim.join("n2")
+    sim.submit("job", min_gpus=16)
+    carried = {n: awaited(sim.state, n) for n in ("n1", "n2")}
+    assert [(a.task, a.kind) for a in carried["n1"]] == [("job", ActionKind.ASSIGN)]
+    assert carried["n1"][0].action_id == sim.outstanding("job")
+    gen = sim.state.tasks["job"].generation
+    stale = result_events(carried["n1"], _result("n1", {"job": (gen - 1, 0, 0)}), ts=sim.ts())
+    assert stale == []  # the node still runs the previous generation: not this action's result
+    for node in ("n1", "n2"):
+        for event in result_events(carried[node], _result(node, {"job": _counters(sim, "job")}), ts=sim.ts()):
+            assert isinstance(event, ActionSucceeded) and event.node == node
+            sim.feed(event)
+    assert sim.phase("job") is P.RUNNING
+    assert awaited(sim.state, "n1") == []
+
+
+def test_restart_and_reattempt_are_awaited_from_the_nodes_their_records_change() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 16}})
+    one(sim.incident("n2", SEV2_KIND, task="job", rank=9), RestartRanks)
+    assert awaited(sim.state, "n1") == []
+    (a,) = awaited(sim.state, "n2")
+    assert a.kind is ActionKind.RESTART
+    g, r, e = _counters(sim, "job")
+    assert result_events([a], _result("n2", {"job": (g, r - 1, e)}), ts=sim.ts()) == []
+    (ok,) = result_events([a], _result("n2", {"job": (g, r, e)}), ts=sim.ts())
+    sim.feed(ok)
+    assert sim.phase("job") is P.RUNNING
+
+    one(sim.incident("n1", SEV3_KIND, task="job", rank=1), Reattempt)
+    assert [x.kind for x in awaited(sim.state, "n1")] == [ActionKind.REATTEMPT]
+    assert [x.kind for x in awaited(sim.state, "n2")] == [ActionKind.REATTEMPT]  # every member regroups
+
+
+def test_a_failed_reconcile_fails_the_carried_actions_with_the_cause_given() -> None:
+    bad = _result("n1", {}, ok=False, detail="FileNotFoundError: [Errno 2] No such file: 'train'")
+    for cause in (FailureCause.TASK, FailureCause.NODE):
+        sim = Sim()
+        sim.join("n1")
+        sim.join("n2")
+        sim.submit("job", min_gpus=8)
+        assert sim.gpus("job") == {"n1": 8, "n2": 8}
+        (event,) = result_events(awaited(sim.state, "n1"), bad, ts=sim.ts(), cause=cause)
+        assert isinstance(event, ActionFailed) and event.node == "n1" and "FileNotFoundError" in event.reason
+        acts = sim.feed(event)
+        if cause is FailureCause.TASK:
+            assert "FileNotFoundError" in one(acts, MarkTaskFailed, "job").reason
+            assert not only(acts, IsolateNode) and sim.phase("job") is P.FAILED
+        else:  # the node may be at fault: it is isolated and the task moves off it
+            assert one(acts, IsolateNode).node == "n1"
+            assert one(acts, Assign, "job").placement.keys() == {"n2"}
+
+
+# --- JSON --------------------------------------------------------------------------------------------
+
+
+def test_new_fields_round_trip_and_old_states_still_load() -> None:
+    failed = ActionFailed(ts=1.0, action_id="a3", reason="x", node="n1", cause=FailureCause.TASK)
+    assert to_dict(failed)["cause"] == "task"
+    assert from_dict(json.loads(json.dumps(to_dict(failed)))) == failed
+    ok = ActionSucceeded(ts=1.0, action_id="a3", node="n2")
+    assert from_dict(json.loads(json.dumps(to_dict(ok)))) == ok
+    sim = Sim()
+    sim.join("n1")
+    sim.join("n2")
+    sim.submit("job", min_gpus=16)
+    data = json.loads(json.dumps(sim.state.to_dict()))
+    assert CoreState.from_dict(data) == sim.state
+    del data["tasks"]["job"]["outstanding"]["waiting"]  # written before per-node confirmation existed
+    old = CoreState.from_dict(data)
+    o = old.tasks["job"].outstanding
+    assert o is not None and o.waiting == []
