@@ -345,7 +345,7 @@ class Agent:
         elif isinstance(msg, protocol.RegroupDone):
             # A new membership changes each rank's share of micro-batches, so its iteration time.
             mon.reset()
-            log.info("rank regrouped", task=task, rank=rank, generation=msg.generation, ok=msg.ok, detail=msg.detail)
+            log.info("rank regrouped", task=task, rank=rank, epoch=msg.epoch, ok=msg.ok, detail=msg.detail)
 
     @staticmethod
     def _exception_kind(msg: protocol.ExceptionReport) -> ErrorKind:
@@ -520,7 +520,7 @@ class Agent:
             log.info("rank restarted", task=a.task, rank=rank, restart_epoch=a.restart_epoch)
 
     def _send_regroup(self, a: TaskAssignment) -> None:
-        msg = protocol.Regroup(generation=a.regroup_epoch, members=a.regroup_members, failed=a.regroup_failed)
+        msg = protocol.Regroup(epoch=a.regroup_epoch, members=a.regroup_members, failed=a.regroup_failed)
         for spec in a.rank_specs():
             self.rank_server.send(a.task, spec.rank, msg)
 

@@ -92,7 +92,7 @@ def test_ranks_report_to_the_agent_and_follow_its_instructions(runner: Runner, a
             {0, 1, 2, 3} if rank == 0 else {4, 5, 6, 7}
         )
         regroups = agent_socket.of(rank, protocol.RegroupDone)
-        assert [r.generation for r in regroups] == [0, 1] and all(r.ok for r in regroups)
+        assert [r.epoch for r in regroups] == [0, 1] and all(r.ok for r in regroups)
         assert len(starts) >= len(ends)
     assert done.result(0)["iterations"] == done.result(1)["iterations"], "Stop must be agreed"
     raised = agent_socket.of(1, protocol.ExceptionReport)

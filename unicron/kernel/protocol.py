@@ -24,7 +24,9 @@ ENV_SOCKET = "UNICRON_AGENT_SOCKET"
 PHASE_TRAIN = "train"
 PHASE_CHECKPOINT = "checkpoint"
 PHASE_EVAL = "eval"
-PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL)
+PHASE_REGROUP = "regroup"
+"""An agreed regroup or rejoin: the members pause on purpose while a peer is replaced or admitted."""
+PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_REGROUP)
 
 
 class Message(Record):
@@ -100,7 +102,7 @@ class ExceptionReport(Message):
 @dataclass(frozen=True)
 class RegroupDone(Message):
     TYPE: ClassVar[str] = "regroup_done"
-    generation: int
+    epoch: int  # the rank's regroup epoch (not the node's or task's generation)
     ok: bool
     detail: str = ""
     ts: float = field(default_factory=time.time)
@@ -111,11 +113,11 @@ class RegroupDone(Message):
 
 @dataclass(frozen=True)
 class Regroup(Message):
-    """Re-form the task's process group in place at ``generation`` with ``members`` (global ranks)
+    """Re-form the task's process group in place at regroup ``epoch`` with ``members`` (global ranks)
     after ``failed`` ranks were lost (sev3 reattempt, or redistribution after a rank died)."""
 
     TYPE: ClassVar[str] = "regroup"
-    generation: int
+    epoch: int
     members: list[int]
     failed: list[int]
     master_addr: str = ""

@@ -18,11 +18,15 @@ from torch._C._distributed_c10d import (
     PrefixStore,
     ProcessGroupGloo,
     ReduceOp,
-    Store,
     TCPStore,
 )
 
-__all__ = ["CommGroup", "HashStore", "PrefixStore", "Store", "TCPStore", "Work", "allreduce_max", "new_group"]
+# c10d's key-value store of a task's rendezvous (the store sidecar); not unicron.kernel.etcd.Store
+from torch._C._distributed_c10d import Store as RendezvousStore
+
+__all__ = [
+    "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "new_group",
+]
 
 
 class Work(Protocol):
@@ -43,7 +47,9 @@ class CommGroup(Protocol):
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], /) -> Work: ...
 
 
-def new_group(backend: str, store: Store, prefix: str, rank: int, size: int, timeout_s: float) -> CommGroup:
+def new_group(
+    backend: str, store: RendezvousStore, prefix: str, rank: int, size: int, timeout_s: float
+) -> CommGroup:
     """A process group of ``size`` ranks rendezvousing under ``prefix`` in ``store``."""
     scoped = PrefixStore(prefix, store)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from unicron.kernel.client import InjectedFault
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.types import ErrorKind
-from unicron.runtime.comm import Store
+from unicron.runtime.comm import RendezvousStore
 
 ENV = "UNICRON_RUNTIME_FAULTS"
 ACTIONS = ("die", "raise", "stall")
@@ -60,13 +60,13 @@ def parse(spec: str) -> list[Fault]:
 
 
 class FaultScript:
-    def __init__(self, faults: list[Fault], rank: int, incarnation: int, store: Store | None) -> None:
+    def __init__(self, faults: list[Fault], rank: int, incarnation: int, store: RendezvousStore | None) -> None:
         self.faults = faults if incarnation == 1 else []
         self.rank = rank
         self.store = store
 
     @classmethod
-    def from_env(cls, rank: int, incarnation: int, store: Store | None) -> FaultScript:
+    def from_env(cls, rank: int, incarnation: int, store: RendezvousStore | None) -> FaultScript:
         return cls(parse(os.environ.get(ENV, "")), rank, incarnation, store)
 
     @property

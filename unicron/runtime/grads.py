@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unicron.kernel.errors import PermanentError
 from unicron.runtime.comm import CommGroup
 from unicron.runtime.plan import BatchLayout
 
@@ -35,8 +36,8 @@ asked to stop]; summed with the gradient, so every member learns the flags at th
 TAIL_LOSS, TAIL_JOIN, TAIL_STOP = 0, 1, 2
 
 
-class RuntimeInvariantError(AssertionError):
-    """A bookkeeping invariant of the scheduler broke: a bug, never a peer failure."""
+class RuntimeInvariantError(PermanentError):
+    """A bookkeeping invariant of the scheduler broke: a bug, never a peer failure (never retried)."""
 
 
 class FlatGrads:

@@ -12,18 +12,18 @@ the iteration's path: the loop reads the thread's last observation.
 from __future__ import annotations
 
 import contextlib
-import logging
 import mmap
 import os
 import signal
 import time
 from collections.abc import Iterable
 
+from unicron.kernel import log as ulog
 from unicron.kernel.parentdeath import die_with_parent
 from unicron.runtime import store as keys
-from unicron.runtime.comm import Store
+from unicron.runtime.comm import RendezvousStore
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 STOP_KEY = "stop"
 """Store key that asks every rank to stop at the next iteration boundary (the launcher's Stop)."""
@@ -114,7 +114,7 @@ class Heartbeat:
         try:
             conn = keys.connect(self._host, self._port)
         except Exception as exc:
-            log.warning("heartbeat: cannot connect to the store: %s", exc)
+            log.warning("heartbeat cannot connect to the store", rank=self._rank, error=str(exc))
             return
         key = keys.hb_key(self._rank)
         mem = self._mem
@@ -133,12 +133,12 @@ class Heartbeat:
             except Exception as exc:
                 failures += 1
                 if failures == 1:
-                    log.warning("heartbeat: store access failed: %s", str(exc).splitlines()[0])
+                    log.warning("heartbeat store access failed", rank=self._rank, error=str(exc).splitlines()[0])
                 if failures * self._interval > 30:
                     return  # the store is gone for good: stop beating, the rank will notice too
             time.sleep(self._interval)
 
-    def _watch(self, conn: Store) -> None:
+    def _watch(self, conn: RendezvousStore) -> None:
         mem = self._mem
         if conn.check([STOP_KEY]):
             mem[self._STOP_SEEN] = 1
@@ -161,7 +161,7 @@ class StalenessJudge:
     for ``window_s``. A counter still at 0 belongs to a process that has not started beating yet
     (still importing, or never launched): not judged here; the agent's ``failed/`` mark covers it."""
 
-    def __init__(self, store: Store, window_s: float) -> None:
+    def __init__(self, store: RendezvousStore, window_s: float) -> None:
         self._store = store
         self._window = window_s
         self._seen: dict[int, tuple[int, float]] = {}

@@ -20,21 +20,21 @@ an epoch that includes it. Survivors admit complete replicas of joiners at an it
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import PermanentError
 from unicron.runtime import store as keys
-from unicron.runtime.comm import CommGroup, Store, new_group
+from unicron.runtime.comm import CommGroup, RendezvousStore, new_group
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import StalenessJudge
 from unicron.runtime.model import broken_group, solo_group
 from unicron.runtime.plan import Topology
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 FINISHED_KEY = "finished"
 
@@ -49,6 +49,10 @@ class Excluded(Exception):
 
 class JobFinished(Exception):
     """The job completed while this rank waited to join."""
+
+    def __init__(self, iteration: int) -> None:
+        super().__init__(f"the job finished at iteration {iteration}")
+        self.iteration = iteration
 
 
 class RegroupFailed(PermanentError):
@@ -86,7 +90,7 @@ class Groups:
             try:
                 g.abort()
             except Exception as exc:  # aborting a broken group may itself complain
-                log.debug("abort: %s", exc)
+                log.debug("aborting a process group failed", error=str(exc))
             refs.append(weakref.ref(g))
         return refs
 
@@ -116,7 +120,7 @@ class Membership:
 
     def __init__(
         self,
-        store: Store,
+        store: RendezvousStore,
         rank: int,
         topo: Topology,
         incarnation: int,
@@ -228,7 +232,7 @@ class Membership:
         seen = -1
         while time.monotonic() < deadline:
             if self.store.check([FINISHED_KEY]):
-                raise JobFinished()
+                raise JobFinished(_int(self.store.get(FINISHED_KEY)))
             rec = self.latest(seen)
             if rec is not None:
                 seen = rec.epoch
@@ -311,9 +315,16 @@ class Membership:
                 dp = self._group(f"e{g}/dp{self.topo.tp_rank(self.rank)}", dp_ranks)
                 tp = self._group(f"e{g}/tp{self.topo.replica_of(self.rank)}", replica)
         except RuntimeError as exc:
-            log.warning("rank %d: building the groups of epoch %d failed: %s", self.rank, g, exc)
+            log.warning("building the groups failed", rank=self.rank, epoch=g, error=str(exc))
             raise _MovedOn(rec) from exc
         return Groups(rec, world, dp, tp, dp_ranks)
+
+
+def _int(raw: bytes) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        return 0  # the iteration is only reported; a malformed value must not fail the exit
 
 
 class _MovedOn(Exception):

@@ -36,8 +36,8 @@ from typing import Any, cast
 import torch
 
 from unicron.kernel.errors import ConfigError, TemporaryError
-from unicron.runtime.cli import add_arguments
 from unicron.runtime.comm import CommGroup, Work
+from unicron.runtime.flags import add_arguments
 from unicron.runtime.model import lm_loss
 from unicron.runtime.plan import initial_plan
 from unicron.runtime.scheduler import Trainer

@@ -17,33 +17,50 @@ followed by an agreement in which every member publishes its progress:
   (kept with their owner if alive, orphans round-robin: scenario #1); a rank accumulates one only if
   its own group lacks it, so nothing is counted twice.
 
-The gradient is always sum(all B micro-batches) / B, whoever computed them.
+The gradient is always sum(all B micro-batches) / B, whoever computed them. The steps of a recovery
+(release groups -> regroup -> agree -> transfer -> resume) and the decisions A-D taken from the
+members' status table are in :mod:`unicron.runtime.recovery`.
+
+Lifecycle of a rank (:class:`RankMode`)::
+
+    STARTING --first launch--> TRAINING <--recovered-- RECOVERING <--failure, sev3 error,
+       |                        |   ^                                 joiners, agent's Regroup-- TRAINING
+       |                        |   +--state received-- JOINING <--excluded from an epoch-- TRAINING
+       +--restarted (or --resume with checkpoints)--> JOINING --the job finished meanwhile--> JOB_DONE
+    TRAINING --stop agreed at a commit--> STOPPING --> FINISHED
+    TRAINING --last iteration committed--> FINISHED
+
+A rank holds a valid replica's state in TRAINING, RECOVERING, STOPPING and FINISHED; in JOINING it
+has (at most) a model whose parameters are about to be overwritten. Time in RECOVERING and JOINING is
+reported to the agent as the ``regroup`` phase, which its hang detection does not judge.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ckpt.api import Checkpointer
+from unicron.kernel import log as ulog
 from unicron.kernel import protocol
 from unicron.kernel.client import AgentClient, InjectedFault
-from unicron.kernel.errors import ConfigError, PermanentError
+from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.kernel.patterns import match
 from unicron.kernel.types import ErrorKind, Severity
 from unicron.runtime import membership
 from unicron.runtime.checkpoint import TorchSaveCheckpointer, has_checkpoint
-from unicron.runtime.comm import CommGroup, Store
+from unicron.runtime.comm import CommGroup, RendezvousStore
 from unicron.runtime.data import TokenSource
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.faults import FaultScript
@@ -67,14 +84,54 @@ from unicron.runtime.grads import (
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
 from unicron.runtime.model import ModelConfig, broken_group, build_gpt, lm_loss, rebind_groups
-from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, redistribute, seed_rng
+from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, seed_rng
+from unicron.runtime.recovery import (
+    RankStatus,
+    RegroupDue,
+    RegroupReason,
+    StatusTable,
+    after_catch_up,
+    best_buckets,
+    joiners,
+    plan_catch_up,
+    plan_resume,
+    plan_share,
+    state_holders,
+    table_of,
+    top_iteration,
+)
 from unicron.runtime.state import CheckpointSource, OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RECOVERY_MODES = ("redistribute", "rerun")
 FINISHED_KEY = membership.FINISHED_KEY
 """Store key written when training ends, so that ranks waiting to join exit too."""
+
+
+class RankMode(Enum):
+    """Where a rank is in its lifecycle (module docstring)."""
+
+    STARTING = "starting"  # process up; no groups, no model
+    JOINING = "joining"  # waiting for admission, or agreeing to receive (or restore) the state
+    TRAINING = "training"  # a member holding state, running iterations
+    RECOVERING = "recovering"  # a member holding state, in a recovery
+    STOPPING = "stopping"  # every member agreed at the last commit to stop
+    FINISHED = "finished"  # trained to the end (or stopped)
+    JOB_DONE = "job_done"  # the job finished before this rank held any state: nothing to do
+
+
+HOLDS_STATE = frozenset({RankMode.TRAINING, RankMode.RECOVERING, RankMode.STOPPING, RankMode.FINISHED})
+
+
+@dataclass
+class Held:
+    """What a rank holds once it has a model: built with its first groups, kept across regroups."""
+
+    state: ReplicaState
+    flat: FlatGrads
+    prog: ReduceProgress
+    acc: Accumulator
 
 
 @dataclass(frozen=True)
@@ -125,7 +182,7 @@ class RestoreMismatch(PermanentError):
     """Ranks restored checkpoints of different iterations."""
 
 
-class CommFailure(Exception):
+class CommFailure(TemporaryError):
     """A collective failed: this rank's groups are broken and a regroup is due."""
 
 
@@ -167,14 +224,14 @@ def severity_of_kind(kind: ErrorKind) -> Severity:
 
 
 class Trainer:
-    """Runs managed training on one rank."""
+    """Runs managed training on one rank (lifecycle: :class:`RankMode`)."""
 
     def __init__(
         self,
         *,
         rank: int,
         topo: Topology,
-        store: Store,
+        store: RendezvousStore,
         incarnation: int,
         model_cfg: ModelConfig,
         optim_cfg: OptimConfig,
@@ -198,59 +255,63 @@ class Trainer:
         if isinstance(checkpointer, TorchSaveCheckpointer):
             checkpointer.use_shard(topo.tp_rank(rank))  # the files of this rank's model-parallel shard
         self.watcher = watcher
+        self.log = ulog.get(__name__, rank=rank, incarnation=incarnation)
         self.sources: list[StateSource] = [ReplicaBroadcast()]
         if checkpointer is not None:
             self.sources.append(CheckpointSource(checkpointer))
         self._agent_dead: set[int] = set()
         self.membership = Membership(store, rank, topo, incarnation, comm, knowledge=self._agent_knowledge)
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
+        self.mode = RankMode.STARTING
         self.stop_requested = False  # asked (agent Stop or the store's stop key); acted on once agreed
-        self.stopping = False  # agreed by every member at the last commit
-        # Filled by _setup once the first groups exist.
-        self.groups: Groups
-        self.model_tp: CommGroup
-        self.state: ReplicaState
-        self.flat: FlatGrads
-        self.acc: Accumulator
-        self.prog: ReduceProgress
+        self.due: RegroupDue | None = None  # a regroup to run before the next attempt at the iteration
+        self._groups: Groups | None = None  # set once admitted to an epoch
+        self._held: Held | None = None  # built once, with the first groups
+        self.model_tp: CommGroup = broken_group()  # the tensor-parallel group the model is bound to
         self.plan: Plan = {}
         self.todo: list[int] = []
-        self.keep_mask: set[int] = set()  # micro-batches some member of my DP group already holds
+        self.keep_mask: frozenset[int] = frozenset()  # micro-batches some member of my DP group already holds
         self.base_epoch = 0
-        self.fresh = True  # no valid replica state yet (joiner)
-        self.pending: tuple[str, bool] | None = None  # (reason, assume_same) of a due regroup
+        self.job_iterations = 0  # iterations of the job when it finished before this rank held state
         self.mb_position = 0
         self.views_checked_at: int | None = None  # iteration of the last check that .grad views the flat buffer
         self.losses: deque[float] = deque(maxlen=EVENT_LOG_LIMIT)
         self.gc = GcPolicy(sched.manual_gc_interval)
         self._plans: dict[int, tuple[int, Plan]] = {}  # epoch -> (live replicas, failure-free plan)
 
-    # --- setup -----------------------------------------------------------------------------------
+    # --- what the rank holds -----------------------------------------------------------------------
 
-    def _setup(self, groups: Groups) -> None:
-        self.groups = groups
-        model = build_gpt(self.model_cfg, groups.tp)
-        self.model_tp = groups.tp
-        self.state = ReplicaState(model, self.optim_cfg)
-        self.flat = FlatGrads(self.state.params, self.model_cfg.torch_dtype)
-        self.set_deterministic(self.sched.deterministic)
-        total = self.flat.numel + TAIL
-        self.prog = ReduceProgress(bucket_bounds(total, self.sched.bucket_elems), self.flat.buf.dtype,
-                                   numel=self.flat.numel, scale=1.0 / self.layout.micro_batches)
-        self.views_checked_at = None
-        self.gc.after_setup()
+    def _need(self) -> Held:
+        if self._held is None:
+            raise RuntimeInvariantError(f"rank {self.rank} has no model yet (mode {self.mode.value})")
+        return self._held
 
-    def set_deterministic(self, on: bool) -> None:
-        """Choose the accumulation (and so the reduction) mode; only at an iteration boundary."""
-        if hasattr(self, "acc") and (self.acc.done or self.prog.done):
-            raise RuntimeInvariantError("the reduction mode can change only between iterations")
-        if on:
-            self.acc = Contributions(self.flat, self.layout)
-        elif self.topo.tp > 1:
-            self.acc = SafeSum(self.flat)
-        else:
-            self.acc = DirectSum(self.flat)
-        self.acc.reset()
+    @property
+    def groups(self) -> Groups:
+        if self._groups is None:
+            raise RuntimeInvariantError(f"rank {self.rank} is in no epoch yet (mode {self.mode.value})")
+        return self._groups
+
+    @property
+    def state(self) -> ReplicaState:
+        return self._need().state
+
+    @property
+    def flat(self) -> FlatGrads:
+        return self._need().flat
+
+    @property
+    def prog(self) -> ReduceProgress:
+        return self._need().prog
+
+    @property
+    def acc(self) -> Accumulator:
+        return self._need().acc
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether this rank's parameters are a valid replica (not a joiner's or a restorer's)."""
+        return self.mode in HOLDS_STATE
 
     @property
     def replica(self) -> int:
@@ -263,6 +324,38 @@ class Trainer:
     def _event(self, kind: str, **data: Any) -> None:
         self.events.append(Event(kind, time.time(), data))
 
+    # --- setup -----------------------------------------------------------------------------------
+
+    def _setup(self, groups: Groups) -> None:
+        self._groups = groups
+        model = build_gpt(self.model_cfg, groups.tp)
+        self.model_tp = groups.tp
+        state = ReplicaState(model, self.optim_cfg)
+        flat = FlatGrads(state.params, self.model_cfg.torch_dtype)
+        prog = ReduceProgress(bucket_bounds(flat.numel + TAIL, self.sched.bucket_elems), flat.buf.dtype,
+                              numel=flat.numel, scale=1.0 / self.layout.micro_batches)
+        self._held = Held(state, flat, prog, self._accumulator(flat, self.sched.deterministic))
+        self.views_checked_at = None
+        self.gc.after_setup()
+
+    def _accumulator(self, flat: FlatGrads, deterministic: bool) -> Accumulator:
+        acc: Accumulator
+        if deterministic:
+            acc = Contributions(flat, self.layout)
+        elif self.topo.tp > 1:
+            acc = SafeSum(flat)
+        else:
+            acc = DirectSum(flat)
+        acc.reset()
+        return acc
+
+    def set_deterministic(self, on: bool) -> None:
+        """Choose the accumulation (and so the reduction) mode; only at an iteration boundary."""
+        held = self._need()
+        if held.acc.done or held.prog.done:
+            raise RuntimeInvariantError("the reduction mode can change only between iterations")
+        held.acc = self._accumulator(held.flat, on)
+
     # --- main loop -------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -271,31 +364,40 @@ class Trainer:
             self.begin()
             while not self.finished():
                 self.step()
-        except JobFinished:
-            self._event("finished", note="the job completed while this rank waited to join")
+        except JobFinished as done:
+            self._finished_before_joining(done)
             return 0
         finally:
             self.gc.close()
         self.store.set(FINISHED_KEY, str(self.it))
+        self.mode = RankMode.FINISHED
         wait = getattr(self.checkpointer, "wait", None)
         if callable(wait):
             wait()  # let the last snapshot's background work finish before the process exits
         return 0
 
+    def _finished_before_joining(self, done: JobFinished) -> None:
+        self.mode = RankMode.JOB_DONE
+        self.job_iterations = done.iteration
+        self._event("finished", note="the job completed while this rank waited to join", it=done.iteration)
+        self.log.warning("job already finished; this rank exits without training", iterations=done.iteration)
+
     def begin(self) -> None:
         """Enter the job: epoch 0 on a first start (restoring the checkpoint with ``resume``), else
         wait to be admitted and take the state from a replica."""
-        if self.incarnation == 1:
-            t0 = time.time()
-            groups = self.membership.start()
-            self._setup(groups)
-            self._new_iteration(groups.record)
-            self.fresh = self.resume and self.checkpointer is not None and self._any_checkpoint()
-            if self.fresh:
-                self._agree()  # nobody holds state: every rank restores its checkpoint
-            self._regroup_done(groups.record, "start", t0)
-        else:
-            self._rejoin(first=True)
+        if self.incarnation != 1:
+            self._rejoin()
+            return
+        t0 = time.time()
+        groups = self.membership.start()
+        self._setup(groups)
+        self._new_iteration(groups.record)
+        self.mode = RankMode.TRAINING
+        if self.resume and self.checkpointer is not None and self._any_checkpoint():
+            self.mode = RankMode.JOINING  # nobody holds state: every rank restores its checkpoint
+            self._agree()
+            self._recovered()
+        self._regroup_done(groups.record, RegroupReason.START, t0)
 
     def step(self) -> None:
         """One iteration, with whatever regroups it takes."""
@@ -308,10 +410,10 @@ class Trainer:
         except InjectedFault as fault:
             self._on_injected(fault)
         except Excluded:
-            self._rejoin(first=not hasattr(self, "state"))
+            self._rejoin()
 
     def finished(self) -> bool:
-        if self.stopping:
+        if self.mode is RankMode.STOPPING:
             return True
         return bool(self.sched.iterations) and self.it >= self.sched.iterations
 
@@ -319,17 +421,16 @@ class Trainer:
         start_it = self.it
         while self.it == start_it:
             try:
-                if self.pending is not None:
-                    reason, same = self.pending
-                    self.pending = None
-                    self._regroup(reason, same)
+                if self.due is not None:
+                    due, self.due = self.due, None
+                    self._regroup(due)
                     continue
                 self._compute()
                 self._reduce()
                 join, stop = self._commit_check()
                 self._commit(join, stop)
             except CommFailure:
-                self.pending = ("failure", False)
+                self.due = RegroupDue(RegroupReason.FAILURE, assume_same=False)
 
     def _on_injected(self, fault: InjectedFault) -> None:
         sev = severity_of_kind(fault.kind)
@@ -338,13 +439,13 @@ class Trainer:
             self.client.report_exception(fault, fatal=False)
             self._event("injected", error_kind=fault.kind.value, severity=int(sev))
             self._break(fault)
-            self.pending = ("reattempt", True)
+            self.due = RegroupDue(RegroupReason.REATTEMPT, assume_same=True)
             return
         self.client.report_exception(fault, fatal=True)
         self._event("fatal", error_kind=fault.kind.value, severity=int(sev))
         raise SystemExit(3)
 
-    def _collective(self, what: str, fn: Any) -> Any:
+    def _collective(self, what: str, fn: Callable[[], T]) -> T | None:
         try:
             return fn()
         except (RuntimeError, ValueError) as exc:
@@ -361,7 +462,8 @@ class Trainer:
         raise CommFailure(what) from exc
 
     def _break(self, exc: BaseException | None) -> None:
-        """Release this epoch's groups at once so that peers blocked with us fail fast.
+        """Recovery step 1, release groups: drop this epoch's groups at once so that peers blocked
+        with us fail fast.
 
         gloo closes its sockets only when a group is destroyed, so every reference goes: the model's
         (rebound to a placeholder), ours, and those in the failed call's stack frames.
@@ -375,10 +477,8 @@ class Trainer:
         if any(r() is not None for r in refs):
             gc.collect()  # slow with a big model loaded: only when reference counting was not enough
         if any(r() is not None for r in refs):
-            log.warning("rank %d: a released process group is still referenced; peers may wait for "
-                        "the collective timeout", self.rank)
-
-    # --- compute ---------------------------------------------------------------------------------
+            self.log.warning("a released process group is still referenced; peers may wait for the "
+                             "collective timeout")
 
     def _epoch_plan(self, rec: EpochRecord) -> tuple[int, Plan]:
         """(live replicas, failure-free plan) of an epoch: computed once, not every iteration."""
@@ -396,7 +496,7 @@ class Trainer:
         self.base_epoch = rec.epoch
         self.plan = self._epoch_plan(rec)[1]
         self.todo = list(self.plan.get(self.replica, []))
-        self.keep_mask = set()
+        self.keep_mask = frozenset()
         self.mb_position = 0
 
     def _forward_backward(self, mb: int) -> float:
@@ -509,9 +609,10 @@ class Trainer:
         self.gc.at_boundary(self.it)
         self._drain_instructions()
         if stop:
-            self.stopping = True
+            self.mode = RankMode.STOPPING
         elif join:
-            self.pending = ("admission", True)
+            self.due = RegroupDue(RegroupReason.ADMISSION, assume_same=True)
+
 
     # --- agent -----------------------------------------------------------------------------------
 
@@ -534,132 +635,152 @@ class Trainer:
         """At an iteration boundary: an agent's Regroup naming a dead member or a new one is acted on."""
         members = set(self.groups.record.members)
         for msg in self._read_instructions():
-            if self.pending is None and set(msg.failed) & members:
-                self.pending = ("agent", False)
-            elif self.pending is None and set(msg.members) - members:
-                self.pending = ("admission", True)
+            if self.due is None and set(msg.failed) & members:
+                self.due = RegroupDue(RegroupReason.AGENT, assume_same=False)
+            elif self.due is None and set(msg.members) - members:
+                self.due = RegroupDue(RegroupReason.ADMISSION, assume_same=True)
 
-    def _regroup_done(self, rec: EpochRecord, reason: str, t0: float, ok: bool = True) -> None:
+    def _regroup_done(self, rec: EpochRecord, reason: RegroupReason, t0: float, ok: bool = True) -> None:
         dp = len(self.topo.replicas_in(rec.members))
-        detail = f"{reason}: members={list(rec.members)} dp={dp} it={self.it}"
-        self.client.send(protocol.RegroupDone(generation=rec.epoch, ok=ok, detail=detail))
-        self._event("regroup", epoch=rec.epoch, reason=reason, members=list(rec.members), it=self.it,
+        detail = f"{reason.value}: members={list(rec.members)} dp={dp} it={self.it}"
+        self.client.send(protocol.RegroupDone(epoch=rec.epoch, ok=ok, detail=detail))
+        self._event("regroup", epoch=rec.epoch, reason=reason.value, members=list(rec.members), it=self.it,
                     seconds=time.time() - t0, **{k: round(v, 4) for k, v in self.membership.timing.items()})
+        self.log.info("regrouped", epoch=rec.epoch, reason=reason.value, members=list(rec.members), step=self.it,
+                      seconds=round(time.time() - t0, 3))
 
-    # --- regroup ---------------------------------------------------------------------------------
+    # --- recovery: release groups -> regroup -> agree -> transfer -> resume ----------------------
 
-    def _regroup(self, reason: str, assume_same: bool) -> None:
+    def _regroup(self, due: RegroupDue) -> None:
+        """A member's recovery. The agent sees the regroup phase: the pause is not judged as a hang."""
         t0 = time.time()
-        self._break(None)
-        groups = self.membership.regroup(self.groups.record, reason, assume_same)
-        t1 = time.time()
-        self._adopt(groups)
-        self._agree()
-        self.membership.timing["agree_s"] = time.time() - t1
-        self._regroup_done(groups.record, reason, t0)
+        self.mode = RankMode.RECOVERING
+        with self.client.phase(protocol.PHASE_REGROUP):
+            self._break(None)
+            groups = self.membership.regroup(self.groups.record, due.reason.value, due.assume_same)
+            t1 = time.time()
+            self._adopt(groups)
+            self._agree()
+            self.membership.timing["agree_s"] = time.time() - t1
+        self._recovered()
+        self._regroup_done(groups.record, due.reason, t0)
+
+    def _recovered(self) -> None:
+        """Back to training after a recovery (unless the agreement committed a stop)."""
+        if self.mode is RankMode.RECOVERING:
+            self.mode = RankMode.TRAINING
 
     def _adopt(self, groups: Groups) -> None:
         if groups.tp is not self.model_tp:
             rebind_groups(self.state.model, self.model_tp, groups.tp)
             self.model_tp = groups.tp
-        self.groups = groups
+        self._groups = groups
 
-    def _rejoin(self, first: bool) -> None:
+    def _rejoin(self) -> None:
         """Join (or rejoin after being excluded): wait for admission, then take state from a replica."""
         t0 = time.time()
-        if not first:
+        if self._groups is not None:
             self._break(None)
-        self.fresh = True
-        while True:
-            groups = self.membership.join(self.sched.join_timeout_s)
-            if first:
-                self._setup(groups)
-                first = False
-            else:
-                self._adopt(groups)
-            self.acc.reset()
-            self.prog.reset()
-            try:
-                self._agree()
-            except CommFailure:
-                continue
-            break
-        self._regroup_done(self.groups.record, "join", t0)
-
-    # status vector exchanged by every member after a regroup
-    _HEAD = 5  # rank, iteration, done buckets, fresh, base epoch; then B done flags
-
-    def _status(self) -> torch.Tensor:
-        head = [self.rank, -1 if self.fresh else self.it, self.prog.done, int(self.fresh), self.base_epoch]
-        done = [0] * self.layout.micro_batches
-        if not self.fresh:
-            for mb in self.acc.done:
-                done[mb] = 1
-        return torch.tensor(head + done, dtype=torch.int64)
-
-    def _agree(self) -> None:
-        """Phases A-D of the module docstring, collectively over the new epoch's groups."""
-        mine = self._status()
-        table_t = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
-        self._collective("agree", lambda: self.groups.world.allgather([table_t], [mine]).wait())
-        table = {int(t[0]): t.tolist() for t in table_t}
-        holders = [r for r, row in table.items() if row[3] == 0]
-        if not holders:
-            self._restore_everyone()
-            return
-        top = max(table[r][1] for r in holders)
-        nb = len(self.prog.bounds)
-        dp_ranks = self.groups.dp_ranks
-
-        # A. ranks one iteration behind take the missing buckets from one that stepped, then step.
-        behind = [r for r in dp_ranks if r in holders and table[r][1] == top - 1]
-        if behind:
-            lo = min(table[r][2] for r in behind)
-            if lo < nb:
-                src = [r for r in dp_ranks if r in holders and (table[r][1] == top or table[r][2] == nb)]
-                if not src or (table[src[0]][1] == top and table[src[0]][2] != 0):
-                    raise RuntimeInvariantError(f"rank {self.rank}: no holder of iteration {top - 1}'s sums")
-                self._fetch_buckets(dp_ranks.index(src[0]), lo, nb, apply=self.rank in behind)
-            ahead_base = max(table[r][4] for r in holders if table[r][1] == top)
-            if self.rank in behind:
-                self.prog.done = nb
-                self._commit(*self._tail_flags())
-            for r in behind:
-                table[r][1], table[r][2], table[r][4] = top, 0, ahead_base
-                table[r][5:] = [0] * self.layout.micro_batches
-
-        # B. within this iteration, completed buckets go to members that lack them.
-        best: dict[int, int] = {}
-        for t in range(self.topo.tp):
-            group = [r for r in holders if self.topo.tp_rank(r) == t]
-            best[t] = max(table[r][2] for r in group) if group else nb
-        mine_best = best[self.topo.tp_rank(self.rank)]
-        lacking = [r for r in dp_ranks if r in holders and table[r][2] < mine_best]
-        if lacking and mine_best > 0:
-            lo = min(table[r][2] for r in lacking)
-            src = [r for r in dp_ranks if r in holders and table[r][2] == mine_best]
-            apply = not self.fresh
-            self._fetch_buckets(dp_ranks.index(src[0]), lo, mine_best, apply=apply)
-            if apply:
-                self.prog.done = max(self.prog.done, mine_best)
-        committed = all(v == nb for v in best.values())
-        if committed and not self.fresh and self.it == top:
-            self._commit(*self._tail_flags())
-
-        # C. joiners take parameters, optimizer state and iteration from a healthy replica.
-        joiners = [r for r in dp_ranks if table[r][3] == 1]
-        if any(table[r][3] == 1 for r in table):
-            self._transfer_state([r for r in dp_ranks if r in holders], joiners)
-            if self.fresh:
-                self.fresh = False
+        self.mode = RankMode.JOINING
+        with self.client.phase(protocol.PHASE_REGROUP):
+            while True:
+                groups = self.membership.join(self.sched.join_timeout_s)
+                if self._held is None:
+                    self._setup(groups)
+                else:
+                    self._adopt(groups)
                 self.acc.reset()
                 self.prog.reset()
+                try:
+                    self._agree()
+                except CommFailure:
+                    continue
+                break
+        self._recovered()
+        self._regroup_done(self.groups.record, RegroupReason.JOIN, t0)
+
+    def _status(self) -> RankStatus:
+        holds = self.holds_state
+        return RankStatus(
+            rank=self.rank, iteration=self.it if holds else -1, buckets=self.prog.done, holds_state=holds,
+            base_epoch=self.base_epoch, done=frozenset(self.acc.done) if holds else frozenset(),
+        )
+
+    def _exchange_status(self) -> StatusTable:
+        mine = self._status().encode(self.layout.micro_batches)
+        rows = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
+        self._collective("agree", lambda: self.groups.world.allgather([rows], [mine]).wait())
+        return table_of(rows)
+
+    def _agree(self) -> None:
+        """Recovery steps agree -> transfer -> resume, collectively over the new epoch's groups."""
+        table = self._exchange_status()
+        if not state_holders(table):
+            self._restore_everyone()
+            return
+        nb = len(self.prog.bounds)
+        top = top_iteration(table)
+        table = self._catch_up(table, nb)
+        best = best_buckets(table, self.topo, nb)
+        self._share_buckets(table, best[self.topo.tp_rank(self.rank)])
+        committed = all(v == nb for v in best.values())
+        if committed and self.holds_state and self.it == top:
+            self._commit(*self._tail_flags())
+        self._transfer(table)
         if committed:
             self._new_iteration(self.groups.record)
             return
+        self._resume(table)
 
-        # D. whatever some group's sum lacks is (re)computed by a live replica.
-        self._replan(table, holders)
+    def _catch_up(self, table: StatusTable, nb: int) -> StatusTable:
+        """Ranks one iteration behind take the missing buckets from one that stepped, then step."""
+        catch = plan_catch_up(table, self.groups.dp_ranks, nb, self.rank)
+        if catch is None:
+            return table
+        behind = self.rank in catch.behind
+        if catch.source is not None:
+            self._fetch_buckets(self.groups.dp_ranks.index(catch.source), catch.lo, nb, apply=behind)
+        if behind:
+            self.prog.done = nb
+            self._commit(*self._tail_flags())
+        return after_catch_up(table, catch)
+
+    def _share_buckets(self, table: StatusTable, mine_best: int) -> None:
+        """Within this iteration, completed buckets go to members that lack them."""
+        share = plan_share(table, self.groups.dp_ranks, mine_best)
+        if share is None:
+            return
+        apply = self.holds_state
+        self._fetch_buckets(self.groups.dp_ranks.index(share.source), share.lo, share.hi, apply=apply)
+        if apply:
+            self.prog.done = max(self.prog.done, share.hi)
+
+    def _transfer(self, table: StatusTable) -> None:
+        """Joiners take parameters, optimizer state and iteration from a healthy replica."""
+        if all(s.holds_state for s in table.values()):
+            return
+        dp_ranks = self.groups.dp_ranks
+        self._transfer_state([r for r in dp_ranks if table[r].holds_state], joiners(table, dp_ranks))
+        if not self.holds_state:
+            self.mode = RankMode.RECOVERING
+            self.acc.reset()
+            self.prog.reset()
+
+    def _resume(self, table: StatusTable) -> None:
+        """Whatever some group's sum lacks is (re)computed by a live replica."""
+        rerun = self.sched.recovery == "rerun"
+        if rerun:
+            self.acc.reset()
+            self.prog.reset()
+        res = plan_resume(
+            table, layout=self.layout, topo=self.topo, me=self.rank, epoch=self.groups.record.epoch,
+            members=list(self.groups.record.members), rerun=rerun,
+            members_of=lambda epoch: self._record(epoch).members,
+        )
+        self.base_epoch, self.plan, self.keep_mask = res.base_epoch, res.plan, res.keep_mask
+        self.todo = list(self.plan.get(self.replica, []))
+        self.prog.table = None
+        self.membership.timing.update(kept_buckets=self.prog.done, redo_mbs=len(self.todo))
 
     def _restore_everyone(self) -> None:
         """No member holds a replica's state (the whole job restarted): all restore the checkpoint,
@@ -674,7 +795,7 @@ class Trainer:
             found = self._restored_iterations()
         if len(found) != 1:
             raise RestoreMismatch(f"ranks restored different iterations {found}; no common checkpoint")
-        self.fresh = False
+        self.mode = RankMode.RECOVERING
         self._new_iteration(self.groups.record)
         self._event("restored", it=self.it)
 
@@ -713,42 +834,13 @@ class Trainer:
     def _transfer_state(self, holders: list[int], joiners: list[int]) -> None:
         for source in self.sources:
             done = self._collective(
-                "state", lambda src=source: src.transfer(
+                "state", lambda src=source: src.transfer(  # type: ignore[misc]
                     self.state, self.groups.dp, self.groups.dp_ranks, holders, joiners, self.rank
                 ),
             )
             if done:
                 return
         raise RuntimeInvariantError(f"no state source could serve joiners {joiners}")
-
-    def _replan(self, table: dict[int, list[int]], holders: list[int]) -> None:
-        b = self.layout.micro_batches
-        members = list(self.groups.record.members)
-        complete: dict[int, set[int]] = {t: set() for t in range(self.topo.tp)}
-        for r in holders:
-            complete[self.topo.tp_rank(r)] |= {mb for mb in range(b) if table[r][5 + mb]}
-        if self.sched.recovery == "rerun":
-            complete = {t: set() for t in complete}
-            self.acc.reset()
-            self.prog.reset()
-        progress = any(complete.values()) or any(table[r][2] for r in holders)
-        needed = [mb for mb in range(b) if any(mb not in c for c in complete.values())]
-        alive = self.topo.replicas_in(members)
-        if not progress:
-            # Nothing computed yet: plan afresh for the new membership.
-            self.base_epoch = self.groups.record.epoch
-            self.plan = initial_plan(self.layout, alive)
-        else:
-            bases = {table[r][4] for r in holders}
-            if len(bases) != 1:
-                raise RuntimeInvariantError(f"members disagree on the iteration's base epoch: {sorted(bases)}")
-            self.base_epoch = bases.pop()
-            base = self._record(self.base_epoch)
-            self.plan = redistribute(initial_plan(self.layout, self.topo.replicas_in(base.members)), alive, needed)
-        self.todo = list(self.plan.get(self.replica, []))
-        self.keep_mask = complete[self.topo.tp_rank(self.rank)]
-        self.prog.table = None
-        self.membership.timing.update(kept_buckets=self.prog.done, redo_mbs=len(self.todo))
 
     def _record(self, epoch: int) -> EpochRecord:
         if epoch == self.groups.record.epoch:
@@ -760,15 +852,15 @@ class Trainer:
 
     def write_outputs(self, out_dir: str) -> None:
         os.makedirs(out_dir, exist_ok=True)
+        iterations = self.it if self._held is not None and self.mode is not RankMode.JOB_DONE else self.job_iterations
         with open(os.path.join(out_dir, f"rank{self.rank}.json"), "w") as fh:
             json.dump(
-                {"rank": self.rank, "incarnation": self.incarnation, "iterations": self.it,
-                 "losses": list(self.losses), "events": [e.__dict__ for e in self.events]},
+                {"rank": self.rank, "incarnation": self.incarnation, "iterations": iterations,
+                 "mode": self.mode.value, "losses": list(self.losses), "events": [e.__dict__ for e in self.events]},
                 fh,
             )
-        if not self.fresh and hasattr(self, "state"):
+        if self._held is not None and self.holds_state:
             torch.save(
                 {k: v.detach().clone() for k, v in self.state.model.state_dict().items() if isinstance(v, torch.Tensor)},
                 os.path.join(out_dir, f"rank{self.rank}.pt"),
             )
-

@@ -27,7 +27,7 @@ import threading
 import time
 
 from unicron.kernel.errors import ConfigError, TemporaryError
-from unicron.runtime.comm import Store, TCPStore
+from unicron.runtime.comm import RendezvousStore, TCPStore
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -77,12 +77,12 @@ def serve_store(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> T
         raise TemporaryError(f"cannot serve the task store on {host}:{port}: {exc}") from exc
 
 
-def counter(store: Store, key: str) -> int:
+def counter(store: RendezvousStore, key: str) -> int:
     """Read a counter key without blocking (a missing key reads 0)."""
     return int(store.add(key, 0))
 
 
-def mark_failed(host: str, port: int, rank: int, store: Store | None = None) -> int:
+def mark_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
     """Record that the current process of ``rank`` died; returns the new failure count.
 
     The agent calls this the moment its child exits, so survivors regroup without waiting for a

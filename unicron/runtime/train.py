@@ -9,7 +9,6 @@ One process per rank, torchrun-style environment (set by the agent or :mod:`unic
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -17,21 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
+from unicron.kernel import log as ulog
 from unicron.kernel.client import AgentClient
 from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.runtime import store as keys
 from unicron.runtime.checkpoint import make_checkpointer
-from unicron.runtime.cli import add_arguments
 from unicron.runtime.data import make_source
 from unicron.runtime.faults import FaultScript
+from unicron.runtime.flags import add_arguments
 from unicron.runtime.heartbeat import Heartbeat
 from unicron.runtime.membership import CommSettings
 from unicron.runtime.model import ModelConfig, ensure_torch_distributed
 from unicron.runtime.plan import Topology
 from unicron.runtime.scheduler import ScheduleConfig, Trainer
 from unicron.runtime.state import OptimConfig
-
-log = logging.getLogger("unicron.runtime.train")
 
 EXIT_CONFIG = 2
 
@@ -127,7 +125,7 @@ def build(args: argparse.Namespace) -> Rank:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=os.environ.get("UNICRON_LOG_LEVEL", "WARNING"))
+    ulog.configure(os.environ.get("UNICRON_LOG_LEVEL", "WARNING"))
     try:
         built = build(args)
     except (ConfigError, TemporaryError) as exc:
