@@ -113,10 +113,12 @@ class NodeLost:
 
 @dataclass(frozen=True, kw_only=True)
 class NodeDrained:
-    """An operator takes the node out of service; its tasks move without counting as a fault."""
+    """An operator takes the node out of service, or its agent stops on purpose (said goodbye on the
+    link); its tasks move without counting as a fault."""
 
     ts: float
     node: str
+    reason: str = "drained by an operator"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -661,7 +663,7 @@ class _Run:
             case NodeLost():
                 self._node_down(event.node, NodeState.LOST, event.reason)
             case NodeDrained():
-                self._on_drain(event.node)
+                self._on_drain(event.node, event.reason)
             case NodeUndrained():
                 self._on_undrain(event.node)
             case TaskSubmitted():
@@ -890,10 +892,10 @@ class _Run:
             entry.gpus, entry.status, entry.reason = gpus, NodeState.UP, ""
             self.replan = True
 
-    def _on_drain(self, node: str) -> None:
+    def _on_drain(self, node: str, reason: str) -> None:
         entry = self.state.nodes.get(node)
         if entry is not None and entry.status is NodeState.UP:
-            entry.status, entry.reason = NodeState.DRAINED, "drained by an operator"
+            entry.status, entry.reason = NodeState.DRAINED, reason
             self.replan = True
 
     def _on_undrain(self, node: str) -> None:
