@@ -44,7 +44,7 @@ class LinkClient:
         and wait (at most ``GOODBYE_WAIT_S``) until it has taken that in."""
         self._goodbye = goodbye
         self._stop.set()
-        self._thread.join(timeout=WELCOME_TIMEOUT_S + GOODBYE_WAIT_S)
+        self._thread.join(timeout=GOODBYE_WAIT_S + 0.5)
 
     def _connect(self) -> wire.LineSocket | None:
         addr = self.resolve()

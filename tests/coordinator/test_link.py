@@ -157,23 +157,21 @@ def test_hello_with_a_token_of_another_node_is_refused(server: LinkServer, event
 def test_closed_connection_is_a_loss_at_once(server: LinkServer, events: Events) -> None:
     conn = connect(server, "node2", TOKENS["node2"])
     assert welcomed(conn)
-    t0 = time.monotonic()
     conn.close()
     events.wait("the loss", lambda: events.lost == [("node2", "connection closed")])
-    assert time.monotonic() - t0 < TIMEOUT_S
 
 
 def test_silent_peers_time_out_each_at_its_own_deadline(server: LinkServer, events: Events) -> None:
+    t0 = time.monotonic()  # before the hello: the server's deadline for node1 is later than t0 + TIMEOUT_S
     quiet = connect(server, "node1", TOKENS["node1"])
     assert welcomed(quiet)
     busy = connect(server, "node2", TOKENS["node2"])
     assert welcomed(busy)
     beats = Heartbeats(busy)
-    t0 = time.monotonic()
     try:
         events.wait("node1's heartbeat timeout", lambda: events.lost == [("node1", "heartbeat timeout")])
         elapsed = time.monotonic() - t0
-        assert TIMEOUT_S * 0.8 <= elapsed < TIMEOUT_S * 3, elapsed
+        assert TIMEOUT_S <= elapsed < TIMEOUT_S * 3, elapsed
         time.sleep(TIMEOUT_S * 2)
         assert events.lost == [("node1", "heartbeat timeout")]  # node2 heartbeats: never lost
         assert server.connected_nodes() == ["node2"]
@@ -207,3 +205,22 @@ def test_garbage_after_hello_is_dropped_not_fatal(server: LinkServer, events: Ev
     assert server.connected_nodes() == ["node1"] and events.lost == []
     conn.close()
     events.wait("the loss", lambda: events.lost == [("node1", "connection closed")])
+
+
+def test_heartbeats_do_not_pile_up_watchdog_work(server: LinkServer, events: Events) -> None:
+    """Scale (issue 16 item 4): a heartbeat only stamps its peer; the watchdog keeps one deadline
+    per peer and re-checks it lazily, so heartbeats cost no scan and no wake-up."""
+    conns = [connect(server, n, t) for n, t in sorted(TOKENS.items())]
+    assert all(welcomed(c) for c in conns)
+    beats = [Heartbeats(c, every_s=0.005) for c in conns]
+    try:
+        time.sleep(TIMEOUT_S * 2.5)  # hundreds of heartbeats, several lazy re-checks of each deadline
+        with server._cond:
+            assert len(server._deadlines) == len(conns)
+        assert events.lost == []
+    finally:
+        for b in beats:
+            b.stop.set()
+            b.thread.join()
+    for c in conns:
+        c.close()
