@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -128,6 +129,7 @@ class Agent:
         self.socket_path = os.path.join(settings.run_dir, f"{settings.node}.sock")
         self.rank_server = RankServer(self.socket_path, self._on_rank_message)
         self._link: Any = None
+        self.link_token = secrets.token_hex(16)  # proves on the link that this process registered the node
         self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
         self.prefork = (Prefork(modules, os.path.join(settings.run_dir, f"{settings.node}.pf"),
@@ -154,7 +156,8 @@ class Agent:
         self.gpu_monitor.start()
         self.hang_watcher.start()
         self._register()
-        self._link = LinkClient(self.node, self.settings.heartbeat_s, self._resolve_coordinator).start()
+        self._link = LinkClient(self.node, self.settings.heartbeat_s, self._resolve_coordinator,
+                                token=self.link_token).start()
         self._start_watches()
         self.ready.set()
         log.info("agent running", node=self.node, gpus=self.backend.device_count(), backend=self.backend.name,
@@ -171,7 +174,7 @@ class Agent:
         for w in self._watches:
             w.stop()
         if self._link is not None:
-            self._link.stop()
+            self._link.stop(goodbye="agent stopping")  # a planned stop: a drain, not a node failure
         with self._tasks_lock:
             for name in list(self._tasks):
                 self._stop_task(name, "agent shutting down")
@@ -199,7 +202,8 @@ class Agent:
                 self.lease = self.store.lease(self.settings.lease_ttl_s, on_lost=self._on_lease_lost)
                 info = NodeInfo(node=self.node, host=os.uname().nodename, gpus=self.backend.device_count(),
                                 gpu_backend=self.backend.name, agent_pid=os.getpid(), started_ts=time.time(),
-                                replica_addr=self.replicas.address if self.replicas is not None else "")
+                                replica_addr=self.replicas.address if self.replicas is not None else "",
+                                link_token=self.link_token)
                 self.store.put(self.keys.node(self.node), json.dumps(info.to_dict()), lease=self.lease)
                 log.info("registered", node=self.node, lease=f"{self.lease.lease_id:x}")
                 return

@@ -1,37 +1,50 @@
 """The agent's end of its persistent connection to the leading coordinator (paper §4.1, node health
-monitoring): connect, say hello, heartbeat; reconnect when it breaks. The server is
-:mod:`coordinator.link`; the messages are :mod:`unicron.kernel.link`."""
+monitoring): connect, say hello with the registration's token, heartbeat; reconnect when it breaks;
+say goodbye when the agent stops on purpose. The server is :mod:`coordinator.link`; the messages are
+:mod:`unicron.kernel.link`."""
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 from collections.abc import Callable
 
 from unicron.kernel import link, wire
+from unicron.kernel import log as ulog
+from unicron.kernel.errors import InvalidRecord
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
+
+CONNECT_TIMEOUT_S = 2.0
+WELCOME_TIMEOUT_S = 5.0
+#: how long a goodbye waits for the coordinator to take it (it closes the connection when it has)
+GOODBYE_WAIT_S = 2.0
 
 
 class LinkClient:
     """The agent's end: connect to the leader, say hello, heartbeat; reconnect when it breaks."""
 
-    def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], str | None]) -> None:
+    def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], str | None], token: str) -> None:
         self.node = node
         self.heartbeat_s = heartbeat_s
         self.resolve = resolve  # returns the current leader's "host:port", or None
+        self.token = token
         self._stop = threading.Event()
-        self.connected = threading.Event()
+        self._goodbye: str | None = None
+        self.connected = threading.Event()  # set while the coordinator has welcomed this connection
         self._thread = threading.Thread(target=self._run, name="link-client", daemon=True)
+        self.log = ulog.get(__name__, node=node)
 
     def start(self) -> LinkClient:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, goodbye: str | None = None) -> None:
+        """Close the link; with ``goodbye``, first tell the coordinator this node leaves on purpose
+        and wait (at most ``GOODBYE_WAIT_S``) until it has taken that in."""
+        self._goodbye = goodbye
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=GOODBYE_WAIT_S + 0.5)
 
     def _connect(self) -> wire.LineSocket | None:
         addr = self.resolve()
@@ -39,17 +52,33 @@ class LinkClient:
             return None
         host, _, port = addr.rpartition(":")
         try:
-            sock = socket.create_connection((host, int(port)), timeout=2.0)
+            sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
         except (OSError, ValueError) as exc:
-            log.info("link: cannot reach coordinator at %s: %s", addr, exc)
+            self.log.info("cannot reach the coordinator", address=addr, error=str(exc))
             return None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = wire.LineSocket(sock)
-        conn.send(link.LinkHello(node=self.node).to_wire())
+        try:
+            conn.send(link.LinkHello(node=self.node, token=self.token).to_wire())
+            sock.settimeout(WELCOME_TIMEOUT_S)
+            line = conn.recv_line()
+            reply = link.parse(wire.decode(line)) if line is not None else None
+            sock.settimeout(None)
+        except (OSError, InvalidRecord) as exc:
+            self.log.warning("link hello failed", address=addr, error=str(exc))
+            conn.close()
+            return None
+        if not isinstance(reply, link.Welcome):
+            # The coordinator closes a hello it cannot match to this node's registration; it may
+            # not have seen that registration yet, so this is retried.
+            self.log.warning("coordinator refused the link hello", address=addr)
+            conn.close()
+            return None
         return conn
 
     def _run(self) -> None:
         backoff = 0.05
+        conn: wire.LineSocket | None = None
         while not self._stop.is_set():
             conn = self._connect()
             if conn is None:
@@ -62,7 +91,25 @@ class LinkClient:
                 while not self._stop.wait(self.heartbeat_s):
                     conn.send(link.Heartbeat().to_wire())
             except OSError as exc:
-                log.warning("link to coordinator broke (%s); reconnecting", exc)
-            finally:
+                self.log.warning("link to the coordinator broke; reconnecting", error=str(exc))
                 self.connected.clear()
                 conn.close()
+                conn = None
+        if conn is not None:
+            if self._goodbye is not None:
+                self._say_goodbye(conn, self._goodbye)
+            self.connected.clear()
+            conn.close()
+        elif self._goodbye is not None:
+            self.log.warning("stopping with the link down: the coordinator will see this node as lost")
+
+    def _say_goodbye(self, conn: wire.LineSocket, reason: str) -> None:
+        try:
+            conn.send(link.Goodbye(reason=reason).to_wire())
+            conn.sock.settimeout(GOODBYE_WAIT_S)
+            while conn.recv_line() is not None:
+                pass
+        except (OSError, InvalidRecord) as exc:
+            self.log.warning("goodbye not acknowledged by the coordinator", error=str(exc))
+            return
+        self.log.info("said goodbye to the coordinator", reason=reason)

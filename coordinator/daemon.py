@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hmac
 import json
 import os
 import queue
@@ -49,6 +50,7 @@ class _Input:
 
 
 EXIT_DEPOSED = 75  # EX_TEMPFAIL
+GOODBYE_DRAIN = '"goodbye"'  # drain/<node> of a node whose agent stopped on purpose ("1": an operator's drain)
 KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JSON log
 
 
@@ -90,6 +92,7 @@ class Coordinator:
         self.link = LinkServer(
             self.settings.listen_host, self.settings.link_port, self.settings.heartbeat_timeout_s,
             on_lost=self._on_link_lost, on_connected=self._on_link_connected,
+            verify=self._verify_link, on_goodbye=self._on_link_goodbye,
         ).start()
         self._api_server, api_address = api.serve(self, self.settings.listen_host, self.settings.api_port)
         address = json.dumps({"link": self.link.address, "api": api_address, "pid": os.getpid()})
@@ -157,6 +160,7 @@ class Coordinator:
             "report": self._handle_report_event,
             "link_lost": self._handle_link_lost,
             "link_connected": self._handle_link_connected,
+            "link_goodbye": self._handle_link_goodbye,
             "status": self._handle_status_event,
             "event": lambda ev, ts: self._decide(ev),
             "call": self._handle_call,
@@ -196,6 +200,52 @@ class Coordinator:
         node, reason = data
         self._node_lost(node, f"agent {reason}", ts)
 
+    # --- who may speak for a node, and a node that leaves on purpose (issue 19 items 13, 6) ---
+
+    def _verify_link(self, node: str, token: str) -> bool:
+        """On a link thread: a hello must carry the token of ``nodes/<node>`` (until the link has TLS)."""
+        info = self._nodes.get(node)
+        if info is None or info.link_token != token:
+            info = self._read_node(node)  # the watch may not have delivered a fresh registration yet
+        return info is not None and bool(info.link_token) and hmac.compare_digest(
+            info.link_token.encode(), token.encode())
+
+    def _read_node(self, node: str) -> NodeInfo | None:
+        try:
+            kv = self.store.get(self.keys.node(node)) if self.store is not None else None
+            return NodeInfo.from_dict(json.loads(kv.value)) if kv is not None else None
+        except (StoreUnavailable, InvalidRecord, ValueError):
+            return None
+
+    def _on_link_goodbye(self, node: str, reason: str, ts: float) -> None:
+        self._inbox.put(_Input("link_goodbye", (node, reason), ts))
+
+    def _handle_link_goodbye(self, data: tuple[str, str], ts: float) -> None:
+        """A planned stop is a drain, not a failure: the node's tasks move without an incident, and
+        the lease revocation that follows is no loss. The drain is lifted when the node registers
+        again (a restart or upgrade is not a decision to keep it out; an operator who wants that
+        drains it, and that drain outlives agent restarts as before)."""
+        node, reason = data
+        self._lost_nodes.add(node)
+        entry = self.state.nodes.get(node)
+        if entry is None or entry.status is not d.NodeState.UP:
+            log.info("node left on purpose", node=node, reason=reason, state=entry.status.value if entry else None)
+            return
+        log.info("node left on purpose; draining it", node=node, reason=reason)
+        assert self.leadership is not None
+        self.leadership.write(puts={self.keys.drain(node): GOODBYE_DRAIN})
+        self._decide(d.NodeDrained(ts=ts, node=node, reason=f"agent stopped on purpose ({reason})"))
+
+    def _lift_goodbye_drain(self, node: str, ts: float) -> None:
+        entry = self.state.nodes.get(node)
+        if entry is None or entry.status is not d.NodeState.DRAINED:
+            return
+        assert self.store is not None
+        kv = self.store.get(self.keys.drain(node))
+        if kv is not None and kv.value.decode(errors="replace") == GOODBYE_DRAIN:
+            log.info("node back after a planned stop; lifting its drain", node=node)
+            self._node_event(node, d.NodeUndrained(ts=ts, node=node))
+
     def _handle_node_event(self, ev: WatchEvent, ts: float) -> None:
         node = self.keys.tail(ev.key, self.keys.nodes())
         if ev.kind == "delete":
@@ -213,6 +263,7 @@ class Coordinator:
         if previous is None or previous.agent_pid != info.agent_pid or previous.started_ts != info.started_ts:
             log.info("node registered", node=node, gpus=info.gpus, backend=info.gpu_backend)
             self._decide(d.NodeJoined(ts=ts, node=node, gpus=info.gpus))
+            self._lift_goodbye_drain(node, ts)
 
     def _node_lost(self, node: str, reason: str, ts: float) -> None:
         if node in self._lost_nodes:

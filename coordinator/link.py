@@ -5,9 +5,15 @@ Two ways a node is lost, both reported through ``on_lost``:
 
 * the connection closes: the agent process died (the kernel closes its socket at once), so the
   loss is known within milliseconds;
-* heartbeats stop while the connection stays open: the agent is stopped or its host hangs. A
-  single watchdog thread sleeps until the earliest heartbeat deadline (no fixed poll), so the loss
-  is known ``timeout_s`` after the last heartbeat.
+* heartbeats stop while the connection stays open: the agent is stopped or its host hangs, so the
+  loss is known ``timeout_s`` after the last heartbeat.
+
+A node that leaves on purpose (its agent stops: ``systemctl stop``) sends ``Goodbye`` first; that is
+reported through ``on_goodbye`` and is no loss.
+
+Who may speak for a node: until the link has TLS (issue 17), a hello must carry the token of the
+node's current registration (``verify``). A refused hello is closed and is nothing else: it is not a
+loss, and it never replaces the node's live connection (issue 19 item 13).
 
 The etcd lease is the third, slowest path (lease expiry deletes ``nodes/<node>``); the daemon
 watches it as the authority for "this node is gone" when the coordinator itself restarts.
@@ -16,7 +22,8 @@ watches it as the authority for "this node is gone" when the coordinator itself 
 from __future__ import annotations
 
 import contextlib
-import logging
+import heapq
+import itertools
 import socket
 import threading
 import time
@@ -24,20 +31,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from unicron.kernel import link, wire
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 #: on_lost(node, reason, ts): reason is "connection closed" or "heartbeat timeout"
 LostCallback = Callable[[str, str, float], None]
 #: on_connected(node, ts)
 ConnectedCallback = Callable[[str, float], None]
+#: on_goodbye(node, reason, ts): the agent said it stops on purpose
+GoodbyeCallback = Callable[[str, str, float], None]
+#: verify(node, token): whether ``token`` is the one of ``node``'s current registration
+VerifyCallback = Callable[[str, str], bool]
+
+HELLO_TIMEOUT_S = 5.0  # a connection that says nothing this long after connecting is dropped
 
 
-@dataclass
+@dataclass(eq=False)
 class _Peer:
     node: str
     conn: wire.LineSocket
+    #: time.monotonic() of the last heartbeat; written by the peer's reader without a lock (a float
+    #: store is atomic); the watchdog only ever reads it
     last_heartbeat: float
     lost: bool = False
 
@@ -49,15 +65,24 @@ class LinkServer:
         port: int,
         timeout_s: float,
         on_lost: LostCallback,
+        verify: VerifyCallback,
         on_connected: ConnectedCallback | None = None,
+        on_goodbye: GoodbyeCallback | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.on_lost = on_lost
+        self.verify = verify
         self.on_connected = on_connected
+        self.on_goodbye = on_goodbye
         self._sock = socket.create_server((host, port), reuse_port=False)
         host, port = self._sock.getsockname()[:2]
         self.address = f"{host}:{port}"
         self._peers: dict[str, _Peer] = {}
+        # The watchdog's deadlines, checked lazily: an entry may be older than its peer's last
+        # heartbeat; it is then pushed again at the real deadline. Heartbeats touch no shared state
+        # but their peer's timestamp, so N peers cost N pushes per timeout, not a scan per heartbeat.
+        self._deadlines: list[tuple[float, int, _Peer]] = []
+        self._seq = itertools.count()
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._threads = [
@@ -93,46 +118,52 @@ class LinkServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(wire.LineSocket(sock),), daemon=True).start()
 
-    def _hello(self, conn: wire.LineSocket) -> str | None:
-        conn.sock.settimeout(5.0)
+    def _hello(self, conn: wire.LineSocket, peer_addr: str) -> link.LinkHello | None:
+        """The connection's verified hello, or None (logged) when it must be closed."""
+        conn.sock.settimeout(HELLO_TIMEOUT_S)
         try:
             line = conn.recv_line()
-            msg = wire.decode(line) if line is not None else None
+            hello = link.parse(wire.decode(line)) if line is not None else None
         except (OSError, InvalidRecord) as exc:
-            log.warning("link: bad hello (%s); closing", exc)
-            return None
-        conn.sock.settimeout(None)
-        try:
-            hello = link.parse(msg) if msg is not None else None
-        except InvalidRecord as exc:
-            log.warning("link: bad hello (%s); closing", exc)
+            log.warning("link hello unreadable; closing", peer=peer_addr, error=str(exc))
             return None
         if not isinstance(hello, link.LinkHello):
-            log.warning("link: first message was not a hello: %r", msg)
+            log.warning("link connection did not start with a hello; closing", peer=peer_addr,
+                        got=type(hello).__name__ if hello is not None else "EOF")
             return None
-        return hello.node
+        if not self.verify(hello.node, hello.token):
+            log.warning("link hello refused: its token is not the node's registration; closing",
+                        node=hello.node, peer=peer_addr)
+            return None
+        conn.sock.settimeout(None)
+        return hello
 
     def _serve(self, conn: wire.LineSocket) -> None:
-        node = self._hello(conn)
-        if node is None:
+        try:
+            peer_addr = "{}:{}".format(*conn.sock.getpeername()[:2])
+        except OSError:
+            peer_addr = "?"
+        hello = self._hello(conn, peer_addr)
+        if hello is None:
             conn.close()
             return
-        now = time.time()
-        peer = _Peer(node, conn, now)
+        peer = _Peer(hello.node, conn, time.monotonic())
         with self._cond:
-            old = self._peers.get(node)
-            self._peers[node] = peer
-            self._cond.notify_all()
+            old = self._peers.get(peer.node)
+            self._peers[peer.node] = peer
+            heapq.heappush(self._deadlines, (peer.last_heartbeat + self.timeout_s, next(self._seq), peer))
+            self._cond.notify_all()  # the watchdog may sleep with no deadline at all
         if old is not None:
-            old.lost = True  # replaced by a reconnect: the old socket's close is not a loss
+            old.lost = True  # replaced by the node's own reconnect: the old socket's close is not a loss
             old.conn.close()
+        log.info("link connected", node=peer.node, peer=peer_addr, replaced=old is not None)
         with contextlib.suppress(OSError):
             conn.send(link.Welcome().to_wire())
         if self.on_connected is not None:
-            self.on_connected(node, now)
-        self._read_heartbeats(peer)
+            self.on_connected(peer.node, time.time())
+        self._read(peer)
 
-    def _read_heartbeats(self, peer: _Peer) -> None:
+    def _read(self, peer: _Peer) -> None:
         while True:
             try:
                 line = peer.conn.recv_line()
@@ -141,33 +172,65 @@ class LinkServer:
             if line is None:
                 self._lose(peer, "connection closed")
                 return
-            with self._cond:
-                peer.last_heartbeat = time.time()
-                self._cond.notify_all()
+            try:
+                msg = link.parse(wire.decode(line))
+            except InvalidRecord as exc:
+                log.warning("link message dropped", node=peer.node, error=str(exc))
+                continue
+            if isinstance(msg, link.Goodbye):
+                self._goodbye(peer, msg.reason)
+                return
+            peer.last_heartbeat = time.monotonic()
 
-    def _lose(self, peer: _Peer, reason: str) -> None:
+    def _retire(self, peer: _Peer) -> bool:
+        """Mark ``peer`` gone; False if it already was (lost, replaced, or said goodbye)."""
         with self._cond:
             if peer.lost:
-                return
+                return False
             peer.lost = True
             if self._peers.get(peer.node) is peer:
                 del self._peers[peer.node]
-        if self._stop.is_set():
-            return
-        ts = time.time()
-        log.warning("link: node %s lost (%s)", peer.node, reason)
-        self.on_lost(peer.node, reason, ts)
+        return not self._stop.is_set()
+
+    def _goodbye(self, peer: _Peer, reason: str) -> None:
+        if self._retire(peer):
+            log.info("node said goodbye", node=peer.node, reason=reason)
+            if self.on_goodbye is not None:
+                self.on_goodbye(peer.node, reason, time.time())
+            else:
+                self.on_lost(peer.node, f"stopped on purpose ({reason})", time.time())
+        # Closed only now: the agent waits for this close, so its next steps (revoking its lease)
+        # come after the coordinator has taken the goodbye.
         peer.conn.close()
+
+    def _lose(self, peer: _Peer, reason: str) -> None:
+        if self._retire(peer):
+            log.warning("node lost", node=peer.node, reason=reason)
+            self.on_lost(peer.node, reason, time.time())
+        peer.conn.close()
+
+    def _due(self) -> list[_Peer]:
+        """Pop the peers whose heartbeat deadline passed; re-push those that heartbeat since. Locked."""
+        now = time.monotonic()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, peer = heapq.heappop(self._deadlines)
+            if peer.lost:
+                continue
+            deadline = peer.last_heartbeat + self.timeout_s
+            if deadline <= now:
+                expired.append(peer)
+            else:
+                heapq.heappush(self._deadlines, (deadline, next(self._seq), peer))
+        return expired
 
     def _watchdog(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                live = [p for p in self._peers.values() if not p.lost]
-                now = time.time()
-                expired = [p for p in live if now - p.last_heartbeat >= self.timeout_s]
+                expired = self._due()
                 if not expired:
-                    wait = min((p.last_heartbeat + self.timeout_s - now for p in live), default=1.0)
-                    self._cond.wait(timeout=max(0.005, wait))
+                    wait = self._deadlines[0][0] - time.monotonic() if self._deadlines else None
+                    self._cond.wait(timeout=max(0.001, wait) if wait is not None else None)
                     continue
             for p in expired:
                 self._lose(p, "heartbeat timeout")

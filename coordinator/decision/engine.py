@@ -177,7 +177,7 @@ class _Run:
             case NodeLost():
                 self._node_down(event.node, NodeState.LOST, event.reason)
             case NodeDrained():
-                self._on_drain(event.node)
+                self._on_drain(event.node, event.reason)
             case NodeUndrained():
                 self._on_undrain(event.node)
             case TaskSubmitted():
@@ -410,10 +410,10 @@ class _Run:
             entry.gpus, entry.status, entry.reason = gpus, NodeState.UP, ""
             self.replan = True
 
-    def _on_drain(self, node: str) -> None:
+    def _on_drain(self, node: str, reason: str) -> None:
         entry = self.state.nodes.get(node)
         if entry is not None and entry.status is NodeState.UP:
-            entry.status, entry.reason = NodeState.DRAINED, "drained by an operator"
+            entry.status, entry.reason = NodeState.DRAINED, reason
             self.replan = True
 
     def _on_undrain(self, node: str) -> None:

@@ -40,10 +40,12 @@ class NodeLost:
 
 @dataclass(frozen=True, kw_only=True)
 class NodeDrained:
-    """An operator takes the node out of service; its tasks move without counting as a fault."""
+    """An operator takes the node out of service, or its agent stops on purpose (said goodbye on the
+    link); its tasks move without counting as a fault."""
 
     ts: float
     node: str
+    reason: str = "drained by an operator"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,8 @@ state                      coordinator  decision-core state JSON (survives resta
 assign/<node>              coordinator  NodeAssignment JSON (desired state, with generation)
 results/<node>             agent        AssignmentResult JSON (observed state)
 inject/<node>/<id>         CLI          fault-injection request for that node's agent
-drain/<node>               CLI/API      present while the node is drained
+drain/<node>               CLI/API,     present while the node is drained: "1" by an operator,
+                           coordinator  "goodbye" while its agent is away after a planned stop
 =========================  ===========  ====================================================
 """
 

@@ -1,7 +1,8 @@
 """Messages on the agent <-> coordinator link (one TCP connection per agent, one JSON line each).
 
 Agent -> coordinator: ``LinkHello`` first, then a ``Heartbeat`` every ``heartbeat_s``, and ``Goodbye``
-before a planned stop. Coordinator -> agent: ``Welcome`` once the hello is accepted.
+before a planned stop. Coordinator -> agent: ``Welcome`` once the hello is accepted; the coordinator
+closes the connection instead when it refuses the hello, and after it has taken a goodbye.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from unicron.kernel.protocol import Message
 class LinkHello(Message):
     TYPE: ClassVar[str] = "hello"
     node: str
+    #: ``NodeInfo.link_token`` of the agent's registration: until the link has TLS (issue 17), only
+    #: the agent that wrote ``nodes/<node>`` knows it, so a stranger cannot speak for the node.
+    token: str = ""
 
     def __post_init__(self) -> None:
         if not self.node:

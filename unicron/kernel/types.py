@@ -224,6 +224,8 @@ class NodeInfo(Record):
     started_ts: float
     #: address of the agent's checkpoint replica server, "" if none
     replica_addr: str = ""
+    #: random secret of this agent process; its link hello must carry it (see ``LinkHello.token``)
+    link_token: str = ""
 
 
 @dataclass(frozen=True)

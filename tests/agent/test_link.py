@@ -1,0 +1,112 @@
+"""The agent's LinkClient against a real LinkServer in this process.
+
+Issue 19 item 6: a planned stop says goodbye (reported through ``on_goodbye``, never ``on_lost``);
+a crash or a stop without goodbye is still a loss. Issue 19 item 13: the client proves its
+registration with its token, and is not "connected" until the coordinator welcomed it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agent.link import LinkClient
+from coordinator.link import LinkServer
+
+TIMEOUT_S = 0.5
+HEARTBEAT_S = 0.05
+
+
+class Events:
+    def __init__(self) -> None:
+        self.lost: list[tuple[str, str]] = []
+        self.goodbyes: list[tuple[str, str]] = []
+        self.connected: list[str] = []
+        self.changed = threading.Condition()
+
+    def on_lost(self, node: str, reason: str, ts: float) -> None:
+        with self.changed:
+            self.lost.append((node, reason))
+            self.changed.notify_all()
+
+    def on_goodbye(self, node: str, reason: str, ts: float) -> None:
+        with self.changed:
+            self.goodbyes.append((node, reason))
+            self.changed.notify_all()
+
+    def on_connected(self, node: str, ts: float) -> None:
+        with self.changed:
+            self.connected.append(node)
+            self.changed.notify_all()
+
+    def wait(self, what: str, pred: object, timeout_s: float = 3.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(pred, timeout=timeout_s), f"timed out waiting for {what}: {vars(self)}"  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def events() -> Events:
+    return Events()
+
+
+@pytest.fixture
+def server(events: Events) -> Iterator[LinkServer]:
+    s = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=events.on_lost, on_connected=events.on_connected,
+                   on_goodbye=events.on_goodbye, verify=lambda node, token: token == f"token-of-{node}").start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def client(server: LinkServer, node: str, token: str) -> LinkClient:
+    return LinkClient(node, HEARTBEAT_S, lambda: server.address, token=token).start()
+
+
+def test_goodbye_on_a_planned_stop_is_not_a_loss(server: LinkServer, events: Events) -> None:
+    c = client(server, "node1", "token-of-node1")
+    assert c.connected.wait(3.0)
+    time.sleep(TIMEOUT_S * 2)  # heartbeats keep it alive past the timeout
+    assert events.lost == []
+    c.stop(goodbye="agent stopping")
+    # stop() returns once the coordinator has taken the goodbye: the agent may revoke its lease next.
+    assert events.goodbyes == [("node1", "agent stopping")]
+    time.sleep(TIMEOUT_S * 2)
+    assert events.lost == []
+    assert server.connected_nodes() == []
+
+
+def test_stop_without_goodbye_is_a_loss(server: LinkServer, events: Events) -> None:
+    c = client(server, "node1", "token-of-node1")
+    assert c.connected.wait(3.0)
+    c.stop()
+    events.wait("the loss", lambda: events.lost == [("node1", "connection closed")])
+    assert events.goodbyes == []
+
+
+def test_refused_hello_never_connects_and_loses_nothing(server: LinkServer, events: Events) -> None:
+    c = client(server, "node1", "wrong")
+    try:
+        assert not c.connected.wait(TIMEOUT_S * 2)
+    finally:
+        c.stop(goodbye="agent stopping")  # nothing to say goodbye on: must return promptly
+    assert events.lost == [] and events.goodbyes == [] and events.connected == []
+
+
+def test_client_reconnects_after_the_server_drops_it(server: LinkServer, events: Events) -> None:
+    c = client(server, "node2", "token-of-node2")
+    try:
+        assert c.connected.wait(3.0)
+        events.wait("the first connection", lambda: events.connected == ["node2"])
+        with server._cond:  # the coordinator side closes the connection (e.g. a network reset)
+            peer = server._peers["node2"]
+        peer.conn.close()
+        events.wait("the reconnection", lambda: events.connected == ["node2", "node2"])
+        assert events.lost == [("node2", "connection closed")]
+        assert server.connected_nodes() == ["node2"]
+    finally:
+        c.stop(goodbye="done")
+    assert events.goodbyes == [("node2", "done")]

@@ -1,0 +1,226 @@
+"""The coordinator's end of the agent link, driven by raw sockets as a peer (or an attacker) would.
+
+Issue 19 item 13: one line of TCP (a forged hello, then close) took a healthy node down. A hello is
+accepted only with the token of the node's current registration, and only an accepted hello may
+replace a node's live connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator.link import LinkServer
+from unicron.kernel import link, wire
+
+TIMEOUT_S = 0.4
+TOKENS = {"node1": "secret-1", "node2": "secret-2"}
+
+
+class Events:
+    def __init__(self) -> None:
+        self.lost: list[tuple[str, str]] = []
+        self.connected: list[str] = []
+        self.goodbyes: list[tuple[str, str]] = []
+        self.changed = threading.Condition()
+
+    def on_lost(self, node: str, reason: str, ts: float) -> None:
+        with self.changed:
+            self.lost.append((node, reason))
+            self.changed.notify_all()
+
+    def on_connected(self, node: str, ts: float) -> None:
+        with self.changed:
+            self.connected.append(node)
+            self.changed.notify_all()
+
+    def on_goodbye(self, node: str, reason: str, ts: float) -> None:
+        with self.changed:
+            self.goodbyes.append((node, reason))
+            self.changed.notify_all()
+
+    def wait(self, what: str, pred: object, timeout_s: float = 3.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(pred, timeout=timeout_s), f"timed out waiting for {what}: {vars(self)}"  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def events() -> Events:
+    return Events()
+
+
+@pytest.fixture
+def server(events: Events) -> Iterator[LinkServer]:
+    s = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=events.on_lost, on_connected=events.on_connected,
+                   on_goodbye=events.on_goodbye, verify=lambda node, token: TOKENS.get(node) == token).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def connect(server: LinkServer, node: str, token: str) -> wire.LineSocket:
+    host, _, port = server.address.rpartition(":")
+    conn = wire.LineSocket(socket.create_connection((host, int(port)), timeout=3.0))
+    conn.send(link.LinkHello(node=node, token=token).to_wire())
+    return conn
+
+
+def closed_by_server(conn: wire.LineSocket) -> bool:
+    """True when the server closes ``conn`` without welcoming it."""
+    try:
+        line = conn.recv_line()
+    except OSError:
+        return True
+    return line is None
+
+
+def welcomed(conn: wire.LineSocket) -> bool:
+    line = conn.recv_line()
+    return line is not None and isinstance(link.parse(wire.decode(line)), link.Welcome)
+
+
+class Heartbeats:
+    """Keeps a raw connection alive the way an agent does."""
+
+    def __init__(self, conn: wire.LineSocket, every_s: float = 0.05) -> None:
+        self.conn, self.every_s = conn, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self.conn.send(link.Heartbeat().to_wire())
+
+
+def test_forged_hello_then_close_loses_nothing(server: LinkServer, events: Events) -> None:
+    forged = connect(server, "node1", token="guess")
+    assert closed_by_server(forged)
+    forged.close()
+    host, _, port = server.address.rpartition(":")
+    raw = socket.create_connection((host, int(port)))
+    raw.sendall(b'{"type":"hello","node":"node1"}\n')  # the one line of issue 19 item 13 (no token)
+    raw.close()
+    time.sleep(TIMEOUT_S * 2)
+    assert events.lost == []
+    assert events.connected == []
+    assert server.connected_nodes() == []
+
+
+def test_unverified_second_connection_does_not_displace_a_live_peer(server: LinkServer, events: Events) -> None:
+    real = connect(server, "node1", TOKENS["node1"])
+    assert welcomed(real)
+    beats = Heartbeats(real)
+    try:
+        forged = connect(server, "node1", token="guess")
+        assert closed_by_server(forged)
+        forged.close()
+        time.sleep(TIMEOUT_S * 2)  # past the heartbeat timeout: the real link is still watched and alive
+        assert events.lost == []
+        assert server.connected_nodes() == ["node1"]
+        real.send(link.Heartbeat().to_wire())  # the real connection is still open
+    finally:
+        beats.stop.set()
+        beats.thread.join()
+    events.wait("the real peer's heartbeat timeout", lambda: events.lost == [("node1", "heartbeat timeout")])
+    real.close()
+
+
+def test_verified_reconnect_replaces_the_old_connection_without_a_loss(server: LinkServer, events: Events) -> None:
+    first = connect(server, "node1", TOKENS["node1"])
+    assert welcomed(first)
+    second = connect(server, "node1", TOKENS["node1"])
+    assert welcomed(second)
+    assert closed_by_server(first)
+    beats = Heartbeats(second)
+    time.sleep(TIMEOUT_S * 2)
+    assert events.lost == []
+    assert events.connected == ["node1", "node1"]
+    beats.stop.set()
+    beats.thread.join()
+    second.close()
+    events.wait("the connection-closed loss", lambda: events.lost == [("node1", "connection closed")])
+
+
+def test_hello_with_a_token_of_another_node_is_refused(server: LinkServer, events: Events) -> None:
+    conn = connect(server, "node1", TOKENS["node2"])
+    assert closed_by_server(conn)
+    conn.close()
+    assert events.connected == [] and events.lost == []
+
+
+def test_closed_connection_is_a_loss_at_once(server: LinkServer, events: Events) -> None:
+    conn = connect(server, "node2", TOKENS["node2"])
+    assert welcomed(conn)
+    conn.close()
+    events.wait("the loss", lambda: events.lost == [("node2", "connection closed")])
+
+
+def test_silent_peers_time_out_each_at_its_own_deadline(server: LinkServer, events: Events) -> None:
+    t0 = time.monotonic()  # before the hello: the server's deadline for node1 is later than t0 + TIMEOUT_S
+    quiet = connect(server, "node1", TOKENS["node1"])
+    assert welcomed(quiet)
+    busy = connect(server, "node2", TOKENS["node2"])
+    assert welcomed(busy)
+    beats = Heartbeats(busy)
+    try:
+        events.wait("node1's heartbeat timeout", lambda: events.lost == [("node1", "heartbeat timeout")])
+        elapsed = time.monotonic() - t0
+        assert TIMEOUT_S <= elapsed < TIMEOUT_S * 3, elapsed
+        time.sleep(TIMEOUT_S * 2)
+        assert events.lost == [("node1", "heartbeat timeout")]  # node2 heartbeats: never lost
+        assert server.connected_nodes() == ["node2"]
+    finally:
+        beats.stop.set()
+        beats.thread.join()
+    events.wait("node2's heartbeat timeout", lambda: len(events.lost) == 2)
+    assert events.lost[1] == ("node2", "heartbeat timeout")
+    quiet.close()
+    busy.close()
+
+
+def test_goodbye_is_not_a_loss(server: LinkServer, events: Events) -> None:
+    conn = connect(server, "node1", TOKENS["node1"])
+    assert welcomed(conn)
+    conn.send(link.Goodbye(reason="agent stopping").to_wire())
+    assert closed_by_server(conn)  # the server closes once it has taken the goodbye
+    events.wait("the goodbye", lambda: events.goodbyes == [("node1", "agent stopping")])
+    time.sleep(TIMEOUT_S * 2)
+    assert events.lost == []
+    assert server.connected_nodes() == []
+
+
+def test_garbage_after_hello_is_dropped_not_fatal(server: LinkServer, events: Events) -> None:
+    conn = connect(server, "node1", TOKENS["node1"])
+    assert welcomed(conn)
+    conn.sock.sendall(b"not json\n")
+    conn.send({"type": "nonsense"})
+    conn.send(link.Heartbeat().to_wire())
+    time.sleep(TIMEOUT_S / 2)
+    assert server.connected_nodes() == ["node1"] and events.lost == []
+    conn.close()
+    events.wait("the loss", lambda: events.lost == [("node1", "connection closed")])
+
+
+def test_heartbeats_do_not_pile_up_watchdog_work(server: LinkServer, events: Events) -> None:
+    """Scale (issue 16 item 4): a heartbeat only stamps its peer; the watchdog keeps one deadline
+    per peer and re-checks it lazily, so heartbeats cost no scan and no wake-up."""
+    conns = [connect(server, n, t) for n, t in sorted(TOKENS.items())]
+    assert all(welcomed(c) for c in conns)
+    beats = [Heartbeats(c, every_s=0.005) for c in conns]
+    try:
+        time.sleep(TIMEOUT_S * 2.5)  # hundreds of heartbeats, several lazy re-checks of each deadline
+        with server._cond:
+            assert len(server._deadlines) == len(conns)
+        assert events.lost == []
+    finally:
+        for b in beats:
+            b.stop.set()
+            b.thread.join()
+    for c in conns:
+        c.close()
