@@ -1,14 +1,18 @@
-"""The coordinator daemon: consolidates node status and reports from etcd, classifies them into
-incidents (paper Table 1), and feeds them to the decision core (paper Figure 7).
+"""The coordinator daemon: consolidates node status, reports and reconcile results from etcd, turns
+them into the decision core's events (:mod:`coordinator.causes`) and carries out its decisions
+(paper Figure 7).
 
-Threads: etcd watches and the agent link push inputs onto one queue; a single loop thread consumes
-it, so classification, incident records and decisions happen in order without locks around the
-state. Every write is fenced by the leadership token (see :mod:`coordinator.leader`).
+Threads: etcd watches and the agent link push typed inputs onto one queue; a single loop thread
+consumes it, so classification, incident records and decisions happen in order without locks around
+the state. A decision is a transaction: the core's new state and the node records are computed on
+copies, written in one fenced etcd transaction (see :mod:`coordinator.leader`), and adopted only
+once that write landed. A failed write leaves memory as it was, and the input is retried.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import hmac
@@ -17,15 +21,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from coordinator import api
+from coordinator import api, causes
 from coordinator import decision as d
 from coordinator.allocation import WafAllocator
-from coordinator.classify import classify
 from coordinator.executor import Executor
 from coordinator.leader import Leadership
 from coordinator.link import LinkServer
@@ -35,18 +38,104 @@ from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord, NotLeader, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, NodeInfo, Report, new_id
+from unicron.kernel.types import (
+    AssignmentResult,
+    DetectionMethod,
+    ErrorKind,
+    Incident,
+    NodeInfo,
+    NodeStatus,
+    Report,
+)
 
-log = ulog.get("unicron.coordinator")
+log = ulog.get(__name__)
+
+T = TypeVar("T")
+
+# --- the loop's inputs ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Input:
-    """One item for the loop thread: ``kind`` names the handler, ``data`` its argument."""
+class NodeChanged:
+    """``nodes/<node>`` put (an agent registered) or deleted (its lease is gone)."""
 
-    kind: str
-    data: Any
+    ev: WatchEvent
     ts: float
+
+
+@dataclass(frozen=True)
+class ReportSeen:
+    """``reports/<id>``: an agent's report, to classify into an incident."""
+
+    ev: WatchEvent
+    ts: float
+
+
+@dataclass(frozen=True)
+class StatusChanged:
+    """``status/<node>``: the node's ranks, their steps and exits."""
+
+    ev: WatchEvent
+    ts: float
+
+
+@dataclass(frozen=True)
+class ResultSeen:
+    """``results/<node>``: what an agent found after reconciling its assignment."""
+
+    ev: WatchEvent
+    ts: float
+
+
+@dataclass(frozen=True)
+class LinkLost:
+    node: str
+    reason: str
+    ts: float
+
+
+@dataclass(frozen=True)
+class LinkGoodbye:
+    """The node's agent said goodbye: a planned stop."""
+
+    node: str
+    reason: str
+    ts: float
+
+
+@dataclass(frozen=True)
+class LinkConnected:
+    node: str
+    ts: float
+
+
+@dataclass(frozen=True)
+class CoreEvent:
+    """An event for the core that needs no detection (clock ticks)."""
+
+    event: d.Event
+
+
+@dataclass(frozen=True)
+class Call:
+    """An API call run on the loop thread; its answer goes to ``future``."""
+
+    fn: Callable[[], object]
+    future: Future[object]
+
+
+@dataclass(frozen=True)
+class Reelected:
+    """Leadership was lost and won again: reload what a leader in between may have written."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+WatchInput = NodeChanged | ReportSeen | StatusChanged | ResultSeen
+Input = WatchInput | LinkLost | LinkGoodbye | LinkConnected | CoreEvent | Call | Reelected | Stop
 
 
 EXIT_DEPOSED = 75  # EX_TEMPFAIL
@@ -63,12 +152,15 @@ class Coordinator:
         self.store: Store | None = None
         self.leadership: Leadership | None = None
         self.link: LinkServer | None = None
-        self._inbox: queue.Queue[_Input] = queue.Queue()
+        self._inbox: queue.Queue[Input] = queue.Queue()
         self._watches: list[PrefixWatch] = []
         self._nodes: dict[str, NodeInfo] = {}
         self._lost_nodes: set[str] = set()
+        self._statuses: dict[str, NodeStatus] = {}
+        self._results: dict[str, AssignmentResult] = {}
         self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=KEEP_INCIDENTS)
         self._incident_keys: collections.deque[str] = collections.deque()
+        self._incident_set: set[str] = set()
         self.deposed = False
         self.core = d.DecisionCore(
             d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
@@ -77,7 +169,7 @@ class Coordinator:
         )
         self.state = self.core.initial_state()
         self.executor = Executor(self.keys, self._spec, self._node_host)
-        self._steps: dict[str, int] = {}
+        self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: Any = None
 
@@ -97,7 +189,8 @@ class Coordinator:
         self._api_server, api_address = api.serve(self, self.settings.listen_host, self.settings.api_port)
         address = json.dumps({"link": self.link.address, "api": api_address, "pid": os.getpid()})
         self.leadership = Leadership(self.store, self.keys, address, self.settings.leader_ttl_s,
-                                     on_deposed=self._on_deposed)
+                                     on_deposed=self._on_deposed,
+                                     on_reelected=lambda: self._inbox.put(Reelected()))
         if not self.leadership.campaign(self.stop_event):
             return 0
         self._load_state()
@@ -112,7 +205,7 @@ class Coordinator:
 
     def stop(self) -> None:
         self.stop_event.set()
-        self._inbox.put(_Input("stop", None, time.time()))
+        self._inbox.put(Stop())
 
     def _on_deposed(self) -> None:
         self.deposed = True
@@ -133,72 +226,82 @@ class Coordinator:
 
     def _start_watches(self) -> None:
         assert self.store is not None
-        for prefix, kind in ((self.keys.nodes(), "node"), (self.keys.reports(), "report"),
-                             (self.keys.statuses(), "status")):
+        kinds: tuple[tuple[str, Callable[[WatchEvent, float], WatchInput]], ...] = (
+            (self.keys.nodes(), NodeChanged), (self.keys.reports(), ReportSeen),
+            (self.keys.statuses(), StatusChanged), (self.keys.results(), ResultSeen),
+        )
+        for prefix, make in kinds:
             kvs, rev = self.store.get_prefix(prefix)
-            for kv in kvs:
-                self._inbox.put(_Input(kind, WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
+            self._resync(make, kvs)
             self._watches.append(
                 self.store.watch_prefix(
-                    prefix, functools.partial(self._enqueue, kind), start_revision=rev + 1,
-                    on_resync=functools.partial(self._resync, kind),
+                    prefix, functools.partial(self._enqueue, make), start_revision=rev + 1,
+                    on_resync=functools.partial(self._resync, make),
                 )
             )
 
-    def _enqueue(self, kind: str, ev: WatchEvent) -> None:
-        self._inbox.put(_Input(kind, ev, time.time()))
+    def _enqueue(self, make: Callable[[WatchEvent, float], WatchInput], ev: WatchEvent) -> None:
+        self._inbox.put(make(ev, time.time()))
 
-    def _resync(self, kind: str, kvs: list[KeyValue]) -> None:
+    def _resync(self, make: Callable[[WatchEvent, float], WatchInput], kvs: list[KeyValue]) -> None:
         for kv in kvs:
-            self._inbox.put(_Input(kind, WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
+            self._inbox.put(make(WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
 
     # --- the loop ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        handlers: dict[str, Callable[[Any, float], None]] = {
-            "node": self._handle_node_event,
-            "report": self._handle_report_event,
-            "link_lost": self._handle_link_lost,
-            "link_connected": self._handle_link_connected,
-            "link_goodbye": self._handle_link_goodbye,
-            "status": self._handle_status_event,
-            "event": lambda ev, ts: self._decide(ev),
-            "call": self._handle_call,
-        }
         while not self.stop_event.is_set():
             try:
                 item = self._inbox.get(timeout=0.5)
             except queue.Empty:
                 continue
-            handler = handlers.get(item.kind)
-            if handler is None:
-                continue
             try:
-                handler(item.data, item.ts)
+                self._handle(item)
             except NotLeader:
                 return
             except StoreUnavailable as exc:
-                # Nothing is lost: the report stays in etcd and is replayed once etcd is back.
-                log.warning("etcd unavailable while handling input; will retry", kind=item.kind, error=str(exc))
+                # Nothing was adopted (see _decide) and the input is still ours: try it again.
+                log.warning("etcd unavailable while handling input; will retry", input=type(item).__name__,
+                            error=str(exc))
                 self.stop_event.wait(0.2)
                 self._inbox.put(item)
-            except Exception:
-                log.exception("handler failed; input dropped", kind=item.kind)
+
+    def _handle(self, item: Input) -> None:
+        match item:
+            case NodeChanged():
+                self._on_node(item.ev, item.ts)
+            case ReportSeen():
+                self._on_report(item.ev)
+            case StatusChanged():
+                self._on_status(item.ev, item.ts)
+            case ResultSeen():
+                self._on_result(item.ev, item.ts)
+            case LinkLost():
+                self._node_lost(item.node, f"agent {item.reason}", item.ts)
+            case LinkConnected():
+                self._lost_nodes.discard(item.node)
+            case LinkGoodbye():
+                self._handle_link_goodbye(item.node, item.reason, item.ts)
+            case CoreEvent():
+                self._decide(item.event)
+            case Call():
+                self._run_call(item)
+            case Reelected():
+                log.warning("leadership regained after losing its lease; reloading the decision state")
+                self._load_state()
+            case Stop():
+                pass
 
     # --- inputs ------------------------------------------------------------------------------
 
     def _on_link_lost(self, node: str, reason: str, ts: float) -> None:
-        self._inbox.put(_Input("link_lost", (node, reason), ts))
+        self._inbox.put(LinkLost(node, reason, ts))
 
     def _on_link_connected(self, node: str, ts: float) -> None:
-        self._inbox.put(_Input("link_connected", node, ts))
+        self._inbox.put(LinkConnected(node, ts))
 
-    def _handle_link_connected(self, node: str, ts: float) -> None:
-        self._lost_nodes.discard(node)
-
-    def _handle_link_lost(self, data: tuple[str, str], ts: float) -> None:
-        node, reason = data
-        self._node_lost(node, f"agent {reason}", ts)
+    def _link_alive(self, node: str) -> bool:
+        return self.link is not None and node in self.link.connected_nodes()
 
     # --- who may speak for a node, and a node that leaves on purpose (issue 19 items 13, 6) ---
 
@@ -218,23 +321,21 @@ class Coordinator:
             return None
 
     def _on_link_goodbye(self, node: str, reason: str, ts: float) -> None:
-        self._inbox.put(_Input("link_goodbye", (node, reason), ts))
+        self._inbox.put(LinkGoodbye(node, reason, ts))
 
-    def _handle_link_goodbye(self, data: tuple[str, str], ts: float) -> None:
+    def _handle_link_goodbye(self, node: str, reason: str, ts: float) -> None:
         """A planned stop is a drain, not a failure: the node's tasks move without an incident, and
         the lease revocation that follows is no loss. The drain is lifted when the node registers
         again (a restart or upgrade is not a decision to keep it out; an operator who wants that
         drains it, and that drain outlives agent restarts as before)."""
-        node, reason = data
         self._lost_nodes.add(node)
         entry = self.state.nodes.get(node)
         if entry is None or entry.status is not d.NodeState.UP:
             log.info("node left on purpose", node=node, reason=reason, state=entry.status.value if entry else None)
             return
         log.info("node left on purpose; draining it", node=node, reason=reason)
-        assert self.leadership is not None
-        self.leadership.write(puts={self.keys.drain(node): GOODBYE_DRAIN})
-        self._decide(d.NodeDrained(ts=ts, node=node, reason=f"agent stopped on purpose ({reason})"))
+        self._decide(d.NodeDrained(ts=ts, node=node, reason=f"agent stopped on purpose ({reason})"),
+                     puts={self.keys.drain(node): GOODBYE_DRAIN})
 
     def _lift_goodbye_drain(self, node: str, ts: float) -> None:
         entry = self.state.nodes.get(node)
@@ -246,10 +347,15 @@ class Coordinator:
             log.info("node back after a planned stop; lifting its drain", node=node)
             self._node_event(node, d.NodeUndrained(ts=ts, node=node))
 
-    def _handle_node_event(self, ev: WatchEvent, ts: float) -> None:
+    def _on_node(self, ev: WatchEvent, ts: float) -> None:
         node = self.keys.tail(ev.key, self.keys.nodes())
         if ev.kind == "delete":
-            self._node_lost(node, "agent lease expired", ts)
+            lost = causes.lease_gone(node, self._link_alive(node), node in self._lost_nodes, ts)
+            if lost is not None:
+                self._decide(lost)
+                self._lost_nodes.add(node)
+            elif node not in self._lost_nodes:
+                log.info("node lease expired while its link is alive: not a node loss", node=node)
             self._nodes.pop(node, None)
             return
         try:
@@ -258,23 +364,28 @@ class Coordinator:
             log.warning("ignoring garbage node record", key=ev.key, error=str(exc))
             return
         previous = self._nodes.get(node)
-        self._nodes[node] = info
-        self._lost_nodes.discard(node)
         if previous is None or previous.agent_pid != info.agent_pid or previous.started_ts != info.started_ts:
             log.info("node registered", node=node, gpus=info.gpus, backend=info.gpu_backend)
-            self._decide(d.NodeJoined(ts=ts, node=node, gpus=info.gpus))
-            self._lift_goodbye_drain(node, ts)
+            joined = causes.rejoin(node, info.gpus, self.state, ts)
+            if joined is None:
+                log.warning("isolated node re-registered; it stays isolated until an operator undrains it",
+                            node=node)
+            else:
+                self._decide(joined)
+                self._lift_goodbye_drain(node, ts)
+        self._nodes[node] = info
+        self._lost_nodes.discard(node)
 
     def _node_lost(self, node: str, reason: str, ts: float) -> None:
         if node in self._lost_nodes:
             log.info("node loss already recorded", node=node, reason=reason)
             return
-        self._lost_nodes.add(node)
         report = Report(method=DetectionMethod.NODE_HEALTH, kind=ErrorKind.LOST_CONNECTION, node=node,
                         message=reason, source_ts=ts, agent_ts=ts)
         self._record(report, report_key=None)
+        self._lost_nodes.add(node)
 
-    def _handle_report_event(self, ev: WatchEvent, ts: float) -> None:
+    def _on_report(self, ev: WatchEvent) -> None:
         if ev.kind == "delete":
             return
         try:
@@ -295,19 +406,33 @@ class Coordinator:
         return since is not None and report.source_ts - since <= self.settings.regroup_grace_s
 
     def _record(self, report: Report, report_key: str | None) -> None:
+        """Record the report's incident and decide on it, in one fenced write."""
         if report.handled and report.task is not None:
             self._last_handled[report.task] = max(report.source_ts, self._last_handled.get(report.task, 0.0))
         elif self._is_regroup_consequence(report):
             report = dataclasses.replace(report, handled=True, message=f"{report.message} (during an in-place regroup)")
-        incident = classify(report, detected_ts=time.time(), incident_id=new_id())
-        assert self.leadership is not None
+        incident = causes.incident(report, detected_ts=time.time())
         key = self.keys.incident(incident.incident_id)
-        expired = [self._incident_keys.popleft() for _ in range(max(0, len(self._incident_keys) + 1 - KEEP_INCIDENTS))]
-        self.leadership.write(
-            puts={key: json.dumps(incident.to_dict())},
-            deletes=([report_key] if report_key else []) + expired,
-        )
+        assert self.leadership is not None
+        if key in self._incident_set:
+            # Seen again (a watch replay after an etcd outage): recorded and decided already.
+            log.info("report already recorded", incident=incident.incident_id, report=report.report_id)
+            if report_key:
+                self.leadership.write(deletes=[report_key])
+            return
+        expired = list(self._incident_keys)[:max(0, len(self._incident_keys) + 1 - KEEP_INCIDENTS)]
+        puts = {key: json.dumps(incident.to_dict())}
+        deletes = ([report_key] if report_key else []) + expired
+        event = causes.raised(incident, report.generation)
+        if event is None:
+            self.leadership.write(puts=puts, deletes=deletes)
+        else:
+            self._decide(event, puts=puts, deletes=deletes)
+        for _ in expired:
+            self._incident_set.discard(self._incident_keys.popleft())
         self._incident_keys.append(key)
+        self._incident_set.add(key)
+        self.recent_incidents.append(incident)
         log.warning(
             "incident", incident=incident.incident_id, severity=str(incident.severity) if incident.severity else None,
             method=incident.method.value, kind=incident.kind.value, task=incident.task, node=incident.node,
@@ -315,11 +440,42 @@ class Coordinator:
             source_ts=incident.source_ts, detected_ts=incident.detected_ts,
             detection_latency_s=round(incident.detection_latency_s, 4), handled=incident.handled,
         )
-        self.recent_incidents.append(incident)
-        if incident.handled:
+        if event is None:
             log.info("incident handled in place by the runtime; no action", incident=incident.incident_id)
+
+    def _on_status(self, ev: WatchEvent, ts: float) -> None:
+        """A node's ranks: their steps are progress (which may confirm a recovery), their exits may
+        finish a task."""
+        node = self.keys.tail(ev.key, self.keys.statuses())
+        if ev.kind == "delete":
+            self._statuses.pop(node, None)
             return
-        self._decide(d.IncidentRaised(ts=incident.detected_ts, incident=incident, generation=report.generation))
+        try:
+            status = NodeStatus.from_dict(json.loads(ev.value))
+        except (InvalidRecord, ValueError) as exc:
+            log.warning("ignoring garbage node status", key=ev.key, error=str(exc))
+            return
+        self._statuses[node] = status
+        for made in causes.progress(status, self.state, self._seen, ts):
+            self._decide(made)
+            assert made.generation is not None
+            self._seen[(made.task, made.generation)] = made.step
+        for done in causes.finished(self._statuses, self.state, ts):
+            log.info("every rank of the task exited 0: finished", task=done.task)
+            self._decide(done)
+
+    def _on_result(self, ev: WatchEvent, ts: float) -> None:
+        """An agent's reconcile result: the outcome of the actions it carried out."""
+        if ev.kind == "delete":
+            return
+        try:
+            result = AssignmentResult.from_dict(json.loads(ev.value))
+        except (InvalidRecord, ValueError) as exc:
+            log.warning("ignoring garbage reconcile result", key=ev.key, error=str(exc))
+            return
+        self._results[result.node] = result
+        for outcome in causes.outcomes(result, self._results, self.state, ts):
+            self._decide(outcome)
 
     # --- the decision core ----------------------------------------------------------------------
 
@@ -333,9 +489,12 @@ class Coordinator:
             except (InvalidRecord, ValueError) as exc:
                 log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
         kvs, _ = self.store.get_prefix(self.keys.assignments())
+        self.executor.desired.clear()
         self.executor.load({kv.key: kv.value for kv in kvs})
         kvs, _ = self.store.get_prefix(self.keys.incidents())
+        self._incident_keys.clear()
         self._incident_keys.extend(kv.key for kv in sorted(kvs, key=lambda kv: kv.create_revision))
+        self._incident_set = set(self._incident_keys)
 
     def _spec(self, task: str) -> TaskSpec | None:
         entry = self.state.tasks.get(task)
@@ -349,72 +508,64 @@ class Coordinator:
 
     def _ticker(self) -> None:
         while not self.stop_event.wait(1.0):
-            self._inbox.put(_Input("event", d.Tick(ts=time.time()), time.time()))
+            self._inbox.put(CoreEvent(d.Tick(ts=time.time())))
 
-    def _decide(self, event: Any) -> None:
-        """Feed one event to the core, persist its state with the resulting node records, log."""
-        self.state, actions, edges = self.core.explain(self.state, event)
-        for edge in edges:
-            log.info("transition", edge=str(edge))
+    def _draft(self, state: d.CoreState) -> Executor:
+        """A copy of the executor to apply a decision to; it reads task specs from the new state."""
+        draft = copy.copy(self.executor)
+        draft.desired = copy.deepcopy(self.executor.desired)
+        draft.specs = functools.partial(_spec_in, state)
+        return draft
+
+    def _decide(self, event: d.Event, puts: Mapping[str, str] | None = None, deletes: Sequence[str] = ()) -> None:
+        """Feed one event to the core; write its state, the changed node records and ``puts`` /
+        ``deletes`` in one fenced transaction; adopt the new state only once that write landed."""
+        state, actions, edges = self.core.explain(self.state, event)
+        draft = self._draft(state)
         changed: set[str] = set()
         for action in actions:
-            changed |= self.executor.apply(action)
+            changed |= draft.apply(action)
+        changed |= _release(draft, state)
+        writes = dict(puts or {})
+        quiet = not edges and not actions and not writes and not deletes and isinstance(event, d.Tick | d.ProgressMade)
+        if not quiet:
+            # Clock ticks and plain progress that decided nothing are not worth a write per event:
+            # a successor re-observes the clock and the last step.
+            writes.update(draft.record(node) for node in sorted(changed))
+            writes[self.keys.state()] = json.dumps(state.to_dict())
+            assert self.leadership is not None
+            self.leadership.write(puts=writes, deletes=deletes)
+        draft.specs = self._spec
+        self.state, self.executor = state, draft
+        for edge in edges:
+            log.info("transition", edge=str(edge))
+        for action in actions:
             log.warning("action", action=type(action).__name__, **{
                 k: v for k, v in d.to_dict(action).items() if k != "type" and isinstance(v, str | int | float)})
-        if not edges and not actions and isinstance(event, d.Tick | d.ProgressMade):
-            # Clock ticks and plain progress decided nothing; the clock and last step are re-observed
-            # by a successor, so they are not worth a write per event.
-            return
-        puts = dict(self.executor.record(node) for node in sorted(changed))
-        puts[self.keys.state()] = json.dumps(self.state.to_dict())
-        assert self.leadership is not None
-        self.leadership.write(puts=puts)
-
-    def _handle_status_event(self, ev: WatchEvent, ts: float) -> None:
-        """Iterations completed by a task's ranks are its progress (confirms a pending recovery)."""
-        if ev.kind == "delete":
-            return
-        try:
-            status = json.loads(ev.value)
-            ranks = [r for r in status.get("ranks", []) if isinstance(r, dict)]
-        except (ValueError, AttributeError):
-            return
-        best: dict[tuple[str, int], int] = {}
-        for r in ranks:
-            task, step, gen = r.get("task"), r.get("step"), r.get("generation")
-            if isinstance(task, str) and isinstance(step, int) and isinstance(gen, int):
-                best[(task, gen)] = max(step, best.get((task, gen), -1))
-        for (task, gen), step in best.items():
-            entry = self.state.tasks.get(task)
-            if entry is None or gen != entry.generation or step <= self._steps.get(f"{task}/{gen}", -1):
-                continue
-            self._steps[f"{task}/{gen}"] = step
-            self._decide(d.ProgressMade(ts=ts, task=task, step=step, generation=gen))
 
     # --- the API (coordinator.api.ControlPlane), run on the loop thread ---------------------
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _call(self, fn: Callable[[], T]) -> T:
         if not self.ready.is_set():
             raise NotLeader("this coordinator is not the leader (yet); ask the one in the leader key")
-        fut: Future[Any] = Future()
-        self._inbox.put(_Input("call", (fn, fut), time.time()))
-        return fut.result(timeout=10.0)
+        fut: Future[object] = Future()
+        self._inbox.put(Call(fn, fut))
+        return cast(T, fut.result(timeout=10.0))
 
-    def _handle_call(self, data: tuple[Callable[[], Any], Future[Any]], ts: float) -> None:
-        fn, fut = data
+    @staticmethod
+    def _run_call(call: Call) -> None:
         try:
-            fut.set_result(fn())
-        except Exception as exc:
-            fut.set_exception(exc)
+            call.future.set_result(call.fn())
+        except Exception as exc:  # the caller's error, answered to the API client, not ours to handle
+            call.future.set_exception(exc)
 
     def submit(self, spec: TaskSpec) -> None:
         def run() -> None:
             old = self.state.tasks.get(spec.name)
             if old is not None and old.phase in d.ACTIVE_PHASES:
                 raise api.AlreadyExists(f"task {spec.name!r} is active; cancel it first or pick another name")
-            assert self.leadership is not None
-            self.leadership.write(puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
-            self._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+            self._decide(d.TaskSubmitted(ts=time.time(), spec=spec),
+                         puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
         self._call(run)
 
     def cancel(self, name: str) -> None:
@@ -422,9 +573,7 @@ class Coordinator:
             entry = self.state.tasks.get(name)
             if entry is None or entry.phase not in d.ACTIVE_PHASES:
                 raise api.NotFound(f"no active task {name!r}; see 'unicron tasks'")
-            self._decide(d.TaskCancelled(ts=time.time(), task=name))
-            assert self.leadership is not None
-            self.leadership.write(deletes=[self.keys.task(name)])
+            self._decide(d.TaskCancelled(ts=time.time(), task=name), deletes=[self.keys.task(name)])
         self._call(run)
 
     def tasks(self) -> list[dict[str, Any]]:
@@ -434,25 +583,21 @@ class Coordinator:
                 "gpus": len(e.all_ranks()), "generation": e.generation, "nodes": sorted(e.placement),
                 "restarts": e.restarts, "step": e.last_step, "reason": e.reason,
             } for name, e in sorted(self.state.tasks.items())]
-        result: list[dict[str, Any]] = self._call(run)
-        return result
+        return self._call(run)
 
     def nodes(self) -> list[dict[str, Any]]:
         def run() -> list[dict[str, Any]]:
             return [{"node": n, "gpus": e.gpus, "state": e.status.value, "reason": e.reason}
                     for n, e in sorted(self.state.nodes.items())]
-        result: list[dict[str, Any]] = self._call(run)
-        return result
+        return self._call(run)
 
-    def _node_event(self, node: str, event: Any) -> None:
+    def _node_event(self, node: str, event: d.NodeDrained | d.NodeUndrained) -> None:
         if node not in self.state.nodes:
             raise api.NotFound(f"no node {node!r}; see 'unicron nodes'")
-        assert self.leadership is not None
         if isinstance(event, d.NodeDrained):
-            self.leadership.write(puts={self.keys.drain(node): "1"})
+            self._decide(event, puts={self.keys.drain(node): "1"})
         else:
-            self.leadership.write(deletes=[self.keys.drain(node)])
-        self._decide(event)
+            self._decide(event, deletes=[self.keys.drain(node)])
 
     def drain(self, node: str) -> None:
         self._call(lambda: self._node_event(node, d.NodeDrained(ts=time.time(), node=node)))
@@ -470,3 +615,19 @@ class Coordinator:
     def gpus_per_node(self) -> int | None:
         sizes = {e.gpus for e in self.state.nodes.values()}
         return sizes.pop() if len(sizes) == 1 else None
+
+
+def _spec_in(state: d.CoreState, task: str) -> TaskSpec | None:
+    entry = state.tasks.get(task)
+    return entry.spec if entry is not None else None
+
+
+def _release(draft: Executor, state: d.CoreState) -> set[str]:
+    """Node records follow the core's placements: a task the core no longer places anywhere (it
+    finished, say, which stops nothing by itself) leaves every node's desired state."""
+    placed = {name for name, e in state.tasks.items() if e.placement}
+    stale = sorted({t for tasks in draft.desired.values() for t in tasks if t not in placed})
+    changed: set[str] = set()
+    for task in stale:
+        changed |= draft.apply(d.StopTask(action_id="release", task=task, reason="no longer placed"))
+    return changed

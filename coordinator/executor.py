@@ -39,7 +39,7 @@ class Executor:
             except (InvalidRecord, ValueError):
                 continue
 
-    def apply(self, action: object) -> set[str]:
+    def apply(self, action: d.Action) -> set[str]:
         """Update the desired state for ``action``; returns the nodes whose record changed."""
         match action:
             case d.Assign():

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from coordinator.leader import Leadership
+from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import NotLeader
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -43,3 +45,56 @@ def test_only_one_campaigner_wins(store: Store) -> None:
     threading.Timer(0.5, stop.set).start()
     assert not b.campaign(stop, poll_s=0.05)  # b keeps waiting while a leads
     a.resign()
+
+
+def _wait(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_leader_campaigns_again_after_an_etcd_outage_longer_than_its_lease(
+        etcd_server: EtcdServer, store: Store) -> None:
+    """Issue #19 item 4: the lease lost to an outage is not a lost election; with no other
+    coordinator, the leader takes the key again and keeps writing."""
+    keys = Keyspace("/outage")
+    deposed, back = threading.Event(), threading.Event()
+    a = Leadership(store, keys, "a", ttl_s=2, on_deposed=deposed.set, on_reelected=back.set, poll_s=0.05)
+    assert a.campaign(threading.Event())
+    assert a.lease is not None
+    first, lease_id = a.token, a.lease.lease_id
+    etcd_server.stop()
+    time.sleep(3.0)  # longer than the TTL
+    etcd_server.start()
+    # etcd renews leases on restart; whether the keepalive reconnects in time is luck, so make the
+    # expiry the outage risks certain.
+    other = Store(etcd_server.endpoint)
+    try:
+        other.client.revoke_lease(lease_id)
+        _wait(back.is_set, 15.0, "the leader to campaign again")
+        assert not deposed.is_set()
+        assert a.token is not None and a.token != first
+        a.write(puts={"/outage/x": "still leading"})
+        kv = other.get(keys.leader())
+        assert kv is not None and kv.value == b"a"
+    finally:
+        other.close()
+        a.resign()
+
+
+def test_leader_steps_down_only_when_another_holds_the_key(store: Store) -> None:
+    keys = Keyspace("/taken")
+    deposed = threading.Event()
+    a = Leadership(store, keys, "a", ttl_s=2, on_deposed=deposed.set, poll_s=0.05)
+    assert a.campaign(threading.Event())
+    assert a.lease is not None
+    b = Leadership(store, keys, "b", ttl_s=2, on_deposed=lambda: None)
+    # a's lease ends and b is quicker: b really leads, so a steps down
+    a.lease.stop()
+    store.client.revoke_lease(a.lease.lease_id)
+    assert b.campaign(threading.Event())
+    with pytest.raises(NotLeader):
+        a.write(puts={"/taken/x": "from a"})
+    assert deposed.is_set()
+    b.resign()

@@ -1,0 +1,153 @@
+"""Cause detection: what the coordinator observes in etcd, turned into the decision core's events.
+
+Pure functions, no I/O and no clock: the daemon parses a watch event into a typed record and asks
+this module which :data:`coordinator.decision.Event` values it means, given the core's current
+state. Each rule here is one arrow of the contract in ``docs/decision.md``:
+
+* a report                               -> an incident (:func:`incident`)      -> ``IncidentRaised``
+* ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
+* ``results/<node>``                     -> ``ActionSucceeded`` / ``ActionFailed`` (:func:`outcomes`)
+* every rank of a task exited 0          -> ``TaskFinished``                    (:func:`finished`)
+* a node's lease gone, its link silent   -> ``NodeLost``                        (:func:`lease_gone`)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from coordinator import decision as d
+from coordinator.classify import classify
+from unicron.kernel.types import AssignmentResult, Incident, NodeStatus, Report, TaskResult
+
+#: (task, generation) -> the highest step already turned into a ProgressMade
+Seen = Mapping[tuple[str, int], int]
+
+
+def incident_id(report: Report) -> str:
+    """One incident per report: a report seen twice (replayed after an etcd outage) is one incident."""
+    return f"r-{report.report_id}"
+
+
+def incident(report: Report, detected_ts: float) -> Incident:
+    return classify(report, detected_ts=detected_ts, incident_id=incident_id(report))
+
+
+def raised(inc: Incident, generation: int | None) -> d.IncidentRaised | None:
+    """The core event for an incident; None when the runtime already handled it in place."""
+    if inc.handled:
+        return None
+    return d.IncidentRaised(ts=inc.detected_ts, incident=inc, generation=generation)
+
+
+def _min_epoch(entry: d.TaskEntry) -> int:
+    """Progress confirms a pending restart only from processes that restart launched."""
+    o = entry.outstanding
+    return entry.restart_epoch if o is not None and o.kind is d.ActionKind.RESTART else 0
+
+
+def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> list[d.ProgressMade]:
+    """New steps completed by a task's ranks at its current generation (and restart epoch)."""
+    best: dict[str, int] = {}
+    for r in status.ranks:
+        entry = state.tasks.get(r.task)
+        if entry is None or r.step is None or r.generation != entry.generation:
+            continue
+        if r.restart_epoch < _min_epoch(entry):
+            continue  # a survivor's (or the dead process's) step says nothing about the restart
+        best[r.task] = max(r.step, best.get(r.task, -1))
+    out = []
+    for task, step in sorted(best.items()):
+        generation = state.tasks[task].generation
+        if step > seen.get((task, generation), -1):
+            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=generation))
+    return out
+
+
+def _applied(tr: TaskResult | None, entry: d.TaskEntry, kind: d.ActionKind) -> bool:
+    """Whether the agent's result is about the task's outstanding action (same coordinates)."""
+    if tr is None or tr.generation != entry.generation:
+        return False
+    if kind is d.ActionKind.RESTART:
+        return tr.restart_epoch >= entry.restart_epoch
+    if kind is d.ActionKind.REATTEMPT:
+        return tr.regroup_epoch >= entry.regroup_epoch
+    return True
+
+
+def _running(tr: TaskResult | None, ranks: Collection[int]) -> bool:
+    return tr is not None and all(tr.ranks.get(str(r)) == "running" for r in ranks)
+
+
+def outcomes(
+    result: AssignmentResult, latest: Mapping[str, AssignmentResult], state: d.CoreState, ts: float
+) -> list[d.ActionSucceeded | d.ActionFailed]:
+    """The action outcomes one node's reconcile result shows.
+
+    A failed reconcile fails the outstanding action of each task of the node that it left without its
+    ranks running at the action's coordinates. The result does not say whether the node or the task's
+    command is at fault, so the failure names no node: the core's restart budget ends a task that
+    cannot start anywhere, without isolating healthy nodes. An assignment succeeds once every node of
+    its placement runs its ranks at the new generation (``latest``: each node's newest result,
+    ``result`` included). Restarts and reattempts are confirmed by progress, not here: a relaunched
+    process that runs is not yet a recovered task.
+    """
+    out: list[d.ActionSucceeded | d.ActionFailed] = []
+    for name, entry in sorted(state.tasks.items()):
+        o = entry.outstanding
+        if o is None or entry.phase not in d.ACTIVE_PHASES or result.node not in entry.placement:
+            continue
+        tr = result.tasks.get(name)
+        here = entry.ranks_on(result.node)
+        if not result.ok and _applied(tr, entry, o.kind) and not _running(tr, here):
+            out.append(d.ActionFailed(ts=ts, action_id=o.action_id,
+                                      reason=f"node {result.node}: {result.detail}"))
+            continue
+        if o.kind is not d.ActionKind.ASSIGN:
+            continue
+        if all(
+            (r := latest.get(node)) is not None
+            and _applied(t := r.tasks.get(name), entry, o.kind)
+            and _running(t, ranks)
+            for node, ranks in entry.placement.items()
+        ):
+            out.append(d.ActionSucceeded(ts=ts, action_id=o.action_id))
+    return out
+
+
+def finished(statuses: Mapping[str, NodeStatus], state: d.CoreState, ts: float) -> list[d.TaskFinished]:
+    """Tasks every rank of which exited with returncode 0, on its own, at the current generation."""
+    out = []
+    for name, entry in sorted(state.tasks.items()):
+        if entry.phase not in d.ACTIVE_PHASES or not entry.placement:
+            continue
+        if all(_all_exited_ok(statuses.get(node), name, entry.generation, ranks)
+               for node, ranks in entry.placement.items()):
+            out.append(d.TaskFinished(ts=ts, task=name))
+    return out
+
+
+def _all_exited_ok(status: NodeStatus | None, task: str, generation: int, ranks: Collection[int]) -> bool:
+    if status is None or not ranks:
+        return False
+    by_rank = {r.rank: r for r in status.ranks if r.task == task and r.generation == generation}
+    return all(
+        (r := by_rank.get(rank)) is not None and r.state == "exited" and r.returncode == 0 and not r.requested
+        for rank in ranks
+    )
+
+
+def lease_gone(node: str, link_alive: bool, already_lost: bool, ts: float) -> d.NodeLost | None:
+    """A node's registration vanished. Not a loss while its heartbeat link still runs: after an etcd
+    outage every agent's lease may expire before the agent reconnects, while the node is fine."""
+    if link_alive or already_lost:
+        return None
+    return d.NodeLost(ts=ts, node=node, reason="agent lease expired")
+
+
+def rejoin(node: str, gpus: int, state: d.CoreState, ts: float) -> d.NodeJoined | None:
+    """An agent registered. An isolated node stays out of service until an operator undrains it:
+    a reconnect (after an etcd restart, say) is no repair."""
+    entry = state.nodes.get(node)
+    if entry is not None and entry.status is d.NodeState.ISOLATED:
+        return None
+    return d.NodeJoined(ts=ts, node=node, gpus=gpus)

@@ -1,0 +1,166 @@
+"""Cause detection (coordinator.causes): observed records -> the decision core's events.
+
+States come from the real decision core driven by events, so the tests follow its counters.
+"""
+
+from __future__ import annotations
+
+from coordinator import causes
+from coordinator import decision as d
+from coordinator.tasks import parse_task_spec
+from unicron.kernel.types import (
+    AssignmentResult,
+    DetectionMethod,
+    ErrorKind,
+    NodeStatus,
+    RankStatus,
+    Report,
+    TaskResult,
+)
+
+CORE = d.DecisionCore()
+
+
+def running_task() -> tuple[d.CoreState, dict[str, list[int]]]:
+    """Task ``t`` on two nodes, one rank each, its assignment outstanding."""
+    state = CORE.initial_state()
+    for i, node in enumerate(("n0", "n1")):
+        state, _ = CORE.handle(state, d.NodeJoined(ts=float(i), node=node, gpus=1))
+    spec = parse_task_spec({"name": "t", "command": ["python", "x.py"], "min_gpus": 2}, None)
+    state, _ = CORE.handle(state, d.TaskSubmitted(ts=2.0, spec=spec))
+    entry = state.tasks["t"]
+    assert entry.outstanding is not None and entry.outstanding.kind is d.ActionKind.ASSIGN
+    return state, entry.placement
+
+
+def rank(node_ranks: list[int], generation: int, **fields: object) -> list[RankStatus]:
+    base: dict[str, object] = {"state": "running", "pid": 1}
+    return [RankStatus.from_dict({"task": "t", "generation": generation, "rank": r, **base, **fields})
+            for r in node_ranks]
+
+
+def status(node: str, ranks: list[RankStatus]) -> NodeStatus:
+    return NodeStatus(node=node, ts=0.0, generation=None, task=None, ranks=ranks, gpu_health=[])
+
+
+def result(node: str, ok: bool, generation: int, ranks: dict[str, str], restart_epoch: int = 0,
+           detail: str = "applied") -> AssignmentResult:
+    tasks = {"t": TaskResult(generation=generation, restart_epoch=restart_epoch, regroup_epoch=0, ranks=ranks)}
+    return AssignmentResult(node=node, revision=1, ok=ok, detail=detail, tasks=tasks, ts=0.0)
+
+
+def test_incident_id_follows_the_report_so_a_replayed_report_is_one_incident() -> None:
+    report = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node="n0",
+                    task="t", rank=1, source_ts=1.0, agent_ts=1.0)
+    a, b = causes.incident(report, detected_ts=2.0), causes.incident(report, detected_ts=9.0)
+    assert a.incident_id == b.incident_id == f"r-{report.report_id}"
+    raised = causes.raised(a, generation=3)
+    assert isinstance(raised, d.IncidentRaised) and raised.generation == 3 and raised.incident is a
+    handled = causes.incident(Report(method=report.method, kind=report.kind, node="n0", handled=True), 2.0)
+    assert causes.raised(handled, None) is None
+
+
+def test_progress_counts_only_the_current_generation_and_new_steps() -> None:
+    state, placement = running_task()
+    gen = state.tasks["t"].generation
+    st = status("n0", rank(placement["n0"], gen, step=7) + rank(placement["n0"], gen - 1, step=99))
+    [made] = causes.progress(st, state, {}, ts=5.0)
+    assert (made.task, made.step, made.generation) == ("t", 7, gen)
+    assert causes.progress(st, state, {("t", gen): 7}, ts=5.0) == []
+
+
+def test_a_stale_step_does_not_confirm_a_restart() -> None:
+    """Issue #19 item 1: during a restart, only processes launched at its epoch show recovery."""
+    state, placement = running_task()
+    gen = state.tasks["t"].generation
+    state, _ = CORE.handle(state, d.ProgressMade(ts=3.0, task="t", step=10, generation=gen))
+    assert state.tasks["t"].phase is d.TaskPhase.RUNNING
+    report = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node="n1",
+                    task="t", rank=placement["n1"][0], source_ts=4.0, agent_ts=4.0)
+    state, _ = CORE.handle(state, d.IncidentRaised(ts=4.0, incident=causes.incident(report, 4.0), generation=gen))
+    entry = state.tasks["t"]
+    assert entry.phase is d.TaskPhase.RESTARTING and entry.restart_epoch == 1
+    # the survivor on n0 (launched at epoch 0) is ahead of what the coordinator saw: not a recovery
+    survivor = status("n0", rank(placement["n0"], gen, step=12, restart_epoch=0))
+    assert causes.progress(survivor, state, {("t", gen): 10}, ts=5.0) == []
+    # the relaunched rank's own step does count
+    relaunched = status("n1", rank(placement["n1"], gen, step=11, restart_epoch=1))
+    [made] = causes.progress(relaunched, state, {("t", gen): 10}, ts=5.0)
+    assert made.step == 11
+
+
+def test_a_failed_reconcile_fails_the_assignment_without_naming_the_node() -> None:
+    state, _ = running_task()
+    entry = state.tasks["t"]
+    assert entry.outstanding is not None
+    bad = result("n0", ok=False, generation=entry.generation, ranks={},
+                 detail="PermanentError: rank 0: cannot start '/nonexistent'")
+    [failed] = causes.outcomes(bad, {"n0": bad}, state, ts=3.0)
+    assert isinstance(failed, d.ActionFailed)
+    assert failed.action_id == entry.outstanding.action_id and failed.node is None
+    assert "cannot start" in failed.reason
+    # an older generation's failure says nothing about this assignment
+    old = result("n0", ok=False, generation=entry.generation - 1, ranks={})
+    assert causes.outcomes(old, {"n0": old}, state, ts=3.0) == []
+
+
+def test_an_assignment_succeeds_once_every_node_runs_its_ranks() -> None:
+    state, placement = running_task()
+    entry = state.tasks["t"]
+    assert entry.outstanding is not None
+    gen = entry.generation
+    r0 = result("n0", ok=True, generation=gen, ranks={str(r): "running" for r in placement["n0"]})
+    assert causes.outcomes(r0, {"n0": r0}, state, ts=3.0) == []  # n1 has not reported yet
+    r1 = result("n1", ok=True, generation=gen, ranks={str(r): "running" for r in placement["n1"]})
+    [ok] = causes.outcomes(r1, {"n0": r0, "n1": r1}, state, ts=3.0)
+    assert ok == d.ActionSucceeded(ts=3.0, action_id=entry.outstanding.action_id)
+    # the core takes it: the task runs
+    state, _ = CORE.handle(state, ok)
+    assert state.tasks["t"].phase is d.TaskPhase.RUNNING
+
+
+def test_a_relaunched_rank_does_not_by_itself_confirm_a_restart() -> None:
+    state, placement = running_task()
+    gen = state.tasks["t"].generation
+    state, _ = CORE.handle(state, d.ProgressMade(ts=3.0, task="t", step=1, generation=gen))
+    report = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node="n0",
+                    task="t", rank=placement["n0"][0], source_ts=4.0, agent_ts=4.0)
+    state, _ = CORE.handle(state, d.IncidentRaised(ts=4.0, incident=causes.incident(report, 4.0), generation=gen))
+    ok = result("n0", ok=True, generation=gen, restart_epoch=1, ranks={str(r): "running" for r in placement["n0"]})
+    assert causes.outcomes(ok, {"n0": ok}, state, ts=5.0) == []
+    bad = result("n0", ok=False, generation=gen, restart_epoch=1, ranks={}, detail="cannot start")
+    [failed] = causes.outcomes(bad, {"n0": bad}, state, ts=5.0)
+    assert isinstance(failed, d.ActionFailed)
+
+
+def test_a_task_finishes_when_every_rank_exited_0() -> None:
+    state, placement = running_task()
+    gen = state.tasks["t"].generation
+    done = {n: status(n, rank(r, gen, state="exited", returncode=0)) for n, r in placement.items()}
+    assert causes.finished(done, state, ts=9.0) == [d.TaskFinished(ts=9.0, task="t")]
+    # one rank still running, one failed, one stopped on request, or an older generation: not finished
+    for spoil in ({"state": "running", "returncode": None}, {"returncode": 1},
+                  {"returncode": 0, "requested": True}):
+        fields: dict[str, object] = {"state": "exited", **spoil}
+        partly = {**done, "n1": status("n1", rank(placement["n1"], gen, **fields))}
+        assert causes.finished(partly, state, ts=9.0) == []
+    old = {n: status(n, rank(r, gen - 1, state="exited", returncode=0)) for n, r in placement.items()}
+    assert causes.finished(old, state, ts=9.0) == []
+    assert causes.finished({"n0": done["n0"]}, state, ts=9.0) == []
+
+
+def test_a_lease_gone_is_a_node_loss_only_when_the_link_is_silent() -> None:
+    assert causes.lease_gone("n0", link_alive=False, already_lost=False, ts=1.0) == d.NodeLost(
+        ts=1.0, node="n0", reason="agent lease expired")
+    assert causes.lease_gone("n0", link_alive=True, already_lost=False, ts=1.0) is None  # issue #19 item 3
+    assert causes.lease_gone("n0", link_alive=False, already_lost=True, ts=1.0) is None
+
+
+def test_an_isolated_node_does_not_rejoin_by_registering_again() -> None:
+    state, _ = running_task()
+    assert causes.rejoin("n0", 1, state, ts=5.0) == d.NodeJoined(ts=5.0, node="n0", gpus=1)
+    report = Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.ECC_ERROR, node="n0",
+                    source_ts=4.0, agent_ts=4.0)
+    state, _ = CORE.handle(state, d.IncidentRaised(ts=4.0, incident=causes.incident(report, 4.0)))
+    assert state.nodes["n0"].status is d.NodeState.ISOLATED
+    assert causes.rejoin("n0", 1, state, ts=5.0) is None  # issue #19 item 8

@@ -1,0 +1,173 @@
+"""The coordinator's loop against a real etcd whose writes fail on demand (issue #12 item 2, issue #19
+items 8 and 9). The loop thread runs as in the daemon; inputs are the watch records agents write.
+
+The store is a real :class:`Store` on a real etcd; only its fenced transaction can be told to raise
+:class:`StoreUnavailable` for the next N calls, which is what a short etcd outage does to it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+
+import pytest
+
+from coordinator import decision as d
+from coordinator.daemon import Call, Coordinator, CoreEvent, Input, NodeChanged, ReportSeen
+from coordinator.leader import Leadership
+from coordinator.settings import CoordinatorSettings
+from coordinator.tasks import parse_task_spec
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.etcd import Lease, Store, WatchEvent
+from unicron.kernel.types import DetectionMethod, ErrorKind, NodeAssignment, NodeInfo, Report
+
+
+class FlakyStore(Store):
+    """A real store whose next ``fail`` fenced transactions raise as if etcd were down."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        self.fail = 0
+        self.on_fail: Callable[[], None] = lambda: None
+
+    def guarded_txn(self, guard_key: str, guard_revision: int, puts: Mapping[str, str | bytes] = {},
+                    deletes: Sequence[str] = (), lease: Lease | None = None) -> bool:
+        if self.fail > 0:
+            self.fail -= 1
+            self.on_fail()
+            raise StoreUnavailable("etcd unavailable (injected by the test)")
+        return super().guarded_txn(guard_key, guard_revision, puts=puts, deletes=deletes, lease=lease)
+
+
+@pytest.fixture
+def coord(etcd_server: EtcdServer) -> Iterator[tuple[Coordinator, FlakyStore]]:
+    settings = CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/tx")
+    c = Coordinator(settings)
+    store = FlakyStore(etcd_server.endpoint)
+    c.store = store
+    c.leadership = Leadership(store, c.keys, "test", ttl_s=3, on_deposed=c.stop)
+    assert c.leadership.campaign(threading.Event())
+    loop = threading.Thread(target=c._loop, daemon=True)
+    loop.start()
+    try:
+        yield c, store
+    finally:
+        c.stop()
+        loop.join(5)
+        c.leadership.resign()
+        store.close()
+
+
+def feed(c: Coordinator, item: Input) -> None:
+    c._inbox.put(item)
+
+
+def settle(c: Coordinator) -> None:
+    """Wait until the loop has handled everything queued so far (the inbox is handled in order)."""
+    fut: Future[object] = Future()
+    c._inbox.put(Call(lambda: None, fut))
+    fut.result(timeout=20)
+
+
+def register(c: Coordinator, node: str, pid: int) -> None:
+    info = NodeInfo(node=node, host="localhost", gpus=1, gpu_backend="simulated", agent_pid=pid, started_ts=float(pid))
+    feed(c, NodeChanged(WatchEvent("put", c.keys.node(node), json.dumps(info.to_dict()).encode(), 0), time.time()))
+
+
+def report_input(c: Coordinator, report: Report) -> ReportSeen:
+    key = c.keys.report(report.node, report.report_id)
+    value = json.dumps(report.to_dict())
+    assert c.store is not None
+    c.store.put(key, value)
+    return ReportSeen(WatchEvent("put", key, value.encode(), 0), time.time())
+
+
+def running(c: Coordinator) -> None:
+    """Two nodes, one task on both, confirmed by progress."""
+    register(c, "n0", 1)
+    register(c, "n1", 2)
+    spec = parse_task_spec({"name": "t", "command": ["python", "x.py"], "min_gpus": 2}, None)
+    feed(c, CoreEvent(d.TaskSubmitted(ts=time.time(), spec=spec)))
+    settle(c)
+    gen = c.state.tasks["t"].generation
+    feed(c, CoreEvent(d.ProgressMade(ts=time.time(), task="t", step=1, generation=gen)))
+    settle(c)
+    assert c.state.tasks["t"].phase is d.TaskPhase.RUNNING
+
+
+def assignment(c: Coordinator, node: str) -> NodeAssignment:
+    assert c.store is not None
+    kv = c.store.get(c.keys.assignment(node))
+    assert kv is not None
+    return NodeAssignment.from_dict(json.loads(kv.value))
+
+
+def incidents(c: Coordinator) -> int:
+    assert c.store is not None
+    return len(c.store.get_prefix(c.keys.incidents())[0])
+
+
+def sev2(node: str) -> Report:
+    return Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node=node,
+                  task="t", rank=1 if node == "n1" else 0, generation=1, source_ts=time.time())
+
+
+def test_a_failed_write_leaves_memory_as_it_was_and_the_restart_is_written_later(
+        coord: tuple[Coordinator, FlakyStore]) -> None:
+    c, store = coord
+    running(c)
+    node = next(n for n, r in c.state.tasks["t"].placement.items() if r)
+    before = assignment(c, node)
+    seen: list[tuple[d.TaskPhase, int, int]] = []
+
+    def observe() -> None:  # what the coordinator believes while its write fails
+        e = c.state.tasks["t"]
+        desired = c.executor.desired[node]["t"]
+        seen.append((e.phase, e.restart_epoch, desired.restart_epoch))
+
+    store.on_fail = observe
+    store.fail = 3  # three attempts fail: etcd is "down" for about 0.6 s
+    feed(c, report_input(c, sev2(node)))
+    deadline = time.monotonic() + 20
+    while assignment(c, node).tasks[0].restart_epoch == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = assignment(c, node)
+    assert len(seen) == 3 and all(s == (d.TaskPhase.RUNNING, 0, 0) for s in seen), seen
+    assert after.tasks[0].restart_epoch == 1 and after.revision > before.revision
+    assert c.state.tasks["t"].phase is d.TaskPhase.RESTARTING and c.state.tasks["t"].restart_epoch == 1
+    assert incidents(c) == 1
+
+
+def test_a_report_seen_twice_is_one_incident(coord: tuple[Coordinator, FlakyStore]) -> None:
+    """Issue #19 item 9: a watch replay after an etcd outage delivers the report again."""
+    c, _ = coord
+    running(c)
+    node = next(n for n, r in c.state.tasks["t"].placement.items() if r)
+    item = report_input(c, sev2(node))
+    feed(c, item)
+    feed(c, item)
+    settle(c)
+    assert incidents(c) == 1
+    assert c.state.tasks["t"].restart_epoch == 1
+
+
+def test_an_isolated_node_stays_isolated_when_its_agent_registers_again(
+        coord: tuple[Coordinator, FlakyStore]) -> None:
+    """Issue #19 item 8: only an operator's undrain ends an isolation, not a reconnect."""
+    c, _ = coord
+    running(c)
+    ecc = Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.ECC_ERROR, node="n0",
+                 source_ts=time.time())
+    feed(c, report_input(c, ecc))
+    settle(c)
+    assert c.state.nodes["n0"].status is d.NodeState.ISOLATED
+    register(c, "n0", 99)  # the agent restarted (a new pid) and registered again
+    settle(c)
+    assert c.state.nodes["n0"].status is d.NodeState.ISOLATED
+    feed(c, CoreEvent(d.NodeUndrained(ts=time.time(), node="n0")))
+    settle(c)
+    assert c.state.nodes["n0"].status.value == "up"  # (mypy narrowed the enum above)
