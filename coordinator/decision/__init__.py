@@ -27,17 +27,14 @@ ranks are relaunched and rejoin), ``regroup_epoch`` on every sev3 reattempt (no 
 Modules, one per concept: :mod:`~coordinator.decision.events` (inputs), :mod:`~coordinator.decision.actions`
 (outputs), :mod:`~coordinator.decision.state` (the persisted state), :mod:`~coordinator.decision.table`
 (Figure 7), :mod:`~coordinator.decision.settings` (budgets, deadlines), :mod:`~coordinator.decision.engine`
-(:class:`DecisionCore`), :mod:`~coordinator.decision.codec` (JSON for events and actions),
-:mod:`~coordinator.decision.results` (agents' results -> ActionSucceeded / ActionFailed). Everything a
+(:class:`DecisionCore`), :mod:`~coordinator.decision.codec` (JSON for events and actions). Everything a
 caller needs is re-exported here: ``from coordinator import decision as d; d.DecisionCore(...)``.
 
-Action results, for the daemon (details in :mod:`~coordinator.decision.results`): after writing
-``assign/<node>`` at revision R, remember ``d.awaited(state, node)``; when ``results/<node>`` reports a
-revision >= R, feed ``d.result_events(remembered, result, ts=now, cause=...)``. A failed action
-escalates at once (failed reattempt -> sev2 restart; failed restart -> sev1, the node isolated; failed
-assignment -> the node it failed on isolated and a re-plan, charged to the restart budget). With
-``cause=FailureCause.TASK`` (the task's command could not start) the task is failed with the reason and
-no node is isolated.
+Action results: the daemon turns agents' ``results/<node>`` into ActionSucceeded / ActionFailed
+(:func:`coordinator.causes.outcomes`). A failed action escalates at once (failed reattempt -> sev2
+restart; failed restart -> sev1, the node isolated; failed assignment -> the node it failed on isolated
+and a re-plan, charged to the restart budget). With ``cause=FailureCause.TASK`` (the task's command
+could not start) the task is failed with the reason and no node is isolated.
 """
 
 from coordinator.decision.actions import (
@@ -69,7 +66,6 @@ from coordinator.decision.events import (
     TaskSubmitted,
     Tick,
 )
-from coordinator.decision.results import Awaited, awaited, result_events
 from coordinator.decision.settings import DecisionSettings
 from coordinator.decision.state import (
     ACTIVE_PHASES,
@@ -93,7 +89,6 @@ __all__ = [
     "ActionSucceeded",
     "Alert",
     "Assign",
-    "Awaited",
     "CoreState",
     "DecisionCore",
     "DecisionSettings",
@@ -122,8 +117,6 @@ __all__ = [
     "Tick",
     "Transition",
     "Trigger",
-    "awaited",
     "from_dict",
-    "result_events",
     "to_dict",
 ]

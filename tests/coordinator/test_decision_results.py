@@ -7,7 +7,6 @@ import json
 
 from coordinator.decision import (
     ActionFailed,
-    ActionKind,
     ActionSucceeded,
     Alert,
     Assign,
@@ -22,9 +21,7 @@ from coordinator.decision import (
     StopTask,
     TaskFinished,
     TaskPhase,
-    awaited,
     from_dict,
-    result_events,
     to_dict,
 )
 from tests.coordinator.test_decision import SEV2_KIND, SEV3_KIND, Sim, one, only, running_cluster
@@ -186,64 +183,6 @@ def test_a_multi_node_assignment_is_confirmed_once_every_node_reported() -> None
     assert sim.phase("job") is P.RECONFIGURING
     sim.feed(ActionSucceeded(ts=sim.ts(), action_id=assign.action_id, node="n2"))
     assert sim.phase("job") is P.RUNNING
-
-
-# --- the daemon's helpers: awaited / result_events ---------------------------------------------------
-
-
-def test_result_of_each_node_confirms_an_assignment_through_the_helpers() -> None:
-    sim = Sim()
-    sim.join("n1")
-    sim.join("n2")
-    sim.submit("job", min_gpus=16)
-    carried = {n: awaited(sim.state, n) for n in ("n1", "n2")}
-    assert [(a.task, a.kind) for a in carried["n1"]] == [("job", ActionKind.ASSIGN)]
-    assert carried["n1"][0].action_id == sim.outstanding("job")
-    gen = sim.state.tasks["job"].generation
-    stale = result_events(carried["n1"], _result("n1", {"job": (gen - 1, 0, 0)}), ts=sim.ts())
-    assert stale == []  # the node still runs the previous generation: not this action's result
-    for node in ("n1", "n2"):
-        for event in result_events(carried[node], _result(node, {"job": _counters(sim, "job")}), ts=sim.ts()):
-            assert isinstance(event, ActionSucceeded) and event.node == node
-            sim.feed(event)
-    assert sim.phase("job") is P.RUNNING
-    assert awaited(sim.state, "n1") == []
-
-
-def test_restart_and_reattempt_are_awaited_from_the_nodes_their_records_change() -> None:
-    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 16}})
-    one(sim.incident("n2", SEV2_KIND, task="job", rank=9), RestartRanks)
-    assert awaited(sim.state, "n1") == []
-    (a,) = awaited(sim.state, "n2")
-    assert a.kind is ActionKind.RESTART
-    g, r, e = _counters(sim, "job")
-    assert result_events([a], _result("n2", {"job": (g, r - 1, e)}), ts=sim.ts()) == []
-    (ok,) = result_events([a], _result("n2", {"job": (g, r, e)}), ts=sim.ts())
-    sim.feed(ok)
-    assert sim.phase("job") is P.RUNNING
-
-    one(sim.incident("n1", SEV3_KIND, task="job", rank=1), Reattempt)
-    assert [x.kind for x in awaited(sim.state, "n1")] == [ActionKind.REATTEMPT]
-    assert [x.kind for x in awaited(sim.state, "n2")] == [ActionKind.REATTEMPT]  # every member regroups
-
-
-def test_a_failed_reconcile_fails_the_carried_actions_with_the_cause_given() -> None:
-    bad = _result("n1", {}, ok=False, detail="FileNotFoundError: [Errno 2] No such file: 'train'")
-    for cause in (FailureCause.TASK, FailureCause.NODE):
-        sim = Sim()
-        sim.join("n1")
-        sim.join("n2")
-        sim.submit("job", min_gpus=8)
-        assert sim.gpus("job") == {"n1": 8, "n2": 8}
-        (event,) = result_events(awaited(sim.state, "n1"), bad, ts=sim.ts(), cause=cause)
-        assert isinstance(event, ActionFailed) and event.node == "n1" and "FileNotFoundError" in event.reason
-        acts = sim.feed(event)
-        if cause is FailureCause.TASK:
-            assert "FileNotFoundError" in one(acts, MarkTaskFailed, "job").reason
-            assert not only(acts, IsolateNode) and sim.phase("job") is P.FAILED
-        else:  # the node may be at fault: it is isolated and the task moves off it
-            assert one(acts, IsolateNode).node == "n1"
-            assert one(acts, Assign, "job").placement.keys() == {"n2"}
 
 
 # --- JSON --------------------------------------------------------------------------------------------
