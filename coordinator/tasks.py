@@ -221,23 +221,26 @@ def _check_launch_size(command: tuple[str, ...], env: Mapping[str, str]) -> None
         )
 
 
-def load_spec_json(text: str) -> Any:
-    """Parse a spec's JSON text, refusing what is too big or too deep to be a spec before parsing it."""
+def load_spec_json(text: str, where: str = "task") -> Any:
+    """Parse a spec's JSON text, refusing what is too big or too deep to be a spec before parsing it.
+
+    ``where`` starts each error message (the CLI passes the file's name).
+    """
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_SPEC_BYTES:
         raise InvalidRecord(
-            f"task: the spec is {size} bytes; the limit is {MAX_SPEC_BYTES} (MAX_SPEC_BYTES); "
+            f"{where}: the spec is {size} bytes; the limit is {MAX_SPEC_BYTES} (MAX_SPEC_BYTES); "
             "pass large inputs to the command in a file instead"
         )
     depth = _max_depth(text)
     if depth > MAX_SPEC_DEPTH:
-        raise InvalidRecord(f"task: nested deeper than {MAX_SPEC_DEPTH} levels ({depth}); a spec nests 2")
+        raise InvalidRecord(f"{where}: nested deeper than {MAX_SPEC_DEPTH} levels ({depth}); a spec nests 2")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidRecord(f"task: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+        raise InvalidRecord(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
     except RecursionError as exc:  # _max_depth bounds it; this keeps a miss an input error, not a crash
-        raise InvalidRecord(f"task: nested too deep to parse; a spec nests {MAX_SPEC_DEPTH} levels at most") from exc
+        raise InvalidRecord(f"{where}: nested too deep to parse; a spec nests {MAX_SPEC_DEPTH} levels at most") from exc
 
 
 #: a JSON string literal (escapes included), whose brackets are not nesting
