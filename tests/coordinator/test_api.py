@@ -441,3 +441,71 @@ def test_cli_submit_of_a_file_that_is_not_a_spec_is_one_line(
         assert err.startswith(f"unicron submit: {path}: ") and message in err
         assert err.count("\n") == 1 and "Traceback" not in err
     assert plane.specs == {}
+
+
+# --- issue 19 item 16: what `unicron nodes` and `unicron status` show -------------------------
+
+
+class StatePlane(FakeControlPlane):
+    """Answers ListNodes as the daemon does: each node's state and reason in the coordinator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node_names = ["n1", "n2", "n3"]
+        self.states = {"n1": ("up", ""), "n2": ("isolated", "sev1 lost_connection on n2 (i7)"),
+                       "n3": ("lost", "agent lease expired")}
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [{"node": n, "gpus": 2, "state": s, "reason": r} for n, (s, r) in self.states.items()]
+
+
+def _register(store: Store, keys: Keyspace, node: str) -> None:
+    info = {"node": node, "host": "h", "gpus": 2, "gpu_backend": "simulated", "agent_pid": 4242,
+            "started_ts": 1.0, "replica_addr": ""}
+    store.put(keys.node(node), json.dumps(info))
+
+
+def test_cli_nodes_shows_isolation_and_drain_from_the_coordinator(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    keys = Keyspace(prefix)
+    plane = StatePlane()
+    plane.states["n1"] = ("drained", "drained by an operator")
+    for node in ("n1", "n2"):  # n3's agent is gone: registered no more, but the coordinator knows it
+        _register(store, keys, node)
+    store.put(keys.drain("n1"), "1")
+    server, address = serve(plane, "127.0.0.1", 0)
+    flags = ("--etcd", etcd_server.endpoint, "--prefix", prefix)
+    try:
+        store.put(keys.leader(), json.dumps({"pid": 1, "api": address}))
+        code, out, err = unicron("nodes", *flags, "--json")
+        assert code == 0, err
+        rows = {r["node"]: r for r in json.loads(out)}
+        assert {n: (r["state"], r["reason"]) for n, r in rows.items()} == plane.states
+        assert rows["n1"]["agent_pid"] == 4242 and rows["n3"]["agent_pid"] is None
+        assert rows["n2"]["registered"] is True and rows["n3"]["registered"] is False
+        code, out, _ = unicron("nodes", *flags)
+        table = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:]}
+        assert table == {"n1": "drained", "n2": "isolated", "n3": "lost"}
+    finally:
+        stop(server, 0.1)
+
+    # no coordinator: etcd's view still answers, says what it cannot know, and shows drains
+    code, out, err = unicron("nodes", *flags, "--json", "--timeout", "1")
+    assert code == 0
+    rows = {r["node"]: r for r in json.loads(out)}
+    assert rows["n1"]["state"] == "drained" and rows["n2"]["state"] == "unknown" and "n3" not in rows
+    assert "isolation" in err and err.count("\n") == 1
+
+
+def test_cli_status_shows_each_ranks_own_generation(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    keys = Keyspace(prefix)
+    ranks = [{"task": "a", "generation": 3, "rank": 0, "pid": 11, "state": "running", "step": 9},
+             {"task": "a", "generation": 5, "rank": 1, "pid": 12, "state": "running", "step": 9}]
+    status = {"node": "n1", "ts": time.time(), "generation": 7, "task": "a", "ranks": ranks, "gpu_health": []}
+    store.put(keys.status("n1"), json.dumps(status))
+    code, out, err = unicron("status", "--etcd", etcd_server.endpoint, "--prefix", prefix, "--json")
+    assert code == 0, err
+    assert [(r["rank"], r["generation"]) for r in json.loads(out)] == [(0, 3), (1, 5)]
