@@ -16,16 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
-import structlog
 
-from coordinator.tasks import TaskSpec, parse_task_spec
+from coordinator.tasks import TaskSpec, load_spec_json, parse_task_spec
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
-# A lazy proxy, so that unicron.kernel.log.configure() called later (by main) still applies; a logger from
-# unicron.kernel.log.get() at import time would keep structlog's default config (stdout, console format).
-log = structlog.get_logger("unicron.coordinator.api")
+log = ulog.get(__name__)
 
 T = TypeVar("T")
 
@@ -112,11 +110,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             else:
                 log.info("API call refused", rpc=rpc, code=code.name, error=str(exc))
                 message = str(exc)
-            _abort(context, code, message)
+            _abort(context, code, one_line(message))
 
     def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitReply:
         def submit() -> pb.SubmitReply:
-            data = _load_spec(request.spec_json)
+            data = load_spec_json(request.spec_json)
             spec = parse_task_spec(data, self.cp.cluster_gpus(), self.cp.gpus_per_node())
             self.cp.submit(spec)
             log.info("task submitted", task=spec.name, weight=spec.weight, min_gpus=spec.min_gpus)
@@ -176,11 +174,14 @@ def _abort(context: Any, code: grpc.StatusCode, message: str) -> NoReturn:
     raise AssertionError("grpc context.abort returned")  # it raises; this keeps the type checker honest
 
 
-def _load_spec(spec_json: str) -> Any:
-    try:
-        return json.loads(spec_json)
-    except ValueError as exc:
-        raise InvalidRecord(f"task: not valid JSON ({exc})") from exc
+#: the most of an error message a client gets (the whole of it is in the coordinator's log)
+MAX_MESSAGE_CHARS = 500
+
+
+def one_line(message: str) -> str:
+    """``message`` as one line of bounded length: a client prints it as is, e.g. after "unicron submit: "."""
+    text = " ".join(message.split())
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def _required(value: str, field: str) -> str:

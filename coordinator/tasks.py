@@ -5,12 +5,16 @@ paper's priority w(t), recommended 0.5-2.0, default 1), a minimum requirement (t
 T_necessary: the fewest GPUs it may run on), the parallelism that constrains how its GPUs can be cut
 (tensor-parallel groups stay inside a node), a model description for the throughput model, and env.
 
-``parse_task_spec`` is the only way in from untrusted JSON: every problem raises
-:class:`unicron.kernel.errors.InvalidRecord` whose message names the field and says what to do.
+``load_spec_json`` then ``parse_task_spec`` are the only way in from untrusted JSON: every problem
+raises :class:`unicron.kernel.errors.InvalidRecord` whose one-line message names the field and says
+what to do. Validation refuses what would fail later, where it is costly: whatever ``execve()`` refuses
+(a NUL byte, '=' in an env name, too many argv/env bytes) would otherwise preempt running tasks for a
+task that cannot start, and an oversize spec would be refused by etcd after the coordinator decided.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
@@ -20,10 +24,22 @@ from typing import Any
 
 from unicron.kernel.errors import InvalidRecord
 
-#: a task name must be usable as one etcd key segment
+#: a task name must be one etcd key segment and one file name (no '/', NUL, '.', '..'), and a DNS label
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 MIN_WEIGHT = 0.5
 MAX_WEIGHT = 2.0
+#: The spec's JSON text, in UTF-8 bytes. Real specs are a few KiB; the coordinator stores the spec in
+#: one etcd write, and etcd refuses requests over 1.5 MiB by default (``--max-request-bytes``).
+MAX_SPEC_BYTES = 256 * 1024
+#: JSON nesting: a spec nests 2 levels (task -> model/env/command); deeper is not a spec, and
+#: Python's parser would recurse once per level.
+MAX_SPEC_DEPTH = 8
+#: argv plus env of one rank, as execve() counts them (each string with its NUL terminator). Linux
+#: refuses one string over 128 KiB (MAX_ARG_STRLEN) and all together over ARG_MAX (2 MiB usually),
+#: which the agent's own environment shares. Stored as JSON this is at most 6x (a control character
+#: becomes \u00XX), still under etcd's request limit.
+MAX_LAUNCH_BYTES = 128 * 1024
+_SHOWN = 60  # characters of a bad value quoted in an error message
 
 
 @dataclass(frozen=True)
@@ -108,10 +124,16 @@ _SPEC_FIELDS = {f.name for f in fields(TaskSpec)}
 _MODEL_FIELDS = {f.name for f in fields(ModelDescription)}
 
 
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: an error message quotes the value, not a megabyte of it."""
+    text = repr(value) if not isinstance(value, list | dict) else type(value).__name__
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
 def _positive_int(value: Any, where: str) -> int:
     # bool is an int in Python; "true" GPUs is a mistake worth naming
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRecord(f"{where}: expected a positive integer, got {value!r}")
+        raise InvalidRecord(f"{where}: expected a positive integer, got {_show(value)}")
     if value < 1:
         raise InvalidRecord(f"{where}: must be at least 1, got {value}")
     return value
@@ -120,7 +142,7 @@ def _positive_int(value: Any, where: str) -> int:
 def _parse_name(value: Any) -> str:
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise InvalidRecord(
-            f"task.name: {value!r} is not a valid task name; use 1-63 characters of lowercase letters, "
+            f"task.name: {_show(value)} is not a valid task name; use 1-63 characters of lowercase letters, "
             "digits and '-', starting with a letter or digit"
         )
     return value
@@ -131,7 +153,7 @@ def _parse_command(value: Any) -> tuple[str, ...]:
         try:
             argv = shlex.split(value)
         except ValueError as exc:
-            raise InvalidRecord(f"task.command: cannot split {value!r} into arguments: {exc}") from exc
+            raise InvalidRecord(f"task.command: cannot split {_show(value)} into arguments: {exc}") from exc
     elif isinstance(value, list | tuple):
         if not all(isinstance(a, str) for a in value):
             raise InvalidRecord("task.command: every argument must be a string")
@@ -142,12 +164,28 @@ def _parse_command(value: Any) -> tuple[str, ...]:
         )
     if not argv or not argv[0]:
         raise InvalidRecord("task.command: is empty; give the command that launches one training rank")
+    for i, arg in enumerate(argv):
+        _check_os_string(arg, f"task.command[{i}]")
     return tuple(argv)
+
+
+def _check_os_string(value: str, where: str) -> None:
+    """What the OS would refuse in one argv or env string: execve() takes NUL-terminated bytes."""
+    if "\0" in value:
+        raise InvalidRecord(f"{where}: contains a NUL byte (\\u0000), which no program argument or "
+                            "environment variable can hold; remove it")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRecord(f"{where}: is not encodable as UTF-8 ({exc.reason} at {exc.start}); "
+                            "use real characters, not lone \\ud800-\\udfff escapes") from exc
 
 
 def _parse_weight(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRecord(f"task.weight: expected a number in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {value!r}")
+        raise InvalidRecord(
+            f"task.weight: expected a number in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {_show(value)}"
+        )
     if not MIN_WEIGHT <= value <= MAX_WEIGHT:
         raise InvalidRecord(
             f"task.weight: {value} is outside [{MIN_WEIGHT}, {MAX_WEIGHT}] (paper §5.1); "
@@ -160,9 +198,65 @@ def _parse_env(value: Any) -> dict[str, str]:
     if not isinstance(value, dict):
         raise InvalidRecord(f"task.env: expected an object of string to string, got {type(value).__name__}")
     for k, v in value.items():
-        if not isinstance(k, str) or not k or "=" in k or not isinstance(v, str):
-            raise InvalidRecord(f"task.env: entry {k!r}: names must be non-empty without '=', values strings")
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidRecord(f"task.env: entry {_show(k)}: names and values must be strings")
+        if not k:
+            raise InvalidRecord("task.env: a name is empty; give every variable a name")
+        if "=" in k:
+            raise InvalidRecord(f"task.env: name {_show(k)} contains '=', which ends a name in the environment")
+        if "\0" in k:
+            raise InvalidRecord(f"task.env: name {_show(k)} contains a NUL byte (\\u0000); remove it")
+        _check_os_string(k, "task.env")
+        _check_os_string(v, f"task.env.{k}")
     return dict(value)
+
+
+def _check_launch_size(command: tuple[str, ...], env: Mapping[str, str]) -> None:
+    size = sum(len(a.encode()) + 1 for a in command)
+    size += sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+    if size > MAX_LAUNCH_BYTES:
+        raise InvalidRecord(
+            f"task.command, task.env: {size} bytes of arguments and environment (as execve counts them); "
+            f"the limit is {MAX_LAUNCH_BYTES} (MAX_LAUNCH_BYTES); pass large inputs in a file instead"
+        )
+
+
+def load_spec_json(text: str, where: str = "task") -> Any:
+    """Parse a spec's JSON text, refusing what is too big or too deep to be a spec before parsing it.
+
+    ``where`` starts each error message (the CLI passes the file's name).
+    """
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_SPEC_BYTES:
+        raise InvalidRecord(
+            f"{where}: the spec is {size} bytes; the limit is {MAX_SPEC_BYTES} (MAX_SPEC_BYTES); "
+            "pass large inputs to the command in a file instead"
+        )
+    depth = _max_depth(text)
+    if depth > MAX_SPEC_DEPTH:
+        raise InvalidRecord(f"{where}: nested deeper than {MAX_SPEC_DEPTH} levels ({depth}); a spec nests 2")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRecord(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except RecursionError as exc:  # _max_depth bounds it; this keeps a miss an input error, not a crash
+        raise InvalidRecord(f"{where}: nested too deep to parse; a spec nests {MAX_SPEC_DEPTH} levels at most") from exc
+
+
+#: a JSON string literal (escapes included), whose brackets are not nesting
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _max_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` outside strings (an upper bound for malformed text)."""
+    depth = deepest = 0
+    for ch in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text)):
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
 
 
 def parse_model(data: Any) -> ModelDescription:
@@ -229,6 +323,7 @@ def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | No
     model_raw = data.get("model")
     model = None if model_raw is None else parse_model(model_raw)
     env = _parse_env(data.get("env", {}))
+    _check_launch_size(command, env)
     spec = TaskSpec(name, command, weight, min_gpus, tp, pp, model, env)
     if model is not None and not spec.valid_count(min_gpus):
         raise InvalidRecord(

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,12 @@ import grpc
 import pytest
 
 from coordinator.api import AlreadyExists, ControlPlane, NotFound, serve, stop
-from coordinator.tasks import TaskSpec
+from coordinator.tasks import MAX_SPEC_BYTES, TaskSpec
 from unicron.cli import main as cli
+from unicron.cli.tasks import error_from_status
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import NotLeader, PermanentError, StoreUnavailable
+from unicron.kernel.errors import NotLeader, PermanentError, StoreUnavailable, TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import free_port
@@ -323,3 +325,187 @@ def test_cli_finds_the_api_in_the_leader_key_and_follows_failover(
         timer.join()
     assert code == 0, err
     assert plane.drained == set()
+
+
+# --- issue 19: bad input is INVALID_ARGUMENT at once, errors are one line, permanent ones not retried --
+
+
+class EtcdPlane(FakeControlPlane):
+    """Stores each accepted spec in real etcd in one write, as the daemon does."""
+
+    def __init__(self, store: Store, keys: Keyspace) -> None:
+        super().__init__()
+        self.store, self.keys = store, keys
+
+    def submit(self, spec: TaskSpec) -> None:
+        self.store.put(self.keys.task(spec.name), json.dumps(spec.to_dict()))
+        super().submit(spec)
+
+
+def _huge_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    # ~2 MB, as in the probe: above etcd's 1.5 MiB request limit
+    return {**spec, "env": {f"V{i}": "x" * 1000 for i in range(2000)}}
+
+
+def test_nul_in_the_command_is_invalid_argument(stub: Any, plane: FakeControlPlane) -> None:
+    # the probe's spec: it was accepted and preempted a running task for ranks that could never start
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Submit(pb.SubmitRequest(spec_json=json.dumps({"name": "b35", "command": ["python\u0000"]})), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("task.command[0]: contains a NUL byte")
+    assert plane.specs == {}
+
+
+def test_deep_nesting_is_invalid_argument_not_internal(stub: Any, plane: FakeControlPlane) -> None:
+    for text in ("[" * 100_000, '{"name": ' * 20_000):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Submit(pb.SubmitRequest(spec_json=text), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "nested deeper than" in err.value.details()
+    assert plane.specs == {}
+
+
+def test_oversize_spec_is_refused_at_once_naming_the_limit(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, spec: dict[str, Any], tmp_path: Path,
+) -> None:
+    keys = Keyspace(prefix)
+    server, address = serve(EtcdPlane(store, keys), "127.0.0.1", 0)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            raw = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.RpcError) as err:
+                raw.Submit(pb.SubmitRequest(spec_json=json.dumps(_huge_spec(spec))), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"the limit is {MAX_SPEC_BYTES}" in err.value.details()
+
+        # through the CLI and the leader key: before, etcd refused the write late (UNAVAILABLE), the CLI
+        # retried it for its whole --timeout and printed a multi-line gRPC repr
+        store.put(keys.leader(), json.dumps({"pid": 1, "api": address}))
+        path = tmp_path / "huge.json"
+        path.write_text(json.dumps(_huge_spec(spec)))
+        t0 = time.monotonic()
+        code, out, err_text = unicron("submit", str(path), "--etcd", etcd_server.endpoint, "--prefix", prefix,
+                                      "--timeout", "10")
+        assert code == 1 and out == ""
+        assert time.monotonic() - t0 < 3.0
+        assert err_text.count("\n") == 1 and f"the limit of {MAX_SPEC_BYTES} bytes" in err_text
+        assert store.get(keys.task(spec["name"])) is None
+    finally:
+        stop(server, 0.1)
+
+
+def test_multi_line_errors_reach_the_client_as_one_line(
+    stub: Any, plane: FakeControlPlane, unicron: Any, api: str,
+) -> None:
+    plane.fail = StoreUnavailable("etcd put failed: <_InactiveRpcError of RPC that terminated with:\n"
+                                  "\tstatus = StatusCode.INVALID_ARGUMENT\n\tdetails = \"too large\"\n>")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ListNodes(pb.ListNodesRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "\n" not in err.value.details() and "too large" in err.value.details()
+    code, _, err_text = unicron("tasks", "--api", api, "--timeout", "1")
+    assert code == 1 and err_text.count("\n") == 1 and "too large" in err_text
+
+
+def test_cli_never_retries_a_permanent_error(
+    unicron: Any, api: str, plane: FakeControlPlane, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    store.put(Keyspace(prefix).leader(), json.dumps({"pid": 1, "api": api}))
+    plane.fail = PermanentError("cannot do that")
+    t0 = time.monotonic()
+    code, _, err = unicron("tasks", "--etcd", etcd_server.endpoint, "--prefix", prefix, "--timeout", "10")
+    assert code == 1 and "cannot do that" in err and time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.parametrize("code", list(grpc.StatusCode))
+def test_only_unavailable_and_deadline_are_retried(code: grpc.StatusCode) -> None:
+    error = error_from_status(code, "details\nmore", "127.0.0.1:1")
+    temporary = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert isinstance(error, TemporaryError) is temporary
+    assert isinstance(error, PermanentError) is not temporary
+    assert "\n" not in str(error)
+
+
+def test_cli_submit_of_a_file_that_is_not_a_spec_is_one_line(
+    unicron: Any, api: str, plane: FakeControlPlane, tmp_path: Path,
+) -> None:
+    cases = {
+        "latin1.json": ('{"name": "caf\xe9"}'.encode("latin-1"), "not UTF-8 text"),
+        "deep.json": (b"[" * 100_000, "nested deeper than"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        code, out, err = unicron("submit", str(path), "--api", api)
+        assert code == 1 and out == "", err
+        assert err.startswith(f"unicron submit: {path}: ") and message in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert plane.specs == {}
+
+
+# --- issue 19 item 16: what `unicron nodes` and `unicron status` show -------------------------
+
+
+class StatePlane(FakeControlPlane):
+    """Answers ListNodes as the daemon does: each node's state and reason in the coordinator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node_names = ["n1", "n2", "n3"]
+        self.states = {"n1": ("up", ""), "n2": ("isolated", "sev1 lost_connection on n2 (i7)"),
+                       "n3": ("lost", "agent lease expired")}
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [{"node": n, "gpus": 2, "state": s, "reason": r} for n, (s, r) in self.states.items()]
+
+
+def _register(store: Store, keys: Keyspace, node: str) -> None:
+    info = {"node": node, "host": "h", "gpus": 2, "gpu_backend": "simulated", "agent_pid": 4242,
+            "started_ts": 1.0, "replica_addr": ""}
+    store.put(keys.node(node), json.dumps(info))
+
+
+def test_cli_nodes_shows_isolation_and_drain_from_the_coordinator(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    keys = Keyspace(prefix)
+    plane = StatePlane()
+    plane.states["n1"] = ("drained", "drained by an operator")
+    for node in ("n1", "n2"):  # n3's agent is gone: registered no more, but the coordinator knows it
+        _register(store, keys, node)
+    store.put(keys.drain("n1"), "1")
+    server, address = serve(plane, "127.0.0.1", 0)
+    flags = ("--etcd", etcd_server.endpoint, "--prefix", prefix)
+    try:
+        store.put(keys.leader(), json.dumps({"pid": 1, "api": address}))
+        code, out, err = unicron("nodes", *flags, "--json")
+        assert code == 0, err
+        rows = {r["node"]: r for r in json.loads(out)}
+        assert {n: (r["state"], r["reason"]) for n, r in rows.items()} == plane.states
+        assert rows["n1"]["agent_pid"] == 4242 and rows["n3"]["agent_pid"] is None
+        assert rows["n2"]["registered"] is True and rows["n3"]["registered"] is False
+        code, out, _ = unicron("nodes", *flags)
+        table = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:]}
+        assert table == {"n1": "drained", "n2": "isolated", "n3": "lost"}
+    finally:
+        stop(server, 0.1)
+
+    # no coordinator: etcd's view still answers, says what it cannot know, and shows drains
+    code, out, err = unicron("nodes", *flags, "--json", "--timeout", "1")
+    assert code == 0
+    rows = {r["node"]: r for r in json.loads(out)}
+    assert rows["n1"]["state"] == "drained" and rows["n2"]["state"] == "unknown" and "n3" not in rows
+    assert "isolation" in err and err.count("\n") == 1
+
+
+def test_cli_status_shows_each_ranks_own_generation(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    keys = Keyspace(prefix)
+    ranks = [{"task": "a", "generation": 3, "rank": 0, "pid": 11, "state": "running", "step": 9},
+             {"task": "a", "generation": 5, "rank": 1, "pid": 12, "state": "running", "step": 9}]
+    status = {"node": "n1", "ts": time.time(), "generation": 7, "task": "a", "ranks": ranks, "gpu_health": []}
+    store.put(keys.status("n1"), json.dumps(status))
+    code, out, err = unicron("status", "--etcd", etcd_server.endpoint, "--prefix", prefix, "--json")
+    assert code == 0, err
+    assert [(r["rank"], r["generation"]) for r in json.loads(out)] == [(0, 3), (1, 5)]

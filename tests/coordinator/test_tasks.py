@@ -8,8 +8,16 @@ from typing import Any
 
 import pytest
 
-from coordinator.tasks import TaskSpec, parse_task_spec
+from coordinator.tasks import (
+    MAX_LAUNCH_BYTES,
+    MAX_SPEC_BYTES,
+    MAX_SPEC_DEPTH,
+    TaskSpec,
+    load_spec_json,
+    parse_task_spec,
+)
 from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.etcd import Store
 
 MODEL = {
     "num_layers": 24,
@@ -115,3 +123,80 @@ def test_valid_counts_respect_parallelism_and_global_batch() -> None:
     valid = [g for g in range(0, 33) if spec.valid_count(g)]
     # multiples of tp=2, at least 4, and DP (g/2) dividing the global batch of 12
     assert valid == [0, 4, 6, 8, 12, 24]
+
+
+# --- what the OS refuses at launch (issue 19 item 10), and the parse boundary (items 11, 12) ---------
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        # the probe's spec: accepted, it preempted a running task, then exec failed "embedded null byte"
+        ({"command": ["python\u0000"]}, r"task\.command\[0\]: contains a NUL byte"),
+        ({"command": ["python", "-c", "x\u0000y"]}, r"task\.command\[2\]: contains a NUL byte"),
+        ({"command": "python 'a\u0000b'"}, r"task\.command\[1\]: contains a NUL byte"),
+        ({"command": ["python", "\ud800"]}, r"task\.command\[1\]: is not encodable as UTF-8"),
+        ({"env": {"A\u0000": "1"}}, r"task\.env: name 'A\\x00' contains a NUL byte"),
+        ({"env": {"A": "1\u0000"}}, r"task\.env\.A: contains a NUL byte"),
+        ({"env": {"A=B": "1"}}, r"task\.env: name 'A=B' contains '='"),
+        ({"env": {"": "1"}}, r"task\.env: a name is empty"),
+        ({"env": {"A": "\udcff"}}, r"task\.env\.A: is not encodable as UTF-8"),
+        ({"name": "a\u0000"}, r"task\.name: 'a\\x00' is not a valid task name"),
+        ({"name": ".."}, "task.name"),
+        ({"name": "a\n"}, "task.name"),
+    ],
+)
+def test_what_the_os_refuses_is_invalid(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRecord, match=message):
+        parse_task_spec(task(**fields), None)
+
+
+def test_argv_and_env_together_are_bounded() -> None:
+    # execve() counts every argv string and every "NAME=value" env string with its NUL terminator;
+    # Linux refuses one string over 128 KiB and all of them over ARG_MAX. The agent adds its own env.
+    fits = ["python", "x" * (MAX_LAUNCH_BYTES - len("python") - 2)]
+    assert parse_task_spec(task(command=fits), None).command == tuple(fits)
+    over = ["python", "x" * (MAX_LAUNCH_BYTES - len("python") - 1)]
+    with pytest.raises(InvalidRecord, match=rf"task\.command, task\.env: {MAX_LAUNCH_BYTES + 1} bytes .* "
+                                            rf"the limit is {MAX_LAUNCH_BYTES}"):
+        parse_task_spec(task(command=over), None)
+    half = "x" * (MAX_LAUNCH_BYTES // 2)
+    with pytest.raises(InvalidRecord, match=r"task\.command, task\.env: \d+ bytes"):
+        parse_task_spec(task(command=["python", half], env={"A": half}), None)
+
+
+def test_error_messages_stay_short_whatever_the_value() -> None:
+    with pytest.raises(InvalidRecord) as err:
+        parse_task_spec(task(weight="w" * 100_000), None)
+    assert len(str(err.value)) < 300 and "\n" not in str(err.value)
+
+
+def test_load_spec_json_refuses_deep_nesting_with_one_line() -> None:
+    for text in ("[" * 100_000, '{"a": ' * 40_000, "[" * (MAX_SPEC_DEPTH + 1) + "]" * (MAX_SPEC_DEPTH + 1)):
+        with pytest.raises(InvalidRecord, match=rf"task: nested deeper than {MAX_SPEC_DEPTH} levels"):
+            load_spec_json(text)
+    # brackets inside strings are not nesting
+    assert load_spec_json(json.dumps({"name": "a", "command": ["[" * 1000]}))["command"] == ["[" * 1000]
+
+
+def test_load_spec_json_refuses_an_oversize_spec_naming_the_limit() -> None:
+    text = json.dumps(task(env={"BIG": "x" * 2_000_000}))
+    with pytest.raises(InvalidRecord, match=rf"task: the spec is {len(text)} bytes; the limit is {MAX_SPEC_BYTES}"):
+        load_spec_json(text)
+
+
+def test_load_spec_json_names_bad_json() -> None:
+    with pytest.raises(InvalidRecord, match=r"task: not valid JSON: Expecting value at line 1 column 2"):
+        load_spec_json("[")
+
+
+def test_a_valid_spec_always_fits_in_one_etcd_request(store: Store) -> None:
+    # The largest spec validation accepts, in the form the coordinator stores (json.dumps writes a
+    # control character as \\u00XX: 6 bytes for 1), must be a write etcd takes (default limit 1.5 MiB).
+    argv = ["python", "\x01" * (MAX_LAUNCH_BYTES - len("python") - 2)]
+    spec = parse_task_spec(task(command=argv), None)
+    stored = json.dumps(spec.to_dict())
+    assert len(stored) > 1.5 * 2**20 / 2  # near etcd's limit, so the test can fail if the bound grows
+    store.put("/unicron-test-size/tasks/gpt-1", stored)
+    kv = store.get("/unicron-test-size/tasks/gpt-1")
+    assert kv is not None and TaskSpec.from_dict(json.loads(kv.value)) == spec

@@ -1,18 +1,37 @@
-"""``unicron nodes``, ``unicron status`` and ``unicron incidents``: read the cluster's state from etcd."""
+"""``unicron nodes``, ``unicron status`` and ``unicron incidents``: read the cluster's state from etcd.
+
+They answer while no coordinator runs. ``nodes`` also asks the coordinator, briefly, for what only it
+knows (whether a node is isolated or lost, and why) and says so on stderr when it cannot.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
 
-from unicron.cli.common import add_cluster_flags, emit, open_store, read_json_prefix
+from unicron.cli.common import add_cluster_flags, emit, one_line, open_store, read_json_prefix
+from unicron.cli.tasks import ApiClient, leader_api
+from unicron.kernel.errors import UnicronError
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.proto import coordinator_pb2 as pb
+
+NODE_COLUMNS = ("node", "state", "gpus", "backend", "unhealthy_gpus", "ranks", "agent_pid", "status_age_s",
+                "reason")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("nodes", help="list the cluster's nodes and their health")
+    p = sub.add_parser("nodes", help="list the cluster's nodes, their state (up/drained/isolated/lost) and health")
     add_cluster_flags(p)
+    p.add_argument("--api", default=os.environ.get("UNICRON_API") or None, metavar="HOST:PORT",
+                   help="coordinator API address (env: UNICRON_API; default: from the leader key in etcd)")
+    p.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="how long to wait for the coordinator's view before showing etcd's alone (default 2)")
     p.set_defaults(func=cmd_nodes)
     p = sub.add_parser("status", help="show what each node runs (optionally one task)")
     add_cluster_flags(p)
@@ -30,25 +49,51 @@ def _when(ts: Any) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
+def coordinator_nodes(args: argparse.Namespace, store: Store, keys: Keyspace) -> dict[str, dict[str, Any]]:
+    """The coordinator's view of each node (state, reason, gpus), by name. Raises UnicronError."""
+    resolve = (lambda: str(args.api)) if args.api else (lambda: leader_api(store, keys))
+    reply = ApiClient(resolve, args.timeout, follow=False).call("ListNodes", pb.ListNodesRequest())
+    nodes = (json.loads(n) for n in reply.node_json)
+    return {str(n["node"]): n for n in nodes if isinstance(n, dict) and "node" in n}
+
+
 def cmd_nodes(args: argparse.Namespace) -> int:
+    """Registrations and health from etcd, merged with the coordinator's state and reason per node.
+
+    A node can be isolated while its agent is registered and healthy, and lost while the coordinator
+    still counts it, so neither view alone says what the scheduler does with a node.
+    """
     store, keys = open_store(args)
-    statuses = {k.rsplit("/", 1)[-1]: v for k, v in read_json_prefix(store, keys.statuses())}
-    drained = {k.rsplit("/", 1)[-1] for k, _ in read_json_prefix(store, keys.drains())}
+    try:
+        statuses = {k.rsplit("/", 1)[-1]: v for k, v in read_json_prefix(store, keys.statuses())}
+        drained = {k.rsplit("/", 1)[-1] for k, _ in read_json_prefix(store, keys.drains())}
+        registered = {k.rsplit("/", 1)[-1]: v for k, v in read_json_prefix(store, keys.nodes())}
+        try:
+            seen: dict[str, dict[str, Any]] | None = coordinator_nodes(args, store, keys)
+        except UnicronError as exc:
+            print(f"unicron nodes: the coordinator did not answer, so STATE shows only registrations and "
+                  f"drains, not isolation or loss ({one_line(str(exc))})", file=sys.stderr)
+            seen = None
+    finally:
+        store.close()
     rows = []
-    for key, info in read_json_prefix(store, keys.nodes()):
-        node = key.rsplit("/", 1)[-1]
-        st = statuses.get(node, {})
+    for node in sorted(set(registered) | set(seen or {})):
+        info, st, coord = registered.get(node, {}), statuses.get(node, {}), (seen or {}).get(node)
+        if coord is not None:
+            state, reason = str(coord.get("state", "unknown")), str(coord.get("reason") or "")
+        else:
+            # not (yet) seen by the coordinator, or no coordinator to ask
+            state, reason = ("drained" if node in drained else "unknown"), ""
         health = st.get("gpu_health") or []
         bad = [h.get("gpu") for h in health if isinstance(h, dict) and not h.get("ok", True)]
         rows.append({
-            "node": node, "gpus": info.get("gpus"), "backend": info.get("gpu_backend"),
-            "agent_pid": info.get("agent_pid"), "state": "drained" if node in drained else "up",
-            "unhealthy_gpus": ",".join(map(str, bad)) or "-",
+            "node": node, "state": state, "reason": reason, "registered": node in registered,
+            "gpus": info.get("gpus", coord.get("gpus") if coord else None), "backend": info.get("gpu_backend"),
+            "agent_pid": info.get("agent_pid"), "unhealthy_gpus": ",".join(map(str, bad)) or "-",
             "ranks": len(st.get("ranks") or []),
             "status_age_s": round(time.time() - st["ts"], 1) if isinstance(st.get("ts"), int | float) else None,
         })
-    store.close()
-    return emit(args, rows, ["node", "state", "gpus", "backend", "unhealthy_gpus", "ranks", "agent_pid", "status_age_s"])
+    return emit(args, rows, NODE_COLUMNS)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -60,7 +105,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 continue
             rows.append({"node": st.get("node"), "task": r.get("task"), "rank": r.get("rank"),
                          "pid": r.get("pid"), "state": r.get("state"), "step": r.get("step"),
-                         "generation": st.get("generation")})
+                         # the rank's own: a node runs ranks of several tasks and generations
+                         "generation": r.get("generation")})
     store.close()
     rows.sort(key=lambda r: (str(r["task"]), r["rank"] if isinstance(r["rank"], int) else -1))
     return emit(args, rows, ["task", "rank", "node", "pid", "state", "step", "generation"])

@@ -13,6 +13,15 @@ from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
 
+#: the most of an error message the CLI prints (a server's message may carry a whole repr)
+MAX_ERROR_CHARS = 500
+
+
+def one_line(message: str) -> str:
+    """``message`` as one line of bounded length, for "unicron CMD: <message>" on stderr."""
+    text = " ".join(message.split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd", default=os.environ.get("UNICRON_ETCD", "127.0.0.1:2379"),

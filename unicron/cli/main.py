@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from unicron.cli.common import one_line
 from unicron.kernel.errors import UnicronError
 
 COMMAND_MODULES = (
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(func(args))
     except UnicronError as exc:
-        print(f"unicron {args.command}: {exc}", file=sys.stderr)
+        print(f"unicron {args.command}: {one_line(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -16,12 +16,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from unicron.cli.common import add_cluster_flags, emit, open_store
+from coordinator.tasks import MAX_SPEC_BYTES, load_spec_json
+from unicron.cli.common import add_cluster_flags, emit, one_line, open_store
 from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError, UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -32,8 +32,6 @@ TASK_COLUMNS = (
     "name", "phase", "weight", "min_gpus", "gpus", "nodes", "generation", "restarts", "step", "reason",
 )
 _RETRY_PAUSE_S = 0.3
-#: statuses that mean "the coordinator refused; retrying will not help"
-_REFUSALS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -102,10 +100,16 @@ class ApiClient:
 
 
 def error_from_status(code: grpc.StatusCode, details: str, address: str) -> UnicronError:
-    """The project's exception for a gRPC status (the inverse of coordinator.api.status_for)."""
+    """The project's exception for a gRPC status (the inverse of coordinator.api.status_for).
+
+    Only UNAVAILABLE and DEADLINE_EXCEEDED are temporary (the coordinator did not act, or did not
+    answer in time; another leader may): every other status is the coordinator's or gRPC's final
+    word on this request, and repeating it would get the same answer.
+    """
+    details = one_line(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRecord(details)
-    if code in _REFUSALS:
+    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION):
         return PermanentError(details)
     if code == grpc.StatusCode.UNAVAILABLE:
         return TemporaryError(
@@ -116,7 +120,7 @@ def error_from_status(code: grpc.StatusCode, details: str, address: str) -> Unic
         return TemporaryError(
             f"no answer from the coordinator's API at {address} in time; retry or raise --timeout"
         )
-    return UnicronError(f"the coordinator's API at {address} failed ({code.name}): {details}")
+    return PermanentError(f"the coordinator's API at {address} failed ({code.name}): {details}")
 
 
 def leader_api(store: Store, keys: Keyspace) -> str:
@@ -155,18 +159,25 @@ def call(args: argparse.Namespace, rpc: str, request: Any) -> Any:
 
 
 def read_spec(path: str) -> str:
-    """The spec file's text, checked to be JSON so that a syntax error names the file and line."""
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PermanentError(f"{path}: cannot read the task spec ({exc.strerror})") from exc
+    """The spec file's text, checked to be a JSON spec's size, depth and syntax, so that a problem
+    names the file (and line) before anything is sent."""
     where = "standard input" if path == "-" else path
     try:
-        json.loads(text)
-    except json.JSONDecodeError as exc:
+        # one byte over the limit is enough to say it is too big; a huge file is not read whole
+        with (open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")) as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:
+        raise PermanentError(f"{where}: cannot read the task spec ({exc.strerror})") from exc
+    if len(raw) > MAX_SPEC_BYTES:
+        raise InvalidRecord(f"{where}: the spec is over the limit of {MAX_SPEC_BYTES} bytes (MAX_SPEC_BYTES); "
+                            "pass large inputs to the command in a file instead")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise InvalidRecord(
-            f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); save the spec as UTF-8"
         ) from exc
+    load_spec_json(text, where)
     return text
 
 
