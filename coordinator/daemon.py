@@ -606,6 +606,8 @@ class Coordinator:
         self._call(lambda: self._node_event(node, d.NodeUndrained(ts=time.time(), node=node)))
 
     def incidents(self, limit: int) -> list[dict[str, Any]]:
+        if not self.ready.is_set():
+            raise NotLeader("this coordinator is not the leader (yet); ask the one in the leader key")
         items = [i.to_dict() for i in list(self.recent_incidents)]
         return items[-limit:] if limit > 0 else items
 

@@ -497,10 +497,7 @@ class _Run:
         for name in active:
             entry = self.state.tasks[name]
             if counts[name] == 0:
-                reason = (
-                    f"waiting for GPUs: needs at least {entry.spec.min_gpus}, "
-                    f"{sum(usable.values())} usable in the cluster"
-                )
+                reason = _waiting_reason(entry.spec.min_gpus, sum(usable.values()), counts)
                 if entry.placement:
                     self._fire(name, _T.UNPLACED, _Fault(f"preempted; {reason}"))
                 else:
@@ -562,3 +559,12 @@ def _ranks(old: Mapping[str, list[int]], new: Mapping[str, int]) -> dict[str, li
         rank += new[node]
     return out
 
+
+def _waiting_reason(min_gpus: int, usable: int, counts: Mapping[str, int]) -> str:
+    """Why a task got no GPUs, in words that do not contradict themselves ("needs 6, 6 usable")."""
+    if usable < min_gpus:
+        return f"waiting for GPUs: needs at least {min_gpus}, only {usable} usable in the cluster"
+    holders = ", ".join(f"{t} {n}" for t, n in sorted(counts.items()) if n)
+    if holders:
+        return f"waiting for GPUs: needs at least {min_gpus}; the plan gives the {usable} usable to {holders}"
+    return f"waiting for GPUs: no placement of {min_gpus} fits the usable nodes (tp_size, batch split)"

@@ -63,8 +63,6 @@ def test_a_standby_serves_the_api_port_and_answers_unavailable(standby_api: str)
             assert "not the leader" in err.value.details(), rpc
 
 
-@pytest.mark.xfail(strict=True, reason="Coordinator.incidents() (coordinator/daemon.py) answers without the "
-                   "leader check that _call() does, so a standby returns its own empty list; owned by the daemon")
 def test_a_standby_does_not_answer_list_incidents_with_an_empty_list(standby_api: str) -> None:
     with grpc.insecure_channel(standby_api) as channel:
         grpc.channel_ready_future(channel).result(timeout=10.0)

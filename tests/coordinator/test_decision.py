@@ -518,3 +518,14 @@ def test_an_allocator_breaking_its_contract_is_refused() -> None:
     sim.join("n1")
     with pytest.raises(PermanentError, match="allocator"):
         sim.submit("job")
+
+
+def test_a_pending_reason_never_contradicts_itself() -> None:
+    """Issue 19 item 16: "needs at least 6, 6 usable" after an undrain; the reason must say who holds the GPUs."""
+    sim = running_cluster({"n1": 8}, {"big": {"min_gpus": 8, "weight": 2.0}})
+    sim.submit("small", min_gpus=8)
+    reason = sim.state.tasks["small"].reason
+    assert "the plan gives the 8 usable to big 8" in reason, reason
+    sim = running_cluster({"n1": 4}, {})
+    sim.submit("wide", min_gpus=8)
+    assert "only 4 usable" in sim.state.tasks["wide"].reason
