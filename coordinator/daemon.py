@@ -74,7 +74,7 @@ class Coordinator:
             WafAllocator(settings.gpu_type),
         )
         self.state = self.core.initial_state()
-        self.executor = Executor(self.keys, self._spec, self._node_host)
+        self.executor = Executor(self.keys, self._spec, lambda n: self._nodes[n].gpus if n in self._nodes else 0)
         self._steps: dict[str, int] = {}
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: Any = None

@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as agent.main does
 
 import dataclasses
+import signal
 import statistics
 import sys
 import tempfile
@@ -33,23 +34,28 @@ def assignment(ranks: int, generation: int, **extra: object) -> TaskAssignment:
     fields: dict[str, object] = dict(task="m", generation=generation, argv=SLEEPER, env={}, world_size=ranks,
                                      ranks=[RankSpec(rank=r, local_rank=r, gpu=r) for r in range(ranks)])
     # Works on both interfaces: before (master_addr/port) and after (store_node) issue #12 item 4.
-    optional: dict[str, object] = {"master_addr": "127.0.0.1", "master_port": 1, "store_node": ""}
+    optional: dict[str, object] = {"master_addr": "127.0.0.1", "master_port": 1, "store_node": "m0"}
     fields.update({k: v for k, v in optional.items() if k in names})
     fields.update(extra)
     return TaskAssignment(**fields)  # type: ignore[arg-type]
 
 
-def running(agent: Agent, ranks: int) -> bool:
-    status = agent.status_ranks() if hasattr(agent, "status_ranks") else None
-    if status is not None:
-        return sum(1 for r in status if r.state == "running") == ranks
-    with agent._tasks_lock:
+def pids(agent: Agent) -> dict[int, int]:
+    """rank -> pid of the task's running processes."""
+    if hasattr(agent, "status_ranks"):  # after the restructuring
+        return {r.rank: r.pid for r in agent.status_ranks() if r.state == "running"}
+    with agent._tasks_lock:  # before it
         rt = agent._tasks.get("m")
-        return rt is not None and sum(1 for s in rt.supervisor.status().values() if s.state == "running") == ranks
+        return {} if rt is None else {r: s.pid for r, s in rt.supervisor.status().items() if s.state == "running"}
 
 
-def timed(what: Callable[[], None], agent: Agent) -> tuple[float, float]:
-    """(seconds ``what`` took, longest a concurrent status write was blocked meanwhile)."""
+def gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def timed(what: Callable[[], object], done_when: Callable[[], bool], agent: Agent) -> tuple[float, float]:
+    """(seconds from calling ``what`` until ``done_when``, longest a concurrent status write was
+    blocked meanwhile)."""
     worst = [0.0]
     done = threading.Event()
 
@@ -64,6 +70,7 @@ def timed(what: Callable[[], None], agent: Agent) -> tuple[float, float]:
     th.start()
     t0 = time.monotonic()
     what()
+    settle(done_when)
     took = time.monotonic() - t0
     done.set()
     th.join()
@@ -75,7 +82,7 @@ def settle(pred: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not pred():
         if time.monotonic() > deadline:
             raise TimeoutError("ranks did not reach the expected state")
-        time.sleep(0.02)
+        time.sleep(0.005)
 
 
 def main() -> None:
@@ -92,22 +99,23 @@ def main() -> None:
         for g in range(1, rounds + 1):
             a = assignment(ranks, g)
             agent.reconcile([a])
-            settle(lambda: running(agent, ranks))
+            settle(lambda: len(pids(agent)) == ranks)
             time.sleep(0.3)
-            # A restart of one hung (SIGSTOPped) rank.
-            with agent._tasks_lock:
-                pid = agent._tasks["m"].supervisor.status()[0].pid
-            import signal
-            os.kill(pid, signal.SIGSTOP)
+            # A restart of one hung (SIGSTOPped) rank: done when rank 0 runs as a new process.
+            old = pids(agent)
+            os.kill(old[0], signal.SIGSTOP)
             b = dataclasses.replace(a, restart_epoch=1, restart_ranks=[0])
-            took, blocked = timed(lambda b=b: (agent.reconcile([b]), settle(lambda: running(agent, ranks))), agent)
+            took, blocked = timed(lambda b=b: agent.reconcile([b]),  # type: ignore[misc]
+                                  lambda: gone(old[0]) and pids(agent).get(0, old[0]) != old[0], agent)  # noqa: B023
             restarts.append(took)
             blocked_restart.append(blocked)
             time.sleep(0.3)
-            took, blocked = timed(lambda: (agent.reconcile([]), settle(lambda: not running(agent, ranks)
-                                                                       and "m" not in agent._tasks)), agent)
+            # A stop of the whole task: done when every rank process is gone (reaped).
+            old = pids(agent)
+            took, blocked = timed(lambda: agent.reconcile([]), lambda: all(gone(p) for p in old.values()), agent)  # noqa: B023
             stops.append(took)
             blocked_stop.append(blocked)
+            time.sleep(0.3)
         agent.stop()
         th.join(30)
     print(f"{ranks} ranks, {rounds} rounds (median, max):")

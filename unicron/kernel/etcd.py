@@ -134,6 +134,14 @@ class Store:
         with _converted(f"create {key}"):
             return bool(self._client.put_if_not_exists(key, value, lease=lease.lease_id if lease else None))
 
+    def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete ``key`` iff it was last written at ``mod_revision`` (nobody replaced it since)."""
+        tx = self._client.transactions
+        with _converted(f"delete {key} at revision {mod_revision}"):
+            ok, _ = self._client.transaction(compare=[tx.mod(key) == mod_revision], success=[tx.delete(key)],
+                                             failure=[])
+        return bool(ok)
+
     def revision(self) -> int:
         return self.get_prefix("\0")[1]
 
