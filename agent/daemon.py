@@ -3,8 +3,11 @@
 It registers the node in etcd under a lease, keeps a persistent connection to the coordinator,
 runs one monitoring thread per GPU, launches and supervises the node's training ranks, receives
 their exceptions and iteration timings, and publishes every abnormal status as a ``Report`` under
-``reports/<node>/``. It reconciles the node's desired assignment (``assign/<node>``) and executes
-fault injections (``inject/<node>/``).
+``reports/<node>/``. It reconciles the node's desired assignment (``assign/<node>``), one
+:class:`agent.reconciler.TaskReconciler` per task, hosts the rendezvous store sidecar of the tasks
+whose ``store_node`` it is (publishing ``stores/<task>``), and executes fault injections
+(``inject/<node>/``). Its registration (``nodes/<node>``) is created only if absent: a second agent
+with the same node name refuses to start.
 
 Nothing here may take the daemon down: bad messages are skipped, etcd outages are retried (reports
 wait in memory and are published once etcd is back), and the ranks keep running meanwhile.
@@ -13,33 +16,34 @@ wait in memory and are published once etcd is back), and the ranks keep running 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import queue
 import secrets
 import signal
+import socket
+import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
 
 from agent.gpu.api import GpuEvent, GpuHealth
 from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
 from agent.gpu.simulated import SimulatedBackend
-from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
+from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings
 from agent.link import LinkClient
 from agent.marker import FailureMarker
 from agent.prefork import Prefork, with_torchrun_threads
 from agent.ranks import RankServer
+from agent.reconciler import Outcome, TaskReconciler
 from agent.settings import AgentSettings
-from agent.supervisor import RankExit, Supervisor
+from agent.supervisor import RankExit
 from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath, patterns, protocol
-from unicron.kernel.errors import InvalidRecord, StoreUnavailable
+from unicron.kernel.errors import ConfigError, InvalidRecord, StoreUnavailable
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.inject import Fault, Injection, parse_injection
 from unicron.kernel.keyspace import Keyspace
@@ -50,13 +54,15 @@ from unicron.kernel.types import (
     NodeAssignment,
     NodeInfo,
     NodeStatus,
+    RankSpec,
     RankStatus,
     Report,
+    StoreAddress,
     TaskAssignment,
     TaskResult,
 )
 
-log = ulog.get("unicron.agent")
+log = ulog.get(__name__)
 
 
 class ReportPublisher:
@@ -93,30 +99,44 @@ class ReportPublisher:
                     backoff = min(backoff * 2, 2.0)
 
 
-class _RunningTask:
-    """The agent's view of one task's processes on this node."""
+class NodeNameTaken(ConfigError):
+    """Another live agent holds this node's registration."""
 
-    def __init__(self, assignment: TaskAssignment, supervisor: Supervisor) -> None:
-        self.assignment = assignment
-        self.supervisor = supervisor
-        self.monitors: dict[int, IterationMonitor] = {}
-        self.steps: dict[int, int] = {}
-        self.launched_epoch: dict[int, int] = {}  # rank -> restart epoch its current process was launched at
-        self.store_proc: Any = None
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def default_advertise_host() -> str:
+    """The address of this machine's hostname (what other nodes most likely reach it at)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         self.node = settings.node
+        self.advertise_host = settings.advertise_host or default_advertise_host()
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()
         self.ready = threading.Event()
         self.store: Store | None = None
         self.lease: Lease | None = None
         self.publisher: ReportPublisher | None = None
-        self._tasks: dict[str, _RunningTask] = {}
-        self._tasks_lock = threading.RLock()
+        # Guards only the two dicts below; never held across a blocking call (see agent.reconciler).
+        self._tasks_lock = threading.Lock()
+        self._tasks: dict[str, TaskReconciler] = {}
+        self._retired: dict[str, TaskReconciler] = {}  # task -> its last stopped reconciler
+        self._stores: dict[str, StoreAddress] = {}  # task -> its published store address
         self._applied_revision = -1
         self._watches: list[PrefixWatch] = []
         self.iteration_settings = IterationSettings(
@@ -127,8 +147,9 @@ class Agent:
         self.gpu_monitor = GpuMonitor(self.backend, on_event=self._on_gpu_event, on_health=self._on_gpu_health,
                                       health_interval_s=settings.health_interval_s)
         self.socket_path = os.path.join(settings.run_dir, f"{settings.node}.sock")
-        self.rank_server = RankServer(self.socket_path, self._on_rank_message)
-        self._link: Any = None
+        # Bound only once this agent holds the node's registration: a duplicate must not take it over.
+        self.rank_server: RankServer | None = None
+        self._link: LinkClient | None = None
         self.link_token = secrets.token_hex(16)  # proves on the link that this process registered the node
         self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
@@ -145,23 +166,31 @@ class Agent:
         if store is None:
             return 0
         self.store = store
-        self.publisher = ReportPublisher(store, self.keys, self.stop_event)
-        self.rank_server.start()
-        self.marker.start()
-        if self.prefork is not None:
-            self.prefork.start()
         if self.settings.replica_budget_mb > 0:
             self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
                                           self.settings.replica_budget_mb << 20).start()
+        try:
+            self._register()
+        except NodeNameTaken as exc:
+            log.error("refusing to start", node=self.node, reason=str(exc))
+            print(f"unicron-agent: {exc}", file=sys.stderr, flush=True)
+            if self.replicas is not None:
+                self.replicas.stop()
+            store.close()
+            return 2
+        self.publisher = ReportPublisher(store, self.keys, self.stop_event)
+        self.rank_server = RankServer(self.socket_path, self._on_rank_message).start()
+        self.marker.start()
+        if self.prefork is not None:
+            self.prefork.start()
         self.gpu_monitor.start()
         self.hang_watcher.start()
-        self._register()
         self._link = LinkClient(self.node, self.settings.heartbeat_s, self._resolve_coordinator,
                                 token=self.link_token).start()
         self._start_watches()
         self.ready.set()
         log.info("agent running", node=self.node, gpus=self.backend.device_count(), backend=self.backend.name,
-                 socket=self.socket_path)
+                 socket=self.socket_path, advertise_host=self.advertise_host)
         while not self.stop_event.wait(self.settings.status_interval_s):
             self._write_status()
         self._shutdown()
@@ -176,12 +205,15 @@ class Agent:
         if self._link is not None:
             self._link.stop(goodbye="agent stopping")  # a planned stop: a drain, not a node failure
         with self._tasks_lock:
-            for name in list(self._tasks):
-                self._stop_task(name, "agent shutting down")
+            stopping = [rec.stop("agent shutting down") for rec in self._tasks.values()]
+            self._tasks.clear()
+        for outcome in stopping:
+            outcome.wait(30.0)
         self.hang_watcher.stop()
         self.gpu_monitor.stop()
         self.backend.close()
-        self.rank_server.stop()
+        if self.rank_server is not None:
+            self.rank_server.stop()
         self.marker.stop()
         if self.prefork is not None:
             self.prefork.close()
@@ -194,28 +226,68 @@ class Agent:
             self.store.close()
 
     def _register(self) -> None:
-        """Put ``nodes/<node>`` under a fresh lease; retried until etcd answers."""
+        """Create ``nodes/<node>`` under a fresh lease; retried until etcd answers. Raises
+        NodeNameTaken while another live agent holds the name."""
         assert self.store is not None
         backoff = 0.1
         while not self.stop_event.is_set():
+            lease: Lease | None = None
             try:
-                self.lease = self.store.lease(self.settings.lease_ttl_s, on_lost=self._on_lease_lost)
-                info = NodeInfo(node=self.node, host=os.uname().nodename, gpus=self.backend.device_count(),
+                lease = self.store.lease(self.settings.lease_ttl_s, on_lost=self._on_lease_lost)
+                info = NodeInfo(node=self.node, host=self.advertise_host, gpus=self.backend.device_count(),
                                 gpu_backend=self.backend.name, agent_pid=os.getpid(), started_ts=time.time(),
                                 replica_addr=self.replicas.address if self.replicas is not None else "",
-                                link_token=self.link_token)
-                self.store.put(self.keys.node(self.node), json.dumps(info.to_dict()), lease=self.lease)
-                log.info("registered", node=self.node, lease=f"{self.lease.lease_id:x}")
-                return
+                                hostname=os.uname().nodename, link_token=self.link_token)
+                key = self.keys.node(self.node)
+                # Created only if absent: one name, one agent (issue #19 item 7).
+                if self.store.put_if_absent(key, json.dumps(info.to_dict()), lease=lease):
+                    self.lease = lease
+                    log.info("registered", node=self.node, lease=f"{lease.lease_id:x}")
+                    return
+                lease.revoke()
+                self._check_holder(key)
+                continue  # the holder was our dead predecessor, now removed
             except StoreUnavailable as exc:
+                if lease is not None:
+                    lease.stop()
                 log.warning("registration waits for etcd", node=self.node, error=str(exc))
                 self.stop_event.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, 1.0)
+
+    def _check_holder(self, key: str) -> None:
+        """``key`` exists: remove it if it is a dead agent's of this machine, else raise NodeNameTaken."""
+        assert self.store is not None
+        kv = self.store.get(key)
+        if kv is None:
+            return
+        try:
+            holder = NodeInfo.from_dict(json.loads(kv.value))
+        except (InvalidRecord, ValueError):
+            holder = None
+        if holder is not None and holder.hostname == os.uname().nodename and not _pid_alive(holder.agent_pid):
+            log.info("removing the registration of this node's dead agent", node=self.node, pid=holder.agent_pid)
+            self.store.delete_if_unchanged(key, kv.mod_revision)
+            return
+        who = f"pid {holder.agent_pid} on {holder.hostname or holder.host}" if holder else "an unreadable record"
+        raise NodeNameTaken(f"node name {self.node!r} is held by another running agent ({who}); "
+                            "stop that agent or pick another --node")
 
     def _on_lease_lost(self) -> None:
         if not self.stop_event.is_set():
             log.warning("lease lost; re-registering (the coordinator has seen this node as lost)", node=self.node)
-            threading.Thread(target=self._register, name="re-register", daemon=True).start()
+            threading.Thread(target=self._reregister, name="re-register", daemon=True).start()
+
+    def _reregister(self) -> None:
+        try:
+            self._register()
+        except NodeNameTaken as exc:
+            log.error("another agent took this node's name while our lease was lost; stopping", reason=str(exc))
+            self.stop()
+            return
+        with self._tasks_lock:
+            hosted = [rec for rec in self._tasks.values() if rec.hosts_store()]
+        for rec in hosted:  # their addresses went with the old lease
+            rec.republish()
 
     def _resolve_coordinator(self) -> str | None:
         assert self.store is not None
@@ -227,7 +299,9 @@ class Agent:
 
     def _start_watches(self) -> None:
         assert self.store is not None
+        # Stores first: an assignment found at start may need an address that is already published.
         for prefix, handler in (
+            (self.keys.stores(), self._on_store_event),
             (self.keys.assignment(self.node), self._on_assignment_event),
             (self.keys.injections(self.node), self._on_injection_event),
         ):
@@ -245,12 +319,10 @@ class Agent:
 
     def report(self, method: DetectionMethod, kind: ErrorKind, message: str, *, task: str | None = None,
                rank: int | None = None, gpu: int | None = None, step: int | None = None,
-               source_ts: float | None = None, handled: bool = False) -> Report:
-        generation = None
-        if task is not None:
-            with self._tasks_lock:
-                rt = self._tasks.get(task)
-                generation = rt.assignment.generation if rt else None
+               source_ts: float | None = None, handled: bool = False, generation: int | None = None) -> Report:
+        if task is not None and generation is None:
+            rec = self._task(task)
+            generation = rec.latest.generation if rec else None
         report = Report(method=method, kind=kind, node=self.node, message=message[:2000], task=task, gpu=gpu,
                         rank=rank, step=step, generation=generation, handled=handled,
                         source_ts=source_ts or time.time())
@@ -260,15 +332,15 @@ class Agent:
         self.publisher.publish(report)
         return report
 
-    def _gpu_of(self, task: str, rank: int) -> int | None:
+    def _task(self, task: str) -> TaskReconciler | None:
         with self._tasks_lock:
-            rt = self._tasks.get(task)
-            if rt is None:
-                return None
-            for spec in rt.assignment.rank_specs():
-                if spec.rank == rank:
-                    return spec.gpu
-        return None
+            return self._tasks.get(task)
+
+    def _gpu_of(self, task: str, rank: int) -> int | None:
+        rec = self._task(task)
+        if rec is None:
+            return None
+        return next((s.gpu for s in rec.latest.ranks if s.rank == rank), None)
 
     # --- detection inputs --------------------------------------------------------------------
 
@@ -282,52 +354,69 @@ class Agent:
 
     def _rank_on_gpu(self, gpu: int) -> tuple[str | None, int | None]:
         with self._tasks_lock:
-            for name, rt in self._tasks.items():
-                for spec in rt.assignment.rank_specs():
-                    if spec.gpu == gpu:
-                        return name, spec.rank
+            recs = list(self._tasks.values())
+        for rec in recs:
+            for spec in rec.latest.ranks:
+                if spec.gpu == gpu:
+                    return rec.task, spec.rank
         return None, None
 
-    def _on_exit(self, task: str, ex: RankExit) -> None:
-        rank = ex.rank
-        with self._tasks_lock:
-            rt = self._tasks.get(task)
-            if rt is not None:
-                self.hang_watcher.remove((task, rank))
-                rt.monitors.pop(rank, None)
+    # TaskHost: called by the reconcilers, outside their locks.
+
+    def rank_exited(self, a: TaskAssignment, ex: RankExit, store: StoreAddress | None, step: int | None) -> None:
+        self.hang_watcher.remove((a.task, ex.rank))
         if not ex.abnormal:
-            log.info("rank exited", task=task, rank=rank, returncode=ex.returncode, requested=ex.requested)
+            log.info("rank exited", task=a.task, rank=ex.rank, returncode=ex.returncode, requested=ex.requested)
             return
-        if rt is not None:
-            self.marker.mark(rt.assignment.master_addr, rt.assignment.master_port, rank)
+        if store is not None:
+            self.marker.mark(store.host, store.port, ex.rank)
         what = f"signal {ex.signal}" if ex.signal else f"exit code {ex.returncode}"
         cause = f"; stderr showed {ex.stderr_kind.value}" if ex.stderr_kind else ""
+        gpu = next((s.gpu for s in a.ranks if s.rank == ex.rank), None)
         self.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY,
-                    f"rank {rank} exited abnormally ({what}){cause}", task=task, rank=rank,
-                    gpu=self._gpu_of(task, rank), step=rt.steps.get(rank) if rt else None, source_ts=ex.ts)
+                    f"rank {ex.rank} exited abnormally ({what}){cause}", task=a.task, rank=ex.rank, gpu=gpu,
+                    step=step, source_ts=ex.ts, generation=a.generation)
 
-    def _on_stderr_match(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, line, task=task, rank=rank,
                     gpu=self._gpu_of(task, rank), source_ts=ts)
 
-    def _on_finding(self, key: Any, finding: Any) -> None:
+    def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
+        return self.rank_server is not None and self.rank_server.send(task, rank, msg)
+
+    def rank_log_path(self, task: str, rank: int) -> str:
+        log_dir = os.path.join(self.settings.run_dir, "logs", task)
+        os.makedirs(log_dir, exist_ok=True)
+        return os.path.join(log_dir, f"rank{rank}.log")
+
+    def publish_store(self, addr: StoreAddress) -> int:
+        assert self.store is not None and self.lease is not None
+        return self.store.put(self.keys.store(addr.task), json.dumps(addr.to_dict()), lease=self.lease)
+
+    def withdraw_store(self, addr: StoreAddress, revision: int) -> None:
+        assert self.store is not None
+        # Only our own record: the task's next generation may already have published its store.
+        self.store.delete_if_unchanged(self.keys.store(addr.task), revision)
+
+    def _on_finding(self, key: Hashable, finding: Finding) -> None:
+        assert isinstance(key, tuple)
         task, rank = key
         self.report(DetectionMethod.STATISTICAL_MONITORING, finding.kind, finding.message, task=task, rank=rank,
                     gpu=self._gpu_of(task, rank), step=finding.step, source_ts=finding.ts)
 
-    def _monitor(self, task: str, rank: int) -> IterationMonitor | None:
-        with self._tasks_lock:
-            rt = self._tasks.get(task)
-            if rt is None:
-                return None
-            mon = rt.monitors.get(rank)
-            if mon is None:
-                mon = rt.monitors[rank] = IterationMonitor(self.iteration_settings)
-                self.hang_watcher.add((task, rank), mon)
-            return mon
+    def _monitor(self, rec: TaskReconciler, rank: int) -> IterationMonitor | None:
+        mon, new = rec.monitor(rank, lambda: IterationMonitor(self.iteration_settings))
+        if mon is not None and new:
+            self.hang_watcher.add((rec.task, rank), mon)
+        return mon
 
     def _on_rank_message(self, task: str, rank: int, msg: protocol.Message) -> None:
-        mon = self._monitor(task, rank)
+        rec = self._task(task)
+        if rec is None or not rec.has_rank(rank):
+            # A rank of no task of ours (a stale process, or a forged message): nothing to report.
+            log.warning("dropped a message from an unknown task or rank", task=task, rank=rank, type=msg.TYPE)
+            return
+        mon = self._monitor(rec, rank)
         if isinstance(msg, protocol.ExceptionReport):
             kind = self._exception_kind(msg)
             self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, msg.message, task=task, rank=rank,
@@ -339,9 +428,7 @@ class Agent:
             return
         if isinstance(msg, protocol.IterStart):
             mon.iter_start(msg.step, msg.ts)
-            with self._tasks_lock:
-                if task in self._tasks:
-                    self._tasks[task].steps[rank] = msg.step
+            rec.record_step(rank, msg.step)
         elif isinstance(msg, protocol.IterEnd):
             mon.iter_end(msg.step, msg.duration_s, msg.ts)
         elif isinstance(msg, protocol.Phase):
@@ -362,19 +449,20 @@ class Agent:
 
     # --- status ------------------------------------------------------------------------------
 
+    def status_ranks(self) -> list[RankStatus]:
+        """Every rank process of every assigned task (exited ones too, with their return code)."""
+        with self._tasks_lock:
+            recs = list(self._tasks.values())
+        return [r for rec in recs for r in rec.rank_statuses()]
+
     def _write_status(self) -> None:
         if self.store is None or self.lease is None:
             return
         with self._tasks_lock:
-            ranks: list[RankStatus] = []
-            task_name: str | None = None
-            generation: int | None = None
-            for name, rt in self._tasks.items():
-                task_name, generation = name, rt.assignment.generation
-                for r, st in rt.supervisor.status().items():
-                    ranks.append(RankStatus(task=name, generation=rt.assignment.generation, rank=st.rank, pid=st.pid,
-                                            state=st.state, returncode=st.returncode, requested=st.requested,
-                                            step=rt.steps.get(r), restart_epoch=rt.launched_epoch.get(r, 0)))
+            recs = list(self._tasks.values())
+        ranks = [r for rec in recs for r in rec.rank_statuses()]
+        task_name = recs[-1].task if recs else None
+        generation = recs[-1].applied.generation if recs else None
         status = NodeStatus(node=self.node, ts=time.time(), generation=generation, task=task_name, ranks=ranks,
                             gpu_health=[h.to_dict() for h in self.gpu_monitor.latest_health()])
         try:
@@ -383,6 +471,20 @@ class Agent:
             log.debug("status write skipped", error=str(exc))
 
     # --- desired state -------------------------------------------------------------------------
+
+    def _on_store_event(self, ev: WatchEvent) -> None:
+        if ev.kind == "delete":
+            return
+        try:
+            addr = StoreAddress.from_dict(json.loads(ev.value))
+        except (InvalidRecord, ValueError) as exc:
+            log.warning("ignoring malformed store address", key=ev.key, error=str(exc))
+            return
+        with self._tasks_lock:
+            self._stores[addr.task] = addr
+            rec = self._tasks.get(addr.task)
+        if rec is not None:
+            rec.offer_store(addr)
 
     def _on_assignment_event(self, ev: WatchEvent) -> None:
         desired: list[TaskAssignment] = []
@@ -398,57 +500,81 @@ class Agent:
                 log.info("ignoring stale assignment", revision=assignment.revision, applied=self._applied_revision)
                 return
             revision = assignment.revision
-        ok, detail = True, "applied"
-        try:
-            self.reconcile(desired)
-        except Exception as exc:
-            log.exception("reconcile failed", revision=revision)
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        outcomes = self.reconcile(desired)
         self._applied_revision = revision
-        self._write_result(revision, ok, detail)
+        threading.Thread(target=self._report_result, args=(revision, outcomes), name=f"result-{revision}",
+                         daemon=True).start()
+
+    def _report_result(self, revision: int, outcomes: list[Outcome]) -> None:
+        """Write ``results/<node>`` once every task applied ``revision``, or at once when one failed."""
+        pending = list(outcomes)
+        while pending and not self.stop_event.is_set():
+            failed = [o for o in pending if o.done and not o.ok]
+            if failed:
+                self._write_result(revision, False, "; ".join(f"{o.task}: {o.detail}" for o in failed))
+                return
+            pending = [o for o in pending if not o.done]
+            if pending:
+                pending[0].wait(0.05)
+        if not self.stop_event.is_set():
+            self._write_result(revision, True, "applied")
 
     def _write_result(self, revision: int, ok: bool, detail: str) -> None:
         assert self.store is not None
         with self._tasks_lock:
-            tasks = {
-                name: TaskResult(
-                    generation=rt.assignment.generation, restart_epoch=rt.assignment.restart_epoch,
-                    regroup_epoch=rt.assignment.regroup_epoch,
-                    ranks={str(r): st.state for r, st in rt.supervisor.status().items()},
-                )
-                for name, rt in self._tasks.items()
-            }
+            recs = list(self._tasks.values())
+        tasks = {
+            rec.task: TaskResult(
+                generation=rec.applied.generation, restart_epoch=rec.applied.restart_epoch,
+                regroup_epoch=rec.applied.regroup_epoch,
+                ranks={str(r): st.state for r, st in rec.processes().items()},
+            )
+            for rec in recs
+        }
         result = AssignmentResult(node=self.node, revision=revision, ok=ok, detail=detail, tasks=tasks)
+        if not ok:
+            log.error("assignment failed", revision=revision, detail=detail)
         try:
             self.store.put(self.keys.result(self.node), json.dumps(result.to_dict()))
         except StoreUnavailable as exc:
             log.warning("could not write assignment result", error=str(exc))
 
-    def reconcile(self, desired: list[TaskAssignment]) -> None:
-        """Make the node's processes match ``desired`` (level-triggered: safe to repeat)."""
+    def reconcile(self, desired: list[TaskAssignment]) -> list[Outcome]:
+        """Make the node's processes match ``desired`` (level-triggered: safe to repeat). Returns at
+        once; each task's reconciler does the work and sets its outcome."""
         wanted = {a.task: a for a in desired}
+        outcomes: list[Outcome] = []
         with self._tasks_lock:
             for name in [n for n in self._tasks if n not in wanted]:
-                self._stop_task(name, "no longer assigned to this node")
+                outcomes.append(self._retire(name, "no longer assigned to this node"))
             for name, a in wanted.items():
-                rt = self._tasks.get(name)
-                if rt is None or rt.assignment.generation != a.generation:
-                    if rt is not None:
-                        self._stop_task(name, f"reconfigured to generation {a.generation}")
-                    self._start_task(a)
+                rec = self._tasks.get(name)
+                if rec is not None and rec.latest.generation == a.generation:
+                    if (a.restart_epoch, a.regroup_epoch) != (rec.latest.restart_epoch, rec.latest.regroup_epoch):
+                        outcomes.append(rec.apply(a))
                     continue
-                if a.restart_epoch > rt.assignment.restart_epoch:
-                    self._restart_ranks(rt, a)
-                if a.regroup_epoch > rt.assignment.regroup_epoch:
-                    self._send_regroup(a)
-                rt.assignment = a
+                if rec is not None:
+                    outcomes.append(self._retire(name, f"reconfigured to generation {a.generation}"))
+                new = TaskReconciler(a, self, self.prefork, previous=self._retired.pop(name, None))
+                self._tasks[name] = new
+                new.offer_store(self._stores.get(name))
+                outcomes.append(new.started)
+        return outcomes
 
-    def _rank_env(self, a: TaskAssignment, spec: Any) -> dict[str, str]:
+    def _retire(self, name: str, reason: str) -> Outcome:
+        """Stop ``name``'s reconciler (caller holds ``_tasks_lock``; this only enqueues)."""
+        rec = self._tasks.pop(name)
+        for rank in rec.latest.ranks:
+            self.hang_watcher.remove((name, rank.rank))
+        self._retired[name] = rec
+        return rec.stop(reason)
+
+    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
         env = with_torchrun_threads(os.environ)
         env.update(a.env)
         env.update({
             "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank), "WORLD_SIZE": str(a.world_size),
-            "LOCAL_WORLD_SIZE": str(len(a.ranks)), "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port),
+            "LOCAL_WORLD_SIZE": str(len(a.ranks)), "MASTER_ADDR": store.host, "MASTER_PORT": str(store.port),
             protocol.ENV_SOCKET: self.socket_path, "UNICRON_TASK": a.task, "UNICRON_GENERATION": str(a.generation),
             "UNICRON_NODE": self.node, "CUDA_VISIBLE_DEVICES": str(spec.gpu),
         })
@@ -479,67 +605,6 @@ class Agent:
             return []
         return [addrs[n] for n in replica_targets(self.node, addrs)]
 
-    def _start_task(self, a: TaskAssignment) -> None:
-        supervisor = Supervisor(
-            on_exit=functools.partial(self._on_exit, a.task),
-            on_stderr_match=functools.partial(self._on_stderr_match, a.task),
-            prefork=self.prefork,
-        )
-        rt = _RunningTask(a, supervisor)
-        self._tasks[a.task] = rt
-        if a.host_store:
-            rt.store_proc = self._start_store(a)
-        for spec in a.rank_specs():
-            self._launch(rt, spec)
-        log.info("task started", task=a.task, generation=a.generation, ranks=[s.rank for s in a.rank_specs()])
-
-    def _launch(self, rt: _RunningTask, spec: Any) -> None:
-        a = rt.assignment
-        log_dir = os.path.join(self.settings.run_dir, "logs", a.task)
-        os.makedirs(log_dir, exist_ok=True)
-        rt.launched_epoch[spec.rank] = a.restart_epoch
-        rt.supervisor.launch(spec.rank, a.argv, self._rank_env(a, spec),
-                             stdout_path=os.path.join(log_dir, f"rank{spec.rank}.log"))
-
-    def _start_store(self, a: TaskAssignment) -> Any:
-        import subprocess
-        import sys
-
-        # Dies with the agent like the ranks do (an orphaned store would hold the port).
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "unicron.runtime.store", "--host", a.master_addr, "--port", str(a.master_port)],
-            start_new_session=True, preexec_fn=parentdeath.preexec(signal.SIGKILL),
-        )
-        return proc
-
-    def _restart_ranks(self, rt: _RunningTask, a: TaskAssignment) -> None:
-        specs = {s.rank: s for s in a.rank_specs()}
-        for rank in a.restart_ranks:
-            if rank not in specs:
-                continue
-            rt.supervisor.kill(rank, signal.SIGKILL)
-            rt.supervisor.wait(rank, timeout_s=5.0)
-            rt.assignment = a
-            self._launch(rt, specs[rank])
-            log.info("rank restarted", task=a.task, rank=rank, restart_epoch=a.restart_epoch)
-
-    def _send_regroup(self, a: TaskAssignment) -> None:
-        msg = protocol.Regroup(epoch=a.regroup_epoch, members=a.regroup_members, failed=a.regroup_failed)
-        for spec in a.rank_specs():
-            self.rank_server.send(a.task, spec.rank, msg)
-
-    def _stop_task(self, name: str, reason: str) -> None:
-        rt = self._tasks.pop(name, None)
-        if rt is None:
-            return
-        for rank in list(rt.monitors):
-            self.hang_watcher.remove((name, rank))
-        rt.supervisor.close(grace_s=2.0)
-        if rt.store_proc is not None:
-            rt.store_proc.kill()
-            rt.store_proc.wait()
-        log.info("task stopped", task=name, reason=reason)
-
     # --- fault injection ---------------------------------------------------------------------
 
     def _on_injection_event(self, ev: WatchEvent) -> None:
@@ -569,17 +634,17 @@ class Agent:
         }
         return handlers[req.fault](req)
 
-    def _find_rank(self, req: Injection) -> tuple[_RunningTask, int]:
+    def _find_rank(self, req: Injection) -> tuple[TaskReconciler, int]:
         with self._tasks_lock:
             task = req.task or next(iter(self._tasks), None)
-            if task is None or task not in self._tasks:
-                raise LookupError(f"no task {task!r} running on node {self.node}")
-            rt = self._tasks[task]
-            ranks = [s.rank for s in rt.assignment.rank_specs()]
-            rank = ranks[0] if req.rank is None else req.rank
-            if rank not in ranks:
-                raise LookupError(f"rank {rank} of task {task} is not on node {self.node} (has {ranks})")
-            return rt, rank
+            rec = self._tasks.get(task) if task is not None else None
+        if rec is None:
+            raise LookupError(f"no task {task!r} running on node {self.node}")
+        ranks = [s.rank for s in rec.latest.ranks]
+        rank = ranks[0] if req.rank is None else req.rank
+        if rank not in ranks:
+            raise LookupError(f"rank {rank} of task {task} is not on node {self.node} (has {ranks})")
+        return rec, rank
 
     def _inject_xid(self, req: Injection) -> str:
         if not isinstance(self.backend, SimulatedBackend):
@@ -591,27 +656,27 @@ class Agent:
         return f"XID {code} on simulated GPU {gpu}"
 
     def _inject_kill_rank(self, req: Injection) -> str:
-        rt, rank = self._find_rank(req)
+        rec, rank = self._find_rank(req)
         # Signalled directly, not through Supervisor.kill: an injected kill must look like a crash.
-        pid = rt.supervisor.status()[rank].pid
+        pid = rec.processes()[rank].pid
         os.kill(pid, signal.SIGKILL)
-        return f"SIGKILL rank {rank} (pid {pid}) of task {rt.assignment.task}"
+        return f"SIGKILL rank {rank} (pid {pid}) of task {rec.task}"
 
     def _inject_stall(self, req: Injection) -> str:
-        rt, rank = self._find_rank(req)
-        rt.supervisor.stop(rank)
-        return f"SIGSTOP rank {rank} (pid {rt.supervisor.status()[rank].pid}) of task {rt.assignment.task}"
+        rec, rank = self._find_rank(req)
+        rec.supervisor.stop(rank)
+        return f"SIGSTOP rank {rank} (pid {rec.processes()[rank].pid}) of task {rec.task}"
 
     def _inject_raise(self, req: Injection) -> str:
-        rt, rank = self._find_rank(req)
+        rec, rank = self._find_rank(req)
         kind = req.kind or ErrorKind.OTHER_SOFTWARE_ERROR
-        if not self.rank_server.send(rt.assignment.task, rank, protocol.InjectRaise(kind=kind.value)):
+        if not self.send_to_rank(rec.task, rank, protocol.InjectRaise(kind=kind.value)):
             raise LookupError(f"rank {rank} is not connected to the agent socket")
-        return f"raise {kind.value} in rank {rank} of task {rt.assignment.task}"
+        return f"raise {kind.value} in rank {rank} of task {rec.task}"
 
     def _inject_slow(self, req: Injection) -> str:
-        rt, rank = self._find_rank(req)
+        rec, rank = self._find_rank(req)
         delay, n = req.delay_s, req.iterations
-        if not self.rank_server.send(rt.assignment.task, rank, protocol.InjectSlow(delay_s=delay, iterations=n)):
+        if not self.send_to_rank(rec.task, rank, protocol.InjectSlow(delay_s=delay, iterations=n)):
             raise LookupError(f"rank {rank} is not connected to the agent socket")
         return f"slow {n} iteration(s) of rank {rank} by {delay}s"

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from typing import IO
 
-log = logging.getLogger(__name__)
+from unicron.kernel import log as ulog
+
+log = ulog.get(__name__)
 
 
 class FailureMarker:
@@ -43,7 +44,7 @@ class FailureMarker:
             except ValueError:
                 continue
             if answer.get("ok") is False:
-                log.info("could not mark a rank failed in its store: %s", answer.get("error"))
+                log.info("could not mark a rank failed in its store", error=str(answer.get("error")))
 
     def mark(self, host: str, port: int, rank: int) -> None:
         request = json.dumps({"host": host, "port": port, "rank": rank}) + "\n"
@@ -55,7 +56,7 @@ class FailureMarker:
                 self._proc.stdin.write(request)
                 self._proc.stdin.flush()
             except OSError as exc:  # survivors still find out by heartbeat staleness
-                log.warning("failure marker unavailable: %s", exc)
+                log.warning("failure marker unavailable", error=str(exc))
 
     def stop(self) -> None:
         with self._lock:

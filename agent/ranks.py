@@ -8,16 +8,16 @@ server. Instructions flow back on the same connection.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
 import threading
 from collections.abc import Callable
 
+from unicron.kernel import log as ulog
 from unicron.kernel import protocol, wire
 from unicron.kernel.errors import InvalidRecord
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 #: on_message(task, rank, message)
 MessageHandler = Callable[[str, int, protocol.Message], None]
@@ -85,7 +85,7 @@ class RankServer:
                 try:
                     line = conn.recv_line()
                 except InvalidRecord as exc:
-                    log.warning("rank socket: %s; skipped", exc)
+                    log.warning("rank socket: bad line skipped", error=str(exc))
                     continue
                 except OSError:
                     return
@@ -94,19 +94,19 @@ class RankServer:
                 try:
                     msg = protocol.parse(wire.decode(line))
                 except InvalidRecord as exc:
-                    log.warning("rank socket: bad message from %s: %s", who, exc)
+                    log.warning("rank socket: bad message skipped", who=str(who), error=str(exc))
                     continue
                 if isinstance(msg, protocol.Hello):
                     who = (msg.task, msg.rank)
                     with self._lock:
                         self._conns[who] = conn
                 if who is None:
-                    log.warning("rank socket: %s before hello; skipped", msg.TYPE)
+                    log.warning("rank socket: message before hello skipped", type=msg.TYPE)
                     continue
                 try:
                     self.on_message(who[0], who[1], msg)
                 except Exception:
-                    log.exception("rank socket: handler failed on %s", msg.TYPE)
+                    log.exception("rank socket: handler failed", type=msg.TYPE)
         finally:
             if who is not None:
                 with self._lock:

@@ -13,6 +13,9 @@ from unicron.kernel.errors import ConfigError
 class AgentSettings:
     node: str = setting(socket.gethostname(), "UNICRON_NODE", "this node's name in the cluster")
     """Unique per node; used as the etcd key segment, so [A-Za-z0-9_.-] only."""
+    advertise_host: str = setting("", "UNICRON_ADVERTISE_HOST",
+                                  "address other nodes reach this agent at (default: the hostname's address)")
+    """Task store sidecars this agent hosts listen on it; registered as ``NodeInfo.host``."""
     etcd: str = setting("127.0.0.1:2379", "UNICRON_ETCD", "etcd endpoints, host:port[,host:port...]")
     """etcd endpoints."""
     prefix: str = setting("/unicron", "UNICRON_PREFIX", "etcd key prefix of this Unicron cluster")

@@ -19,7 +19,6 @@ never from whichever (possibly short-lived) thread called :meth:`Supervisor.laun
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -31,11 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
+from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath, patterns
 from unicron.kernel.errors import ConfigError, PermanentError
 from unicron.kernel.types import ErrorKind
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 RUNNING, STOPPED, EXITED = "running", "stopped", "exited"
 
@@ -100,6 +100,16 @@ def _stderr_writer() -> StderrSink:
             sys.stderr.flush()
 
     return write
+
+
+def _check_exec_args(rank: int, argv: Sequence[str], env: Mapping[str, str] | None) -> None:
+    """Refuse what exec would refuse (with a ValueError, not an OSError) with a reason naming the field."""
+    for i, arg in enumerate(argv):
+        if "\0" in arg:
+            raise ConfigError(f"rank {rank}: argv[{i}] contains a NUL byte")
+    for key, value in (env or {}).items():
+        if "\0" in key or "\0" in value or "=" in key or not key:
+            raise ConfigError(f"rank {rank}: environment variable {key[:64]!r} has a NUL byte or a bad name")
 
 
 class RankProcess:
@@ -168,6 +178,7 @@ class Supervisor:
         ``stdout_path``: append stdout there (None: inherit the agent's stdout). stderr is piped."""
         if not argv:
             raise ConfigError(f"rank {rank}: empty command line")
+        _check_exec_args(rank, argv, env)
         with self._lock:
             old = self._procs.get(rank)
             if old is not None and old.state != EXITED:
@@ -184,7 +195,7 @@ class Supervisor:
         proc.reader.start()
         proc.waiter.start()
         how = "forked by the spawner" if isinstance(proc.popen, PreforkedProcess) else "new process"
-        log.info("rank %d started: pid %d (%s): %s", rank, proc.pid, how, " ".join(argv))
+        log.info("rank started", rank=rank, pid=proc.pid, how=how, argv=" ".join(argv))
         return proc
 
     def _spawn(
@@ -203,12 +214,12 @@ class Supervisor:
                         forked = self._prefork.spawn(argv, env, cwd, out.fileno() if out else None)
                         return RankProcess(rank, forked)
                     except PreforkUnavailable as exc:
-                        log.info("rank %d: starting a new process: %s", rank, exc)
+                        log.info("rank starts as a new process", rank=rank, reason=str(exc))
                 popen = subprocess.Popen(
                     argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
                     process_group=0, preexec_fn=self._preexec, close_fds=True,
                 )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # no such file, not executable, exec failed
             raise PermanentError(f"rank {rank}: cannot start {argv[0]!r}: {exc}") from exc
         return RankProcess(rank, popen)
 
@@ -223,7 +234,7 @@ class Supervisor:
             try:
                 self._sink(proc.rank, line)
             except Exception:
-                log.exception("rank %d: stderr sink failed", proc.rank)
+                log.exception("stderr sink failed", rank=proc.rank)
             kind = patterns.match(line)
             if kind is not None:
                 self._matched(proc, kind, line, ts)
@@ -240,7 +251,7 @@ class Supervisor:
             try:
                 self._on_match(proc.rank, kind, line, ts)
             except Exception:
-                log.exception("rank %d: on_stderr_match callback failed", proc.rank)
+                log.exception("on_stderr_match callback failed", rank=proc.rank)
 
     def _wait(self, proc: RankProcess) -> None:
         returncode = proc.popen.wait()  # blocks in waitpid: the exit is seen when it happens
@@ -254,13 +265,12 @@ class Supervisor:
             proc.state = EXITED
             proc.exit = RankExit(proc.rank, proc.pid, returncode, ts, proc.requested, proc.last_kind)
         proc.exited.set()
-        level = logging.WARNING if proc.exit.abnormal else logging.INFO
-        log.log(level, "rank %d (pid %d) exited with %d%s", proc.rank, proc.pid, returncode,
-                " (requested)" if proc.requested else "")
+        (log.warning if proc.exit.abnormal else log.info)(
+            "rank process exited", rank=proc.rank, pid=proc.pid, returncode=returncode, requested=proc.requested)
         try:
             self._on_exit(proc.exit)
         except Exception:
-            log.exception("rank %d: on_exit callback failed", proc.rank)
+            log.exception("on_exit callback failed", rank=proc.rank)
 
     # --- control ---------------------------------------------------------------------------------
 
@@ -299,7 +309,7 @@ class Supervisor:
 
     def _escalate(self, proc: RankProcess, grace_s: float) -> None:
         if not proc.exited.wait(grace_s):
-            log.warning("rank %d did not exit within %.1f s; sending SIGKILL", proc.rank, grace_s)
+            log.warning("rank did not exit in time; sending SIGKILL", rank=proc.rank, grace_s=grace_s)
             self._signal(proc, signal.SIGKILL)
 
     def stop(self, rank: int) -> None:

@@ -35,7 +35,7 @@ from coordinator.link import LinkServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import InvalidRecord, NotLeader, StoreUnavailable
+from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
@@ -168,7 +168,7 @@ class Coordinator:
             WafAllocator(settings.gpu_type),
         )
         self.state = self.core.initial_state()
-        self.executor = Executor(self.keys, self._spec, self._node_host)
+        self.executor = Executor(self.keys, self._spec, lambda n: self._nodes[n].gpus if n in self._nodes else 0)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: Any = None
@@ -265,6 +265,12 @@ class Coordinator:
                             error=str(exc))
                 self.stop_event.wait(0.2)
                 self._inbox.put(item)
+            except PermanentError as exc:
+                # Retrying cannot help (e.g. the executor refused a placement): drop it, memory unchanged.
+                log.error("input refused; dropped", input=type(item).__name__, error=str(exc))
+            except Exception:
+                # A bug: never retried as an outage, and it must not end the loop of a leader that keeps its lease.
+                log.exception("handler failed; input dropped", input=type(item).__name__)
 
     def _handle(self, item: Input) -> None:
         match item:
@@ -499,12 +505,6 @@ class Coordinator:
     def _spec(self, task: str) -> TaskSpec | None:
         entry = self.state.tasks.get(task)
         return entry.spec if entry is not None else None
-
-    def _node_host(self, node: str) -> str:
-        info = self._nodes.get(node)
-        if info is None or info.host == os.uname().nodename:
-            return "127.0.0.1"
-        return info.host
 
     def _ticker(self) -> None:
         while not self.stop_event.wait(1.0):

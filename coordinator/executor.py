@@ -4,6 +4,10 @@ Execution is level-triggered: the coordinator only ever writes the whole desired
 with a revision that only grows; agents reconcile their processes to it and ignore stale
 revisions. The executor keeps the desired state in memory (loaded from etcd when a coordinator
 becomes leader) and returns the node records to write; the daemon writes them fenced.
+
+It is pure: no ports, no hostnames, no guesses. A task's rendezvous store is named by the node
+whose agent hosts it (``store_node``); that agent picks the port on its own node and publishes the
+address (``stores/<task>``). A node's GPU count comes from its registration (``node_gpus``).
 """
 
 from __future__ import annotations
@@ -14,18 +18,17 @@ from collections.abc import Callable, Mapping
 
 from coordinator import decision as d
 from coordinator.tasks import TaskSpec
-from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.net import free_port
 from unicron.kernel.types import NodeAssignment, RankSpec, TaskAssignment
 
 
 class Executor:
     def __init__(self, keys: Keyspace, specs: Callable[[str], TaskSpec | None],
-                 node_host: Callable[[str], str]) -> None:
+                 node_gpus: Callable[[str], int]) -> None:
         self.keys = keys
         self.specs = specs
-        self.node_host = node_host
+        self.node_gpus = node_gpus
         self.desired: dict[str, dict[str, TaskAssignment]] = {}
         self.revision = 0
 
@@ -73,29 +76,35 @@ class Executor:
                 changed.add(node)
         return changed
 
-    def _free_gpus(self, node: str, task: str, gpus: int) -> list[int]:
+    def _free_gpus(self, node: str, task: str) -> list[int]:
+        """GPUs of ``node`` (as registered) that no other task's desired assignment uses."""
         used = {r.gpu for name, t in self.desired.get(node, {}).items() if name != task for r in t.ranks}
-        return [g for g in range(gpus) if g not in used]
+        return [g for g in range(self.node_gpus(node)) if g not in used]
 
     def _assign(self, action: d.Assign) -> set[str]:
         spec = self.specs(action.task)
         if spec is None:
             return set()
-        changed = self._remove_task(action.task)
         placement = {n: sorted(r) for n, r in action.placement.items() if r}
+        # Checked before anything changes: a refused action leaves the desired state as it was.
+        free = {node: self._free_gpus(node, action.task) for node in placement}
+        for node, ranks in placement.items():
+            if len(free[node]) < len(ranks):
+                raise PermanentError(
+                    f"planner placed {len(ranks)} rank(s) of task {action.task} on node {node}, which has "
+                    f"{len(free[node])} free GPU(s) of {self.node_gpus(node)} registered"
+                )
+        changed = self._remove_task(action.task)
         if not placement:
             return changed
+        # The rendezvous store is the agent's sidecar, never rank 0 (which may die).
         store_node = min(placement, key=lambda n: placement[n][0])
-        port = free_port()
         for node, ranks in sorted(placement.items()):
-            free = self._free_gpus(node, action.task, gpus=max(len(ranks), 64))
-            specs = [RankSpec(rank=r, local_rank=i, gpu=free[i]) for i, r in enumerate(ranks)]
+            specs = [RankSpec(rank=r, local_rank=i, gpu=free[node][i]) for i, r in enumerate(ranks)]
             self.desired.setdefault(node, {})[action.task] = TaskAssignment(
                 task=action.task, generation=action.generation, argv=list(spec.command),
-                # The rendezvous store is the agent's sidecar, never rank 0 (which may die).
                 env={**spec.env, "UNICRON_EXTERNAL_STORE": "1"},
-                world_size=action.world_size, ranks=specs, master_addr=self.node_host(store_node),
-                master_port=port, host_store=node == store_node,
+                world_size=action.world_size, ranks=specs, store_node=store_node,
             )
             changed.add(node)
         return changed

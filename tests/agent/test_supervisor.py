@@ -266,6 +266,8 @@ def test_helpers_left_in_the_ranks_group_are_killed_when_it_exits(sup: Superviso
 
 AGENT = """
 import sys, time
+from unicron.kernel import log as ulog
+ulog.configure(stream=sys.stderr)  # stdout carries the answer
 from agent.supervisor import Supervisor
 sup = Supervisor(lambda e: None, pdeathsig=sys.argv[1] == "1")
 proc = sup.launch(0, [sys.executable, "-c", "import time; time.sleep(30)"])
@@ -363,6 +365,10 @@ def test_a_spawner_that_died_is_started_again(ev: Events, tmp_path: Path) -> Non
 
 PREFORK_AGENT = """
 import sys, time
+from unicron.kernel import log as ulog
+ulog.configure(stream=sys.stderr)  # stdout carries the answer
+from unicron.kernel import log as ulog
+ulog.configure(stream=sys.stderr)  # stdout carries the answer
 from agent.prefork import Prefork
 from agent.supervisor import Supervisor
 from unicron.kernel.parentdeath import preexec

@@ -205,7 +205,7 @@ def test_in_memory_snapshots_are_replicated_to_the_ring_peer(cluster: LocalClust
     argv = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
             "--ckpt", "memory", "--ckpt-dir", str(tmp_path), "--ckpt-every", "2"]
     _generation[0] += 1
-    cluster.assign_task("ck", argv, ["node0"], ranks_per_node=2, generation=_generation[0], host_store=True)
+    cluster.assign_task("ck", argv, ["node0"], ranks_per_node=2, generation=_generation[0])
     assert cluster.store is not None
     peer = json.loads(cluster.store.get(cluster.keys.node("node1")).value)["replica_addr"]  # type: ignore[union-attr]
     client = ReplicaClient(peer, timeout_s=5.0)

@@ -116,7 +116,9 @@ def test_sev2_restarts_only_the_failed_rank_which_rejoins(cluster: LocalCluster)
     # the agent's warm spawner had long finished importing: the new process was forked from it
     new_pid = {r["rank"]: r["pid"] for r in ranks(cluster)}[victim["rank"]]
     agent_log = Path(cluster.run_dir, f"agent-{victim['node']}.log").read_text(errors="replace")
-    assert f"rank {victim['rank']} started: pid {new_pid} (forked by the spawner)" in agent_log
+    started = [json.loads(line) for line in agent_log.splitlines() if '"rank started"' in line]
+    assert any(e["rank"] == victim["rank"] and e["pid"] == new_pid and e["how"] == "forked by the spawner"
+               for e in started), started
     trains_past(cluster, top_step(cluster))
 
 

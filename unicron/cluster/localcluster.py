@@ -20,7 +20,6 @@ from typing import Any
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.net import free_port
 from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
 
 
@@ -88,7 +87,8 @@ class LocalCluster:
 
     def start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
-            ["-m", "agent.main", "--node", node, "--gpu-backend", "simulated", "--gpus", str(self.gpus_per_agent)],
+            ["-m", "agent.main", "--node", node, "--gpu-backend", "simulated", "--gpus", str(self.gpus_per_agent),
+             "--advertise-host", "127.0.0.1"],
             f"agent-{node}",
         )
 
@@ -174,17 +174,16 @@ class LocalCluster:
     # --- direct assignment (tests that drive agents without the decision core) ----------------
 
     def assign_task(self, task: str, argv: list[str], nodes: list[str], ranks_per_node: int,
-                    env: dict[str, str] | None = None, generation: int = 1, host_store: bool = False) -> int:
-        """Write assignments running ``argv`` on ``ranks_per_node`` ranks of each of ``nodes``."""
+                    env: dict[str, str] | None = None, generation: int = 1) -> None:
+        """Write assignments running ``argv`` on ``ranks_per_node`` ranks of each of ``nodes``; the
+        first node's agent hosts the task's store sidecar (and publishes its address)."""
         assert self.store is not None
-        port = free_port()
         world = len(nodes) * ranks_per_node
         for i, node in enumerate(nodes):
             ranks = [RankSpec(rank=i * ranks_per_node + j, local_rank=j, gpu=j) for j in range(ranks_per_node)]
-            ta = TaskAssignment(task=task, generation=generation, argv=argv, env=env or {}, world_size=world,
-                                ranks=ranks, master_addr="127.0.0.1", master_port=port,
-                                host_store=host_store and i == 0)
+            ta = TaskAssignment(task=task, generation=generation, argv=argv,
+                                env={**(env or {}), "UNICRON_EXTERNAL_STORE": "1"}, world_size=world,
+                                ranks=ranks, store_node=nodes[0])
             self._revision += 1
             na = NodeAssignment(node=node, revision=self._revision, tasks=[ta])
             self.store.put(self.keys.assignment(node), json.dumps(na.to_dict()))
-        return port

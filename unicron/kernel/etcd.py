@@ -89,7 +89,12 @@ class Store:
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 2.0, retry_s: float = 0.5) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.timeout_s = timeout_s
-        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=retry_s) for h, p in self.endpoints]
+        # gRPC's own reconnect backoff (1 s growing x1.6 to 120 s) left clients idle for 10-18 s after
+        # an etcd outage of ~15 s (issue #19 item 5): cap it near our retry interval instead.
+        backoff_ms = max(100, int(retry_s * 1000))
+        opts = [("grpc.initial_reconnect_backoff_ms", backoff_ms), ("grpc.min_reconnect_backoff_ms", backoff_ms),
+                ("grpc.max_reconnect_backoff_ms", 2 * backoff_ms)]
+        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=retry_s, opts=opts) for h, p in self.endpoints]
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
         self._lock = threading.Lock()
 
@@ -133,6 +138,14 @@ class Store:
     def put_if_absent(self, key: str, value: str | bytes, lease: Lease | None = None) -> bool:
         with _converted(f"create {key}"):
             return bool(self._client.put_if_not_exists(key, value, lease=lease.lease_id if lease else None))
+
+    def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete ``key`` iff it was last written at ``mod_revision`` (nobody replaced it since)."""
+        tx = self._client.transactions
+        with _converted(f"delete {key} at revision {mod_revision}"):
+            ok, _ = self._client.transaction(compare=[tx.mod(key) == mod_revision], success=[tx.delete(key)],
+                                             failure=[])
+        return bool(ok)
 
     def revision(self) -> int:
         return self.get_prefix("\0")[1]
@@ -325,5 +338,5 @@ def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, 
             log.error("etcd unreachable; retrying (%s, endpoints %s): %s; retry in %.1fs; "
                       "hint: start etcd or fix --etcd / UNICRON_ETCD", who, endpoints, exc, backoff)
             stop.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, 1.0)
     return None

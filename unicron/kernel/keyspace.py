@@ -13,6 +13,8 @@ tasks/<task>               coordinator  TaskSpec JSON (the task set)
 state                      coordinator  decision-core state JSON (survives restarts)
 assign/<node>              coordinator  NodeAssignment JSON (desired state, with generation)
 results/<node>             agent        AssignmentResult JSON (observed state)
+stores/<task>              agent        StoreAddress JSON of the task's store sidecar, under the
+                                        lease of the agent of the assignment's store_node
 inject/<node>/<id>         CLI          fault-injection request for that node's agent
 drain/<node>               CLI/API,     present while the node is drained: "1" by an operator,
                            coordinator  "goodbye" while its agent is away after a planned stop
@@ -80,6 +82,12 @@ class Keyspace:
 
     def result(self, node: str) -> str:
         return self._k("results", node)
+
+    def stores(self) -> str:
+        return self._k("stores", "")
+
+    def store(self, task: str) -> str:
+        return self._k("stores", task)
 
     def injections(self, node: str) -> str:
         return self._k("inject", node, "")

@@ -217,6 +217,7 @@ class NodeInfo(Record):
     """What an agent registers about its node (under its lease)."""
 
     node: str
+    #: the address other nodes reach this agent (and the store sidecars it hosts) at: --advertise-host
     host: str
     gpus: int
     gpu_backend: str  # "nvml" | "simulated"
@@ -226,6 +227,24 @@ class NodeInfo(Record):
     replica_addr: str = ""
     #: random secret of this agent process; its link hello must carry it (see ``LinkHello.token``)
     link_token: str = ""
+    #: the machine's hostname: a restarted agent recognises its dead predecessor's registration by it
+    hostname: str = ""
+
+
+@dataclass(frozen=True)
+class StoreAddress(Record):
+    """Where a task's rendezvous store sidecar listens (``stores/<task>``).
+
+    The agent of ``store_node`` picks a free port on its own node, starts the sidecar and publishes
+    this under its lease; the other nodes' agents launch their ranks once the record for the task's
+    current ``generation`` exists.
+    """
+
+    task: str
+    generation: int
+    node: str
+    host: str
+    port: int
 
 
 @dataclass(frozen=True)
@@ -285,9 +304,8 @@ class TaskAssignment(Record):
     env: dict[str, str]
     world_size: int
     ranks: list[RankSpec]
-    master_addr: str
-    master_port: int
-    host_store: bool = False
+    #: the node whose agent hosts the task's rendezvous store sidecar and publishes its StoreAddress
+    store_node: str
     restart_epoch: int = 0
     restart_ranks: list[int] = field(default_factory=list)
     regroup_epoch: int = 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import signal
+import socket
 import sys
 import threading
 import time
@@ -70,8 +71,20 @@ def serve_store(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> T
     """Host the task's store at host:port (returns once listening; serves while the object lives)."""
     _check_addr(host, port)
     try:
+        # TCPStore's server listens on every interface whatever host it is given; handing it a
+        # socket already bound to host:port makes it listen on exactly that address.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
         return TCPStore(
-            host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+            host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=sock.detach(),  # the store owns the descriptor from here on
         )
     except (RuntimeError, OSError) as exc:
         raise TemporaryError(f"cannot serve the task store on {host}:{port}: {exc}") from exc

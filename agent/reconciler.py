@@ -1,0 +1,418 @@
+"""One task's processes on this node, reconciled to its desired assignment by a thread of its own.
+
+The agent keeps one :class:`TaskReconciler` per task assigned to the node. A new generation gets a
+new reconciler (the old one is stopped; the new one launches only once the old one's processes are
+gone); a new restart or regroup epoch of the same generation is applied by the existing one.
+
+Rank lifecycle (modelled on torch elastic's ``WorkerState``)::
+
+    INIT ──launched──▶ HEALTHY ──exit 0──────────────▶ SUCCEEDED
+     │                  │  ──exit ≠ 0, not requested──▶ FAILED ──restart_epoch──▶ RESTARTING
+     │                  │  ──restart_epoch───────────▶ RESTARTING ──relaunched──▶ HEALTHY
+     │                  └─ unassigned / new generation ▶ STOPPING ──exited──▶ STOPPED
+     └─ cannot start (no such file, NUL byte, ...) ───▶ FAILED
+
+The task's own state is derived from its ranks': STOPPING/STOPPED once it is being or has been
+stopped; FAILED if a launch failed or a rank failed; SUCCEEDED when every rank exited 0; INIT
+while it waits for its rendezvous store or launches; RESTARTING while ranks are relaunched;
+HEALTHY otherwise.
+
+Locking: ``_lock`` guards this object's fields only and is never held across a blocking call.
+Kills, waits, launches, starting the store sidecar and etcd writes run on the reconciler's own
+thread with no lock held, so the supervisor's exit callbacks, status writes and rank messages
+(which take ``_lock`` briefly) never wait for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.iterations import IterationMonitor
+from agent.prefork import Prefork
+from agent.sidecar import StoreSidecar
+from agent.supervisor import ProcStatus, RankExit, Supervisor
+from unicron.kernel import log as ulog
+from unicron.kernel import protocol
+from unicron.kernel.errors import StoreUnavailable, UnicronError
+from unicron.kernel.types import ErrorKind, RankSpec, RankStatus, StoreAddress, TaskAssignment
+
+log = ulog.get(__name__)
+
+#: how long a stop gives ranks between SIGTERM and SIGKILL
+STOP_GRACE_S = 2.0
+#: how long a restart waits for a SIGKILLed rank to be reaped before giving up on it
+RESTART_WAIT_S = 10.0
+
+
+class RankState(enum.StrEnum):
+    INIT = "init"
+    HEALTHY = "healthy"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class TaskState(enum.StrEnum):
+    INIT = "init"
+    HEALTHY = "healthy"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class TaskHost(Protocol):
+    """What a reconciler needs from its agent."""
+
+    node: str
+    advertise_host: str
+
+    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]: ...
+
+    def rank_log_path(self, task: str, rank: int) -> str: ...
+
+    def publish_store(self, addr: StoreAddress) -> int: ...
+
+    def withdraw_store(self, addr: StoreAddress, revision: int) -> None: ...
+
+    def rank_exited(self, a: TaskAssignment, ex: RankExit, store: StoreAddress | None, step: int | None) -> None: ...
+
+    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None: ...
+
+    def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool: ...
+
+
+class Outcome:
+    """The result of one step of a reconciler (set once, by its thread)."""
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        self.ok = True
+        self.detail = ""
+        self._done = threading.Event()
+
+    def set(self, ok: bool, detail: str) -> None:
+        self.ok, self.detail = ok, detail
+        self._done.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._done.wait(timeout_s)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+@dataclass(frozen=True)
+class _Command:
+    assignment: TaskAssignment | None  # None: stop
+    reason: str
+    outcome: Outcome
+
+
+class TaskReconciler:
+    def __init__(self, assignment: TaskAssignment, host: TaskHost, prefork: Prefork | None,
+                 previous: TaskReconciler | None = None) -> None:
+        self.task = assignment.task
+        self.host = host
+        self._previous = previous
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._stop_requested = False
+        self.stopped = threading.Event()
+        #: the newest assignment submitted, and the one last applied
+        self.latest = assignment
+        self.applied = assignment
+        self._ranks = {s.rank: RankState.INIT for s in assignment.ranks}
+        self._launch_error = ""
+        self._store: StoreAddress | None = None
+        self._sidecar: StoreSidecar | None = None
+        self._published_revision = 0
+        self.steps: dict[int, int] = {}
+        self.launched_epoch: dict[int, int] = {}
+        self.monitors: dict[int, IterationMonitor] = {}
+        self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork)
+        self.started = self._submit(_Command(assignment, "assigned", Outcome(self.task)))
+        self._thread = threading.Thread(target=self._run, name=f"reconcile-{self.task}", daemon=True)
+        self._thread.start()
+
+    # --- requests (any thread; never block) -------------------------------------------------------
+
+    def apply(self, a: TaskAssignment) -> Outcome:
+        """Apply a newer restart/regroup epoch of the same generation."""
+        with self._lock:
+            self.latest = a
+        return self._submit(_Command(a, "updated", Outcome(self.task)))
+
+    def stop(self, reason: str) -> Outcome:
+        with self._lock:
+            self._stop_requested = True
+        return self._submit(_Command(None, reason, Outcome(self.task)))
+
+    def offer_store(self, addr: StoreAddress | None) -> None:
+        """A published store address (``stores/<task>``); taken if it is this generation's."""
+        if addr is None or addr.task != self.task or addr.generation != self.latest.generation:
+            return
+        with self._wake:
+            if self._store is None:
+                self._store = addr
+                self._wake.notify_all()
+
+    def _submit(self, cmd: _Command) -> Outcome:
+        with self._wake:
+            self._commands.append(cmd)
+            self._wake.notify_all()
+        return cmd.outcome
+
+    # --- observation ------------------------------------------------------------------------------
+
+    def has_rank(self, rank: int) -> bool:
+        with self._lock:
+            return rank in self._ranks
+
+    def rank_state(self, rank: int) -> RankState | None:
+        with self._lock:
+            return self._ranks.get(rank)
+
+    def state(self) -> TaskState:
+        with self._lock:
+            states = set(self._ranks.values())
+            if self._stop_requested:
+                return TaskState.STOPPED if self.stopped.is_set() else TaskState.STOPPING
+            if self._launch_error or RankState.FAILED in states:
+                return TaskState.FAILED
+            if states == {RankState.SUCCEEDED}:
+                return TaskState.SUCCEEDED
+            if RankState.INIT in states:
+                return TaskState.INIT
+            if RankState.RESTARTING in states:
+                return TaskState.RESTARTING
+            return TaskState.HEALTHY
+
+    def store_address(self) -> StoreAddress | None:
+        with self._lock:
+            return self._store
+
+    def hosts_store(self) -> bool:
+        with self._lock:
+            return self._sidecar is not None and self._published_revision > 0
+
+    def republish(self) -> None:
+        """Publish the hosted store's address again (it went with a lost lease)."""
+        with self._lock:
+            addr = self._store if self._sidecar is not None else None
+        if addr is None:
+            return
+        try:
+            revision = self.host.publish_store(addr)
+        except StoreUnavailable as exc:
+            log.warning("could not republish the store address", task=self.task, error=str(exc))
+            return
+        with self._lock:
+            self._published_revision = revision
+
+    def processes(self) -> dict[int, ProcStatus]:
+        return self.supervisor.status()
+
+    def rank_statuses(self) -> list[RankStatus]:
+        """Every rank's process, exited ones included (with their return code) until the task's
+        assignment changes."""
+        procs = self.supervisor.status()
+        with self._lock:
+            gen = self.applied.generation
+            return [RankStatus(task=self.task, generation=gen, rank=st.rank, pid=st.pid, state=st.state,
+                               returncode=st.returncode, requested=st.requested, step=self.steps.get(r),
+                               restart_epoch=self.launched_epoch.get(r, 0))
+                    for r, st in procs.items()]
+
+    def monitor(self, rank: int, make: Callable[[], IterationMonitor]) -> tuple[IterationMonitor | None, bool]:
+        """The rank's iteration monitor (created if new: second item True); None unless it runs."""
+        with self._lock:
+            if self._ranks.get(rank) is not RankState.HEALTHY:
+                return None, False
+            mon = self.monitors.get(rank)
+            if mon is not None:
+                return mon, False
+            mon = self.monitors[rank] = make()
+            return mon, True
+
+    def record_step(self, rank: int, step: int) -> None:
+        with self._lock:
+            self.steps[rank] = step
+
+    def step_of(self, rank: int) -> int | None:
+        with self._lock:
+            return self.steps.get(rank)
+
+    # --- the reconciler's thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: bool(self._commands))
+                cmd = self._commands.popleft()
+            try:
+                if cmd.assignment is None:
+                    self._do_stop(cmd.reason)
+                    cmd.outcome.set(True, f"stopped: {cmd.reason}")
+                    self._drain(f"task {self.task} stopped")
+                    return
+                if cmd.reason == "assigned":
+                    cmd.outcome.set(*self._do_start(cmd.assignment))
+                else:
+                    cmd.outcome.set(*self._do_update(cmd.assignment))
+            except UnicronError as exc:
+                log.error("reconcile step failed", task=self.task, error=str(exc))
+                if cmd.reason == "assigned":
+                    with self._lock:
+                        self._launch_error = str(exc)
+                cmd.outcome.set(False, f"{type(exc).__name__}: {exc}")
+
+    def _drain(self, detail: str) -> None:
+        with self._wake:
+            rest = list(self._commands)
+            self._commands.clear()
+        for cmd in rest:
+            cmd.outcome.set(True, detail)
+
+    def _stop_pending(self) -> bool:
+        return any(c.assignment is None for c in self._commands)
+
+    def _do_start(self, a: TaskAssignment) -> tuple[bool, str]:
+        if self._previous is not None:
+            self._previous.stopped.wait()  # its ranks hold the GPUs this generation needs
+            self._previous = None
+        store = self._host_store(a) if a.store_node == self.host.node else self._await_store(a)
+        if store is None:
+            return True, "stopped before its store was available"
+        errors = [err for spec in a.ranks if (err := self._launch(a, spec, store))]
+        if errors:
+            with self._lock:
+                self._launch_error = errors[0]
+            return False, "; ".join(errors)
+        log.info("task started", task=a.task, generation=a.generation, ranks=[s.rank for s in a.ranks],
+                 store=f"{store.host}:{store.port}")
+        return True, "started"
+
+    def _host_store(self, a: TaskAssignment) -> StoreAddress | None:
+        sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
+        addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
+                            port=sidecar.port)
+        with self._lock:
+            self._sidecar, self._store = sidecar, addr
+        backoff = 0.05
+        while True:
+            with self._wake:
+                if self._stop_pending():
+                    return None
+            try:
+                revision = self.host.publish_store(addr)
+                break
+            except StoreUnavailable as exc:
+                log.warning("store address waits for etcd", task=a.task, error=str(exc))
+                with self._wake:
+                    self._wake.wait_for(self._stop_pending, backoff)
+                backoff = min(backoff * 2, 1.0)
+        with self._lock:
+            self._published_revision = revision
+        return addr
+
+    def _await_store(self, a: TaskAssignment) -> StoreAddress | None:
+        with self._wake:
+            if self._store is None:
+                log.info("waiting for the task's store", task=a.task, generation=a.generation, store_node=a.store_node)
+            self._wake.wait_for(lambda: self._store is not None or self._stop_pending())
+            return self._store if not self._stop_pending() else None
+
+    def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> str:
+        """Start one rank; "" on success, else why it could not start (the rank is then FAILED)."""
+        with self._lock:
+            self.launched_epoch[spec.rank] = a.restart_epoch
+            self.monitors.pop(spec.rank, None)
+        try:
+            self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
+                                   stdout_path=self.host.rank_log_path(a.task, spec.rank))
+        except UnicronError as exc:
+            log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
+            with self._lock:
+                self._ranks[spec.rank] = RankState.FAILED
+            return str(exc)
+        with self._lock:
+            if self._ranks.get(spec.rank) in (RankState.INIT, RankState.RESTARTING, RankState.FAILED):
+                self._ranks[spec.rank] = RankState.HEALTHY
+        return ""
+
+    def _do_update(self, a: TaskAssignment) -> tuple[bool, str]:
+        with self._lock:
+            applied, store = self.applied, self._store
+        specs = {s.rank: s for s in a.ranks}
+        errors: list[str] = []
+        if a.restart_epoch > applied.restart_epoch and store is not None:
+            restart = [r for r in a.restart_ranks if r in specs]
+            with self._lock:
+                for r in restart:
+                    self._ranks[r] = RankState.RESTARTING
+            for r in restart:
+                if r in self.supervisor.status():
+                    self.supervisor.kill(r, signal.SIGKILL)
+                    if self.supervisor.wait(r, timeout_s=RESTART_WAIT_S) is None:
+                        errors.append(f"rank {r} did not exit within {RESTART_WAIT_S:.0f} s of SIGKILL")
+                        continue
+                if err := self._launch(a, specs[r], store):
+                    errors.append(err)
+                else:
+                    log.info("rank restarted", task=a.task, rank=r, restart_epoch=a.restart_epoch)
+        if a.regroup_epoch > applied.regroup_epoch:
+            msg = protocol.Regroup(epoch=a.regroup_epoch, members=a.regroup_members, failed=a.regroup_failed)
+            for spec in a.ranks:
+                self.host.send_to_rank(a.task, spec.rank, msg)
+        with self._lock:
+            self.applied = a
+        return (False, "; ".join(errors)) if errors else (True, "applied")
+
+    def _do_stop(self, reason: str) -> None:
+        with self._lock:
+            for r, st in self._ranks.items():
+                if st in (RankState.INIT, RankState.HEALTHY, RankState.RESTARTING):
+                    self._ranks[r] = RankState.STOPPING
+            sidecar, store, revision = self._sidecar, self._store, self._published_revision
+            self._sidecar = None
+        self.supervisor.close(grace_s=STOP_GRACE_S)
+        if sidecar is not None:
+            sidecar.stop()
+            if store is not None and revision:
+                try:
+                    self.host.withdraw_store(store, revision)
+                except StoreUnavailable as exc:  # under our lease: it goes with the agent anyway
+                    log.warning("could not withdraw the store address", task=self.task, error=str(exc))
+        with self._lock:
+            for r, st in self._ranks.items():
+                if st is RankState.STOPPING:
+                    self._ranks[r] = RankState.STOPPED
+        self.stopped.set()
+        log.info("task stopped", task=self.task, reason=reason)
+
+    # --- supervisor callbacks (per-rank threads; short, no blocking) ------------------------------
+
+    def _on_exit(self, ex: RankExit) -> None:
+        with self._lock:
+            state = self._ranks.get(ex.rank)
+            if state is RankState.HEALTHY:
+                self._ranks[ex.rank] = RankState.SUCCEEDED if ex.returncode == 0 else (
+                    RankState.FAILED if ex.abnormal else RankState.STOPPED)
+            self.monitors.pop(ex.rank, None)
+            a, store, step = self.applied, self._store, self.steps.get(ex.rank)
+        self.host.rank_exited(a, ex, store, step)
+
+    def _on_stderr_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+        self.host.stderr_matched(self.task, rank, kind, line, ts)

@@ -1,0 +1,79 @@
+"""A task's rendezvous store sidecar (``python -m unicron.runtime.store``) hosted on this node.
+
+The agent of an assignment's ``store_node`` picks a free port on its own advertised address,
+starts the sidecar there and, once it says it listens, publishes the address (``stores/<task>``).
+The sidecar dies with the agent (PDEATHSIG): an orphan would hold the port.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from agent.prefork import stop_process
+from unicron.kernel import log as ulog
+from unicron.kernel import parentdeath
+from unicron.kernel.errors import TemporaryError
+from unicron.kernel.net import free_port
+
+log = ulog.get(__name__)
+
+#: the sidecar imports torch before it listens: allow for a slow, loaded machine
+START_TIMEOUT_S = 60.0
+#: another process may take the free port between our probe and the sidecar's bind
+START_ATTEMPTS = 3
+
+
+class StoreSidecar:
+    """One running sidecar: its process and the address it listens on."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], host: str, port: int) -> None:
+        self.proc = proc
+        self.host = host
+        self.port = port
+
+    @classmethod
+    def start(cls, host: str, task: str, timeout_s: float = START_TIMEOUT_S) -> StoreSidecar:
+        """Start a sidecar on a free port of ``host``; returns once it listens. Raises TemporaryError."""
+        error = ""
+        for _ in range(START_ATTEMPTS):
+            port = free_port(host)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "unicron.runtime.store", "--host", host, "--port", str(port)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
+                preexec_fn=parentdeath.preexec(signal.SIGKILL),
+            )
+            error = _await_listening(proc, timeout_s)
+            if not error:
+                log.info("store sidecar listening", task=task, host=host, port=port, pid=proc.pid)
+                return cls(proc, host, port)
+            stop_process(proc, grace_s=1.0)
+            log.warning("store sidecar did not start", task=task, host=host, port=port, error=error)
+        raise TemporaryError(f"task {task}: the store sidecar could not listen on {host}: {error}")
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace_s=1.0)
+
+
+def _await_listening(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """"" once ``proc`` printed its listening line, else why not."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    seen = b""
+    while b"\n" not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"not listening after {timeout_s:.0f} s"
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return f"exited with {proc.wait()}"
+        seen += chunk
+    return "" if b"listening" in seen else f"said {seen.decode(errors='replace').strip()!r}"

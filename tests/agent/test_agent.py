@@ -1,0 +1,200 @@
+"""The agent with real etcd, real agents (in this process, or as processes) and real ranks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as agent.main does: the agent forks ranks
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from agent.daemon import Agent
+from agent.settings import AgentSettings
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel import protocol, wire
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import (
+    AssignmentResult,
+    NodeAssignment,
+    NodeStatus,
+    RankSpec,
+    StoreAddress,
+    TaskAssignment,
+)
+
+T = TypeVar("T")
+PREFIX = "/agent-test"
+KEYS = Keyspace(PREFIX)
+
+
+def wait_for(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def settings(etcd: EtcdServer, node: str, run_dir: Path) -> AgentSettings:
+    return AgentSettings(node=node, etcd=etcd.endpoint, prefix=PREFIX, gpu_backend="simulated", gpus=2,
+                         run_dir=str(run_dir), replica_budget_mb=0, prefork="", advertise_host="127.0.0.1",
+                         status_interval_s=0.2)
+
+
+@pytest.fixture
+def agents(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[dict[str, Agent]]:
+    started: dict[str, tuple[Agent, threading.Thread]] = {}
+    for node in ("a0", "a1"):
+        agent = Agent(settings(etcd_server, node, tmp_path))
+        th = threading.Thread(target=agent.run, daemon=True)
+        th.start()
+        assert agent.ready.wait(30)
+        started[node] = (agent, th)
+    try:
+        yield {n: a for n, (a, _) in started.items()}
+    finally:
+        for agent, _ in started.values():
+            agent.stop()
+        for _, th in started.values():
+            th.join(30)
+
+
+_revision = [0]
+
+
+def assign(store: Store, node: str, *tasks: TaskAssignment) -> int:
+    _revision[0] += 1
+    store.put(KEYS.assignment(node), json.dumps(NodeAssignment(node=node, revision=_revision[0],
+                                                               tasks=list(tasks)).to_dict()))
+    return _revision[0]
+
+
+def task(name: str, argv: list[str], ranks: list[int], world: int, store_node: str, generation: int = 1) -> TaskAssignment:
+    return TaskAssignment(task=name, generation=generation, argv=argv, env={}, world_size=world,
+                          ranks=[RankSpec(rank=r, local_rank=i, gpu=i) for i, r in enumerate(ranks)],
+                          store_node=store_node)
+
+
+def result(store: Store, node: str, revision: int) -> AssignmentResult | None:
+    kv = store.get(KEYS.result(node))
+    if kv is None:
+        return None
+    r = AssignmentResult.from_dict(json.loads(kv.value))
+    return r if r.revision == revision else None
+
+
+def status(store: Store, node: str) -> NodeStatus | None:
+    kv = store.get(KEYS.status(node))
+    return NodeStatus.from_dict(json.loads(kv.value)) if kv else None
+
+
+# A rank that writes its rank into the task store at MASTER_ADDR:MASTER_PORT, reads every rank's
+# entry back (so all ranks reached the same store), and exits 0.
+STORE_CLIENT = [sys.executable, "-c", (
+    "import os, datetime; from torch.distributed import TCPStore\n"
+    "s = TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), None, False,"
+    " datetime.timedelta(seconds=60), wait_for_workers=False)\n"
+    "s.set('hello/' + os.environ['RANK'], os.environ['UNICRON_NODE'])\n"
+    "s.wait(['hello/%d' % r for r in range(int(os.environ['WORLD_SIZE']))])\n"
+)]
+
+
+def test_store_hosted_by_one_agent_and_reached_by_ranks_of_the_other(agents: dict[str, Agent], store: Store) -> None:
+    # a1 runs no rank of the task, only its store; a0's ranks must find it through stores/<task>.
+    rev0 = assign(store, "a0", task("t", STORE_CLIENT, [0, 1], 2, store_node="a1"))
+    rev1 = assign(store, "a1", task("t", STORE_CLIENT, [], 2, store_node="a1"))
+    addr = wait_for(lambda: store.get(KEYS.store("t")), 60, "the store address")
+    published = StoreAddress.from_dict(json.loads(addr.value))
+    assert (published.node, published.host, published.generation) == ("a1", "127.0.0.1", 1)
+    assert addr.lease == agents["a1"].lease.lease_id  # type: ignore[union-attr]
+    assert wait_for(lambda: result(store, "a1", rev1), 30, "a1's result").ok
+    assert wait_for(lambda: result(store, "a0", rev0), 30, "a0's result").ok
+
+    def both_exited_0() -> bool:
+        st = status(store, "a0")
+        return st is not None and sorted((r.rank, r.state, r.returncode) for r in st.ranks) == [
+            (0, "exited", 0), (1, "exited", 0)]
+
+    wait_for(both_exited_0, 60, "a0's ranks to reach the store and exit 0")
+    # Exited ranks stay in status/<node>, with their return code, until the assignment changes.
+    time.sleep(0.6)
+    assert both_exited_0()
+    # The sidecar listens on the advertised address only (issue #19 item 15).
+    out = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
+    listening = [line.split()[3] for line in out.splitlines()[1:] if line.split()[3].endswith(f":{published.port}")]
+    assert listening == [f"127.0.0.1:{published.port}"]
+    # Unassigning withdraws the address.
+    assign(store, "a1")
+    wait_for(lambda: store.get(KEYS.store("t")) is None, 30, "the store address to be withdrawn")
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["/nonexistent/trainer"], "No such file"),
+    ([f"{sys.executable}\0"], "argv[0] contains a NUL byte"),
+])
+def test_a_launch_that_cannot_start_fails_the_assignment_at_once(agents: dict[str, Agent], store: Store,
+                                                                 argv: list[str], reason: str) -> None:
+    t0 = time.monotonic()
+    rev = assign(store, "a0", task("bad", argv, [0], 1, store_node="a0"))
+    res = wait_for(lambda: result(store, "a0", rev), 30, "a0's result")
+    assert not res.ok and reason in res.detail, res.detail
+    # Only the store sidecar's start (a torch import) lies between: no deadline is waited for.
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_forged_rank_message_for_an_unknown_task_is_dropped(agents: dict[str, Agent], store: Store) -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(1000)"]
+    rev = assign(store, "a0", task("real", sleeper, [0], 1, store_node="a0"))
+    assert wait_for(lambda: result(store, "a0", rev), 60, "a0's result").ok
+
+    def send(task_name: str, rank: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(agents["a0"].socket_path)
+            conn = wire.LineSocket(s)
+            conn.send(protocol.Hello(task=task_name, rank=rank, local_rank=0, pid=os.getpid()).to_wire())
+            conn.send(protocol.ExceptionReport(message="forged", traceback="", kind="cuda_error", fatal=True,
+                                               step=1, ts=time.time()).to_wire())
+            time.sleep(0.2)
+
+    def reports() -> list[str]:
+        kvs, _ = store.get_prefix(KEYS.reports())
+        return [json.loads(kv.value)["task"] for kv in kvs]
+
+    send("no-such-task", 0)
+    send("real", 7)  # a rank the task does not have here
+    send("real", 0)  # control: the real rank's report arrives, so the forged ones had time to
+    wait_for(lambda: "real" in reports(), 10, "the real rank's report")
+    time.sleep(0.3)
+    assert reports() == ["real"]
+
+
+def test_a_second_agent_with_a_held_node_name_refuses_to_start(agents: dict[str, Agent], etcd_server: EtcdServer,
+                                                                store: Store, tmp_path: Path) -> None:
+    before = store.get(KEYS.node("a0"))
+    sock = Path(agents["a0"].socket_path)
+    inode = sock.stat().st_ino
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent.main", "--node", "a0", "--etcd", etcd_server.endpoint, "--prefix", PREFIX,
+         "--gpu-backend", "simulated", "--run-dir", str(sock.parent), "--replica-budget-mb", "0", "--prefork", ""],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert proc.returncode == 2
+    reason = [line for line in proc.stderr.splitlines() if line.startswith("unicron-agent:")]
+    assert len(reason) == 1 and "node name 'a0' is held by another running agent" in reason[0], proc.stderr
+    after = store.get(KEYS.node("a0"))
+    assert after is not None and before is not None and after.mod_revision == before.mod_revision
+    assert sock.stat().st_ino == inode  # the original's socket was not replaced

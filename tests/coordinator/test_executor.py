@@ -1,0 +1,67 @@
+"""The executor is pure: its assignments name no host and no port, and take each node's GPUs from
+its registration (issue #12 item 4)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from coordinator import decision as d
+from coordinator.executor import Executor
+from coordinator.tasks import TaskSpec
+from unicron.kernel.errors import PermanentError
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import NodeAssignment
+
+SPEC = TaskSpec(name="t", command=(sys.executable, "-m", "unicron.runtime.workload"))
+
+
+def executor(gpus: dict[str, int]) -> Executor:
+    return Executor(Keyspace("/x"), lambda task: SPEC if task == SPEC.name else None, lambda node: gpus[node])
+
+
+def assign(task: str, placement: dict[str, tuple[int, ...]], generation: int = 1) -> d.Assign:
+    world = sum(len(r) for r in placement.values())
+    return d.Assign(action_id="a", task=task, generation=generation, placement=placement, world_size=world,
+                    reason="test")
+
+
+def test_assignment_names_the_store_node_and_no_host_or_port() -> None:
+    ex = executor({"n0": 2, "n1": 2})
+    assert ex.apply(assign("t", {"n1": (0, 1), "n0": (2, 3)})) == {"n0", "n1"}
+    for node in ("n0", "n1"):
+        _, value = ex.record(node)
+        raw = json.loads(value)
+        (task,) = raw["tasks"]
+        # The node hosting rank 0 hosts the store; which port, and at what address, its agent decides.
+        assert task["store_node"] == "n1"
+        assert not {"master_addr", "master_port", "host_store"} & set(task)
+        assert "127.0.0.1" not in value and "localhost" not in value
+        NodeAssignment.from_dict(raw)
+
+
+def test_gpus_come_from_the_node_registration() -> None:
+    ex = executor({"n0": 4})
+    ex.apply(assign("t", {"n0": (0, 1)}))
+    spec2 = TaskSpec(name="u", command=("true",))
+    ex.specs = lambda task: {"t": SPEC, "u": spec2}.get(task)
+    ex.apply(assign("u", {"n0": (0, 1)}))
+    gpus = {t.task: [r.gpu for r in t.ranks] for t in ex.desired["n0"].values()}
+    assert gpus == {"t": [0, 1], "u": [2, 3]}
+
+
+def test_a_node_without_free_gpus_is_a_planner_error_and_changes_nothing() -> None:
+    ex = executor({"n0": 2, "n1": 1})
+    ex.apply(assign("t", {"n0": (0, 1)}))
+    before = {n: dict(t) for n, t in ex.desired.items()}
+    with pytest.raises(PermanentError, match="node n1, which has 1 free GPU"):
+        ex.apply(assign("t", {"n0": (0, 1), "n1": (2, 3)}, generation=2))
+    assert ex.desired == before
+
+
+def test_an_unregistered_node_has_no_gpus() -> None:
+    ex = Executor(Keyspace("/x"), lambda task: SPEC, lambda node: 0)
+    with pytest.raises(PermanentError, match="0 free GPU"):
+        ex.apply(assign("t", {"ghost": (0,)}))
