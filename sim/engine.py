@@ -184,13 +184,16 @@ class Simulation(abc.ABC):
             r.waf.append(waf)
 
     def _show(self, t: float) -> None:
+        """A progress line on stderr: rewritten in place on a terminal, every 25 % otherwise."""
         if not self.progress or self.trace.duration_s <= 0:
             return
         pct = int(100 * t / self.trace.duration_s)
-        if pct // 5 != self._shown // 5:
+        tty = sys.stderr.isatty()
+        step = 5 if tty else 25
+        if pct // step != self._shown // step:
             self._shown = pct
-            print(f"\r  {self.system:<9} {self.trace.name}: {pct:3d}% of {self.trace.duration_s / 86400:.1f} days",
-                  end="", file=sys.stderr, flush=True)
+            line = f"  {self.system:<9} {self.trace.name}: {pct:3d}% of {self.trace.duration_s / 86400:.1f} days"
+            print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
 
     def run(self) -> Result:
         started = time.perf_counter()
@@ -209,7 +212,7 @@ class Simulation(abc.ABC):
             self._show(t)
         self._integrate(self.trace.duration_s)
         self.now = self.trace.duration_s
-        if self.progress:
+        if self.progress and sys.stderr.isatty():
             print(file=sys.stderr)
         self.result.wall_s = time.perf_counter() - started
         return self.result
