@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "unicron.cli.demo",
     "unicron.runtime.cli",
     "plans.cli",
+    "unicron.cli.simulate",
 )
 
 

@@ -1,0 +1,181 @@
+"""Unicron in the simulator: the coordinator's own decision core, allocator and placement.
+
+Every decision is ``DecisionCore.handle`` with the live coordinator's ``WafAllocator`` (which calls
+``place``); the simulator only plays the daemon's part: it turns trace failures into the core's events
+(a sev1 ``lost_connection`` -> ``NodeLost``, any other failure -> a ``Report`` classified by
+``coordinator.classify.classify`` and raised as ``IncidentRaised``; a repair -> ``NodeJoined`` for a
+lost node, ``NodeUndrained`` for an isolated one), carries out the actions by charging their cost
+(:class:`sim.costs.CostSettings`), and confirms each tracked action with ``ActionSucceeded`` and a
+``ProgressMade`` at the current generation when its transition ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import time
+
+from coordinator import decision as d
+from coordinator.allocation import WafAllocator
+from coordinator.classify import classify
+from sim.costs import CostSettings, method_of
+from sim.engine import DETECT, IDLE, RUN, TRANSITION, Simulation
+from sim.trace import Failure, Trace
+from sim.workload import Workload
+from unicron.kernel.errors import PermanentError
+from unicron.kernel.types import ErrorKind, Report, Severity
+
+
+class UnicronSim(Simulation):
+    system = "unicron"
+
+    def __init__(
+        self, workload: Workload, trace: Trace, costs: CostSettings, seed: int = 0, progress: bool = False
+    ) -> None:
+        super().__init__(workload, trace, costs, seed, progress)
+        self.core = d.DecisionCore(d.DecisionSettings(), WafAllocator(self.workload.gpu))
+        self.state = self.core.initial_state()
+        self.pending: dict[str, str] = {}  # task -> the action id its transition will confirm
+        self.steps: dict[str, int] = {t: 0 for t in self.tasks}
+        self.faulted: set[str] = set()  # tasks that lost work in the failure being handled
+        self.isolated: set[str] = set()
+        self.actions_log: list[d.Action] = []
+        self._incident = 0
+
+    # -- the daemon's part ----------------------------------------------------------------------------
+
+    def feed(self, event: d.Event) -> list[d.Action]:
+        started = time.perf_counter()
+        self.state, actions = self.core.handle(self.state, event)
+        self.result.decide_ms.append((time.perf_counter() - started) * 1000)
+        self.actions_log.extend(actions)
+        for action in actions:
+            self.carry_out(action)
+        return actions
+
+    def placement(self) -> dict[str, dict[str, int]]:
+        return {
+            name: {n: len(r) for n, r in e.placement.items()}
+            for name, e in self.state.tasks.items() if e.phase in d.ACTIVE_PHASES
+        }
+
+    def carry_out(self, action: d.Action) -> None:
+        self.count(type(action).__name__)
+        match action:
+            case d.Assign():
+                run = self.tasks[action.task]
+                run.gpus = action.world_size
+                if self.now == 0.0:  # the initial launch is free for every system
+                    run.status = RUN
+                    self.pending[action.task] = action.action_id
+                    self.at(0.0, functools.partial(self._confirm, action.task, action.action_id))
+                    return
+                faulted = action.task in self.faulted
+                spec = self.workload.spec(action.task)
+                rank_bytes = self.workload.state_bytes(action.task) / spec.unit
+                seconds = self.costs.unicron_reconfigure_s(
+                    rank_bytes, self.workload.iteration_s(action.task, run.gpus), faulted)
+                self._transition(action.task, action.action_id, seconds)
+            case d.RestartRanks() | d.Reattempt():
+                run = self.tasks[action.task]
+                seconds = self.costs.unicron_in_place_s(
+                    isinstance(action, d.RestartRanks), self.workload.iteration_s(action.task, run.gpus))
+                self._transition(action.task, action.action_id, seconds)
+            case d.StopTask():
+                run = self.tasks[action.task]
+                run.gpus, run.status = 0, IDLE
+                run.token += 1
+                self.pending.pop(action.task, None)
+            case d.IsolateNode():
+                self.isolated.add(action.node)
+            case d.MarkTaskFailed() | d.Alert():
+                pass
+
+    def _transition(self, task: str, action_id: str, seconds: float) -> None:
+        self.pending[task] = action_id
+        self.start_transition(task, seconds, then=lambda: self._confirm(task, action_id))
+
+    def _confirm(self, task: str, action_id: str) -> None:
+        if self.pending.get(task) != action_id:
+            return  # superseded by a newer action
+        del self.pending[task]
+        self.feed(d.ActionSucceeded(ts=self.now, action_id=action_id))
+        entry = self.state.tasks.get(task)
+        if entry is not None and entry.phase in d.ACTIVE_PHASES:
+            self.steps[task] += 1
+            self.feed(d.ProgressMade(ts=self.now, task=task, step=self.steps[task], generation=entry.generation))
+
+    # -- the simulation's hooks -----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        for node in self.nodes():
+            self.feed(d.NodeJoined(ts=0.0, node=node, gpus=self.workload.gpus_per_node))
+        for spec in self.workload.tasks:
+            self.feed(d.TaskSubmitted(ts=0.0, spec=spec))
+        # drain the time-0 confirmations so the run starts on a settled plan
+        while self._heap and self._heap[0][0] == 0.0:
+            _, _, callback = heapq.heappop(self._heap)
+            callback()
+
+    def _incident_for(self, f: Failure, task: str | None) -> d.IncidentRaised:
+        entry = self.state.tasks.get(task) if task else None
+        rank = entry.ranks_on(f.node)[0] if entry is not None and entry.ranks_on(f.node) else None
+        report = Report(method=method_of(f.kind), kind=ErrorKind(f.kind), node=f.node, task=task, gpu=f.gpu,
+                        rank=rank, source_ts=f.time_s, agent_ts=self.now, message="simulated")
+        self._incident += 1
+        incident = classify(report, self.now, f"sim-{self._incident}")
+        # the trace's severity is authoritative (a file may pair a kind with another severity)
+        incident = dataclasses.replace(incident, severity=Severity(f.severity))
+        generation = entry.generation if entry is not None else None
+        return d.IncidentRaised(ts=self.now, incident=incident, generation=generation)
+
+    def on_failure(self, f: Failure) -> None:
+        placement = self.placement()
+        if f.severity == 1:
+            hit = [t for t, nodes in placement.items() if nodes.get(f.node)]
+        else:
+            task = self.task_at(placement, f.node, f.gpu)
+            hit = [task] if task is not None and self.tasks[task].status == RUN else []
+            if not hit:
+                self.count("failures_on_idle_gpus")
+                return
+        for name in hit:
+            run = self.tasks[name]
+            run.status = DETECT
+            run.token += 1
+        iteration = min((self.workload.iteration_s(t, self.tasks[t].gpus) for t in hit), default=1.0)
+        delay = self.costs.unicron_detect_s(f.kind, iteration)
+        self.at(self.now + delay, lambda: self._detected(f, hit))
+
+    def _detected(self, f: Failure, hit: list[str]) -> None:
+        self.faulted = set(hit)
+        try:
+            if f.severity == 1 and f.kind == ErrorKind.LOST_CONNECTION.value:
+                self.feed(d.NodeLost(ts=self.now, node=f.node, reason=f"{f.kind} (simulated)"))
+            else:
+                self.feed(self._incident_for(f, hit[0] if hit and f.severity > 1 else None))
+        finally:
+            self.faulted = set()
+        for name in hit:  # a task the core did not act on (e.g. a stale incident) resumes as it was
+            run = self.tasks[name]
+            if run.status == DETECT:
+                run.status = RUN if run.gpus > 0 else IDLE
+
+    def on_repair(self, f: Failure) -> None:
+        node = self.state.nodes.get(f.node)
+        if node is not None and node.status is d.NodeState.ISOLATED:
+            self.feed(d.NodeUndrained(ts=self.now, node=f.node))
+        else:
+            self.feed(d.NodeJoined(ts=self.now, node=f.node, gpus=self.workload.gpus_per_node))
+        self.isolated.discard(f.node)
+
+
+def initial_placement(sim: UnicronSim) -> dict[str, dict[str, int]]:
+    """The plan Unicron starts from (the baselines start from the same one, paper §7.5)."""
+    if sim.state.tasks:
+        return sim.placement()
+    sim.setup()
+    if any(r.status == TRANSITION for r in sim.tasks.values()):
+        raise PermanentError("simulator: the initial plan did not settle at time 0")
+    return sim.placement()

@@ -1,0 +1,84 @@
+"""Failure traces: the file format round-trips, generators are seeded and have the paper's counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim import trace as tr
+from unicron.kernel.errors import InvalidRecord
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    original = tr.trace_a(seed=7)
+    tr.write(original, tmp_path / "a.jsonl")
+    back = tr.read(tmp_path / "a.jsonl")
+    assert back == original
+
+
+def test_a_file_without_header_is_read_too(tmp_path: Path) -> None:
+    path = tmp_path / "real.jsonl"
+    path.write_text('{"time_s": 10, "node": "node003", "gpu": 2, "severity": 1, "kind": "ecc_error", "repair_s": 50}\n'
+                    '\n{"time_s": 5, "node": "node001", "gpu": 0, "severity": 3, "kind": "link_flapping"}\n')
+    trace = tr.read(path, n_nodes=4)
+    assert [f.time_s for f in trace.failures] == [5.0, 10.0]
+    assert trace.n_nodes == 4 and trace.duration_s == 60.0
+
+
+@pytest.mark.parametrize(("line", "field"), [
+    ('{"time_s": -1, "node": "n", "gpu": 0, "severity": 1, "kind": "ecc_error"}', "time_s"),
+    ('{"time_s": 1, "node": "n", "gpu": 0, "severity": 4, "kind": "ecc_error"}', "severity"),
+    ('{"time_s": 1, "node": "n", "gpu": 0, "severity": 2, "kind": "meteor"}', "kind"),
+    ('{"time_s": 1, "node": "n", "severity": 2, "kind": "cuda_error"}', "gpu"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_bad_records_name_the_field(tmp_path: Path, line: str, field: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(InvalidRecord, match=field):
+        tr.read(path)
+
+
+def test_trace_a_counts_and_repairs() -> None:
+    trace = tr.trace_a(seed=1)
+    assert trace.count(1) == 10 and trace.count(2) + trace.count(3) == 33
+    assert trace.duration_s == 8 * tr.WEEK_S
+    for f in trace.failures:
+        if f.severity == 1:
+            assert tr.DAY_S <= f.repair_s <= 7 * tr.DAY_S
+        else:
+            assert f.repair_s == 0.0
+        assert 0 <= f.time_s < trace.duration_s and 0 <= f.gpu < 8
+
+
+def test_trace_b_counts_and_repairs() -> None:
+    trace = tr.trace_b(seed=1)
+    assert trace.count(1) == 26 and trace.count(2) + trace.count(3) == 80
+    assert trace.duration_s == tr.WEEK_S
+    repairs = [f.repair_s for f in trace.failures if f.severity == 1]
+    assert all(tr.DAY_S / 20 <= r <= 7 * tr.DAY_S / 20 for r in repairs)
+
+
+def test_generators_are_seeded() -> None:
+    assert tr.trace_a(3) == tr.trace_a(3)
+    assert tr.trace_a(3) != tr.trace_a(4)
+    assert tr.trace_b(3) == tr.trace_b(3)
+    p = tr.poisson(seed=5, n_nodes=64, duration_s=4 * tr.WEEK_S)
+    assert p == tr.poisson(seed=5, n_nodes=64, duration_s=4 * tr.WEEK_S)
+
+
+def test_no_failure_on_a_node_out_of_service() -> None:
+    trace = tr.trace_b(seed=2)
+    down: dict[str, float] = {}
+    for f in trace.failures:
+        assert down.get(f.node, 0.0) <= f.time_s
+        if f.severity == 1:
+            down[f.node] = f.time_s + f.repair_s
+
+
+def test_poisson_rate() -> None:
+    # 512 GPUs for 8 weeks at trace-a's rate: 4 x 43 = 172 failures expected (sd ~13)
+    trace = tr.poisson(seed=0, n_nodes=64, duration_s=8 * tr.WEEK_S)
+    assert 120 <= len(trace.failures) <= 230
+    assert 0.1 < trace.count(1) / len(trace.failures) < 0.4
