@@ -168,7 +168,7 @@ class Coordinator:
             WafAllocator(settings.gpu_type),
         )
         self.state = self.core.initial_state()
-        self.executor = Executor(self.keys, self._spec, lambda n: self._nodes[n].gpus if n in self._nodes else 0)
+        self.executor = Executor(self.keys, self._spec, self._node_gpus)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: Any = None
@@ -510,11 +510,15 @@ class Coordinator:
         while not self.stop_event.wait(1.0):
             self._inbox.put(CoreEvent(d.Tick(ts=time.time())))
 
+    def _node_gpus(self, node: str) -> int:
+        return _gpus_in(self.state, node)
+
     def _draft(self, state: d.CoreState) -> Executor:
         """A copy of the executor to apply a decision to; it reads task specs from the new state."""
         draft = copy.copy(self.executor)
         draft.desired = copy.deepcopy(self.executor.desired)
         draft.specs = functools.partial(_spec_in, state)
+        draft.node_gpus = functools.partial(_gpus_in, state)  # a node joining in this decision has its GPUs
         return draft
 
     def _decide(self, event: d.Event, puts: Mapping[str, str] | None = None, deletes: Sequence[str] = ()) -> None:
@@ -522,10 +526,10 @@ class Coordinator:
         ``deletes`` in one fenced transaction; adopt the new state only once that write landed."""
         state, actions, edges = self.core.explain(self.state, event)
         draft = self._draft(state)
-        changed: set[str] = set()
+        # Released first: an Assign in the same decision may reuse the GPUs of a task that just finished.
+        changed = _release(draft, state)
         for action in actions:
             changed |= draft.apply(action)
-        changed |= _release(draft, state)
         writes = dict(puts or {})
         quiet = not edges and not actions and not writes and not deletes and isinstance(event, d.Tick | d.ProgressMade)
         if not quiet:
@@ -535,7 +539,7 @@ class Coordinator:
             writes[self.keys.state()] = json.dumps(state.to_dict())
             assert self.leadership is not None
             self.leadership.write(puts=writes, deletes=deletes)
-        draft.specs = self._spec
+        draft.specs, draft.node_gpus = self._spec, self._node_gpus
         self.state, self.executor = state, draft
         for edge in edges:
             log.info("transition", edge=str(edge))
@@ -617,6 +621,12 @@ class Coordinator:
     def gpus_per_node(self) -> int | None:
         sizes = {e.gpus for e in self.state.nodes.values()}
         return sizes.pop() if len(sizes) == 1 else None
+
+
+def _gpus_in(state: d.CoreState, node: str) -> int:
+    """A node's GPUs as its registration told the core (0 for a node the core does not know)."""
+    entry = state.nodes.get(node)
+    return entry.gpus if entry is not None else 0
 
 
 def _spec_in(state: d.CoreState, task: str) -> TaskSpec | None:
