@@ -59,14 +59,9 @@ def scale_run(quick: bool) -> dict[str, object]:
     n_tasks, n_nodes, weeks = (50, 512, 2.0) if quick else (100, 2048, 8.0)
     workload = scale(n_tasks, n_nodes)
     trace = tr.poisson(0, n_nodes, weeks * tr.WEEK_S, name=f"poisson-{n_nodes * 8}")
-    sim = UnicronSim(workload, trace, CostSettings(), progress=True)
-    started = time.perf_counter()
-    sim.setup()
-    setup_s = time.perf_counter() - started
-    setup_events = len(sim.result.decide_ms)
-    run = UnicronSim(workload, trace, CostSettings(), progress=True)
-    result = run.run()
-    events = np.array(result.decide_ms[setup_events:])
+    result = UnicronSim(workload, trace, CostSettings(), progress=True).run()
+    setup_s = result.setup_s
+    events = np.array(result.decide_ms[result.setup_events:])
     loop_s = result.wall_s - setup_s
     print(f"scale: {n_nodes * 8} GPUs, {n_tasks} tasks, {weeks:g} weeks, {len(trace.failures)} failures "
           f"({trace.count(1)} sev1): setup {setup_s:.1f} s, run {result.wall_s:.1f} s, {len(events)} core events",

@@ -62,6 +62,10 @@ class Result:
     incidents: dict[str, int] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
     decide_ms: list[float] = field(default_factory=list)
+    """Wall time of each ``DecisionCore.handle`` call (Unicron only)."""
+    setup_events: int = 0
+    """How many of ``decide_ms`` were the time-0 setup (nodes joining, tasks submitted)."""
+    setup_s: float = 0.0
     wall_s: float = 0.0
 
     @property
@@ -198,6 +202,8 @@ class Simulation(abc.ABC):
     def run(self) -> Result:
         started = time.perf_counter()
         self.setup()
+        self.result.setup_events = len(self.result.decide_ms)
+        self.result.setup_s = time.perf_counter() - started
         self._record()
         self.result.ideal = self.cluster_waf() * self.trace.duration_s
         for f in self.trace.failures:

@@ -120,3 +120,21 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path:
     assert err.count("\n") == 0 and "--systems" in err
     assert main(["simulate", "--cost", "nonsense", "--out", str(tmp_path)]) == 1
     assert "--cost" in capsys.readouterr().err
+
+
+def test_workload_and_trace_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048,
+             "vocab_size": 51200, "global_batch_size": 512, "micro_batch_size": 2}
+    tasks = [{"name": "small", "command": ["train"], "weight": 2.0, "model": model},
+             {"name": "other", "command": ["train"], "tp_size": 2, "min_gpus": 2, "model": model}]
+    (tmp_path / "w.json").write_text(json.dumps({"n_nodes": 4, "tasks": tasks}))
+    tr.write(tr.poisson(seed=1, n_nodes=4, duration_s=2 * tr.WEEK_S, rate_per_gpu_hour=1e-3), tmp_path / "t.jsonl")
+    rc = main(["simulate", "--trace", str(tmp_path / "t.jsonl"), "--workload", str(tmp_path / "w.json"),
+               "--systems", "unicron,megatron", "--out", str(tmp_path / "o"), "--quiet"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["workload"] == "w"
+    tasks[1]["weight"] = 9
+    (tmp_path / "w.json").write_text(json.dumps({"n_nodes": 4, "tasks": tasks}))
+    assert main(["simulate", "--workload", str(tmp_path / "w.json"), "--out", str(tmp_path), "--quiet"]) == 1
+    assert "task.weight" in capsys.readouterr().err
