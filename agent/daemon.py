@@ -43,9 +43,9 @@ from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath, patterns, protocol
-from unicron.kernel.errors import ConfigError, InvalidRecord, StoreUnavailable
+from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
-from unicron.kernel.inject import Fault, Injection, parse_injection
+from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
     AssignmentResult,
@@ -91,12 +91,15 @@ class ReportPublisher:
             backoff = 0.05
             while not self.stop.is_set():
                 try:
-                    self.store.put(self.keys.report(report.node, report.report_id), json.dumps(report.to_dict()))
+                    self.store.put(self.keys.report(report.node, report.report_id), report.to_json())
                     break
                 except StoreUnavailable as exc:
                     log.warning("report waits for etcd", report=report.report_id, error=str(exc))
                     self.stop.wait(backoff)
                     backoff = min(backoff * 2, 2.0)
+                except PermanentError as exc:  # refused or shutting down: retrying cannot help
+                    log.error("report dropped", report=report.report_id, error=str(exc))
+                    break
 
 
 class NodeNameTaken(ConfigError):
@@ -240,7 +243,7 @@ class Agent:
                                 hostname=os.uname().nodename, link_token=self.link_token)
                 key = self.keys.node(self.node)
                 # Created only if absent: one name, one agent (issue #19 item 7).
-                if self.store.put_if_absent(key, json.dumps(info.to_dict()), lease=lease):
+                if self.store.put_if_absent(key, info.to_json(), lease=lease):
                     self.lease = lease
                     log.info("registered", node=self.node, lease=f"{lease.lease_id:x}")
                     return
@@ -261,8 +264,8 @@ class Agent:
         if kv is None:
             return
         try:
-            holder = NodeInfo.from_dict(json.loads(kv.value))
-        except (InvalidRecord, ValueError):
+            holder = NodeInfo.from_json(kv.value)
+        except InvalidRecord:
             holder = None
         if holder is not None and holder.hostname == os.uname().nodename and not _pid_alive(holder.agent_pid):
             log.info("removing the registration of this node's dead agent", node=self.node, pid=holder.agent_pid)
@@ -294,7 +297,7 @@ class Agent:
         try:
             kv = self.store.get(self.keys.leader())
             return str(json.loads(kv.value)["link"]) if kv is not None else None
-        except (StoreUnavailable, ValueError, KeyError, TypeError):
+        except (StoreUnavailable, StoreClosed, ValueError, KeyError, TypeError):
             return None
 
     def _start_watches(self) -> None:
@@ -391,7 +394,7 @@ class Agent:
 
     def publish_store(self, addr: StoreAddress) -> int:
         assert self.store is not None and self.lease is not None
-        return self.store.put(self.keys.store(addr.task), json.dumps(addr.to_dict()), lease=self.lease)
+        return self.store.put(self.keys.store(addr.task), addr.to_json(), lease=self.lease)
 
     def withdraw_store(self, addr: StoreAddress, revision: int) -> None:
         assert self.store is not None
@@ -466,9 +469,11 @@ class Agent:
         status = NodeStatus(node=self.node, ts=time.time(), generation=generation, task=task_name, ranks=ranks,
                             gpu_health=[h.to_dict() for h in self.gpu_monitor.latest_health()])
         try:
-            self.store.put(self.keys.status(self.node), json.dumps(status.to_dict()), lease=self.lease)
+            self.store.put(self.keys.status(self.node), status.to_json(), lease=self.lease)
         except StoreUnavailable as exc:
             log.debug("status write skipped", error=str(exc))
+        except PermanentError as exc:
+            log.error("status write refused", error=str(exc))
 
     # --- desired state -------------------------------------------------------------------------
 
@@ -476,8 +481,8 @@ class Agent:
         if ev.kind == "delete":
             return
         try:
-            addr = StoreAddress.from_dict(json.loads(ev.value))
-        except (InvalidRecord, ValueError) as exc:
+            addr = StoreAddress.from_json(ev.value)
+        except InvalidRecord as exc:
             log.warning("ignoring malformed store address", key=ev.key, error=str(exc))
             return
         with self._tasks_lock:
@@ -491,9 +496,9 @@ class Agent:
         revision = self._applied_revision + 1
         if ev.kind == "put":
             try:
-                assignment = NodeAssignment.from_dict(json.loads(ev.value))
+                assignment = NodeAssignment.from_json(ev.value)
                 desired = assignment.task_assignments()
-            except (InvalidRecord, ValueError) as exc:
+            except InvalidRecord as exc:
                 log.error("ignoring malformed assignment", key=ev.key, error=str(exc))
                 return
             if assignment.revision <= self._applied_revision:
@@ -535,8 +540,8 @@ class Agent:
         if not ok:
             log.error("assignment failed", revision=revision, detail=detail)
         try:
-            self.store.put(self.keys.result(self.node), json.dumps(result.to_dict()))
-        except StoreUnavailable as exc:
+            self.store.put(self.keys.result(self.node), result.to_json())
+        except (StoreUnavailable, PermanentError) as exc:
             log.warning("could not write assignment result", error=str(exc))
 
     def reconcile(self, desired: list[TaskAssignment]) -> list[Outcome]:
@@ -596,8 +601,8 @@ class Agent:
         addrs: dict[str, str] = {}
         for kv in kvs:
             try:
-                info = NodeInfo.from_dict(json.loads(kv.value))
-            except (InvalidRecord, ValueError):
+                info = NodeInfo.from_json(kv.value)
+            except InvalidRecord:
                 continue
             if info.replica_addr:
                 addrs[info.node] = info.replica_addr
@@ -611,7 +616,7 @@ class Agent:
         if ev.kind == "delete":
             return
         try:
-            req = parse_injection(ev.value)
+            req = Injection.from_json(ev.value)
         except InvalidRecord as exc:
             log.warning("ignoring malformed injection", key=ev.key, error=str(exc))
             return
@@ -623,7 +628,7 @@ class Agent:
             answer = req.answered(ok=False, detail=f"{type(exc).__name__}: {exc}")
         assert self.store is not None
         with contextlib.suppress(StoreUnavailable):
-            self.store.put(ev.key, json.dumps(answer.to_dict()))
+            self.store.put(ev.key, answer.to_json())
 
     def inject(self, req: Injection) -> str:
         """Execute one fault-injection request (see ``unicron inject``). Returns what was done."""

@@ -27,18 +27,18 @@ the thread that sleeps until the earliest deadline of all monitors and reports f
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.protocol import PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 
 @dataclass(frozen=True)
@@ -320,11 +320,11 @@ class HangWatcher:
         return earliest
 
     def _deliver(self, key: Hashable, finding: Finding) -> None:
-        log.warning("%s: %s: %s", key, finding.kind.value, finding.message)
+        log.warning("iteration finding", key=key, kind=finding.kind.value, detail=finding.message)
         try:
             self._on_finding(key, finding)
         except Exception:
-            log.exception("%s: on_finding callback failed", key)
+            log.exception("on_finding callback failed", key=key)
 
 
 __all__ = ["Finding", "HangWatcher", "IterationMonitor", "IterationSettings"]

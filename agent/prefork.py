@@ -31,7 +31,6 @@ import builtins
 import contextlib
 import importlib
 import json
-import logging
 import math
 import os
 import runpy
@@ -48,9 +47,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
+from unicron.kernel import log as ulog
 from unicron.kernel.parentdeath import die_with_parent
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 _HEADER = struct.Struct(">I")
 _MAX_REQUEST = 1 << 24
@@ -394,7 +394,7 @@ def _accept(listener: socket.socket, ranks: dict[int, socket.socket], own_fds: l
     try:
         request, fds = _receive(conn)
     except (OSError, ValueError) as exc:
-        log.warning("prefork: bad request: %s", exc)
+        log.warning("bad spawn request", error=str(exc))
         conn.close()
         return
     keep_closed = [*own_fds, conn.fileno(), *(c.fileno() for c in ranks.values())]

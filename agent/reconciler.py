@@ -39,7 +39,7 @@ from agent.sidecar import StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, Supervisor
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
-from unicron.kernel.errors import StoreUnavailable, UnicronError
+from unicron.kernel.errors import StoreClosed, StoreUnavailable, UnicronError
 from unicron.kernel.types import ErrorKind, RankSpec, RankStatus, StoreAddress, TaskAssignment
 
 log = ulog.get(__name__)
@@ -393,7 +393,7 @@ class TaskReconciler:
             if store is not None and revision:
                 try:
                     self.host.withdraw_store(store, revision)
-                except StoreUnavailable as exc:  # under our lease: it goes with the agent anyway
+                except (StoreUnavailable, StoreClosed) as exc:  # under our lease: it goes with the agent anyway
                     log.warning("could not withdraw the store address", task=self.task, error=str(exc))
         with self._lock:
             for r, st in self._ranks.items():

@@ -35,7 +35,7 @@ from coordinator.link import LinkServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreUnavailable
+from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
@@ -322,8 +322,8 @@ class Coordinator:
     def _read_node(self, node: str) -> NodeInfo | None:
         try:
             kv = self.store.get(self.keys.node(node)) if self.store is not None else None
-            return NodeInfo.from_dict(json.loads(kv.value)) if kv is not None else None
-        except (StoreUnavailable, InvalidRecord, ValueError):
+            return NodeInfo.from_json(kv.value) if kv is not None else None
+        except (StoreUnavailable, StoreClosed, InvalidRecord):
             return None
 
     def _on_link_goodbye(self, node: str, reason: str, ts: float) -> None:
@@ -365,8 +365,8 @@ class Coordinator:
             self._nodes.pop(node, None)
             return
         try:
-            info = NodeInfo.from_dict(json.loads(ev.value))
-        except (InvalidRecord, ValueError) as exc:
+            info = NodeInfo.from_json(ev.value)
+        except InvalidRecord as exc:
             log.warning("ignoring garbage node record", key=ev.key, error=str(exc))
             return
         previous = self._nodes.get(node)
@@ -395,8 +395,8 @@ class Coordinator:
         if ev.kind == "delete":
             return
         try:
-            report = Report.from_dict(json.loads(ev.value))
-        except (InvalidRecord, ValueError) as exc:
+            report = Report.from_json(ev.value)
+        except InvalidRecord as exc:
             log.warning("deleting garbage report", key=ev.key, error=str(exc))
             assert self.leadership is not None
             self.leadership.write(deletes=[ev.key])
@@ -427,7 +427,7 @@ class Coordinator:
                 self.leadership.write(deletes=[report_key])
             return
         expired = list(self._incident_keys)[:max(0, len(self._incident_keys) + 1 - KEEP_INCIDENTS)]
-        puts = {key: json.dumps(incident.to_dict())}
+        puts = {key: incident.to_json()}
         deletes = ([report_key] if report_key else []) + expired
         event = causes.raised(incident, report.generation)
         if event is None:
@@ -457,8 +457,8 @@ class Coordinator:
             self._statuses.pop(node, None)
             return
         try:
-            status = NodeStatus.from_dict(json.loads(ev.value))
-        except (InvalidRecord, ValueError) as exc:
+            status = NodeStatus.from_json(ev.value)
+        except InvalidRecord as exc:
             log.warning("ignoring garbage node status", key=ev.key, error=str(exc))
             return
         self._statuses[node] = status
@@ -475,8 +475,8 @@ class Coordinator:
         if ev.kind == "delete":
             return
         try:
-            result = AssignmentResult.from_dict(json.loads(ev.value))
-        except (InvalidRecord, ValueError) as exc:
+            result = AssignmentResult.from_json(ev.value)
+        except InvalidRecord as exc:
             log.warning("ignoring garbage reconcile result", key=ev.key, error=str(exc))
             return
         self._results[result.node] = result

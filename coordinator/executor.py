@@ -13,7 +13,6 @@ address (``stores/<task>``). A node's GPU count comes from its registration (``n
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 
 from coordinator import decision as d
@@ -36,10 +35,10 @@ class Executor:
         """Adopt the assignments a previous leader wrote (key -> value)."""
         for value in records.values():
             try:
-                na = NodeAssignment.from_dict(json.loads(value))
+                na = NodeAssignment.from_json(value)
                 self.desired[na.node] = {t.task: t for t in na.task_assignments()}
                 self.revision = max(self.revision, na.revision)
-            except (InvalidRecord, ValueError):
+            except InvalidRecord:
                 continue
 
     def apply(self, action: d.Action) -> set[str]:
@@ -67,7 +66,7 @@ class Executor:
         self.revision += 1
         tasks = [t for _, t in sorted(self.desired.get(node, {}).items())]
         na = NodeAssignment(node=node, revision=self.revision, tasks=tasks)
-        return self.keys.assignment(node), json.dumps(na.to_dict())
+        return self.keys.assignment(node), na.to_json()
 
     def _remove_task(self, task: str) -> set[str]:
         changed = set()

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 from agent.gpu.api import GpuBackend, GpuBackendUnavailable
 from agent.gpu.simulated import SimulatedBackend
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 BACKEND_KINDS = ("auto", "nvml", "simulated")
 
@@ -31,5 +30,5 @@ def open_backend(kind: str = "auto", simulated_gpus: int = 0) -> GpuBackend:
     try:
         return NvmlBackend()
     except GpuBackendUnavailable as exc:
-        log.warning("GPU backend: %s; using %d simulated GPU(s) instead", exc, simulated_gpus)
+        log.warning("GPU backend unavailable; using simulated GPUs instead", error=str(exc), gpus=simulated_gpus)
         return SimulatedBackend(simulated_gpus)

@@ -10,16 +10,16 @@ A backend failure is logged and retried with exponential backoff; it never ends 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 
 from agent.gpu.api import RECOVERY_NONE, GpuBackend, GpuEvent, GpuHealth, GpuLost
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.types import ErrorKind
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 EventCallback = Callable[[GpuEvent], None]
 HealthCallback = Callable[[GpuHealth], None]
@@ -98,7 +98,7 @@ class GpuMonitor:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
-                log.warning("%s did not stop within %.1f s", t.name, timeout_s)
+                log.warning("monitor thread did not stop in time", thread=t.name, timeout_s=timeout_s)
         self._threads = []
 
     def latest_health(self) -> list[GpuHealth]:
@@ -115,12 +115,12 @@ class GpuMonitor:
 
     def _deliver(self, event: GpuEvent) -> None:
         if not event.reportable:
-            log.info("GPU %d: informational event: %s", event.gpu, event.message)
+            log.info("informational GPU event", gpu=event.gpu, detail=event.message)
             return
         try:
             self._on_event(event)
         except Exception:
-            log.exception("GPU %d: on_event callback failed for %s", event.gpu, event.message)
+            log.exception("on_event callback failed", gpu=event.gpu, detail=event.message)
 
     def _record_health(self, health: GpuHealth) -> None:
         with self._latest_lock:
@@ -128,7 +128,7 @@ class GpuMonitor:
         try:
             self._on_health(health)
         except Exception:
-            log.exception("GPU %d: on_health callback failed", health.gpu)
+            log.exception("on_health callback failed", gpu=health.gpu)
 
 
 class _GpuWorker:
@@ -156,7 +156,7 @@ class _GpuWorker:
         except GpuLost as exc:
             self._lost(exc)
         except Exception as exc:  # a backend fault must never end the GPU's thread
-            log.warning("GPU %d: backend error (retry in %.2f s): %s", self.gpu, self.delay, exc)
+            log.warning("GPU backend error; will retry", gpu=self.gpu, retry_s=self.delay, error=str(exc))
             self._back_off()
 
     def _poll(self) -> None:
@@ -179,7 +179,7 @@ class _GpuWorker:
         if not self.lost_reported:
             self.lost_reported = True
             self._forward(GpuEvent(self.gpu, ErrorKind.GPU_DRIVER_ERROR, None, f"GPU lost: {exc}"))
-        log.warning("GPU %d: lost (retry in %.2f s): %s", self.gpu, self.delay, exc)
+        log.warning("GPU lost; will retry", gpu=self.gpu, retry_s=self.delay, error=str(exc))
         self._back_off()
 
     def _back_off(self) -> None:

@@ -11,7 +11,6 @@ driver's GPU recovery action field. Anything a GPU or driver does not support
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,9 +29,10 @@ from agent.gpu.api import (
     is_healthy,
 )
 from agent.gpu.xid import event_for_xid
+from unicron.kernel import log as ulog
 from unicron.kernel.types import ErrorKind
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 T = TypeVar("T")
 
@@ -174,7 +174,7 @@ class NvmlBackend(GpuBackend):
         supported = optional(f"GPU {gpu}: event types", pynvml.nvmlDeviceGetSupportedEventTypes, handle)
         mask = WANTED_EVENTS & (supported or 0)
         if not mask:
-            log.warning("GPU %d: driver offers no error events; relying on health polls only", gpu)
+            log.warning("driver offers no error events; relying on health polls only", gpu=gpu)
             return None
         event_set = pynvml.nvmlEventSetCreate()
         try:
@@ -183,7 +183,7 @@ class NvmlBackend(GpuBackend):
             pynvml.nvmlEventSetFree(event_set)
             if exc.value not in _UNSUPPORTED:
                 raise
-            log.warning("GPU %d: cannot register error events (%s); relying on health polls only", gpu, exc)
+            log.warning("cannot register error events; relying on health polls only", gpu=gpu, error=str(exc))
             return None
         return event_set
 
@@ -200,7 +200,7 @@ class NvmlBackend(GpuBackend):
                 raise
             if state == pynvml.NVML_FEATURE_ENABLED:
                 active.append(link)
-        log.info("GPU %d: watching NVLink links %s", gpu, active)
+        log.info("watching NVLink links", gpu=gpu, links=active)
         return active
 
     def device_count(self) -> int:
@@ -258,11 +258,11 @@ class NvmlBackend(GpuBackend):
                 try:
                     pynvml.nvmlEventSetFree(event_set)
                 except pynvml.NVMLError as exc:
-                    log.warning("freeing an NVML event set failed: %s", exc)
+                    log.warning("freeing an NVML event set failed", error=str(exc))
         try:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError as exc:
-            log.warning("nvmlShutdown failed: %s", exc)
+            log.warning("nvmlShutdown failed", error=str(exc))
 
 
 __all__ = [

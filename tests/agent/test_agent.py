@@ -92,13 +92,13 @@ def result(store: Store, node: str, revision: int) -> AssignmentResult | None:
     kv = store.get(KEYS.result(node))
     if kv is None:
         return None
-    r = AssignmentResult.from_dict(json.loads(kv.value))
+    r = AssignmentResult.from_json(kv.value)
     return r if r.revision == revision else None
 
 
 def status(store: Store, node: str) -> NodeStatus | None:
     kv = store.get(KEYS.status(node))
-    return NodeStatus.from_dict(json.loads(kv.value)) if kv else None
+    return NodeStatus.from_json(kv.value) if kv else None
 
 
 # A rank that writes its rank into the task store at MASTER_ADDR:MASTER_PORT, reads every rank's
@@ -117,7 +117,7 @@ def test_store_hosted_by_one_agent_and_reached_by_ranks_of_the_other(agents: dic
     rev0 = assign(store, "a0", task("t", STORE_CLIENT, [0, 1], 2, store_node="a1"))
     rev1 = assign(store, "a1", task("t", STORE_CLIENT, [], 2, store_node="a1"))
     addr = wait_for(lambda: store.get(KEYS.store("t")), 60, "the store address")
-    published = StoreAddress.from_dict(json.loads(addr.value))
+    published = StoreAddress.from_json(addr.value)
     assert (published.node, published.host, published.generation) == ("a1", "127.0.0.1", 1)
     assert addr.lease == agents["a1"].lease.lease_id  # type: ignore[union-attr]
     assert wait_for(lambda: result(store, "a1", rev1), 30, "a1's result").ok

@@ -7,7 +7,6 @@ The store is a real :class:`Store` on a real etcd; only its fenced transaction c
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -75,12 +74,12 @@ def settle(c: Coordinator) -> None:
 
 def register(c: Coordinator, node: str, pid: int) -> None:
     info = NodeInfo(node=node, host="localhost", gpus=1, gpu_backend="simulated", agent_pid=pid, started_ts=float(pid))
-    feed(c, NodeChanged(WatchEvent("put", c.keys.node(node), json.dumps(info.to_dict()).encode(), 0), time.time()))
+    feed(c, NodeChanged(WatchEvent("put", c.keys.node(node), info.to_json().encode(), 0), time.time()))
 
 
 def report_input(c: Coordinator, report: Report) -> ReportSeen:
     key = c.keys.report(report.node, report.report_id)
-    value = json.dumps(report.to_dict())
+    value = report.to_json()
     assert c.store is not None
     c.store.put(key, value)
     return ReportSeen(WatchEvent("put", key, value.encode(), 0), time.time())
@@ -103,7 +102,7 @@ def assignment(c: Coordinator, node: str) -> NodeAssignment:
     assert c.store is not None
     kv = c.store.get(c.keys.assignment(node))
     assert kv is not None
-    return NodeAssignment.from_dict(json.loads(kv.value))
+    return NodeAssignment.from_json(kv.value)
 
 
 def incidents(c: Coordinator) -> int:

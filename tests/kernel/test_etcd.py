@@ -8,7 +8,7 @@ import time
 import pytest
 
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.errors import LeaseLost, StoreClosed, StoreRejected, StoreUnavailable, UnicronError
 from unicron.kernel.etcd import Store, WatchEvent, parse_endpoints
 
 
@@ -115,3 +115,66 @@ def test_lease_survives_an_etcd_outage_longer_than_its_ttl(etcd_server: EtcdServ
     assert store.get("/held") is not None
     lease.revoke()
     store.close()
+
+
+# --- what an error means: outage (retry), refusal or closed client (permanent), our bug (propagates) ---
+
+
+def test_a_request_etcd_refuses_is_permanent_not_an_outage(store: Store) -> None:
+    # etcd's default request limit is 1.5 MiB: the same put can never succeed, so no caller may
+    # retry it as "etcd unavailable" (issue #19 item 12 saw a 10 s retry loop on exactly this).
+    with pytest.raises(StoreRejected, match="etcd put /big failed"):
+        store.put("/big", b"x" * (2 << 20))
+    assert not issubclass(StoreRejected, StoreUnavailable)
+
+
+def test_a_write_under_a_revoked_lease_is_lease_lost(store: Store) -> None:
+    lease = store.lease(5)
+    lease.revoke()
+    with pytest.raises(LeaseLost):
+        store.put("/orphan", "v", lease=lease)
+
+
+def test_a_closed_client_is_store_closed_and_a_bad_argument_propagates(etcd_server: EtcdServer) -> None:
+    s = Store(etcd_server.endpoint)
+    with pytest.raises(Exception) as bug:
+        s.get_prefix(None)  # type: ignore[arg-type]
+    assert not isinstance(bug.value, UnicronError), "our bug was converted into a retryable etcd error"
+    s.close()
+    with pytest.raises(StoreClosed):
+        s.get("/x")
+
+
+def test_a_stopped_etcd_is_store_unavailable(etcd_server: EtcdServer) -> None:
+    s = Store(etcd_server.endpoint, timeout_s=0.5)
+    s.put("/x", "1")
+    etcd_server.stop()
+    with pytest.raises(StoreUnavailable):
+        s.get("/x")
+    s.close()
+
+
+def test_client_reaches_a_restarted_etcd_within_a_second_or_two(etcd_server: EtcdServer) -> None:
+    """Issue #19 item 5: agents took 10-18 s to reach etcd after it came back, because gRPC's own
+    reconnect backoff (1 s, x1.6 per failure, up to 120 s) kept growing through the outage. The
+    client caps it near its retry interval (0.5 s), so the first successful call after etcd is
+    ready comes within about a second. Timed from the moment etcd answers another, fresh client."""
+    s = Store(etcd_server.endpoint, timeout_s=0.5)
+    s.put("/x", "1")
+    etcd_server.stop()
+    outage_end = time.monotonic() + 6.0  # long enough for gRPC's default backoff to reach ~4 s
+    while time.monotonic() < outage_end:  # keep calling, as an agent's loops do
+        with pytest.raises(StoreUnavailable):
+            s.get("/x")
+        time.sleep(0.1)
+    etcd_server.start()  # returns once a fresh client's put succeeded
+    ready = time.monotonic()
+    while True:
+        try:
+            s.get("/x")
+            break
+        except StoreUnavailable:
+            time.sleep(0.02)
+    took = time.monotonic() - ready
+    s.close()
+    assert took < 1.5, f"the client needed {took:.2f} s to reach a restarted etcd"

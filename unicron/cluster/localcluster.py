@@ -155,7 +155,7 @@ class LocalCluster:
     def incidents(self) -> list[Incident]:
         assert self.store is not None
         kvs, _ = self.store.get_prefix(self.keys.incidents())
-        out = [Incident.from_dict(json.loads(kv.value)) for kv in kvs]
+        out = [Incident.from_json(kv.value) for kv in kvs]
         return sorted(out, key=lambda i: i.detected_ts)
 
     def wait_incident(self, pred: Callable[[Incident], bool], timeout_s: float = 30.0,
@@ -186,4 +186,4 @@ class LocalCluster:
                                 ranks=ranks, store_node=nodes[0])
             self._revision += 1
             na = NodeAssignment(node=node, revision=self._revision, tasks=[ta])
-            self.store.put(self.keys.assignment(node), json.dumps(na.to_dict()))
+            self.store.put(self.keys.assignment(node), na.to_json())

@@ -11,7 +11,6 @@ the agent's own supervision notices a rank that stops talking.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import queue
 import socket
@@ -22,11 +21,12 @@ import traceback as tb
 from collections.abc import Iterator
 from types import TracebackType
 
+from unicron.kernel import log as ulog
 from unicron.kernel import protocol, wire
 from unicron.kernel.errors import InvalidRecord, UnicronError
 from unicron.kernel.types import ErrorKind
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
 
 class InjectedFault(UnicronError):
@@ -81,7 +81,7 @@ class AgentClient:
             sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
-            log.warning("unicron agent socket %s unreachable (%s); running unmanaged", self.socket_path, exc)
+            log.warning("agent socket unreachable; running unmanaged", socket=self.socket_path, error=str(exc))
             return self
         self._conn = wire.LineSocket(sock)
         self.send(
@@ -106,7 +106,7 @@ class AgentClient:
         try:
             conn.send(msg.to_wire())
         except OSError as exc:
-            log.warning("lost the unicron agent socket (%s); reporting stops", exc)
+            log.warning("lost the agent socket; reporting stops", error=str(exc))
             self._conn = None
 
     # --- instructions ----------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class AgentClient:
             try:
                 msg = protocol.parse(wire.decode(line))
             except InvalidRecord as exc:
-                log.warning("ignoring bad instruction from agent: %s", exc)
+                log.warning("ignoring bad instruction from agent", error=str(exc))
                 continue
             if isinstance(msg, protocol.InjectSlow):
                 with self._inject_lock:

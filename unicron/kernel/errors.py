@@ -27,7 +27,20 @@ class ConfigError(PermanentError):
 
 
 class StoreUnavailable(TemporaryError):
-    """etcd could not be reached (all endpoints down or timing out)."""
+    """etcd could not be reached (all endpoints down or timing out, no leader, too many requests)."""
+
+
+class LeaseLost(StoreUnavailable):
+    """A write named a lease etcd no longer has; temporary because the owner re-registers under a new one."""
+
+
+class StoreRejected(PermanentError):
+    """etcd answered and refused the request (too large, bad argument, compacted revision): retrying the
+    same request cannot succeed."""
+
+
+class StoreClosed(PermanentError):
+    """The client was used after :meth:`Store.close`: a shutdown race or a bug, never an outage."""
 
 
 class NotLeader(PermanentError):

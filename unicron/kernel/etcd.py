@@ -8,8 +8,12 @@ for five minutes after one failed call, so we set it to ``retry_s`` (0.5 s by de
 
 What this module adds on top of the client:
 
-* errors converted at the boundary: every failure to reach etcd becomes
-  :class:`~unicron.kernel.errors.StoreUnavailable` (temporary; retry), raised ``from`` the client error;
+* errors converted at the boundary, raised ``from`` the client error: failing to reach etcd is
+  :class:`~unicron.kernel.errors.StoreUnavailable` (temporary; retry), a lease etcd no longer knows is
+  :class:`~unicron.kernel.errors.LeaseLost`, a request etcd refuses is
+  :class:`~unicron.kernel.errors.StoreRejected` and a closed client
+  :class:`~unicron.kernel.errors.StoreClosed` (both permanent). Anything else (a ``TypeError`` from a
+  bad argument of ours) propagates: a bug must not be retried as an outage;
 * :class:`Lease`: a lease with a keep-alive thread that notices loss (expiry while we were
   stopped or partitioned) and tells its owner, who re-registers;
 * :class:`PrefixWatch`: a prefix watch that survives etcd restarts. Neither Python client
@@ -23,7 +27,6 @@ What this module adds on top of the client:
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,19 +37,50 @@ import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
-from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel import log as ulog
+from unicron.kernel.errors import LeaseLost, StoreClosed, StoreRejected, StoreUnavailable, UnicronError
 
-log = logging.getLogger(__name__)
+log = ulog.get(__name__)
 
+# gRPC codes under which the same request can succeed later: etcd down, restarting, electing a
+# leader, or shedding load. pyetcd converts UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL to its own
+# exceptions and re-raises the rest as raw ``grpc.RpcError``.
+_OUTAGE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+                           grpc.StatusCode.UNKNOWN})
+_OUTAGE_EXCEPTIONS = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
+                      etcd_exc.NoServerAvailableError, etcd_exc.InternalServerError, etcd_exc.WatchTimedOut)
+# What ``close()`` and the shutdown paths swallow: any of the converted errors.
 _CLIENT_ERRORS = (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError)
+
+
+def _classify(what: str, exc: Exception) -> UnicronError:
+    message = f"etcd {what} failed: {type(exc).__name__}: {exc}"
+    if isinstance(exc, _OUTAGE_EXCEPTIONS):
+        return StoreUnavailable(message)
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        code, details = exc.code(), exc.details() or ""
+        message = f"etcd {what} failed: {code.name}: {details}"
+        if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
+            return LeaseLost(message)
+        # RESOURCE_EXHAUSTED is both etcd shedding load (retry) and a message over gRPC's size limit (never).
+        shedding = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many requests" in details
+        return StoreUnavailable(message) if code in _OUTAGE_CODES or shedding else StoreRejected(message)
+    return StoreRejected(message)  # PreconditionFailed, RevisionCompacted: etcd answered "no"
 
 
 @contextlib.contextmanager
 def _converted(what: str) -> Iterator[None]:
     try:
         yield
-    except _CLIENT_ERRORS as exc:
-        raise StoreUnavailable(f"etcd {what} failed: {type(exc).__name__}: {exc}") from exc
+    except etcd_exc.Etcd3Exception as exc:
+        raise _classify(what, exc) from exc
+    except grpc.RpcError as exc:
+        raise _classify(what, exc) from exc
+    except ValueError as exc:
+        if "closed channel" not in str(exc):
+            raise  # a bad argument of ours: a bug, not an outage
+        raise StoreClosed(f"etcd {what} after the client was closed") from exc
 
 
 @dataclass(frozen=True)
@@ -96,13 +130,18 @@ class Store:
                 ("grpc.max_reconnect_backoff_ms", 2 * backoff_ms)]
         eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=retry_s, opts=opts) for h, p in self.endpoints]
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
-        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def client(self) -> Any:
+        # Checked here, not left to gRPC: a call on a closed channel can crash the process (seen:
+        # a segfault after a failed call), where a shutdown race should only end the caller's loop.
+        if self._closed:
+            raise StoreClosed("etcd client used after close()")
         return self._client
 
     def close(self) -> None:
+        self._closed = True
         with contextlib.suppress(*_CLIENT_ERRORS):
             self._client.close()
 
@@ -110,7 +149,7 @@ class Store:
 
     def get(self, key: str) -> KeyValue | None:
         with _converted(f"get {key}"):
-            value, meta = self._client.get(key)
+            value, meta = self.client.get(key)
         if value is None:
             return None
         return KeyValue(key, value, meta.create_revision, meta.mod_revision, meta.lease_id)
@@ -118,7 +157,7 @@ class Store:
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix`` and the store revision the read was taken at."""
         with _converted(f"get prefix {prefix}"):
-            resp = self._client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
+            resp = self.client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
         kvs = [
             KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
             for kv in resp.kvs
@@ -128,22 +167,22 @@ class Store:
     def put(self, key: str, value: str | bytes, lease: Lease | None = None) -> int:
         """Write ``key``; returns the new revision."""
         with _converted(f"put {key}"):
-            resp = self._client.put(key, value, lease=lease.lease_id if lease else None)
+            resp = self.client.put(key, value, lease=lease.lease_id if lease else None)
         return int(resp.header.revision)
 
     def delete(self, key: str) -> bool:
         with _converted(f"delete {key}"):
-            return bool(self._client.delete(key))
+            return bool(self.client.delete(key))
 
     def put_if_absent(self, key: str, value: str | bytes, lease: Lease | None = None) -> bool:
         with _converted(f"create {key}"):
-            return bool(self._client.put_if_not_exists(key, value, lease=lease.lease_id if lease else None))
+            return bool(self.client.put_if_not_exists(key, value, lease=lease.lease_id if lease else None))
 
     def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
         """Delete ``key`` iff it was last written at ``mod_revision`` (nobody replaced it since)."""
-        tx = self._client.transactions
+        tx = self.client.transactions
         with _converted(f"delete {key} at revision {mod_revision}"):
-            ok, _ = self._client.transaction(compare=[tx.mod(key) == mod_revision], success=[tx.delete(key)],
+            ok, _ = self.client.transaction(compare=[tx.mod(key) == mod_revision], success=[tx.delete(key)],
                                              failure=[])
         return bool(ok)
 
@@ -163,12 +202,12 @@ class Store:
         This is etcd's election fencing: a coordinator that lost its leadership key (expired, then
         re-created by another) holds a stale revision, so none of its writes land.
         """
-        tx = self._client.transactions
+        tx = self.client.transactions
         compare = [tx.create(guard_key) == guard_revision]
         ops = [tx.put(k, v, lease=lease.lease_id if lease else None) for k, v in puts.items()]
         ops += [tx.delete(k) for k in deletes]
         with _converted(f"guarded txn on {guard_key}"):
-            ok, _ = self._client.transaction(compare=compare, success=ops, failure=[])
+            ok, _ = self.client.transaction(compare=compare, success=ops, failure=[])
         return bool(ok)
 
     # --- leases and watches ------------------------------------------------------------------
@@ -215,8 +254,10 @@ class Lease:
             try:
                 with _converted("lease keepalive"):
                     responses = list(self.store.client.refresh_lease(self.lease_id))
+            except StoreClosed:
+                return  # the owner closed the store: it is shutting down
             except StoreUnavailable as exc:
-                log.warning("lease %x keepalive failed (will retry): %s", self.lease_id, exc)
+                log.warning("lease keepalive failed; will retry", lease=f"{self.lease_id:x}", error=str(exc))
                 continue
             if not responses or int(responses[0].TTL) <= 0:
                 self._mark_lost()
@@ -226,13 +267,13 @@ class Lease:
         if self.lost.is_set():
             return
         self.lost.set()
-        log.warning("lease %x lost", self.lease_id)
+        log.warning("lease lost", lease=f"{self.lease_id:x}")
         if self.on_lost is not None:
             self.on_lost()
 
     def revoke(self) -> None:
         self._stop.set()
-        with contextlib.suppress(StoreUnavailable), _converted("lease revoke"):
+        with contextlib.suppress(StoreUnavailable, StoreClosed), _converted("lease revoke"):
             self.store.client.revoke_lease(self.lease_id)
 
     def stop(self) -> None:
@@ -274,29 +315,34 @@ class PrefixWatch:
 
     def _resync(self) -> None:
         kvs, rev = self.store.get_prefix(self.prefix)
-        log.warning("watch %s: revision compacted, resynced at %d", self.prefix, rev)
+        log.warning("watch revision compacted; resynced", prefix=self.prefix, revision=rev)
         self.next_revision = rev + 1
         if self.on_resync is not None:
             self.on_resync(kvs)
 
     def _run(self) -> None:
+        with contextlib.suppress(StoreClosed):  # the owner closed the store under us: shutting down
+            self._serve()
+
+    def _serve(self) -> None:
         backoff = 0.05
         while not self._stop.is_set():
             inbox: queue.Queue[Any] = queue.Queue()
             try:
                 watch_id = self._subscribe(inbox)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreRejected) as exc:
                 if isinstance(exc.__cause__, etcd_exc.RevisionCompactedError):
                     with contextlib.suppress(StoreUnavailable):
                         self._resync()
                     continue
-                log.debug("watch %s: %s; retrying in %.2fs", self.prefix, exc, backoff)
+                level = log.debug if isinstance(exc, StoreUnavailable) else log.error
+                level("watch failed; retrying", prefix=self.prefix, error=str(exc), retry_s=backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.05
             self._pump(inbox)
-            with contextlib.suppress(*_CLIENT_ERRORS):
+            with contextlib.suppress(StoreClosed, *_CLIENT_ERRORS):
                 self.store.client.cancel_watch(watch_id)
 
     def _pump(self, inbox: queue.Queue[Any]) -> None:
@@ -311,8 +357,8 @@ class PrefixWatch:
                     self._resync()
                 return
             if isinstance(item, BaseException) or item is None:
-                log.info("watch %s interrupted (%s); resuming from revision %s", self.prefix, item,
-                         self.next_revision)
+                log.info("watch interrupted; resuming", prefix=self.prefix, cause=str(item),
+                         revision=self.next_revision)
                 return
             for ev in item.events:
                 kind = "delete" if isinstance(ev, pyetcd.events.DeleteEvent) else "put"
@@ -321,7 +367,7 @@ class PrefixWatch:
                 try:
                     self.on_event(event)
                 except Exception:
-                    log.exception("watch %s: handler failed on %s", self.prefix, event.key)
+                    log.exception("watch handler failed", prefix=self.prefix, key=event.key)
 
 
 def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str) -> Store | None:
@@ -335,8 +381,8 @@ def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, 
             return store
         except StoreUnavailable as exc:
             store.close()
-            log.error("etcd unreachable; retrying (%s, endpoints %s): %s; retry in %.1fs; "
-                      "hint: start etcd or fix --etcd / UNICRON_ETCD", who, endpoints, exc, backoff)
+            log.error("etcd unreachable; retrying. Hint: start etcd or fix --etcd / UNICRON_ETCD",
+                      who=who, endpoints=endpoints, error=str(exc), retry_s=backoff)
             stop.wait(backoff)
             backoff = min(backoff * 2, 1.0)
     return None

@@ -4,12 +4,11 @@ the node's agent executes, and the client-side round trip."""
 from __future__ import annotations
 
 import enum
-import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
-from unicron.kernel.errors import InvalidRecord, TemporaryError
+from unicron.kernel.errors import TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import ErrorKind, Record, new_id
@@ -56,24 +55,16 @@ class Injection(Record):
         return replace(self, executed_ts=time.time(), ok=ok, detail=detail)
 
 
-def parse_injection(value: bytes | str) -> Injection:
-    """The request stored at an ``inject/`` key; :class:`InvalidRecord` on anything malformed."""
-    try:
-        return Injection.from_dict(json.loads(value))
-    except ValueError as exc:
-        raise InvalidRecord(f"injection: not JSON ({exc})") from exc
-
-
 def request(store: Store, keys: Keyspace, node: str, req: Injection, timeout_s: float = 5.0) -> Injection:
     """Ask ``node``'s agent to execute ``req``; returns the agent's answer (``executed_ts`` set)."""
     key = keys.injection(node, new_id())
-    store.put(key, json.dumps(req.to_dict()))
+    store.put(key, req.to_json())
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             kv = store.get(key)
             if kv is not None:
-                answer = parse_injection(kv.value)
+                answer = Injection.from_json(kv.value)
                 if answer.executed_ts is not None:
                     return answer
             time.sleep(0.01)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -45,8 +45,34 @@ def configure(level: str = "INFO", stream: Any = None, json: bool = True) -> Non
     )
 
 
-def get(name: str, **bound: Any) -> Any:
-    """A structlog logger named ``name`` with ``bound`` context (task=, node=, gpu=, rank=, step=)."""
+def _route_to_stdlib() -> None:
+    """Before any :func:`configure` (a user's training script importing our client), send lines
+    through stdlib ``logging`` as JSON so they land where that process's logging goes (stderr,
+    warnings and up, by default) and never on its stdout, which is structlog's own default."""
+    structlog.configure(
+        processors=[*_SHARED, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
+def get(
+    name: str,
+    *,
+    task: str | None = None,
+    node: str | None = None,
+    gpu: int | None = None,
+    rank: int | None = None,
+    step: int | None = None,
+    **extra: str | int,
+) -> structlog.stdlib.BoundLogger:
+    """A logger named ``name`` bound to the context it knows; unknown (None) fields are left out so
+    a line never carries ``rank=None``. ``extra`` is for subsystem keys (``job``, ``incarnation``)."""
+    if not structlog.is_configured():
+        _route_to_stdlib()
+    known = {"task": task, "node": node, "gpu": gpu, "rank": rank, "step": step}
+    bound = {k: v for k, v in known.items() if v is not None} | extra
     # get_logger stays lazy: binding here would freeze the default configuration into a logger
     # created at import time, before the daemon's configure() runs.
-    return structlog.get_logger(name, **bound)
+    return cast(structlog.stdlib.BoundLogger, structlog.get_logger(name, **bound))

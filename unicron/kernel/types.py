@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import time
 import types
 import typing
@@ -147,6 +148,19 @@ class Record:
     @classmethod
     def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
         return raw
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Self:
+        """One JSON-encoded record (an etcd value, a socket line); :class:`InvalidRecord` on anything
+        malformed, so a reader logs and skips it with one ``except``."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidRecord(f"{cls.__name__}: not a JSON record: {exc}") from exc
+        return cls.from_dict(data)
+
+    def to_json(self) -> str:
+        return self.to_json()
 
 
 def new_id() -> str:

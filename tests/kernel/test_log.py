@@ -1,0 +1,31 @@
+"""One logging style: structlog through ``unicron.kernel.log.get`` with bound context."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+from unicron.kernel import log as ulog
+
+
+def test_bound_context_appears_and_unknown_fields_are_left_out() -> None:
+    stream = io.StringIO()
+    ulog.configure("INFO", stream=stream)
+    try:
+        ulog.get("t", task="a", node="n0", rank=None, gpu=1).info("hello", step=7)
+    finally:
+        ulog.configure("INFO")  # back to stderr for the rest of the session
+    line = json.loads(stream.getvalue().strip().splitlines()[-1])
+    assert (line["event"], line["task"], line["node"], line["gpu"], line["step"]) == ("hello", "a", "n0", 1, 7)
+    assert "rank" not in line
+
+
+def test_an_unconfigured_process_logs_to_stderr_not_stdout() -> None:
+    # A user's training script imports our client without configuring logging: its stdout is its own.
+    code = "from unicron.kernel import log; log.get('x', rank=3).warning('careful', why='test')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout == ""
+    line = json.loads(out.stderr.strip().splitlines()[-1])
+    assert (line["event"], line["rank"], line["why"]) == ("careful", 3, "test")
