@@ -4,7 +4,8 @@ Pure functions, no I/O and no clock: the daemon parses a watch event into a type
 this module which :data:`coordinator.decision.Event` values it means, given the core's current
 state. Each rule here is one arrow of the contract in ``docs/decision.md``:
 
-* a report                               -> an incident (:func:`incident`)      -> ``IncidentRaised``
+* a report                               -> an incident (:func:`incident`, severity by paper Table 1,
+                                            :mod:`unicron.kernel.severity`) -> ``IncidentRaised``
 * ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
 * ``results/<node>``                     -> ``ActionSucceeded`` / ``ActionFailed`` (:func:`outcomes`)
 * every rank of a task exited 0          -> ``TaskFinished``                    (:func:`finished`)
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from coordinator import decision as d
-from coordinator.classify import classify
+from unicron.kernel.severity import severity_of
 from unicron.kernel.types import AssignmentResult, Incident, NodeStatus, Report, TaskResult
 
 #: (task, generation) -> the highest step already turned into a ProgressMade
@@ -30,6 +31,33 @@ def incident_id(report: Report) -> str:
 
 def incident(report: Report, detected_ts: float) -> Incident:
     return classify(report, detected_ts=detected_ts, incident_id=incident_id(report))
+
+
+def classify(report: Report, detected_ts: float, incident_id: str) -> Incident:
+    """Turn an agent's report into an incident; ``detected_ts`` is when the coordinator saw it.
+
+    The severity is paper Table 1's (:func:`unicron.kernel.severity.severity_of`, never raises). GPU
+    health events found by the agent's GPU monitor (XID / ECC / NVLink) arrive as
+    ``EXCEPTION_PROPAGATION`` reports of kind ECC_ERROR / NVLINK_ERROR / GPU_DRIVER_ERROR /
+    INVALID_DMA_MAPPING and hit the sev1 rows. DEGRADATION (a slow but completed iteration) is
+    recorded only: severity ``None``, no recovery action.
+    """
+    return Incident(
+        incident_id=incident_id,
+        severity=severity_of(report.method, report.kind),
+        method=report.method,
+        kind=report.kind,
+        node=report.node,
+        message=report.message,
+        task=report.task,
+        gpu=report.gpu,
+        rank=report.rank,
+        step=report.step,
+        source_ts=report.source_ts,
+        detected_ts=detected_ts,
+        report_id=report.report_id,
+        handled=report.handled,
+    )
 
 
 def raised(inc: Incident, generation: int | None) -> d.IncidentRaised | None:

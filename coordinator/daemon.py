@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+import grpc
+
 from coordinator import api, causes
 from coordinator import decision as d
 from coordinator.allocation import WafAllocator
@@ -171,7 +173,7 @@ class Coordinator:
         self.executor = Executor(self.keys, self._spec, self._node_gpus)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
-        self._api_server: Any = None
+        self._api_server: grpc.Server | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 

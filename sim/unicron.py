@@ -3,7 +3,7 @@
 Every decision is ``DecisionCore.handle`` with the live coordinator's ``WafAllocator`` (which calls
 ``place``); the simulator only plays the daemon's part: it turns trace failures into the core's events
 (a sev1 ``lost_connection`` -> ``NodeLost``, any other failure -> a ``Report`` classified by
-``coordinator.classify.classify`` and raised as ``IncidentRaised``; a repair -> ``NodeJoined`` for a
+``coordinator.causes.classify`` and raised as ``IncidentRaised``; a repair -> ``NodeJoined`` for a
 lost node, ``NodeUndrained`` for an isolated one), carries out the actions by charging their cost
 (:class:`sim.costs.CostSettings`), and confirms each tracked action with ``ActionSucceeded`` and a
 ``ProgressMade`` at the current generation when its transition ends.
@@ -18,7 +18,7 @@ import time
 
 from coordinator import decision as d
 from coordinator.allocation import WafAllocator
-from coordinator.classify import classify
+from coordinator.causes import classify
 from sim.costs import CostSettings, method_of
 from sim.engine import DETECT, IDLE, RUN, TRANSITION, Simulation
 from sim.trace import Failure, Trace

@@ -11,7 +11,7 @@ from unicron.kernel.types import Incident
 
 @dataclass(frozen=True, kw_only=True)
 class IncidentRaised:
-    """A classified incident (``coordinator.classify``)."""
+    """A classified incident (``coordinator.causes``)."""
 
     ts: float
     incident: Incident

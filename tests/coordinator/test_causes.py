@@ -5,9 +5,12 @@ States come from the real decision core driven by events, so the tests follow it
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator import causes
 from coordinator import decision as d
 from coordinator.tasks import parse_task_spec
+from tests.kernel.test_severity import PAPER_TABLE1
 from unicron.kernel.types import (
     AssignmentResult,
     DetectionMethod,
@@ -15,10 +18,37 @@ from unicron.kernel.types import (
     NodeStatus,
     RankStatus,
     Report,
+    Severity,
     TaskResult,
 )
 
 CORE = d.DecisionCore()
+
+
+@pytest.mark.parametrize(("method", "kind", "severity"), PAPER_TABLE1)
+def test_classify_each_row(method: DetectionMethod, kind: ErrorKind, severity: Severity) -> None:
+    report = Report(
+        method=method,
+        kind=kind,
+        node="n1",
+        task="job",
+        rank=3,
+        step=7,
+        message="boom",
+        source_ts=10.0,
+        agent_ts=10.5,
+    )
+    incident = causes.classify(report, detected_ts=11.0, incident_id="inc-1")
+    assert incident.severity is severity
+    assert (incident.node, incident.task, incident.rank, incident.step, incident.message) == (
+        "n1",
+        "job",
+        3,
+        7,
+        "boom",
+    )
+    assert incident.report_id == report.report_id and incident.incident_id == "inc-1"
+    assert incident.detection_latency_s == pytest.approx(1.0)
 
 
 def running_task() -> tuple[d.CoreState, dict[str, list[int]]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.classify import classify
+from coordinator.causes import classify
 from coordinator.decision import (
     Action,
     ActionFailed,

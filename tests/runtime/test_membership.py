@@ -3,6 +3,7 @@ of ranks (threads here, each with its own store connection and gloo groups) afte
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -47,6 +48,34 @@ def test_sidecar_serves_clients_and_mark_failed_counts(sidecar: tuple[str, int])
     assert keys.mark_failed(host, port, 3) == 1
     assert keys.mark_failed(host, port, 3, store=client) == 2
     assert keys.counter(client, keys.failed_key(3)) == 2
+
+
+def test_marker_process_marks_failed_and_survives_bad_requests(sidecar: tuple[str, int]) -> None:
+    """``python -m unicron.runtime.store --marker`` as the agent runs it: JSON lines in, answers out."""
+    host, port = sidecar
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unicron.runtime.store", "--marker"], env=base_env(), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert json.loads(proc.stdout.readline()) == {"ready": True}
+
+        def ask(line: str) -> dict[str, Any]:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+            answer: dict[str, Any] = json.loads(proc.stdout.readline())
+            return answer
+
+        assert ask("not json")["ok"] is False
+        assert ask(json.dumps({"host": host, "port": port}))["ok"] is False  # no rank
+        assert ask(json.dumps({"host": host, "port": port, "rank": 11})) == {"ok": True, "rank": 11, "failures": 1}
+        assert ask(json.dumps({"host": host, "port": port, "rank": 11}))["failures"] == 2
+        assert keys.counter(keys.connect(host, port), keys.failed_key(11)) == 2
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0
 
 
 def test_sidecar_rejects_a_bad_port_with_a_message() -> None:

@@ -215,7 +215,7 @@ def is_comm_error(exc: BaseException) -> bool:
 
 
 def severity_of_kind(kind: ErrorKind) -> Severity:
-    """Table 1 severity of an exception a rank raises (coordinator.classify owns the table)."""
+    """Table 1 severity of an exception a rank raises (the table is ``unicron.kernel.severity``)."""
     from unicron.kernel.severity import severity_of
     from unicron.kernel.types import DetectionMethod
 

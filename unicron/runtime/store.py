@@ -1,9 +1,19 @@
-"""The task's rendezvous store: a TCPStore sidecar that outlives any rank, and the keys ranks share.
+"""The task's rendezvous store: a TCPStore sidecar that outlives any rank, the keys ranks share, and
+the failure marker that writes ``failed/<rank>`` for the agent.
 
 Rank 0 may die, so no rank hosts the store: the agent (or a test launcher) runs
 ``python -m unicron.runtime.store --host H --port P`` next to the task and every rank connects as a
 client. One sidecar serves one launch of one task (the agent starts a fresh one per assignment
 generation), so keys need no task prefix.
+
+The failure marker, ``python -m unicron.runtime.store --marker``: the agent learns of a rank's death
+first (it is the parent) and the survivors regroup faster when told at once than when they wait for a
+heartbeat to go stale. Writing to a store needs torch's TCPStore client, and importing torch inside the
+agent holds the GIL long enough to starve its heartbeat thread (seen: a false node loss), so the agent
+(:mod:`agent.marker`) keeps this small process: one JSON line per request on stdin,
+``{"host", "port", "rank"}``; one JSON line per answer on stdout (:func:`mark_request`). Writer
+(:func:`mark_failed`), key and reader (:mod:`unicron.runtime.membership` counts ``failed/<rank>``
+against incarnations) are this one protocol, so they live here together.
 
 Keys (all small ASCII values):
 
@@ -21,13 +31,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
+from typing import Any, TextIO
 
-from unicron.kernel.errors import ConfigError, TemporaryError
+from unicron.kernel.errors import ConfigError, TemporaryError, UnicronError
 from unicron.runtime.comm import RendezvousStore, TCPStore
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -105,13 +118,52 @@ def mark_failed(host: str, port: int, rank: int, store: RendezvousStore | None =
     return int(s.add(failed_key(rank), 1))
 
 
+def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> dict[str, Any]:
+    """One failure-marker request (a JSON line ``{"host", "port", "rank"}``) -> its answer; never raises.
+
+    ``stores`` keeps one connection per store across requests; a failed one is dropped and reopened
+    next time.
+    """
+    try:
+        req = json.loads(line)
+        host, port, rank = str(req["host"]), int(req["port"]), int(req["rank"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"ok": False, "error": f"bad request {line.strip()[:80]!r}: {exc}"}
+    try:
+        store = stores.get((host, port))
+        if store is None:
+            store = stores[(host, port)] = connect(host, port, timeout_s=5.0)
+        count = mark_failed(host, port, rank, store=store)
+        return {"ok": True, "rank": rank, "failures": count}
+    except (UnicronError, RuntimeError, OSError) as exc:
+        stores.pop((host, port), None)  # reconnect next time
+        return {"ok": False, "rank": rank, "error": str(exc)}
+
+
+def serve_marks(requests: Iterable[str], answers: TextIO) -> None:
+    """The failure marker's loop: a ready line, then one answer line per request line."""
+    stores: dict[tuple[str, int], RendezvousStore] = {}
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in requests:
+        if line.strip():
+            print(json.dumps(mark_request(line, stores)), file=answers, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m unicron.runtime.store", description="Host a task's TCPStore until killed."
+        prog="python -m unicron.runtime.store",
+        description="Host a task's TCPStore until killed, or (--marker) mark ranks failed in stores for the agent.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    parser.add_argument("--port", type=int, help="TCP port to listen on")
+    parser.add_argument("--marker", action="store_true",
+                        help="be the agent's failure marker: JSON requests on stdin, answers on stdout")
     args = parser.parse_args(argv)
+    if args.marker:
+        serve_marks(sys.stdin, sys.stdout)
+        return 0
+    if args.port is None:
+        parser.error("--port is required (unless --marker)")
     try:
         server = serve_store(args.host, args.port)
     except (ConfigError, TemporaryError) as exc:

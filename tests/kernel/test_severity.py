@@ -1,17 +1,18 @@
-"""Paper Table 1, row by row, and the classifier's fallbacks."""
+"""Paper Table 1 (unicron.kernel.severity), row by row, and its fallbacks."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.classify import FALLBACK_SEVERITY, TABLE1, classify, severity_of
-from unicron.kernel.types import DetectionMethod, ErrorKind, Report, Severity
+from unicron.kernel.severity import FALLBACK_SEVERITY, TABLE1, severity_of
+from unicron.kernel.types import DetectionMethod, ErrorKind, Severity
 
 M = DetectionMethod
 K = ErrorKind
 S = Severity
 
-# Transcribed from the paper's Table 1, independently of the module's table.
+# Transcribed from the paper's Table 1, independently of the module's table (tests/coordinator/test_causes.py
+# imports it to check the coordinator's classification row by row).
 PAPER_TABLE1 = [
     (M.NODE_HEALTH, K.LOST_CONNECTION, S.SEV1),
     (M.PROCESS_SUPERVISION, K.EXITED_ABNORMALLY, S.SEV2),
@@ -33,32 +34,6 @@ PAPER_TABLE1 = [
 
 def test_table_has_exactly_the_papers_rows() -> None:
     assert dict(TABLE1) == {(m, k): s for m, k, s in PAPER_TABLE1}
-
-
-@pytest.mark.parametrize(("method", "kind", "severity"), PAPER_TABLE1)
-def test_classify_each_row(method: DetectionMethod, kind: ErrorKind, severity: Severity) -> None:
-    report = Report(
-        method=method,
-        kind=kind,
-        node="n1",
-        task="job",
-        rank=3,
-        step=7,
-        message="boom",
-        source_ts=10.0,
-        agent_ts=10.5,
-    )
-    incident = classify(report, detected_ts=11.0, incident_id="inc-1")
-    assert incident.severity is severity
-    assert (incident.node, incident.task, incident.rank, incident.step, incident.message) == (
-        "n1",
-        "job",
-        3,
-        7,
-        "boom",
-    )
-    assert incident.report_id == report.report_id and incident.incident_id == "inc-1"
-    assert incident.detection_latency_s == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("kind", [K.ECC_ERROR, K.NVLINK_ERROR, K.GPU_DRIVER_ERROR, K.INVALID_DMA_MAPPING])

@@ -1,0 +1,26 @@
+"""The agent's failure marker (agent.marker) against a real task store sidecar started the agent's way."""
+
+from __future__ import annotations
+
+import time
+
+from agent.marker import FailureMarker
+from agent.sidecar import StoreSidecar
+from unicron.runtime import store as keys
+
+
+def test_mark_adds_to_the_ranks_failed_counter_in_the_tasks_store() -> None:
+    sidecar = StoreSidecar.start("127.0.0.1", "t")
+    marker = FailureMarker().start()
+    try:
+        client = keys.connect(sidecar.host, sidecar.port)
+        marker.mark(sidecar.host, sidecar.port, 2)
+        marker.mark(sidecar.host, sidecar.port, 2)
+        deadline = time.monotonic() + 60.0  # the helper imports torch before it answers
+        while keys.counter(client, keys.failed_key(2)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert keys.counter(client, keys.failed_key(2)) == 2
+        assert keys.counter(client, keys.failed_key(1)) == 0
+    finally:
+        marker.stop()
+        sidecar.stop()
