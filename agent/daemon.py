@@ -38,7 +38,6 @@ from agent.prefork import Prefork, with_torchrun_threads
 from agent.ranks import RankServer
 from agent.reconciler import Outcome, TaskReconciler
 from agent.settings import AgentSettings
-from agent.supervisor import RankExit
 from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
@@ -366,19 +365,11 @@ class Agent:
 
     # TaskHost: called by the reconcilers, outside their locks.
 
-    def rank_exited(self, a: TaskAssignment, ex: RankExit, store: StoreAddress | None, step: int | None) -> None:
-        self.hang_watcher.remove((a.task, ex.rank))
-        if not ex.abnormal:
-            log.info("rank exited", task=a.task, rank=ex.rank, returncode=ex.returncode, requested=ex.requested)
-            return
-        if store is not None:
-            self.marker.mark(store.host, store.port, ex.rank)
-        what = f"signal {ex.signal}" if ex.signal else f"exit code {ex.returncode}"
-        cause = f"; stderr showed {ex.stderr_kind.value}" if ex.stderr_kind else ""
-        gpu = next((s.gpu for s in a.ranks if s.rank == ex.rank), None)
-        self.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY,
-                    f"rank {ex.rank} exited abnormally ({what}){cause}", task=a.task, rank=ex.rank, gpu=gpu,
-                    step=step, source_ts=ex.ts, generation=a.generation)
+    def forget_rank(self, task: str, rank: int) -> None:
+        self.hang_watcher.remove((task, rank))
+
+    def mark_failed(self, store: StoreAddress, rank: int) -> None:
+        self.marker.mark(store.host, store.port, rank)
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, line, task=task, rank=rank,

@@ -40,7 +40,15 @@ from agent.supervisor import ProcStatus, RankExit, Supervisor
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
 from unicron.kernel.errors import StoreClosed, StoreUnavailable, UnicronError
-from unicron.kernel.types import ErrorKind, RankSpec, RankStatus, StoreAddress, TaskAssignment
+from unicron.kernel.types import (
+    DetectionMethod,
+    ErrorKind,
+    RankSpec,
+    RankStatus,
+    Report,
+    StoreAddress,
+    TaskAssignment,
+)
 
 log = ulog.get(__name__)
 
@@ -84,7 +92,15 @@ class TaskHost(Protocol):
 
     def withdraw_store(self, addr: StoreAddress, revision: int) -> None: ...
 
-    def rank_exited(self, a: TaskAssignment, ex: RankExit, store: StoreAddress | None, step: int | None) -> None: ...
+    def report(self, method: DetectionMethod, kind: ErrorKind, message: str, *, task: str | None = None,
+               rank: int | None = None, gpu: int | None = None, step: int | None = None,
+               source_ts: float | None = None, handled: bool = False, generation: int | None = None) -> Report: ...
+
+    def mark_failed(self, store: StoreAddress, rank: int) -> None:
+        """Write ``failed/<rank>`` into the task's store, so its peers stop waiting for the rank at once."""
+
+    def forget_rank(self, task: str, rank: int) -> None:
+        """The rank's process is gone: stop judging its iteration timings."""
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None: ...
 
@@ -412,7 +428,18 @@ class TaskReconciler:
                     RankState.FAILED if ex.abnormal else RankState.STOPPED)
             self.monitors.pop(ex.rank, None)
             a, store, step = self.applied, self._store, self.steps.get(ex.rank)
-        self.host.rank_exited(a, ex, store, step)
+        self.host.forget_rank(a.task, ex.rank)
+        if not ex.abnormal:  # exit 0, or an exit we asked for
+            log.info("rank exited", task=a.task, rank=ex.rank, returncode=ex.returncode, requested=ex.requested)
+            return
+        if store is not None:
+            self.host.mark_failed(store, ex.rank)
+        what = f"signal {ex.signal}" if ex.signal else f"exit code {ex.returncode}"
+        cause = f"; stderr showed {ex.stderr_kind.value}" if ex.stderr_kind else ""
+        gpu = next((s.gpu for s in a.ranks if s.rank == ex.rank), None)
+        self.host.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY,
+                         f"rank {ex.rank} exited abnormally ({what}){cause}", task=a.task, rank=ex.rank, gpu=gpu,
+                         step=step, source_ts=ex.ts, generation=a.generation)
 
     def _on_stderr_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.host.stderr_matched(self.task, rank, kind, line, ts)

@@ -160,7 +160,7 @@ class Record:
         return cls.from_dict(data)
 
     def to_json(self) -> str:
-        return self.to_json()
+        return json.dumps(self.to_dict())
 
 
 def new_id() -> str:
