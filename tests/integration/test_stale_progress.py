@@ -5,7 +5,10 @@ the issue's probe). One rank is SIGKILLed; the coordinator restarts it in place.
 confirmed only by progress of the process it relaunched. Before the fix, any process's step at the
 task's generation counted: the survivor's next status (or the dead process's last one) confirmed the
 restart within a status interval (``restarting --progress--> running`` while the relaunched process
-had not run an iteration), and the task was "running" with a rank still missing.
+had not run an iteration), and the task was "running" with a rank still missing. A second way in,
+found by this test: the agent published the dead process's last step as the relaunched process's
+(with the new launch epoch), which confirmed the restart whenever that step was ahead of what the
+coordinator had seen.
 
 The ranks here train independently (each reports iterations to its agent, no collective), so the
 survivor keeps stepping through the restart, and a relaunched rank resumes from its own saved step
@@ -58,7 +61,9 @@ RANK = (
 
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
-    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "60"}
+    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "60",
+           # hang detection is not under test: a slow iteration on a loaded machine must not restart a rank
+           "UNICRON_HANG_FACTOR": "100"}
     with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
@@ -116,17 +121,30 @@ def test_only_the_relaunched_process_confirms_a_restart(cluster: LocalCluster, t
     t0 = time.time()
     os.kill(int(victim["pid"]), signal.SIGKILL)
     cluster.wait_incident(lambda i: i.kind.value == "exited_abnormally" and i.rank == 1, after=t0 - 1)
+    marker = tmp_path / "rank1.relaunched"
+
+    # Until it begins an iteration, the relaunched process has no step: the agent must not publish
+    # its predecessor's last step as the new process's (with the new launch epoch, that passed the
+    # coordinator's epoch filter and confirmed the restart whenever it was ahead of what the
+    # coordinator had seen).
+    early: list[object] = []
+
+    def relaunch_seen() -> bool:
+        back = ranks(cluster).get(1)
+        if not marker.exists() and back is not None and back["pid"] != victim["pid"]:
+            early.append(back.get("step"))
+        return marker.exists()
+
+    cluster.wait_for(relaunch_seen, 60.0, "the relaunched rank to begin", poll_s=0.05)
+    assert early, "the relaunched process never showed in its agent's status before its first iteration"
+    assert set(early) == {None}, f"the relaunched process was published with its predecessor's step: {early}"
 
     [edge, *_] = cluster.wait_for(lambda: recovered(cluster, t0), 60.0, "the restart to be confirmed", poll_s=0.1)
-    marker = tmp_path / "rank1.relaunched"
     confirmed = _ts(edge["timestamp"])
-    assert marker.exists(), (
-        f"the restart was confirmed {confirmed - t0:.2f} s after the kill ({edge['edge']}) before the "
-        f"relaunched rank ran an iteration")
     first_iteration = float(marker.read_text())
     assert confirmed >= first_iteration, (
-        f"the restart was confirmed ({edge['edge']}) {first_iteration - confirmed:.2f} s before the "
-        f"relaunched rank began its first iteration")
+        f"the restart was confirmed {confirmed - t0:.2f} s after the kill ({edge['edge']}), "
+        f"{first_iteration - confirmed:.2f} s before the relaunched rank began its first iteration")
 
     now = ranks(cluster)
     assert set(now) == {0, 1} and now[1]["pid"] != victim["pid"] and now[1]["node"] == victim["node"], now
