@@ -355,6 +355,9 @@ class TaskReconciler:
         with self._lock:
             self.launched_epoch[spec.rank] = a.restart_epoch
             self.monitors.pop(spec.rank, None)
+            # A new process has made no step yet: its predecessor's last step, published with the
+            # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
+            self.steps.pop(spec.rank, None)
         try:
             self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
                                    stdout_path=self.host.rank_log_path(a.task, spec.rank))
