@@ -53,7 +53,7 @@ from coordinator.decision.table import BUDGETED, SEVERITY_TRIGGER, TRANSITIONS, 
 from coordinator.placement import place
 from coordinator.tasks import TaskSpec
 from unicron.kernel.errors import PermanentError
-from unicron.kernel.types import Severity
+from unicron.kernel.types import ErrorKind, Incident, Severity
 
 _T = Trigger
 _R = Response
@@ -260,6 +260,9 @@ class _Run:
             raise PermanentError(f"decision: restart of {name!r} has no node of the task")
         assert node is not None
         self._count_restart(entry)
+        widening = entry.outstanding is not None and entry.outstanding.kind is ActionKind.RESTART
+        if not widening:
+            entry.relaunching = {}
         entry.fault_node = node
         entry.recovery_step = entry.last_step
         entry.restart_epoch += 1
@@ -274,6 +277,7 @@ class _Run:
             # rejoin (issue: a healthy rank restarted with them stalled the survivors' regroup).
             ranks=tuple(r for r in entry.ranks_on(node) if r in fault.ranks) or tuple(entry.ranks_on(node)),
         )
+        entry.relaunching[node] = sorted({*entry.relaunching.get(node, []), *action.ranks})
         self.actions.append(action)
         self._track(entry, action.action_id, ActionKind.RESTART, node, [node])
 
@@ -331,6 +335,7 @@ class _Run:
         entry.reattempts = 0
         entry.fault_node = None
         entry.failed_ranks = []
+        entry.relaunching = {}
         entry.reason = ""
 
     def _do_fail(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
@@ -381,7 +386,10 @@ class _Run:
                 continue  # a leftover of a replaced configuration
             on_node = entry.ranks_on(inc.node)
             ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
-            self._fire(name, SEVERITY_TRIGGER[inc.severity], _Fault(reason, node=inc.node, ranks=ranks))
+            trigger = SEVERITY_TRIGGER[inc.severity]
+            if trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
+                trigger = _T.PEER_DIED
+            self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
 
     def _node_down(self, node: str, status: NodeState, reason: str) -> None:
         """A sev1 on ``node``: take it out of service, and every task on it reconfigures."""
@@ -568,3 +576,10 @@ def _waiting_reason(min_gpus: int, usable: int, counts: Mapping[str, int]) -> st
     if holders:
         return f"waiting for GPUs: needs at least {min_gpus}; the plan gives the {usable} usable to {holders}"
     return f"waiting for GPUs: no placement of {min_gpus} fits the usable nodes (tp_size, batch split)"
+
+
+def _relaunched(entry: TaskEntry, inc: Incident) -> bool:
+    """Whether the restart under way relaunches the rank ``inc`` names (outside a restart: vacuously)."""
+    if entry.phase is not TaskPhase.RESTARTING:
+        return True
+    return inc.rank is None or inc.rank in entry.relaunching.get(inc.node, [])

@@ -75,6 +75,8 @@ class TaskEntry:
     reattempts: int = 0  # for the incident being handled
     fault_node: str | None = None
     failed_ranks: list[int] = field(default_factory=list)
+    relaunching: dict[str, list[int]] = field(default_factory=dict)
+    """node -> ranks the restart under way relaunches (a restart widened by a dead peer has several)."""
     recovery_step: int | None = None  # last step known when the current recovery began
     restarts: int = 0  # restarts without progress
     no_progress_since: int | None = None  # last step known at the first of those restarts
@@ -151,6 +153,8 @@ def _task_from_dict(d: dict[str, Any]) -> TaskEntry:
     raw["spec"] = parse_task_spec(raw["spec"], None)
     raw["phase"] = TaskPhase(raw["phase"])
     raw["placement"] = {str(n): [int(r) for r in ranks] for n, ranks in raw["placement"].items()}
+    # absent in states written before it existed
+    raw["relaunching"] = {str(n): [int(r) for r in ranks] for n, ranks in raw.get("relaunching", {}).items()}
     o = raw["outstanding"]
     raw["outstanding"] = (
         None

@@ -17,6 +17,7 @@ from unicron.kernel.types import Severity
 class Trigger(enum.StrEnum):
     SEV3 = "sev3"  # a sev3 incident names one of the task's ranks / nodes
     SEV2 = "sev2"
+    PEER_DIED = "peer_died"  # during a restart: a rank's process died that the restart does not relaunch
     SEV1 = "sev1"  # a node the task has ranks on was isolated or lost
     ACTION_OK = "action_ok"  # the task's outstanding action was confirmed
     ACTION_FAILED = "action_failed"  # ... failed, or missed its deadline
@@ -84,11 +85,14 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         # restarting
         (_P.RESTARTING, _T.SEV3): (_P.RESTARTING, _R.MERGE),
         (_P.RESTARTING, _T.SEV2): (_P.RESTARTING, _R.MERGE),
+        # A dead process is no consequence a restart absorbs: widen the restart to relaunch it too
+        # (issue #19 item 1: merged, the other node's rank 0 was never relaunched and the task hung).
+        (_P.RESTARTING, _T.PEER_DIED): (_P.RESTARTING, _R.RESTART),
+        (_P.RESTARTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RESTARTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
         (_P.RESTARTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
         (_P.RESTARTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
         (_P.RESTARTING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.ESCALATE),  # upgraded to sev1
-        (_P.RESTARTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RESTARTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
         (_P.RESTARTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.RESTARTING, _T.UNPLACED): (_P.PENDING, _R.STOP),

@@ -529,3 +529,29 @@ def test_a_pending_reason_never_contradicts_itself() -> None:
     sim = running_cluster({"n1": 4}, {})
     sim.submit("wide", min_gpus=8)
     assert "only 4 usable" in sim.state.tasks["wide"].reason
+
+
+def test_a_peer_dying_during_a_restart_widens_it_and_the_restarted_rank_dying_again_does_not() -> None:
+    """Issue #19 item 1: during a restart of rank 1 on n2, rank 0's process on n1 died too. The old
+    table merged that sev2 into the restart, so rank 0 was never relaunched; the task sat in
+    `restarting` until the deadline isolated a healthy node. A dead process is now relaunched by
+    widening the restart; the rank the restart already relaunches is still merged (its own restart
+    failing is the deadline's and the progress rule's business)."""
+    sim = Sim(DecisionSettings(max_restarts_without_progress=3))
+    sim.join("n1", gpus=1)
+    sim.join("n2", gpus=1)
+    sim.submit("job", min_gpus=2)
+    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding("job")))
+    sim.progress("job", 5)
+    r0, r1 = sim.state.tasks["job"].ranks_on("n1")[0], sim.state.tasks["job"].ranks_on("n2")[0]
+    first = sim.incident("n2", SEV2_KIND, task="job", rank=r1)
+    assert [(type(a), a.node, a.ranks) for a in first if isinstance(a, RestartRanks)] == [(RestartRanks, "n2", (r1,))]
+    widened = sim.incident("n1", SEV2_KIND, task="job", rank=r0)
+    restarts = [a for a in widened if isinstance(a, RestartRanks)]
+    assert [(a.node, a.ranks) for a in restarts] == [("n1", (r0,))]
+    assert restarts[0].restart_epoch > first[0].restart_epoch  # type: ignore[union-attr]
+    assert sim.phase("job") is TaskPhase.RESTARTING
+    assert sim.state.tasks["job"].relaunching == {"n1": [r0], "n2": [r1]}
+    assert [a for a in sim.incident("n2", SEV2_KIND, task="job", rank=r1) if isinstance(a, RestartRanks)] == []
+    sim.progress("job", 9)
+    assert sim.phase("job") is TaskPhase.RUNNING and sim.state.tasks["job"].relaunching == {}
