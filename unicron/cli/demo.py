@@ -46,6 +46,16 @@ def _progress(c: LocalCluster, task: str) -> tuple[int, int]:
     return max(int(r.get("generation") or 0) for r in ranks), min(int(s) for s in steps)  # type: ignore[arg-type]
 
 
+def _node_state(c: LocalCluster, node: str) -> str | None:
+    """The node's state in the coordinator's decision record (up, drained, isolated, lost)."""
+    assert c.store is not None
+    kv = c.store.get(c.keys.state())
+    if kv is None:
+        return None
+    nodes = json.loads(kv.value).get("nodes", {})
+    return str(nodes[node]["status"]) if node in nodes else None
+
+
 def _wait_progress(c: LocalCluster, task: str, after_step: int, after_gen: int, timeout_s: float) -> float:
     """Wait until the task completes an iteration past ``after_step`` (or any, at a newer generation)."""
     t0 = time.time()
@@ -149,14 +159,16 @@ def run_demo(quick: bool = False) -> int:
         _fault(c, "sev1: a node's agent is SIGKILLed (isolate the node, reconfigure both tasks)", sev1,
                lambda i: i.kind.value == "lost_connection", "beta", timeout)
         cli(["tasks"])
-        _say(f"--- node {lost[0]} repaired: its agent starts again and the node joins (reconfigure)")
+        _say(f"--- node {lost[0]} repaired: its agent starts again; it stays isolated until the operator "
+             "returns it to service (undrain), which is a reconfiguration trigger (④)")
         c.start_agent(lost[0])
         c.wait_registered(lost[0])
-        time.sleep(1.0)  # the join is a reconfiguration trigger (④): the planner decides again
+        cli(["undrain", lost[0]])
+        c.wait_for(lambda: _node_state(c, lost[0]) == "up", timeout, f"node {lost[0]} to be up", poll_s=0.2)
         for name in ("alpha", "beta"):
             gen, step = _progress(c, name)
             _wait_progress(c, name, step, gen, timeout)
-        _say(f"node {lost[0]} is back in the pool; the planner's allocation after the join:")
+        _say(f"node {lost[0]} is back in the pool; the planner's allocation after the undrain:")
         cli(["tasks"])
         cli(["nodes"])
         cli(["incidents", "--limit", "15"])
