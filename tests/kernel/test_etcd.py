@@ -155,14 +155,15 @@ def test_a_stopped_etcd_is_store_unavailable(etcd_server: EtcdServer) -> None:
 
 
 def test_client_reaches_a_restarted_etcd_within_a_second_or_two(etcd_server: EtcdServer) -> None:
-    """Issue #19 item 5: agents took 10-18 s to reach etcd after it came back, because gRPC's own
-    reconnect backoff (1 s, x1.6 per failure, up to 120 s) kept growing through the outage. The
-    client caps it near its retry interval (0.5 s), so the first successful call after etcd is
-    ready comes within about a second. Timed from the moment etcd answers another, fresh client."""
+    """Issue #19 item 5 (a guard, not its regression test): a client that keeps calling through an
+    outage reaches etcd again within about a second of it being ready. Timed from the moment etcd
+    answers another, fresh client. This loop reconnects fast with or without the gRPC reconnect-backoff
+    cap in ``Store`` (tried); the agents did not: ``tests/agent/measure_etcd_reconnect.py`` measured
+    their first write after a 15 s outage at up to 7.3 s without the cap and 0.79 s with it."""
     s = Store(etcd_server.endpoint, timeout_s=0.5)
     s.put("/x", "1")
     etcd_server.stop()
-    outage_end = time.monotonic() + 6.0  # long enough for gRPC's default backoff to reach ~4 s
+    outage_end = time.monotonic() + 4.0
     while time.monotonic() < outage_end:  # keep calling, as an agent's loops do
         with pytest.raises(StoreUnavailable):
             s.get("/x")
