@@ -259,9 +259,9 @@ class _Run:
         if node not in entry.placement:  # cannot happen: faults are routed by the task's nodes
             raise PermanentError(f"decision: restart of {name!r} has no node of the task")
         assert node is not None
-        self._count_restart(entry)
         widening = entry.outstanding is not None and entry.outstanding.kind is ActionKind.RESTART
-        if not widening:
+        if not widening:  # a widened restart is the same recovery: one burst of deaths spends one restart
+            self._count_restart(entry)
             entry.relaunching = {}
         entry.fault_node = node
         entry.recovery_step = entry.last_step

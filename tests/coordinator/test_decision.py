@@ -552,6 +552,7 @@ def test_a_peer_dying_during_a_restart_widens_it_and_the_restarted_rank_dying_ag
     assert restarts[0].restart_epoch > first[0].restart_epoch  # type: ignore[union-attr]
     assert sim.phase("job") is TaskPhase.RESTARTING
     assert sim.state.tasks["job"].relaunching == {"n1": [r0], "n2": [r1]}
+    assert sim.state.tasks["job"].restarts == 1  # one burst of deaths spends one restart of the budget
     assert [a for a in sim.incident("n2", SEV2_KIND, task="job", rank=r1) if isinstance(a, RestartRanks)] == []
     sim.progress("job", 9)
     assert sim.phase("job") is TaskPhase.RUNNING and sim.state.tasks["job"].relaunching == {}

@@ -1,6 +1,7 @@
-"""Escalation end to end (paper Figure 7): a task whose rank keeps crashing is restarted, the failed
-restart escalates to sev1 (node isolated, task placed elsewhere), and the restart budget ends the loop
-with the task marked failed and the reason given."""
+"""Escalation end to end (paper Figure 7): every rank of a task crashes; the restart relaunches each
+dead rank (widened across both nodes, one restart for the burst); the relaunched processes crash before
+any iteration, so the restart fails and escalates to sev1 (node isolated, task placed elsewhere), and
+the restart budget ends the loop with the task marked failed and the reason given."""
 
 from __future__ import annotations
 
@@ -15,14 +16,20 @@ from typing import Any
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 
-# Trains (reports) three iterations, then crashes: progress never goes past step 2.
-CRASHER = [sys.executable, "-c",
-           "import time, sys\n"
-           "from unicron.kernel.client import AgentClient\n"
-           "c = AgentClient.from_env().connect()\n"
-           "for s in range(3):\n"
-           "    with c.iteration(s): time.sleep(0.2)\n"
-           "sys.exit(3)\n"]
+
+# The first process of each rank trains (reports) three iterations, then crashes; every later one
+# crashes at once: progress never goes past step 2, and no restart ever makes progress.
+def crasher(marks: Path) -> list[str]:
+    return [sys.executable, "-c",
+            "import os, sys, time\n"
+            "from unicron.kernel.client import AgentClient\n"
+            f"mark = os.path.join({str(marks)!r}, os.environ['RANK'])\n"
+            "if os.path.exists(mark): sys.exit(4)\n"
+            "open(mark, 'w').close()\n"
+            "c = AgentClient.from_env().connect()\n"
+            "for s in range(3):\n"
+            "    with c.iteration(s): time.sleep(0.2)\n"
+            "sys.exit(3)\n"]
 
 
 def task(name: str) -> dict[str, Any]:
@@ -46,13 +53,15 @@ def test_crash_loop_escalates_then_stops(tmp_path: Path) -> None:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec = tmp_path / "crash.json"
-            spec.write_text(json.dumps({"name": "crash", "command": CRASHER, "min_gpus": 2}))
+            spec.write_text(json.dumps({"name": "crash", "command": crasher(tmp_path), "min_gpus": 2}))
             assert cli(["submit", str(spec)]) == 0
             final = c.wait_for(lambda: (t := task("crash"))["phase"] in ("failed", "pending") and t, 150.0,
                                "the crash loop to end", poll_s=0.5)
             acts = actions(c)
-            assert "RestartRanks" in acts  # sev2: restart in place first
+            assert "RestartRanks" in acts and "IsolateNode" in acts, acts
             assert acts.index("IsolateNode") > acts.index("RestartRanks")  # a failed restart escalates to sev1
+            first_burst = acts[acts.index("RestartRanks"):acts.index("IsolateNode")]
+            assert first_burst.count("RestartRanks") >= 2, acts  # every dead rank relaunched, not merged
             assert acts.count("Assign") >= 2  # ... and the task is placed again elsewhere
             if final["phase"] == "failed":
                 assert "MarkTaskFailed" in acts and "restart" in final["reason"]
