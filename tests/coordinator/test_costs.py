@@ -15,8 +15,8 @@ from coordinator.decision import (
     TaskCancelled,
     TaskPhase,
 )
-from unicron.kernel.types import Incident
 from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, SEV3_KIND, Sim, one, running_cluster
+from unicron.kernel.types import Incident
 
 
 class Costed(Sim):
