@@ -108,6 +108,8 @@ def test_killed_rank_restart_is_costed_and_counted(cluster: LocalCluster, tmp_pa
         return found[0] if found and found[0].transition_s is not None else None
 
     inc: Incident = cluster.wait_for(restarted, TIMEOUT_S, "the restart's incident to be costed", poll_s=0.2)
+    print(f"sev2 restart costed: detection_s={inc.detection_s:.4f} transition_s={inc.transition_s:.3f} "
+          f"sub_healthy_s={inc.sub_healthy_s}")
     assert inc.severity is Severity.SEV2 and inc.action == "restart" and inc.tasks == ["m1"]
     assert inc.detection_s is not None and 0 < inc.detection_s < TIMEOUT_S
     assert inc.transition_s is not None and 0 < inc.transition_s < TIMEOUT_S
