@@ -34,6 +34,7 @@ from agent.gpu.simulated import SimulatedBackend
 from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings
 from agent.link import LinkClient
 from agent.marker import FailureMarker
+from agent.metrics import AgentMetrics
 from agent.prefork import Prefork, with_torchrun_threads
 from agent.ranks import RankServer
 from agent.reconciler import Outcome, TaskReconciler
@@ -41,6 +42,7 @@ from agent.settings import AgentSettings
 from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
+from unicron.kernel import metrics as umetrics
 from unicron.kernel import parentdeath, patterns, protocol
 from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
@@ -67,10 +69,12 @@ log = ulog.get(__name__)
 class ReportPublisher:
     """Publishes reports to etcd in order; while etcd is down they wait here, none is dropped."""
 
-    def __init__(self, store: Store, keys: Keyspace, stop: threading.Event) -> None:
+    def __init__(self, store: Store, keys: Keyspace, stop: threading.Event,
+                 on_retry: Callable[[], None] | None = None) -> None:
         self.store = store
         self.keys = keys
         self.stop = stop
+        self.on_retry = on_retry
         self._queue: queue.Queue[Report] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="report-publisher", daemon=True)
         self._thread.start()
@@ -94,6 +98,8 @@ class ReportPublisher:
                     break
                 except StoreUnavailable as exc:
                     log.warning("report waits for etcd", report=report.report_id, error=str(exc))
+                    if self.on_retry is not None:
+                        self.on_retry()
                     self.stop.wait(backoff)
                     backoff = min(backoff * 2, 2.0)
                 except PermanentError as exc:  # refused or shutting down: retrying cannot help
@@ -159,6 +165,12 @@ class Agent:
                                 preexec=parentdeath.preexec(signal.SIGKILL)) if modules else None)
         # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
         self.replicas: ReplicaServer | None = None
+        self.metrics = AgentMetrics()
+        self.metrics.sample("unicron_agent_report_queue_depth", "reports waiting to be published (etcd down)",
+                            lambda: float(self.publisher.pending()) if self.publisher is not None else 0.0)
+        self.metrics.sample("unicron_agent_unhealthy_gpus", "GPUs whose last health poll found a fault",
+                            lambda: float(sum(not h.ok for h in self.gpu_monitor.latest_health())))
+        self._metrics_server: umetrics.MetricsServer | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -168,6 +180,7 @@ class Agent:
         if store is None:
             return 0
         self.store = store
+        store.on_error = self.metrics.etcd.error
         if self.settings.replica_budget_mb > 0:
             self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
                                           self.settings.replica_budget_mb << 20).start()
@@ -180,7 +193,10 @@ class Agent:
                 self.replicas.stop()
             store.close()
             return 2
-        self.publisher = ReportPublisher(store, self.keys, self.stop_event)
+        self.publisher = ReportPublisher(store, self.keys, self.stop_event,
+                                         on_retry=lambda: self.metrics.etcd.retry("report"))
+        self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
+                                              self.settings.metrics_port, f"unicron-agent {self.node}")
         self.rank_server = RankServer(self.socket_path, self._on_rank_message).start()
         self.marker.start()
         if self.prefork is not None:
@@ -221,6 +237,8 @@ class Agent:
             self.prefork.close()
         if self.replicas is not None:
             self.replicas.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
         if self.lease is not None:
             with contextlib.suppress(StoreUnavailable):
                 self.lease.revoke()
@@ -332,6 +350,7 @@ class Agent:
                     method=method.value, message=message[:200])
         assert self.publisher is not None
         self.publisher.publish(report)
+        self.metrics.reports.labels(method.value, kind.value).inc()
         return report
 
     def _task(self, task: str) -> TaskReconciler | None:
@@ -347,6 +366,7 @@ class Agent:
     # --- detection inputs --------------------------------------------------------------------
 
     def _on_gpu_event(self, event: GpuEvent) -> None:
+        self.metrics.gpu_events.labels(event.kind.value).inc()
         task, rank = self._rank_on_gpu(event.gpu)
         self.report(DetectionMethod.EXCEPTION_PROPAGATION, event.kind, event.message, task=task, rank=rank,
                     gpu=event.gpu, source_ts=event.ts)
@@ -374,6 +394,11 @@ class Agent:
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, line, task=task, rank=rank,
                     gpu=self._gpu_of(task, rank), source_ts=ts)
+
+    def rank_launched(self, task: str, rank: int, restart: bool) -> None:
+        self.metrics.rank_launches.labels(task).inc()
+        if restart:
+            self.metrics.rank_restarts.labels(task).inc()
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
         return self.rank_server is not None and self.rank_server.send(task, rank, msg)

@@ -106,6 +106,9 @@ class TaskHost(Protocol):
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool: ...
 
+    def rank_launched(self, task: str, rank: int, restart: bool) -> None:
+        """A rank process started; ``restart``: relaunched for a sev2 restart (metrics)."""
+
 
 class Outcome:
     """The result of one step of a reconciler (set once, by its thread)."""
@@ -350,7 +353,7 @@ class TaskReconciler:
             self._wake.wait_for(lambda: self._store is not None or self._stop_pending())
             return self._store if not self._stop_pending() else None
 
-    def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> str:
+    def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, restart: bool = False) -> str:
         """Start one rank; "" on success, else why it could not start (the rank is then FAILED)."""
         with self._lock:
             self.launched_epoch[spec.rank] = a.restart_epoch
@@ -366,6 +369,7 @@ class TaskReconciler:
             with self._lock:
                 self._ranks[spec.rank] = RankState.FAILED
             return str(exc)
+        self.host.rank_launched(a.task, spec.rank, restart)
         with self._lock:
             if self._ranks.get(spec.rank) in (RankState.INIT, RankState.RESTARTING, RankState.FAILED):
                 self._ranks[spec.rank] = RankState.HEALTHY
@@ -387,7 +391,7 @@ class TaskReconciler:
                     if self.supervisor.wait(r, timeout_s=RESTART_WAIT_S) is None:
                         errors.append(f"rank {r} did not exit within {RESTART_WAIT_S:.0f} s of SIGKILL")
                         continue
-                if err := self._launch(a, specs[r], store):
+                if err := self._launch(a, specs[r], store, restart=True):
                     errors.append(err)
                 else:
                     log.info("rank restarted", task=a.task, rank=r, restart_epoch=a.restart_epoch)

@@ -48,6 +48,10 @@ class AgentSettings:
     (milliseconds instead of seconds for torch + Megatron); costs one idle process holding the imports."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
     """Calls that exceed it count as etcd being unavailable and are retried."""
+    metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)")
+    """Scraped by Prometheus; the metric names are in docs/operations.md."""
+    metrics_host: str = setting("127.0.0.1", "UNICRON_METRICS_HOST", "address the metrics endpoint listens on")
+    """Loopback by default: the endpoint is unauthenticated; set the cluster network's address to scrape it."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 
@@ -60,3 +64,5 @@ class AgentSettings:
             raise ConfigError("--lease-ttl-s / UNICRON_LEASE_TTL must be >= 1")
         if self.heartbeat_s <= 0:
             raise ConfigError("--heartbeat-s / UNICRON_HEARTBEAT must be > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("--metrics-port / UNICRON_METRICS_PORT must be 0 (off) or a TCP port")

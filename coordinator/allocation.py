@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from coordinator.tasks import TaskSpec
-from plans.api import ClusterSpec, ModelSpec, TaskDemand, WafPlanner, gpu_type
+from plans.api import ClusterSpec, ModelSpec, PlanResult, TaskDemand, WafPlanner, gpu_type
 from unicron.kernel import log as ulog
 
 log = ulog.get(__name__)
@@ -116,6 +116,9 @@ class WafAllocator:
         self.gpu = gpu_type(gpu_type_name)
         self.planner = planner or WafPlanner()
         self.fallback = EvenAllocator()
+        #: the planner's answer to the last call (its modelled FLOP/s and WAF per task, for the
+        #: daemon's metrics); None when that call fell back to EvenAllocator
+        self.last_plan: PlanResult | None = None
 
     def allocate(
         self,
@@ -125,6 +128,7 @@ class WafAllocator:
         current: Mapping[str, int],
         faulted: set[str],
     ) -> dict[str, int]:
+        self.last_plan = None
         if not tasks:
             return {}
         unmodelled = [t.name for t in tasks if t.model is None]
@@ -138,4 +142,5 @@ class WafAllocator:
         if bad or sum(counts.values()) > healthy_gpus:
             log.warning("planner answer not runnable: allocating evenly", tasks=bad, planned=counts, usable=healthy_gpus)
             return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
+        self.last_plan = result
         return counts

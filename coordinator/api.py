@@ -53,7 +53,7 @@ class ControlPlane(Protocol):
 
     def tasks(self) -> list[dict[str, Any]]:
         """Every task with its state: name, phase, weight, min_gpus, gpus, generation, nodes, restarts,
-        step, reason (JSON-serialisable values)."""
+        step, reason, incidents, recovery_s (JSON-serialisable values)."""
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node as the coordinator sees it (JSON-serialisable values, "node" = its name)."""

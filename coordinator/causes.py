@@ -57,6 +57,7 @@ def classify(report: Report, detected_ts: float, incident_id: str) -> Incident:
         detected_ts=detected_ts,
         report_id=report.report_id,
         handled=report.handled,
+        detection_s=detected_ts - report.source_ts,
     )
 
 

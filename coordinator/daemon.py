@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -30,13 +30,17 @@ import grpc
 
 from coordinator import api, causes
 from coordinator import decision as d
+from coordinator.alerts import AlertMessage, WebhookNotifier
 from coordinator.allocation import WafAllocator
+from coordinator.costs import CostTracker
 from coordinator.executor import Executor
 from coordinator.leader import Leadership
 from coordinator.link import LinkServer
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
+from unicron.kernel import metrics as umetrics
 from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
@@ -174,6 +178,12 @@ class Coordinator:
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: grpc.Server | None = None
+        self.metrics = CoordinatorMetrics()
+        self._metrics_server: umetrics.MetricsServer | None = None
+        self.costs = CostTracker()  # recovery cost per incident (Eq. 1); adopted with each decision
+        self.alerts = (WebhookNotifier(settings.alert_webhook, settings.alert_webhook_timeout_s,
+                                       on_failure=self.metrics.webhook_failures.inc)
+                       if settings.alert_webhook else None)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -183,11 +193,18 @@ class Coordinator:
                                         "coordinator")
         if self.store is None:
             return 0
+        self.store.on_error = self.metrics.etcd.error
+        self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
+                                              self.settings.metrics_port, "unicron-coordinator")
+        if self.alerts is not None:
+            self.alerts.start()
         self.link = LinkServer(
             self.settings.listen_host, self.settings.link_port, self.settings.heartbeat_timeout_s,
             on_lost=self._on_link_lost, on_connected=self._on_link_connected,
             verify=self._verify_link, on_goodbye=self._on_link_goodbye,
+            on_heartbeat=self.metrics.heartbeat_gap.observe,
         ).start()
+        self.metrics.watch_heartbeats(self.link.heartbeat_ages)
         self._api_server, api_address = api.serve(self, self.settings.listen_host, self.settings.api_port)
         address = json.dumps({"link": self.link.address, "api": api_address, "pid": os.getpid()})
         self.leadership = Leadership(self.store, self.keys, address, self.settings.leader_ttl_s,
@@ -198,6 +215,8 @@ class Coordinator:
         self._load_state()
         self._start_watches()
         threading.Thread(target=self._ticker, name="ticker", daemon=True).start()
+        self.metrics.leader.set(1)
+        self.metrics.state(self.state)
         self.ready.set()
         log.info("coordinator leading", link=self.link.address)
         self._loop()
@@ -215,8 +234,13 @@ class Coordinator:
         self.stop()
 
     def _shutdown(self) -> None:
+        self.metrics.leader.set(0)
         if self._api_server is not None:
             api.stop(self._api_server)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+        if self.alerts is not None:
+            self.alerts.stop()
         for w in self._watches:
             w.stop()
         if self.link is not None:
@@ -265,6 +289,7 @@ class Coordinator:
                 # Nothing was adopted (see _decide) and the input is still ours: try it again.
                 log.warning("etcd unavailable while handling input; will retry", input=type(item).__name__,
                             error=str(exc))
+                self.metrics.etcd.retry("input")
                 self.stop_event.wait(0.2)
                 self._inbox.put(item)
             except PermanentError as exc:
@@ -361,6 +386,7 @@ class Coordinator:
             lost = causes.lease_gone(node, self._link_alive(node), node in self._lost_nodes, ts)
             if lost is not None:
                 self._decide(lost)
+                self.metrics.node_losses.labels("lease expired").inc()
                 self._lost_nodes.add(node)
             elif node not in self._lost_nodes:
                 log.info("node lease expired while its link is alive: not a node loss", node=node)
@@ -392,6 +418,7 @@ class Coordinator:
                         message=reason, source_ts=ts, agent_ts=ts)
         self._record(report, report_key=None)
         self._lost_nodes.add(node)
+        self.metrics.node_losses.labels(reason).inc()
 
     def _on_report(self, ev: WatchEvent) -> None:
         if ev.kind == "delete":
@@ -435,7 +462,9 @@ class Coordinator:
         if event is None:
             self.leadership.write(puts=puts, deletes=deletes)
         else:
-            self._decide(event, puts=puts, deletes=deletes)
+            # the decision stamps the action the incident led to (coordinator.costs)
+            incident = self._decide(event, puts=puts, deletes=deletes).get(incident.incident_id, incident)
+        self.metrics.incident(incident)
         for _ in expired:
             self._incident_set.discard(self._incident_keys.popleft())
         self._incident_keys.append(key)
@@ -500,9 +529,17 @@ class Coordinator:
         self.executor.desired.clear()
         self.executor.load({kv.key: kv.value for kv in kvs})
         kvs, _ = self.store.get_prefix(self.keys.incidents())
+        kvs.sort(key=lambda kv: kv.create_revision)
         self._incident_keys.clear()
-        self._incident_keys.extend(kv.key for kv in sorted(kvs, key=lambda kv: kv.create_revision))
+        self._incident_keys.extend(kv.key for kv in kvs)
         self._incident_set = set(self._incident_keys)
+        # A new leader answers `unicron tasks` (recovery cost per task) from what its predecessors recorded.
+        self.recent_incidents.clear()
+        for kv in kvs:
+            try:
+                self.recent_incidents.append(Incident.from_json(kv.value))
+            except InvalidRecord as exc:
+                log.warning("ignoring unreadable incident record", key=kv.key, error=str(exc))
 
     def _spec(self, task: str) -> TaskSpec | None:
         entry = self.state.tasks.get(task)
@@ -523,9 +560,11 @@ class Coordinator:
         draft.node_gpus = functools.partial(_gpus_in, state)  # a node joining in this decision has its GPUs
         return draft
 
-    def _decide(self, event: d.Event, puts: Mapping[str, str] | None = None, deletes: Sequence[str] = ()) -> None:
-        """Feed one event to the core; write its state, the changed node records and ``puts`` /
-        ``deletes`` in one fenced transaction; adopt the new state only once that write landed."""
+    def _decide(self, event: d.Event, puts: Mapping[str, str] | None = None,
+                deletes: Sequence[str] = ()) -> dict[str, Incident]:
+        """Feed one event to the core; write its state, the changed node records, the incidents whose
+        recovery cost changed and ``puts`` / ``deletes`` in one fenced transaction; adopt the new
+        state only once that write landed. Returns those incidents by id."""
         state, actions, edges = self.core.explain(self.state, event)
         draft = self._draft(state)
         # Released first: an Assign in the same decision may reuse the GPUs of a task that just finished.
@@ -533,6 +572,13 @@ class Coordinator:
         for action in actions:
             changed |= draft.apply(action)
         writes = dict(puts or {})
+        raised = event.incident if isinstance(event, d.IncidentRaised) else None
+        costs, costed = self.costs.step(self.state, state, event.ts, raised)
+        for inc in costed:
+            key = self.keys.incident(inc.incident_id)
+            # only records still kept (not expired, not deleted by this very write)
+            if (key in self._incident_set or key in writes) and key not in deletes:
+                writes[key] = inc.to_json()
         quiet = not edges and not actions and not writes and not deletes and isinstance(event, d.Tick | d.ProgressMade)
         if not quiet:
             # Clock ticks and plain progress that decided nothing are not worth a write per event:
@@ -542,12 +588,41 @@ class Coordinator:
             assert self.leadership is not None
             self.leadership.write(puts=writes, deletes=deletes)
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
-        self.state, self.executor = state, draft
+        self.state, self.executor, self.costs = state, draft, costs
         for edge in edges:
             log.info("transition", edge=str(edge))
         for action in actions:
             log.warning("action", action=type(action).__name__, **{
                 k: v for k, v in d.to_dict(action).items() if k != "type" and isinstance(v, str | int | float)})
+            if isinstance(action, d.Alert):
+                self._alert(action, event.ts)
+        self._observe(state, actions, costed, raised)
+        return {inc.incident_id: inc for inc in costed}
+
+    def _observe(self, state: d.CoreState, actions: Sequence[d.Action], costed: Sequence[Incident],
+                 raised: Incident | None) -> None:
+        """Metrics and the in-memory incident list after an adopted decision."""
+        self.metrics.state(state)
+        plan = self.core.allocator.last_plan if isinstance(self.core.allocator, WafAllocator) else None
+        if actions and plan is not None:
+            self.metrics.planned(plan.throughput, plan.waf)
+        for inc in costed:
+            if raised is not None and inc.incident_id == raised.incident_id:
+                continue  # new: _record appends it and counts it
+            for i, old in enumerate(self.recent_incidents):
+                if old.incident_id == inc.incident_id:
+                    self.recent_incidents[i] = inc
+                    self.metrics.cost_changed(old, inc)
+                    log.info("recovery cost", incident=inc.incident_id, action=inc.action, tasks=inc.tasks,
+                             detection_s=inc.detection_s, transition_s=inc.transition_s,
+                             sub_healthy_s=inc.sub_healthy_s)
+                    break
+
+    def _alert(self, action: d.Alert, ts: float) -> None:
+        self.metrics.alerts.inc()
+        if self.alerts is not None:
+            self.alerts.send(AlertMessage(alert_id=action.action_id, message=action.message, task=action.task,
+                                          node=action.node, ts=ts, cluster=self.settings.prefix))
 
     # --- the API (coordinator.api.ControlPlane), run on the loop thread ---------------------
 
@@ -584,10 +659,12 @@ class Coordinator:
 
     def tasks(self) -> list[dict[str, Any]]:
         def run() -> list[dict[str, Any]]:
+            costs = recovery_by_task(self.recent_incidents)
             return [{
                 "name": name, "phase": e.phase.value, "weight": e.spec.weight, "min_gpus": e.spec.min_gpus,
                 "gpus": len(e.all_ranks()), "generation": e.generation, "nodes": sorted(e.placement),
                 "restarts": e.restarts, "step": e.last_step, "reason": e.reason,
+                "incidents": costs.get(name, (0, 0.0))[0], "recovery_s": round(costs.get(name, (0, 0.0))[1], 3),
             } for name, e in sorted(self.state.tasks.items())]
         return self._call(run)
 
@@ -623,6 +700,17 @@ class Coordinator:
     def gpus_per_node(self) -> int | None:
         sizes = {e.gpus for e in self.state.nodes.values()}
         return sizes.pop() if len(sizes) == 1 else None
+
+
+def recovery_by_task(incidents: Iterable[Incident]) -> dict[str, tuple[int, float]]:
+    """task -> (incidents that led to an action for it, their Eq. 1 seconds summed): the incidents
+    the coordinator still keeps (the newest ``KEEP_INCIDENTS``)."""
+    out: dict[str, tuple[int, float]] = {}
+    for inc in incidents:
+        for task in inc.tasks:
+            n, total = out.get(task, (0, 0.0))
+            out[task] = (n + 1, total + inc.recovery_s)
+    return out
 
 
 def _gpus_in(state: d.CoreState, node: str) -> int:

@@ -44,6 +44,8 @@ ConnectedCallback = Callable[[str, float], None]
 GoodbyeCallback = Callable[[str, str, float], None]
 #: verify(node, token): whether ``token`` is the one of ``node``'s current registration
 VerifyCallback = Callable[[str, str], bool]
+#: on_heartbeat(gap_s): seconds since the node's previous heartbeat (metrics); called on its reader thread
+HeartbeatCallback = Callable[[float], None]
 
 HELLO_TIMEOUT_S = 5.0  # a connection that says nothing this long after connecting is dropped
 
@@ -68,8 +70,10 @@ class LinkServer:
         verify: VerifyCallback,
         on_connected: ConnectedCallback | None = None,
         on_goodbye: GoodbyeCallback | None = None,
+        on_heartbeat: HeartbeatCallback | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self.on_heartbeat = on_heartbeat
         self.on_lost = on_lost
         self.verify = verify
         self.on_connected = on_connected
@@ -108,6 +112,12 @@ class LinkServer:
     def connected_nodes(self) -> list[str]:
         with self._cond:
             return sorted(n for n, p in self._peers.items() if not p.lost)
+
+    def heartbeat_ages(self) -> dict[str, float]:
+        """Seconds since each connected node's last heartbeat (or its hello)."""
+        now = time.monotonic()
+        with self._cond:
+            return {n: now - p.last_heartbeat for n, p in self._peers.items() if not p.lost}
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -180,7 +190,10 @@ class LinkServer:
             if isinstance(msg, link.Goodbye):
                 self._goodbye(peer, msg.reason)
                 return
-            peer.last_heartbeat = time.monotonic()
+            now = time.monotonic()
+            if self.on_heartbeat is not None:
+                self.on_heartbeat(now - peer.last_heartbeat)
+            peer.last_heartbeat = now
 
     def _retire(self, peer: _Peer) -> bool:
         """Mark ``peer`` gone; False if it already was (lost, replaced, or said goodbye)."""

@@ -34,6 +34,14 @@ class CoordinatorSettings:
     """Peers wait in a collective while the ranks regroup; their hang detectors may fire meanwhile."""
     gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")
     """One of plans.hardware's types (A100, A800, H100, H200); the cluster is assumed homogeneous."""
+    metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)")
+    """Scraped by Prometheus; the metric names are in docs/operations.md."""
+    metrics_host: str = setting("127.0.0.1", "UNICRON_METRICS_HOST", "address the metrics endpoint listens on")
+    """Loopback by default: the endpoint is unauthenticated; set the cluster network's address to scrape it."""
+    alert_webhook: str = setting("", "UNICRON_ALERT_WEBHOOK", "URL the decision core's alerts are POSTed to as JSON (empty: log only)")
+    """Node isolated or lost, task failed, GPUs left idle: one POST each, retried, never blocking decisions."""
+    alert_webhook_timeout_s: float = setting(2.0, "UNICRON_ALERT_WEBHOOK_TIMEOUT", "timeout (s) of one webhook POST")
+    """A POST that times out is retried (3 times, backoff from 0.5 s), then counted as failed."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 
@@ -48,3 +56,7 @@ class CoordinatorSettings:
             raise ConfigError("--heartbeat-timeout-s / UNICRON_HEARTBEAT_TIMEOUT must be > 0")
         if self.leader_ttl_s < 2:
             raise ConfigError("--leader-ttl-s / UNICRON_LEADER_TTL must be >= 2 (etcd's minimum lease TTL)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("--metrics-port / UNICRON_METRICS_PORT must be 0 (off) or a TCP port")
+        if self.alert_webhook and not self.alert_webhook.startswith(("http://", "https://")):
+            raise ConfigError("--alert-webhook / UNICRON_ALERT_WEBHOOK must be an http:// or https:// URL")

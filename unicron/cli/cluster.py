@@ -126,6 +126,14 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         "gpu": i.get("gpu"),
         "latency_ms": round(1000 * (i["detected_ts"] - i["source_ts"]), 1)
         if isinstance(i.get("detected_ts"), int | float) and isinstance(i.get("source_ts"), int | float) else None,
+        "action": i.get("action") or "-",
+        "transition_s": _seconds(i.get("transition_s")), "sub_healthy_s": _seconds(i.get("sub_healthy_s")),
         "message": str(i.get("message", ""))[:60],
     } for i in items]
-    return emit(args, rows, ["detected", "severity", "kind", "node", "task", "rank", "gpu", "latency_ms", "message"])
+    return emit(args, rows, ["detected", "severity", "kind", "node", "task", "rank", "gpu", "latency_ms", "action",
+                             "transition_s", "sub_healthy_s", "message"])
+
+
+def _seconds(value: Any) -> float | str:
+    """A recovery-cost term: "-" while unknown (recovery still going on, or none needed)."""
+    return round(value, 2) if isinstance(value, int | float) else "-"

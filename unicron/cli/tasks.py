@@ -29,7 +29,8 @@ from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
 TASK_COLUMNS = (
-    "name", "phase", "weight", "min_gpus", "gpus", "nodes", "generation", "restarts", "step", "reason",
+    "name", "phase", "weight", "min_gpus", "gpus", "nodes", "generation", "restarts", "step", "incidents",
+    "recovery_s", "reason",
 )
 _RETRY_PAUSE_S = 0.3
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,13 @@ from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (another process may take it before it is used: tests only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -36,6 +44,7 @@ class LocalCluster:
         run_dir: str | None = None,
         extra_env: dict[str, str] | None = None,
         quiet: bool = True,
+        metrics: bool = False,
     ) -> None:
         self.n_agents = agents
         self.gpus_per_agent = gpus_per_agent
@@ -48,6 +57,9 @@ class LocalCluster:
         self.extra_env = extra_env or {}
         self.quiet = quiet
         self._revision = 0
+        #: with ``metrics``: "coordinator" and each node -> the port its /metrics is served on
+        self.metrics_ports: dict[str, int] = {}
+        self.metrics = metrics
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -80,15 +92,25 @@ class LocalCluster:
         self.wait_for(lambda: len(self.registered_nodes()) == self.n_agents, timeout_s, "agents to register")
         return self
 
+    def _metrics_args(self, who: str) -> list[str]:
+        if not self.metrics:
+            return []
+        if who not in self.metrics_ports:  # a restarted daemon keeps its port
+            self.metrics_ports[who] = free_port()
+        return ["--metrics-port", str(self.metrics_ports[who])]
+
+    def metrics_url(self, who: str) -> str:
+        return f"http://127.0.0.1:{self.metrics_ports[who]}/metrics"
+
     def start_coordinator(self) -> None:
-        self.coordinator = self._spawn(["-m", "coordinator.main"], "coordinator")
+        self.coordinator = self._spawn(["-m", "coordinator.main", *self._metrics_args("coordinator")], "coordinator")
         self.wait_for(lambda: self.store is not None and self.store.get(self.keys.leader()) is not None, 30.0,
                       "the coordinator to lead")
 
     def start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
             ["-m", "agent.main", "--node", node, "--gpu-backend", "simulated", "--gpus", str(self.gpus_per_agent),
-             "--advertise-host", "127.0.0.1"],
+             "--advertise-host", "127.0.0.1", *self._metrics_args(node)],
             f"agent-{node}",
         )
 

@@ -69,18 +69,33 @@ def _classify(what: str, exc: Exception) -> UnicronError:
     return StoreRejected(message)  # PreconditionFailed, RevisionCompacted: etcd answered "no"
 
 
+#: told of every converted etcd error (a daemon counts them in its metrics); must not raise
+ErrorObserver = Callable[[UnicronError], None]
+
+
 @contextlib.contextmanager
-def _converted(what: str) -> Iterator[None]:
+def _converted(what: str, observe: ErrorObserver | None = None) -> Iterator[None]:
     try:
         yield
-    except etcd_exc.Etcd3Exception as exc:
-        raise _classify(what, exc) from exc
-    except grpc.RpcError as exc:
-        raise _classify(what, exc) from exc
+    except (etcd_exc.Etcd3Exception, grpc.RpcError) as exc:
+        error = _classify(what, exc)
+        _tell(observe, error)
+        raise error from exc
     except ValueError as exc:
         if "closed channel" not in str(exc):
             raise  # a bad argument of ours: a bug, not an outage
-        raise StoreClosed(f"etcd {what} after the client was closed") from exc
+        error = StoreClosed(f"etcd {what} after the client was closed")
+        _tell(observe, error)
+        raise error from exc
+
+
+def _tell(observe: ErrorObserver | None, error: UnicronError) -> None:
+    if observe is None:
+        return
+    try:
+        observe(error)
+    except Exception:  # an observer's bug must not replace the etcd error the caller handles
+        log.exception("etcd error observer failed")
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,12 @@ class Store:
         eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=retry_s, opts=opts) for h, p in self.endpoints]
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
         self._closed = False
+        #: told of every etcd error this store, its leases and its watches meet (metrics)
+        self.on_error: ErrorObserver | None = None
+
+    def converted(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Errors of the calls in the block converted (see the module doc) and told to :attr:`on_error`."""
+        return _converted(what, self.on_error)
 
     @property
     def client(self) -> Any:
@@ -148,7 +169,7 @@ class Store:
     # --- key/value ---------------------------------------------------------------------------
 
     def get(self, key: str) -> KeyValue | None:
-        with _converted(f"get {key}"):
+        with self.converted(f"get {key}"):
             value, meta = self.client.get(key)
         if value is None:
             return None
@@ -156,7 +177,7 @@ class Store:
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix`` and the store revision the read was taken at."""
-        with _converted(f"get prefix {prefix}"):
+        with self.converted(f"get prefix {prefix}"):
             resp = self.client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
         kvs = [
             KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
@@ -166,22 +187,22 @@ class Store:
 
     def put(self, key: str, value: str | bytes, lease: Lease | None = None) -> int:
         """Write ``key``; returns the new revision."""
-        with _converted(f"put {key}"):
+        with self.converted(f"put {key}"):
             resp = self.client.put(key, value, lease=lease.lease_id if lease else None)
         return int(resp.header.revision)
 
     def delete(self, key: str) -> bool:
-        with _converted(f"delete {key}"):
+        with self.converted(f"delete {key}"):
             return bool(self.client.delete(key))
 
     def put_if_absent(self, key: str, value: str | bytes, lease: Lease | None = None) -> bool:
-        with _converted(f"create {key}"):
+        with self.converted(f"create {key}"):
             return bool(self.client.put_if_not_exists(key, value, lease=lease.lease_id if lease else None))
 
     def delete_if_unchanged(self, key: str, mod_revision: int) -> bool:
         """Delete ``key`` iff it was last written at ``mod_revision`` (nobody replaced it since)."""
         tx = self.client.transactions
-        with _converted(f"delete {key} at revision {mod_revision}"):
+        with self.converted(f"delete {key} at revision {mod_revision}"):
             ok, _ = self.client.transaction(compare=[tx.mod(key) == mod_revision], success=[tx.delete(key)],
                                              failure=[])
         return bool(ok)
@@ -206,7 +227,7 @@ class Store:
         compare = [tx.create(guard_key) == guard_revision]
         ops = [tx.put(k, v, lease=lease.lease_id if lease else None) for k, v in puts.items()]
         ops += [tx.delete(k) for k in deletes]
-        with _converted(f"guarded txn on {guard_key}"):
+        with self.converted(f"guarded txn on {guard_key}"):
             ok, _ = self.client.transaction(compare=compare, success=ops, failure=[])
         return bool(ok)
 
@@ -236,7 +257,7 @@ class Lease:
         self.store = store
         self.ttl_s = ttl_s
         self.on_lost = on_lost
-        with _converted("lease grant"):
+        with self.store.converted("lease grant"):
             self._lease = store.client.lease(ttl_s)
         self.lease_id: int = int(self._lease.id)
         self._stop = threading.Event()
@@ -252,7 +273,7 @@ class Lease:
         interval = max(0.1, self.ttl_s / 4)
         while not self._stop.wait(interval):
             try:
-                with _converted("lease keepalive"):
+                with self.store.converted("lease keepalive"):
                     responses = list(self.store.client.refresh_lease(self.lease_id))
             except StoreClosed:
                 return  # the owner closed the store: it is shutting down
@@ -273,7 +294,7 @@ class Lease:
 
     def revoke(self) -> None:
         self._stop.set()
-        with contextlib.suppress(StoreUnavailable, StoreClosed), _converted("lease revoke"):
+        with contextlib.suppress(StoreUnavailable, StoreClosed), self.store.converted("lease revoke"):
             self.store.client.revoke_lease(self.lease_id)
 
     def stop(self) -> None:
@@ -310,7 +331,7 @@ class PrefixWatch:
         kwargs: dict[str, Any] = {}
         if self.next_revision is not None:
             kwargs["start_revision"] = self.next_revision
-        with _converted(f"watch {self.prefix}"):
+        with self.store.converted(f"watch {self.prefix}"):
             return client.add_watch_prefix_callback(self.prefix, inbox.put, **kwargs)
 
     def _resync(self) -> None:

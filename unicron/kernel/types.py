@@ -213,10 +213,32 @@ class Incident(Record):
     detected_ts: float
     report_id: str
     handled: bool = False
+    # Recovery cost (paper Eq. 1), filled in by the coordinator as the recovery goes on. Optional with
+    # defaults, so records written before they existed still parse.
+    #: detected_ts - source_ts
+    detection_s: float | None = None
+    #: the tracked action the incident led to: "reattempt", "restart", "reconfigure" (the last one,
+    #: when a failed action escalated); None when it led to none (handled in place, merged, recorded only)
+    action: str | None = None
+    #: when the coordinator issued that action
+    action_ts: float | None = None
+    #: the tasks the action was for
+    tasks: list[str] = field(default_factory=list)
+    #: when the last of those tasks was confirmed running again (progress at the recovered configuration)
+    recovered_ts: float | None = None
+    #: action issued -> recovery confirmed; None until confirmed (or when no task recovered)
+    transition_s: float | None = None
+    #: recovery confirmed -> the tasks back at the GPUs they had before (0: no capacity lost); None until then
+    sub_healthy_s: float | None = None
 
     @property
     def detection_latency_s(self) -> float:
         return self.detected_ts - self.source_ts
+
+    @property
+    def recovery_s(self) -> float:
+        """Eq. 1's time terms known so far: detection + transition + sub-healthy seconds."""
+        return sum(x for x in (self.detection_s, self.transition_s, self.sub_healthy_s) if x is not None)
 
     @classmethod
     def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
