@@ -30,7 +30,7 @@ def main() -> int:
         y = x.sum(dim=1, keepdim=True)
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         for param in model.parameters():  # data parallelism by hand: average the gradients
             assert param.grad is not None
             dist.all_reduce(param.grad)
