@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
+from agent import launchenv
 from agent.gpu.api import GpuEvent, GpuHealth
 from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
@@ -36,6 +37,7 @@ from agent.link import LinkClient
 from agent.marker import FailureMarker
 from agent.metrics import AgentMetrics
 from agent.prefork import Prefork, with_torchrun_threads
+from agent.progress import LogProgress, Progress
 from agent.ranks import RankServer
 from agent.reconciler import Outcome, TaskReconciler
 from agent.settings import AgentSettings
@@ -43,7 +45,7 @@ from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
-from unicron.kernel import parentdeath, patterns, protocol
+from unicron.kernel import parentdeath, patterns, protocol, severity
 from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.inject import Fault, Injection
@@ -151,6 +153,9 @@ class Agent:
             hang_factor=settings.hang_factor, warmup_iterations=settings.warmup_iterations
         )
         self.hang_watcher = HangWatcher(self._on_finding)
+        self.progress_regex = settings.progress_regex
+        self._progress_lock = threading.Lock()
+        self._progress: dict[tuple[str, int], LogProgress] = {}  # (task, rank) -> its log-line feeder
         self.backend = open_backend(settings.gpu_backend, simulated_gpus=settings.gpus)
         self.gpu_monitor = GpuMonitor(self.backend, on_event=self._on_gpu_event, on_health=self._on_gpu_health,
                                       health_interval_s=settings.health_interval_s)
@@ -387,13 +392,36 @@ class Agent:
 
     def forget_rank(self, task: str, rank: int) -> None:
         self.hang_watcher.remove((task, rank))
+        with self._progress_lock:
+            self._progress.pop((task, rank), None)
 
     def mark_failed(self, store: StoreAddress, rank: int) -> None:
         self.marker.mark(store.host, store.port, rank)
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
-        self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, line, task=task, rank=rank,
-                    gpu=self._gpu_of(task, rank), source_ts=ts)
+        self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, line, task=task,
+                    rank=rank, gpu=self._gpu_of(task, rank), source_ts=ts)
+
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float) -> None:
+        rec = self._task(task)
+        if rec is None or not rec.has_rank(rank):
+            return
+        if phase is not None:
+            # Megatron prints its checkpoint lines on rank 0 and progress on the last rank: the phase
+            # holds for every rank of the task on this node.
+            for spec in rec.latest.ranks:
+                if (mon := self._monitor(rec, spec.rank)) is not None:
+                    mon.phase(phase, ts)
+            return
+        mon = self._monitor(rec, rank)
+        if progress is None or mon is None:
+            return
+        with self._progress_lock:
+            tracker = self._progress.get((task, rank))
+            if tracker is None or tracker.monitor is not mon:  # a relaunched rank has a new monitor
+                tracker = self._progress[(task, rank)] = LogProgress(mon)
+        tracker.feed(progress, ts)
+        rec.record_step(rank, progress.iteration)
 
     def rank_launched(self, task: str, rank: int, restart: bool) -> None:
         self.metrics.rank_launches.labels(task).inc()
@@ -438,7 +466,7 @@ class Agent:
         mon = self._monitor(rec, rank)
         if isinstance(msg, protocol.ExceptionReport):
             kind = self._exception_kind(msg)
-            self.report(DetectionMethod.EXCEPTION_PROPAGATION, kind, msg.message, task=task, rank=rank,
+            self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, msg.message, task=task, rank=rank,
                         gpu=self._gpu_of(task, rank), step=msg.step, source_ts=msg.ts, handled=not msg.fatal)
             if not msg.fatal and mon is not None:
                 mon.reset()  # the rank is regrouping: this iteration's pause is recovery, not a hang
@@ -591,16 +619,8 @@ class Agent:
         return rec.stop(reason)
 
     def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
-        env = with_torchrun_threads(os.environ)
-        env.update(a.env)
-        env.update({
-            "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank), "WORLD_SIZE": str(a.world_size),
-            "LOCAL_WORLD_SIZE": str(len(a.ranks)), "MASTER_ADDR": store.host, "MASTER_PORT": str(store.port),
-            protocol.ENV_SOCKET: self.socket_path, "UNICRON_TASK": a.task, "UNICRON_GENERATION": str(a.generation),
-            "UNICRON_NODE": self.node, "CUDA_VISIBLE_DEVICES": str(spec.gpu),
-        })
-        if self.backend.name == "simulated":
-            env.pop("CUDA_VISIBLE_DEVICES")
+        env = launchenv.rank_env(with_torchrun_threads(os.environ), a, spec, store, node=self.node,
+                                 socket_path=self.socket_path, set_cuda=self.backend.name != "simulated")
         peers = self._replica_peers()
         if peers:
             env["UNICRON_CKPT_PEERS"] = ",".join(peers)

@@ -35,11 +35,12 @@ from typing import Protocol
 
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
+from agent.progress import ENV_PROGRESS_REGEX, LineParser, Progress, compile_regex
 from agent.sidecar import StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, Supervisor
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
-from unicron.kernel.errors import StoreClosed, StoreUnavailable, UnicronError
+from unicron.kernel.errors import ConfigError, StoreClosed, StoreUnavailable, UnicronError
 from unicron.kernel.types import (
     DetectionMethod,
     ErrorKind,
@@ -83,6 +84,8 @@ class TaskHost(Protocol):
 
     node: str
     advertise_host: str
+    #: the agent's default progress regex for uninstrumented jobs ("" = Megatron-LM's lines only)
+    progress_regex: str
 
     def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]: ...
 
@@ -103,6 +106,9 @@ class TaskHost(Protocol):
         """The rank's process is gone: stop judging its iteration timings."""
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None: ...
+
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float) -> None:
+        """A progress (or checkpoint phase) line in the rank's output (:mod:`agent.progress`)."""
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool: ...
 
@@ -160,10 +166,21 @@ class TaskReconciler:
         self.steps: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
         self.monitors: dict[int, IterationMonitor] = {}
-        self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork)
+        self.parser = self._line_parser(assignment)
+        self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
+                                     on_line=self._on_line)
         self.started = self._submit(_Command(assignment, "assigned", Outcome(self.task)))
         self._thread = threading.Thread(target=self._run, name=f"reconcile-{self.task}", daemon=True)
         self._thread.start()
+
+    def _line_parser(self, a: TaskAssignment) -> LineParser:
+        """Megatron-LM's lines, plus the task's own regex (its env) or else the agent's."""
+        pattern = a.env.get(ENV_PROGRESS_REGEX) or self.host.progress_regex
+        try:
+            return LineParser(compile_regex(pattern) if pattern else None)
+        except ConfigError as exc:
+            log.error("progress regex ignored; only Megatron-LM's lines are parsed", task=a.task, error=str(exc))
+            return LineParser()
 
     # --- requests (any thread; never block) -------------------------------------------------------
 
@@ -450,3 +467,9 @@ class TaskReconciler:
 
     def _on_stderr_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.host.stderr_matched(self.task, rank, kind, line, ts)
+
+    def _on_line(self, rank: int, line: str, ts: float) -> None:
+        progress = self.parser.progress(line)
+        phase = None if progress is not None else self.parser.phase(line)
+        if progress is not None or phase is not None:
+            self.host.rank_progress(self.task, rank, progress, phase, ts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from agent.progress import compile_regex
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
 
@@ -46,6 +47,10 @@ class AgentSettings:
                            "modules a warm spawner imports once to fork ranks from (comma-separated; empty: off)")
     """Ranks started as ``<agent's python> -m MODULE`` for these modules are forked, already imported
     (milliseconds instead of seconds for torch + Megatron); costs one idle process holding the imports."""
+    progress_regex: str = setting("", "UNICRON_PROGRESS_REGEX",
+                                  "regex of an uninstrumented job's progress lines, with a (?P<iteration>...) group "
+                                  "and optionally (?P<elapsed_ms>...) or (?P<elapsed_s>...); a task's env overrides it")
+    """Megatron-LM's ``iteration N/ M | ... elapsed time per iteration (ms): X`` lines are always parsed."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
     """Calls that exceed it count as etcd being unavailable and are retried."""
     metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)")
@@ -62,6 +67,8 @@ class AgentSettings:
             raise ConfigError("--gpu-backend / UNICRON_GPU_BACKEND must be auto, nvml or simulated")
         if self.lease_ttl_s < 1:
             raise ConfigError("--lease-ttl-s / UNICRON_LEASE_TTL must be >= 1")
+        if self.progress_regex:
+            compile_regex(self.progress_regex)
         if self.heartbeat_s <= 0:
             raise ConfigError("--heartbeat-s / UNICRON_HEARTBEAT must be > 0")
         if not 0 <= self.metrics_port <= 65535:

@@ -6,7 +6,10 @@ Each rank runs as a child process in its own process group. Per child:
   poll loop) and calls ``on_exit`` with a :class:`RankExit` saying whether the agent asked for it;
 * a **stderr reader thread** forwards every line (rank-prefixed) to the agent's stderr or a sink and
   calls ``on_stderr_match`` when :func:`unicron.kernel.patterns.match` recognises a Table 1 status (at most
-  once per kind per ``match_interval_s``, so a rank spewing the same error does not flood reports).
+  once per kind per ``match_interval_s``, so a rank spewing the same error does not flood reports);
+* with ``on_line``, every line of stdout and stderr is also handed to it (progress lines of
+  uninstrumented jobs, :mod:`agent.progress`): stdout then goes through a pipe and a **stdout reader
+  thread** that appends it to the rank's log file, instead of straight to the file.
 
 Ranks die with the agent: each child is started with ``PR_SET_PDEATHSIG = SIGKILL``. An agent killed
 by SIGKILL (or OOM) runs no clean-up code; without this its ranks would stay alive as orphans,
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import IO
 
 from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
 from unicron.kernel import log as ulog
@@ -89,6 +93,8 @@ ExitCallback = Callable[[RankExit], None]
 MatchCallback = Callable[[int, ErrorKind, str, float], None]
 #: stderr_sink(rank, line): where forwarded stderr lines go
 StderrSink = Callable[[int, str], None]
+#: on_line(rank, line, ts): every output line of a rank, stdout and stderr
+LineCallback = Callable[[int, str, float], None]
 
 
 def _stderr_writer() -> StderrSink:
@@ -127,6 +133,8 @@ class RankProcess:
         self.last_kind: ErrorKind | None = None
         self.last_report: dict[ErrorKind, float] = {}
         self.reader: threading.Thread | None = None
+        self.stdout: IO[bytes] | None = None  # read end of the stdout pipe (with ``on_line``)
+        self.stdout_file: str | None = None  # where the stdout reader appends
         self.waiter: threading.Thread | None = None
 
     def status(self) -> ProcStatus:
@@ -149,8 +157,10 @@ class Supervisor:
         stderr_grace_s: float = 0.01,
         pdeathsig: bool = True,
         prefork: Prefork | None = None,
+        on_line: LineCallback | None = None,
     ) -> None:
         self._on_exit = on_exit
+        self._on_line = on_line
         self._on_match = on_stderr_match
         self._sink = stderr_sink or _stderr_writer()
         self._match_interval = match_interval_s
@@ -193,6 +203,9 @@ class Supervisor:
             target=self._wait, args=(proc,), name=f"rank-{rank}-waiter", daemon=True
         )
         proc.reader.start()
+        if proc.stdout is not None:
+            threading.Thread(target=self._read_stdout, args=(proc,), name=f"rank-{rank}-stdout",
+                             daemon=True).start()
         proc.waiter.start()
         how = "forked by the spawner" if isinstance(proc.popen, PreforkedProcess) else "new process"
         log.info("rank started", rank=rank, pid=proc.pid, how=how, argv=" ".join(argv))
@@ -206,22 +219,34 @@ class Supervisor:
         cwd: str | None,
         stdout_path: str | None,
     ) -> RankProcess:
+        pipe_read: IO[bytes] | None = None
         try:
             with contextlib.ExitStack() as stack:
-                out = stack.enter_context(open(stdout_path, "ab")) if stdout_path else None
+                if self._on_line is not None and stdout_path:
+                    # stdout through a pipe: its reader parses each line, then appends it to the file
+                    r, w = os.pipe()
+                    pipe_read = os.fdopen(r, "rb")
+                    out_fd: int | None = stack.enter_context(os.fdopen(w, "wb")).fileno()
+                else:
+                    out_fd = stack.enter_context(open(stdout_path, "ab")).fileno() if stdout_path else None
+                popen: subprocess.Popen[bytes] | PreforkedProcess | None = None
                 if self._prefork is not None and self._prefork.eligible(argv, env):
                     try:
-                        forked = self._prefork.spawn(argv, env, cwd, out.fileno() if out else None)
-                        return RankProcess(rank, forked)
+                        popen = self._prefork.spawn(argv, env, cwd, out_fd)
                     except PreforkUnavailable as exc:
                         log.info("rank starts as a new process", rank=rank, reason=str(exc))
-                popen = subprocess.Popen(
-                    argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
-                    process_group=0, preexec_fn=self._preexec, close_fds=True,
-                )
+                if popen is None:
+                    popen = subprocess.Popen(
+                        argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out_fd, stderr=subprocess.PIPE,
+                        process_group=0, preexec_fn=self._preexec, close_fds=True,
+                    )
         except (OSError, subprocess.SubprocessError) as exc:  # no such file, not executable, exec failed
+            if pipe_read is not None:
+                pipe_read.close()
             raise PermanentError(f"rank {rank}: cannot start {argv[0]!r}: {exc}") from exc
-        return RankProcess(rank, popen)
+        proc = RankProcess(rank, popen)
+        proc.stdout, proc.stdout_file = pipe_read, stdout_path
+        return proc
 
     # --- per-child threads -----------------------------------------------------------------------
 
@@ -238,7 +263,28 @@ class Supervisor:
             kind = patterns.match(line)
             if kind is not None:
                 self._matched(proc, kind, line, ts)
+            self._line(proc, line, ts)
         stream.close()
+
+    def _read_stdout(self, proc: RankProcess) -> None:
+        stream, path = proc.stdout, proc.stdout_file
+        assert stream is not None and path is not None
+        with stream, open(path, "ab", buffering=0) as out:
+            for raw in iter(lambda: stream.readline(65536), b""):
+                ts = time.time()
+                try:
+                    out.write(raw)
+                except OSError as exc:  # a full disk must not stop the parsing (nor the rank)
+                    log.warning("rank stdout not logged", rank=proc.rank, error=str(exc))
+                self._line(proc, raw.decode("utf-8", errors="replace").rstrip("\r\n"), ts)
+
+    def _line(self, proc: RankProcess, line: str, ts: float) -> None:
+        if self._on_line is None:
+            return
+        try:
+            self._on_line(proc.rank, line, ts)
+        except Exception:
+            log.exception("on_line callback failed", rank=proc.rank)
 
     def _matched(self, proc: RankProcess, kind: ErrorKind, line: str, ts: float) -> None:
         proc.last_kind = kind

@@ -174,7 +174,8 @@ class Coordinator:
             WafAllocator(settings.gpu_type),
         )
         self.state = self.core.initial_state()
-        self.executor = Executor(self.keys, self._spec, self._node_gpus)
+        self.executor = Executor(self.keys, self._spec, self._node_gpus,
+                                 max_restarts=self.core.settings.max_restarts_without_progress)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: grpc.Server | None = None

@@ -24,10 +24,11 @@ from unicron.kernel.types import NodeAssignment, RankSpec, TaskAssignment
 
 class Executor:
     def __init__(self, keys: Keyspace, specs: Callable[[str], TaskSpec | None],
-                 node_gpus: Callable[[str], int]) -> None:
+                 node_gpus: Callable[[str], int], max_restarts: int = 0) -> None:
         self.keys = keys
         self.specs = specs
         self.node_gpus = node_gpus
+        self.max_restarts = max_restarts  # only passed on to ranks (TORCHELASTIC_MAX_RESTARTS)
         self.desired: dict[str, dict[str, TaskAssignment]] = {}
         self.revision = 0
 
@@ -98,12 +99,15 @@ class Executor:
             return changed
         # The rendezvous store is the agent's sidecar, never rank 0 (which may die).
         store_node = min(placement, key=lambda n: placement[n][0])
+        # torchrun numbers nodes (GROUP_RANK) so that lower ranks sit on lower-numbered nodes.
+        nodes = sorted(placement, key=lambda n: placement[n][0])
         for node, ranks in sorted(placement.items()):
             specs = [RankSpec(rank=r, local_rank=i, gpu=free[node][i]) for i, r in enumerate(ranks)]
             self.desired.setdefault(node, {})[action.task] = TaskAssignment(
                 task=action.task, generation=action.generation, argv=list(spec.command),
                 env={**spec.env, "UNICRON_EXTERNAL_STORE": "1"},
                 world_size=action.world_size, ranks=specs, store_node=store_node,
+                group_rank=nodes.index(node), group_world_size=len(nodes), max_restarts=self.max_restarts,
             )
             changed.add(node)
         return changed

@@ -65,3 +65,10 @@ def test_an_unregistered_node_has_no_gpus() -> None:
     ex = Executor(Keyspace("/x"), lambda task: SPEC, lambda node: 0)
     with pytest.raises(PermanentError, match="0 free GPU"):
         ex.apply(assign("t", {"ghost": (0,)}))
+
+
+def test_group_rank_numbers_nodes_by_their_lowest_rank_as_torchrun_does() -> None:
+    ex = Executor(Keyspace("/x"), lambda task: SPEC, lambda node: 2, max_restarts=4)
+    ex.apply(assign("t", {"a": (4, 5), "b": (0, 1), "c": (2, 3)}))
+    got = {n: (t["t"].group_rank, t["t"].group_world_size, t["t"].max_restarts) for n, t in ex.desired.items()}
+    assert got == {"b": (0, 3, 4), "c": (1, 3, 4), "a": (2, 3, 4)}

@@ -31,3 +31,32 @@ def test_known_error_text(text: str, kind: K) -> None:
 def test_unknown_text_is_other_software_error_and_never_raises(text: str) -> None:
     assert match(text) is None
     assert classify_text(text) is K.OTHER_SOFTWARE_ERROR
+
+
+# As torch's ProcessGroupNCCL watchdog and the kernel/NIC drivers print them.
+NCCL_TIMEOUTS = [
+    "[rank3]:[E801 07:19:37.123456789 ProcessGroupNCCL.cpp:632] [Rank 3] Watchdog caught collective operation "
+    "timeout: WorkNCCL(SeqNum=1841, OpType=ALLREDUCE, NumelIn=1048576, NumelOut=1048576, Timeout(ms)=600000) "
+    "ran for 600042 milliseconds before timing out.",
+    "[rank0]:[E801 07:19:38.000 ProcessGroupNCCL.cpp:1664] [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group "
+    "watchdog thread terminated with exception: [Rank 0] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum=5, OpType=BROADCAST, NumelIn=1, NumelOut=1, Timeout(ms)=1800000) ran for 1800095 milliseconds",
+    "torch.distributed.DistBackendError: NCCL communicator was aborted on rank 1. Original reason for failure "
+    "was: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLGATHER)",
+]
+LINK_FLAPS = [
+    "mlx5_core 0000:5e:00.0 ib0: Link down",
+    "NCCL WARN NET/IB : ib0:1 Got async event : port state change",
+    "ixgbe 0000:03:00.0 eth2: NIC Link is Down",
+    "bnxt_en 0000:3b:00.0 ens1f0: link flap detected",
+]
+
+
+@pytest.mark.parametrize("text", NCCL_TIMEOUTS)
+def test_nccl_watchdog_timeouts(text: str) -> None:
+    assert match(text) is K.NCCL_TIMEOUT
+
+
+@pytest.mark.parametrize("text", LINK_FLAPS)
+def test_link_flapping(text: str) -> None:
+    assert match(text) is K.LINK_FLAPPING

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unicron.kernel.severity import FALLBACK_SEVERITY, TABLE1, severity_of
+from unicron.kernel.severity import FALLBACK_SEVERITY, TABLE1, method_of, severity_of
 from unicron.kernel.types import DetectionMethod, ErrorKind, Severity
 
 M = DetectionMethod
@@ -54,3 +54,18 @@ def test_unlisted_pairs_fall_back_to_other_software_errors_and_never_raise() -> 
             if (method, kind) in listed or kind is K.DEGRADATION:
                 continue
             assert severity_of(method, kind) is FALLBACK_SEVERITY is S.SEV2, (method, kind)
+
+
+@pytest.mark.parametrize("kind", [K.NCCL_TIMEOUT, K.LINK_FLAPPING])
+@pytest.mark.parametrize("observed", [M.EXCEPTION_PROPAGATION, M.STATISTICAL_MONITORING])
+def test_nccl_timeouts_and_link_flapping_are_sev3_however_they_arrive(kind: ErrorKind, observed: DetectionMethod) -> None:
+    # Before: a stderr line or an exception report carried EXCEPTION_PROPAGATION and fell back to sev2.
+    assert severity_of(observed, kind) is (S.SEV3 if observed is M.STATISTICAL_MONITORING else S.SEV2)
+    assert method_of(observed, kind) is M.STATISTICAL_MONITORING
+    assert severity_of(method_of(observed, kind), kind) is S.SEV3
+
+
+@pytest.mark.parametrize("kind", [k for k in K if k not in (K.NCCL_TIMEOUT, K.LINK_FLAPPING, K.TASK_HANG)])
+def test_other_kinds_keep_the_method_they_were_observed_by(kind: ErrorKind) -> None:
+    for method in M:
+        assert method_of(method, kind) is method

@@ -205,7 +205,7 @@ class LocalCluster:
             ranks = [RankSpec(rank=i * ranks_per_node + j, local_rank=j, gpu=j) for j in range(ranks_per_node)]
             ta = TaskAssignment(task=task, generation=generation, argv=argv,
                                 env={**(env or {}), "UNICRON_EXTERNAL_STORE": "1"}, world_size=world,
-                                ranks=ranks, store_node=nodes[0])
+                                ranks=ranks, store_node=nodes[0], group_rank=i, group_world_size=len(nodes))
             self._revision += 1
             na = NodeAssignment(node=node, revision=self._revision, tasks=[ta])
             self.store.put(self.keys.assignment(node), na.to_json())

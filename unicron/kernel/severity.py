@@ -48,3 +48,21 @@ def severity_of(method: DetectionMethod, kind: ErrorKind) -> Severity | None:
     if found is not None:
         return found
     return TABLE1.get((method, ErrorKind.OTHER_SOFTWARE_ERROR), FALLBACK_SEVERITY)
+
+
+#: Kinds that Table 1 lists under statistical monitoring only: NCCL timeouts, link flapping, hangs.
+TIMEOUT_KINDS: frozenset[ErrorKind] = frozenset(
+    k for (m, k) in TABLE1 if m is _M.STATISTICAL_MONITORING and k is not _K.OTHER_SOFTWARE_ERROR
+)
+
+
+def method_of(observed: DetectionMethod, kind: ErrorKind) -> DetectionMethod:
+    """The detection method a report of ``kind`` carries, given how the agent ``observed`` it.
+
+    Table 1 files NCCL timeouts and link flapping under statistical monitoring (sev3): they are
+    timeouts, found by a watchdog timer (NCCL's, or the link's), and only *arrive* as a line in a
+    rank's stderr, an exception report, or a kernel log line. Read that way they must keep the
+    table's severity; under "exception propagation" they would fall back to sev2 (a restart where the
+    paper reattempts in place). Every other kind keeps the method it was observed by.
+    """
+    return _M.STATISTICAL_MONITORING if kind in TIMEOUT_KINDS else observed

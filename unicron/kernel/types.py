@@ -347,6 +347,13 @@ class TaskAssignment(Record):
     regroup_epoch: int = 0
     regroup_members: list[int] = field(default_factory=list)
     regroup_failed: list[int] = field(default_factory=list)
+    #: this node's index among the task's nodes (ordered by their lowest rank) and their number:
+    #: torchrun's GROUP_RANK / GROUP_WORLD_SIZE
+    group_rank: int = 0
+    group_world_size: int = 1
+    #: the restarts the task may take without progress before it is marked failed (the decision
+    #: core's budget): torchrun's TORCHELASTIC_MAX_RESTARTS
+    max_restarts: int = 0
 
     def rank_specs(self) -> list[RankSpec]:
         return list(self.ranks)

@@ -1,0 +1,123 @@
+"""Iteration progress read from a rank's output: hang and degradation detection for uninstrumented jobs.
+
+Megatron-LM's ``training_log`` (``megatron/training/training.py``) prints, every ``--log-interval``
+iterations, on the last rank::
+
+     [2025-08-01 07:19:37] iteration       10/     100 | consumed samples:  640 | elapsed time per iteration (ms): 1234.5 | ...
+
+(the bracketed timestamp only in newer versions). ``elapsed time per iteration`` is the mean over the
+iterations since the previous line, measured by Megatron's ``interval-time`` timer, which it pauses
+for evaluation and checkpoint saves. Any other job can name its own line with a regular expression
+(``UNICRON_PROGRESS_REGEX`` in the task's env or the agent's settings) whose named groups are
+``iteration`` (required) and optionally ``elapsed_ms`` or ``elapsed_s`` (time per iteration).
+
+The unit the monitor sees is one *logging interval*: a line closes the interval that the previous
+line opened, and its duration is ``(iterations since the previous line) x elapsed`` (or, with no
+elapsed group, the wall time between the lines). The hang rule then reads "no progress line for 3x
+the usual interval", which is the paper's 3 x D_iter when a job logs every iteration; the sustained
+1.1x degradation rule is unchanged. Megatron's ``saving checkpoint at iteration`` ...
+``successfully saved checkpoint`` lines bracket a non-training phase (Megatron pauses its timer for
+it, and so does the hang clock).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+from agent.iterations import IterationMonitor
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.protocol import PHASE_TRAIN
+
+#: Megatron-LM's training_log line (also ``==> iteration`` as some forks print it)
+MEGATRON_ITERATION = re.compile(
+    r"\biteration\s+(?P<iteration>\d+)\s*/\s*(?P<total>\d+)\s*\|"
+    r".*?elapsed time per iteration \(ms\):\s*(?P<elapsed_ms>\d+(?:\.\d*)?)"
+)
+#: Megatron-LM's save_checkpoint brackets (printed by rank 0)
+MEGATRON_SAVE_START = re.compile(r"\bsaving checkpoint at iteration\s+\d+")
+MEGATRON_SAVE_END = re.compile(r"\bsuccessfully saved checkpoint (from|at) iteration\s+\d+")
+PHASE_CHECKPOINT = "checkpoint"
+
+#: the variable (task env or agent setting) holding a job's own progress regex
+ENV_PROGRESS_REGEX = "UNICRON_PROGRESS_REGEX"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One progress line."""
+
+    iteration: int
+    """The last completed iteration."""
+    per_iteration_s: float | None
+    """The job's own mean time per iteration since its previous line, when it prints one."""
+
+
+def compile_regex(pattern: str) -> re.Pattern[str]:
+    """A job's progress regex; ConfigError unless it compiles and has an ``iteration`` group."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError(f"{ENV_PROGRESS_REGEX}: {pattern!r} is not a regular expression: {exc}") from exc
+    if "iteration" not in rx.groupindex:
+        raise ConfigError(f"{ENV_PROGRESS_REGEX}: {pattern!r} has no (?P<iteration>...) group")
+    return rx
+
+
+class LineParser:
+    """Recognises progress and checkpoint lines (Megatron-LM's, plus an optional custom regex)."""
+
+    def __init__(self, custom: re.Pattern[str] | None = None) -> None:
+        self.patterns = (custom, MEGATRON_ITERATION) if custom is not None else (MEGATRON_ITERATION,)
+
+    def progress(self, line: str) -> Progress | None:
+        if "iteration" not in line and len(self.patterns) == 1:
+            return None  # the cheap test first: most output lines are not progress lines
+        for rx in self.patterns:
+            m = rx.search(line)
+            if m is None:
+                continue
+            try:
+                iteration = int(m.group("iteration"))
+                groups = m.groupdict()
+                if groups.get("elapsed_ms") is not None:
+                    per = float(groups["elapsed_ms"]) / 1000.0
+                elif groups.get("elapsed_s") is not None:
+                    per = float(groups["elapsed_s"])
+                else:
+                    per = None
+            except (TypeError, ValueError):
+                continue  # a group matched something that is not a number: not a progress line
+            return Progress(iteration, per)
+        return None
+
+    @staticmethod
+    def phase(line: str) -> str | None:
+        """The phase a line begins (Megatron's checkpoint saves), or None."""
+        if "checkpoint" not in line:
+            return None
+        if MEGATRON_SAVE_END.search(line):
+            return PHASE_TRAIN
+        if MEGATRON_SAVE_START.search(line):
+            return PHASE_CHECKPOINT
+        return None
+
+
+class LogProgress:
+    """Turns one rank's progress lines into the inputs of its :class:`IterationMonitor`."""
+
+    def __init__(self, monitor: IterationMonitor) -> None:
+        self.monitor = monitor
+        self._lock = threading.Lock()  # stdout and stderr have a reader thread each
+        self._last: tuple[int, float] | None = None  # (iteration, ts) of the previous line
+
+    def feed(self, p: Progress, ts: float) -> None:
+        with self._lock:
+            last, self._last = self._last, (p.iteration, ts)
+            if last is not None and p.iteration > last[0]:
+                done = p.iteration - last[0]
+                duration = done * p.per_iteration_s if p.per_iteration_s is not None else ts - last[1]
+                self.monitor.iter_end(last[0], duration, ts)
+            # The next interval runs from now: the hang clock starts (a restarted count starts over).
+            self.monitor.iter_start(p.iteration, ts)

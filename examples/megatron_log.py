@@ -1,0 +1,34 @@
+"""A job that prints Megatron-LM's progress lines and nothing else Unicron could read: no AgentClient.
+
+``--hang-after N``: after N lines it stops printing and sleeps (a hang, as a stuck collective looks
+from outside). The agent parses the lines (``agent/progress.py``) and reports the hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--lines", type=int, default=20, help="progress lines to print")
+    p.add_argument("--log-interval", type=int, default=10, help="iterations per line (Megatron's --log-interval)")
+    p.add_argument("--iter-ms", type=float, default=20.0, help="milliseconds per iteration")
+    p.add_argument("--hang-after", type=int, default=0, help="stop after this many lines and sleep (0: never)")
+    args = p.parse_args()
+    total = args.lines * args.log_interval
+    for n in range(1, args.lines + 1):
+        if args.hang_after and n > args.hang_after:
+            time.sleep(3600)
+        time.sleep(args.log_interval * args.iter_ms / 1000.0)
+        it = n * args.log_interval
+        print(f" [2025-08-01 07:19:37] iteration {it:8d}/{total:8d} | consumed samples: {it * 64:12d} |"
+              f" elapsed time per iteration (ms): {args.iter_ms:.1f} | learning rate: 1.500000E-04 |"
+              f" global batch size:    64 | lm loss: 1.043863E+01 | loss scale: 1.0 | grad norm: 2.620 |"
+              f" number of skipped iterations:   0 | number of nan iterations:   0 |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

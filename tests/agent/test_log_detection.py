@@ -1,0 +1,89 @@
+"""Detection without instrumentation, with real etcd, a real agent and real rank processes: progress
+lines in a rank's output feed the hang detector; an NCCL watchdog timeout line is sev3."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as agent.main does: the agent forks ranks
+
+import dataclasses
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.daemon import Agent
+from tests.agent.test_agent import KEYS, assign, settings, status, task, wait_for
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel.etcd import Store
+from unicron.kernel.severity import severity_of
+from unicron.kernel.types import DetectionMethod, ErrorKind, Report, Severity
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGATRON_LOG = [sys.executable, str(ROOT / "examples" / "megatron_log.py")]
+
+
+@pytest.fixture
+def agent(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Agent]:
+    # Warm-up of one line, then the monitor's 5 samples: hangs are judged from the 7th line on.
+    a = Agent(dataclasses.replace(settings(etcd_server, "a0", tmp_path), warmup_iterations=1))
+    th = threading.Thread(target=a.run, daemon=True)
+    th.start()
+    try:
+        assert a.ready.wait(30)
+        yield a
+    finally:
+        a.stop()
+        th.join(30)
+
+
+def reports(store: Store) -> list[Report]:
+    kvs, _ = store.get_prefix(KEYS.reports())
+    return [Report.from_json(kv.value) for kv in kvs]
+
+
+def test_a_megatron_job_that_stops_printing_is_a_task_hang(agent: Agent, store: Store, tmp_path: Path) -> None:
+    # 12 lines, one per 10 iterations of 20 ms (an interval of 0.2 s), then silence: the hang
+    # threshold is 3 x 0.2 s after the line of iteration 120.
+    argv = [*MEGATRON_LOG, "--lines", "30", "--log-interval", "10", "--iter-ms", "20", "--hang-after", "12"]
+    assign(store, "a0", task("mega", argv, [0], 1, store_node="a0"))
+
+    def hang() -> Report | None:
+        return next((r for r in reports(store) if r.kind is ErrorKind.TASK_HANG and r.step == 120), None)
+
+    found = wait_for(hang, 30, "a task_hang report for the iteration after the last line")
+    assert (found.task, found.rank, found.method) == ("mega", 0, DetectionMethod.STATISTICAL_MONITORING)
+    assert severity_of(found.method, found.kind) is Severity.SEV2
+    assert "3.0 x mean iteration time 0.200 s" in found.message  # Megatron's own time per iteration x 10
+    st = status(store, "a0")
+    assert st is not None and [r.step for r in st.ranks] == [120]  # progress, as instrumented ranks report it
+    # stdout went through the parser and still reached the rank's log file.
+    lines = (tmp_path / "logs" / "mega" / "rank0.log").read_text().splitlines()
+    assert len(lines) == 12 and "iteration      120/     300" in lines[-1]
+
+
+def test_a_jobs_own_progress_regex_from_its_env(agent: Agent, store: Store) -> None:
+    code = "import time\nfor i in range(1, 6):\n    print(f'epoch 0 batch {i*7} done', flush=True); time.sleep(0.05)\n"
+    t = dataclasses.replace(task("own", [sys.executable, "-c", code], [0], 1, store_node="a0"),
+                            env={"UNICRON_PROGRESS_REGEX": r"^epoch \d+ batch (?P<iteration>\d+) done$"})
+    assign(store, "a0", t)
+
+    def step() -> int | None:
+        st = status(store, "a0")
+        return next((r.step for r in st.ranks if r.task == "own" and r.step == 35), None) if st else None
+
+    assert wait_for(step, 30, "the custom regex's last iteration in the node status") == 35
+
+
+def test_an_nccl_watchdog_timeout_in_stderr_is_sev3(agent: Agent, store: Store) -> None:
+    line = ("[rank0]:[E801 07:19:37.123 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation "
+            "timeout: WorkNCCL(SeqNum=1841, OpType=ALLREDUCE, NumelIn=1048576, Timeout(ms)=600000) ran for 600042 "
+            "milliseconds before timing out.")
+    code = f"import sys, time\nprint({line!r}, file=sys.stderr, flush=True)\ntime.sleep(30)\n"
+    assign(store, "a0", task("nccl", [sys.executable, "-c", code], [0], 1, store_node="a0"))
+    found = wait_for(lambda: next((r for r in reports(store) if r.task == "nccl"), None), 30, "the stderr report")
+    assert (found.kind, found.method) == (ErrorKind.NCCL_TIMEOUT, DetectionMethod.STATISTICAL_MONITORING)
+    assert severity_of(found.method, found.kind) is Severity.SEV3  # Table 1; it was sev2 before

@@ -1,0 +1,116 @@
+"""Progress lines of uninstrumented jobs (Megatron-LM's, or a job's own regex) -> the iteration monitor."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.iterations import IterationMonitor, IterationSettings
+from agent.progress import LineParser, LogProgress, Progress, compile_regex
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.protocol import PHASE_TRAIN
+from unicron.kernel.types import ErrorKind
+
+# As Megatron-LM's training_log prints them: the classic format, the newer one with a timestamp,
+# and the "==>" variant of some forks.
+MEGATRON = [
+    (" iteration       10/     100 | consumed samples:          640 | elapsed time per iteration (ms): 1234.5 |"
+     " learning rate: 1.500E-04 | global batch size:    64 | lm loss: 1.043863E+01 | loss scale: 1.0 |"
+     " number of skipped iterations:   0 | number of nan iterations:   0 |", Progress(10, 1.2345)),
+    (" [2025-08-01 07:19:50] iteration        2/    5000 | consumed samples:          256 | elapsed time per"
+     " iteration (ms): 12936.1 | throughput per GPU (TFLOP/s/GPU): 118.7 | learning rate: 1.395349E-07 |",
+     Progress(2, 12.9361)),
+    ("==> iteration      300/    1000 | consumed samples:        19200 | consumed tokens:     39321600 |"
+     " elapsed time per iteration (ms): 87.0 | learning rate: 3.000E-04 |", Progress(300, 0.087)),
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), MEGATRON)
+def test_megatron_progress_lines(line: str, expected: Progress) -> None:
+    got = LineParser().progress(line)
+    assert got is not None
+    assert got.iteration == expected.iteration
+    assert got.per_iteration_s == pytest.approx(expected.per_iteration_s)
+
+
+@pytest.mark.parametrize("line", [
+    " validation loss at iteration 100 | lm loss value: 1.012345E+01 | lm loss PPL: 2.4E+04 |",
+    " saving checkpoint at iteration     100 to /ckpt in torch format",
+    "[Rank 0] (after 10 iterations) memory (MB) | allocated: 9334.4 | max allocated: 12680.6",
+    "iteration 7",  # no total, no time: not Megatron's line
+    "",
+])
+def test_other_lines_are_not_progress(line: str) -> None:
+    assert LineParser().progress(line) is None
+
+
+def test_checkpoint_lines_bracket_a_phase() -> None:
+    p = LineParser()
+    assert p.phase(" saving checkpoint at iteration     100 to /ckpt in torch format") == "checkpoint"
+    assert p.phase("  successfully saved checkpoint from iteration     100 to /ckpt [ t 1/1, p 1/1 ]") == PHASE_TRAIN
+    assert p.phase(" loading checkpoint from /ckpt at iteration 100") is None
+
+
+def test_custom_regex_with_and_without_elapsed_time() -> None:
+    timed = LineParser(compile_regex(r"step (?P<iteration>\d+) took (?P<elapsed_s>[\d.]+)s"))
+    assert timed.progress("INFO step 42 took 0.25s loss=1.0") == Progress(42, 0.25)
+    # Megatron's lines still count next to a custom regex.
+    assert timed.progress(MEGATRON[0][0]) == Progress(10, pytest.approx(1.2345))  # type: ignore[arg-type]
+    bare = LineParser(compile_regex(r"^epoch \d+ batch (?P<iteration>\d+)$"))
+    assert bare.progress("epoch 1 batch 17") == Progress(17, None)
+    assert bare.progress("epoch 1 batch x17") is None
+
+
+@pytest.mark.parametrize("pattern", [r"step (\d+)", r"step (?P<iteration>\d+", ""])
+def test_bad_custom_regex_is_a_config_error(pattern: str) -> None:
+    with pytest.raises(ConfigError):
+        compile_regex(pattern)
+
+
+def feeder() -> tuple[IterationMonitor, LogProgress]:
+    mon = IterationMonitor(IterationSettings(warmup_iterations=1, min_samples=3))
+    return mon, LogProgress(mon)
+
+
+def test_lines_become_logging_intervals_and_a_silence_becomes_a_hang() -> None:
+    mon, feed = feeder()
+    # A line every 10 iterations of 0.1 s: each interval lasts 1 s.
+    t = 0.0
+    for n in range(1, 7):
+        feed.feed(Progress(10 * n, 0.1), t)
+        t += 1.0
+    last = t - 1.0
+    assert mon.baseline() == pytest.approx(1.0)  # the interval, from Megatron's own time per iteration
+    assert mon.deadline() == pytest.approx(last + 3.0)
+    assert mon.check(last + 2.9) == []
+    (hang,) = mon.check(last + 3.0)
+    assert (hang.kind, hang.step) == (ErrorKind.TASK_HANG, 60)
+
+
+def test_without_elapsed_time_the_wall_time_between_lines_is_the_interval() -> None:
+    mon, feed = feeder()
+    for n, t in enumerate([0.0, 0.5, 1.0, 1.5, 2.0, 2.5]):
+        feed.feed(Progress(n, None), t)
+    assert mon.baseline() == pytest.approx(0.5)
+
+
+def test_a_sustained_slowdown_in_the_lines_is_a_degradation() -> None:
+    mon = IterationMonitor(IterationSettings(warmup_iterations=1, min_samples=3, window=5, baseline_window=50))
+    feed = LogProgress(mon)
+    t, it = 0.0, 0
+    per_iteration = [0.1] * 30 + [0.13] * 10  # Megatron reports 30 % slower iterations
+    for per in per_iteration:
+        it += 10
+        feed.feed(Progress(it, per), t)
+        t += 10 * per
+    found = [f.kind for f in mon.check(t)]
+    assert ErrorKind.DEGRADATION in found
+
+
+def test_a_checkpoint_save_pauses_the_hang_clock() -> None:
+    mon, feed = feeder()
+    for n in range(1, 7):
+        feed.feed(Progress(10 * n, 0.1), float(n - 1))
+    mon.phase("checkpoint", 5.5)
+    assert mon.deadline() is None  # a 30-second save is not a hang
+    mon.phase(PHASE_TRAIN, 40.0)
+    assert mon.deadline() == pytest.approx(43.0)
