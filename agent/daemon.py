@@ -577,6 +577,7 @@ class Agent:
                 generation=rec.applied.generation, restart_epoch=rec.applied.restart_epoch,
                 regroup_epoch=rec.applied.regroup_epoch,
                 ranks={str(r): st.state for r, st in rec.processes().items()},
+                cannot_start=rec.cannot_start(),
             )
             for rec in recs
         }

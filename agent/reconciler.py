@@ -160,6 +160,7 @@ class TaskReconciler:
         self.applied = assignment
         self._ranks = {s.rank: RankState.INIT for s in assignment.ranks}
         self._launch_error = ""
+        self._cannot_start = ""  # why the task's command could not be executed here: the task's fault
         self._store: StoreAddress | None = None
         self._sidecar: StoreSidecar | None = None
         self._published_revision = 0
@@ -256,6 +257,11 @@ class TaskReconciler:
             return
         with self._lock:
             self._published_revision = revision
+
+    def cannot_start(self) -> str:
+        """Why the task's command could not be executed on this node ("" if it could)."""
+        with self._lock:
+            return self._cannot_start
 
     def processes(self) -> dict[int, ProcStatus]:
         return self.supervisor.status()
@@ -385,6 +391,7 @@ class TaskReconciler:
             log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
             with self._lock:
                 self._ranks[spec.rank] = RankState.FAILED
+                self._cannot_start = str(exc)
             return str(exc)
         self.host.rank_launched(a.task, spec.rank, restart)
         with self._lock:

@@ -113,9 +113,10 @@ def outcomes(
     """The action outcomes one node's reconcile result shows.
 
     A failed reconcile fails the outstanding action of each task of the node that it left without its
-    ranks running at the action's coordinates. The result does not say whether the node or the task's
-    command is at fault, so the failure names no node: the core's restart budget ends a task that
-    cannot start anywhere, without isolating healthy nodes. An assignment succeeds once every node of
+    ranks running at the action's coordinates. Where the agent says the task's command could not be
+    executed (``TaskResult.cannot_start``), the failure is the task's (``FailureCause.TASK``: it fails
+    at once with the reason, no node blamed); otherwise the failure names no node and the core's
+    restart budget ends a task that cannot run anywhere, without isolating healthy nodes. An assignment succeeds once every node of
     its placement runs its ranks at the new generation (``latest``: each node's newest result,
     ``result`` included). Restarts and reattempts are confirmed by progress, not here: a relaunched
     process that runs is not yet a recovered task.
@@ -128,7 +129,9 @@ def outcomes(
         tr = result.tasks.get(name)
         here = entry.ranks_on(result.node)
         if not result.ok and _applied(tr, entry, o.kind) and not _running(tr, here):
-            out.append(d.ActionFailed(ts=ts, action_id=o.action_id,
+            # A command the OS refused to execute is the task's fault; anything else may be the node's.
+            cause = d.FailureCause.TASK if tr is not None and tr.cannot_start else d.FailureCause.NODE
+            out.append(d.ActionFailed(ts=ts, action_id=o.action_id, cause=cause,
                                       reason=f"node {result.node}: {result.detail}"))
             continue
         if o.kind is not d.ActionKind.ASSIGN:

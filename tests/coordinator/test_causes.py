@@ -74,8 +74,9 @@ def status(node: str, ranks: list[RankStatus]) -> NodeStatus:
 
 
 def result(node: str, ok: bool, generation: int, ranks: dict[str, str], restart_epoch: int = 0,
-           detail: str = "applied") -> AssignmentResult:
-    tasks = {"t": TaskResult(generation=generation, restart_epoch=restart_epoch, regroup_epoch=0, ranks=ranks)}
+           detail: str = "applied", cannot_start: str = "") -> AssignmentResult:
+    tasks = {"t": TaskResult(generation=generation, restart_epoch=restart_epoch, regroup_epoch=0, ranks=ranks,
+                             cannot_start=cannot_start)}
     return AssignmentResult(node=node, revision=1, ok=ok, detail=detail, tasks=tasks, ts=0.0)
 
 
@@ -129,6 +130,7 @@ def test_a_failed_reconcile_fails_the_assignment_without_naming_the_node() -> No
     assert isinstance(failed, d.ActionFailed)
     assert failed.action_id == entry.outstanding.action_id and failed.node is None
     assert "cannot start" in failed.reason
+    assert failed.cause is d.FailureCause.NODE  # the result does not say whose fault it is
     # an older generation's failure says nothing about this assignment
     old = result("n0", ok=False, generation=entry.generation - 1, ranks={})
     assert causes.outcomes(old, {"n0": old}, state, ts=3.0) == []
@@ -194,3 +196,20 @@ def test_an_isolated_node_does_not_rejoin_by_registering_again() -> None:
     state, _ = CORE.handle(state, d.IncidentRaised(ts=4.0, incident=causes.incident(report, 4.0)))
     assert state.nodes["n0"].status is d.NodeState.ISOLATED
     assert causes.rejoin("n0", 1, state, ts=5.0) is None  # issue #19 item 8
+
+
+def test_a_command_the_os_refused_to_execute_is_the_tasks_fault() -> None:
+    """The agent says its exec failed: the task fails at once (task_error), no node is blamed, and the
+    task is not re-placed on every node in turn until the restart budget runs out (which took four
+    placements, each starting a store sidecar, ~20 s on the 2-core CI machine)."""
+    state, _ = running_task()
+    entry = state.tasks["t"]
+    why = "rank 0: cannot start '/nonexistent': [Errno 2] No such file or directory"
+    bad = result("n0", ok=False, generation=entry.generation, ranks={}, detail=f"PermanentError: {why}",
+                 cannot_start=why)
+    [failed] = causes.outcomes(bad, {"n0": bad}, state, ts=3.0)
+    assert isinstance(failed, d.ActionFailed) and failed.cause is d.FailureCause.TASK
+    state, actions = CORE.handle(state, failed)
+    assert state.tasks["t"].phase is d.TaskPhase.FAILED
+    assert "cannot start" in state.tasks["t"].reason
+    assert not [a for a in actions if isinstance(a, d.IsolateNode)]

@@ -379,6 +379,8 @@ class TaskResult(Record):
     restart_epoch: int
     regroup_epoch: int
     ranks: dict[str, str]  # rank (JSON keys are strings) -> "running" | "exited" | "stopped"
+    cannot_start: str = ""
+    """Why the task's command could not be executed (no such file, not executable): its own fault."""
 
 
 @dataclass(frozen=True)
