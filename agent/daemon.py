@@ -189,6 +189,9 @@ class Agent:
         if self.settings.replica_budget_mb > 0:
             self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
                                           self.settings.replica_budget_mb << 20).start()
+        # Served before registering: a node the coordinator sees is one an operator can scrape.
+        self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
+                                              self.settings.metrics_port, f"unicron-agent {self.node}")
         try:
             self._register()
         except NodeNameTaken as exc:
@@ -196,12 +199,12 @@ class Agent:
             print(f"unicron-agent: {exc}", file=sys.stderr, flush=True)
             if self.replicas is not None:
                 self.replicas.stop()
+            if self._metrics_server is not None:
+                self._metrics_server.stop()
             store.close()
             return 2
         self.publisher = ReportPublisher(store, self.keys, self.stop_event,
                                          on_retry=lambda: self.metrics.etcd.retry("report"))
-        self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
-                                              self.settings.metrics_port, f"unicron-agent {self.node}")
         self.rank_server = RankServer(self.socket_path, self._on_rank_message).start()
         self.marker.start()
         if self.prefork is not None:
