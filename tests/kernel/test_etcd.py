@@ -158,7 +158,7 @@ def test_client_reaches_a_restarted_etcd_within_a_second_or_two(etcd_server: Etc
     """Issue #19 item 5 (a guard, not its regression test): a client that keeps calling through an
     outage reaches etcd again within about a second of it being ready. Timed from the moment etcd
     answers another, fresh client. This loop reconnects fast with or without the gRPC reconnect-backoff
-    cap in ``Store`` (tried); the agents did not: ``tests/agent/measure_etcd_reconnect.py`` measured
+    cap in ``Store`` (tried); the agents did not: ``bench/reconnect.py`` measured
     their first write after a 15 s outage at up to 7.3 s without the cap and 0.79 s with it."""
     s = Store(etcd_server.endpoint, timeout_s=0.5)
     s.put("/x", "1")

@@ -27,6 +27,7 @@ What this module adds on top of the client:
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,6 +42,10 @@ from unicron.kernel import log as ulog
 from unicron.kernel.errors import LeaseLost, StoreClosed, StoreRejected, StoreUnavailable, UnicronError
 
 log = ulog.get(__name__)
+
+#: "1" keeps gRPC's default reconnect backoff (1 s, x1.6 per failure, up to 120 s) instead of ours:
+#: the baseline of ``bench/reconnect.py``, never a production setting.
+GRPC_DEFAULT_BACKOFF_ENV = "UNICRON_ETCD_GRPC_DEFAULT_BACKOFF"
 
 # gRPC codes under which the same request can succeed later: etcd down, restarting, electing a
 # leader, or shedding load. pyetcd converts UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL to its own
@@ -143,6 +148,8 @@ class Store:
         backoff_ms = max(100, int(retry_s * 1000))
         opts = [("grpc.initial_reconnect_backoff_ms", backoff_ms), ("grpc.min_reconnect_backoff_ms", backoff_ms),
                 ("grpc.max_reconnect_backoff_ms", 2 * backoff_ms)]
+        if os.environ.get(GRPC_DEFAULT_BACKOFF_ENV) == "1":
+            opts = []  # gRPC's own backoff: only bench/reconnect.py's baseline sets this
         eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=retry_s, opts=opts) for h, p in self.endpoints]
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
         self._closed = False
