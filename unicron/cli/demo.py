@@ -46,16 +46,6 @@ def _progress(c: LocalCluster, task: str) -> tuple[int, int]:
     return max(int(r.get("generation") or 0) for r in ranks), min(int(s) for s in steps)  # type: ignore[arg-type]
 
 
-def _node_state(c: LocalCluster, node: str) -> str | None:
-    """The node's state in the coordinator's decision record (up, drained, isolated, lost)."""
-    assert c.store is not None
-    kv = c.store.get(c.keys.state())
-    if kv is None:
-        return None
-    nodes = json.loads(kv.value).get("nodes", {})
-    return str(nodes[node]["status"]) if node in nodes else None
-
-
 def _wait_progress(c: LocalCluster, task: str, after_step: int, after_gen: int, timeout_s: float) -> float:
     """Wait until the task completes an iteration past ``after_step`` (or any, at a newer generation)."""
     t0 = time.time()
@@ -164,7 +154,7 @@ def run_demo(quick: bool = False) -> int:
         c.start_agent(lost[0])
         c.wait_registered(lost[0])
         cli(["undrain", lost[0]])
-        c.wait_for(lambda: _node_state(c, lost[0]) == "up", timeout, f"node {lost[0]} to be up", poll_s=0.2)
+        c.wait_for(lambda: c.node_state(lost[0]) == "up", timeout, f"node {lost[0]} to be up", poll_s=0.2)
         for name in ("alpha", "beta"):
             gen, step = _progress(c, name)
             _wait_progress(c, name, step, gen, timeout)

@@ -90,7 +90,18 @@ class LocalCluster:
         for node in self.node_names():
             self.start_agent(node)
         self.wait_for(lambda: len(self.registered_nodes()) == self.n_agents, timeout_s, "agents to register")
+        # Registered in etcd is not yet joined in the coordinator's decision: a task submitted in
+        # between is measured against part of the cluster (and refused as larger than it).
+        self.wait_for(lambda: all(self.node_state(n) == "up" for n in self.node_names()), timeout_s,
+                      "the coordinator to count every node")
         return self
+
+    def node_state(self, node: str) -> str | None:
+        """The node's state in the coordinator's decision record (up, drained, isolated, lost)."""
+        assert self.store is not None
+        kv = self.store.get(self.keys.state())
+        nodes = json.loads(kv.value).get("nodes", {}) if kv is not None else {}
+        return str(nodes[node]["status"]) if node in nodes else None
 
     def _metrics_args(self, who: str) -> list[str]:
         if not self.metrics:
