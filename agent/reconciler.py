@@ -57,6 +57,13 @@ log = ulog.get(__name__)
 STOP_GRACE_S = 2.0
 #: how long a restart waits for a SIGKILLed rank to be reaped before giving up on it
 RESTART_WAIT_S = 10.0
+#: ``TaskAssignment.recovery`` of a task whose every rank is relaunched together
+RECOVERY_RESTART = "restart"
+
+
+def _store_epoch(a: TaskAssignment) -> int:
+    """The restart epoch whose store ``a``'s ranks use: each attempt's own for a ``restart`` task."""
+    return a.restart_epoch if a.recovery == RECOVERY_RESTART else 0
 
 
 class RankState(enum.StrEnum):
@@ -200,7 +207,8 @@ class TaskReconciler:
         if addr is None or addr.task != self.task or addr.generation != self.latest.generation:
             return
         with self._wake:
-            if self._store is None:
+            # a whole-task restart's fresh store (higher restart epoch) replaces the previous attempt's
+            if self._store is None or addr.restart_epoch > self._store.restart_epoch:
                 self._store = addr
                 self._wake.notify_all()
 
@@ -343,7 +351,7 @@ class TaskReconciler:
     def _host_store(self, a: TaskAssignment) -> StoreAddress | None:
         sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
-                            port=sidecar.port)
+                            port=sidecar.port, restart_epoch=_store_epoch(a))
         with self._lock:
             self._sidecar, self._store = sidecar, addr
         backoff = 0.05
@@ -367,7 +375,9 @@ class TaskReconciler:
         with self._wake:
             if self._store is None:
                 log.info("waiting for the task's store", task=a.task, generation=a.generation, store_node=a.store_node)
-            self._wake.wait_for(lambda: self._store is not None or self._stop_pending())
+            epoch = _store_epoch(a)
+            self._wake.wait_for(
+                lambda: (self._store is not None and self._store.restart_epoch >= epoch) or self._stop_pending())
             return self._store if not self._stop_pending() else None
 
     def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, restart: bool = False) -> str:
@@ -397,7 +407,9 @@ class TaskReconciler:
             applied, store = self.applied, self._store
         specs = {s.rank: s for s in a.ranks}
         errors: list[str] = []
-        if a.restart_epoch > applied.restart_epoch and store is not None:
+        if a.restart_epoch > applied.restart_epoch and a.recovery == RECOVERY_RESTART:
+            errors += self._restart_all(a, specs)
+        elif a.restart_epoch > applied.restart_epoch and store is not None:
             restart = [r for r in a.restart_ranks if r in specs]
             with self._lock:
                 for r in restart:
@@ -419,6 +431,47 @@ class TaskReconciler:
         with self._lock:
             self.applied = a
         return (False, "; ".join(errors)) if errors else (True, "applied")
+
+    def _restart_all(self, a: TaskAssignment, specs: dict[int, RankSpec]) -> list[str]:
+        """A ``recovery: "restart"`` task's new attempt: stop every named rank (SIGTERM, grace, SIGKILL),
+        give the attempt a fresh store, wait out the backoff, then relaunch them all."""
+        ranks = [r for r in a.restart_ranks if r in specs]
+        with self._lock:
+            for r in ranks:
+                self._ranks[r] = RankState.RESTARTING
+        running = self.supervisor.status()
+        for r in ranks:
+            if r in running:
+                self.supervisor.kill(r, signal.SIGTERM, grace_s=STOP_GRACE_S)
+        errors = [f"rank {r} did not exit within {STOP_GRACE_S + RESTART_WAIT_S:.0f} s of SIGTERM"
+                  for r in ranks if r in running
+                  and self.supervisor.wait(r, timeout_s=STOP_GRACE_S + RESTART_WAIT_S) is None]
+        if errors:
+            return errors
+        store = self._fresh_store(a)
+        if store is None:
+            return []  # stopped meanwhile
+        with self._wake:
+            self._wake.wait_for(self._stop_pending, a.restart_delay_s)
+            if self._stop_pending():
+                return []
+        for r in ranks:
+            if err := self._launch(a, specs[r], store, restart=True):
+                errors.append(err)
+        log.info("task restarted", task=a.task, ranks=ranks, restart_epoch=a.restart_epoch,
+                 delay_s=a.restart_delay_s, store=f"{store.host}:{store.port}")
+        return errors
+
+    def _fresh_store(self, a: TaskAssignment) -> StoreAddress | None:
+        """The store of attempt ``a.restart_epoch``: the hosting node replaces its sidecar, the others
+        wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
+        with self._lock:
+            old = self._sidecar
+            self._sidecar = None
+        if old is None:
+            return self._await_store(a)
+        old.stop()
+        return self._host_store(a)
 
     def _do_stop(self, reason: str) -> None:
         with self._lock:
