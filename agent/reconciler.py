@@ -2,7 +2,10 @@
 
 The agent keeps one :class:`TaskReconciler` per task assigned to the node. A new generation gets a
 new reconciler (the old one is stopped; the new one launches only once the old one's processes are
-gone); a new restart or regroup epoch of the same generation is applied by the existing one.
+gone); a new restart or regroup epoch of the same generation is applied by the existing one. For a
+``recovery: "restart"`` task a new restart epoch is a new attempt of the whole task: every named rank
+is stopped (SIGTERM, grace, SIGKILL), the store-hosting node starts a fresh store sidecar for the
+attempt (the others wait for its address at that epoch), the backoff passes, and all are relaunched.
 
 Rank lifecycle (modelled on torch elastic's ``WorkerState``)::
 
