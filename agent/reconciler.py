@@ -172,6 +172,9 @@ class TaskReconciler:
         self._launch_error = ""
         self._store: StoreAddress | None = None
         self._sidecar: StoreSidecar | None = None
+        #: a ``restart`` task's next attempt's store, started ahead (a sidecar takes seconds to start:
+        #: it imports torch), so a whole-task restart does not wait for one
+        self._spare: StoreSidecar | None = None
         self._published_revision = 0
         self.steps: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
@@ -351,8 +354,11 @@ class TaskReconciler:
                  store=f"{store.host}:{store.port}")
         return True, "started"
 
-    def _host_store(self, a: TaskAssignment) -> StoreAddress | None:
-        sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
+    def _host_store(self, a: TaskAssignment, sidecar: StoreSidecar | None = None) -> StoreAddress | None:
+        if sidecar is None:
+            sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
+        if a.recovery == RECOVERY_RESTART:
+            self._start_spare(a.task)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
                             port=sidecar.port, restart_epoch=_store_epoch(a))
         with self._lock:
@@ -469,12 +475,33 @@ class TaskReconciler:
         """The store of attempt ``a.restart_epoch``: the hosting node replaces its sidecar, the others
         wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
         with self._lock:
-            old = self._sidecar
-            self._sidecar = None
+            old, spare = self._sidecar, self._spare
+            self._sidecar = self._spare = None
         if old is None:
             return self._await_store(a)
         old.stop()
-        return self._host_store(a)
+        return self._host_store(a, spare)
+
+    def _start_spare(self, task: str) -> None:
+        """Start the next attempt's store now; called on this reconciler's (long-lived) thread, which
+        the sidecar's PDEATHSIG follows. Its start is awaited on a thread of its own."""
+        try:
+            started = StoreSidecar.spawn(self.host.advertise_host)
+        except OSError as exc:  # the restart will start its own
+            log.warning("spare store sidecar did not start", task=task, error=str(exc))
+            return
+
+        def await_ready() -> None:
+            if started.ready(task):
+                return  # not listening (stopped): the restart will start its own
+            spare: StoreSidecar | None = started
+            with self._lock:
+                if not self._stop_requested and self._spare is None:
+                    self._spare, spare = spare, None
+            if spare is not None:  # stopped meanwhile, or one is ready already
+                spare.stop()
+
+        threading.Thread(target=await_ready, name=f"spare-store-{task}", daemon=True).start()
 
     def _do_stop(self, reason: str) -> None:
         with self._lock:
@@ -482,7 +509,9 @@ class TaskReconciler:
                 if st in (RankState.INIT, RankState.HEALTHY, RankState.RESTARTING):
                     self._ranks[r] = RankState.STOPPING
             sidecar, store, revision = self._sidecar, self._store, self._published_revision
-            self._sidecar = None
+            spare, self._sidecar, self._spare = self._spare, None, None
+        if spare is not None:
+            spare.stop()
         self.supervisor.close(grace_s=STOP_GRACE_S)
         if sidecar is not None:
             sidecar.stop()

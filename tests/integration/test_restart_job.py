@@ -22,7 +22,7 @@ from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 16
+STEPS = 12
 START = re.compile(r"^start rank (\d+) pid (\d+) restart_count (\d+) resume_step (\d+)$")
 
 
