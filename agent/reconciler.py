@@ -2,7 +2,10 @@
 
 The agent keeps one :class:`TaskReconciler` per task assigned to the node. A new generation gets a
 new reconciler (the old one is stopped; the new one launches only once the old one's processes are
-gone); a new restart or regroup epoch of the same generation is applied by the existing one.
+gone); a new restart or regroup epoch of the same generation is applied by the existing one. For a
+``recovery: "restart"`` task a new restart epoch is a new attempt of the whole task: every named rank
+is stopped (SIGTERM, grace, SIGKILL), the store-hosting node starts a fresh store sidecar for the
+attempt (the others wait for its address at that epoch), the backoff passes, and all are relaunched.
 
 Rank lifecycle (modelled on torch elastic's ``WorkerState``)::
 
@@ -57,6 +60,13 @@ log = ulog.get(__name__)
 STOP_GRACE_S = 2.0
 #: how long a restart waits for a SIGKILLed rank to be reaped before giving up on it
 RESTART_WAIT_S = 10.0
+#: ``TaskAssignment.recovery`` of a task whose every rank is relaunched together
+RECOVERY_RESTART = "restart"
+
+
+def _store_epoch(a: TaskAssignment) -> int:
+    """The restart epoch whose store ``a``'s ranks use: each attempt's own for a ``restart`` task."""
+    return a.restart_epoch if a.recovery == RECOVERY_RESTART else 0
 
 
 class RankState(enum.StrEnum):
@@ -163,6 +173,9 @@ class TaskReconciler:
         self._cannot_start = ""  # why the task's command could not be executed here: the task's fault
         self._store: StoreAddress | None = None
         self._sidecar: StoreSidecar | None = None
+        #: a ``restart`` task's next attempt's store, started ahead (a sidecar takes seconds to start:
+        #: it imports torch), so a whole-task restart does not wait for one
+        self._spare: StoreSidecar | None = None
         self._published_revision = 0
         self.steps: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
@@ -201,7 +214,8 @@ class TaskReconciler:
         if addr is None or addr.task != self.task or addr.generation != self.latest.generation:
             return
         with self._wake:
-            if self._store is None:
+            # a whole-task restart's fresh store (higher restart epoch) replaces the previous attempt's
+            if self._store is None or addr.restart_epoch > self._store.restart_epoch:
                 self._store = addr
                 self._wake.notify_all()
 
@@ -346,10 +360,13 @@ class TaskReconciler:
                  store=f"{store.host}:{store.port}")
         return True, "started"
 
-    def _host_store(self, a: TaskAssignment) -> StoreAddress | None:
-        sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
+    def _host_store(self, a: TaskAssignment, sidecar: StoreSidecar | None = None) -> StoreAddress | None:
+        if sidecar is None:
+            sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
+        if a.recovery == RECOVERY_RESTART:
+            self._start_spare(a.task)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
-                            port=sidecar.port)
+                            port=sidecar.port, restart_epoch=_store_epoch(a))
         with self._lock:
             self._sidecar, self._store = sidecar, addr
         backoff = 0.05
@@ -373,7 +390,9 @@ class TaskReconciler:
         with self._wake:
             if self._store is None:
                 log.info("waiting for the task's store", task=a.task, generation=a.generation, store_node=a.store_node)
-            self._wake.wait_for(lambda: self._store is not None or self._stop_pending())
+            epoch = _store_epoch(a)
+            self._wake.wait_for(
+                lambda: (self._store is not None and self._store.restart_epoch >= epoch) or self._stop_pending())
             return self._store if not self._stop_pending() else None
 
     def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, restart: bool = False) -> str:
@@ -404,7 +423,9 @@ class TaskReconciler:
             applied, store = self.applied, self._store
         specs = {s.rank: s for s in a.ranks}
         errors: list[str] = []
-        if a.restart_epoch > applied.restart_epoch and store is not None:
+        if a.restart_epoch > applied.restart_epoch and a.recovery == RECOVERY_RESTART:
+            errors += self._restart_all(a, specs)
+        elif a.restart_epoch > applied.restart_epoch and store is not None:
             restart = [r for r in a.restart_ranks if r in specs]
             with self._lock:
                 for r in restart:
@@ -427,13 +448,77 @@ class TaskReconciler:
             self.applied = a
         return (False, "; ".join(errors)) if errors else (True, "applied")
 
+    def _restart_all(self, a: TaskAssignment, specs: dict[int, RankSpec]) -> list[str]:
+        """A ``recovery: "restart"`` task's new attempt: stop every named rank (SIGTERM, grace, SIGKILL),
+        give the attempt a fresh store, wait out the backoff, then relaunch them all."""
+        ranks = [r for r in a.restart_ranks if r in specs]
+        with self._lock:
+            for r in ranks:
+                self._ranks[r] = RankState.RESTARTING
+        running = self.supervisor.status()
+        for r in ranks:
+            if r in running:
+                self.supervisor.kill(r, signal.SIGTERM, grace_s=STOP_GRACE_S)
+        errors = [f"rank {r} did not exit within {STOP_GRACE_S + RESTART_WAIT_S:.0f} s of SIGTERM"
+                  for r in ranks if r in running
+                  and self.supervisor.wait(r, timeout_s=STOP_GRACE_S + RESTART_WAIT_S) is None]
+        if errors:
+            return errors
+        store = self._fresh_store(a)
+        if store is None:
+            return []  # stopped meanwhile
+        with self._wake:
+            self._wake.wait_for(self._stop_pending, a.restart_delay_s)
+            if self._stop_pending():
+                return []
+        for r in ranks:
+            if err := self._launch(a, specs[r], store, restart=True):
+                errors.append(err)
+        log.info("task restarted", task=a.task, ranks=ranks, restart_epoch=a.restart_epoch,
+                 delay_s=a.restart_delay_s, store=f"{store.host}:{store.port}")
+        return errors
+
+    def _fresh_store(self, a: TaskAssignment) -> StoreAddress | None:
+        """The store of attempt ``a.restart_epoch``: the hosting node replaces its sidecar, the others
+        wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
+        with self._lock:
+            old, spare = self._sidecar, self._spare
+            self._sidecar = self._spare = None
+        if old is None:
+            return self._await_store(a)
+        old.stop()
+        return self._host_store(a, spare)
+
+    def _start_spare(self, task: str) -> None:
+        """Start the next attempt's store now; called on this reconciler's (long-lived) thread, which
+        the sidecar's PDEATHSIG follows. Its start is awaited on a thread of its own."""
+        try:
+            started = StoreSidecar.spawn(self.host.advertise_host)
+        except OSError as exc:  # the restart will start its own
+            log.warning("spare store sidecar did not start", task=task, error=str(exc))
+            return
+
+        def await_ready() -> None:
+            if started.ready(task):
+                return  # not listening (stopped): the restart will start its own
+            spare: StoreSidecar | None = started
+            with self._lock:
+                if not self._stop_requested and self._spare is None:
+                    self._spare, spare = spare, None
+            if spare is not None:  # stopped meanwhile, or one is ready already
+                spare.stop()
+
+        threading.Thread(target=await_ready, name=f"spare-store-{task}", daemon=True).start()
+
     def _do_stop(self, reason: str) -> None:
         with self._lock:
             for r, st in self._ranks.items():
                 if st in (RankState.INIT, RankState.HEALTHY, RankState.RESTARTING):
                     self._ranks[r] = RankState.STOPPING
             sidecar, store, revision = self._sidecar, self._store, self._published_revision
-            self._sidecar = None
+            spare, self._sidecar, self._spare = self._spare, None, None
+        if spare is not None:
+            spare.stop()
         self.supervisor.close(grace_s=STOP_GRACE_S)
         if sidecar is not None:
             sidecar.stop()

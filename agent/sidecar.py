@@ -41,19 +41,34 @@ class StoreSidecar:
         """Start a sidecar on a free port of ``host``; returns once it listens. Raises TemporaryError."""
         error = ""
         for _ in range(START_ATTEMPTS):
-            port = free_port(host)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "unicron.runtime.store", "--host", host, "--port", str(port)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
-                preexec_fn=parentdeath.preexec(signal.SIGKILL),
-            )
-            error = _await_listening(proc, timeout_s)
+            sidecar = cls.spawn(host)
+            error = sidecar.ready(task, timeout_s)
             if not error:
-                log.info("store sidecar listening", task=task, host=host, port=port, pid=proc.pid)
-                return cls(proc, host, port)
-            stop_process(proc, grace_s=1.0)
-            log.warning("store sidecar did not start", task=task, host=host, port=port, error=error)
+                return sidecar
         raise TemporaryError(f"task {task}: the store sidecar could not listen on {host}: {error}")
+
+    @classmethod
+    def spawn(cls, host: str) -> StoreSidecar:
+        """Start a sidecar process on a free port of ``host`` without waiting: :meth:`ready` may then
+        be awaited on any thread, but the calling thread must outlive the sidecar (PDEATHSIG follows
+        the thread that forked it)."""
+        port = free_port(host)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "unicron.runtime.store", "--host", host, "--port", str(port)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
+            preexec_fn=parentdeath.preexec(signal.SIGKILL),
+        )
+        return cls(proc, host, port)
+
+    def ready(self, task: str, timeout_s: float = START_TIMEOUT_S) -> str:
+        """"" once the sidecar listens; else why not, and it is stopped."""
+        error = _await_listening(self.proc, timeout_s)
+        if not error:
+            log.info("store sidecar listening", task=task, host=self.host, port=self.port, pid=self.proc.pid)
+            return ""
+        self.stop()
+        log.warning("store sidecar did not start", task=task, host=self.host, port=self.port, error=error)
+        return error
 
     def stop(self) -> None:
         stop_process(self.proc, grace_s=1.0)

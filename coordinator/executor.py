@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from coordinator import decision as d
-from coordinator.tasks import TaskSpec
+from coordinator.tasks import Recovery, TaskSpec
 from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeAssignment, RankSpec, TaskAssignment
@@ -52,6 +52,12 @@ class Executor:
             case d.RestartRanks():
                 return self._update(action.task, [action.node], restart_epoch=action.restart_epoch,
                                     restart_ranks=list(action.ranks))
+            case d.RestartTask():
+                changed = set()
+                for node, ranks in sorted(action.placement.items()):
+                    changed |= self._update(action.task, [node], restart_epoch=action.restart_epoch,
+                                            restart_ranks=list(ranks), restart_delay_s=float(action.delay_s))
+                return changed
             case d.Reattempt():
                 nodes = [n for n, tasks in self.desired.items() if action.task in tasks]
                 return self._update(action.task, nodes, regroup_epoch=action.regroup_epoch,
@@ -108,6 +114,7 @@ class Executor:
                 env={**spec.env, "UNICRON_EXTERNAL_STORE": "1"},
                 world_size=action.world_size, ranks=specs, store_node=store_node,
                 group_rank=nodes.index(node), group_world_size=len(nodes), max_restarts=self.max_restarts,
+                recovery=(spec.recovery or Recovery.INPROCESS).value,
             )
             changed.add(node)
         return changed

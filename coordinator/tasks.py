@@ -14,6 +14,7 @@ task that cannot start, and an oversize spec would be refused by etcd after the 
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import re
@@ -40,6 +41,31 @@ MAX_SPEC_DEPTH = 8
 #: becomes \u00XX), still under etcd's request limit.
 MAX_LAUNCH_BYTES = 128 * 1024
 _SHOWN = 60  # characters of a bad value quoted in an error message
+
+
+class Recovery(enum.StrEnum):
+    """How a task recovers from a rank's failure or hang (sev2 / sev3)."""
+
+    INPROCESS = "inprocess"
+    """The task runs on Unicron's runtime (``unicron train``, ``unicron.runtime``): reattempt in place,
+    relaunch of the failed ranks only, redistribution. Its ranks can take a relaunched peer back."""
+    RESTART = "restart"
+    """Any other job (a stock torchrun script): every rank is stopped and all are relaunched together,
+    with ``TORCHELASTIC_RESTART_COUNT`` one higher; the job resumes from its own checkpoint."""
+
+
+def default_recovery(command: tuple[str, ...]) -> Recovery:
+    """``inprocess`` for a command that runs Unicron's runtime, else ``restart``.
+
+    A stock script cannot take a relaunched peer back, so ``restart`` is the safe default; the runtime's
+    ranks (``unicron train`` or ``python -m unicron.runtime.*``) can, and keep their faster recovery
+    without every spec having to say so.
+    """
+    if any(a.startswith("unicron.runtime") for a in command):
+        return Recovery.INPROCESS
+    if len(command) > 1 and command[0].rsplit("/", 1)[-1] == "unicron" and command[1] == "train":
+        return Recovery.INPROCESS
+    return Recovery.RESTART
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,17 @@ class TaskSpec:
     """For the throughput model; ``None`` means throughput is taken as linear in GPUs."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables for every rank."""
+    recovery: Recovery | None = None
+    """How a rank's failure is recovered; ``None`` (not given) resolves to :func:`default_recovery`."""
+
+    def __post_init__(self) -> None:
+        if self.recovery is None:  # frozen: the resolved default is set once, here
+            object.__setattr__(self, "recovery", default_recovery(self.command))
+
+    @property
+    def restarts_whole(self) -> bool:
+        """Whether every rank is relaunched on a rank's failure (``recovery: "restart"``)."""
+        return self.recovery is Recovery.RESTART
 
     @property
     def unit(self) -> int:
@@ -113,6 +150,7 @@ class TaskSpec:
             "pp_size": self.pp_size,
             "model": None if self.model is None else self.model.to_dict(),
             "env": dict(self.env),
+            "recovery": None if self.recovery is None else self.recovery.value,
         }
 
     @classmethod
@@ -286,6 +324,18 @@ def parse_model(data: Any) -> ModelDescription:
     return model
 
 
+def _parse_recovery(value: Any, command: tuple[str, ...]) -> Recovery:
+    if value is None:
+        return default_recovery(command)
+    try:
+        return Recovery(value)
+    except ValueError:
+        raise InvalidRecord(
+            f"task.recovery: {_show(value)} is not one of {[r.value for r in Recovery]}; use \"restart\" for a "
+            "stock script (all ranks relaunched from its checkpoint), \"inprocess\" for Unicron's runtime"
+        ) from None
+
+
 def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | None = None) -> TaskSpec:
     """Validate one task from JSON. ``cluster_gpus``/``gpus_per_node`` (if known) bound its demands.
 
@@ -324,7 +374,8 @@ def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | No
     model = None if model_raw is None else parse_model(model_raw)
     env = _parse_env(data.get("env", {}))
     _check_launch_size(command, env)
-    spec = TaskSpec(name, command, weight, min_gpus, tp, pp, model, env)
+    recovery = _parse_recovery(data.get("recovery"), command)
+    spec = TaskSpec(name, command, weight, min_gpus, tp, pp, model, env, recovery)
     if model is not None and not spec.valid_count(min_gpus):
         raise InvalidRecord(
             f"task.min_gpus: with {min_gpus} GPUs the data-parallel size {min_gpus // unit} does not divide "

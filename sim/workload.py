@@ -37,8 +37,9 @@ def model_description(size: str, micro_batch: int) -> ModelDescription:
 
 def gpt3_task(name: str, size: str, weight: float) -> TaskSpec:
     tp, pp, mb = LAYOUTS[size]
+    # the simulated tasks are Unicron-runtime jobs (reattempt, single-rank restart), not stock scripts
     data = {"name": name, "command": ["train"], "weight": weight, "tp_size": tp, "pp_size": pp,
-            "min_gpus": tp * pp, "model": model_description(size, mb).to_dict()}
+            "min_gpus": tp * pp, "model": model_description(size, mb).to_dict(), "recovery": "inprocess"}
     return parse_task_spec(data, cluster_gpus=None, gpus_per_node=8)
 
 
@@ -123,7 +124,9 @@ def from_file(path: Path, n_nodes: int, gpus_per_node: int = 8) -> Workload:
         n_nodes, data = nodes, data.get("tasks")
     if not isinstance(data, list) or not data:
         raise InvalidRecord("workload.tasks: expected a non-empty list of task specs")
-    tasks = [parse_task_spec(t, n_nodes * gpus_per_node, gpus_per_node) for t in data]
+    # the simulator models Unicron's own recovery: a task says "restart" only if it means it
+    tasks = [parse_task_spec({"recovery": "inprocess", **t} if isinstance(t, dict) else t, n_nodes * gpus_per_node,
+                             gpus_per_node) for t in data]
     for t in tasks:
         if t.model is None:
             raise InvalidRecord(f"workload.tasks[{t.name}].model: missing; the simulator needs it for T(t, x)")

@@ -46,6 +46,7 @@ from coordinator.decision.actions import (
     MarkTaskFailed,
     Reattempt,
     RestartRanks,
+    RestartTask,
     StopTask,
 )
 from coordinator.decision.codec import from_dict, to_dict
@@ -108,6 +109,7 @@ __all__ = [
     "Reattempt",
     "Response",
     "RestartRanks",
+    "RestartTask",
     "StopTask",
     "TaskCancelled",
     "TaskEntry",

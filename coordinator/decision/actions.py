@@ -36,6 +36,22 @@ class RestartRanks:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RestartTask:
+    """sev2 / sev3 on a ``recovery: "restart"`` task: stop every rank of the task (SIGTERM, grace,
+    SIGKILL) and relaunch all of them where they are, as ``restart_epoch`` (their
+    ``TORCHELASTIC_RESTART_COUNT``, the same on every node), after ``delay_s`` (the backoff)."""
+
+    action_id: str
+    task: str
+    generation: int
+    restart_epoch: int
+    placement: Mapping[str, tuple[int, ...]]
+    """node -> the ranks there: all of the task's."""
+    delay_s: float
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class IsolateNode:
     """sev1 ③: take the node out of every plan until it is undrained or re-joins."""
 
@@ -88,7 +104,7 @@ class Alert:
     node: str | None = None
 
 
-Action = Reattempt | RestartRanks | IsolateNode | Assign | StopTask | MarkTaskFailed | Alert
+Action = Reattempt | RestartRanks | RestartTask | IsolateNode | Assign | StopTask | MarkTaskFailed | Alert
 
 
 class ActionKind(enum.StrEnum):

@@ -14,6 +14,7 @@ from coordinator.decision.actions import (
     MarkTaskFailed,
     Reattempt,
     RestartRanks,
+    RestartTask,
     StopTask,
 )
 from coordinator.decision.events import (
@@ -54,7 +55,8 @@ _EVENT_TYPES: dict[str, type[Any]] = {
     )
 }
 _ACTION_TYPES: dict[str, type[Any]] = {
-    c.__name__: c for c in (Reattempt, RestartRanks, IsolateNode, Assign, StopTask, MarkTaskFailed, Alert)
+    c.__name__: c
+    for c in (Reattempt, RestartRanks, RestartTask, IsolateNode, Assign, StopTask, MarkTaskFailed, Alert)
 }
 
 

@@ -21,6 +21,7 @@ from coordinator.decision.actions import (
     MarkTaskFailed,
     Reattempt,
     RestartRanks,
+    RestartTask,
     StopTask,
 )
 from coordinator.decision.events import (
@@ -131,6 +132,7 @@ class _Run:
             _R.MERGE: self._do_merge,
             _R.REATTEMPT: self._do_reattempt,
             _R.RESTART: self._do_restart,
+            _R.RESTART_ALL: self._do_restart_all,
             _R.RECONFIGURE: self._do_reconfigure,
             _R.ESCALATE: self._do_escalate,
             _R.REASSIGN: self._do_reassign,
@@ -281,6 +283,31 @@ class _Run:
         self.actions.append(action)
         self._track(entry, action.action_id, ActionKind.RESTART, node, [node])
 
+    def _do_restart_all(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        """Every rank of the task, on every node, stopped and relaunched as one new attempt."""
+        node = fault.node if fault.node in entry.placement else min(entry.placement)
+        self._count_restart(entry)
+        delay = self.settings.backoff_s(entry.restarts)
+        entry.fault_node = node
+        entry.recovery_step = entry.last_step
+        entry.restart_epoch += 1  # one counter for the task: the same TORCHELASTIC_RESTART_COUNT everywhere
+        entry.reason = fault.reason
+        entry.relaunching = {n: list(r) for n, r in sorted(entry.placement.items())}
+        action = RestartTask(
+            action_id=self._id(),
+            task=name,
+            generation=entry.generation,
+            restart_epoch=entry.restart_epoch,
+            placement={n: tuple(r) for n, r in sorted(entry.placement.items())},
+            delay_s=delay,
+            reason=fault.reason,
+        )
+        self.actions.append(action)
+        # ``node``: the one a failed restart escalates to (sev1) - where the fault was seen
+        self._track(entry, action.action_id, ActionKind.RESTART, node, list(entry.placement))
+        assert entry.outstanding is not None
+        entry.outstanding.deadline += delay  # the backoff is not the restart's time to be confirmed
+
     def _force_replan(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         entry.outstanding = None
         entry.reason = fault.reason
@@ -387,7 +414,9 @@ class _Run:
             on_node = entry.ranks_on(inc.node)
             ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
             trigger = SEVERITY_TRIGGER[inc.severity]
-            if trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
+            if entry.spec.restarts_whole:
+                trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it
+            elif trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
                 trigger = _T.PEER_DIED
             self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
 

@@ -18,6 +18,11 @@ class DecisionSettings:
     max_restarts_without_progress: int = 3
     """Restarts (and restart-driven reconfigurations) a task may take while its step does not advance;
     the next fault marks it failed instead of restarting it again."""
+    restart_backoff_s: float = 1.0
+    """A ``recovery: "restart"`` task's whole-task restarts without progress wait before relaunching:
+    none for the first, then this, doubling each time (torchrun relaunches at once, every time)."""
+    restart_backoff_max_s: float = 30.0
+    """The longest such wait."""
     reattempt_deadline_s: float = 30.0
     """Seconds for a reattempt to be confirmed before it counts as failed."""
     restart_deadline_s: float = 120.0
@@ -33,6 +38,12 @@ class DecisionSettings:
                     raise ConfigError(f"decision.{f.name}: expected an integer >= 0, got {value!r}")
             elif not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"decision.{f.name}: expected a number of seconds > 0, got {value!r}")
+
+    def backoff_s(self, restarts: int) -> float:
+        """The wait before the ``restarts``-th consecutive restart without progress (1 = the first)."""
+        if restarts <= 1:
+            return 0.0
+        return float(min(self.restart_backoff_s * 2 ** (restarts - 2), self.restart_backoff_max_s))
 
     def deadline_s(self, kind: ActionKind) -> float:
         return {

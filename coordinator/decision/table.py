@@ -18,6 +18,7 @@ class Trigger(enum.StrEnum):
     SEV3 = "sev3"  # a sev3 incident names one of the task's ranks / nodes
     SEV2 = "sev2"
     PEER_DIED = "peer_died"  # during a restart: a rank's process died that the restart does not relaunch
+    TASK_FAULT = "task_fault"  # a sev2 / sev3 incident on a task whose recovery is "restart" (all ranks)
     SEV1 = "sev1"  # a node the task has ranks on was isolated or lost
     ACTION_OK = "action_ok"  # the task's outstanding action was confirmed
     ACTION_FAILED = "action_failed"  # ... failed, or missed its deadline
@@ -35,6 +36,7 @@ class Response(enum.StrEnum):
     MERGE = "merge"  # nothing: the incident is a consequence of the recovery under way
     REATTEMPT = "reattempt"  # emit Reattempt
     RESTART = "restart"  # emit RestartRanks on the faulty node
+    RESTART_ALL = "restart_all"  # emit RestartTask: every rank of the task, on every node, relaunched
     RECONFIGURE = "reconfigure"  # the node is isolated already: re-plan with this task forced to move
     ESCALATE = "escalate"  # failed restart -> sev1: isolate the restart's node, re-plan
     REASSIGN = "reassign"  # failed assignment: isolate the node it failed on (if known), re-plan
@@ -62,6 +64,8 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RUNNING, _T.SEV3): (_P.REATTEMPTING, _R.REATTEMPT),  # ①
         (_P.RUNNING, _T.SEV2): (_P.RESTARTING, _R.RESTART),  # ②
         (_P.RUNNING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),  # ③
+        # recovery "restart": a stock job cannot take a relaunched peer back, so every rank goes
+        (_P.RUNNING, _T.TASK_FAULT): (_P.RESTARTING, _R.RESTART_ALL),
         (_P.RUNNING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # no reattempts allowed: sev2
         (_P.RUNNING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RUNNING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ④ join / ⑤ finish / ⑥ launch elsewhere
@@ -88,6 +92,8 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         # A dead process is no consequence a restart absorbs: widen the restart to relaunch it too
         # (issue #19 item 1: merged, the other node's rank 0 was never relaunched and the task hung).
         (_P.RESTARTING, _T.PEER_DIED): (_P.RESTARTING, _R.RESTART),
+        # every rank is relaunched already: the peers' crashes are the first failure's consequence
+        (_P.RESTARTING, _T.TASK_FAULT): (_P.RESTARTING, _R.MERGE),
         (_P.RESTARTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RESTARTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
         (_P.RESTARTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
@@ -101,6 +107,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         # reconfiguring
         (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.SEV2): (_P.RECONFIGURING, _R.MERGE),
+        (_P.RECONFIGURING, _T.TASK_FAULT): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
         (_P.RECONFIGURING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),
         (_P.RECONFIGURING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
@@ -120,6 +127,7 @@ BUDGETED: Mapping[Response, Trigger] = MappingProxyType(
     {
         _R.REATTEMPT: _T.REATTEMPTS_SPENT,
         _R.RESTART: _T.NO_PROGRESS,
+        _R.RESTART_ALL: _T.NO_PROGRESS,
         _R.ESCALATE: _T.NO_PROGRESS,
         _R.REASSIGN: _T.NO_PROGRESS,
     }

@@ -57,7 +57,9 @@ SEV1_KIND = (M.EXCEPTION_PROPAGATION, K.ECC_ERROR)
 
 
 def spec(name: str, **fields: Any) -> TaskSpec:
-    return parse_task_spec({"name": name, "command": ["python", "pretrain_gpt.py"], **fields}, None)
+    # Unicron-runtime semantics (reattempt, single-rank restart) unless a test asks for "restart"
+    return parse_task_spec({"name": name, "command": ["python", "pretrain_gpt.py"], "recovery": "inprocess", **fields},
+                           None)
 
 
 class Sim:

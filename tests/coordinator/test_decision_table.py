@@ -21,6 +21,7 @@ from coordinator.decision import (
     Reattempt,
     Response,
     RestartRanks,
+    RestartTask,
     StopTask,
     TaskCancelled,
     TaskFinished,
@@ -40,6 +41,7 @@ EMITS: dict[Response, set[type[Action]]] = {
     R.MERGE: set(),
     R.REATTEMPT: {Reattempt},
     R.RESTART: {RestartRanks},
+    R.RESTART_ALL: {RestartTask},
     R.RECONFIGURE: {Assign},
     R.ESCALATE: {IsolateNode, Assign},
     R.REASSIGN: {Assign},
@@ -65,15 +67,15 @@ def _settings(phase: TaskPhase, trigger: Trigger) -> DecisionSettings:
     return DecisionSettings()
 
 
-def _in_phase(phase: TaskPhase, settings: DecisionSettings) -> Sim:
+def _in_phase(phase: TaskPhase, settings: DecisionSettings, recovery: str = "inprocess") -> Sim:
     """Two 8-GPU nodes; ``job`` (8 GPUs minimum, spread over both) brought into ``phase`` by events."""
     sim = Sim(settings)
     sim.join("n1")
     sim.join("n2")
     if phase is P.PENDING:
-        sim.submit(JOB, min_gpus=24)
+        sim.submit(JOB, min_gpus=24, recovery=recovery)
         return sim
-    sim.submit(JOB, min_gpus=8)
+    sim.submit(JOB, min_gpus=8, recovery=recovery)
     if phase is P.RECONFIGURING:
         return sim
     sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
@@ -98,6 +100,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return lambda sim: sim.incident("n1", SEV2_KIND, task=JOB)
     if trigger is T.SEV1:
         return lambda sim: sim.incident("n1", SEV1_KIND)
+    if trigger is T.TASK_FAULT:  # a "restart" task's rank on n2 dies (a sev2 like any other)
+        return lambda sim: sim.incident("n2", SEV2_KIND, task=JOB, rank=sim.state.tasks[JOB].ranks_on("n2")[0])
     if trigger is T.PEER_DIED:  # the restart is on n1; a rank on n2 dies
         return lambda sim: sim.incident("n2", SEV2_KIND, task=JOB, rank=sim.state.tasks[JOB].ranks_on("n2")[0])
     if trigger is T.ACTION_OK:
@@ -142,7 +146,8 @@ def test_edge(edge: tuple[TaskPhase, Trigger], target: tuple[TaskPhase, Response
     phase, trigger = edge
     next_phase, response = target
     settings = _settings(phase, trigger)
-    sim = _in_phase(phase, settings)
+    # TASK_FAULT is what a sev2/sev3 is for a task with recovery "restart" (its restart is a RestartTask)
+    sim = _in_phase(phase, settings, "restart" if trigger is T.TASK_FAULT else "inprocess")
     actions = _drive(phase, trigger)(sim)
     mine = [t for t in sim.transitions if t.task == JOB]
     assert mine, f"no transition for {JOB}; actions {actions}"

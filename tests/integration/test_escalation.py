@@ -53,7 +53,8 @@ def test_crash_loop_escalates_then_stops(tmp_path: Path) -> None:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec = tmp_path / "crash.json"
-            spec.write_text(json.dumps({"name": "crash", "command": crasher(tmp_path), "min_gpus": 2}))
+            spec.write_text(json.dumps({"name": "crash", "command": crasher(tmp_path), "min_gpus": 2,
+                                        "recovery": "inprocess"}))
             assert cli(["submit", str(spec)]) == 0
             final = c.wait_for(lambda: (t := task("crash"))["phase"] in ("failed", "pending") and t, 150.0,
                                "the crash loop to end", poll_s=0.5)

@@ -89,7 +89,7 @@ def test_dashboard_queries_only_exported_metrics(cluster: LocalCluster) -> None:
 
 def test_killed_rank_restart_is_costed_and_counted(cluster: LocalCluster, tmp_path: Path) -> None:
     spec = tmp_path / "m1.json"
-    spec.write_text(json.dumps({"name": "m1", "command": STEPPER, "min_gpus": 1}))
+    spec.write_text(json.dumps({"name": "m1", "command": STEPPER, "min_gpus": 1, "recovery": "inprocess"}))
     assert cli(["submit", str(spec)]) == 0
     task = cluster.wait_for(
         lambda: next((t for t in cli_json("tasks") if t["name"] == "m1" and t["phase"] == "running"

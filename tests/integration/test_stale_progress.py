@@ -107,7 +107,7 @@ def recovered(c: LocalCluster, since: float) -> list[dict[str, Any]]:
 def test_only_the_relaunched_process_confirms_a_restart(cluster: LocalCluster, tmp_path: Path) -> None:
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"name": "job", "command": [sys.executable, "-c", RANK, str(tmp_path)],
-                                "min_gpus": 2}))
+                                "min_gpus": 2, "recovery": "inprocess"}))  # its ranks take a relaunched peer back
     assert cli(["submit", str(spec)]) == 0
 
     def stepping() -> bool:

@@ -281,6 +281,11 @@ class StoreAddress(Record):
     node: str
     host: str
     port: int
+    #: for a ``recovery: "restart"`` task, the restart epoch (attempt) the store serves: each whole-task
+    #: restart gets a fresh store, as torchrun's agent makes one per rendezvous round (torch 2.13's
+    #: env:// with the agent store adds no per-attempt prefix, so a reused store hands the relaunched
+    #: ranks the previous attempt's keys and their process group init hangs). 0 for other tasks.
+    restart_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -354,6 +359,11 @@ class TaskAssignment(Record):
     #: the restarts the task may take without progress before it is marked failed (the decision
     #: core's budget): torchrun's TORCHELASTIC_MAX_RESTARTS
     max_restarts: int = 0
+    #: ``inprocess`` (a restart epoch relaunches ``restart_ranks`` and they rejoin) or ``restart`` (a
+    #: restart epoch stops every rank named, gives the task a fresh store, then relaunches them all)
+    recovery: str = "inprocess"
+    #: a whole-task restart waits this long between stopping the ranks and relaunching them (backoff)
+    restart_delay_s: float = 0.0
 
     def rank_specs(self) -> list[RankSpec]:
         return list(self.ranks)

@@ -1,0 +1,94 @@
+"""A stock torchrun script under ``recovery: "restart"`` end to end: real etcd, a coordinator, two agents
+(one rank each) and ``examples/stock_gloo_ckpt.py`` (0.5 s steps: a 3 x D_iter hang threshold well above
+the time a rank takes to exit after its last step line), which knows nothing of Unicron and checkpoints
+every step. One rank is SIGKILLed mid-run: every rank of the task is stopped and relaunched (new pids
+on both nodes) with TORCHELASTIC_RESTART_COUNT 0 -> 1, the job resumes from its checkpoint (not step
+0) and finishes, and no node is isolated (the peer's crash is the restart's consequence, merged)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import sys
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+START = re.compile(r"^start rank (\d+) pid (\d+) restart_count (\d+) resume_step (\d+)$")
+
+
+def task(name: str) -> dict[str, Any]:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        cli(["tasks", "--json"])
+    return next(t for t in json.loads(buf.getvalue()) if t["name"] == name)
+
+
+def lines(c: LocalCluster, rank: int) -> list[str]:
+    path = Path(c.run_dir, "logs", "stock", f"rank{rank}.log")
+    return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+
+def starts(c: LocalCluster, rank: int) -> list[tuple[int, int, int]]:
+    """(pid, restart count, resume step) of each start of ``rank``, in order."""
+    return [(int(m[2]), int(m[3]), int(m[4])) for line in lines(c, rank) if (m := START.match(line))]
+
+
+def steps(c: LocalCluster, rank: int) -> list[int]:
+    return [int(line.split()[1]) for line in lines(c, rank) if line.startswith("step ")]
+
+
+def actions(c: LocalCluster) -> list[str]:
+    out = []
+    for line in Path(c.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
+        if '"event": "action"' in line:
+            out.append(str(json.loads(line)["action"]))
+    return out
+
+
+def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path) -> None:
+    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "30"}
+    with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env) as c:
+        os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+        try:
+            spec = tmp_path / "stock.json"
+            command = [sys.executable, str(ROOT / "examples" / "stock_gloo_ckpt.py"), "--steps", str(STEPS),
+                       "--step-time", "0.5", "--ckpt-dir", str(tmp_path / "ckpt")]
+            spec.write_text(json.dumps({
+                "name": "stock", "command": command, "min_gpus": 2, "recovery": "restart",
+                "env": {"UNICRON_PROGRESS_REGEX": r"^step (?P<iteration>\d+) "},
+            }))
+            assert cli(["submit", str(spec)]) == 0
+            c.wait_for(lambda: min(len(steps(c, 0)), len(steps(c, 1))) >= 3, 60.0, "three steps on both ranks",
+                       poll_s=0.1)
+            (victim, _, _), = starts(c, 1)
+            (survivor, _, _), = starts(c, 0)
+            os.kill(victim, signal.SIGKILL)
+            killed_at = max(steps(c, 1))
+            t0 = time.monotonic()
+            final = c.wait_for(lambda: (t := task("stock"))["phase"] in ("finished", "failed") and t, 60.0,
+                               "the job to finish", poll_s=0.2)
+            recovered_s = time.monotonic() - t0
+            assert final["phase"] == "finished", final
+            for rank, old in ((0, survivor), (1, victim)):
+                (pid0, count0, resume0), (pid1, count1, resume1) = starts(c, rank)  # exactly two starts
+                assert (pid0, count0, resume0) == (old, 0, 0)
+                assert pid1 != old and count1 == 1  # relaunched, as the next attempt
+                assert 0 < resume1 <= killed_at + 1, (resume1, killed_at)  # from its checkpoint, not step 0
+                assert steps(c, rank)[-1] == STEPS - 1 and lines(c, rank)[-1] == f"done rank {rank}"
+            acts = actions(c)
+            assert acts.count("RestartTask") == 1, acts  # one restart of the whole task, the peer's crash merged
+            assert "RestartRanks" not in acts and "IsolateNode" not in acts, acts
+            assert acts.count("Assign") == 1, acts  # the same placement: no reconfiguration
+            print(f"kill -> finished in {recovered_s:.1f} s")
+        finally:
+            os.environ.pop("UNICRON_ETCD", None)
