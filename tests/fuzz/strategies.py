@@ -81,11 +81,15 @@ def for_hint(hint: Any) -> st.SearchStrategy[Any]:
     raise TypeError(f"no strategy for {hint!r}")
 
 
+def _deferred(hint: Any) -> st.SearchStrategy[Any]:
+    """Built on first draw: records nest (NodeAssignment -> TaskAssignment -> RankSpec)."""
+    return st.deferred(lambda: for_hint(hint))
+
+
 def record(cls: type[Any]) -> st.SearchStrategy[Any]:
     """Valid instances of a Record dataclass, every field drawn from its type hint."""
     hints = typing.get_type_hints(cls)
-    kwargs = {f.name: OVERRIDES[(cls, f.name)] if (cls, f.name) in OVERRIDES
-              else st.deferred(lambda h=hints[f.name]: for_hint(h))
+    kwargs = {f.name: OVERRIDES[(cls, f.name)] if (cls, f.name) in OVERRIDES else _deferred(hints[f.name])
               for f in dataclasses.fields(cls)}
     return st.builds(cls, **kwargs)
 
