@@ -3,8 +3,8 @@
 The properties of ``tests/fuzz/harness.py`` (the CI tests run them with small counts), here with large
 ones. Pure targets: the rank <-> agent protocol, the agent link messages, task specs, every record a
 daemon reads from etcd, the decision core's state. Real servers: the agent's RankServer on a Unix
-socket, the coordinator's LinkServer on TCP, the gRPC API of a real coordinator on a real etcd (each
-then still answers a valid peer).
+socket, the coordinator's LinkServer on TCP, the gRPC API of a real coordinator on a real etcd, and the
+records that coordinator watches written into its etcd (each then still answers a valid peer).
 
 ``fuzz_cases`` counts the inputs the harness actually executed; ``fuzz_crashes`` counts exceptions
 outside InvalidRecord/PermanentError, rejections that are not one line naming the field, accepted
@@ -26,7 +26,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.fuzz.harness import PURE_TARGETS, Fuzz, run_api, run_link_server, run_pure, run_rank_server
+from tests.fuzz.harness import (
+    PURE_TARGETS,
+    Fuzz,
+    run_api,
+    run_coordinator_etcd,
+    run_link_server,
+    run_pure,
+    run_rank_server,
+)
 
 #: examples per target: (quick, full); the full run is >= 10,000 inputs in all
 COUNTS = {
@@ -34,6 +42,7 @@ COUNTS = {
     "rank_server": (300, 1500),
     "link_server": (300, 1500),
     "api_submit": (150, 800),
+    "coordinator_etcd": (150, 800),
 }
 
 
@@ -50,6 +59,7 @@ def main() -> None:
     run_rank_server(fuzz, COUNTS["rank_server"][pick])
     run_link_server(fuzz, COUNTS["link_server"][pick])
     run_api(fuzz, COUNTS["api_submit"][pick])
+    run_coordinator_etcd(fuzz, COUNTS["coordinator_etcd"][pick])
     result = {"bench": "fuzz", "quick": args.quick, **fuzz.summary(), "wall_s": round(time.monotonic() - start, 1)}
     print(json.dumps(result))
 

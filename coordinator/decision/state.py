@@ -121,13 +121,13 @@ class CoreState:
             nodes = _typed(data["nodes"], dict[str, dict[str, Any]], "nodes")
             tasks = _typed(data["tasks"], dict[str, dict[str, Any]], "tasks")
         for n, e in nodes.items():
-            with _where(f"nodes.{n}"):
+            with _where(_path("nodes", n)):
                 state.nodes[n] = NodeEntry(
-                    _typed(e["gpus"], int, f"nodes.{n}.gpus"), _member(NodeState, e["status"], f"nodes.{n}.status"),
-                    _typed(e["reason"], str, f"nodes.{n}.reason"),
+                    _typed(e["gpus"], int, _path("nodes", n, "gpus")), _member(NodeState, e["status"], _path("nodes", n, "status")),
+                    _typed(e["reason"], str, _path("nodes", n, "reason")),
                 )
         for t, e in tasks.items():
-            with _where(f"tasks.{t}"):
+            with _where(_path("tasks", t)):
                 state.tasks[t] = _task_from_dict(t, e)
         return state
 
@@ -165,6 +165,12 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
 E = TypeVar("E", bound=enum.Enum)
 
 
+def _path(*parts: str) -> str:
+    """Where in the state, for an error message: a node or task name that is not plain printable text
+    is quoted, so the message stays one line."""
+    return ".".join(p if p.isprintable() and "." not in p else repr(p) for p in parts)
+
+
 @contextlib.contextmanager
 def _where(where: str) -> Iterator[None]:
     """A missing key or an unknown field as InvalidRecord saying where in the state it is."""
@@ -195,15 +201,15 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw.setdefault("relaunching", {})  # absent in states written before it existed
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):
-        _typed(raw[key], hints[key], f"tasks.{name}.{key}")
+        _typed(raw[key], hints[key], _path("tasks", name, key))
     try:
         raw["spec"] = parse_task_spec(raw["spec"], None)
     except InvalidRecord as exc:  # its message names the spec's field; say whose spec it is
-        raise InvalidRecord(f"decision state: tasks.{name}.spec: {exc}") from exc
-    raw["phase"] = _member(TaskPhase, raw["phase"], f"tasks.{name}.phase")
+        raise InvalidRecord(f"decision state: {_path('tasks', name, 'spec')}: {exc}") from exc
+    raw["phase"] = _member(TaskPhase, raw["phase"], _path("tasks", name, "phase"))
     o = raw["outstanding"]
     if o is not None:
-        where = f"tasks.{name}.outstanding"
+        where = _path("tasks", name, "outstanding")
         raw["outstanding"] = Outstanding(
             _typed(o["action_id"], str, f"{where}.action_id"),
             _member(ActionKind, o["kind"], f"{where}.kind"),

@@ -565,3 +565,47 @@ def _valid_submit(stub: Any) -> bool:
     return True
 
 
+
+
+# --- records written into etcd under a real coordinator's watches ---------------------------------------
+
+#: what the coordinator watches, and the key a record of that type lives at
+_WATCHED: dict[type[Record], Callable[[Any, str], str]] = {
+    NodeInfo: lambda keys, node: keys.node(node),
+    Report: lambda keys, node: keys.report(node, "fuzz"),
+    NodeStatus: lambda keys, node: keys.status(node),
+    AssignmentResult: lambda keys, node: keys.result(node),
+}
+
+
+def run_coordinator_etcd(fuzz: Fuzz, examples: int) -> None:
+    """Fuzzed values of the records a coordinator watches, written to etcd under their real keys: the
+    coordinator skips or acts on them, and after each one still answers the API (its loop is alive)."""
+    from unicron.kernel.etcd import Store
+
+    with thread_crashes(fuzz, "coordinator_etcd"), real_coordinator() as (coordinator, address), \
+            grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=15.0)
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        store = Store(coordinator.settings.etcd)
+        try:
+            def one(example: tuple[type[Record], tuple[str, Any, str]], node: str) -> None:
+                cls, (kind, value, _) = example
+
+                def case() -> bool:
+                    store.put(_WATCHED[cls](coordinator.keys, node), _encode(kind, value))
+                    try:
+                        stub.ListNodes(pb.ListNodesRequest(), timeout=HANG_S)
+                    except grpc.RpcError as err:
+                        raise Violation(f"ListNodes answered {err.code().name}: {err.details()}") from None
+                    return True
+
+                fuzz.case("coordinator_etcd", case, (cls.__name__, example[1]))
+
+            strategy = st.sampled_from(list(_WATCHED)).flatmap(
+                lambda cls: st.tuples(st.just(cls), fs.inputs(fs.record(cls).map(lambda r: r.to_dict())))
+            )
+            run(lambda pair: one(*pair), st.tuples(strategy, st.sampled_from(["n1", "n2", "n3"])), examples)
+            fuzz.case("coordinator_etcd", lambda: _valid_submit(stub), "valid spec after the fuzz")
+        finally:
+            store.close()

@@ -22,7 +22,7 @@ from coordinator.decision.actions import ActionKind
 from coordinator.decision.state import CoreState, NodeEntry, NodeState, Outstanding, TaskEntry, TaskPhase
 from coordinator.tasks import NAME_RE
 from unicron.kernel import link, protocol
-from unicron.kernel.types import Record
+from unicron.kernel.types import NodeInfo, Record
 
 #: numbers Python's JSON parser reads that no field should take: beyond a float, NaN, 4300+ digits
 EDGE_NUMBERS = st.sampled_from([10**400, -(10**400), 2**63, -1, 0, float("nan"), float("inf"), float("-inf"),
@@ -50,6 +50,7 @@ _TEXT = st.text(max_size=12)
 OVERRIDES: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (protocol.Phase, "name"): st.sampled_from(protocol.PHASES),
     (link.LinkHello, "node"): st.text(min_size=1, max_size=12),
+    (NodeInfo, "gpus"): st.integers(0, 16),
 }
 
 
@@ -186,13 +187,14 @@ def _spec(tp: int, pp: int) -> st.SearchStrategy[dict[str, Any]]:
         {"name": st.from_regex(NAME_RE, fullmatch=True),
          "command": st.one_of(st.lists(_os_text(1), min_size=1, max_size=3), st.just("python -m train --x 1"))},
         optional={"weight": st.floats(0.5, 2.0), "tp_size": st.just(tp), "pp_size": st.just(pp),
-                  "min_gpus": st.integers(1, 4).map(lambda k: k * tp * pp),
+                  "min_gpus": st.sampled_from([1, 2, 4]).map(lambda k: k * tp * pp),
                   "model": _MODEL, "env": st.dictionaries(_os_text(1).filter(lambda k: "=" not in k), _os_text(),
                                                           max_size=2)},
     )
 
 
-#: task specs as a user writes them (valid before mutation; the model may not divide every count)
+#: valid task specs (before mutation): a data-parallel size of 1, 2 or 4 divides every batch drawn here,
+#: so a rejection is always for the mutated field
 SPECS = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2])).flatmap(lambda t: _spec(*t))
 
 _OUTSTANDING = st.builds(Outstanding, st.text(max_size=8), st.sampled_from(list(ActionKind)),

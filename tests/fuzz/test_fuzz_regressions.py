@@ -55,6 +55,8 @@ def test_a_float_field_refuses_what_is_not_a_finite_number(number: str) -> None:
 def test_a_bad_enum_value_names_its_field() -> None:
     with pytest.raises(InvalidRecord, match=r"Injection\.kind"):
         Injection.from_dict({"fault": "raise", "kind": "nope"})
+    with pytest.raises(InvalidRecord, match=r"Injection\.fault"):  # not optional: None is no fault
+        Injection.from_dict({"fault": None})
     with pytest.raises(InvalidRecord, match=r"Report\.method"):
         Report.from_dict({"method": True, "kind": "task_hang", "node": "n"})
 
@@ -83,6 +85,23 @@ def test_the_decision_state_validates_every_field_and_says_where(task: dict[str,
     with pytest.raises(InvalidRecord, match=field.replace(".", r"\.")):
         CoreState.from_dict(json.loads(json.dumps(_state(**task))))
     assert CoreState.from_dict(_state()).tasks["a"].generation == 0
+
+
+def test_a_task_name_with_a_newline_keeps_the_rejection_one_line() -> None:
+    state = _state(generation="x")
+    state["tasks"] = {"a\nb": state["tasks"]["a"]}  # type: ignore[index]
+    with pytest.raises(InvalidRecord) as err:
+        CoreState.from_dict(state)
+    assert "\n" not in str(err.value) and "generation" in str(err.value)
+
+
+@pytest.mark.parametrize("gpus", [-1, 10**12])
+def test_a_node_record_refuses_a_gpu_count_no_node_has(gpus: int) -> None:
+    # a registration with -N GPUs made the coordinator refuse every valid submit afterwards
+    info = {"node": "n", "host": "h", "gpus": gpus, "gpu_backend": "simulated", "agent_pid": 1, "started_ts": 0.0}
+    with pytest.raises(InvalidRecord, match=r"NodeInfo\.gpus"):
+        NodeInfo.from_dict(info)
+    assert NodeInfo.from_dict({**info, "gpus": 8}).gpus == 8
 
 
 def test_the_planner_with_no_usable_node_plans_nothing() -> None:

@@ -1,9 +1,10 @@
 """Fuzzed lines to the real servers: the agent's RankServer (Unix socket), the coordinator's LinkServer
-(TCP) and the gRPC API of a real coordinator on real etcd. After the fuzz each still answers a valid peer."""
+(TCP), the gRPC API of a real coordinator on real etcd, and records written into that etcd under the
+keys the coordinator watches. After the fuzz each still answers a valid peer."""
 
 from __future__ import annotations
 
-from tests.fuzz.harness import Fuzz, run_api, run_link_server, run_rank_server
+from tests.fuzz.harness import Fuzz, run_api, run_coordinator_etcd, run_link_server, run_rank_server
 
 
 def test_rank_server_skips_fuzzed_lines_and_keeps_serving() -> None:
@@ -26,3 +27,10 @@ def test_api_answers_fuzzed_specs_with_invalid_argument_or_accepts_them() -> Non
     assert fuzz.crashes == []
     assert fuzz.cases["api_submit"] >= 40
     assert fuzz.accepted["api_submit"] > 0  # the after-fuzz submit at least
+
+
+def test_a_coordinator_skips_or_takes_fuzzed_etcd_records_and_keeps_answering() -> None:
+    fuzz = Fuzz(raise_on_crash=True)
+    run_coordinator_etcd(fuzz, 80)
+    assert fuzz.crashes == []
+    assert fuzz.cases["coordinator_etcd"] >= 40

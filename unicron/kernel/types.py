@@ -106,7 +106,9 @@ def conforms(value: Any, hint: Any) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return not isinstance(value, bool)  # the value is checked when the enum is built (from_dict)
+        # None only where the hint says "| None" (the Union branch); the value itself is checked
+        # when the enum is built (from_dict)
+        return value is not None and not isinstance(value, bool)
     if isinstance(hint, type) and issubclass(hint, Record):
         return isinstance(value, dict | hint)
     if (origin or hint) in (list, tuple):
@@ -273,6 +275,10 @@ class Incident(Record):
         return sum(x for x in (self.detection_s, self.transition_s, self.sub_healthy_s) if x is not None)
 
 
+#: GPUs one node may register: more is a corrupted record (the largest machines have 16)
+MAX_NODE_GPUS = 1024
+
+
 @dataclass(frozen=True)
 class NodeInfo(Record):
     """What an agent registers about its node (under its lease)."""
@@ -290,6 +296,12 @@ class NodeInfo(Record):
     link_token: str = ""
     #: the machine's hostname: a restarted agent recognises its dead predecessor's registration by it
     hostname: str = ""
+
+    def __post_init__(self) -> None:
+        # the coordinator sums these into the cluster's size: a negative count made every valid submit
+        # "more than the cluster's -N GPUs", a huge one a plan over that many GPUs (found by the fuzz)
+        if not 0 <= self.gpus <= MAX_NODE_GPUS:
+            raise InvalidRecord(f"NodeInfo.gpus: {self.gpus} is not a GPU count in [0, {MAX_NODE_GPUS}]")
 
 
 @dataclass(frozen=True)
