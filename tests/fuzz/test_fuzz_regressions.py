@@ -44,6 +44,9 @@ def test_list_and_dict_elements_are_type_checked() -> None:
     with pytest.raises(InvalidRecord, match=r"TaskAssignment\.argv"):
         TaskAssignment.from_dict({**base, "argv": [1]})
     assert TaskAssignment.from_dict(base).argv == ["python"]
+    # a nested record's rejection says where it sits
+    with pytest.raises(InvalidRecord, match=r"TaskAssignment\.ranks: RankSpec: unknown field"):
+        TaskAssignment.from_dict({**base, "ranks": [{"rank": 0, "local_rank": 0, "gpu": 0, "x": 1}]})
 
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "1e999"])

@@ -167,7 +167,10 @@ class Record:
         for name, value in raw.items():
             if not conforms(value, hints[name]):
                 raise InvalidRecord(f"{cls.__name__}.{name}: bad value {_show(value)} (expected {hints[name]})")
-            raw[name] = _nested(value, hints[name])
+            try:
+                raw[name] = _nested(value, hints[name])
+            except InvalidRecord as exc:  # a nested record's message names its field; say whose field it is
+                raise InvalidRecord(f"{cls.__name__}.{name}: {exc}") from exc
             kind = _enum_type(hints[name])
             if kind is not None and value is not None and not isinstance(value, kind):
                 try:
