@@ -97,8 +97,12 @@ class RankServer:
                     log.warning("rank socket: bad message skipped", who=str(who), error=str(exc))
                     continue
                 if isinstance(msg, protocol.Hello):
-                    who = (msg.task, msg.rank)
                     with self._lock:
+                        # a second hello renames the connection: its old name must not outlive it
+                        # (connected() would list a rank that is gone, send() would write to a closed socket)
+                        if who is not None and self._conns.get(who) is conn:
+                            del self._conns[who]
+                        who = (msg.task, msg.rank)
                         self._conns[who] = conn
                 if who is None:
                     log.warning("rank socket: message before hello skipped", type=msg.TYPE)

@@ -131,6 +131,10 @@ class WafAllocator:
         self.last_plan = None
         if not tasks:
             return {}
+        if healthy_gpus == 0 or gpus_per_node < 1:
+            # no usable node (none joined yet, or all lost): nothing to plan, and the planner's
+            # ClusterSpec refuses a 0-GPU node, which made a valid submit fail (found by the fuzz)
+            return {t.name: 0 for t in tasks}
         unmodelled = [t.name for t in tasks if t.model is None]
         if unmodelled:
             log.info("tasks without a model description: allocating evenly", tasks=unmodelled)

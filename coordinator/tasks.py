@@ -219,8 +219,15 @@ def _check_os_string(value: str, where: str) -> None:
                             "use real characters, not lone \\ud800-\\udfff escapes") from exc
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range is no weight either
+        return False
+
+
 def _parse_weight(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
         raise InvalidRecord(
             f"task.weight: expected a number in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {_show(value)}"
         )
@@ -277,6 +284,8 @@ def load_spec_json(text: str, where: str = "task") -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRecord(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except ValueError as exc:  # an integer literal of more than 4300 digits (Python's int limit)
+        raise InvalidRecord(f"{where}: not a usable JSON number: {str(exc).split(';')[0]}") from exc
     except RecursionError as exc:  # _max_depth bounds it; this keeps a miss an input error, not a crash
         raise InvalidRecord(f"{where}: nested too deep to parse; a spec nests {MAX_SPEC_DEPTH} levels at most") from exc
 
@@ -359,7 +368,7 @@ def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | No
     if min_gpus % unit:
         raise InvalidRecord(
             f"task.min_gpus: {min_gpus} is not a multiple of tp_size*pp_size={unit}; "
-            f"use {math.ceil(min_gpus / unit) * unit}"
+            f"use {-(-min_gpus // unit) * unit}"  # integer ceiling: min_gpus may be beyond a float
         )
     if gpus_per_node is not None and gpus_per_node % tp:
         raise InvalidRecord(

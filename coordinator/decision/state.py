@@ -3,13 +3,17 @@ a new leader resumes where the old one stopped)."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator.decision.actions import ActionKind
 from coordinator.tasks import TaskSpec, parse_task_spec
 from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.types import conforms
 
 
 class TaskPhase(enum.StrEnum):
@@ -112,18 +116,19 @@ class CoreState:
         """Inverse of :meth:`to_dict`; raises InvalidRecord on anything malformed."""
         if not isinstance(data, dict):
             raise InvalidRecord("decision state: expected an object; delete the state key to start afresh")
-        try:
-            state = cls(now=float(data["now"]), counter=int(data["counter"]))
-            for n, e in data["nodes"].items():
-                state.nodes[n] = NodeEntry(int(e["gpus"]), NodeState(e["status"]), str(e["reason"]))
-            for t, e in data["tasks"].items():
-                state.tasks[t] = _task_from_dict(e)
-        except InvalidRecord:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise InvalidRecord(
-                f"decision state: malformed ({exc!r}); delete the state key to start afresh"
-            ) from exc
+        with _where("top level"):
+            state = cls(now=float(_typed(data["now"], float, "now")), counter=_typed(data["counter"], int, "counter"))
+            nodes = _typed(data["nodes"], dict[str, dict[str, Any]], "nodes")
+            tasks = _typed(data["tasks"], dict[str, dict[str, Any]], "tasks")
+        for n, e in nodes.items():
+            with _where(_path("nodes", n)):
+                state.nodes[n] = NodeEntry(
+                    _typed(e["gpus"], int, _path("nodes", n, "gpus")), _member(NodeState, e["status"], _path("nodes", n, "status")),
+                    _typed(e["reason"], str, _path("nodes", n, "reason")),
+                )
+        for t, e in tasks.items():
+            with _where(_path("tasks", t)):
+                state.tasks[t] = _task_from_dict(t, e)
         return state
 
 
@@ -148,24 +153,70 @@ def _task_to_dict(e: TaskEntry) -> dict[str, object]:
     return out
 
 
-def _task_from_dict(d: dict[str, Any]) -> TaskEntry:
+def _typed(value: Any, hint: Any, where: str) -> Any:
+    """``value`` if it is a ``hint`` in JSON terms (element by element, finite numbers), else
+    InvalidRecord naming the field: a wrong type here would raise deep inside the decision core."""
+    if not conforms(value, hint):
+        raise InvalidRecord(f"decision state: {where}: bad value {value!r:.80} (expected {hint}); "
+                            "delete the state key to start afresh")
+    return value
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _path(*parts: str) -> str:
+    """Where in the state, for an error message: a node or task name that is not plain printable text
+    is quoted, so the message stays one line."""
+    return ".".join(p if p.isprintable() and "." not in p else repr(p) for p in parts)
+
+
+@contextlib.contextmanager
+def _where(where: str) -> Iterator[None]:
+    """A missing key or an unknown field as InvalidRecord saying where in the state it is."""
+    try:
+        yield
+    except InvalidRecord:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InvalidRecord(
+            f"decision state: {where}: malformed ({exc!r:.200}); delete the state key to start afresh"
+        ) from exc
+
+
+def _member(kind: type[E], value: Any, where: str) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidRecord(f"decision state: {where}: {value!r:.80} is not one of {[k.value for k in kind]}; "
+                            "delete the state key to start afresh") from None
+
+
+#: TaskEntry fields stored as plain JSON values (the others are parsed below)
+_PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding"}
+
+
+def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw = dict(d)
-    raw["spec"] = parse_task_spec(raw["spec"], None)
-    raw["phase"] = TaskPhase(raw["phase"])
-    raw["placement"] = {str(n): [int(r) for r in ranks] for n, ranks in raw["placement"].items()}
-    # absent in states written before it existed
-    raw["relaunching"] = {str(n): [int(r) for r in ranks] for n, ranks in raw.get("relaunching", {}).items()}
+    raw.setdefault("relaunching", {})  # absent in states written before it existed
+    hints = typing.get_type_hints(TaskEntry)
+    for key in _PLAIN & set(raw):
+        _typed(raw[key], hints[key], _path("tasks", name, key))
+    try:
+        raw["spec"] = parse_task_spec(raw["spec"], None)
+    except InvalidRecord as exc:  # its message names the spec's field; say whose spec it is
+        raise InvalidRecord(f"decision state: {_path('tasks', name, 'spec')}: {exc}") from exc
+    raw["phase"] = _member(TaskPhase, raw["phase"], _path("tasks", name, "phase"))
     o = raw["outstanding"]
-    raw["outstanding"] = (
-        None
-        if o is None
-        else Outstanding(
-            str(o["action_id"]),
-            ActionKind(o["kind"]),
-            float(o["deadline"]),
-            o["node"],
-            [str(n) for n in o.get("waiting", [])],  # absent in states written before it existed
+    if o is not None:
+        where = _path("tasks", name, "outstanding")
+        raw["outstanding"] = Outstanding(
+            _typed(o["action_id"], str, f"{where}.action_id"),
+            _member(ActionKind, o["kind"], f"{where}.kind"),
+            float(_typed(o["deadline"], float, f"{where}.deadline")),
+            _typed(o["node"], str | None, f"{where}.node"),
+            # absent in states written before it existed
+            _typed(o.get("waiting", []), list[str], f"{where}.waiting"),
         )
-    )
     return TaskEntry(**raw)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Self
+from typing import Self
 
 from unicron.kernel.errors import TemporaryError
 from unicron.kernel.etcd import Store
@@ -43,13 +43,6 @@ class Injection(Record):
     executed_ts: float | None = None
     ok: bool | None = None
     detail: str = ""
-
-    @classmethod
-    def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        raw["fault"] = Fault(raw["fault"])
-        if raw.get("kind") is not None:
-            raw["kind"] = ErrorKind(raw["kind"])
-        return raw
 
     def answered(self, ok: bool, detail: str) -> Self:
         return replace(self, executed_ts=time.time(), ok=ok, detail=detail)

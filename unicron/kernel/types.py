@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import math
 import time
 import types
 import typing
@@ -80,28 +81,58 @@ def _field_types(cls: type[Any]) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _matches(value: Any, hint: Any) -> bool:
-    """Shallow JSON-level type check: enough to reject garbage, not a schema language."""
-    origin = typing.get_origin(hint)
+def _finite(value: int | float) -> bool:
+    """A JSON number a float field can hold: Python's parser reads ``NaN``/``Infinity``/``1e999`` and
+    4000-digit integers, none of which is a time or a duration (a NaN compares false with everything,
+    which would silently disable a hang check)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range
+        return False
+
+
+def conforms(value: Any, hint: Any) -> bool:
+    """JSON-level type check, element by element: a ``list[int]`` holding a string would otherwise be
+    accepted here and raise a ``TypeError`` deep inside a daemon."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return True
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
+        return any(conforms(value, arg) for arg in args)
     if hint is type(None):
         return value is None
-    if origin is not None:
-        hint = origin
     if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        return isinstance(value, int | float) and not isinstance(value, bool) and _finite(value)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return True  # checked by the enum constructor in _coerce
-    if hint is tuple:
-        return isinstance(value, list | tuple)
+        # None only where the hint says "| None" (the Union branch); the value itself is checked
+        # when the enum is built (from_dict)
+        return value is not None and not isinstance(value, bool)
     if isinstance(hint, type) and issubclass(hint, Record):
         return isinstance(value, dict | hint)
+    if (origin or hint) in (list, tuple):
+        kinds = list | tuple if (origin or hint) is tuple else list
+        item = args[0] if args else Any  # tuple[X, ...] names X first
+        return isinstance(value, kinds) and all(conforms(v, item) for v in value)
+    if (origin or hint) is dict:
+        key, item = args if len(args) == 2 else (Any, Any)
+        return isinstance(value, dict) and all(conforms(k, key) and conforms(v, item) for k, v in value.items())
     return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _enum_type(hint: Any) -> type[enum.Enum] | None:
+    """The enum a field holds (``Kind`` or ``Kind | None``), if any."""
+    for h in (hint, *typing.get_args(hint)):
+        if isinstance(h, type) and issubclass(h, enum.Enum):
+            return h
+    return None
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` cut short: an error message is one line, not a megabyte of the bad input."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _nested(value: Any, hint: Any) -> Any:
@@ -123,7 +154,7 @@ def _nested(value: Any, hint: Any) -> Any:
 class Record:
     """Mixin: JSON round-trip with validation of field names and shallow types.
 
-    Subclasses coerce enums in ``_coerce``.
+    Enum fields are built from their values here; subclasses may check more in ``_coerce``.
     """
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,9 +165,20 @@ class Record:
         raw = dict(_check_fields(cls, data))
         hints = _field_types(cls)  # type: ignore[arg-type]
         for name, value in raw.items():
-            if not _matches(value, hints[name]):
-                raise InvalidRecord(f"{cls.__name__}.{name}: bad value {value!r} (expected {hints[name]})")
-            raw[name] = _nested(value, hints[name])
+            if not conforms(value, hints[name]):
+                raise InvalidRecord(f"{cls.__name__}.{name}: bad value {_show(value)} (expected {hints[name]})")
+            try:
+                raw[name] = _nested(value, hints[name])
+            except InvalidRecord as exc:  # a nested record's message names its field; say whose field it is
+                raise InvalidRecord(f"{cls.__name__}.{name}: {exc}") from exc
+            kind = _enum_type(hints[name])
+            if kind is not None and value is not None and not isinstance(value, kind):
+                try:
+                    raw[name] = kind(value)
+                except ValueError:
+                    raise InvalidRecord(
+                        f"{cls.__name__}.{name}: {_show(value)} is not one of {[k.value for k in kind]}"
+                    ) from None
         try:
             raw = cls._coerce(raw)
             return cls(**raw)
@@ -155,7 +197,8 @@ class Record:
         malformed, so a reader logs and skips it with one ``except``."""
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and an integer of more than 4300 digits
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise InvalidRecord(f"{cls.__name__}: not a JSON record: {exc}") from exc
         return cls.from_dict(data)
 
@@ -187,12 +230,6 @@ class Report(Record):
     #: wall-clock time the agent published the report
     agent_ts: float = field(default_factory=time.time)
     report_id: str = field(default_factory=new_id)
-
-    @classmethod
-    def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        raw["method"] = DetectionMethod(raw["method"])
-        raw["kind"] = ErrorKind(raw["kind"])
-        return raw
 
 
 @dataclass(frozen=True)
@@ -240,12 +277,9 @@ class Incident(Record):
         """Eq. 1's time terms known so far: detection + transition + sub-healthy seconds."""
         return sum(x for x in (self.detection_s, self.transition_s, self.sub_healthy_s) if x is not None)
 
-    @classmethod
-    def _coerce(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        raw["method"] = DetectionMethod(raw["method"])
-        raw["kind"] = ErrorKind(raw["kind"])
-        raw["severity"] = None if raw["severity"] is None else Severity(raw["severity"])
-        return raw
+
+#: GPUs one node may register: more is a corrupted record (the largest machines have 16)
+MAX_NODE_GPUS = 1024
 
 
 @dataclass(frozen=True)
@@ -265,6 +299,12 @@ class NodeInfo(Record):
     link_token: str = ""
     #: the machine's hostname: a restarted agent recognises its dead predecessor's registration by it
     hostname: str = ""
+
+    def __post_init__(self) -> None:
+        # the coordinator sums these into the cluster's size: a negative count made every valid submit
+        # "more than the cluster's -N GPUs", a huge one a plan over that many GPUs (found by the fuzz)
+        if not 0 <= self.gpus <= MAX_NODE_GPUS:
+            raise InvalidRecord(f"NodeInfo.gpus: {self.gpus} is not a GPU count in [0, {MAX_NODE_GPUS}]")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ def encode(obj: dict[str, Any]) -> bytes:
 def decode(line: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # ValueError covers JSONDecodeError and an integer of more than 4300 digits; RecursionError a line
+    # of deeply nested brackets: a peer's garbage, which must not end the thread that reads it
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InvalidRecord(f"not a JSON line: {line[:80]!r}") from exc
     if not isinstance(obj, dict):
         raise InvalidRecord(f"expected a JSON object, got {type(obj).__name__}")
