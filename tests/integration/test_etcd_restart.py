@@ -13,7 +13,6 @@ fix, each expiry was a sev1 node loss: both healthy nodes were isolated and the 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import json
 import os
@@ -126,28 +125,6 @@ def cluster() -> Iterator[tuple[LocalCluster, Gate]]:
             gate.close()
 
 
-def ranks(c: LocalCluster) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for n in c.node_names():
-        for r in (c.agent_status(n) or {}).get("ranks", []):
-            if r.get("task") == "job" and r.get("state") == "running":
-                out[int(r["rank"])] = r | {"node": n}
-    return out
-
-
-def coordinator_log(c: LocalCluster, since: float) -> list[dict[str, Any]]:
-    out = []
-    for line in Path(c.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "timestamp" in rec and datetime.datetime.fromisoformat(
-                rec["timestamp"].replace("Z", "+00:00")).timestamp() >= since:
-            out.append(rec)
-    return out
-
-
 def nodes() -> list[dict[str, Any]]:
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -164,11 +141,11 @@ def test_lease_expiries_caused_by_an_etcd_restart_are_no_node_loss(
     assert cli(["submit", str(spec)]) == 0
 
     def stepping() -> bool:
-        now = ranks(c)
+        now = c.running_ranks("job")
         return len(now) == 2 and all(isinstance(r.get("step"), int) and r["step"] >= 3 for r in now.values())
 
     c.wait_for(stepping, 60.0, "both ranks to train past step 3", poll_s=0.1)
-    before = ranks(c)
+    before = c.running_ranks("job")
     assert {r["node"] for r in before.values()} == {"node0", "node1"}, before
 
     t0 = time.time()
@@ -185,13 +162,13 @@ def test_lease_expiries_caused_by_an_etcd_restart_are_no_node_loss(
     gate.open()
 
     def reregistered() -> bool:
-        seen = {str(r.get("node")) for r in coordinator_log(c, t0)
+        seen = {str(r.get("node")) for r in c.coordinator_log(t0)
                 if r.get("event") in ("node registered", "isolated node re-registered; it stays isolated "
                                                          "until an operator undrains it")}
         return seen >= set(c.node_names())
 
     c.wait_for(reregistered, 30.0, "the coordinator to see both agents register again", poll_s=0.1)
-    log = coordinator_log(c, t0)
+    log = c.coordinator_log(t0)
     actions = [str(r.get("action")) for r in log if r.get("event") == "action"]
     assert actions == [], actions  # no isolation, no re-plan, no restart
     lost = [i for i in c.incidents() if i.detected_ts >= t0 and i.kind.value == "lost_connection"]
@@ -199,9 +176,9 @@ def test_lease_expiries_caused_by_an_etcd_restart_are_no_node_loss(
     assert {n["node"]: n["state"] for n in nodes()} == {"node0": "up", "node1": "up"}, nodes()
 
     def trains_on() -> bool:
-        now = ranks(c)
+        now = c.running_ranks("job")
         return len(now) == 2 and all(isinstance(r.get("step"), int) and r["step"] > before[k]["step"] + 5
                                      for k, r in now.items() if k in before)
 
     c.wait_for(trains_on, 30.0, "the ranks to train on", poll_s=0.1)
-    assert {k: r["pid"] for k, r in ranks(c).items()} == {k: r["pid"] for k, r in before.items()}
+    assert {k: r["pid"] for k, r in c.running_ranks("job").items()} == {k: r["pid"] for k, r in before.items()}

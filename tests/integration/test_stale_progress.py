@@ -72,35 +72,13 @@ def cluster() -> Iterator[LocalCluster]:
             os.environ.pop("UNICRON_ETCD", None)
 
 
-def ranks(c: LocalCluster) -> dict[int, dict[str, Any]]:
-    """The task's running ranks by rank number, each with its node."""
-    out: dict[int, dict[str, Any]] = {}
-    for n in c.node_names():
-        for r in (c.agent_status(n) or {}).get("ranks", []):
-            if r.get("task") == "job" and r.get("state") == "running":
-                out[int(r["rank"])] = r | {"node": n}
-    return out
-
-
-def coordinator_log(c: LocalCluster, since: float) -> list[dict[str, Any]]:
-    out = []
-    for line in Path(c.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "timestamp" in rec and _ts(rec["timestamp"]) >= since:
-            out.append(rec)
-    return out
-
-
 def _ts(stamp: str) -> float:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def recovered(c: LocalCluster, since: float) -> list[dict[str, Any]]:
     """``restarting --progress--> running`` transitions logged since ``since``."""
-    return [r for r in coordinator_log(c, since)
+    return [r for r in c.coordinator_log(since)
             if r.get("event") == "transition" and "restarting --progress--> running" in str(r.get("edge"))]
 
 
@@ -111,11 +89,11 @@ def test_only_the_relaunched_process_confirms_a_restart(cluster: LocalCluster, t
     assert cli(["submit", str(spec)]) == 0
 
     def stepping() -> bool:
-        now = ranks(cluster)
+        now = cluster.running_ranks("job")
         return len(now) == 2 and all(isinstance(r.get("step"), int) and r["step"] >= 5 for r in now.values())
 
     cluster.wait_for(stepping, 60.0, "both ranks to train past step 5", poll_s=0.1)
-    before = ranks(cluster)
+    before = cluster.running_ranks("job")
     assert {r["node"] for r in before.values()} == {"node0", "node1"}, before  # one rank per node
     victim = before[1]
     t0 = time.time()
@@ -130,7 +108,7 @@ def test_only_the_relaunched_process_confirms_a_restart(cluster: LocalCluster, t
     early: list[object] = []
 
     def relaunch_seen() -> bool:
-        back = ranks(cluster).get(1)
+        back = cluster.running_ranks("job").get(1)
         if not marker.exists() and back is not None and back["pid"] != victim["pid"]:
             early.append(back.get("step"))
         return marker.exists()
@@ -146,10 +124,10 @@ def test_only_the_relaunched_process_confirms_a_restart(cluster: LocalCluster, t
         f"the restart was confirmed {confirmed - t0:.2f} s after the kill ({edge['edge']}), "
         f"{first_iteration - confirmed:.2f} s before the relaunched rank began its first iteration")
 
-    now = ranks(cluster)
+    now = cluster.running_ranks("job")
     assert set(now) == {0, 1} and now[1]["pid"] != victim["pid"] and now[1]["node"] == victim["node"], now
     assert now[0]["pid"] == before[0]["pid"], (now, before)  # the survivor was left alone
     incidents = [i for i in cluster.incidents() if i.detected_ts >= t0 - 1]
     assert [i.kind.value for i in incidents] == ["exited_abnormally"], incidents
-    actions = [str(r.get("action")) for r in coordinator_log(cluster, t0) if r.get("event") == "action"]
+    actions = [str(r.get("action")) for r in cluster.coordinator_log(t0) if r.get("event") == "action"]
     assert actions == ["RestartRanks"], actions

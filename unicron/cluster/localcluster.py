@@ -5,6 +5,7 @@ real process. Used by the integration tests, the local demo and the benchmarks.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -95,6 +96,28 @@ class LocalCluster:
         self.wait_for(lambda: all(self.node_state(n) == "up" for n in self.node_names()), timeout_s,
                       "the coordinator to count every node")
         return self
+
+    def running_ranks(self, task: str) -> dict[int, dict[str, Any]]:
+        """The task's running ranks by rank number, from every node's status, each with its node."""
+        out: dict[int, dict[str, Any]] = {}
+        for n in self.node_names():
+            for r in (self.agent_status(n) or {}).get("ranks", []):
+                if r.get("task") == task and r.get("state") == "running":
+                    out[int(r["rank"])] = r | {"node": n}
+        return out
+
+    def coordinator_log(self, since: float = 0.0) -> list[dict[str, Any]]:
+        """The coordinator's JSON log lines stamped at or after ``since`` (epoch seconds)."""
+        out = []
+        for line in Path(self.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "timestamp" in rec and datetime.datetime.fromisoformat(
+                    str(rec["timestamp"]).replace("Z", "+00:00")).timestamp() >= since:
+                out.append(rec)
+        return out
 
     def node_state(self, node: str) -> str | None:
         """The node's state in the coordinator's decision record (up, drained, isolated, lost)."""
