@@ -59,13 +59,14 @@ class Runner:
         timeout: float = 120.0,
         while_running: Callable[[LocalJob], None] | None = None,
         env: Mapping[int, Mapping[str, str]] | None = None,
+        script: str | None = None,
     ) -> Finished:
         self._n += 1
         rank_env = {r: dict(e) for r, e in (env or {}).items()}
         for r, spec in (faults or {}).items():
             rank_env.setdefault(r, {})["UNICRON_RUNTIME_FAULTS"] = spec
         job = LocalJob(world, list(args), str(self.root / f"job{self._n}"), rank_env=rank_env,
-                       restart=dict(restart or {}), spawner=self.spawner)
+                       restart=dict(restart or {}), spawner=self.spawner, script=script)
         with job:
             if while_running is not None:
                 while_running(job)
@@ -75,20 +76,20 @@ class Runner:
         return Finished(job, codes)
 
     def reference(
-        self, args: Sequence[str], world: int = 1, blocks: int = 4, rank: int = 0
+        self, args: Sequence[str], world: int = 1, blocks: int = 4, rank: int = 0, script: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Parameters of ``rank`` after a failure-free run (cached per configuration); by default a
         single rank computes all B micro-batches with the same ``blocks`` as the 4-rank jobs."""
-        key = (str(world), str(blocks), *args)
+        key = (str(world), str(blocks), str(script), *args)
         if key not in self._refs:
-            done = self.run(world, [*args, "--blocks", str(blocks)])
+            done = self.run(world, [*args, "--blocks", str(blocks)], script=script)
             assert all(c == 0 for c in done.codes.values()), done.job.logs()
             self._refs[key] = done
         return self._refs[key].params(rank)
 
     def reference_result(self, args: Sequence[str], world: int = 1, blocks: int = 4) -> dict[str, Any]:
         self.reference(args, world, blocks)
-        return self._refs[(str(world), str(blocks), *args)].result(0)
+        return self._refs[(str(world), str(blocks), str(None), *args)].result(0)
 
 
 @pytest.fixture(scope="session")

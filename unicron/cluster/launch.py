@@ -27,6 +27,8 @@ from unicron.runtime import store as keys
 from unicron.runtime.epoch import EpochRecord
 
 PYTHON = sys.executable
+RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+"""``python -c`` code that runs a script file as ``python SCRIPT ARGS`` would (forkable from a spawner)."""
 
 
 def base_env() -> dict[str, str]:
@@ -66,6 +68,9 @@ class LocalJob:
     #: ranks to restart after an abnormal exit, with the delay before restarting
     restart: Mapping[int, float] = field(default_factory=dict)
     module: str = "unicron.runtime.train"
+    #: run this Python file (``python SCRIPT ARGS``, e.g. a job on ``unicron.runtime.pretrain``) instead of
+    #: ``-m module``; forked from the spawner through ``-c`` (which runs it as ``__main__``)
+    script: str | None = None
     host: str = "127.0.0.1"
     #: host the store in this process (a thread of TCPStore) instead of a sidecar subprocess
     store_in_process: bool = True
@@ -140,11 +145,18 @@ class LocalJob:
         proc: subprocess.Popen[bytes] | PreforkedProcess
         with open(log_path, "wb") as fh:
             if self._spawner is not None:
-                proc = self._spawner.spawn([PYTHON, "-m", self.module, *argv], env, None, fh.fileno(), fh.fileno())
+                proc = self._spawner.spawn(self._command(argv, fork=True), env, None, fh.fileno(), fh.fileno())
             else:
-                proc = subprocess.Popen([PYTHON, "-m", self.module, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env)
+                proc = subprocess.Popen(self._command(argv, fork=False), stdout=fh, stderr=subprocess.STDOUT, env=env)
         self.procs[rank] = RankProc(rank, proc, inc, log_path)
         self.history.append({"event": "spawn", "rank": rank, "incarnation": inc, "ts": time.time()})
+
+    def _command(self, argv: Sequence[str], fork: bool) -> list[str]:
+        if self.script is None:
+            return [PYTHON, "-m", self.module, *argv]
+        if fork:  # the spawner forks ``-c`` code with sys.argv = ["-c", SCRIPT, *ARGS]
+            return [PYTHON, "-c", RUN_SCRIPT, self.script, *argv]
+        return [PYTHON, self.script, *argv]
 
     def _watch(self) -> None:
         handled: set[tuple[int, int]] = set()

@@ -50,6 +50,13 @@ def _opt(group: Any, flag: str, **kw: Any) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``unicron train``: the GPT's own and the runtime's."""
+    add_gpt_arguments(p)
+    add_runtime_arguments(p)
+
+
+def add_gpt_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``unicron train``'s model and data (the GPT user of :func:`unicron.runtime.pretrain`)."""
     m = p.add_argument_group("model")
     _opt(m, "--layers", type=int, default=2, help="transformer layers (default 2)")
     _opt(m, "--hidden", type=int, default=128, help="hidden size (default 128)")
@@ -58,8 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _opt(m, "--vocab", type=int, default=128, help="vocabulary size (default 128)")
     _opt(m, "--dtype", default="float32", help="float32 | float64 | bfloat16 (default float32)")
     _opt(m, "--dropout", type=float, default=0.0, help="dropout probability (default 0)")
-    _opt(m, "--tp", type=int, default=1, help="tensor-parallel size; divides WORLD_SIZE (default 1)")
+    d = p.add_argument_group("data")
+    _opt(d, "--data-path", default="",
+         help="prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx, tools/preprocess_data.py)")
+    _opt(d, "--data-file", default="", help=".npy of token ids, or any file read as bytes (default: generated)")
+    return p
+
+
+def add_runtime_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every job on the runtime takes (:func:`unicron.runtime.pretrain` adds them)."""
     t = p.add_argument_group("training")
+    _opt(t, "--tp", type=int, default=1, help="tensor-parallel size; divides WORLD_SIZE (default 1)")
     _opt(t, "--global-batch-size", type=int, default=64,
          help="samples per iteration (default 64: 16 micro-batches; ~0.2 s per iteration on CPU, 2 ranks)")
     _opt(t, "--micro-batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
@@ -67,7 +83,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _opt(t, "--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     _opt(t, "--seed", type=int, default=1, help="seed of data order and per-micro-batch RNG (default 1)")
     _opt(t, "--init-seed", type=int, default=1234, help="seed of parameter initialisation (default 1234)")
-    _opt(t, "--data-file", default="", help=".npy of token ids, or any file read as bytes (default: generated)")
     _opt(t, "--iter-sleep", type=float, default=0.0, help="artificial delay per iteration, seconds")
     _opt(t, "--threads", type=int, default=1, help="torch intra-op threads, pinned (default 1)")
     s = p.add_argument_group("scheduler")
@@ -94,3 +109,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _opt(c, "--resume", action="store_true", help="start from the newest checkpoint")
     o = p.add_argument_group("outputs")
     _opt(o, "--out-dir", default="", help="write rank<R>.json (events, losses) and rank<R>.pt (params)")
+    return p

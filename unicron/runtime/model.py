@@ -30,6 +30,7 @@ from unicron.runtime.comm import CommGroup, HashStore, allreduce_max, new_group
 with warnings.catch_warnings():
     # Megatron warns at import that Transformer Engine / Apex are absent: expected on CPU.
     warnings.simplefilter("ignore")
+    from megatron.core.enums import ModelType as ModelType  # (re-exported: pretrain's model_type)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -230,6 +231,16 @@ def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, tp_grou
         target = reduce_from_tensor_model_parallel_region(target, group=tp_group)
     loss: torch.Tensor = (sum_exp.log() - target).mean()
     return loss
+
+
+def tp_group_of(model: torch.nn.Module) -> CommGroup:
+    """The tensor-parallel group a Megatron-core model was built on (its ``pg_collection``), which
+    :func:`rebind_groups` keeps current: what a forward step passes to :func:`lm_loss`."""
+    pgc = vars(model).get("pg_collection")
+    if not isinstance(pgc, ProcessGroupCollection):
+        raise ConfigError(f"{type(model).__name__} holds no pg_collection: build it with pg_collection=")
+    group: CommGroup = pgc.tp
+    return group
 
 
 def rebind_groups(model: torch.nn.Module, old: CommGroup, new: CommGroup) -> int:

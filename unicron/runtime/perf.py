@@ -38,7 +38,6 @@ import torch
 from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.runtime.comm import CommGroup, Work
 from unicron.runtime.flags import add_arguments
-from unicron.runtime.model import lm_loss
 from unicron.runtime.plan import initial_plan
 from unicron.runtime.scheduler import Trainer
 from unicron.runtime.train import build
@@ -95,17 +94,16 @@ class TimedGroup:
         return TimedWork(self.group.allgather(outputs, inputs), self.sw)
 
 
-def plain_step(trainer: Trainer, iteration: int, sw: Stopwatch | None = None) -> None:
+def plain_step(trainer: Trainer[Any], iteration: int, sw: Stopwatch | None = None) -> None:
     """One iteration of a conventional data-parallel loop on the trainer's model and groups (whose
     collectives and optimizer step the worker times when it wrapped them)."""
     sw = sw or Stopwatch()
-    model, group, tp = trainer.state.model, trainer.groups.dp, trainer.groups.tp
+    model, group = trainer.state.model, trainer.groups.dp
     layout = trainer.layout
     mine = initial_plan(layout, trainer.topo.replicas_in(trainer.groups.record.members))[trainer.replica]
 
     def compute(mb: int) -> None:  # (no reseeding: a plain loop has no micro-batch identities)
-        tokens, labels = trainer.data.batch(iteration, mb)
-        lm_loss(model, tokens, labels, tp).backward()  # type: ignore[no-untyped-call]
+        trainer.job.loss(model, iteration, mb).backward()  # type: ignore[no-untyped-call]
 
     for mb in mine:
         sw.timed("compute", compute)(mb)

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,6 @@ from unicron.kernel.types import ErrorKind, Severity
 from unicron.runtime import membership
 from unicron.runtime.checkpoint import TorchSaveCheckpointer, has_checkpoint
 from unicron.runtime.comm import CommGroup, RendezvousStore
-from unicron.runtime.data import TokenSource
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.faults import FaultScript
 from unicron.runtime.gcpolicy import GcPolicy
@@ -82,8 +81,9 @@ from unicron.runtime.grads import (
     reduce_sum,
 )
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat
+from unicron.runtime.job import BatchT, Job, grad_dtype
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
-from unicron.runtime.model import ModelConfig, broken_group, build_gpt, lm_loss, rebind_groups
+from unicron.runtime.model import broken_group, rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, seed_rng
 from unicron.runtime.recovery import (
     RankStatus,
@@ -223,8 +223,8 @@ def severity_of_kind(kind: ErrorKind) -> Severity:
     return sev if sev is not None else Severity.SEV2
 
 
-class Trainer:
-    """Runs managed training on one rank (lifecycle: :class:`RankMode`)."""
+class Trainer(Generic[BatchT]):
+    """Runs managed training of ``job`` on one rank (lifecycle: :class:`RankMode`)."""
 
     def __init__(
         self,
@@ -233,11 +233,10 @@ class Trainer:
         topo: Topology,
         store: RendezvousStore,
         incarnation: int,
-        model_cfg: ModelConfig,
+        job: Job[BatchT],
         optim_cfg: OptimConfig,
         sched: ScheduleConfig,
         comm: CommSettings,
-        data: TokenSource,
         client: AgentClient,
         faults: FaultScript,
         checkpointer: Checkpointer | None = None,
@@ -248,8 +247,8 @@ class Trainer:
         if sched.recovery not in RECOVERY_MODES:
             raise ConfigError(f"--recovery {sched.recovery!r}: choose one of {RECOVERY_MODES}")
         self.rank, self.topo, self.store, self.incarnation = rank, topo, store, incarnation
-        self.model_cfg, self.optim_cfg, self.sched, self.comm = model_cfg, optim_cfg, sched, comm
-        self.data, self.client, self.faults = data, client, faults
+        self.job, self.optim_cfg, self.sched, self.comm = job, optim_cfg, sched, comm
+        self.client, self.faults = client, faults
         self.layout = BatchLayout(sched.micro_batches, sched.blocks or topo.replicas)
         self.checkpointer, self.ckpt_every, self.resume = checkpointer, ckpt_every, resume
         if isinstance(checkpointer, TorchSaveCheckpointer):
@@ -328,10 +327,10 @@ class Trainer:
 
     def _setup(self, groups: Groups) -> None:
         self._groups = groups
-        model = build_gpt(self.model_cfg, groups.tp)
+        model = self.job.build_model(groups.tp)
         self.model_tp = groups.tp
         state = ReplicaState(model, self.optim_cfg)
-        flat = FlatGrads(state.params, self.model_cfg.torch_dtype)
+        flat = FlatGrads(state.params, grad_dtype(state.params))
         prog = ReduceProgress(bucket_bounds(flat.numel + TAIL, self.sched.bucket_elems), flat.buf.dtype,
                               numel=flat.numel, scale=1.0 / self.layout.micro_batches)
         self._held = Held(state, flat, prog, self._accumulator(flat, self.sched.deterministic))
@@ -500,10 +499,9 @@ class Trainer:
         self.mb_position = 0
 
     def _forward_backward(self, mb: int) -> float:
-        if self.model_cfg.dropout > 0:  # the only consumer of randomness in the forward
-            seed_rng(mb_seed(self.sched.seed, self.it, mb))
-        tokens, labels = self.data.batch(self.it, mb)
-        loss = lm_loss(self.state.model, tokens, labels, self.groups.tp)
+        # Randomness in the forward (dropout) is the micro-batch's own, whichever rank computes it.
+        seed_rng(mb_seed(self.sched.seed, self.it, mb))
+        loss = self.job.loss(self.state.model, self.it, mb)
         loss.backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
 
