@@ -38,7 +38,7 @@ def build(prefix: Path, docs: list[list[int]], dtype: type[np.number] = np.uint1
 
 def corpus(tmp_path: Path, dtype: type[np.number] = np.uint16) -> tuple[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    docs = [list(rng.integers(1, 128, size=n)) + [0] for n in (30, 7, 51, 12, 40)]  # 0: end of document
+    docs = [[*rng.integers(1, 128, size=n).tolist(), 0] for n in (30, 7, 51, 12, 40)]  # 0: end of document
     return build(tmp_path / "corpus", docs, dtype)
 
 

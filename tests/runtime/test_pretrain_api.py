@@ -40,8 +40,6 @@ def test_mlp_kill_before_allreduce_at_several_positions(runner: Runner) -> None:
     regroups = failure_regroups(done, 0)
     assert [(e["it"], e["members"]) for e in regroups] == [(1, [0, 1, 2]), (2, [0, 1]), (3, [0])]
     assert [e["dp"] for e in done.events(0, "iteration")] == [4, 3, 2, 1, 1]
-    losses = done.result(0)["losses"]
-    assert losses[-1] < losses[0], f"the MLP did not learn: {losses}"
     assert_exact(done.params(0), runner.reference(args, script=EXAMPLE), False, "float64")
 
 
@@ -76,11 +74,11 @@ def test_the_job_builds_equal_replicas_and_checks_what_the_user_returns() -> Non
     a, b = job.build_model(solo_group()), job.build_model(solo_group())
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))  # init seed
     assert job.loss(a, 2, 1).dim() == 0
-    with pytest.raises(ConfigError, match="scalar tensor with a graph.*shape \\(2, 1\\)"):
+    with pytest.raises(ConfigError, match=r"scalar tensor with a graph.*shape \(2, 1\)"):
         _job(lambda batch, m: m(batch)).loss(a, 0, 0)
     with pytest.raises(ConfigError, match="got float"):
         _job(lambda batch, m: 1.0).loss(a, 0, 0)
-    with pytest.raises(ConfigError, match="must return a torch.nn.Module"):
+    with pytest.raises(ConfigError, match=r"must return a torch\.nn\.Module"):
         _job(lambda batch, m: m(batch).sum(), model="not a model").build_model(solo_group())
     mixed = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1).double())
     with pytest.raises(ConfigError, match="mix dtypes"):
