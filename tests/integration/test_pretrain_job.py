@@ -27,7 +27,8 @@ def test_a_killed_rank_of_an_api_job_is_relaunched_alone_and_rejoins(tmp_path: P
             spec = tmp_path / "mlp.json"
             command = [sys.executable, str(ROOT / "examples" / "pretrain_mlp.py"), "--iterations", "0",
                        "--iter-sleep", "0.05", "--global-batch-size", "16", "--micro-batch-size", "4"]
-            spec.write_text(json.dumps({"name": "mlp", "command": command, "min_gpus": 2, "recovery": "inprocess"}))
+            spec.write_text(json.dumps({"name": "mlp", "command": command, "min_gpus": 2, "recovery": "inprocess",
+                                        "env": {"PYTHONPATH": str(ROOT)}}))  # this checkout's unicron
             assert cli(["submit", str(spec)]) == 0
 
             def stepping(least: int) -> bool:
