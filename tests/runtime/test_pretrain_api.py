@@ -16,7 +16,7 @@ import torch
 from tests.runtime.conftest import COMM, Runner
 from tests.runtime.test_failures import assert_exact, failure_regroups
 from unicron.kernel.errors import ConfigError
-from unicron.runtime.api import Providers, training_data
+from unicron.runtime.api import Providers, make_parser, training_data
 from unicron.runtime.job import Job, grad_dtype
 from unicron.runtime.model import solo_group
 from unicron.runtime.scheduler import ScheduleConfig
@@ -99,3 +99,18 @@ def test_the_datasets_provider_returns_micro_batches_or_megatrons_triple() -> No
         training_data(provider((data, data, None)).datasets, args, sched)
     with pytest.raises(ConfigError, match="must have batch"):
         training_data(provider([1, 2]).datasets, args, sched)
+
+
+def test_the_command_line_is_the_runtimes_flags_the_jobs_own_and_megatron_style_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def extra(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--width", type=int, default=8)
+        return parser
+
+    defaults = {"global_batch_size": 48, "width": 16}
+    args = make_parser(extra, defaults).parse_args(["--micro-batch-size", "2"])
+    assert (args.global_batch_size, args.micro_batch_size, args.width, args.iterations) == (48, 2, 16, 10)
+    monkeypatch.setenv("UNICRON_TRAIN_GLOBAL_BATCH_SIZE", "96")  # the variable wins over args_defaults
+    assert make_parser(extra, defaults).parse_args([]).global_batch_size == 96
+    assert make_parser(extra, defaults).parse_args(["--global-batch-size", "8"]).global_batch_size == 8

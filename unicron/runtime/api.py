@@ -87,15 +87,25 @@ def pretrain(
     those ``extra_args_provider(parser)`` adds; ``args_defaults`` replaces flag defaults, as in
     Megatron (a flag or its ``UNICRON_TRAIN_*`` variable still wins).
     """
+    parser = make_parser(extra_args_provider, args_defaults, prog)
+    args = parser.parse_args(argv)
+    providers = Providers(train_valid_test_datasets_provider, model_provider, forward_step_func)
+    return run(args, providers, model_type, prog=parser.prog)
+
+
+def make_parser(
+    extra_args_provider: ExtraArgsProvider | None = None,
+    args_defaults: Mapping[str, object] | None = None,
+    prog: str | None = None,
+) -> argparse.ArgumentParser:
+    """The runtime's flags, the job's own, and ``args_defaults`` (below a flag's environment variable)."""
     parser = argparse.ArgumentParser(prog=prog, description="One rank of a job on Unicron's runtime.")
     add_runtime_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     defaults = {k: v for k, v in (args_defaults or {}).items() if env_name(k.replace("_", "-")) not in os.environ}
     parser.set_defaults(**defaults)
-    args = parser.parse_args(argv)
-    providers = Providers(train_valid_test_datasets_provider, model_provider, forward_step_func)
-    return run(args, providers, model_type, prog=parser.prog)
+    return parser
 
 
 def _env_int(name: str, default: int | None = None) -> int:
