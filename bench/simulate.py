@@ -55,8 +55,9 @@ def figure11(seeds: int) -> dict[str, object]:
     return out
 
 
-def scale_run(quick: bool) -> dict[str, object]:
+def scale_run(quick: bool, weeks_override: float | None = None) -> dict[str, object]:
     n_tasks, n_nodes, weeks = (50, 512, 2.0) if quick else (100, 2048, 8.0)
+    weeks = weeks_override or weeks
     workload = scale(n_tasks, n_nodes)
     trace = tr.poisson(0, n_nodes, weeks * tr.WEEK_S, name=f"poisson-{n_nodes * 8}")
     result = UnicronSim(workload, trace, CostSettings(), progress=True).run()
@@ -83,11 +84,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds and a small scale run (under a minute)")
     parser.add_argument("--seeds", type=int, help="seeds per trace (default 2 quick, 5 full)")
+    parser.add_argument("--part", choices=("all", "figure11", "scale"), default="all",
+                        help="run only Figure 11's ratios or only the scale run (default: both)")
+    parser.add_argument("--scale-weeks", type=float,
+                        help="simulated weeks of the scale run (default 8, quick 2): a shorter run for profiling")
     args = parser.parse_args()
+    if args.scale_weeks is not None and not args.scale_weeks > 0:
+        parser.error(f"--scale-weeks must be a positive number of weeks, got {args.scale_weeks}")
     started = time.perf_counter()
-    figures: dict[str, object] = {"quick": args.quick}
-    figures |= figure11(args.seeds or (2 if args.quick else 5))
-    figures |= scale_run(args.quick)
+    figures: dict[str, object] = {"quick": args.quick, "part": args.part}
+    if args.part in ("all", "figure11"):
+        figures |= figure11(args.seeds or (2 if args.quick else 5))
+    if args.part in ("all", "scale"):
+        figures |= scale_run(args.quick, args.scale_weeks)
     # The live coordinator re-plans from scratch on every event; nobody builds a LookupTable (issue 15
     # item 6, not done), so there is no hit rate to report.
     figures["lookup_hit_rate"] = "not built"
