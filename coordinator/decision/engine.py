@@ -537,9 +537,10 @@ class _Run:
         name, o = found
         if event.node is not None and o.waiting:
             if event.node in o.waiting:
-                o = self._task(name).outstanding
-                assert o is not None
-                o.waiting.remove(event.node)
+                own = self._task(name).outstanding
+                assert own is not None
+                own.waiting.remove(event.node)
+                o = own
             if o.waiting:
                 return  # the ranks on the other nodes have not been confirmed yet
         self._fire(name, _T.ACTION_OK, _Fault("confirmed"))
