@@ -93,7 +93,7 @@ def test_the_decision_core_answers_a_node_loss_from_the_table() -> None:
     for event in events:
         states = [c.handle(s, event)[0] for c, s in zip(cores, states, strict=True)]
         lookup.build_pending()
-    for name, entry in sorted(states[0].tasks.items()):  # confirm every assignment
+    for _, entry in sorted(states[0].tasks.items()):  # confirm every assignment
         if entry.outstanding is not None:
             ok = d.ActionSucceeded(ts=1.0, action_id=entry.outstanding.action_id)
             states = [c.handle(s, ok)[0] for c, s in zip(cores, states, strict=True)]
