@@ -125,6 +125,8 @@ class Grounding:
         self.throughput = throughput
         self.exposure = Exposure()
         self.failed = 0
+        # re-estimated at each failure, not at each decision: every new estimate re-plans the lookup table
+        self._reliability = prior
         self.rates: dict[str, StepRate] = {}
         self.measured: dict[str, Measured] = {}
         self._transitions: dict[str, list[tuple[float, float]]] = {}
@@ -139,8 +141,18 @@ class Grounding:
         measured = self.measured.get(task)
         return None if rate is None or measured is None else measured.flops.get(rate.gpus)
 
+    def seed(self, incidents: Iterable[Incident]) -> None:
+        """Transitions recorded before this process led (a new leader reads the incident records)."""
+        per_task: dict[str, list[tuple[float, float]]] = {}
+        for inc in incidents:
+            if inc.action == "reconfigure" and inc.transition_s is not None and inc.action_ts is not None:
+                for task in inc.tasks:
+                    per_task.setdefault(task, []).append((inc.action_ts, inc.transition_s))
+        self._transitions = {t: sorted(v)[-self.window:] for t, v in per_task.items()}
+
     def reliability(self) -> ReliabilityModel:
-        return reliability(self.prior, self.failed, self.exposure)
+        """The failure model as of the last failure observed."""
+        return self._reliability
 
     def decided(
         self, state: d.CoreState, event: d.Event, raised: Incident | None, costed: Iterable[Incident]
@@ -151,6 +163,7 @@ class Grounding:
         self.exposure = self.exposure.advance(event.ts, usable)
         if raised is not None and raised.severity is not None:
             self.failed += 1
+            self._reliability = reliability(self.prior, self.failed, self.exposure)
         for task, seconds in transition_times(costed).items():
             ts = max(i.action_ts or 0.0 for i in costed if task in i.tasks)
             kept = self._transitions.setdefault(task, [])
