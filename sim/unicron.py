@@ -2,8 +2,8 @@
 
 Every decision is ``DecisionCore.handle`` with the live coordinator's ``WafAllocator`` (which calls
 ``place``); the simulator only plays the daemon's part: it turns trace failures into the core's events
-(a sev1 ``lost_connection`` -> ``NodeLost``, any other failure -> a ``Report`` classified by
-``coordinator.causes.classify`` and raised as ``IncidentRaised``; a repair -> ``NodeJoined`` for a
+(every failure, a lost node included, -> a ``Report`` classified by ``coordinator.causes.classify``
+and raised as ``IncidentRaised``, as the daemon does; a repair -> ``NodeJoined`` for a
 lost node, ``NodeUndrained`` for an isolated one), carries out the actions by charging their cost
 (:class:`sim.costs.CostSettings`), and confirms each tracked action with ``ActionSucceeded`` and a
 ``ProgressMade`` at the current generation when its transition ends.
@@ -183,11 +183,8 @@ class UnicronSim(Simulation):
     def _detected(self, f: Failure, hit: list[str]) -> None:
         self.faulted = set(hit)
         try:
-            if f.severity == 1 and f.kind == ErrorKind.LOST_CONNECTION.value:
-                self.feed(d.NodeLost(ts=self.now, node=f.node, reason=f"{f.kind} (simulated)"),
-                          raised=self._incident_for(f, None).incident)
-            else:
-                self.feed(self._incident_for(f, hit[0] if hit and f.severity > 1 else None))
+            # a lost node too: the daemon records a node-health report for it and raises its incident
+            self.feed(self._incident_for(f, hit[0] if hit and f.severity > 1 else None))
         finally:
             self.faulted = set()
         for name in hit:  # a task the core did not act on (e.g. a stale incident) resumes as it was
