@@ -60,14 +60,14 @@ def figure11(seeds: int) -> dict[str, object]:
     return out
 
 
-def scale_run(quick: bool, weeks_override: float | None = None) -> dict[str, object]:
+def scale_run(quick: bool, weeks_override: float | None = None, lookup: bool = True) -> dict[str, object]:
     n_tasks, n_nodes, weeks = (50, 512, 2.0) if quick else (100, 2048, 8.0)
     weeks = weeks_override or weeks
     workload = scale(n_tasks, n_nodes)
     trace = tr.poisson(0, n_nodes, weeks * tr.WEEK_S, name=f"poisson-{n_nodes * 8}")
-    sim = UnicronSim(workload, trace, CostSettings(), progress=True)
+    sim = UnicronSim(workload, trace, CostSettings(), progress=True, lookup=lookup)
     result = sim.run()
-    lookup = sim.lookup_stats()
+    lookup_stats = sim.lookup_stats()
     setup_s = result.setup_s
     events = np.array(result.decide_ms[result.setup_events:])
     loop_s = result.wall_s - setup_s
@@ -85,7 +85,7 @@ def scale_run(quick: bool, weeks_override: float | None = None) -> dict[str, obj
         "decide_p99_ms": round(float(np.percentile(events, 99)), 2),
         "decide_max_ms": round(float(events.max()), 2),
         "decide_mean_ms": round(float(events.mean()), 2),
-        **lookup,
+        **lookup_stats,
         "measured_transition_s_median": _median(sim.allocator.transition_s.values()),
         "observed_gpu_failure_rate_per_hour": sim.allocator.planner.reliability.gpu_failure_rate_per_hour,
     }
@@ -104,15 +104,17 @@ def main() -> int:
                         help="run only Figure 11's ratios or only the scale run (default: both)")
     parser.add_argument("--scale-weeks", type=float,
                         help="simulated weeks of the scale run (default 8, quick 2): a shorter run for profiling")
+    parser.add_argument("--no-lookup", action="store_true",
+                        help="scale run without the lookup table: every plan solved (for comparison)")
     args = parser.parse_args()
     if args.scale_weeks is not None and not args.scale_weeks > 0:
         parser.error(f"--scale-weeks must be a positive number of weeks, got {args.scale_weeks}")
     started = time.perf_counter()
-    figures: dict[str, object] = {"quick": args.quick, "part": args.part}
+    figures: dict[str, object] = {"quick": args.quick, "part": args.part, "lookup": not args.no_lookup}
     if args.part in ("all", "figure11"):
         figures |= figure11(args.seeds or (2 if args.quick else 5))
     if args.part in ("all", "scale"):
-        figures |= scale_run(args.quick, args.scale_weeks)
+        figures |= scale_run(args.quick, args.scale_weeks, not args.no_lookup)
     figures["paper"] = {"waf_vs_megatron_trace_a": 1.2, "waf_vs_megatron_trace_b": 1.9, "waf_vs_oobleck_b": 3.8,
                         "waf_vs_varuna_b": 5.8, "waf_vs_bamboo_b": 4.8}
     figures["note"] = "ratios are outputs of sim/costs.py's model (docs/simulator.md), not measurements"

@@ -34,13 +34,15 @@ class UnicronSim(Simulation):
     system = "unicron"
 
     def __init__(
-        self, workload: Workload, trace: Trace, costs: CostSettings, seed: int = 0, progress: bool = False
+        self, workload: Workload, trace: Trace, costs: CostSettings, seed: int = 0, progress: bool = False,
+        lookup: bool = True,
     ) -> None:
+        """``lookup=False``: solve every plan (to measure what the lookup table saves)."""
         super().__init__(workload, trace, costs, seed, progress)
         # the live coordinator's planning path: a lookup table of the one-step changes from each plan,
         # built here between events instead of in a background thread (coordinator.lookup)
         self.lookup = PlanLookup(background=False, lazy=True)
-        self.allocator = WafAllocator(self.workload.gpu, lookup=self.lookup)
+        self.allocator = WafAllocator(self.workload.gpu, lookup=self.lookup if lookup else None)
         self.core = d.DecisionCore(d.DecisionSettings(), self.allocator)
         self.state = self.core.initial_state()
         # Eq. 1 costs per incident and the planner inputs measured from them, as the daemon keeps them
