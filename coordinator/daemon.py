@@ -682,8 +682,8 @@ class Coordinator:
                 "restarts": e.restarts, "step": e.last_step, "reason": e.reason,
                 "incidents": costs.get(name, (0, 0.0))[0], "recovery_s": round(costs.get(name, (0, 0.0))[1], 3),
                 # measured (None until measured): the planner's D_transition and T(t, x) inputs
-                "transition_s": _rounded(self.grounding.transition_s.get(name), 3),
-                "achieved_flops": _rounded(self.grounding.achieved_flops(name), -9),
+                "transition_s": _rounded(self.grounding.transition_s.get(name)),
+                "achieved_flops": _rounded(self.grounding.achieved_flops(name)),
             } for name, e in sorted(self.state.tasks.items())]
         return self._call(run)
 
@@ -732,8 +732,9 @@ def recovery_by_task(incidents: Iterable[Incident]) -> dict[str, tuple[int, floa
     return out
 
 
-def _rounded(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
+def _rounded(value: float | None) -> float | None:
+    """Four significant digits (FLOP/s and seconds alike), None kept."""
+    return None if value is None else float(f"{value:.4g}")
 
 
 def _gpus_in(state: d.CoreState, node: str) -> int:
