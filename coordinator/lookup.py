@@ -5,7 +5,8 @@ After each plan the allocator asks for a table of every one-step change from the
 per task holding GPUs, one for an idle node, one for a join), so that a node lost or joined later is
 answered by a dictionary lookup (:meth:`PlanLookup.answer`); anything else, or a table not built yet,
 is a miss and the allocator solves. A table is keyed by the exact problem (cluster, every task's demand,
-the planner), so a stale table can only miss, never answer the wrong problem.
+the planner), so a stale table can only miss, never answer the wrong problem - including a table
+asked for by a decision whose fenced write failed (the daemon never adopted that state).
 
 The decision loop never waits: ``answer`` reads whatever table is complete, ``expect`` only records the
 request. The simulator runs the same code without the thread (``background=False``): it calls
