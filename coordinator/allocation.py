@@ -7,10 +7,21 @@ the lead adapts it to :class:`Allocator`. Until then :class:`EvenAllocator` stan
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
+from coordinator.lookup import PlanLookup
 from coordinator.tasks import TaskSpec
-from plans.api import ClusterSpec, ModelSpec, PlanResult, TaskDemand, WafPlanner, gpu_type
+from plans.api import (
+    Calibration,
+    ClusterSpec,
+    ModelSpec,
+    PlanResult,
+    ReliabilityModel,
+    TaskDemand,
+    WafPlanner,
+    gpu_type,
+)
 from unicron.kernel import log as ulog
 
 log = ulog.get(__name__)
@@ -93,15 +104,29 @@ class EvenAllocator:
         return counts
 
 
-def task_demand(task: TaskSpec, current: Mapping[str, int], faulted: set[str]) -> TaskDemand:
+def model_spec(task: TaskSpec) -> ModelSpec:
     assert task.model is not None
     m = task.model
-    model = ModelSpec(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
-                      seq_len=m.seq_length, vocab=m.vocab_size, global_batch=m.global_batch_size, name=task.name)
+    return ModelSpec(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+                     seq_len=m.seq_length, vocab=m.vocab_size, global_batch=m.global_batch_size, name=task.name)
+
+
+def task_demand(
+    task: TaskSpec,
+    current: Mapping[str, int],
+    faulted: set[str],
+    transition_s: float | None = None,
+    calibration: Calibration | None = None,
+) -> TaskDemand:
+    """``transition_s``: the task's measured D_transition (None: the planner's default);
+    ``calibration``: its achieved FLOP/s (``coordinator.grounding``)."""
+    assert task.model is not None
     # The task was launched with a fixed TP x PP and micro-batch: only its data-parallel size is elastic.
-    return TaskDemand(name=task.name, model=model, weight=task.weight, min_gpus=task.min_gpus,
-                      current_gpus=current.get(task.name, 0), faulted=task.name in faulted,
-                      tp=task.tp_size, pp=task.pp_size, micro_batch=m.micro_batch_size)
+    demand = TaskDemand(name=task.name, model=model_spec(task), weight=task.weight, min_gpus=task.min_gpus,
+                        current_gpus=current.get(task.name, 0), faulted=task.name in faulted,
+                        tp=task.tp_size, pp=task.pp_size, micro_batch=task.model.micro_batch_size,
+                        calibration=calibration)
+    return demand if transition_s is None else replace(demand, transition_s=transition_s)
 
 
 class WafAllocator:
@@ -112,13 +137,53 @@ class WafAllocator:
     not accept (it never happened in the tests) makes the whole answer fall back to EvenAllocator.
     """
 
-    def __init__(self, gpu_type_name: str = "A800", planner: WafPlanner | None = None) -> None:
+    def __init__(
+        self, gpu_type_name: str = "A800", planner: WafPlanner | None = None, lookup: PlanLookup | None = None
+    ) -> None:
         self.gpu = gpu_type(gpu_type_name)
         self.planner = planner or WafPlanner()
         self.fallback = EvenAllocator()
+        #: the table of one-step changes from the last plan (None: always solve)
+        self.lookup = lookup
         #: the planner's answer to the last call (its modelled FLOP/s and WAF per task, for the
         #: daemon's metrics); None when that call fell back to EvenAllocator
         self.last_plan: PlanResult | None = None
+        #: measured planner inputs per task (``ground``)
+        self.transition_s: dict[str, float] = {}
+        self.calibration: dict[str, Calibration] = {}
+        self._last: tuple[list[TaskSpec], int, int, dict[str, int]] | None = None
+
+    def ground(
+        self,
+        transition_s: Mapping[str, float] | None = None,
+        calibration: Mapping[str, Calibration] | None = None,
+        reliability: ReliabilityModel | None = None,
+    ) -> bool:
+        """Take measured inputs (``coordinator.grounding``) for the next plans; True if any changed (the
+        lookup table is then rebuilt for them). Call it only with an adopted decision's measurements."""
+        changed = False
+        if transition_s is not None and dict(transition_s) != self.transition_s:
+            self.transition_s, changed = dict(transition_s), True
+        if calibration is not None and dict(calibration) != self.calibration:
+            self.calibration, changed = dict(calibration), True
+        if reliability is not None and reliability != self.planner.reliability:
+            self.planner = WafPlanner(unit=self.planner.unit, reliability=reliability, cost=self.planner.cost)
+            changed = True
+        if changed:
+            self._expect()
+        return changed
+
+    def _demands(self, tasks: Sequence[TaskSpec], current: Mapping[str, int], faulted: set[str]) -> list[TaskDemand]:
+        return [task_demand(t, current, faulted, self.transition_s.get(t.name), self.calibration.get(t.name))
+                for t in tasks]
+
+    def _expect(self) -> None:
+        """Ask for a lookup table of the one-step changes from the last plan's state."""
+        if self.lookup is None or self._last is None:
+            return
+        tasks, healthy_gpus, gpus_per_node, counts = self._last
+        cluster = ClusterSpec(gpu_type=self.gpu, n_gpus=healthy_gpus, gpus_per_node=gpus_per_node)
+        self.lookup.expect(cluster, self._demands(tasks, counts, set()), self.planner)
 
     def allocate(
         self,
@@ -140,11 +205,17 @@ class WafAllocator:
             log.info("tasks without a model description: allocating evenly", tasks=unmodelled)
             return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         cluster = ClusterSpec(gpu_type=self.gpu, n_gpus=healthy_gpus, gpus_per_node=gpus_per_node)
-        result = self.planner.plan(cluster, [task_demand(t, current, faulted) for t in tasks])
+        demands = self._demands(tasks, current, faulted)
+        result = self.lookup.answer(cluster, demands, self.planner) if self.lookup is not None else None
+        if result is None:
+            result = self.planner.plan(cluster, demands)
         counts = {t.name: result.allocation.get(t.name, 0) for t in tasks}
         bad = [t.name for t in tasks if not t.valid_count(counts[t.name])]
         if bad or sum(counts.values()) > healthy_gpus:
             log.warning("planner answer not runnable: allocating evenly", tasks=bad, planned=counts, usable=healthy_gpus)
             return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         self.last_plan = result
+        # the next event is most likely one node lost or joined from here: have its plan ready
+        self._last = (list(tasks), healthy_gpus, gpus_per_node, counts)
+        self._expect()
         return counts

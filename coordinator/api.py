@@ -53,7 +53,8 @@ class ControlPlane(Protocol):
 
     def tasks(self) -> list[dict[str, Any]]:
         """Every task with its state: name, phase, weight, min_gpus, gpus, generation, nodes, restarts,
-        step, reason, incidents, recovery_s (JSON-serialisable values)."""
+        step, reason, incidents, recovery_s, transition_s (measured D_transition, None until a
+        reconfiguration was measured), achieved_flops (measured, None until measured) (JSON-serialisable values)."""
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node as the coordinator sees it (JSON-serialisable values, "node" = its name)."""

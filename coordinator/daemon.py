@@ -34,8 +34,10 @@ from coordinator.alerts import AlertMessage, WebhookNotifier
 from coordinator.allocation import WafAllocator
 from coordinator.costs import CostTracker
 from coordinator.executor import Executor
+from coordinator.grounding import Grounding
 from coordinator.leader import Leadership
 from coordinator.link import LinkServer
+from coordinator.lookup import PlanLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import TaskSpec
@@ -168,11 +170,16 @@ class Coordinator:
         self._incident_keys: collections.deque[str] = collections.deque()
         self._incident_set: set[str] = set()
         self.deposed = False
+        # plans for a node lost or joined are solved ahead, in a background thread (coordinator.lookup)
+        self.lookup = PlanLookup(background=True)
+        self.allocator = WafAllocator(settings.gpu_type, lookup=self.lookup)
         self.core = d.DecisionCore(
             d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
                                restart_deadline_s=settings.restart_deadline_s),
-            WafAllocator(settings.gpu_type),
+            self.allocator,
         )
+        # the planner's inputs measured from adopted decisions (D_transition, failure rate, FLOP/s)
+        self.grounding = Grounding(self.allocator.planner.reliability)
         self.state = self.core.initial_state()
         self.executor = Executor(self.keys, self._spec, self._node_gpus,
                                  max_restarts=self.core.settings.max_restarts_without_progress)
@@ -214,6 +221,7 @@ class Coordinator:
         if not self.leadership.campaign(self.stop_event):
             return 0
         self._load_state()
+        self.lookup.start()
         self._start_watches()
         threading.Thread(target=self._ticker, name="ticker", daemon=True).start()
         self.metrics.leader.set(1)
@@ -236,6 +244,7 @@ class Coordinator:
 
     def _shutdown(self) -> None:
         self.metrics.leader.set(0)
+        self.lookup.stop()
         if self._api_server is not None:
             api.stop(self._api_server)
         if self._metrics_server is not None:
@@ -541,6 +550,9 @@ class Coordinator:
                 self.recent_incidents.append(Incident.from_json(kv.value))
             except InvalidRecord as exc:
                 log.warning("ignoring unreadable incident record", key=kv.key, error=str(exc))
+        # measured transitions survive a leader change: they are in the incident records
+        self.grounding.seed(self.recent_incidents)
+        self.grounding.apply(self.allocator)
 
     def _spec(self, task: str) -> TaskSpec | None:
         entry = self.state.tasks.get(task)
@@ -597,12 +609,15 @@ class Coordinator:
                 k: v for k, v in d.to_dict(action).items() if k != "type" and isinstance(v, str | int | float)})
             if isinstance(action, d.Alert):
                 self._alert(action, event.ts)
-        self._observe(state, actions, costed, raised)
+        self._observe(state, event, actions, costed, raised)
         return {inc.incident_id: inc for inc in costed}
 
-    def _observe(self, state: d.CoreState, actions: Sequence[d.Action], costed: Sequence[Incident],
-                 raised: Incident | None) -> None:
-        """Metrics and the in-memory incident list after an adopted decision."""
+    def _observe(self, state: d.CoreState, event: d.Event, actions: Sequence[d.Action],
+                 costed: Sequence[Incident], raised: Incident | None) -> None:
+        """Metrics, the in-memory incident list and the planner's measured inputs after an adopted
+        decision (never before: a decision whose write failed teaches the planner nothing)."""
+        self.grounding.decided(state, event, raised, costed)
+        self.grounding.apply(self.allocator)
         self.metrics.state(state)
         plan = self.core.allocator.last_plan if isinstance(self.core.allocator, WafAllocator) else None
         if actions and plan is not None:
@@ -666,6 +681,9 @@ class Coordinator:
                 "gpus": len(e.all_ranks()), "generation": e.generation, "nodes": sorted(e.placement),
                 "restarts": e.restarts, "step": e.last_step, "reason": e.reason,
                 "incidents": costs.get(name, (0, 0.0))[0], "recovery_s": round(costs.get(name, (0, 0.0))[1], 3),
+                # measured (None until measured): the planner's D_transition and T(t, x) inputs
+                "transition_s": _rounded(self.grounding.transition_s.get(name)),
+                "achieved_flops": _rounded(self.grounding.achieved_flops(name)),
             } for name, e in sorted(self.state.tasks.items())]
         return self._call(run)
 
@@ -712,6 +730,11 @@ def recovery_by_task(incidents: Iterable[Incident]) -> dict[str, tuple[int, floa
             n, total = out.get(task, (0, 0.0))
             out[task] = (n + 1, total + inc.recovery_s)
     return out
+
+
+def _rounded(value: float | None) -> float | None:
+    """Four significant digits (FLOP/s and seconds alike), None kept."""
+    return None if value is None else float(f"{value:.4g}")
 
 
 def _gpus_in(state: d.CoreState, node: str) -> int:

@@ -67,10 +67,10 @@ class _Problem:
         self.count = {t: counts[t] for t in self.tasks}
         self.tp = {t: tp[t] for t in self.tasks}
         self.cur: Keep = {}
+        # by each task's holdings, not by every node: 100 tasks on 2,048 nodes hold a few thousand pairs
         for t in self.tasks:
-            held = current.get(t, {})
-            whole = {n: held.get(n, 0) // self.tp[t] * self.tp[t] for n in self.nodes}
-            self.cur[t] = {n: g for n, g in whole.items() if g > 0}
+            held, size = current.get(t, {}), self.tp[t]
+            self.cur[t] = {n: g for n in sorted(held) if n in self.cap and (g := held[n] // size * size) > 0}
         self.sizes = sorted(set(self.tp.values()))
         self.chain = all(b % a == 0 for a, b in zip(self.sizes, self.sizes[1:], strict=False))
         self.total_cap = sum(self.cap.values())
@@ -83,22 +83,34 @@ class _Problem:
     def upper_bound(self) -> int:
         return sum(min(self.count[t], sum(self.cur[t].values())) for t in self.tasks)
 
-    def small(self, keep: Keep, node: str, s: int) -> int:
-        """GPUs kept on ``node`` by tasks whose TP is below ``s``."""
-        return sum(keep[t].get(node, 0) for t in self.tasks if self.tp[t] < s)
-
     def foot(self, node: str, x: int, s: int) -> int:
         return x + (self.cap[node] - x) % s
 
+    def load(self, keep: Keep) -> Keep:
+        """``keep`` by node: node -> task -> GPUs (tasks in name order), nodes holding nothing left out."""
+        out: Keep = {}
+        for t in self.tasks:
+            for n, g in keep[t].items():
+                if g:
+                    out.setdefault(n, {})[t] = g
+        return out
+
+    def small_in(self, row: Mapping[str, int], s: int) -> int:
+        """GPUs kept on a node by tasks whose TP is below ``s``, from its row of :meth:`load`."""
+        return sum(g for t, g in row.items() if self.tp[t] < s)
+
     def violated(self, keep: Keep) -> int | None:
         """The smallest block size whose new blocks cannot all be placed, or None if the keep is feasible."""
-        for n in self.nodes:
-            if sum(keep[t].get(n, 0) for t in self.tasks) > self.cap[n]:
+        load = self.load(keep)
+        for n, row in load.items():
+            if sum(row.values()) > self.cap[n]:
                 return self.sizes[0]
         if not self.chain:
             return _simulate_fill(self, keep)
         for s in self.sizes:
-            spoilt = sum(self.foot(n, self.small(keep, n, s), s) for n in self.nodes)
+            # a node holding nothing spoils cap mod s
+            spoilt = sum(self.cap[n] % s for n in self.nodes if n not in load)
+            spoilt += sum(self.foot(n, self.small_in(row, s), s) for n, row in load.items())
             if spoilt > self.total_cap - self.demand_ge[s]:
                 return s
         return None
@@ -126,9 +138,11 @@ def _greedy_keep(p: _Problem) -> Keep:
             node = min(keep[t], key=lambda n: (keep[t][n], n))
             _drop(keep, t, node, p.tp[t])
     # a node that shrank below what it holds gives up its smallest blocks first
+    load = p.load(keep)
     for n in p.nodes:
-        while sum(keep[t].get(n, 0) for t in p.tasks) > p.cap[n]:
-            t = min((t for t in p.tasks if keep[t].get(n, 0)), key=lambda t: (p.tp[t], t))
+        row = load.get(n, {})
+        while sum(keep[t].get(n, 0) for t in row) > p.cap[n]:
+            t = min((t for t in row if keep[t].get(n, 0)), key=lambda t: (p.tp[t], t))
             _drop(keep, t, n, p.tp[t])
     while (s := p.violated(keep)) is not None:
         if not _repair_step(p, keep, s):
@@ -139,9 +153,8 @@ def _greedy_keep(p: _Problem) -> Keep:
     return keep
 
 
-def _cost_to_free(p: _Problem, keep: Keep, node: str, s: int) -> int | None:
-    """GPUs of smaller-TP keeps to drop on ``node`` before it offers one more s-slot."""
-    x = p.small(keep, node, s)
+def _cost_to_free(p: _Problem, x: int, node: str, s: int) -> int | None:
+    """GPUs of smaller-TP keeps (``x`` of them on ``node``) to drop before it offers one more s-slot."""
     if x == 0:
         return None
     base = p.foot(node, x, s)
@@ -154,20 +167,21 @@ def _cost_to_free(p: _Problem, keep: Keep, node: str, s: int) -> int | None:
 def _repair_step(p: _Problem, keep: Keep, s: int) -> bool:
     """Drop one kept block that brings an s-slot closer at least cost; False if nothing can be dropped."""
     best: tuple[int, str] | None = None
-    for n in p.nodes:
-        cost = _cost_to_free(p, keep, n, s)
+    load = p.load(keep)  # a node holding nothing has nothing to drop
+    for n, row in load.items():
+        cost = _cost_to_free(p, p.small_in(row, s), n, s)
         if cost is not None and (best is None or (cost, n) < best):
             best = (cost, n)
     if best is not None:
         node = best[1]
-        task = min((t for t in p.tasks if p.tp[t] < s and keep[t].get(node, 0)), key=lambda t: (p.tp[t], t))
+        task = min((t for t in load[node] if p.tp[t] < s), key=lambda t: (p.tp[t], t))
         _drop(keep, task, node, p.tp[task])
         return True
     # not a chain (or only same-size keeps left): free the fullest node's smallest block
-    held = [(n, t) for n in p.nodes for t in p.tasks if keep[t].get(n, 0)]
+    held = [(n, t) for n, row in load.items() for t in row]
     if not held:
         return False
-    node, task = min(held, key=lambda nt: (p.tp[nt[1]], -sum(keep[t].get(nt[0], 0) for t in p.tasks), nt))
+    node, task = min(held, key=lambda nt: (p.tp[nt[1]], -sum(load[nt[0]].values()), nt))
     _drop(keep, task, node, p.tp[task])
     return True
 
@@ -185,9 +199,12 @@ class _Search:
         self.free_tasks = [t for t in p.tasks if p.tp[t] < top]
         # top-TP tasks keep what the greedy kept: it is as much as they can, and where is irrelevant
         self.fixed: Keep = {t: dict(incumbent[t]) for t in p.tasks if p.tp[t] == top}
-        self.fixed_on = {n: sum(self.fixed[t].get(n, 0) for t in self.fixed) for n in p.nodes}
+        fixed_load = p.load({t: self.fixed.get(t, {}) for t in p.tasks})
+        self.fixed_on = {n: sum(fixed_load.get(n, {}).values()) for n in p.nodes}
         self.fixed_kept = p.kept(self.fixed)
-        self.pairs = [(n, t) for n in p.nodes for t in self.free_tasks if p.cur[t].get(n, 0)]
+        free = set(self.free_tasks)
+        cur_load = p.load(p.cur)
+        self.pairs = [(n, t) for n in p.nodes for t in cur_load.get(n, {}) if t in free]
         self.node_done_at = {n: i for i, (n, _) in enumerate(self.pairs)}  # index of a node's last pair
         # holdings still undecided from pair i on, per task, for the bound
         self.rest = [{t: 0 for t in self.free_tasks} for _ in range(len(self.pairs) + 1)]
@@ -252,14 +269,16 @@ class _Search:
 def _fill(p: _Problem, keep: Keep) -> dict[str, dict[str, int]]:
     """Add the new blocks to ``keep``, largest TP first; PermanentError(msg, size) if one does not fit."""
     out: dict[str, dict[str, int]] = {t: dict(keep[t]) for t in p.tasks}
-    free = {n: p.cap[n] - sum(out[t].get(n, 0) for t in p.tasks) for n in p.nodes}
+    load = p.load(out)
+    free = {n: p.cap[n] - sum(load.get(n, {}).values()) for n in p.nodes}
     for t in sorted(p.tasks, key=lambda t: (-p.tp[t], t)):
         size = p.tp[t]
         for _ in range((p.count[t] - sum(out[t].values())) // size):
-            fits = [n for n in p.nodes if free[n] >= size]
-            if not fits:
+            row = out[t]
+            node = min((n for n in p.nodes if free[n] >= size), key=lambda n: (-row.get(n, 0), free[n], n),
+                       default=None)
+            if node is None:
                 raise PermanentError(f"placement: no node has {size} free GPUs for task {t!r}", size)
-            node = min(fits, key=lambda n: (-out[t].get(n, 0), free[n], n))
             out[t][node] = out[t].get(node, 0) + size
             free[node] -= size
     return out

@@ -2,8 +2,8 @@
 
 Every decision is ``DecisionCore.handle`` with the live coordinator's ``WafAllocator`` (which calls
 ``place``); the simulator only plays the daemon's part: it turns trace failures into the core's events
-(a sev1 ``lost_connection`` -> ``NodeLost``, any other failure -> a ``Report`` classified by
-``coordinator.causes.classify`` and raised as ``IncidentRaised``; a repair -> ``NodeJoined`` for a
+(every failure, a lost node included, -> a ``Report`` classified by ``coordinator.causes.classify``
+and raised as ``IncidentRaised``, as the daemon does; a repair -> ``NodeJoined`` for a
 lost node, ``NodeUndrained`` for an isolated one), carries out the actions by charging their cost
 (:class:`sim.costs.CostSettings`), and confirms each tracked action with ``ActionSucceeded`` and a
 ``ProgressMade`` at the current generation when its transition ends.
@@ -19,23 +19,38 @@ import time
 from coordinator import decision as d
 from coordinator.allocation import WafAllocator
 from coordinator.causes import classify
+from coordinator.costs import CostTracker
+from coordinator.grounding import Grounding
+from coordinator.lookup import PlanLookup
 from sim.costs import CostSettings, method_of
 from sim.engine import DETECT, IDLE, RUN, TRANSITION, Simulation
 from sim.trace import Failure, Trace
 from sim.workload import Workload
 from unicron.kernel.errors import PermanentError
-from unicron.kernel.types import ErrorKind, Report, Severity
+from unicron.kernel.types import ErrorKind, Incident, Report, Severity
 
 
 class UnicronSim(Simulation):
     system = "unicron"
 
     def __init__(
-        self, workload: Workload, trace: Trace, costs: CostSettings, seed: int = 0, progress: bool = False
+        self, workload: Workload, trace: Trace, costs: CostSettings, seed: int = 0, progress: bool = False,
+        lookup: bool = True,
     ) -> None:
+        """``lookup=False``: solve every plan (to measure what the lookup table saves)."""
         super().__init__(workload, trace, costs, seed, progress)
-        self.core = d.DecisionCore(d.DecisionSettings(), WafAllocator(self.workload.gpu))
+        # the live coordinator's planning path: a lookup table of the one-step changes from each plan,
+        # built here between events instead of in a background thread (coordinator.lookup)
+        self.lookup = PlanLookup(background=False, lazy=True)
+        self.allocator = WafAllocator(self.workload.gpu, lookup=self.lookup if lookup else None)
+        self.core = d.DecisionCore(d.DecisionSettings(), self.allocator)
         self.state = self.core.initial_state()
+        # Eq. 1 costs per incident and the planner inputs measured from them, as the daemon keeps them
+        self.tracker = CostTracker()
+        # T(t, x) is not calibrated here: the simulator's progress events confirm recoveries, they are
+        # not training steps, and its throughput is the planner's own model anyway
+        self.grounding = Grounding(self.allocator.planner.reliability, throughput=False)
+        self.lookup_counts = (0, 0)  # (hits, misses) at the end of setup
         self.pending: dict[str, str] = {}  # task -> the action id its transition will confirm
         self.steps: dict[str, int] = {t: 0 for t in self.tasks}
         self.faulted: set[str] = set()  # tasks that lost work in the failure being handled
@@ -45,10 +60,22 @@ class UnicronSim(Simulation):
 
     # -- the daemon's part ----------------------------------------------------------------------------
 
-    def feed(self, event: d.Event) -> list[d.Action]:
+    def feed(self, event: d.Event, raised: Incident | None = None) -> list[d.Action]:
+        """One event through the core, then what the daemon does after adopting a decision: the Eq. 1
+        costs, the measured planner inputs, the lookup table for the new state. ``raised``: the
+        incident behind the event (the daemon records one for a lost node too)."""
+        if raised is None and isinstance(event, d.IncidentRaised):
+            raised = event.incident
+        before, solved = self.state, self.lookup.solve_s
         started = time.perf_counter()
-        self.state, actions = self.core.handle(self.state, event)
-        self.result.decide_ms.append((time.perf_counter() - started) * 1000)
+        self.state, actions = self.core.handle(before, event)
+        # a lazy table entry solved inside this call was solved in the background, before the event,
+        # by the live coordinator: it is not part of the decision's time
+        self.result.decide_ms.append((time.perf_counter() - started - (self.lookup.solve_s - solved)) * 1000)
+        self.tracker, costed = self.tracker.step(before, self.state, event.ts, raised)
+        self.grounding.decided(self.state, event, raised, costed)
+        self.grounding.apply(self.allocator)
+        self.lookup.build_pending()
         self.actions_log.extend(actions)
         for action in actions:
             self.carry_out(action)
@@ -117,6 +144,13 @@ class UnicronSim(Simulation):
         while self._heap and self._heap[0][0] == 0.0:
             _, _, callback = heapq.heappop(self._heap)
             callback()
+        self.lookup_counts = (self.lookup.hits, self.lookup.misses)
+
+    def lookup_stats(self) -> dict[str, object]:
+        """Plans answered by the lookup table after the setup, and those solved."""
+        hits, misses = self.lookup.hits - self.lookup_counts[0], self.lookup.misses - self.lookup_counts[1]
+        return {"lookup_hits": hits, "lookup_misses": misses,
+                "lookup_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
 
     def _incident_for(self, f: Failure, task: str | None) -> d.IncidentRaised:
         entry = self.state.tasks.get(task) if task else None
@@ -151,10 +185,8 @@ class UnicronSim(Simulation):
     def _detected(self, f: Failure, hit: list[str]) -> None:
         self.faulted = set(hit)
         try:
-            if f.severity == 1 and f.kind == ErrorKind.LOST_CONNECTION.value:
-                self.feed(d.NodeLost(ts=self.now, node=f.node, reason=f"{f.kind} (simulated)"))
-            else:
-                self.feed(self._incident_for(f, hit[0] if hit and f.severity > 1 else None))
+            # a lost node too: the daemon records a node-health report for it and raises its incident
+            self.feed(self._incident_for(f, hit[0] if hit and f.severity > 1 else None))
         finally:
             self.faulted = set()
         for name in hit:  # a task the core did not act on (e.g. a stale incident) resumes as it was

@@ -51,3 +51,23 @@ def test_lookup_is_a_lookup() -> None:
     assert (time.perf_counter() - begin) / 2000 < 1e-3
     with pytest.raises(InvalidRecord, match="holds no GPUs"):
         table.on_node_lost("nobody")
+
+
+def test_answer_finds_exactly_the_tables_problems_and_lazy_equals_eager() -> None:
+    cluster, tasks = case(4)
+    start = WafPlanner().plan(cluster, tasks)
+    running = [replace(t, current_gpus=start.allocation[t.name]) for t in tasks]
+    eager = LookupTable(cluster, running)
+    lazy = LookupTable(cluster, running, eager.planner, lazy=True)
+    assert lazy.solve_s == 0.0  # nothing solved until asked
+    holder = next(t.name for t in running if t.current_gpus > 0)
+    smaller = replace(cluster, n_gpus=cluster.n_gpus - cluster.gpus_per_node)
+    lost = [replace(t, faulted=t.name == holder) for t in running]
+    for table in (eager, lazy):
+        found = table.answer(smaller, lost)
+        assert found is not None and found.allocation == eager.on_node_lost(holder).allocation
+        joined = table.answer(replace(cluster, n_gpus=cluster.n_gpus + cluster.gpus_per_node), running)
+        assert joined is not None and joined.allocation == eager.on_node_joined().allocation
+        assert table.answer(cluster, running) is None  # the base state itself is not a one-step change
+        assert table.answer(smaller, [replace(t, faulted=True) for t in running]) is None
+    assert lazy.solve_s > 0.0

@@ -60,11 +60,12 @@ def test_sev1_isolates_the_node_and_the_core_replans_the_task() -> None:
     assert result.lost_detection > 0 and result.lost_transition > 0 and result.lost_sub_healthy > 0
 
 
-def test_a_lost_node_reaches_the_core_as_node_lost_and_rejoins() -> None:
+def test_a_lost_node_is_isolated_as_the_daemon_does_and_rejoins() -> None:
+    """The daemon records a node-health report for a lost agent and raises its sev1 incident."""
     task, node = biggest_task()
     sim = UnicronSim(case(5), one_failure(node, 1, "lost_connection", repair_s=DAY), CostSettings())
     sim.run()
-    assert not [a for a in sim.actions_log if isinstance(a, d.IsolateNode)]  # no agent to tell
+    assert [a.node for a in sim.actions_log if isinstance(a, d.IsolateNode)] == [node]
     assert node not in assigns(sim, task)[1].placement
     assert sim.state.nodes[node].status is d.NodeState.UP
 

@@ -30,7 +30,7 @@ from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
 TASK_COLUMNS = (
     "name", "phase", "weight", "min_gpus", "gpus", "nodes", "generation", "restarts", "step", "incidents",
-    "recovery_s", "reason",
+    "recovery_s", "transition_s", "achieved_flops", "reason",
 )
 _RETRY_PAUSE_S = 0.3
 

@@ -1,0 +1,94 @@
+"""The planner's measured inputs (coordinator.grounding): pure functions over incidents and progress."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coordinator import decision as d
+from coordinator.allocation import WafAllocator, model_spec
+from coordinator.grounding import (
+    Exposure,
+    Grounding,
+    Measured,
+    StepRate,
+    achieved_flops,
+    failures,
+    reliability,
+    transition_times,
+)
+from plans.api import ReliabilityModel
+from sim.workload import gpt3_task
+from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, Severity
+
+
+def _incident(i: int, action: str | None, transition: float | None, tasks: list[str],
+              severity: Severity | None = Severity.SEV1) -> Incident:
+    return Incident(incident_id=f"i{i}", severity=severity, method=DetectionMethod.NODE_HEALTH,
+                    kind=ErrorKind.LOST_CONNECTION, node="n1", message="", task=None, gpu=None, rank=None,
+                    step=None, source_ts=float(i), detected_ts=float(i), report_id=f"r{i}", action=action,
+                    action_ts=float(i), tasks=tasks, transition_s=transition)
+
+
+def test_transition_is_the_median_of_the_tasks_last_reconfigurations() -> None:
+    incs = [_incident(i, "reconfigure", float(10 * i), ["a"]) for i in range(1, 8)]  # 10..70 s
+    incs += [_incident(20, "restart", 999.0, ["a"]),  # not a reconfiguration
+             _incident(21, "reconfigure", None, ["a"]),  # not confirmed yet
+             _incident(22, "reconfigure", 5.0, ["b", "c"])]
+    got = transition_times(incs, window=5)
+    assert got == {"a": 50.0, "b": 5.0, "c": 5.0}  # a: median of its last five, 30..70
+
+
+def test_failure_rate_follows_the_failures_over_the_exposure() -> None:
+    exposure = Exposure().advance(0.0, 128).advance(3600.0, 64).advance(7200.0, 64)
+    assert exposure.gpu_hours == pytest.approx(128 + 64)
+    incs = [_incident(1, None, None, []), _incident(2, None, None, [], severity=None)]
+    assert failures(incs) == 1  # a degradation is not a failure
+    prior = ReliabilityModel()
+    calm, rough = reliability(prior, 0, exposure), reliability(prior, 50, exposure)
+    assert calm.gpu_failure_rate_per_hour < prior.gpu_failure_rate_per_hour < rough.gpu_failure_rate_per_hour
+    assert rough == prior.observe(50, 192.0)
+
+
+def test_step_rate_restarts_with_a_new_configuration() -> None:
+    rate = StepRate(1, 8, (0.0, 10), (0.0, 10)).advance(1, 8, 2.0, 12)
+    assert rate.steps_per_s() is None  # fewer than three steps
+    rate = rate.advance(1, 8, 4.0, 14)
+    assert rate.steps_per_s() == pytest.approx(1.0)
+    assert achieved_flops(2e15, rate) == pytest.approx(2e15)
+    moved = rate.advance(2, 16, 5.0, 15)  # reconfigured: a new measurement
+    assert moved.first == (5.0, 15) and moved.steps_per_s() is None
+
+
+def test_a_measured_point_moves_only_beyond_the_tolerance() -> None:
+    m = Measured().with_point(8, 100.0)
+    assert m.with_point(8, 105.0) is m
+    assert m.with_point(8, 120.0).flops == {8: 120.0}
+    assert m.with_point(16, 150.0).calibration() is not None
+
+
+def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None:
+    spec = gpt3_task("a", "1.3B", 1.0)
+    core = d.DecisionCore()
+    state = core.initial_state()
+    state, _ = core.handle(state, d.NodeJoined(ts=0.0, node="n1", gpus=8))
+    state, acts = core.handle(state, d.TaskSubmitted(ts=0.0, spec=spec))
+    state, _ = core.handle(state, d.ActionSucceeded(ts=1.0, action_id=acts[0].action_id))
+    g = Grounding(ReliabilityModel())
+    gen = state.tasks["a"].generation
+    for i, step in enumerate(range(1, 6)):  # one step every 2 s at 8 GPUs
+        event = d.ProgressMade(ts=10.0 + 2 * i, task="a", step=step, generation=gen)
+        state, _ = core.handle(state, event)
+        g.decided(state, event, None, [])
+    expected = model_spec(spec).flops_per_iteration / 2.0
+    assert g.achieved_flops("a") == pytest.approx(expected)
+    inc = dataclasses.replace(_incident(3, "reconfigure", 42.0, ["a"]))
+    g.decided(state, d.Tick(ts=30.0), inc, [inc])
+    assert g.transition_s == {"a": 42.0} and g.failed == 1
+    alloc = WafAllocator("A800")
+    assert g.apply(alloc)
+    assert alloc.transition_s == {"a": 42.0}
+    assert alloc.calibration["a"].measured == {8: pytest.approx(expected)}
+    assert alloc.planner.reliability == g.reliability() == reliability(g.prior, 1, g.exposure)
+    assert not g.apply(alloc)  # nothing new
