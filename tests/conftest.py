@@ -56,7 +56,7 @@ def prefix() -> str:
 
 #: the certificates of :func:`cert_dir`: (role, name)
 CERTS = ((tls.Role.COORDINATOR, "coordinator"), (tls.Role.OPERATOR, "operator"), (tls.Role.NODE, "node1"),
-         (tls.Role.NODE, "node2"), (tls.Role.ETCD, "etcd"), (tls.Role.OPERATOR, "root"))
+         (tls.Role.NODE, "node2"), (tls.Role.ETCD, "etcd"), (tls.Role.ETCD, "root"))
 
 
 def make_certs(directory: Path) -> Path:

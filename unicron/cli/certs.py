@@ -12,7 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
-from unicron.kernel import tls
+from unicron.kernel import etcdauth, tls
+from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
 
 
 def _default_dir() -> str:
@@ -34,6 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q.add_argument("--host", action="append", default=[], metavar="HOST",
                    help="a DNS name or IP address the holder serves on (repeatable; NAME and loopback are always in)")
     q.set_defaults(func=cmd_issue)
+    q = certs.add_parser("etcd-auth", help="create etcd users/roles for every certificate in --dir and enable "
+                                            "etcd auth (run as root: DIR/root.crt)")
+    q.add_argument("--dir", default=_default_dir(), help="the certificates (env: UNICRON_TLS_DIR; default ./certs)")
+    q.add_argument("--etcd", default=os.environ.get("UNICRON_ETCD", "127.0.0.1:2379"),
+                   help="one etcd endpoint host:port (env: UNICRON_ETCD)")
+    q.add_argument("--prefix", default=os.environ.get("UNICRON_PREFIX", DEFAULT_PREFIX),
+                   help=f"the cluster's etcd key prefix (env: UNICRON_PREFIX; default {DEFAULT_PREFIX})")
+    q.set_defaults(func=cmd_etcd_auth)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -45,4 +54,25 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_issue(args: argparse.Namespace) -> int:
     crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host)
     print(f"{args.role} certificate for {args.name!r}: {crt} {key}")
+    return 0
+
+
+def holders(directory: Path) -> list[tls.Peer]:
+    """The Unicron certificates issued into ``directory`` (not the CA's, etcd's or root's)."""
+    peers = []
+    for crt in sorted(directory.glob("*.crt")):
+        if crt.name == tls.CA_CERT:
+            continue
+        peer = tls.peer_from_pem(crt.read_bytes())
+        if peer.role is not tls.Role.ETCD:
+            peers.append(peer)
+    return peers
+
+
+def cmd_etcd_auth(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    admin = tls.TLSConfig.from_dir(directory, etcdauth.ROOT)
+    peers = holders(directory)
+    etcdauth.setup(args.etcd, admin, Keyspace(args.prefix), peers)
+    print(f"etcd auth enabled at {args.etcd}: " + ", ".join(str(p) for p in peers))
     return 0
