@@ -191,7 +191,7 @@ class Agent:
         store.on_error = self.metrics.etcd.error
         if self.settings.replica_budget_mb > 0:
             self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
-                                          self.settings.replica_budget_mb << 20).start()
+                                          self.settings.replica_budget_mb << 20, tls_config=self.tls_config).start()
         # Served before registering: a node the coordinator sees is one an operator can scrape.
         self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
                                               self.settings.metrics_port, f"unicron-agent {self.node}")
@@ -631,6 +631,9 @@ class Agent:
         peers = self._replica_peers()
         if peers:
             env["UNICRON_CKPT_PEERS"] = ",".join(peers)
+        if self.tls_config is not None:
+            # the ranks reach peers' replica servers as this node (same host, same user as the agent)
+            env[tls.ENV_DIR], env[tls.ENV_NAME] = self.settings.tls_dir, self.node
         return env
 
     def _replica_peers(self) -> list[str]:

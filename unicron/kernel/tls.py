@@ -33,6 +33,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from unicron.kernel.errors import ConfigError, PermanentError
 
+#: the environment variables every Unicron process reads its certificate from (flags override them)
+ENV_DIR, ENV_NAME = "UNICRON_TLS_DIR", "UNICRON_TLS_NAME"
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
 #: the O of every certificate this module issues
@@ -274,6 +276,13 @@ def load(directory: str, name: str, role: Role | None = None) -> TLSConfig | Non
             raise ConfigError(f"TLS: {cfg.cert} is the certificate of {peer}, not of {role.value} {name!r}; "
                               f"issue one with 'unicron certs issue --role {role.value} {name}'")
     return cfg
+
+
+def from_env() -> TLSConfig | None:
+    """The certificate named by ``UNICRON_TLS_DIR`` / ``UNICRON_TLS_NAME`` (None: plaintext): what a
+    rank the agent launched uses for its node's channels (the checkpoint replica servers)."""
+    directory = os.environ.get(ENV_DIR, "")
+    return load(directory, os.environ.get(ENV_NAME, "")) if directory else None
 
 
 def plaintext_warning(what: str, flag: str = "--tls-dir / UNICRON_TLS_DIR") -> str:
