@@ -73,3 +73,13 @@ def test_no_certificate_or_a_foreign_ca_gets_nothing(
                 s.put(KEYS.task("t"), "{}")
         finally:
             s.close()
+
+
+def test_a_restricted_user_reads_the_revision(secure_etcd: EtcdServer, cert_dir: Path) -> None:
+    node1 = store(secure_etcd, tls.TLSConfig.from_dir(cert_dir, "node1"))
+    try:
+        before = node1.revision()
+        node1.put(KEYS.status("node1"), "{}")
+        assert node1.revision() == before + 1
+    finally:
+        node1.close()
