@@ -8,6 +8,10 @@ fault kind it injects the fault, waits for the coordinator to record the inciden
 Baseline measured in the same run: for a silenced node, the time until etcd expires the node's
 lease (the paper's detection path, 5.6 s there) against our heartbeat path.
 
+TLS cost (issue 17): after the plaintext cluster, the same rank-killed measurement on the secure
+variant (``LocalCluster(tls=True)``: etcd with TLS and per-role auth, mutual TLS on the link and the
+API); ``tls_detection_overhead`` is its p50 over the plaintext p50 of the same run (target <= 1.5).
+
     .venv/bin/python bench/detection.py [--quick]
 
 The last line is one JSON object with the figures.
@@ -171,6 +175,14 @@ def main() -> int:
             results["lease_expiry"].append(lease)
             progress(f"{i}: agent_killed {results['agent_killed'][-1]:.4f} silenced {hb:.4f} lease {lease:.4f}")
         false_alarms, degradations = b.false_alarms(clean_iters)
+    tls_killed: list[float] = []
+    with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}, tls=True) as secure:
+        b = Bench(secure)
+        b.start_workload()
+        for i in range(n):
+            tls_killed.append(b.rank_killed())
+            progress(f"{i}: rank_killed over TLS {tls_killed[-1]:.4f}")
+    results["rank_killed_tls"] = tls_killed
     for k, xs in results.items():
         print(f"{k:>14}: n={len(xs)} p50={p50(xs)} max={round(max(xs), 4)} all={[round(x, 3) for x in xs]}")
     out = {
@@ -180,6 +192,8 @@ def main() -> int:
         "node_silenced_lease_baseline_p50_s": p50(results["lease_expiry"]),
         "node_silenced_speedup_vs_lease": round(p50(results["lease_expiry"]) / p50(results["node_silenced"]), 2),
         "rank_killed_p50_s": p50(results["rank_killed"]),
+        "rank_killed_tls_p50_s": p50(tls_killed),
+        "tls_detection_overhead": round(p50(tls_killed) / p50(results["rank_killed"]), 3),
         "exception_p50_s": p50(results["exception"]),
         "xid_p50_s": p50(results["xid"]),
         "stall_p50_diter": p50(results["stall"]),
