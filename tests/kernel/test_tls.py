@@ -92,4 +92,5 @@ def test_mutual_tls_reads_the_client_and_refuses_a_foreign_ca(cert_dir: Path, fo
     # a certificate of another CA, even with the same name and role, is no one here
     stranger = tls.TLSConfig(cert_dir / "ca.crt", foreign_cert_dir / "node2.crt", foreign_cert_dir / "node2.key")
     refused = _handshake(server, stranger)
-    assert isinstance(refused, str) and "certificate" in refused.lower()
+    # the server refuses the client's certificate; which side reports it first is a race
+    assert isinstance(refused, str) and ("certificate" in refused.lower() or "unknown ca" in refused.lower())
