@@ -41,9 +41,10 @@ def call(address: str, creds: grpc.ChannelCredentials | None, rpc: str, request:
     channel = grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
     with channel:
         try:
-            getattr(pb_grpc.CoordinatorStub(channel), rpc)(request, timeout=5)
+            getattr(pb_grpc.CoordinatorStub(channel), rpc)(request, timeout=5)  # type: ignore[no-untyped-call]
         except grpc.RpcError as exc:
-            return exc.code()  # type: ignore[no-any-return]
+            code: grpc.StatusCode = exc.code()
+            return code
     return grpc.StatusCode.OK
 
 
