@@ -38,6 +38,10 @@ def test_certs_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     tls.init_ca(tmp_path)
     assert cli.main(["certs", "issue", "--role", "operator", "../evil", "--dir", str(tmp_path)]) == 1
     assert "certificate name" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert cli.main(["certs", "init", str(tmp_path / "file" / "ca")]) == 1  # a path through a file
+    err = capsys.readouterr().err
+    assert "cannot write certificates there" in err and err.count("\n") == 1
 
 
 def test_load_checks_files_and_role(cert_dir: Path, tmp_path: Path) -> None:

@@ -9,10 +9,13 @@ machine that issues.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from unicron.kernel import etcdauth, tls
+from unicron.kernel.errors import ConfigError
 from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
 
 
@@ -45,14 +48,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q.set_defaults(func=cmd_etcd_auth)
 
 
+@contextlib.contextmanager
+def _writing(directory: str) -> Iterator[None]:
+    """An unwritable directory is one line naming it, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{directory}: cannot write certificates there ({exc.strerror}); pick another --dir") from exc
+
+
 def cmd_init(args: argparse.Namespace) -> int:
-    path = tls.init_ca(Path(args.dir), force=args.force)
+    with _writing(args.dir):
+        path = tls.init_ca(Path(args.dir), force=args.force)
     print(f"CA written: {path} (keep {Path(args.dir) / tls.CA_KEY} on this machine only)")
     return 0
 
 
 def cmd_issue(args: argparse.Namespace) -> int:
-    crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host)
+    with _writing(args.dir):
+        crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host)
     print(f"{args.role} certificate for {args.name!r}: {crt} {key}")
     return 0
 
