@@ -49,7 +49,7 @@ class Role(StrEnum):
     OPERATOR = "operator"  #: the CLI: submit, cancel, drain, undrain
     NODE = "node"  #: an agent; the certificate's CN is its node name
     COORDINATOR = "coordinator"  #: the coordinator daemon
-    ETCD = "etcd"  #: the etcd server's own certificate (serves only; no Unicron API accepts it)
+    ETCD = "etcd"  #: etcd's server certificate and its admin (CN=root); no Unicron channel accepts it
 
 
 class Unauthorized(PermanentError):
