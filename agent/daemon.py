@@ -45,7 +45,7 @@ from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
-from unicron.kernel import parentdeath, patterns, protocol, severity
+from unicron.kernel import parentdeath, patterns, protocol, severity, tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.inject import Fault, Injection
@@ -135,6 +135,7 @@ class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         self.node = settings.node
+        self.tls_config = tls.load(settings.tls_dir, settings.node)
         self.advertise_host = settings.advertise_host or default_advertise_host()
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()
@@ -180,15 +181,17 @@ class Agent:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def run(self) -> int:
+        if self.tls_config is None:
+            log.warning(tls.plaintext_warning("this agent's replica server or link, or etcd"), node=self.node)
         store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
-                                   f"agent of node {self.node}")
+                                   f"agent of node {self.node}", tls_config=self.tls_config)
         if store is None:
             return 0
         self.store = store
         store.on_error = self.metrics.etcd.error
         if self.settings.replica_budget_mb > 0:
             self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
-                                          self.settings.replica_budget_mb << 20).start()
+                                          self.settings.replica_budget_mb << 20, tls_config=self.tls_config).start()
         # Served before registering: a node the coordinator sees is one an operator can scrape.
         self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
                                               self.settings.metrics_port, f"unicron-agent {self.node}")
@@ -212,7 +215,7 @@ class Agent:
         self.gpu_monitor.start()
         self.hang_watcher.start()
         self._link = LinkClient(self.node, self.settings.heartbeat_s, self._resolve_coordinator,
-                                token=self.link_token).start()
+                                token=self.link_token, tls_config=self.tls_config).start()
         self._start_watches()
         self.ready.set()
         log.info("agent running", node=self.node, gpus=self.backend.device_count(), backend=self.backend.name,
@@ -628,6 +631,9 @@ class Agent:
         peers = self._replica_peers()
         if peers:
             env["UNICRON_CKPT_PEERS"] = ",".join(peers)
+        if self.tls_config is not None:
+            # the ranks reach peers' replica servers as this node (same host, same user as the agent)
+            env[tls.ENV_DIR], env[tls.ENV_NAME] = self.settings.tls_dir, self.node
         return env
 
     def _replica_peers(self) -> list[str]:

@@ -6,10 +6,11 @@ say goodbye when the agent stops on purpose. The server is :mod:`coordinator.lin
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 
-from unicron.kernel import link, wire
+from unicron.kernel import link, tls, wire
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 
@@ -24,8 +25,11 @@ GOODBYE_WAIT_S = 2.0
 class LinkClient:
     """The agent's end: connect to the leader, say hello, heartbeat; reconnect when it breaks."""
 
-    def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], str | None], token: str) -> None:
+    def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], str | None], token: str,
+                 tls_config: tls.TLSConfig | None = None) -> None:
         self.node = node
+        #: with TLS the agent presents its node certificate and checks the coordinator's against the CA
+        self._ssl = tls_config.client_context() if tls_config is not None else None
         self.heartbeat_s = heartbeat_s
         self.resolve = resolve  # returns the current leader's "host:port", or None
         self.token = token
@@ -53,6 +57,13 @@ class LinkClient:
         host, _, port = addr.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+            if self._ssl is not None:
+                try:
+                    sock = self._ssl.wrap_socket(sock, server_hostname=host.strip("[]"))
+                except ssl.SSLError as exc:
+                    sock.close()
+                    self.log.warning("link TLS handshake failed", address=addr, error=str(exc))
+                    return None
         except (OSError, ValueError) as exc:
             self.log.info("cannot reach the coordinator", address=addr, error=str(exc))
             return None

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from agent.progress import compile_regex
+from unicron.kernel import tls
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
 
@@ -57,6 +58,8 @@ class AgentSettings:
     """Scraped by Prometheus; the metric names are in docs/operations.md."""
     metrics_host: str = setting("127.0.0.1", "UNICRON_METRICS_HOST", "address the metrics endpoint listens on")
     """Loopback by default: the endpoint is unauthenticated; set the cluster network's address to scrape it."""
+    tls_dir: str = setting("", "UNICRON_TLS_DIR", "directory with ca.crt and NODE.crt/.key (this node's certificate): mutual TLS on etcd, the link and the replica server (empty: plaintext)")
+    """Made by ``unicron certs issue --role node NODE``; the certificate's name must be this node's."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 
@@ -71,5 +74,7 @@ class AgentSettings:
             compile_regex(self.progress_regex)
         if self.heartbeat_s <= 0:
             raise ConfigError("--heartbeat-s / UNICRON_HEARTBEAT must be > 0")
+        if self.tls_dir:
+            tls.load(self.tls_dir, self.node, tls.Role.NODE)
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError("--metrics-port / UNICRON_METRICS_PORT must be 0 (off) or a TCP port")

@@ -8,6 +8,12 @@ fault kind it injects the fault, waits for the coordinator to record the inciden
 Baseline measured in the same run: for a silenced node, the time until etcd expires the node's
 lease (the paper's detection path, 5.6 s there) against our heartbeat path.
 
+TLS cost (issue 17): the secure variant (``LocalCluster(tls=True)``: etcd with TLS and per-role
+auth, mutual TLS on the link and the API) is started beside the plaintext cluster and rank kills
+alternate between the two (max(n, 5) each, both clusters up throughout, so both series share the
+machine's load); ``tls_detection_overhead`` is the TLS p50 over the plaintext p50 of those pairs
+(target <= 1.5).
+
     .venv/bin/python bench/detection.py [--quick]
 
 The last line is one JSON object with the figures.
@@ -151,6 +157,8 @@ def p50(xs: list[float]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="3 injections per kind and 200 clean iterations")
+    ap.add_argument("--tls-only", action="store_true",
+                    help="only the TLS cost pairs (tls_detection_overhead), skipping the other kinds")
     args = ap.parse_args()
     n = 3 if args.quick else 20
     clean_iters = 200 if args.quick else 1000
@@ -160,17 +168,38 @@ def main() -> int:
     with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}) as cluster:
         b = Bench(cluster)
         b.start_workload()
-        for i in range(n):
+        for i in range(0 if args.tls_only else n):
             for kind in ("xid", "exception", "rank_killed", "stall"):
                 results[kind].append(getattr(b, kind)())
                 progress(f"{i}: {kind} {results[kind][-1]:.4f}")
-        for i in range(n):
+        for i in range(0 if args.tls_only else n):
             results["agent_killed"].append(b.agent_killed())
             hb, lease = b.node_silenced()
             results["node_silenced"].append(hb)
             results["lease_expiry"].append(lease)
             progress(f"{i}: agent_killed {results['agent_killed'][-1]:.4f} silenced {hb:.4f} lease {lease:.4f}")
-        false_alarms, degradations = b.false_alarms(clean_iters)
+        false_alarms, degradations = b.false_alarms(0 if args.tls_only else clean_iters)
+        # TLS cost: the secure variant beside this cluster, rank kills alternating between the two, so
+        # both series run under the same load (both clusters up) at the same times
+        plain_paired: list[float] = []
+        tls_paired: list[float] = []
+        with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"},
+                          tls=True) as secure:
+            bs = Bench(secure)
+            bs.start_workload()
+            for i in range(max(n, 5)):
+                plain_paired.append(b.rank_killed())
+                tls_paired.append(bs.rank_killed())
+                progress(f"{i}: rank_killed plaintext {plain_paired[-1]:.4f} TLS {tls_paired[-1]:.4f}")
+    results["rank_killed_paired_plaintext"] = plain_paired
+    results["rank_killed_paired_tls"] = tls_paired
+    if args.tls_only:
+        for k in ("rank_killed_paired_plaintext", "rank_killed_paired_tls"):
+            print(f"{k}: {[round(x, 4) for x in results[k]]}")
+        print(json.dumps({"pairs": len(tls_paired), "rank_killed_paired_plaintext_p50_s": p50(plain_paired),
+                          "rank_killed_paired_tls_p50_s": p50(tls_paired),
+                          "tls_detection_overhead": round(p50(tls_paired) / p50(plain_paired), 3)}))
+        return 0
     for k, xs in results.items():
         print(f"{k:>14}: n={len(xs)} p50={p50(xs)} max={round(max(xs), 4)} all={[round(x, 3) for x in xs]}")
     out = {
@@ -180,6 +209,9 @@ def main() -> int:
         "node_silenced_lease_baseline_p50_s": p50(results["lease_expiry"]),
         "node_silenced_speedup_vs_lease": round(p50(results["lease_expiry"]) / p50(results["node_silenced"]), 2),
         "rank_killed_p50_s": p50(results["rank_killed"]),
+        "rank_killed_paired_plaintext_p50_s": p50(plain_paired),
+        "rank_killed_paired_tls_p50_s": p50(tls_paired),
+        "tls_detection_overhead": round(p50(tls_paired) / p50(plain_paired), 3),
         "exception_p50_s": p50(results["exception"]),
         "xid_p50_s": p50(results["xid"]),
         "stall_p50_diter": p50(results["stall"]),

@@ -27,6 +27,7 @@ import mmap
 import signal
 import socket
 import socketserver
+import ssl
 import sys
 import threading
 from dataclasses import dataclass
@@ -34,7 +35,11 @@ from typing import Any
 
 from ckpt import wire
 from ckpt.api import ReplicaRejected, ReplicaStore, ReplicaUnavailable, Snapshot, SnapshotInfo, check_name
+from unicron.kernel import log as ulog
+from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
+
+log = ulog.get(__name__)
 
 Key = tuple[str, int, int]
 
@@ -171,6 +176,11 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.settimeout(self.server.io_timeout_s)
         try:
+            if self.server.ssl_context is not None:
+                # handshake on the request's own thread: a silent client holds up no one else
+                sock = self.server.ssl_context.wrap_socket(sock, server_side=True)
+                # any node of the cluster may hold replicas here; an operator's certificate may not
+                tls.require(tls.peer_from_socket(sock), tls.Role.NODE, "the checkpoint replica server")
             h = wire.recv_header(sock)
             op = h.get("op")
             handler = {
@@ -185,8 +195,10 @@ class _Handler(socketserver.BaseRequestHandler):
             handler(sock, h)
         except InvalidRecord as exc:
             self._reply(sock, {"ok": False, "error": str(exc)})
+        except tls.Unauthorized as exc:
+            log.warning("replica request refused", error=str(exc))
         except (OSError, UnicronError):
-            pass  # the client went away mid-request; nothing was committed
+            pass  # the client went away mid-request (or failed the TLS handshake); nothing was committed
 
     @staticmethod
     def _reply(sock: socket.socket, header: dict[str, Any], payloads: tuple[Any, ...] = ()) -> None:
@@ -244,8 +256,10 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     block_on_close = False
 
-    def __init__(self, addr: tuple[str, int], memory: ReplicaMemory, io_timeout_s: float) -> None:
+    def __init__(self, addr: tuple[str, int], memory: ReplicaMemory, io_timeout_s: float,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.memory = memory
+        self.ssl_context = ssl_context
         self.io_timeout_s = io_timeout_s
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         super().__init__(addr, _Handler)
@@ -257,8 +271,11 @@ class ReplicaServer:
     ``memory`` is the held set; the agent can also ``memory.drop(job)`` directly when a job ends.
     """
 
-    def __init__(self, addr: str, budget_bytes: int, io_timeout_s: float = 60.0) -> None:
+    def __init__(self, addr: str, budget_bytes: int, io_timeout_s: float = 60.0,
+                 tls_config: tls.TLSConfig | None = None) -> None:
+        """With ``tls_config`` clients need a ``node`` certificate of the cluster CA (mutual TLS)."""
         self._bind = wire.parse_addr(addr, "ReplicaServer addr")
+        self._ssl = tls_config.server_context() if tls_config is not None else None
         self.memory = ReplicaMemory(budget_bytes, name=f"replica-server {addr}")
         self.io_timeout_s = io_timeout_s
         self._server: _TCPServer | None = None
@@ -274,7 +291,7 @@ class ReplicaServer:
     def start(self) -> ReplicaServer:
         """Bind (port 0 picks a free one; see ``address``) and serve in a daemon thread."""
         try:
-            self._server = _TCPServer(self._bind, self.memory, self.io_timeout_s)
+            self._server = _TCPServer(self._bind, self.memory, self.io_timeout_s, self._ssl)
         except OSError as exc:
             raise ConfigError(f"ReplicaServer: cannot listen on {self._bind}: {exc}") from exc
         self.memory.name = f"replica-server {self.address}"
@@ -303,18 +320,21 @@ class ReplicaServer:
 class ReplicaClient(ReplicaStore):
     """Training side's handle on one peer's :class:`ReplicaServer` (a connection per request)."""
 
-    def __init__(self, addr: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, addr: str, timeout_s: float = 60.0, tls_config: tls.TLSConfig | None = None) -> None:
         self.addr = addr
         self._target = wire.parse_addr(addr, "ReplicaClient addr")
         self.timeout_s = timeout_s
+        self._ssl = tls_config.client_context() if tls_config is not None else None
 
     def describe(self) -> str:
         return self.addr
 
     def _call(self, header: dict[str, Any], body: Any = None) -> Any:
         try:
-            with socket.create_connection(self._target, timeout=self.timeout_s) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with socket.create_connection(self._target, timeout=self.timeout_s) as raw:
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = (self._ssl.wrap_socket(raw, server_hostname=self._target[0]) if self._ssl is not None
+                        else raw)
                 wire.send(sock, header)
                 reply = wire.recv_header(sock)
                 return body(sock, reply) if body is not None else reply

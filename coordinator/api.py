@@ -19,6 +19,7 @@ import grpc
 
 from coordinator.tasks import TaskSpec, load_spec_json, parse_task_spec
 from unicron.kernel import log as ulog
+from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
@@ -78,6 +79,8 @@ class ControlPlane(Protocol):
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code a client sees for ``exc`` (see coordinator.proto)."""
     # Order matters: NotLeader and InvalidRecord are PermanentErrors with a more specific meaning.
+    if isinstance(exc, tls.Unauthorized):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, InvalidRecord):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, NotFound):
@@ -96,12 +99,29 @@ def _dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, default=str, sort_keys=True)
 
 
+#: the RPCs that change the cluster: only an operator certificate may call them (with TLS)
+MUTATING_RPCS = frozenset({"Submit", "Cancel", "Drain", "Undrain"})
+
+
+def authorize(context: Any, rpc: str) -> tls.Peer:
+    """The caller's verified certificate, if it may call ``rpc``: the mutating RPCs take an operator,
+    the read-only ones any role the cluster CA issued (a dashboard on a node may list tasks)."""
+    peer = tls.peer_from_grpc(context)
+    if rpc in MUTATING_RPCS:
+        tls.require(peer, tls.Role.OPERATOR, rpc)
+    return peer
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, control_plane: ControlPlane) -> None:
+    def __init__(self, control_plane: ControlPlane, authenticated: bool = False) -> None:
         self.cp = control_plane
+        #: True when the server runs with mutual TLS: every call is authorized by its certificate
+        self.authenticated = authenticated
 
     def _run(self, context: Any, rpc: str, fn: Callable[[], T]) -> T:
         try:
+            if self.authenticated:
+                authorize(context, rpc)
             return fn()
         except Exception as exc:
             code = status_for(exc)
@@ -203,8 +223,11 @@ def advertised(host: str, port: int) -> str:
 
 
 def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
-          workers: int = 4) -> tuple[grpc.Server, str]:
-    """Start the API server on ``host:port`` (port 0: any free port). Returns it and the address to dial."""
+          workers: int = 4, tls_config: tls.TLSConfig | None = None) -> tuple[grpc.Server, str]:
+    """Start the API server on ``host:port`` (port 0: any free port). Returns it and the address to dial.
+
+    With ``tls_config`` the server takes only clients whose certificate the cluster CA signed
+    (``require_client_auth``) and authorizes each call by the certificate's role (:func:`authorize`)."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unicron-api"),
         # without this, gRPC sets SO_REUSEPORT and a second coordinator on a fixed port would share it
@@ -212,11 +235,14 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
     )
     # the generated module has no annotations
     pb_grpc.add_CoordinatorServicer_to_server(  # type: ignore[no-untyped-call]
-        CoordinatorServicer(control_plane), server
+        CoordinatorServicer(control_plane, authenticated=tls_config is not None), server
     )
     listen = join_host_port(host, port)
     try:
-        bound = server.add_insecure_port(listen)
+        if tls_config is None:
+            bound = server.add_insecure_port(listen)
+        else:
+            bound = server.add_secure_port(listen, tls_config.grpc_server_credentials())
     except RuntimeError as exc:
         bound = 0
         reason = str(exc)
@@ -229,7 +255,7 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
         )
     server.start()
     address = advertised(host, bound)
-    log.info("API serving", listen=join_host_port(host, bound), address=address)
+    log.info("API serving", listen=join_host_port(host, bound), address=address, tls=tls_config is not None)
     return server, address
 
 

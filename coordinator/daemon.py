@@ -43,6 +43,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
+from unicron.kernel import tls
 from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
@@ -154,6 +155,7 @@ KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JS
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
+        self.tls_config = tls.load(settings.tls_dir, settings.tls_name)
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()
         self.ready = threading.Event()
@@ -197,8 +199,10 @@ class Coordinator:
 
     def run(self) -> int:
         """Run until stopped. Returns the process exit code."""
+        if self.tls_config is None:
+            log.warning(tls.plaintext_warning("this coordinator's API, its agent link or etcd"))
         self.store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
-                                        "coordinator")
+                                        "coordinator", tls_config=self.tls_config)
         if self.store is None:
             return 0
         self.store.on_error = self.metrics.etcd.error
@@ -210,10 +214,11 @@ class Coordinator:
             self.settings.listen_host, self.settings.link_port, self.settings.heartbeat_timeout_s,
             on_lost=self._on_link_lost, on_connected=self._on_link_connected,
             verify=self._verify_link, on_goodbye=self._on_link_goodbye,
-            on_heartbeat=self.metrics.heartbeat_gap.observe,
+            on_heartbeat=self.metrics.heartbeat_gap.observe, tls_config=self.tls_config,
         ).start()
         self.metrics.watch_heartbeats(self.link.heartbeat_ages)
-        self._api_server, api_address = api.serve(self, self.settings.listen_host, self.settings.api_port)
+        self._api_server, api_address = api.serve(self, self.settings.listen_host, self.settings.api_port,
+                                                    tls_config=self.tls_config)
         address = json.dumps({"link": self.link.address, "api": api_address, "pid": os.getpid()})
         self.leadership = Leadership(self.store, self.keys, address, self.settings.leader_ttl_s,
                                      on_deposed=self._on_deposed,

@@ -11,8 +11,11 @@ Two ways a node is lost, both reported through ``on_lost``:
 A node that leaves on purpose (its agent stops: ``systemctl stop``) sends ``Goodbye`` first; that is
 reported through ``on_goodbye`` and is no loss.
 
-Who may speak for a node: until the link has TLS (issue 17), a hello must carry the token of the
-node's current registration (``verify``). A refused hello is closed and is nothing else: it is not a
+Who may speak for a node: a hello must carry the token of the node's current registration
+(``verify``), and with TLS (``tls_config``) the connection must present a ``node`` certificate of
+the cluster CA whose name is the hello's node: node A's certificate cannot speak for node B, an
+operator's cannot speak for any node. Heartbeats and goodbyes belong to the hello's node, so they
+cannot be sent for another one. A refused hello is closed and is nothing else: it is not a
 loss, and it never replaces the node's live connection (issue 19 item 13).
 
 The etcd lease is the third, slowest path (lease expiry deletes ``nodes/<node>``); the daemon
@@ -30,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from unicron.kernel import link, wire
+from unicron.kernel import link, tls, wire
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 
@@ -71,8 +74,10 @@ class LinkServer:
         on_connected: ConnectedCallback | None = None,
         on_goodbye: GoodbyeCallback | None = None,
         on_heartbeat: HeartbeatCallback | None = None,
+        tls_config: tls.TLSConfig | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self._ssl = tls_config.server_context() if tls_config is not None else None
         self.on_heartbeat = on_heartbeat
         self.on_lost = on_lost
         self.verify = verify
@@ -126,9 +131,25 @@ class LinkServer:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(wire.LineSocket(sock),), daemon=True).start()
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
-    def _hello(self, conn: wire.LineSocket, peer_addr: str) -> link.LinkHello | None:
+    def _handshake(self, sock: socket.socket, peer_addr: str) -> tuple[socket.socket, tls.Peer | None] | None:
+        """TLS on ``sock`` when configured: the wrapped socket and its verified certificate's peer, or
+        None (logged, ``sock`` closed) when the handshake fails. Done on the connection's own thread:
+        a slow or silent client must not hold up the accept loop."""
+        if self._ssl is None:
+            return sock, None
+        sock.settimeout(HELLO_TIMEOUT_S)
+        try:
+            tsock = self._ssl.wrap_socket(sock, server_side=True)
+            return tsock, tls.peer_from_socket(tsock)
+        except (OSError, tls.Unauthorized) as exc:  # ssl.SSLError is an OSError
+            log.warning("link TLS handshake refused; closing", peer=peer_addr, error=str(exc))
+            with contextlib.suppress(OSError):
+                sock.close()
+            return None
+
+    def _hello(self, conn: wire.LineSocket, peer_addr: str, cert: tls.Peer | None = None) -> link.LinkHello | None:
         """The connection's verified hello, or None (logged) when it must be closed."""
         conn.sock.settimeout(HELLO_TIMEOUT_S)
         try:
@@ -141,6 +162,12 @@ class LinkServer:
             log.warning("link connection did not start with a hello; closing", peer=peer_addr,
                         got=type(hello).__name__ if hello is not None else "EOF")
             return None
+        if cert is not None:
+            try:
+                tls.require(cert, tls.Role.NODE, "the agent link", hello.node)
+            except tls.Unauthorized as exc:
+                log.warning("link hello refused; closing", node=hello.node, peer=peer_addr, error=str(exc))
+                return None
         if not self.verify(hello.node, hello.token):
             log.warning("link hello refused: its token is not the node's registration; closing",
                         node=hello.node, peer=peer_addr)
@@ -148,12 +175,16 @@ class LinkServer:
         conn.sock.settimeout(None)
         return hello
 
-    def _serve(self, conn: wire.LineSocket) -> None:
+    def _serve(self, raw: socket.socket) -> None:
         try:
-            peer_addr = "{}:{}".format(*conn.sock.getpeername()[:2])
+            peer_addr = "{}:{}".format(*raw.getpeername()[:2])
         except OSError:
             peer_addr = "?"
-        hello = self._hello(conn, peer_addr)
+        secured = self._handshake(raw, peer_addr)
+        if secured is None:
+            return
+        conn = wire.LineSocket(secured[0])
+        hello = self._hello(conn, peer_addr, secured[1])
         if hello is None:
             conn.close()
             return

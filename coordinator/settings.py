@@ -42,6 +42,10 @@ class CoordinatorSettings:
     """Node isolated or lost, task failed, GPUs left idle: one POST each, retried, never blocking decisions."""
     alert_webhook_timeout_s: float = setting(2.0, "UNICRON_ALERT_WEBHOOK_TIMEOUT", "timeout (s) of one webhook POST")
     """A POST that times out is retried (3 times, backoff from 0.5 s), then counted as failed."""
+    tls_dir: str = setting("", "UNICRON_TLS_DIR", "directory with ca.crt and this coordinator's TLS_NAME.crt/.key: mutual TLS on etcd, the agent link and the API (empty: plaintext)")
+    """Made by ``unicron certs``; with it only cluster-CA certificates get in, and the API's mutating calls take an operator's."""
+    tls_name: str = setting("coordinator", "UNICRON_TLS_NAME", "name of this coordinator's certificate in --tls-dir")
+    """Its certificate's role must be ``coordinator``; its SANs must cover --listen-host."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 
@@ -58,5 +62,9 @@ class CoordinatorSettings:
             raise ConfigError("--leader-ttl-s / UNICRON_LEADER_TTL must be >= 2 (etcd's minimum lease TTL)")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError("--metrics-port / UNICRON_METRICS_PORT must be 0 (off) or a TCP port")
+        if self.tls_dir:
+            from unicron.kernel import tls
+
+            tls.load(self.tls_dir, self.tls_name, tls.Role.COORDINATOR)
         if self.alert_webhook and not self.alert_webhook.startswith(("http://", "https://")):
             raise ConfigError("--alert-webhook / UNICRON_ALERT_WEBHOOK must be an http:// or https:// URL")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel import tls
 from unicron.kernel.etcd import Store
 
 
@@ -50,3 +52,28 @@ def store(etcd_server: EtcdServer) -> Iterator[Store]:
 @pytest.fixture
 def prefix() -> str:
     return f"/unicron-test-{os.getpid()}"
+
+
+#: the certificates of :func:`cert_dir`: (role, name)
+CERTS = ((tls.Role.COORDINATOR, "coordinator"), (tls.Role.OPERATOR, "operator"), (tls.Role.NODE, "node1"),
+         (tls.Role.NODE, "node2"), (tls.Role.ETCD, "etcd"), (tls.Role.ETCD, "root"))
+
+
+def make_certs(directory: Path) -> Path:
+    """A cluster CA with :data:`CERTS` issued, as ``unicron certs`` writes them."""
+    tls.init_ca(directory)
+    for role, name in CERTS:
+        tls.issue(directory, role, name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Real certificates of one cluster CA (session-wide: issuing is cheap but not free)."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="session")
+def foreign_cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same names, issued by another CA: what a stranger's certificates look like."""
+    return make_certs(tmp_path_factory.mktemp("foreign-certs"))

@@ -40,6 +40,9 @@ def test_daemons_wait_for_etcd_with_a_clear_message() -> None:
             return "etcd unreachable; retrying" in text and server.endpoint in text and "UNICRON_ETCD" in text
 
         assert _wait(lambda: said_unreachable("agent") and said_unreachable("coordinator"), 60.0)
+        for name in ("agent", "coordinator"):  # no --tls-dir: one warning line says so (issue 17)
+            with open(os.path.join(run_dir, f"{name}.log")) as f:
+                assert len([ln for ln in f if '"plaintext: anyone who can reach' in ln and "--tls-dir" in ln]) == 1
         assert all(p.poll() is None for p in procs)
         server.start()
         store = Store(server.endpoint)

@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from unicron.cli.common import add_cluster_flags, emit, one_line, open_store, read_json_prefix
+from unicron.cli.common import add_cluster_flags, emit, one_line, open_store, read_json_prefix, tls_config
 from unicron.cli.tasks import ApiClient, leader_api
 from unicron.kernel.errors import UnicronError
 from unicron.kernel.etcd import Store
@@ -52,7 +52,8 @@ def _when(ts: Any) -> str:
 def coordinator_nodes(args: argparse.Namespace, store: Store, keys: Keyspace) -> dict[str, dict[str, Any]]:
     """The coordinator's view of each node (state, reason, gpus), by name. Raises UnicronError."""
     resolve = (lambda: str(args.api)) if args.api else (lambda: leader_api(store, keys))
-    reply = ApiClient(resolve, args.timeout, follow=False).call("ListNodes", pb.ListNodesRequest())
+    reply = ApiClient(resolve, args.timeout, follow=False, tls_config=tls_config(args)).call(
+        "ListNodes", pb.ListNodesRequest())
     nodes = (json.loads(n) for n in reply.node_json)
     return {str(n["node"]): n for n in nodes if isinstance(n, dict) and "node" in n}
 

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from unicron.kernel import tls
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
@@ -29,10 +30,20 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default=os.environ.get("UNICRON_PREFIX", DEFAULT_PREFIX),
                    help=f"etcd key prefix (env: UNICRON_PREFIX; default {DEFAULT_PREFIX})")
     p.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    p.add_argument("--tls-dir", default=os.environ.get("UNICRON_TLS_DIR", ""), metavar="DIR",
+                   help="mutual TLS to etcd and the coordinator with DIR/ca.crt and DIR/NAME.crt/.key "
+                        "(env: UNICRON_TLS_DIR; default: plaintext)")
+    p.add_argument("--tls-name", default=os.environ.get("UNICRON_TLS_NAME", "operator"), metavar="NAME",
+                   help="the certificate to present, DIR/NAME.crt (env: UNICRON_TLS_NAME; default operator)")
+
+
+def tls_config(args: argparse.Namespace) -> tls.TLSConfig | None:
+    """The CLI's own certificate (``--tls-dir`` / ``--tls-name``), None for plaintext."""
+    return tls.load(str(getattr(args, "tls_dir", "") or ""), str(getattr(args, "tls_name", "operator")))
 
 
 def open_store(args: argparse.Namespace) -> tuple[Store, Keyspace]:
-    store = Store(args.etcd, timeout_s=3.0)
+    store = Store(args.etcd, timeout_s=3.0, tls_config=tls_config(args))
     try:
         store.revision()
     except StoreUnavailable as exc:

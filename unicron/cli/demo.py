@@ -93,12 +93,17 @@ def _fault(c: LocalCluster, title: str, inject: Any, pick: Any, task: str, timeo
          f"(generation {_progress(c, task)[0]}); waited {took:.1f} s")
 
 
-def run_demo(quick: bool = False) -> int:
+def run_demo(quick: bool = False, secure: bool = False) -> int:
     env = {"UNICRON_REATTEMPT_DEADLINE": "15", "UNICRON_RESTART_DEADLINE": "60", "UNICRON_WARMUP_ITERATIONS": "5"}
     spec_dir = tempfile.mkdtemp(prefix="unicron-demo-")
-    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env) as c:
+    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, tls=secure) as c:
         _say(f"cluster up: etcd {c.etcd.endpoint}, nodes {', '.join(c.registered_nodes())}; logs in {c.run_dir}")
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+        if secure:
+            # the CLI below acts as the operator: DIR/operator.crt (--tls-name's default)
+            os.environ["UNICRON_TLS_DIR"] = c.tls_dir
+            _say(f"secure: mutual TLS on etcd (client-cert-auth, per-role auth), the link and the API; "
+                 f"certificates in {c.tls_dir}")
         from unicron.cli.main import main as cli
 
         for name, weight in (("alpha", 1.5), ("beta", 1.0)):
@@ -169,8 +174,10 @@ def run_demo(quick: bool = False) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="run the local self-healing demo (throwaway etcd, coordinator, 3 agents)")
     p.add_argument("--quick", action="store_true", help="shorter waits")
+    p.add_argument("--tls", action="store_true",
+                   help="the secure variant: a cluster CA, etcd with TLS and per-role auth, mutual TLS everywhere")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_demo(quick=args.quick)
+    return run_demo(quick=args.quick, secure=args.tls)

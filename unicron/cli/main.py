@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "unicron.runtime.cli",
     "plans.cli",
     "unicron.cli.simulate",
+    "unicron.cli.certs",
 )
 
 

@@ -21,7 +21,8 @@ from typing import Any
 import grpc
 
 from coordinator.tasks import MAX_SPEC_BYTES, load_spec_json
-from unicron.cli.common import add_cluster_flags, emit, one_line, open_store
+from unicron.cli.common import add_cluster_flags, emit, one_line, open_store, tls_config
+from unicron.kernel import tls
 from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError, UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -73,10 +74,17 @@ class ApiClient:
     """Calls one RPC of the leading coordinator. ``resolve`` returns the address to dial; with
     ``follow`` it is asked again after an UNAVAILABLE answer, so a call survives a failover."""
 
-    def __init__(self, resolve: Callable[[], str], timeout_s: float, follow: bool) -> None:
+    def __init__(self, resolve: Callable[[], str], timeout_s: float, follow: bool,
+                 tls_config: tls.TLSConfig | None = None) -> None:
         self.resolve = resolve
         self.timeout_s = timeout_s
         self.follow = follow
+        self.tls_config = tls_config
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if self.tls_config is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, self.tls_config.grpc_channel_credentials())
 
     def call(self, rpc: str, request: Any) -> Any:
         deadline = time.monotonic() + self.timeout_s
@@ -91,7 +99,7 @@ class ApiClient:
 
     def _call_once(self, rpc: str, request: Any, deadline: float) -> Any:
         address = self.resolve()
-        with grpc.insecure_channel(address) as channel:
+        with self._channel(address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]  # generated, unannotated
             method = getattr(stub, rpc)
             try:
@@ -112,6 +120,8 @@ def error_from_status(code: grpc.StatusCode, details: str, address: str) -> Unic
         return InvalidRecord(details)
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION):
         return PermanentError(details)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermanentError(f"the coordinator at {address} refused this certificate: {details}")
     if code == grpc.StatusCode.UNAVAILABLE:
         return TemporaryError(
             f"the coordinator's API at {address} is unavailable ({details}); check that unicron-coordinator "
@@ -148,10 +158,11 @@ def leader_api(store: Store, keys: Keyspace) -> str:
 def call(args: argparse.Namespace, rpc: str, request: Any) -> Any:
     """Call ``rpc`` on the coordinator chosen by ``--api`` or the leader key."""
     if args.api:
-        return ApiClient(lambda: str(args.api), args.timeout, follow=False).call(rpc, request)
+        return ApiClient(lambda: str(args.api), args.timeout, follow=False, tls_config=tls_config(args)).call(rpc, request)
     store, keys = open_store(args)
     try:
-        return ApiClient(lambda: leader_api(store, keys), args.timeout, follow=True).call(rpc, request)
+        return ApiClient(lambda: leader_api(store, keys), args.timeout, follow=True,
+                         tls_config=tls_config(args)).call(rpc, request)
     finally:
         store.close()
 

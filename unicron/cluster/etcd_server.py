@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from unicron.kernel.errors import ConfigError
+from unicron.kernel import tls
+from unicron.kernel.errors import ConfigError, StoreRejected
 from unicron.kernel.net import free_port
 
 
@@ -28,8 +29,16 @@ def etcd_binary() -> str:
 
 
 class EtcdServer:
-    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1") -> None:
+    """With ``tls_dir`` (made by ``unicron certs``) the server speaks TLS to clients and takes only
+    clients with a certificate of that CA (``--client-cert-auth``); it serves with ``DIR/etcd.crt``.
+    etcd's own user/role auth on top is set up by :mod:`unicron.kernel.etcdauth`."""
+
+    #: the certificate the server serves with (and probes its own readiness with) in ``tls_dir``
+    SERVER_CERT = "etcd"
+
+    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", tls_dir: str | None = None) -> None:
         self.host = host
+        self.tls_config = tls.TLSConfig.from_dir(tls_dir, self.SERVER_CERT) if tls_dir else None
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self._own_dir = data_dir is None
@@ -42,7 +51,7 @@ class EtcdServer:
         return f"{self.host}:{self.client_port}"
 
     def start(self, timeout_s: float = 15.0) -> EtcdServer:
-        client_url = f"http://{self.host}:{self.client_port}"
+        client_url = f"{'https' if self.tls_config else 'http'}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         argv = [
             etcd_binary(), "--name", "unicron", "--data-dir", str(Path(self.data_dir) / "data"),
@@ -53,6 +62,9 @@ class EtcdServer:
             # should not lag behind the short TTLs the tests use.
             "--heartbeat-interval", "50", "--election-timeout", "500",
         ]
+        if self.tls_config is not None:
+            argv += ["--cert-file", str(self.tls_config.cert), "--key-file", str(self.tls_config.key),
+                     "--trusted-ca-file", str(self.tls_config.ca), "--client-cert-auth"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -67,10 +79,12 @@ class EtcdServer:
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.client_port), 0.2):
                 from unicron.kernel.etcd import Store
 
-                store = Store(self.endpoint, timeout_s=1.0)
+                store = Store(self.endpoint, timeout_s=1.0, tls_config=self.tls_config)
                 try:
                     store.put("/unicron-ready", "1")
                     return
+                except StoreRejected:
+                    return  # etcd answered: its auth (enabled before a restart) refused this user
                 except Exception:
                     pass
                 finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel import etcdauth, tls
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
@@ -46,12 +47,17 @@ class LocalCluster:
         extra_env: dict[str, str] | None = None,
         quiet: bool = True,
         metrics: bool = False,
+        tls: bool = False,
     ) -> None:
+        """With ``tls``, the secure variant (docs/operations.md): a cluster CA and certificates in
+        ``<run_dir>/certs``, etcd with TLS, ``--client-cert-auth`` and per-role auth, and every
+        daemon on mutual TLS (``UNICRON_TLS_DIR``); the harness itself acts as the coordinator."""
         self.n_agents = agents
         self.gpus_per_agent = gpus_per_agent
         self.keys = Keyspace(prefix)
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="unicron-run-")
-        self.etcd = EtcdServer()
+        self.tls_dir = self._issue_certs() if tls else ""
+        self.etcd = EtcdServer(tls_dir=self.tls_dir or None)
         self.store: Store | None = None
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
@@ -67,12 +73,34 @@ class LocalCluster:
     def node_names(self) -> list[str]:
         return [f"node{i}" for i in range(self.n_agents)]
 
+    def _issue_certs(self) -> str:
+        directory = Path(self.run_dir) / "certs"
+        tls.init_ca(directory)
+        holders = [(tls.Role.COORDINATOR, "coordinator"), (tls.Role.OPERATOR, "operator"),
+                   (tls.Role.ETCD, EtcdServer.SERVER_CERT), (tls.Role.ETCD, etcdauth.ROOT)]
+        for role, name in [*holders, *((tls.Role.NODE, n) for n in self.node_names())]:
+            tls.issue(directory, role, name)
+        return str(directory)
+
+    def tls_config(self, name: str) -> tls.TLSConfig | None:
+        """The certificate ``name`` of this cluster (None without ``tls``)."""
+        return tls.TLSConfig.from_dir(self.tls_dir, name) if self.tls_dir else None
+
+    def _secure_etcd(self) -> None:
+        admin = self.tls_config(etcdauth.ROOT)
+        assert admin is not None
+        peers = [tls.Peer(tls.Role.COORDINATOR, "coordinator"), tls.Peer(tls.Role.OPERATOR, "operator"),
+                 *(tls.Peer(tls.Role.NODE, n) for n in self.node_names())]
+        etcdauth.setup(self.etcd.endpoint, admin, self.keys, peers)
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
             "UNICRON_ETCD": self.etcd.endpoint, "UNICRON_PREFIX": self.keys.prefix, "UNICRON_RUN_DIR": self.run_dir,
             "PYTHONUNBUFFERED": "1",
         })
+        if self.tls_dir:
+            env[tls.ENV_DIR] = self.tls_dir
         env.update(self.extra_env)
         return env
 
@@ -86,7 +114,10 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         self.etcd.start()
-        self.store = Store(self.etcd.endpoint)
+        if self.tls_dir:
+            self._secure_etcd()
+        # with TLS the harness reads and writes as the coordinator (its tests write assignments)
+        self.store = Store(self.etcd.endpoint, tls_config=self.tls_config("coordinator"))
         self.start_coordinator()
         for node in self.node_names():
             self.start_agent(node)

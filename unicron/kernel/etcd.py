@@ -36,10 +36,12 @@ from typing import Any
 
 import grpc
 import pyetcd
+from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import LeaseLost, StoreClosed, StoreRejected, StoreUnavailable, UnicronError
+from unicron.kernel.tls import TLSConfig
 
 log = ulog.get(__name__)
 
@@ -140,7 +142,10 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
 class Store:
     """A connection to an etcd cluster (one or more endpoints, with failover)."""
 
-    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 2.0, retry_s: float = 0.5) -> None:
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 2.0, retry_s: float = 0.5,
+                 tls_config: TLSConfig | None = None) -> None:
+        """With ``tls_config`` every endpoint is dialled over mutual TLS; etcd started with
+        ``--client-cert-auth`` takes the certificate's CN as the etcd user (docs/api.md, etcd auth)."""
         self.endpoints = parse_endpoints(endpoints)
         self.timeout_s = timeout_s
         # gRPC's own reconnect backoff (1 s growing x1.6 to 120 s) left clients idle for 10-18 s after
@@ -150,7 +155,9 @@ class Store:
                 ("grpc.max_reconnect_backoff_ms", 2 * backoff_ms)]
         if os.environ.get(GRPC_DEFAULT_BACKOFF_ENV) == "1":
             opts = []  # gRPC's own backoff: only bench/reconnect.py's baseline sets this
-        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=retry_s, opts=opts) for h, p in self.endpoints]
+        creds = tls_config.grpc_channel_credentials() if tls_config is not None else None
+        eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=retry_s, opts=opts)
+               for h, p in self.endpoints]
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
         self._closed = False
         #: told of every etcd error this store, its leases and its watches meet (metrics)
@@ -215,7 +222,17 @@ class Store:
         return bool(ok)
 
     def revision(self) -> int:
-        return self.get_prefix("\0")[1]
+        """The store's current revision. Asked of the member's status, not read from a key range: a
+        user of etcd's auth may read only its own ranges (unicron.kernel.etcdauth)."""
+        client = self.client
+        with self.converted("status"):
+            try:
+                resp = client.maintenancestub.Status(etcdrpc.StatusRequest(), self.timeout_s, metadata=client.metadata)
+            except grpc.RpcError as exc:
+                # what pyetcd's own calls do (its decorator): mark a dead endpoint failed for failover
+                client._manage_grpc_errors(exc)
+                raise
+        return int(resp.header.revision)
 
     def guarded_txn(
         self,
@@ -398,12 +415,13 @@ class PrefixWatch:
                     log.exception("watch handler failed", prefix=self.prefix, key=event.key)
 
 
-def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str) -> Store | None:
+def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str,
+                       tls_config: TLSConfig | None = None) -> Store | None:
     """Connect to etcd, retrying with backoff (a daemon started before etcd waits for it), and say
     clearly what is wrong while it is down. None if ``stop`` is set first."""
     backoff = 0.2
     while not stop.is_set():
-        store = Store(endpoints, timeout_s=timeout_s)
+        store = Store(endpoints, timeout_s=timeout_s, tls_config=tls_config)
         try:
             store.revision()
             return store

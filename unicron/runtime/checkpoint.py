@@ -108,6 +108,10 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int) -> Checkpo
 
         local = os.path.join(directory, f"rank-{rank}") if directory else ""
         # Peer nodes' replica servers (GEMINI placement), given by the agent that launched us.
-        peers = [ReplicaClient(a) for a in os.environ.get(ENV_CKPT_PEERS, "").split(",") if a.strip()]
+        from unicron.kernel import tls
+
+        tls_config = tls.from_env()  # the node's certificate, when the agent runs with --tls-dir
+        peers = [ReplicaClient(a, tls_config=tls_config)
+                 for a in os.environ.get(ENV_CKPT_PEERS, "").split(",") if a.strip()]
         return CheckpointManager(CheckpointConfig(job=name, rank=rank, local_dir=local), peers=peers)
     raise ConfigError(f"--ckpt {kind!r}: choose one of {KINDS}")

@@ -1,0 +1,176 @@
+"""Forbidden requests against the secure cluster: how many get in (issue 17; target 0).
+
+Real etcd (TLS, ``--client-cert-auth``, per-role auth), a coordinator and 2 agents on mutual TLS
+(``LocalCluster(tls=True)``), real certificates. A scripted set of requests that must be refused is
+sent: no certificate, a certificate of another CA, a node's certificate submitting or draining, node
+A writing node B's status and reports in etcd, node A's certificate saying hello as node B on the
+link (with B's real token: the certificate is the guard), an operator's certificate on the link,
+an operator's certificate at a replica server. ``unauthorized_accepted`` counts those that succeed.
+
+Controls in the same run (the figure means nothing if the allowed requests fail too): the operator
+submits, node A writes its own status, node B's peer stores a replica. ``controls_ok`` says they did.
+
+    .venv/bin/python bench/security.py [--quick]
+
+``--quick`` and a full run send the same set (it is a script, not a sample); the full run repeats it
+3 times. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import ssl
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ckpt.api import Snapshot, SnapshotInfo
+from ckpt.codec import chunk_crcs, crc
+from ckpt.replica import ReplicaClient, ReplicaServer
+from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel import link, tls, wire
+from unicron.kernel.errors import UnicronError
+from unicron.kernel.etcd import Store
+from unicron.kernel.proto import coordinator_pb2 as pb
+from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
+from unicron.kernel.types import NodeInfo
+
+SPEC = {"name": "probe", "command": [sys.executable, "-c", "import time; time.sleep(600)"], "min_gpus": 1}
+
+
+def api_call(address: str, cfg: tls.TLSConfig | None, rpc: str, request: object) -> bool:
+    """True when the coordinator answered OK."""
+    creds = cfg.grpc_channel_credentials() if cfg is not None else None
+    with (grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)) as ch:
+        stub = pb_grpc.CoordinatorStub(ch)  # type: ignore[no-untyped-call]  # generated, unannotated
+        try:
+            getattr(stub, rpc)(request, timeout=3)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def etcd_put(endpoint: str, cfg: tls.TLSConfig | None, key: str) -> bool:
+    store = Store(endpoint, timeout_s=2.0, tls_config=cfg)
+    try:
+        store.put(key, "{}")
+    except UnicronError:
+        return False
+    finally:
+        store.close()
+    return True
+
+
+def link_hello(address: str, cfg: tls.TLSConfig | None, node: str, token: str) -> bool:
+    """True when the coordinator welcomed the hello. A welcomed probe is closed at once."""
+    host, _, port = address.rpartition(":")
+    raw = socket.create_connection((host, int(port)), timeout=3.0)
+    try:
+        sock = cfg.client_context().wrap_socket(raw, server_hostname=host) if cfg is not None else raw
+        conn = wire.LineSocket(sock)
+        conn.send(link.LinkHello(node=node, token=token).to_wire())
+        line = conn.recv_line()
+        return line is not None and isinstance(link.parse(wire.decode(line)), link.Welcome)
+    except (OSError, ssl.SSLError, UnicronError):
+        return False
+    finally:
+        raw.close()
+
+
+def replica_put(address: str, cfg: tls.TLSConfig | None) -> bool:
+    meta, data = b"probe", memoryview(bytearray(4096))
+    info = SnapshotInfo(job="probe", rank=0, iteration=1, meta_len=len(meta), meta_crc=crc(meta), data_len=len(data),
+                        chunk_bytes=4096, chunk_crcs=chunk_crcs(data, 4096), created=0.0)
+    try:
+        ReplicaClient(address, timeout_s=3.0, tls_config=cfg).put(Snapshot(info, meta, data))
+    except UnicronError:
+        return False
+    return True
+
+
+def run_once(c: LocalCluster, foreign: Path, replica: str) -> tuple[dict[str, bool], dict[str, bool]]:
+    """(forbidden request -> accepted?, control request -> accepted?)"""
+    assert c.store is not None
+    kv = c.store.get(c.keys.leader())
+    assert kv is not None
+    addrs = json.loads(kv.value)
+    api, link_addr, ep = addrs["api"], addrs["link"], c.etcd.endpoint
+    cert: Callable[[str], tls.TLSConfig] = lambda name: tls.TLSConfig.from_dir(c.tls_dir, name)  # noqa: E731
+    ca = Path(c.tls_dir) / tls.CA_CERT
+    stranger = tls.TLSConfig(ca, foreign / "operator.crt", foreign / "operator.key")
+    stranger_node = tls.TLSConfig(ca, foreign / "node0.crt", foreign / "node0.key")
+    node_info = c.store.get(c.keys.node("node1"))
+    assert node_info is not None
+    token_b = NodeInfo.from_json(node_info.value).link_token  # readable by any node: not the guard
+    submit = pb.SubmitRequest(spec_json=json.dumps(SPEC))
+    forbidden: dict[str, Callable[[], bool]] = {
+        "api submit, no certificate": lambda: api_call(api, None, "Submit", submit),
+        "api submit, another CA's operator": lambda: api_call(api, stranger, "Submit", submit),
+        "api submit, node certificate": lambda: api_call(api, cert("node0"), "Submit", submit),
+        "api drain, node certificate": lambda: api_call(api, cert("node0"), "Drain", pb.NodeRequest(node="node1")),
+        "api cancel, coordinator certificate": lambda: api_call(api, cert("coordinator"), "Cancel",
+                                                                pb.CancelRequest(name="probe")),
+        "etcd: node A writes node B's status": lambda: etcd_put(ep, cert("node0"), c.keys.status("node1")),
+        "etcd: node A writes node B's report": lambda: etcd_put(ep, cert("node0"), c.keys.report("node1", "x")),
+        "etcd: node writes its own assignment": lambda: etcd_put(ep, cert("node0"), c.keys.assignment("node0")),
+        "etcd: operator writes a node's status": lambda: etcd_put(ep, cert("operator"), c.keys.status("node0")),
+        "etcd: no certificate": lambda: etcd_put(ep, None, c.keys.task("x")),
+        "etcd: another CA's certificate": lambda: etcd_put(ep, stranger, c.keys.task("x")),
+        "link: node A's certificate as node B": lambda: link_hello(link_addr, cert("node0"), "node1", token_b),
+        "link: operator certificate": lambda: link_hello(link_addr, cert("operator"), "node1", token_b),
+        "link: no certificate": lambda: link_hello(link_addr, None, "node1", token_b),
+        "link: another CA's node certificate": lambda: link_hello(link_addr, stranger_node, "node1", token_b),
+        "replica: operator certificate": lambda: replica_put(replica, cert("operator")),
+        "replica: no certificate": lambda: replica_put(replica, None),
+    }
+    controls: dict[str, Callable[[], bool]] = {
+        "api submit, operator": lambda: api_call(api, cert("operator"), "Submit", submit),
+        "etcd: node writes its own status": lambda: etcd_put(ep, cert("node0"), c.keys.status("node0")),
+        "replica: peer node": lambda: replica_put(replica, cert("node0")),
+        "api cancel, operator": lambda: api_call(api, cert("operator"), "Cancel", pb.CancelRequest(name="probe")),
+    }
+    return ({k: f() for k, f in forbidden.items()}, {k: f() for k, f in controls.items()})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="send the script once (a full run: 3 times)")
+    args = ap.parse_args()
+    rounds = 1 if args.quick else 3
+    foreign = Path(tempfile.mkdtemp(prefix="unicron-foreign-ca-"))
+    tls.init_ca(foreign)
+    for role, name in ((tls.Role.OPERATOR, "operator"), (tls.Role.NODE, "node0")):
+        tls.issue(foreign, role, name)
+    accepted: list[str] = []
+    sent = 0
+    controls_ok = True
+    with LocalCluster(agents=2, gpus_per_agent=1, tls=True) as c:
+        # a replica server as an agent runs it, with node1's certificate (agents run theirs on the same terms)
+        server = ReplicaServer("127.0.0.1:0", 1 << 20, tls_config=c.tls_config("node1")).start()
+        try:
+            for _ in range(rounds):
+                refused, controls = run_once(c, foreign, server.address)
+                sent += len(refused)
+                accepted += [k for k, ok in refused.items() if ok]
+                for k, ok in controls.items():
+                    print(f"control {k}: {'ok' if ok else 'FAILED'}", file=sys.stderr)
+                    controls_ok &= ok
+        finally:
+            server.stop()
+    for k in sorted(set(accepted)):
+        print(f"ACCEPTED (should be refused): {k}", file=sys.stderr)
+    print(json.dumps({"forbidden_requests": sent, "unauthorized_accepted": len(accepted), "controls_ok": controls_ok,
+                      "rounds": rounds, "accepted": sorted(set(accepted))}))
+    return 0 if not accepted and controls_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

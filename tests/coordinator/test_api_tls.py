@@ -1,0 +1,83 @@
+"""The coordinator's gRPC API with mutual TLS: who may call what, over real gRPC with real certificates.
+
+Mutating RPCs (submit, cancel, drain, undrain) take an operator certificate; a node's or the
+coordinator's certificate, one from another CA, or none are refused, and the CLI says why in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from coordinator.api import ControlPlane, serve, stop
+from tests.coordinator.test_api import EXAMPLE, FakeControlPlane
+from unicron.cli import main as cli
+from unicron.kernel import tls
+from unicron.kernel.proto import coordinator_pb2 as pb
+from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
+
+
+@pytest.fixture
+def plane() -> FakeControlPlane:
+    return FakeControlPlane()
+
+
+@pytest.fixture
+def api(plane: FakeControlPlane, cert_dir: Path) -> Iterator[str]:
+    control_plane: ControlPlane = plane
+    server, address = serve(control_plane, "127.0.0.1", 0, tls_config=tls.TLSConfig.from_dir(cert_dir, "coordinator"))
+    try:
+        yield address
+    finally:
+        stop(server, 0.1)
+
+
+def call(address: str, creds: grpc.ChannelCredentials | None, rpc: str, request: Any) -> grpc.StatusCode:
+    channel = grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
+    with channel:
+        try:
+            getattr(pb_grpc.CoordinatorStub(channel), rpc)(request, timeout=5)  # type: ignore[no-untyped-call]
+        except grpc.RpcError as exc:
+            code: grpc.StatusCode = exc.code()
+            return code
+    return grpc.StatusCode.OK
+
+
+def creds(directory: Path, name: str) -> grpc.ChannelCredentials:
+    return tls.TLSConfig.from_dir(directory, name).grpc_channel_credentials()
+
+
+def test_only_an_operator_mutates(api: str, plane: FakeControlPlane, cert_dir: Path, foreign_cert_dir: Path) -> None:
+    submit = pb.SubmitRequest(spec_json=EXAMPLE.read_text())
+    # the node's and the coordinator's own certificates are the cluster's, but not an operator's
+    for name in ("node1", "coordinator"):
+        assert call(api, creds(cert_dir, name), "Submit", submit) == grpc.StatusCode.PERMISSION_DENIED
+        assert call(api, creds(cert_dir, name), "Drain", pb.NodeRequest(node="n1")) == grpc.StatusCode.PERMISSION_DENIED
+    # read-only calls are open to any certificate the cluster CA signed
+    assert call(api, creds(cert_dir, "node1"), "ListTasks", pb.ListTasksRequest()) == grpc.StatusCode.OK
+    # no certificate, or another CA's: the handshake fails, nothing is served
+    plain = call(api, None, "ListTasks", pb.ListTasksRequest())
+    foreign = tls.TLSConfig(cert_dir / "ca.crt", foreign_cert_dir / "operator.crt", foreign_cert_dir / "operator.key")
+    stranger = call(api, foreign.grpc_channel_credentials(), "Submit", submit)
+    assert plain == stranger == grpc.StatusCode.UNAVAILABLE
+    assert plane.specs == {} and plane.drained == set()
+    assert call(api, creds(cert_dir, "operator"), "Submit", submit) == grpc.StatusCode.OK
+    assert call(api, creds(cert_dir, "operator"), "Drain", pb.NodeRequest(node="n1")) == grpc.StatusCode.OK
+    assert list(plane.specs) == ["gpt-1p3b"] and plane.drained == {"n1"}
+
+
+def test_cli_over_tls_and_its_refusal_is_one_line(
+    api: str, plane: FakeControlPlane, cert_dir: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--api", api, "--tls-dir", str(cert_dir)]
+    assert cli.main(["submit", str(EXAMPLE), *base, "--tls-name", "node1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refused this certificate" in err and "node 'node1'" in err
+    assert cli.main(["submit", str(EXAMPLE), *base]) == 0  # --tls-name defaults to "operator"
+    assert cli.main(["tasks", *base, "--json"]) == 0
+    assert [t["name"] for t in json.loads(capsys.readouterr().out.split("\n", 1)[1])] == ["gpt-1p3b"]

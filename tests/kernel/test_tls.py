@@ -1,0 +1,100 @@
+"""unicron.kernel.tls and ``unicron certs``: real certificates, read back by TLS and by ``cryptography``."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from unicron.cli import main as cli
+from unicron.kernel import tls
+from unicron.kernel.errors import ConfigError
+
+
+def test_certs_cli_issues_a_role_certificate_with_its_sans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "ca"
+    assert cli.main(["certs", "init", str(d)]) == 0
+    assert cli.main(["certs", "issue", "--role", "node", "gpu-07", "--dir", str(d), "--host", "10.1.2.3"]) == 0
+    cert = x509.load_pem_x509_certificate((d / "gpu-07.crt").read_bytes())
+    assert tls.peer_of(cert) == tls.Peer(tls.Role.NODE, "gpu-07")
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "gpu-07" in san.get_values_for_type(x509.DNSName)
+    assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} >= {"10.1.2.3", "127.0.0.1"}
+    assert (d / "gpu-07.key").stat().st_mode & 0o077 == 0  # the key is private
+    assert (d / "ca.key").stat().st_mode & 0o077 == 0
+    # a second init would replace the CA under every issued certificate: refused, one line
+    assert cli.main(["certs", "init", str(d)]) == 1
+    assert "exists" in capsys.readouterr().err
+
+
+def test_certs_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["certs", "issue", "--role", "node", "n1", "--dir", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert "unicron certs init" in err and err.count("\n") == 1
+    tls.init_ca(tmp_path)
+    assert cli.main(["certs", "issue", "--role", "operator", "../evil", "--dir", str(tmp_path)]) == 1
+    assert "certificate name" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert cli.main(["certs", "init", str(tmp_path / "file" / "ca")]) == 1  # a path through a file
+    err = capsys.readouterr().err
+    assert "cannot write certificates there" in err and err.count("\n") == 1
+
+
+def test_load_checks_files_and_role(cert_dir: Path, tmp_path: Path) -> None:
+    assert tls.load("", "x") is None
+    cfg = tls.load(str(cert_dir), "node1", tls.Role.NODE)
+    assert cfg is not None and cfg.peer() == tls.Peer(tls.Role.NODE, "node1")
+    with pytest.raises(ConfigError, match="node 'node1', not of coordinator"):
+        tls.load(str(cert_dir), "node1", tls.Role.COORDINATOR)
+    with pytest.raises(ConfigError, match="missing"):
+        tls.load(str(tmp_path), "node1")
+
+
+def test_require_names_role_and_identity() -> None:
+    node_a = tls.Peer(tls.Role.NODE, "a")
+    tls.require(node_a, tls.Role.NODE, "the link", "a")
+    with pytest.raises(tls.Unauthorized, match="cannot act for node 'b'"):
+        tls.require(node_a, tls.Role.NODE, "the link", "b")
+    with pytest.raises(tls.Unauthorized, match="needs a operator certificate"):
+        tls.require(node_a, tls.Role.OPERATOR, "Submit")
+
+
+def _handshake(server_cfg: tls.TLSConfig, client_cfg: tls.TLSConfig) -> tls.Peer | str:
+    """One real TLS handshake over loopback: the peer the server read, or the client's error."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[tls.Peer | str] = []
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        try:
+            with server_cfg.server_context().wrap_socket(sock, server_side=True) as s:
+                seen.append(tls.peer_from_socket(s))
+                s.sendall(b"ok")
+        except (OSError, tls.Unauthorized) as exc:
+            seen.append(f"server: {exc}")
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with socket.create_connection(listener.getsockname()[:2], timeout=5) as raw, \
+                client_cfg.client_context().wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            s.recv(2)
+    except (OSError, ssl.SSLError) as exc:
+        seen.append(f"client: {exc}")
+    t.join(5)
+    listener.close()
+    return seen[0]
+
+
+def test_mutual_tls_reads_the_client_and_refuses_a_foreign_ca(cert_dir: Path, foreign_cert_dir: Path) -> None:
+    server = tls.TLSConfig.from_dir(cert_dir, "coordinator")
+    assert _handshake(server, tls.TLSConfig.from_dir(cert_dir, "node2")) == tls.Peer(tls.Role.NODE, "node2")
+    # a certificate of another CA, even with the same name and role, is no one here
+    stranger = tls.TLSConfig(cert_dir / "ca.crt", foreign_cert_dir / "node2.crt", foreign_cert_dir / "node2.key")
+    refused = _handshake(server, stranger)
+    # the server refuses the client's certificate; which side reports it first is a race
+    assert isinstance(refused, str) and ("certificate" in refused.lower() or "unknown ca" in refused.lower())

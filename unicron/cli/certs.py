@@ -1,0 +1,92 @@
+"""``unicron certs init|issue``: the cluster CA and role certificates for mutual TLS (docs/api.md).
+
+``init DIR`` creates the CA; ``issue --role ROLE NAME`` a certificate signed by it, whose subject
+names the holder (CN=NAME) and its role (OU=ROLE). Copy ``ca.crt`` and the holder's ``NAME.crt`` /
+``NAME.key`` to the holder's machine and point its ``--tls-dir`` there; ``ca.key`` never leaves the
+machine that issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from unicron.kernel import etcdauth, tls
+from unicron.kernel.errors import ConfigError
+from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
+
+
+def _default_dir() -> str:
+    return os.environ.get("UNICRON_TLS_DIR") or "certs"
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("certs", help="create the cluster CA and role certificates for mutual TLS")
+    certs = p.add_subparsers(dest="certs_command", metavar="ACTION", required=True)
+    q = certs.add_parser("init", help="create a cluster CA (ca.crt, ca.key) in DIR")
+    q.add_argument("dir", metavar="DIR")
+    q.add_argument("--force", action="store_true", help="replace an existing CA (every issued certificate stops working)")
+    q.set_defaults(func=cmd_init)
+    q = certs.add_parser("issue", help="issue NAME.crt / NAME.key for a role, signed by the CA in --dir")
+    q.add_argument("name", metavar="NAME", help="the holder: a node's name, an operator's user name, 'coordinator'")
+    q.add_argument("--role", required=True, choices=[r.value for r in tls.Role],
+                   help="operator (submit/cancel/drain), node (an agent), coordinator, etcd (the etcd server)")
+    q.add_argument("--dir", default=_default_dir(), help="the CA's directory (env: UNICRON_TLS_DIR; default ./certs)")
+    q.add_argument("--host", action="append", default=[], metavar="HOST",
+                   help="a DNS name or IP address the holder serves on (repeatable; NAME and loopback are always in)")
+    q.set_defaults(func=cmd_issue)
+    q = certs.add_parser("etcd-auth", help="create etcd users/roles for every certificate in --dir and enable "
+                                            "etcd auth (run as root: DIR/root.crt)")
+    q.add_argument("--dir", default=_default_dir(), help="the certificates (env: UNICRON_TLS_DIR; default ./certs)")
+    q.add_argument("--etcd", default=os.environ.get("UNICRON_ETCD", "127.0.0.1:2379"),
+                   help="one etcd endpoint host:port (env: UNICRON_ETCD)")
+    q.add_argument("--prefix", default=os.environ.get("UNICRON_PREFIX", DEFAULT_PREFIX),
+                   help=f"the cluster's etcd key prefix (env: UNICRON_PREFIX; default {DEFAULT_PREFIX})")
+    q.set_defaults(func=cmd_etcd_auth)
+
+
+@contextlib.contextmanager
+def _writing(directory: str) -> Iterator[None]:
+    """An unwritable directory is one line naming it, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{directory}: cannot write certificates there ({exc.strerror}); pick another --dir") from exc
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    with _writing(args.dir):
+        path = tls.init_ca(Path(args.dir), force=args.force)
+    print(f"CA written: {path} (keep {Path(args.dir) / tls.CA_KEY} on this machine only)")
+    return 0
+
+
+def cmd_issue(args: argparse.Namespace) -> int:
+    with _writing(args.dir):
+        crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host)
+    print(f"{args.role} certificate for {args.name!r}: {crt} {key}")
+    return 0
+
+
+def holders(directory: Path) -> list[tls.Peer]:
+    """The Unicron certificates issued into ``directory`` (not the CA's, etcd's or root's)."""
+    peers = []
+    for crt in sorted(directory.glob("*.crt")):
+        if crt.name == tls.CA_CERT:
+            continue
+        peer = tls.peer_from_pem(crt.read_bytes())
+        if peer.role is not tls.Role.ETCD:
+            peers.append(peer)
+    return peers
+
+
+def cmd_etcd_auth(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    admin = tls.TLSConfig.from_dir(directory, etcdauth.ROOT)
+    peers = holders(directory)
+    etcdauth.setup(args.etcd, admin, Keyspace(args.prefix), peers)
+    print(f"etcd auth enabled at {args.etcd}: " + ", ".join(str(p) for p in peers))
+    return 0

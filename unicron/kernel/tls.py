@@ -1,0 +1,291 @@
+"""Mutual TLS and roles: the cluster CA, certificates, and who a peer is (issue 17).
+
+One module for every channel (the coordinator's gRPC API, the agent link, etcd, the checkpoint
+replica server): it issues certificates (``unicron certs``), loads a :class:`TLSConfig` (CA,
+certificate, key), turns it into gRPC credentials or :mod:`ssl` contexts, and reads a verified
+peer's :class:`Peer` (role and name) from its certificate.
+
+A certificate names its holder in the subject: ``CN`` is the identity (a node's name, an operator's
+user name, ``coordinator``) and ``OU`` the role. TLS itself checks that the certificate was signed by
+the cluster CA; what is read here is only trusted because of that check, so :func:`peer_from_der` is
+called only on certificates a handshake verified.
+
+Files in a certificate directory: ``ca.crt`` (and ``ca.key`` on the machine that issues), and
+``NAME.crt`` / ``NAME.key`` for each issued certificate. Keys are written mode 0600.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from unicron.kernel.errors import ConfigError, PermanentError
+
+#: the environment variables every Unicron process reads its certificate from (flags override them)
+ENV_DIR, ENV_NAME = "UNICRON_TLS_DIR", "UNICRON_TLS_NAME"
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+#: the O of every certificate this module issues
+ORGANIZATION = "unicron"
+CA_DAYS = 3650
+LEAF_DAYS = 825
+#: the hosts every leaf certificate serves besides its own name (the local demo and tests dial loopback)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class Role(StrEnum):
+    OPERATOR = "operator"  #: the CLI: submit, cancel, drain, undrain
+    NODE = "node"  #: an agent; the certificate's CN is its node name
+    COORDINATOR = "coordinator"  #: the coordinator daemon
+    ETCD = "etcd"  #: etcd's server certificate and its admin (CN=root); no Unicron channel accepts it
+
+
+class Unauthorized(PermanentError):
+    """A peer's certificate does not allow what it asked for (gRPC PERMISSION_DENIED)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who a verified certificate names."""
+
+    role: Role
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.role.value} {self.name!r}"
+
+
+# --- issuing --------------------------------------------------------------------------------------
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def init_ca(directory: Path, name: str = "unicron cluster CA", force: bool = False) -> Path:
+    """Create ``ca.crt`` / ``ca.key`` in ``directory``; refuses to overwrite an existing CA unless ``force``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / CA_CERT).exists() and not force:
+        raise ConfigError(f"{directory / CA_CERT} exists: this directory has a CA already (pass --force to replace it)")
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    _write(directory / CA_KEY, _key_pem(key), private=True)
+    _write(directory / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return directory / CA_CERT
+
+
+def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for h in dict.fromkeys(hosts):  # ordered, deduplicated
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(names)
+
+
+def check_name(name: str) -> str:
+    """A certificate name must be usable as a file name and an etcd user name."""
+    if not name or name in (".", "..") or "/" in name or name.startswith("-") or name == "ca" \
+            or any(c.isspace() for c in name):
+        raise ConfigError(f"certificate name {name!r}: must be non-empty, not 'ca', with no '/', spaces or leading '-'")
+    return name
+
+
+def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None,
+          days: int = LEAF_DAYS) -> tuple[Path, Path]:
+    """Issue ``NAME.crt`` / ``NAME.key`` signed by the CA in ``directory``: CN=name, OU=role, with
+    SANs for ``name``, loopback and ``hosts`` (where the holder serves: replica server, API, etcd)."""
+    check_name(name)
+    try:
+        ca_cert = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
+        ca_key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), password=None)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc.filename}: no CA there; run 'unicron certs init {directory}' first") from exc
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{directory / CA_KEY}: not an EC key written by 'unicron certs init'")
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        # every holder is a client of something, and all but the operator serve something
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(_san([name, *LOOPBACK_HOSTS, *(hosts or [])]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    crt, keyfile = directory / f"{name}.crt", directory / f"{name}.key"
+    _write(keyfile, _key_pem(key), private=True)
+    _write(crt, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return crt, keyfile
+
+
+# --- reading who a peer is ----------------------------------------------------------------------
+
+
+def peer_of(cert: x509.Certificate) -> Peer:
+    """The role (OU) and name (CN) a certificate carries; :class:`Unauthorized` if it has neither."""
+    subject = cert.subject
+    cns = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ous = subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    if len(cns) != 1 or len(ous) != 1:
+        raise Unauthorized(f"certificate {subject.rfc4514_string()!r} names no single role (OU) and name (CN)")
+    try:
+        role = Role(str(ous[0].value))
+    except ValueError:
+        raise Unauthorized(f"certificate {subject.rfc4514_string()!r}: unknown role {ous[0].value!r}") from None
+    return Peer(role, str(cns[0].value))
+
+
+def peer_from_der(der: bytes) -> Peer:
+    return peer_of(x509.load_der_x509_certificate(der))
+
+
+def peer_from_pem(pem: bytes) -> Peer:
+    return peer_of(x509.load_pem_x509_certificate(pem))
+
+
+def peer_from_grpc(context: Any) -> Peer:
+    """The verified client certificate of a gRPC call (``context.auth_context()``)."""
+    pems = context.auth_context().get("x509_pem_cert") or []
+    if not pems:
+        raise Unauthorized("no client certificate on this call; use one issued by 'unicron certs issue'")
+    return peer_from_pem(pems[0])
+
+
+def peer_from_socket(sock: ssl.SSLSocket) -> Peer:
+    der = sock.getpeercert(binary_form=True)
+    if not der:
+        raise Unauthorized("no client certificate on this connection")
+    return peer_from_der(der)
+
+
+def require(peer: Peer, role: Role, what: str, name: str | None = None) -> None:
+    """Raise :class:`Unauthorized` unless ``peer`` has ``role`` (and, if given, is ``name``)."""
+    if peer.role is not role:
+        raise Unauthorized(f"{what} needs a {role.value} certificate; this one is {peer}")
+    if name is not None and peer.name != name:
+        raise Unauthorized(f"{what}: certificate of {peer} cannot act for {role.value} {name!r}")
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """The files one holder needs: the cluster CA and its own certificate and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, name: str) -> TLSConfig:
+        """``DIR/ca.crt``, ``DIR/NAME.crt``, ``DIR/NAME.key``; :class:`ConfigError` naming a missing file."""
+        d = Path(directory)
+        cfg = cls(d / CA_CERT, d / f"{name}.crt", d / f"{name}.key")
+        for path in (cfg.ca, cfg.cert, cfg.key):
+            if not path.is_file():
+                raise ConfigError(
+                    f"TLS: {path} missing; create it with 'unicron certs init {d}' / "
+                    f"'unicron certs issue --role ROLE {name} --dir {d}'"
+                )
+        return cfg
+
+    def peer(self) -> Peer:
+        """Who this configuration's own certificate names."""
+        return peer_from_pem(self.cert.read_bytes())
+
+    def _pem(self) -> tuple[bytes, bytes, bytes]:
+        return self.ca.read_bytes(), self.key.read_bytes(), self.cert.read_bytes()
+
+    def grpc_server_credentials(self) -> grpc.ServerCredentials:
+        ca, key, cert = self._pem()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+    def grpc_channel_credentials(self) -> grpc.ChannelCredentials:
+        ca, key, cert = self._pem()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def server_context(self) -> ssl.SSLContext:
+        """For a TCP server that requires a client certificate signed by the cluster CA."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        """For a TCP client: checks the server's certificate and host name, presents its own."""
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        return ctx
+
+
+def load(directory: str, name: str, role: Role | None = None) -> TLSConfig | None:
+    """The TLS configuration of a daemon's ``--tls-dir`` (None: empty, plaintext); with ``role``,
+    :class:`ConfigError` unless the certificate there is that role's, named ``name``."""
+    if not directory:
+        return None
+    cfg = TLSConfig.from_dir(directory, name)
+    if role is not None:
+        try:
+            peer = cfg.peer()
+        except (ValueError, Unauthorized) as exc:
+            raise ConfigError(f"TLS: {cfg.cert}: not a certificate from 'unicron certs issue' ({exc})") from exc
+        if peer != Peer(role, name):
+            raise ConfigError(f"TLS: {cfg.cert} is the certificate of {peer}, not of {role.value} {name!r}; "
+                              f"issue one with 'unicron certs issue --role {role.value} {name}'")
+    return cfg
+
+
+def from_env() -> TLSConfig | None:
+    """The certificate named by ``UNICRON_TLS_DIR`` / ``UNICRON_TLS_NAME`` (None: plaintext): what a
+    rank the agent launched uses for its node's channels (the checkpoint replica servers)."""
+    directory = os.environ.get(ENV_DIR, "")
+    return load(directory, os.environ.get(ENV_NAME, "")) if directory else None
+
+
+def plaintext_warning(what: str, flag: str = "--tls-dir / UNICRON_TLS_DIR") -> str:
+    """The one line a daemon logs when it starts without TLS."""
+    return (f"plaintext: anyone who can reach {what} can act on this cluster, unauthenticated; "
+            f"use {flag} (see 'unicron certs' and docs/api.md)")
