@@ -127,12 +127,7 @@ def test_an_etcd_member_killed_disturbs_nothing(cluster: LocalCluster, victim: s
 def test_the_whole_etcd_cluster_down_for_30_s_disturbs_nothing(cluster: LocalCluster) -> None:
     etcd = cluster.etcd
     assert isinstance(etcd, EtcdCluster)
-
-    def down() -> None:
-        for m in etcd.members:
-            m.kill()
-
-    etcd_fault_keeps_training(cluster, down, etcd.start, outage_s=30.0)
+    etcd_fault_keeps_training(cluster, etcd.kill, etcd.start, outage_s=30.0)
 
 
 def test_a_partitioned_node_is_lost_and_relinks_when_healed(cluster: LocalCluster) -> None:

@@ -3,6 +3,7 @@ endpoint fails over when the member it uses dies, or the raft leader dies; its w
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,14 +47,17 @@ def test_the_client_fails_over_and_keeps_its_watch_and_lease(cluster: EtcdCluste
         seen: list[WatchEvent] = []
         got = threading.Event()
         store.put("/w/0", "0")
-        watch = store.watch_prefix("/w/", lambda ev: (seen.append(ev), got.set()),
-                                   start_revision=store.revision() + 1)
+        def on_event(ev: WatchEvent) -> None:
+            seen.append(ev)
+            got.set()
+
+        watch = store.watch_prefix("/w/", on_event, start_revision=store.revision() + 1)
         lease = store.lease(2)
         store.put("/leased", "x", lease=lease)
         dead = in_use(store, cluster) if victim == "member in use" else cluster.leader()
         dead.kill()
         for i in range(1, 6):
-            retry(lambda i=i: store.put(f"/w/{i}", str(i)))
+            retry(functools.partial(store.put, f"/w/{i}", str(i)))
         deadline = time.monotonic() + 10
         while {ev.key for ev in seen} != {f"/w/{i}" for i in range(1, 6)} and time.monotonic() < deadline:
             got.wait(0.1)

@@ -206,6 +206,11 @@ class EtcdCluster:
         self.stop()
         self.start()
 
+    def kill(self) -> None:
+        """SIGKILL every member (the whole cluster crashes); :meth:`start` brings it back."""
+        for m in self.members:
+            m.kill()
+
     def pause(self) -> None:
         for m in self.members:
             m.pause()
