@@ -50,6 +50,7 @@ from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, St
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.net import interface_of
 from unicron.kernel.types import (
     AssignmentResult,
     DetectionMethod,
@@ -137,6 +138,7 @@ class Agent:
         self.node = settings.node
         self.tls_config = tls.load(settings.tls_dir, settings.node)
         self.advertise_host = settings.advertise_host or default_advertise_host()
+        self._gloo_ifname = interface_of(self.advertise_host)
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()
         self.ready = threading.Event()
@@ -190,7 +192,7 @@ class Agent:
         self.store = store
         store.on_error = self.metrics.etcd.error
         if self.settings.replica_budget_mb > 0:
-            self.replicas = ReplicaServer(f"{self.settings.replica_host}:0",
+            self.replicas = ReplicaServer(f"{self.settings.replica_host or self.advertise_host}:0",
                                           self.settings.replica_budget_mb << 20, tls_config=self.tls_config).start()
         # Served before registering: a node the coordinator sees is one an operator can scrape.
         self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
@@ -628,6 +630,10 @@ class Agent:
     def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
         env = launchenv.rank_env(with_torchrun_threads(os.environ), a, spec, store, node=self.node,
                                  socket_path=self.socket_path, set_cuda=self.backend.name != "simulated")
+        if self._gloo_ifname and "GLOO_SOCKET_IFNAME" not in env:
+            # gloo binds the address the hostname resolves to, often 127.0.0.1 (Debian's /etc/hosts):
+            # peers on other hosts could not connect. The advertised address's interface is reachable.
+            env["GLOO_SOCKET_IFNAME"] = self._gloo_ifname
         peers = self._replica_peers()
         if peers:
             env["UNICRON_CKPT_PEERS"] = ",".join(peers)

@@ -42,8 +42,10 @@ class AgentSettings:
     """The first iterations (compilation, allocator warm-up) are slow and do not set the baseline."""
     replica_budget_mb: int = setting(1024, "UNICRON_REPLICA_BUDGET_MB", "memory for peers' checkpoint replicas")
     """0 disables the replica server."""
-    replica_host: str = setting("127.0.0.1", "UNICRON_REPLICA_HOST", "address the checkpoint replica server listens on")
-    """Must be reachable from the other nodes (the cluster network) in a real deployment."""
+    replica_host: str = setting("", "UNICRON_REPLICA_HOST",
+                                "address the checkpoint replica server listens on (default: the advertise host)")
+    """Ranks on the other nodes push their snapshots to it: it must be on the cluster network (the
+    loopback default it had was unreachable from any other host)."""
     prefork: str = setting("unicron.runtime.train,unicron.runtime.workload", "UNICRON_PREFORK",
                            "modules a warm spawner imports once to fork ranks from (comma-separated; empty: off)")
     """Ranks started as ``<agent's python> -m MODULE`` for these modules are forked, already imported

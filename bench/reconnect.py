@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -35,10 +34,7 @@ TARGET_MAX_S = 2.0
 
 
 def one_outage(c: LocalCluster, outage_s: float) -> list[float]:
-    assert c.etcd.proc is not None
-    c.etcd.proc.send_signal(signal.SIGKILL)
-    c.etcd.proc.wait()
-    c.etcd.proc = None
+    c.etcd.kill()
     time.sleep(outage_s)
     c.etcd.start()
     ready = time.monotonic()

@@ -2,6 +2,8 @@
 
 Uses the ``etcd`` binary from Debian's ``etcd-server`` package. The server keeps its ports and
 data directory across :meth:`EtcdServer.restart`, so "etcd restarted while running" can be tested.
+:class:`EtcdCluster` runs several members as one real etcd cluster (``--initial-cluster``), each
+optionally inside a network namespace of its own (:mod:`unicron.cluster.netns`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from unicron.kernel import tls
@@ -36,11 +40,20 @@ class EtcdServer:
     #: the certificate the server serves with (and probes its own readiness with) in ``tls_dir``
     SERVER_CERT = "etcd"
 
-    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", tls_dir: str | None = None) -> None:
+    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", tls_dir: str | None = None, *,
+                 name: str = "unicron", ports: tuple[int, int] | None = None,
+                 launcher: Sequence[str] = ()) -> None:
+        """``ports``: (client, peer), default free ones on ``host``; ``launcher``: an argv prefix the
+        etcd command runs under (``ip netns exec NS``: ``host`` is then an address of that namespace)."""
         self.host = host
         self.tls_config = tls.TLSConfig.from_dir(tls_dir, self.SERVER_CERT) if tls_dir else None
-        self.client_port = free_port(host)
-        self.peer_port = free_port(host)
+        self.name = name
+        self.client_port, self.peer_port = ports or (free_port(host), free_port(host))
+        self.launcher = list(launcher)
+        #: ``name=peer-url,...`` of every member (set by :class:`EtcdCluster`; default: this one alone)
+        self.initial_cluster = f"{name}={self.peer_url}"
+        #: shared by the members of one cluster (a member refuses peers of another token)
+        self.cluster_token = f"unicron-{uuid.uuid4().hex[:8]}"
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="unicron-etcd-")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -50,16 +63,25 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
     def start(self, timeout_s: float = 15.0) -> EtcdServer:
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting (a cluster member is ready only once a quorum runs)."""
         client_url = f"{'https' if self.tls_config else 'http'}://{self.host}:{self.client_port}"
-        peer_url = f"http://{self.host}:{self.peer_port}"
         argv = [
-            etcd_binary(), "--name", "unicron", "--data-dir", str(Path(self.data_dir) / "data"),
+            *self.launcher, etcd_binary(), "--name", self.name, "--data-dir", str(Path(self.data_dir) / "data"),
             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"unicron={peer_url}",
-            # Short election/heartbeat timings: a single local member, and lease expiry checks
-            # should not lag behind the short TTLs the tests use.
+            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster, "--initial-cluster-token", self.cluster_token,
+            # Short election/heartbeat timings: local members, and lease expiry checks should not
+            # lag behind the short TTLs the tests use.
             "--heartbeat-interval", "50", "--election-timeout", "500",
         ]
         if self.tls_config is not None:
@@ -68,10 +90,8 @@ class EtcdServer:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        self._wait_ready(timeout_s)
-        return self
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float = 15.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -109,6 +129,15 @@ class EtcdServer:
         self.stop()
         self.start()
 
+    def kill(self) -> None:
+        """SIGKILL (a crash, not a shutdown); :meth:`start` brings the member back with its data."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
     def pause(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP)
@@ -127,3 +156,91 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class EtcdCluster:
+    """``members`` etcd servers forming one cluster. ``hosts`` (one per member) are
+    ``(address, launcher)`` pairs, e.g. a namespace's IP and ``ip netns exec NS``; default: loopback
+    ports. The same interface as :class:`EtcdServer` where the tests and the harness use it."""
+
+    def __init__(self, members: int = 3, hosts: Sequence[tuple[str, Sequence[str]]] = ()) -> None:
+        if members < 1:
+            raise ConfigError(f"etcd cluster: members must be >= 1, got {members}")
+        if hosts and len(hosts) != members:
+            raise ConfigError(f"etcd cluster: {members} members but {len(hosts)} hosts")
+        self.members = [
+            EtcdServer(name=f"m{i}", host=hosts[i][0], ports=(2379, 2380), launcher=hosts[i][1]) if hosts
+            else EtcdServer(name=f"m{i}")
+            for i in range(members)
+        ]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        token = self.members[0].cluster_token
+        for m in self.members:
+            m.initial_cluster, m.cluster_token = initial, token
+
+    @property
+    def endpoint(self) -> str:
+        """Every member's client address, ``host:port,...`` (what the daemons' --etcd takes)."""
+        return ",".join(m.endpoint for m in self.members)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout_s: float = 30.0) -> EtcdCluster:
+        for m in self.members:
+            m.launch()
+        for m in self.members:
+            m.wait_ready(timeout_s)
+        return self
+
+    def leader(self) -> EtcdServer:
+        """The member that leads the raft group now (asked of the members themselves)."""
+        from unicron.kernel.etcd import Store
+
+        for m in self.members:
+            if m.proc is None:
+                continue
+            store = Store(m.endpoint, timeout_s=1.0)
+            try:
+                leader = store.client.status().leader
+                for other in self.members:
+                    if leader is not None and other.proc is not None and other.name == leader.name:
+                        return other
+            except Exception:  # this member is down or between elections: ask the next
+                continue
+            finally:
+                store.close()
+        raise RuntimeError("no etcd member knows a leader")
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL every member (the whole cluster crashes); :meth:`start` brings it back."""
+        for m in self.members:
+            m.kill()
+
+    def pause(self) -> None:
+        for m in self.members:
+            m.pause()
+
+    def resume(self) -> None:
+        for m in self.members:
+            m.resume()
+
+    def cleanup(self) -> None:
+        for m in self.members:
+            m.cleanup()
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+

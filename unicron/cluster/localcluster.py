@@ -1,5 +1,10 @@
 """A whole Unicron cluster on this machine: a throwaway etcd, a coordinator and N agents, each a
 real process. Used by the integration tests, the local demo and the benchmarks.
+
+Two network modes. Loopback (the default): every process on 127.0.0.1. Namespaces (``netns=True``,
+root only): every node, coordinator and etcd member is a host of its own (a network namespace with
+its own IP on a bridge, :mod:`unicron.cluster.netns`), so addresses chosen on the wrong host show,
+and :meth:`LocalCluster.partition` cuts a host off the network.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unicron.cluster.etcd_server import EtcdServer
+from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
+from unicron.cluster.netns import Network
 from unicron.kernel import etcdauth, tls
+from unicron.kernel.errors import ConfigError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
@@ -48,18 +55,31 @@ class LocalCluster:
         quiet: bool = True,
         metrics: bool = False,
         tls: bool = False,
+        netns: bool = False,
+        etcd_members: int = 1,
+        coordinators: int = 1,
     ) -> None:
         """With ``tls``, the secure variant (docs/operations.md): a cluster CA and certificates in
         ``<run_dir>/certs``, etcd with TLS, ``--client-cert-auth`` and per-role auth, and every
-        daemon on mutual TLS (``UNICRON_TLS_DIR``); the harness itself acts as the coordinator."""
+        daemon on mutual TLS (``UNICRON_TLS_DIR``); the harness itself acts as the coordinator.
+        ``netns``: each process on a host (network namespace) of its own; ``etcd_members``: etcd
+        as a cluster of that many members; ``coordinators``: one leader and the rest running standbys."""
+        if tls and (netns or etcd_members > 1):
+            # the certificates name loopback only; a namespace's IP or a member cluster is not in them yet
+            raise ConfigError("LocalCluster: tls=True runs on loopback with one etcd member; drop netns/etcd_members")
         self.n_agents = agents
         self.gpus_per_agent = gpus_per_agent
         self.keys = Keyspace(prefix)
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="unicron-run-")
         self.tls_dir = self._issue_certs() if tls else ""
-        self.etcd = EtcdServer(tls_dir=self.tls_dir or None)
+        self.net = Network().create() if netns else None
+        self.etcd: EtcdServer | EtcdCluster = self._make_etcd(etcd_members)
         self.store: Store | None = None
+        #: the first coordinator started (the leader, until a test kills it); see :meth:`leader_pid`
         self.coordinator: subprocess.Popen[bytes] | None = None
+        self.n_coordinators = coordinators
+        #: every coordinator process by index (its host in netns mode is ``coord<index>``)
+        self.coordinators: dict[int, subprocess.Popen[bytes]] = {}
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.extra_env = extra_env or {}
         self.quiet = quiet
@@ -93,6 +113,33 @@ class LocalCluster:
                  *(tls.Peer(tls.Role.NODE, n) for n in self.node_names())]
         etcdauth.setup(self.etcd.endpoint, admin, self.keys, peers)
 
+    def _make_etcd(self, members: int) -> EtcdServer | EtcdCluster:
+        if self.net is None:
+            return EtcdServer(tls_dir=self.tls_dir or None) if members == 1 else EtcdCluster(members)
+        hosts = [self.net.add(f"etcd{i}") for i in range(members)]
+        if members == 1:
+            return EtcdServer(host=hosts[0].ip, ports=(2379, 2380), launcher=self.net.wrap("etcd0", []))
+        return EtcdCluster(members, [(h.ip, self.net.wrap(h.name, [])) for h in hosts])
+
+    def host_ip(self, host: str) -> str:
+        """The address of ``host`` (a node, ``coord<i>`` or ``etcd<i>``): its namespace's IP, or loopback."""
+        if self.net is None:
+            return "127.0.0.1"
+        if host not in self.net.hosts:
+            self.net.add(host)
+        return self.net.hosts[host].ip
+
+    def partition(self, host: str) -> None:
+        """Cut ``host`` off the network (netns mode): its processes run on but reach nobody."""
+        if self.net is None:
+            raise ConfigError("partition() needs LocalCluster(netns=True)")
+        self.net.partition(host)
+
+    def heal(self, host: str) -> None:
+        if self.net is None:
+            raise ConfigError("heal() needs LocalCluster(netns=True)")
+        self.net.heal(host)
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
@@ -104,11 +151,17 @@ class LocalCluster:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, argv: list[str], log_name: str, host: str) -> subprocess.Popen[bytes]:
         log_path = Path(self.run_dir) / f"{log_name}.log"
+        env = self._env()
+        cmd = [sys.executable, *argv]
+        if self.net is not None:
+            # Everything the daemon serves listens on its own host's address, never loopback.
+            ip = self.host_ip(host)
+            env.update({"UNICRON_METRICS_HOST": ip, "UNICRON_COORDINATOR_HOST": ip})
+            cmd = self.net.wrap(host, cmd)
         out = open(log_path, "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen([sys.executable, *argv], env=self._env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         return proc
 
@@ -119,6 +172,8 @@ class LocalCluster:
         # with TLS the harness reads and writes as the coordinator (its tests write assignments)
         self.store = Store(self.etcd.endpoint, tls_config=self.tls_config("coordinator"))
         self.start_coordinator()
+        for i in range(1, self.n_coordinators):
+            self.start_coordinator(i, wait=False)
         for node in self.node_names():
             self.start_agent(node)
         self.wait_for(lambda: len(self.registered_nodes()) == self.n_agents, timeout_s, "agents to register")
@@ -165,22 +220,35 @@ class LocalCluster:
         return ["--metrics-port", str(self.metrics_ports[who])]
 
     def metrics_url(self, who: str) -> str:
-        return f"http://127.0.0.1:{self.metrics_ports[who]}/metrics"
+        return f"http://{self.host_ip('coord0' if who == 'coordinator' else who)}:{self.metrics_ports[who]}/metrics"
 
-    def start_coordinator(self) -> None:
-        self.coordinator = self._spawn(["-m", "coordinator.main", *self._metrics_args("coordinator")], "coordinator")
-        self.wait_for(lambda: self.store is not None and self.store.get(self.keys.leader()) is not None, 30.0,
-                      "the coordinator to lead")
+    def start_coordinator(self, index: int = 0, wait: bool = True) -> None:
+        """Start coordinator ``index`` (its log: ``coordinator.log`` for 0, ``coordinator<index>.log``);
+        ``wait``: until some coordinator leads."""
+        who = "coordinator" if index == 0 else f"coordinator{index}"
+        proc = self._spawn(["-m", "coordinator.main", *self._metrics_args(who)], who, f"coord{index}")
+        self.coordinators[index] = proc
+        if index == 0:
+            self.coordinator = proc
+        if wait:
+            self.wait_for(lambda: self.store is not None and self.store.get(self.keys.leader()) is not None, 30.0,
+                          "the coordinator to lead")
+
+    def leader_pid(self) -> int | None:
+        """The PID in the leader key (the coordinator that leads now), None while nobody does."""
+        assert self.store is not None
+        kv = self.store.get(self.keys.leader())
+        return int(json.loads(kv.value)["pid"]) if kv is not None else None
 
     def start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
             ["-m", "agent.main", "--node", node, "--gpu-backend", "simulated", "--gpus", str(self.gpus_per_agent),
-             "--advertise-host", "127.0.0.1", *self._metrics_args(node)],
-            f"agent-{node}",
+             "--advertise-host", self.host_ip(node), *self._metrics_args(node)],
+            f"agent-{node}", node,
         )
 
     def stop(self) -> None:
-        procs = [p for p in (*self.agents.values(), self.coordinator) if p is not None]
+        procs = [p for p in (*self.agents.values(), *self.coordinators.values()) if p is not None]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGCONT)
@@ -195,6 +263,8 @@ class LocalCluster:
         if self.store is not None:
             self.store.close()
         self.etcd.cleanup()
+        if self.net is not None:
+            self.net.destroy()
 
     def __enter__(self) -> LocalCluster:
         # The cluster's processes run in their own sessions: a SIGTERM to this process must unwind

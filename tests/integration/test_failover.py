@@ -1,0 +1,159 @@
+"""Coordinator high availability: a running standby takes over from a SIGKILLed leader within the
+leadership lease's TTL + 1 s, running ranks undisturbed and a pending action carried out exactly
+once; a partitioned leader (namespace cluster) is fenced: none of its writes land and it exits."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.daemon import EXIT_DEPOSED
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
+from unicron.cluster.netns import unavailable_reason
+from unicron.kernel.types import ErrorKind
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+LEADER_TTL_S = 3
+
+
+@pytest.fixture(scope="module", params=["loopback", "netns"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    netns = request.param == "netns"
+    if netns and (reason := unavailable_reason()) is not None:
+        pytest.skip(f"namespace cluster unavailable: {reason}")
+    c = LocalCluster(agents=2, gpus_per_agent=2, netns=netns, coordinators=2,
+                     extra_env={"UNICRON_LEADER_TTL": str(LEADER_TTL_S)})
+    c.start()
+    os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+    try:
+        spec = tmp_path_factory.mktemp("spec") / "t.json"
+        spec.write_text(json.dumps({"name": "keep", "command": SLEEPER, "min_gpus": 2}))
+        assert cli(["submit", str(spec)]) == 0
+        c.wait_for(lambda: settled(c), 60.0, "the task's ranks")
+        yield c
+    finally:
+        os.environ.pop("UNICRON_ETCD", None)
+        c.stop()
+
+
+def settled(c: LocalCluster) -> bool:
+    """The task runs on every GPU the coordinator gave it (no reconfiguration under way)."""
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        if cli(["tasks", "--json"]) != 0:
+            return False
+    tasks = json.loads(buf.getvalue())
+    return bool(tasks) and tasks[0]["gpus"] >= 2 and len(pids(c)) == tasks[0]["gpus"]
+
+
+def pids(c: LocalCluster) -> dict[int, int]:
+    return {r: int(v["pid"]) for r, v in c.running_ranks("keep").items()}
+
+
+def leader_index(c: LocalCluster) -> int:
+    pid = c.leader_pid()
+    return next(i for i, p in c.coordinators.items() if p.pid == pid)
+
+
+def log_of(c: LocalCluster, index: int) -> list[dict[str, Any]]:
+    name = "coordinator.log" if index == 0 else f"coordinator{index}.log"
+    out = []
+    for line in Path(c.run_dir, name).read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "timestamp" in rec:
+            rec["ts"] = datetime.datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
+            out.append(rec)
+    return out
+
+
+def takeover_ts(c: LocalCluster, index: int, after: float) -> float | None:
+    """When coordinator ``index`` logged its election (its own clock), if it did after ``after``."""
+    return next((r["ts"] for r in log_of(c, index) if r.get("event") == "elected leader" and r["ts"] >= after), None)
+
+
+def restart_standby(c: LocalCluster, index: int) -> None:
+    c.coordinators[index].wait()
+    c.start_coordinator(index, wait=False)
+
+
+def kill_leader(c: LocalCluster) -> tuple[int, float]:
+    """SIGKILL the leader; wait for the standby's takeover, which must come within TTL + 1 s by the
+    standby's own clock. Returns the standby's index and the takeover's duration."""
+    old = leader_index(c)
+    standby = 1 - old
+    os.kill(c.coordinators[old].pid, signal.SIGKILL)
+    t_kill = time.time()
+    ts = c.wait_for(lambda: takeover_ts(c, standby, t_kill), LEADER_TTL_S + 10.0, "the standby to lead")
+    assert ts - t_kill <= LEADER_TTL_S + 1.0, f"takeover took {ts - t_kill:.2f} s"
+    assert c.leader_pid() == c.coordinators[standby].pid
+    restart_standby(c, old)
+    return standby, ts - t_kill
+
+
+def test_a_standby_takes_over_from_a_killed_leader_with_ranks_undisturbed(cluster: LocalCluster) -> None:
+    before = pids(cluster)
+    t0 = time.time()
+    kill_leader(cluster)
+    time.sleep(2.0)  # the agents re-link to the new leader meanwhile
+    assert pids(cluster) == before
+    assert [i for i in cluster.incidents() if i.detected_ts >= t0] == []
+
+
+def test_an_action_pending_at_the_leaders_death_is_carried_out_once(cluster: LocalCluster) -> None:
+    before = pids(cluster)
+    victim_rank, victim_pid = max(before.items())
+    t0 = time.time()
+    # A rank dies and, before the leader can act on it, the leader dies: the action is pending.
+    os.kill(victim_pid, signal.SIGKILL)
+    kill_leader(cluster)
+
+    def restarted() -> bool:
+        now = pids(cluster)
+        return victim_rank in now and now[victim_rank] != victim_pid and settled(cluster)
+    cluster.wait_for(restarted, 60.0, "the killed rank to be restarted")
+    time.sleep(2.0)  # a second restart, if one were coming, would be under way by now
+    restarts = [r for i in cluster.coordinators for r in log_of(cluster, i)
+                if r.get("event") == "action" and r.get("action") in ("RestartRanks", "RestartTask", "Assign") and r["ts"] >= t0]
+    assert len(restarts) == 1, restarts  # exactly once, by whichever leader decided it
+    incidents = [i for i in cluster.incidents() if i.detected_ts >= t0 - 1]
+    assert [i.kind for i in incidents] == [ErrorKind.EXITED_ABNORMALLY], incidents
+
+
+def test_a_partitioned_leader_is_fenced_and_exits(cluster: LocalCluster) -> None:
+    if cluster.net is None:
+        pytest.skip("partitions need the namespace cluster")
+    before = pids(cluster)
+    old = leader_index(cluster)
+    standby = 1 - old
+    t0 = time.time()
+    cluster.partition(f"coord{old}")
+    try:
+        cluster.wait_for(lambda: takeover_ts(cluster, standby, t0), LEADER_TTL_S + 10.0, "the standby to lead")
+        # Cut off, the old leader lost every agent's heartbeat and tried to act on it; it could not.
+        time.sleep(2.0)
+    finally:
+        cluster.heal(f"coord{old}")
+    # Back on the network, its first write is refused (its fencing token is stale): it stops.
+    code = cluster.coordinators[old].wait(timeout=30.0)
+    assert code == EXIT_DEPOSED
+    lost = [i for i in cluster.incidents() if i.kind is ErrorKind.LOST_CONNECTION and i.detected_ts >= t0]
+    assert lost == [], lost  # none of the deposed leader's "node lost" decisions landed
+    assert all(cluster.node_state(n) == "up" for n in cluster.node_names())
+    assert pids(cluster) == before
+    restart_standby(cluster, old)
+
