@@ -486,7 +486,9 @@ class TaskReconciler:
             self._sidecar = self._spare = None
         if old is None:
             return self._await_store(a)
-        old.stop()
+        # Off the restart's path: the old attempt's store serves no rank any more, and its exit (up to
+        # the stop's grace) would delay the relaunch.
+        threading.Thread(target=old.stop, name=f"old-store-{a.task}", daemon=True).start()
         return self._host_store(a, spare)
 
     def _start_spare(self, task: str) -> None:
