@@ -33,13 +33,14 @@ import enum
 import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
 from agent.progress import ENV_PROGRESS_REGEX, LineParser, Progress, compile_regex
-from agent.sidecar import StoreSidecar
+from agent.sidecar import START_TIMEOUT_S, StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, Supervisor
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
@@ -176,6 +177,9 @@ class TaskReconciler:
         #: a ``restart`` task's next attempt's store, started ahead (a sidecar takes seconds to start:
         #: it imports torch), so a whole-task restart does not wait for one
         self._spare: StoreSidecar | None = None
+        #: the spare while it still starts, with the outcome of its start ("" once it listens): a
+        #: restart that comes first awaits it rather than start another from nothing
+        self._pending: tuple[StoreSidecar, Future[str]] | None = None
         self._published_revision = 0
         self.steps: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
@@ -361,10 +365,10 @@ class TaskReconciler:
         return True, "started"
 
     def _host_store(self, a: TaskAssignment, sidecar: StoreSidecar | None = None) -> StoreAddress | None:
+        if a.recovery == RECOVERY_RESTART:
+            self._start_spare(a.task)  # before a first store's start, so both import torch at once
         if sidecar is None:
             sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
-        if a.recovery == RECOVERY_RESTART:
-            self._start_spare(a.task)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
                             port=sidecar.port, restart_epoch=_store_epoch(a))
         with self._lock:
@@ -482,10 +486,17 @@ class TaskReconciler:
         """The store of attempt ``a.restart_epoch``: the hosting node replaces its sidecar, the others
         wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
         with self._lock:
-            old, spare = self._sidecar, self._spare
-            self._sidecar = self._spare = None
+            old, spare, pending = self._sidecar, self._spare, self._pending
+            self._sidecar = self._spare = self._pending = None
         if old is None:
             return self._await_store(a)
+        if spare is None and pending is not None:  # the spare still starts: the rest of its start is shorter
+            sidecar, started = pending
+            try:
+                spare = sidecar if started.result(START_TIMEOUT_S + 5.0) == "" else None
+            except TimeoutError:  # its start hangs: stop it, and start one from nothing
+                sidecar.stop()
+                spare = None
         # Off the restart's path: the old attempt's store serves no rank any more, and its exit (up to
         # the stop's grace) would delay the relaunch.
         threading.Thread(target=old.stop, name=f"old-store-{a.task}", daemon=True).start()
@@ -494,18 +505,27 @@ class TaskReconciler:
     def _start_spare(self, task: str) -> None:
         """Start the next attempt's store now; called on this reconciler's (long-lived) thread, which
         the sidecar's PDEATHSIG follows. Its start is awaited on a thread of its own."""
+        with self._lock:
+            if self._pending is not None or self._spare is not None:
+                return  # one is there already
         try:
             started = StoreSidecar.spawn(self.host.advertise_host)
         except OSError as exc:  # the restart will start its own
             log.warning("spare store sidecar did not start", task=task, error=str(exc))
             return
+        outcome: Future[str] = Future()
+        with self._lock:
+            self._pending = (started, outcome)
 
         def await_ready() -> None:
-            if started.ready(task):
-                return  # not listening (stopped): the restart will start its own
-            spare: StoreSidecar | None = started
+            error = started.ready(task)  # "" once listening; else it was stopped
+            outcome.set_result(error)
+            spare: StoreSidecar | None = None if error else started
             with self._lock:
-                if not self._stop_requested and self._spare is None:
+                if self._pending is None or self._pending[0] is not started:
+                    return  # a restart took it (and awaits the outcome itself), or a stop did
+                self._pending = None
+                if spare is not None and not self._stop_requested and self._spare is None:
                     self._spare, spare = spare, None
             if spare is not None:  # stopped meanwhile, or one is ready already
                 spare.stop()
@@ -519,8 +539,11 @@ class TaskReconciler:
                     self._ranks[r] = RankState.STOPPING
             sidecar, store, revision = self._sidecar, self._store, self._published_revision
             spare, self._sidecar, self._spare = self._spare, None, None
+            pending, self._pending = self._pending, None
         if spare is not None:
             spare.stop()
+        if pending is not None:
+            pending[0].stop()
         self.supervisor.close(grace_s=STOP_GRACE_S)
         if sidecar is not None:
             sidecar.stop()

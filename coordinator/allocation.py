@@ -53,6 +53,17 @@ def _next_count(task: TaskSpec, count: int, limit: int) -> int | None:
     return None
 
 
+def _capped(task: TaskSpec, count: int) -> int:
+    """``count`` lowered to the task's largest valid count within its ``max_gpus`` (the planner does
+    not model the cap; the GPUs it frees stay idle until the next plan)."""
+    if task.max_gpus is None or count <= task.max_gpus:
+        return count
+    candidate = task.max_gpus // task.unit * task.unit
+    while candidate >= task.min_gpus and not task.valid_count(candidate):
+        candidate -= task.unit
+    return candidate if candidate >= task.min_gpus else 0
+
+
 class EvenAllocator:
     """PLACEHOLDER until ``plans.WafPlanner`` is adapted to :class:`Allocator` (the lead writes that adapter).
 
@@ -141,7 +152,7 @@ class WafAllocator:
             return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         cluster = ClusterSpec(gpu_type=self.gpu, n_gpus=healthy_gpus, gpus_per_node=gpus_per_node)
         result = self.planner.plan(cluster, [task_demand(t, current, faulted) for t in tasks])
-        counts = {t.name: result.allocation.get(t.name, 0) for t in tasks}
+        counts = {t.name: _capped(t, result.allocation.get(t.name, 0)) for t in tasks}
         bad = [t.name for t in tasks if not t.valid_count(counts[t.name])]
         if bad or sum(counts.values()) > healthy_gpus:
             log.warning("planner answer not runnable: allocating evenly", tasks=bad, planned=counts, usable=healthy_gpus)
