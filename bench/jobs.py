@@ -10,6 +10,10 @@ steps in a directory on this machine's disk) runs
   (torch's defaults otherwise, e.g. its 0.1 s monitor interval) with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (without it torch 2.13's restarts of this job can fail: ``TORCHRUN_ENV`` says why).
 
+Ours starts a rank by forking it from the agent's warm spawner (``agent/prefork.py``: torch already
+imported); ``restart_job_cold_s`` (full runs, ``--only cold``) is the same daemons with the spawner off,
+every rank a new interpreter as under torchrun.
+
 Each repetition starts a fresh job (its own checkpoint directory) in both, waits for the line of a
 checkpointing step after warm-up, waits ``FAULT_OFFSET_S`` more and SIGKILLs rank 1. The figure is
 the time from that kill to the job's next completed iteration: for each rank the ``time.time()`` the
@@ -213,6 +217,13 @@ def log_hang(c: LocalCluster, name: str, work: Path) -> float:
     return (inc.detected_ts - t0) / D_ITER_S
 
 
+def use(c: LocalCluster) -> LocalCluster:
+    """Point the CLI calls that follow at cluster ``c``."""
+    os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+    os.environ["UNICRON_PREFIX"] = c.keys.prefix
+    return c
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
@@ -222,33 +233,39 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="2 repetitions each (under a minute)")
     p.add_argument("--reps", type=int, default=0, help="repetitions each (default 7; --quick 2)")
     p.add_argument("--keep", type=Path, help="keep the jobs' outputs and checkpoints in this directory")
-    p.add_argument("--only", choices=("restart", "torchrun", "hang"), action="append",
-                   help="run only these parts (repeatable; default all)")
+    p.add_argument("--only", choices=("restart", "cold", "torchrun", "hang"), action="append",
+                   help="run only these parts (repeatable; default all; --quick leaves out cold)")
     args = p.parse_args()
-    parts = set(args.only or ("restart", "torchrun", "hang"))
+    parts = set(args.only or ("restart", "torchrun", "hang", *(() if args.quick else ("cold",))))
     reps = args.reps or (2 if args.quick else 7)
     ours: list[float] = []
     theirs: list[float] = []
     hang: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="unicron-bench-jobs-") as tmp, \
-            LocalCluster(agents=1, gpus_per_agent=WORLD) as c:
+    cold: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="unicron-bench-jobs-") as tmp, contextlib.ExitStack() as stack:
+        c = stack.enter_context(LocalCluster(agents=1, gpus_per_agent=WORLD))
+        # The same daemons without the warm spawner (UNICRON_PREFORK names no module): every rank is a
+        # new interpreter that imports torch, as under torchrun. Shows what the spawner is worth.
+        c_cold = (stack.enter_context(LocalCluster(agents=1, gpus_per_agent=WORLD, extra_env={"UNICRON_PREFORK": ","}))
+                  if "cold" in parts else None)
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        os.environ["UNICRON_ETCD"] = c.etcd.endpoint
-        os.environ["UNICRON_PREFIX"] = c.keys.prefix
         for i in range(reps):
             if "restart" in parts:
-                ours.append(unicron_restart(c, f"job{i}", work))
+                ours.append(unicron_restart(use(c), f"job{i}", work))
                 print(f"rep {i}: unicron {ours[-1]:.3f} s", file=sys.stderr, flush=True)
+            if c_cold is not None:
+                cold.append(unicron_restart(use(c_cold), f"cold{i}", work))
+                print(f"rep {i}: unicron without the warm spawner {cold[-1]:.3f} s", file=sys.stderr, flush=True)
             if "torchrun" in parts:
                 theirs.append(torchrun_restart(f"torchrun{i}", work))
                 print(f"rep {i}: torchrun {theirs[-1]:.3f} s", file=sys.stderr, flush=True)
         for i in range(reps if args.quick else max(5, reps)) if "hang" in parts else ():
-            hang.append(log_hang(c, f"mega{i}", work))
+            hang.append(log_hang(use(c), f"mega{i}", work))
             print(f"hang {i}: {hang[-1]:.2f} D_iter", file=sys.stderr, flush=True)
     if not (ours and theirs and hang):  # a partial run (--only): the raw figures
         print(json.dumps({"bench": "jobs", "partial": sorted(parts), "restart_job_s": ours,
-                          "torchrun_restart_s": theirs, "log_hang_diter": hang}))
+                          "torchrun_restart_s": theirs, "log_hang_diter": hang, "restart_job_cold_s": cold}))
         return 0
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     result = {
@@ -260,6 +277,8 @@ def main() -> int:
         "vs_torchrun_per_rep_range": summary(ratios),
         "log_hang_diter": round(statistics.median(hang), 3), "log_hang_diter_range": summary(hang),
         "d_iter_s": D_ITER_S,
+        **({"restart_job_cold_s": round(statistics.median(cold), 3), "restart_job_cold_range_s": summary(cold),
+            "vs_torchrun_cold": round(statistics.median(theirs) / statistics.median(cold), 3)} if cold else {}),
         "targets": {"vs_torchrun": ">= 1.0", "log_hang_diter": "<= 3.5"},
     }
     print(json.dumps(result))
