@@ -32,6 +32,7 @@ import collections
 import enum
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ log = ulog.get(__name__)
 STOP_GRACE_S = 2.0
 #: how long a restart waits for a SIGKILLed rank to be reaped before giving up on it
 RESTART_WAIT_S = 10.0
+#: after a restart, the next attempt's spare store starts once a relaunched rank made a step, or after
+#: this long: started at once, its torch import competed for the CPU with the relaunched ranks' own
+#: (measured: 0.9 s of a 6 s cold relaunch on 2 cores, bench/jobs.py)
+SPARE_DELAY_S = 20.0
 #: ``TaskAssignment.recovery`` of a task whose every rank is relaunched together
 RECOVERY_RESTART = "restart"
 
@@ -180,6 +185,8 @@ class TaskReconciler:
         #: the spare while it still starts, with the outcome of its start ("" once it listens): a
         #: restart that comes first awaits it rather than start another from nothing
         self._pending: tuple[StoreSidecar, Future[str]] | None = None
+        #: when the next spare is to start (monotonic; 0: now), None when none is due
+        self._spare_due: float | None = None
         self._published_revision = 0
         self.steps: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
@@ -309,6 +316,9 @@ class TaskReconciler:
     def record_step(self, rank: int, step: int) -> None:
         with self._lock:
             self.steps[rank] = step
+            if self._spare_due is not None:  # the relaunched attempt runs: its spare may start now
+                self._spare_due = 0.0
+                self._wake.notify_all()
 
     def step_of(self, rank: int) -> int | None:
         with self._lock:
@@ -316,11 +326,22 @@ class TaskReconciler:
 
     # --- the reconciler's thread ------------------------------------------------------------------
 
+    def _spare_wait(self) -> float | None:
+        """Seconds until the next spare store is due (0.0: now); None when none is. Under the lock."""
+        return None if self._spare_due is None else max(0.0, self._spare_due - time.monotonic())
+
     def _run(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: bool(self._commands))
-                cmd = self._commands.popleft()
+                self._wake.wait_for(lambda: bool(self._commands) or self._spare_wait() == 0.0, self._spare_wait())
+                if not self._commands:
+                    self._spare_due = None
+                    cmd = None
+                else:
+                    cmd = self._commands.popleft()
+            if cmd is None:
+                self._start_spare(self.task)  # on this thread: the sidecar's PDEATHSIG follows it
+                continue
             try:
                 if cmd.assignment is None:
                     self._do_stop(cmd.reason)
@@ -365,8 +386,11 @@ class TaskReconciler:
         return True, "started"
 
     def _host_store(self, a: TaskAssignment, sidecar: StoreSidecar | None = None) -> StoreAddress | None:
-        if a.recovery == RECOVERY_RESTART:
+        if a.recovery == RECOVERY_RESTART and sidecar is None:
             self._start_spare(a.task)  # before a first store's start, so both import torch at once
+        elif a.recovery == RECOVERY_RESTART:  # a restart took the spare: the next one once the ranks run
+            with self._lock:
+                self._spare_due = time.monotonic() + SPARE_DELAY_S
         if sidecar is None:
             sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
@@ -540,6 +564,7 @@ class TaskReconciler:
             sidecar, store, revision = self._sidecar, self._store, self._published_revision
             spare, self._sidecar, self._spare = self._spare, None, None
             pending, self._pending = self._pending, None
+            self._spare_due = None
         if spare is not None:
             spare.stop()
         if pending is not None:
