@@ -230,7 +230,7 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 repetitions each (under a minute)")
+    p.add_argument("--quick", action="store_true", help="2 repetitions each, 1 hang (under a minute)")
     p.add_argument("--reps", type=int, default=0, help="repetitions each (default 7; --quick 2)")
     p.add_argument("--keep", type=Path, help="keep the jobs' outputs and checkpoints in this directory")
     p.add_argument("--only", choices=("restart", "cold", "torchrun", "hang"), action="append",
@@ -260,7 +260,7 @@ def main() -> int:
             if "torchrun" in parts:
                 theirs.append(torchrun_restart(f"torchrun{i}", work))
                 print(f"rep {i}: torchrun {theirs[-1]:.3f} s", file=sys.stderr, flush=True)
-        for i in range(reps if args.quick else max(5, reps)) if "hang" in parts else ():
+        for i in range(1 if args.quick else max(5, reps)) if "hang" in parts else ():
             hang.append(log_hang(use(c), f"mega{i}", work))
             print(f"hang {i}: {hang[-1]:.2f} D_iter", file=sys.stderr, flush=True)
     if not (ours and theirs and hang):  # a partial run (--only): the raw figures
