@@ -189,7 +189,10 @@ class Prefork:
     def eligible(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None = None) -> bool:
         """Whether forking from the spawner runs exactly what exec'ing ``argv`` would."""
         rank_env = startup_env(os.environ if env is None else env)
-        if len(argv) < 2 or argv[0] != self.python or rank_env != startup_env(self._env):
+        if len(argv) < 2 or rank_env != startup_env(self._env):
+            return False
+        # the spawner's interpreter, also when named relative to the rank's directory (".venv/bin/python")
+        if os.path.abspath(os.path.join(cwd or os.getcwd(), argv[0])) != os.path.abspath(self.python):
             return False
         if _is_script(argv[1]):
             # a missing script is exec'd, so that the rank fails as python says it does

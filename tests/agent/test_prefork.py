@@ -132,6 +132,7 @@ def test_a_script_runs_forked_as_python_script_would_run_it(prefork: Prefork, tm
     assert prefork.eligible(argv, None, str(work))
     assert not prefork.eligible([PY, "missing.py"], None, str(work))  # exec'd: python's own error
     assert not prefork.eligible(["python", "train.py"], None, str(work))  # not the spawner's interpreter
+    assert prefork.eligible([os.path.relpath(PY, work), "train.py"], None, str(work))  # it, named relative
     with open(tmp_path / "out.log", "wb") as out:
         proc = prefork.spawn(argv, None, str(work), out.fileno(), out.fileno())
     assert proc.wait() == 3
