@@ -47,7 +47,6 @@ def test_a_lost_node_relaunches_an_elastic_job_at_a_smaller_world_size(tmp_path:
                    poll_s=0.1)
         assert {w for r in range(3) for _, w in worlds(r)} == {3}  # max_gpus: the whole cluster
         node = str(c.running_ranks("elastic")[2]["node"])
-        killed_at = max(s for s, _ in worlds(2))
         c.agents[node].kill()  # the node is gone; its rank dies with its agent
         c.agents[node].wait()
         c.wait_for(lambda: lines(0) and lines(0)[-1] == "done rank 0", 90.0, "the job to finish at world size 2",
@@ -55,6 +54,9 @@ def test_a_lost_node_relaunches_an_elastic_job_at_a_smaller_world_size(tmp_path:
         for rank in (0, 1):
             starts = [(int(m[3]), int(m[4])) for line in lines(rank) if (m := START.match(line))]
             assert starts[0] == (0, 0) and starts[-1][0] == 1, starts  # relaunched once, as attempt 1
+            text = lines(rank)
+            second = max(i for i, line in enumerate(text) if START.match(line))
+            killed_at = max(int(m[1]) for line in text[:second] if (m := STEP.match(line)))  # attempt 0's last
             assert 0 < starts[-1][1] <= killed_at + 1, (starts, killed_at)  # from its checkpoint
             after = [w for s, w in worlds(rank)[len(worlds(rank)) - (STEPS - starts[-1][1]):]]
             assert set(after) == {2} and worlds(rank)[-1] == (STEPS - 1, 2), worlds(rank)
