@@ -57,7 +57,9 @@ def test_a_lost_node_relaunches_an_elastic_job_at_a_smaller_world_size(tmp_path:
             text = lines(rank)
             second = max(i for i, line in enumerate(text) if START.match(line))
             killed_at = max(int(m[1]) for line in text[:second] if (m := STEP.match(line)))  # attempt 0's last
-            assert 0 < starts[-1][1] <= killed_at + 1, (starts, killed_at)  # from its checkpoint
+            # from its checkpoint: at most the step in flight, which rank 0 may have saved before the
+            # barrier that the dead rank never reached (so its line was never printed)
+            assert 0 < starts[-1][1] <= killed_at + 2, (starts, killed_at)
             after = [w for s, w in worlds(rank)[len(worlds(rank)) - (STEPS - starts[-1][1]):]]
             assert set(after) == {2} and worlds(rank)[-1] == (STEPS - 1, 2), worlds(rank)
         assigns = [r for r in c.coordinator_log() if r.get("event") == "action" and r.get("action") == "Assign"]
