@@ -92,7 +92,9 @@ def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path
                 (pid0, count0, resume0), (pid1, count1, resume1) = starts(c, rank)  # exactly two starts
                 assert (pid0, count0, resume0) == (old, 0, 0)
                 assert pid1 != old and count1 == 1  # relaunched, as the next attempt
-                assert 0 < resume1 <= killed_at + 1, (resume1, killed_at)  # from its checkpoint, not step 0
+                # from its checkpoint, not step 0: at most the step in flight, which rank 0 may have saved
+                # before the barrier that the dead rank never reached (its line never printed)
+                assert 0 < resume1 <= killed_at + 2, (resume1, killed_at)
                 assert steps(c, rank)[-1] == steps_total - 1 and lines(c, rank)[-1] == f"done rank {rank}"
             acts = actions(c)
             assert acts.count("RestartTask") == 1, acts  # one restart of the whole task, the peer's crash merged
