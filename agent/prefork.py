@@ -5,7 +5,8 @@ the CI machine, more when several ranks start at once); that is most of a sev2 r
 time and part of every reconfiguration. The agent itself must never import torch (it would starve its
 heartbeats), so a separate **spawner** process (``python -m agent.prefork``) pre-imports the modules
 named by ``--prefork`` and ``fork()``s a rank per request. A rank command qualifies when it is
-``<the agent's python> -m MODULE ...`` for a pre-imported module (or ``-c CODE``) and its start-up
+``<the agent's python> -m MODULE ...`` for a pre-imported module, ``-c CODE``, or ``SCRIPT.py ...`` (a
+user's torchrun-style script: torch, which it imports, is loaded already) and its start-up
 environment (:func:`startup_env`) equals the spawner's; anything else is started as a new process, as
 is every rank while the spawner is still importing or gone.
 
@@ -43,6 +44,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
@@ -184,12 +186,18 @@ class Prefork:
             time.sleep(0.02)
         return self
 
-    def eligible(self, argv: Sequence[str], env: Mapping[str, str] | None) -> bool:
+    def eligible(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None = None) -> bool:
         """Whether forking from the spawner runs exactly what exec'ing ``argv`` would."""
         rank_env = startup_env(os.environ if env is None else env)
-        if len(argv) < 3 or argv[0] != self.python or rank_env != startup_env(self._env):
+        if len(argv) < 2 or rank_env != startup_env(self._env):
             return False
-        return argv[1] == "-c" or (argv[1] == "-m" and argv[2] in self.modules)
+        # the spawner's interpreter, also when named relative to the rank's directory (".venv/bin/python")
+        if os.path.abspath(os.path.join(cwd or os.getcwd(), argv[0])) != os.path.abspath(self.python):
+            return False
+        if _is_script(argv[1]):
+            # a missing script is exec'd, so that the rank fails as python says it does
+            return os.path.isfile(os.path.join(cwd or os.getcwd(), argv[1]))
+        return len(argv) >= 3 and (argv[1] == "-c" or (argv[1] == "-m" and argv[2] in self.modules))
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
               stdout: int | None, stderr: int | None = None) -> PreforkedProcess:
@@ -265,6 +273,26 @@ def _exit_code(value: object) -> int:
     return 1
 
 
+def _is_script(arg: str) -> bool:
+    """``python SCRIPT.py``: a path, not an interpreter option."""
+    return arg.endswith(".py") and not arg.startswith("-")
+
+
+def _run_script(path: str, args: list[str]) -> None:
+    """What ``python PATH ARGS`` does: argv as given, ``__file__`` absolute, the script's directory first
+    on sys.path (in place of the spawner's), and a fresh ``__main__`` module that the code runs in."""
+    full = os.path.abspath(path)
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(full)
+    with open(full, "rb") as f:
+        code = compile(f.read(), full, "exec")
+    main = types.ModuleType("__main__")
+    main.__file__ = full
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
 def _run_rank(request: dict[str, Any]) -> int:
     """In the forked child: become what ``python ARGV...`` would have been, and run it."""
     argv: list[str] = request["argv"]
@@ -281,6 +309,8 @@ def _run_rank(request: dict[str, Any]) -> int:
             sys.argv = ["-c", *argv[3:]]
             namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
             exec(compile(argv[2], "<string>", "exec"), namespace)
+        elif _is_script(argv[1]):
+            _run_script(argv[1], argv[2:])
         else:
             sys.argv = [argv[2], *argv[3:]]
             # As under ``python -m``, the module runs as __main__ only (what it imports stays loaded).

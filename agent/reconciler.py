@@ -32,14 +32,16 @@ import collections
 import enum
 import signal
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
 from agent.progress import ENV_PROGRESS_REGEX, LineParser, Progress, compile_regex
-from agent.sidecar import StoreSidecar
+from agent.sidecar import START_TIMEOUT_S, StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, Supervisor
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
@@ -60,6 +62,10 @@ log = ulog.get(__name__)
 STOP_GRACE_S = 2.0
 #: how long a restart waits for a SIGKILLed rank to be reaped before giving up on it
 RESTART_WAIT_S = 10.0
+#: after a restart, the next attempt's spare store starts once a relaunched rank made a step, or after
+#: this long: started at once, its torch import competed for the CPU with the relaunched ranks' own
+#: (measured: 0.9 s of a 6 s cold relaunch on 2 cores, bench/jobs.py)
+SPARE_DELAY_S = 20.0
 #: ``TaskAssignment.recovery`` of a task whose every rank is relaunched together
 RECOVERY_RESTART = "restart"
 
@@ -176,6 +182,11 @@ class TaskReconciler:
         #: a ``restart`` task's next attempt's store, started ahead (a sidecar takes seconds to start:
         #: it imports torch), so a whole-task restart does not wait for one
         self._spare: StoreSidecar | None = None
+        #: the spare while it still starts, with the outcome of its start ("" once it listens): a
+        #: restart that comes first awaits it rather than start another from nothing
+        self._pending: tuple[StoreSidecar, Future[str]] | None = None
+        #: when the next spare is to start (monotonic; 0: now), None when none is due
+        self._spare_due: float | None = None
         self._published_revision = 0
         self.steps: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
@@ -305,6 +316,9 @@ class TaskReconciler:
     def record_step(self, rank: int, step: int) -> None:
         with self._lock:
             self.steps[rank] = step
+            if self._spare_due is not None:  # the relaunched attempt runs: its spare may start now
+                self._spare_due = 0.0
+                self._wake.notify_all()
 
     def step_of(self, rank: int) -> int | None:
         with self._lock:
@@ -312,11 +326,22 @@ class TaskReconciler:
 
     # --- the reconciler's thread ------------------------------------------------------------------
 
+    def _spare_wait(self) -> float | None:
+        """Seconds until the next spare store is due (0.0: now); None when none is. Under the lock."""
+        return None if self._spare_due is None else max(0.0, self._spare_due - time.monotonic())
+
     def _run(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: bool(self._commands))
-                cmd = self._commands.popleft()
+                self._wake.wait_for(lambda: bool(self._commands) or self._spare_wait() == 0.0, self._spare_wait())
+                if not self._commands:
+                    self._spare_due = None
+                    cmd = None
+                else:
+                    cmd = self._commands.popleft()
+            if cmd is None:
+                self._start_spare(self.task)  # on this thread: the sidecar's PDEATHSIG follows it
+                continue
             try:
                 if cmd.assignment is None:
                     self._do_stop(cmd.reason)
@@ -361,10 +386,13 @@ class TaskReconciler:
         return True, "started"
 
     def _host_store(self, a: TaskAssignment, sidecar: StoreSidecar | None = None) -> StoreAddress | None:
+        if a.recovery == RECOVERY_RESTART and sidecar is None:
+            self._start_spare(a.task)  # before a first store's start, so both import torch at once
+        elif a.recovery == RECOVERY_RESTART:  # a restart took the spare: the next one once the ranks run
+            with self._lock:
+                self._spare_due = time.monotonic() + SPARE_DELAY_S
         if sidecar is None:
             sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
-        if a.recovery == RECOVERY_RESTART:
-            self._start_spare(a.task)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
                             port=sidecar.port, restart_epoch=_store_epoch(a))
         with self._lock:
@@ -482,28 +510,46 @@ class TaskReconciler:
         """The store of attempt ``a.restart_epoch``: the hosting node replaces its sidecar, the others
         wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
         with self._lock:
-            old, spare = self._sidecar, self._spare
-            self._sidecar = self._spare = None
+            old, spare, pending = self._sidecar, self._spare, self._pending
+            self._sidecar = self._spare = self._pending = None
         if old is None:
             return self._await_store(a)
-        old.stop()
+        if spare is None and pending is not None:  # the spare still starts: the rest of its start is shorter
+            sidecar, started = pending
+            try:
+                spare = sidecar if started.result(START_TIMEOUT_S + 5.0) == "" else None
+            except TimeoutError:  # its start hangs: stop it, and start one from nothing
+                sidecar.stop()
+                spare = None
+        # Off the restart's path: the old attempt's store serves no rank any more, and its exit (up to
+        # the stop's grace) would delay the relaunch.
+        threading.Thread(target=old.stop, name=f"old-store-{a.task}", daemon=True).start()
         return self._host_store(a, spare)
 
     def _start_spare(self, task: str) -> None:
         """Start the next attempt's store now; called on this reconciler's (long-lived) thread, which
         the sidecar's PDEATHSIG follows. Its start is awaited on a thread of its own."""
+        with self._lock:
+            if self._pending is not None or self._spare is not None:
+                return  # one is there already
         try:
             started = StoreSidecar.spawn(self.host.advertise_host)
         except OSError as exc:  # the restart will start its own
             log.warning("spare store sidecar did not start", task=task, error=str(exc))
             return
+        outcome: Future[str] = Future()
+        with self._lock:
+            self._pending = (started, outcome)
 
         def await_ready() -> None:
-            if started.ready(task):
-                return  # not listening (stopped): the restart will start its own
-            spare: StoreSidecar | None = started
+            error = started.ready(task)  # "" once listening; else it was stopped
+            outcome.set_result(error)
+            spare: StoreSidecar | None = None if error else started
             with self._lock:
-                if not self._stop_requested and self._spare is None:
+                if self._pending is None or self._pending[0] is not started:
+                    return  # a restart took it (and awaits the outcome itself), or a stop did
+                self._pending = None
+                if spare is not None and not self._stop_requested and self._spare is None:
                     self._spare, spare = spare, None
             if spare is not None:  # stopped meanwhile, or one is ready already
                 spare.stop()
@@ -517,8 +563,12 @@ class TaskReconciler:
                     self._ranks[r] = RankState.STOPPING
             sidecar, store, revision = self._sidecar, self._store, self._published_revision
             spare, self._sidecar, self._spare = self._spare, None, None
+            pending, self._pending = self._pending, None
+            self._spare_due = None
         if spare is not None:
             spare.stop()
+        if pending is not None:
+            pending[0].stop()
         self.supervisor.close(grace_s=STOP_GRACE_S)
         if sidecar is not None:
             sidecar.stop()

@@ -230,7 +230,7 @@ class Supervisor:
                 else:
                     out_fd = stack.enter_context(open(stdout_path, "ab")).fileno() if stdout_path else None
                 popen: subprocess.Popen[bytes] | PreforkedProcess | None = None
-                if self._prefork is not None and self._prefork.eligible(argv, env):
+                if self._prefork is not None and self._prefork.eligible(argv, env, cwd):
                     try:
                         popen = self._prefork.spawn(argv, env, cwd, out_fd)
                     except PreforkUnavailable as exc:

@@ -64,6 +64,17 @@ def _next_count(task: TaskSpec, count: int, limit: int) -> int | None:
     return None
 
 
+def _capped(task: TaskSpec, count: int) -> int:
+    """``count`` lowered to the task's largest valid count within its ``max_gpus`` (the planner does
+    not model the cap; the GPUs it frees stay idle until the next plan)."""
+    if task.max_gpus is None or count <= task.max_gpus:
+        return count
+    candidate = task.max_gpus // task.unit * task.unit
+    while candidate >= task.min_gpus and not task.valid_count(candidate):
+        candidate -= task.unit
+    return candidate if candidate >= task.min_gpus else 0
+
+
 class EvenAllocator:
     """PLACEHOLDER until ``plans.WafPlanner`` is adapted to :class:`Allocator` (the lead writes that adapter).
 
@@ -209,7 +220,7 @@ class WafAllocator:
         result = self.lookup.answer(cluster, demands, self.planner) if self.lookup is not None else None
         if result is None:
             result = self.planner.plan(cluster, demands)
-        counts = {t.name: result.allocation.get(t.name, 0) for t in tasks}
+        counts = {t.name: _capped(t, result.allocation.get(t.name, 0)) for t in tasks}
         bad = [t.name for t in tasks if not t.valid_count(counts[t.name])]
         if bad or sum(counts.values()) > healthy_gpus:
             log.warning("planner answer not runnable: allocating evenly", tasks=bad, planned=counts, usable=healthy_gpus)

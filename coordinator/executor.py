@@ -114,7 +114,7 @@ class Executor:
                 env={**spec.env, "UNICRON_EXTERNAL_STORE": "1"},
                 world_size=action.world_size, ranks=specs, store_node=store_node,
                 group_rank=nodes.index(node), group_world_size=len(nodes), max_restarts=self.max_restarts,
-                recovery=(spec.recovery or Recovery.INPROCESS).value,
+                recovery=(spec.recovery or Recovery.INPROCESS).value, restart_epoch=action.restart_epoch,
             )
             changed.add(node)
         return changed

@@ -113,10 +113,17 @@ class TaskSpec:
     """Extra environment variables for every rank."""
     recovery: Recovery | None = None
     """How a rank's failure is recovered; ``None`` (not given) resolves to :func:`default_recovery`."""
+    max_gpus: int | None = None
+    """The most GPUs the task is given (its world size stays in [``min_gpus``, ``max_gpus``]). Not given:
+    a ``restart`` task runs at exactly ``min_gpus`` (a stock script's data split and batch assume its
+    world size, so it is elastic only when it says so); an ``inprocess`` task has no limit (Unicron's
+    runtime resizes in place)."""
 
     def __post_init__(self) -> None:
         if self.recovery is None:  # frozen: the resolved default is set once, here
             object.__setattr__(self, "recovery", default_recovery(self.command))
+        if self.max_gpus is None and self.recovery is Recovery.RESTART:
+            object.__setattr__(self, "max_gpus", self.min_gpus)
 
     @property
     def restarts_whole(self) -> bool:
@@ -133,6 +140,8 @@ class TaskSpec:
         if gpus == 0:
             return True
         if gpus < self.min_gpus or gpus % self.unit:
+            return False
+        if self.max_gpus is not None and gpus > self.max_gpus:
             return False
         if self.model is None:
             return True
@@ -151,6 +160,7 @@ class TaskSpec:
             "model": None if self.model is None else self.model.to_dict(),
             "env": dict(self.env),
             "recovery": None if self.recovery is None else self.recovery.value,
+            "max_gpus": self.max_gpus,
         }
 
     @classmethod
@@ -345,6 +355,19 @@ def _parse_recovery(value: Any, command: tuple[str, ...]) -> Recovery:
         ) from None
 
 
+def _parse_max_gpus(value: Any, min_gpus: int, unit: int) -> int | None:
+    if value is None:
+        return None
+    max_gpus = _positive_int(value, "task.max_gpus")
+    if max_gpus < min_gpus:
+        raise InvalidRecord(f"task.max_gpus: {max_gpus} is less than min_gpus {min_gpus}; raise it or lower min_gpus")
+    if max_gpus % unit:
+        raise InvalidRecord(
+            f"task.max_gpus: {max_gpus} is not a multiple of tp_size*pp_size={unit}; use {max_gpus // unit * unit}"
+        )
+    return max_gpus
+
+
 def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | None = None) -> TaskSpec:
     """Validate one task from JSON. ``cluster_gpus``/``gpus_per_node`` (if known) bound its demands.
 
@@ -384,7 +407,8 @@ def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | No
     env = _parse_env(data.get("env", {}))
     _check_launch_size(command, env)
     recovery = _parse_recovery(data.get("recovery"), command)
-    spec = TaskSpec(name, command, weight, min_gpus, tp, pp, model, env, recovery)
+    max_gpus = _parse_max_gpus(data.get("max_gpus"), min_gpus, unit)
+    spec = TaskSpec(name, command, weight, min_gpus, tp, pp, model, env, recovery, max_gpus)
     if model is not None and not spec.valid_count(min_gpus):
         raise InvalidRecord(
             f"task.min_gpus: with {min_gpus} GPUs the data-parallel size {min_gpus // unit} does not divide "

@@ -1,8 +1,8 @@
 """A stock torchrun-style training script that checkpoints, for ``recovery: "restart"``.
 
-Nothing in it knows about Unicron. After every step rank 0 saves the model, the optimizer and the step
-to ``--ckpt-dir`` (written to a temporary file, then renamed: a rank killed mid-save leaves the previous
-checkpoint whole); at start every rank loads it if it exists and goes on from the next step, as a
+Nothing in it knows about Unicron. Every ``--ckpt-interval`` steps (default: every step) rank 0 saves
+the model, the optimizer and the step to ``--ckpt-dir`` (written to a temporary file, then renamed: a rank
+killed mid-save leaves the previous checkpoint whole); at start every rank loads it if it exists and goes on from the next step, as a
 Megatron-LM job does with ``--save``/``--load``. So when Unicron (or torchrun) stops every rank after one
 failed and relaunches them all, the job resumes where it was rather than at step 0.
 
@@ -11,7 +11,8 @@ Unicron (``docs/jobs.md``, "Whole-job restarts"). Each start prints one line::
 
     start rank 1 pid 4242 restart_count 1 resume_step 7
 
-and each step ``step N rank R/W loss L`` (parse it with ``UNICRON_PROGRESS_REGEX``).
+and each completed step ``step N rank R/W loss L time T`` (``T``: ``time.time()`` when the step and its
+checkpoint were done; parse the line with ``UNICRON_PROGRESS_REGEX``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--step-time", type=float, default=0.0, help="seconds of (simulated) work per step")
     p.add_argument("--ckpt-dir", type=Path, required=True)
+    p.add_argument("--ckpt-interval", type=int, default=1, help="save a checkpoint every this many steps")
     args = p.parse_args()
     dist.init_process_group("gloo")  # init_method="env://"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,11 +73,11 @@ def main() -> int:
             param.grad /= world
         opt.step()
         time.sleep(args.step_time)
-        if rank == 0:
+        if rank == 0 and (step + 1) % args.ckpt_interval == 0:
             args.ckpt_dir.mkdir(parents=True, exist_ok=True)
             save(ckpt, {"step": step, "model": model.state_dict(), "opt": opt.state_dict()})
         dist.barrier()  # no rank runs ahead of the checkpoint it would resume from
-        print(f"step {step} rank {rank}/{world} loss {loss.item():.6f}", flush=True)
+        print(f"step {step} rank {rank}/{world} loss {loss.item():.6f} time {time.time():.3f}", flush=True)
     print(f"done rank {rank}", flush=True)
     dist.destroy_process_group()
     return 0

@@ -74,6 +74,9 @@ class Assign:
     placement: Mapping[str, tuple[int, ...]]
     world_size: int
     reason: str
+    restart_epoch: int = 0
+    """A ``restart`` task relaunched at a new placement or size is torchrun's next attempt: its restart
+    count goes on (``TORCHELASTIC_RESTART_COUNT``); 0 for a first launch and for ``inprocess`` tasks."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -374,6 +374,8 @@ class _Run:
 
     def _do_assign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         assert fault.placement is not None
+        if entry.spec.restarts_whole and entry.placement:  # running (or lost a node): a relaunch, not a launch
+            entry.restart_epoch += 1
         entry.placement = _ranks(entry.placement, fault.placement)
         entry.generation += 1
         entry.recovery_step = entry.last_step
@@ -384,6 +386,7 @@ class _Run:
             placement={n: tuple(r) for n, r in sorted(entry.placement.items())},
             world_size=sum(fault.placement.values()),
             reason=fault.reason,
+            restart_epoch=entry.restart_epoch if entry.spec.restarts_whole else 0,
         )
         self.actions.append(action)
         self._track(entry, action.action_id, ActionKind.ASSIGN, None, list(entry.placement))

@@ -115,3 +115,25 @@ def test_a_rank_whose_connection_the_agent_dropped_is_killed(prefork: Prefork, t
         assert time.monotonic() < deadline, "the orphaned rank still runs"
         time.sleep(0.02)
     assert _exit_code(prefork, "pass", tmp_path) == 0  # and the spawner serves on
+
+
+def test_a_script_runs_forked_as_python_script_would_run_it(prefork: Prefork, tmp_path: Path) -> None:
+    # A user's ``python train.py ARGS`` (a torchrun-style script): argv, __file__, __name__ and the
+    # script's directory first on sys.path, as the interpreter sets them; a module beside it imports.
+    work = tmp_path / "job"
+    work.mkdir()
+    (work / "helper.py").write_text("VALUE = 42\n")
+    (work / "train.py").write_text(
+        "import os, sys, helper\n"
+        "print(sys.argv, os.path.basename(__file__), __name__, sys.path[0] == os.path.dirname(__file__),"
+        " helper.VALUE, flush=True)\n"
+        "sys.exit(3)\n")
+    argv = [PY, "train.py", "--steps", "5"]
+    assert prefork.eligible(argv, None, str(work))
+    assert not prefork.eligible([PY, "missing.py"], None, str(work))  # exec'd: python's own error
+    assert not prefork.eligible(["python", "train.py"], None, str(work))  # not the spawner's interpreter
+    assert prefork.eligible([os.path.relpath(PY, work), "train.py"], None, str(work))  # it, named relative
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = prefork.spawn(argv, None, str(work), out.fileno(), out.fileno())
+    assert proc.wait() == 3
+    assert (tmp_path / "out.log").read_text().strip() == "['train.py', '--steps', '5'] train.py __main__ True 42"

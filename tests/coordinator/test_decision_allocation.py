@@ -10,7 +10,8 @@ from unicron.kernel.errors import InvalidRecord
 
 
 def spec(name: str, **fields: object) -> TaskSpec:
-    return parse_task_spec({"name": name, "command": ["train"], **fields}, None)
+    # elastic (Unicron's runtime) unless a test says otherwise: a "restart" task's size is fixed by default
+    return parse_task_spec({"name": name, "command": ["train"], "recovery": "inprocess", **fields}, None)
 
 
 def test_is_an_allocator() -> None:

@@ -75,7 +75,8 @@ def _in_phase(phase: TaskPhase, settings: DecisionSettings, recovery: str = "inp
     if phase is P.PENDING:
         sim.submit(JOB, min_gpus=24, recovery=recovery)
         return sim
-    sim.submit(JOB, min_gpus=8, recovery=recovery)
+    # a "restart" task is elastic (spread over both nodes) only when it says so
+    sim.submit(JOB, min_gpus=8, recovery=recovery, **({"max_gpus": 16} if recovery == "restart" else {}))
     if phase is P.RECONFIGURING:
         return sim
     sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))

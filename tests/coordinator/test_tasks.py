@@ -119,7 +119,8 @@ def test_missing_fields_and_non_objects() -> None:
 
 
 def test_valid_counts_respect_parallelism_and_global_batch() -> None:
-    spec = parse_task_spec(task(tp_size=2, min_gpus=4, model={**MODEL, "global_batch_size": 12}), None)
+    spec = parse_task_spec(task(tp_size=2, min_gpus=4, model={**MODEL, "global_batch_size": 12},
+                                recovery="inprocess"), None)
     valid = [g for g in range(0, 33) if spec.valid_count(g)]
     # multiples of tp=2, at least 4, and DP (g/2) dividing the global batch of 12
     assert valid == [0, 4, 6, 8, 12, 24]
