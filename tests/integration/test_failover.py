@@ -4,7 +4,6 @@ once; a partitioned leader (namespace cluster) is fenced: none of its writes lan
 
 from __future__ import annotations
 
-import datetime
 import io
 import json
 import os
@@ -13,8 +12,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import redirect_stdout
-from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -62,46 +59,17 @@ def pids(c: LocalCluster) -> dict[int, int]:
     return {r: int(v["pid"]) for r, v in c.running_ranks("keep").items()}
 
 
-def leader_index(c: LocalCluster) -> int:
-    pid = c.leader_pid()
-    return next(i for i, p in c.coordinators.items() if p.pid == pid)
-
-
-def log_of(c: LocalCluster, index: int) -> list[dict[str, Any]]:
-    name = "coordinator.log" if index == 0 else f"coordinator{index}.log"
-    out = []
-    for line in Path(c.run_dir, name).read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "timestamp" in rec:
-            rec["ts"] = datetime.datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
-            out.append(rec)
-    return out
-
-
-def takeover_ts(c: LocalCluster, index: int, after: float) -> float | None:
-    """When coordinator ``index`` logged its election (its own clock), if it did after ``after``."""
-    return next((r["ts"] for r in log_of(c, index) if r.get("event") == "elected leader" and r["ts"] >= after), None)
-
-
-def restart_standby(c: LocalCluster, index: int) -> None:
-    c.coordinators[index].wait()
-    c.start_coordinator(index, wait=False)
-
-
 def kill_leader(c: LocalCluster) -> tuple[int, float]:
     """SIGKILL the leader; wait for the standby's takeover, which must come within TTL + 1 s by the
     standby's own clock. Returns the standby's index and the takeover's duration."""
-    old = leader_index(c)
+    old = c.leader_index()
     standby = 1 - old
     os.kill(c.coordinators[old].pid, signal.SIGKILL)
     t_kill = time.time()
-    ts = c.wait_for(lambda: takeover_ts(c, standby, t_kill), LEADER_TTL_S + 10.0, "the standby to lead")
+    ts = c.wait_for(lambda: c.elected_at(standby, t_kill), LEADER_TTL_S + 10.0, "the standby to lead")
     assert ts - t_kill <= LEADER_TTL_S + 1.0, f"takeover took {ts - t_kill:.2f} s"
     assert c.leader_pid() == c.coordinators[standby].pid
-    restart_standby(c, old)
+    c.restart_coordinator(old)
     return standby, ts - t_kill
 
 
@@ -127,7 +95,7 @@ def test_an_action_pending_at_the_leaders_death_is_carried_out_once(cluster: Loc
         return victim_rank in now and now[victim_rank] != victim_pid and settled(cluster)
     cluster.wait_for(restarted, 60.0, "the killed rank to be restarted")
     time.sleep(2.0)  # a second restart, if one were coming, would be under way by now
-    restarts = [r for i in cluster.coordinators for r in log_of(cluster, i)
+    restarts = [r for i in cluster.coordinators for r in cluster.coordinator_log(index=i)
                 if r.get("event") == "action" and r.get("action") in ("RestartRanks", "RestartTask", "Assign") and r["ts"] >= t0]
     assert len(restarts) == 1, restarts  # exactly once, by whichever leader decided it
     incidents = [i for i in cluster.incidents() if i.detected_ts >= t0 - 1]
@@ -138,12 +106,12 @@ def test_a_partitioned_leader_is_fenced_and_exits(cluster: LocalCluster) -> None
     if cluster.net is None:
         pytest.skip("partitions need the namespace cluster")
     before = pids(cluster)
-    old = leader_index(cluster)
+    old = cluster.leader_index()
     standby = 1 - old
     t0 = time.time()
     cluster.partition(f"coord{old}")
     try:
-        cluster.wait_for(lambda: takeover_ts(cluster, standby, t0), LEADER_TTL_S + 10.0, "the standby to lead")
+        cluster.wait_for(lambda: cluster.elected_at(standby, t0), LEADER_TTL_S + 10.0, "the standby to lead")
         # Cut off, the old leader lost every agent's heartbeat and tried to act on it; it could not.
         time.sleep(2.0)
     finally:
@@ -155,5 +123,5 @@ def test_a_partitioned_leader_is_fenced_and_exits(cluster: LocalCluster) -> None
     assert lost == [], lost  # none of the deposed leader's "node lost" decisions landed
     assert all(cluster.node_state(n) == "up" for n in cluster.node_names())
     assert pids(cluster) == before
-    restart_standby(cluster, old)
+    cluster.restart_coordinator(old)
 

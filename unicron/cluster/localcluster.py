@@ -192,16 +192,20 @@ class LocalCluster:
                     out[int(r["rank"])] = r | {"node": n}
         return out
 
-    def coordinator_log(self, since: float = 0.0) -> list[dict[str, Any]]:
-        """The coordinator's JSON log lines stamped at or after ``since`` (epoch seconds)."""
+    def coordinator_log(self, since: float = 0.0, index: int = 0) -> list[dict[str, Any]]:
+        """Coordinator ``index``'s JSON log lines stamped at or after ``since`` (epoch seconds), each
+        with its stamp as ``ts`` (epoch seconds, the coordinator's own clock)."""
+        name = "coordinator.log" if index == 0 else f"coordinator{index}.log"
         out = []
-        for line in Path(self.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
+        for line in Path(self.run_dir, name).read_text(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and "timestamp" in rec and datetime.datetime.fromisoformat(
-                    str(rec["timestamp"]).replace("Z", "+00:00")).timestamp() >= since:
+            if not (isinstance(rec, dict) and "timestamp" in rec):
+                continue
+            rec["ts"] = datetime.datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
+            if rec["ts"] >= since:
                 out.append(rec)
         return out
 
@@ -239,6 +243,21 @@ class LocalCluster:
         assert self.store is not None
         kv = self.store.get(self.keys.leader())
         return int(json.loads(kv.value)["pid"]) if kv is not None else None
+
+    def leader_index(self) -> int:
+        """The index of the coordinator that leads now (see :meth:`start_coordinator`)."""
+        pid = self.leader_pid()
+        return next(i for i, p in self.coordinators.items() if p.pid == pid)
+
+    def elected_at(self, index: int, after: float) -> float | None:
+        """When coordinator ``index`` logged its election at or after ``after`` (its own clock)."""
+        return next((r["ts"] for r in self.coordinator_log(after, index) if r.get("event") == "elected leader"),
+                    None)
+
+    def restart_coordinator(self, index: int) -> None:
+        """Reap coordinator ``index`` (killed by the caller) and start it again as a standby."""
+        self.coordinators[index].wait()
+        self.start_coordinator(index, wait=False)
 
     def start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
