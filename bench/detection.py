@@ -146,8 +146,11 @@ class Bench:
         return len(bad), len(incidents) - len(bad)
 
 
+START = time.monotonic()
+
+
 def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(f"{time.monotonic() - START:6.1f}s {msg}", file=sys.stderr, flush=True)
 
 
 def p50(xs: list[float]) -> float:
