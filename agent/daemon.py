@@ -51,6 +51,7 @@ from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_w
 from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import interface_of
+from unicron.kernel.procs import pid_alive
 from unicron.kernel.types import (
     AssignmentResult,
     DetectionMethod,
@@ -112,16 +113,6 @@ class ReportPublisher:
 
 class NodeNameTaken(ConfigError):
     """Another live agent holds this node's registration."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def default_advertise_host() -> str:
@@ -297,7 +288,7 @@ class Agent:
             holder = NodeInfo.from_json(kv.value)
         except InvalidRecord:
             holder = None
-        if holder is not None and holder.hostname == os.uname().nodename and not _pid_alive(holder.agent_pid):
+        if holder is not None and holder.hostname == os.uname().nodename and not pid_alive(holder.agent_pid):
             log.info("removing the registration of this node's dead agent", node=self.node, pid=holder.agent_pid)
             self.store.delete_if_unchanged(key, kv.mod_revision)
             return

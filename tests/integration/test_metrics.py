@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,20 +20,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from unicron.cli.main import main as cli
-from unicron.cluster.localcluster import LocalCluster
+from unicron.cluster.localcluster import STEPPER, LocalCluster
 from unicron.kernel.inject import Injection, request
 from unicron.kernel.types import ErrorKind, Incident, Severity
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "unicron.json"
 TIMEOUT_S = 30.0
 
-# A rank without torch: reports an iteration every 0.1 s; its steps grow across restarts (wall clock).
-STEPPER = [sys.executable, "-c",
-           "import time\n"
-           "from unicron.kernel.client import AgentClient\n"
-           "c = AgentClient.from_env().connect()\n"
-           "while True:\n"
-           "    with c.iteration(int(time.time() * 10)): time.sleep(0.1)\n"]
 
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
             "gauge": ("",), "summary": ("_count", "_sum"), "unknown": ("",)}

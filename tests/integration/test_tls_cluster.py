@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -14,14 +13,7 @@ from typing import Any
 import pytest
 
 from unicron.cli.main import main as cli
-from unicron.cluster.localcluster import LocalCluster
-
-STEPPER = [sys.executable, "-c",
-           "import time\n"
-           "from unicron.kernel.client import AgentClient\n"
-           "c = AgentClient.from_env().connect()\n"
-           "while True:\n"
-           "    with c.iteration(int(time.time() * 10)): time.sleep(0.1)\n"]
+from unicron.cluster.localcluster import STEPPER, LocalCluster
 
 
 def tasks(*extra: str) -> list[dict[str, Any]]:

@@ -32,6 +32,15 @@ from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
 
+#: A rank without torch for harness tests: reports an iteration every 0.1 s through the agent's
+#: socket; its steps are wall-clock tenths, so they keep growing across restarts.
+STEPPER = [sys.executable, "-c",
+           "import time\n"
+           "from unicron.kernel.client import AgentClient\n"
+           "c = AgentClient.from_env().connect()\n"
+           "while True:\n"
+           "    with c.iteration(int(time.time() * 10)): time.sleep(0.1)\n"]
+
 
 def free_port() -> int:
     """A TCP port free on loopback now (another process may take it before it is used: tests only)."""

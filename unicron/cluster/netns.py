@@ -32,6 +32,7 @@ from pathlib import Path
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
+from unicron.kernel.procs import pid_alive
 
 log = ulog.get(__name__)
 
@@ -65,16 +66,6 @@ def _ip(*args: str, check: bool = True) -> str:
     if check and proc.returncode != 0:
         raise ConfigError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
     return proc.stdout
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -196,7 +187,7 @@ def cleanup_stale() -> int:
         except (OSError, ValueError, KeyError, TypeError):
             path.unlink(missing_ok=True)
             continue
-        if _pid_alive(pid):
+        if pid_alive(pid):
             continue
         _destroy(bridge, namespaces)
         path.unlink(missing_ok=True)
@@ -205,7 +196,7 @@ def cleanup_stale() -> int:
     for line in _ip("netns", "list", check=False).splitlines():
         name = line.split()[0] if line.strip() else ""
         parts = name.removeprefix(NS_PREFIX).split("-")
-        if name.startswith(NS_PREFIX) and parts[0].isdigit() and not _pid_alive(int(parts[0])):
+        if name.startswith(NS_PREFIX) and parts[0].isdigit() and not pid_alive(int(parts[0])):
             _ip("netns", "delete", name, check=False)
     if removed:
         log.warning("removed stale netns networks", count=removed)
