@@ -18,6 +18,7 @@ from typing import Any
 
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.inject import Injection, request
+from unicron.kernel.tls import plaintext_warning
 from unicron.kernel.types import Incident
 
 
@@ -104,6 +105,8 @@ def run_demo(quick: bool = False, secure: bool = False) -> int:
             os.environ["UNICRON_TLS_DIR"] = c.tls_dir
             _say(f"secure: mutual TLS on etcd (client-cert-auth, per-role auth), the link and the API; "
                  f"certificates in {c.tls_dir}")
+        else:
+            _say(plaintext_warning("this demo's etcd, agent link and API", flag="scripts/demo.sh --tls"))
         from unicron.cli.main import main as cli
 
         for name, weight in (("alpha", 1.5), ("beta", 1.0)):
