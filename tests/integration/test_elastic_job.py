@@ -62,6 +62,6 @@ def test_a_lost_node_relaunches_an_elastic_job_at_a_smaller_world_size(tmp_path:
             assert 0 < starts[-1][1] <= killed_at + 2, (starts, killed_at)
             after = [w for s, w in worlds(rank)[len(worlds(rank)) - (STEPS - starts[-1][1]):]]
             assert set(after) == {2} and worlds(rank)[-1] == (STEPS - 1, 2), worlds(rank)
-        assigns = [r for r in c.coordinator_log() if r.get("event") == "action" and r.get("action") == "Assign"]
+        assigns = [a for a in c.actions() if a["action"] == "Assign"]
         assert [a.get("world_size") for a in assigns][-1] == 2, assigns
         assert c.node_state(node) in ("lost", "isolated")

@@ -39,14 +39,6 @@ def task(name: str) -> dict[str, Any]:
     return next(t for t in json.loads(buf.getvalue()) if t["name"] == name)
 
 
-def actions(c: LocalCluster) -> list[str]:
-    out = []
-    for line in Path(c.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
-        if '"event": "action"' in line:
-            out.append(str(json.loads(line)["action"]))
-    return out
-
-
 def test_crash_loop_escalates_then_stops(tmp_path: Path) -> None:
     env = {"UNICRON_RESTART_DEADLINE": "4", "UNICRON_STATUS_INTERVAL": "0.2"}
     with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env) as c:
@@ -58,7 +50,7 @@ def test_crash_loop_escalates_then_stops(tmp_path: Path) -> None:
             assert cli(["submit", str(spec)]) == 0
             final = c.wait_for(lambda: (t := task("crash"))["phase"] in ("failed", "pending") and t, 150.0,
                                "the crash loop to end", poll_s=0.5)
-            acts = actions(c)
+            acts = [str(a["action"]) for a in c.actions()]
             assert "RestartRanks" in acts and "IsolateNode" in acts, acts
             assert acts.index("IsolateNode") > acts.index("RestartRanks")  # a failed restart escalates to sev1
             first_burst = acts[acts.index("RestartRanks"):acts.index("IsolateNode")]

@@ -164,8 +164,7 @@ def test_lease_expiries_caused_by_an_etcd_restart_are_no_node_loss(
         return seen >= set(c.node_names())
 
     c.wait_for(reregistered, 30.0, "the coordinator to see both agents register again", poll_s=0.1)
-    log = c.coordinator_log(t0)
-    actions = [str(r.get("action")) for r in log if r.get("event") == "action"]
+    actions = [str(a["action"]) for a in c.actions(t0)]
     assert actions == [], actions  # no isolation, no re-plan, no restart
     lost = [i for i in c.incidents() if i.detected_ts >= t0 and i.kind.value == "lost_connection"]
     assert lost == [], lost

@@ -95,8 +95,8 @@ def test_an_action_pending_at_the_leaders_death_is_carried_out_once(cluster: Loc
         return victim_rank in now and now[victim_rank] != victim_pid and settled(cluster)
     cluster.wait_for(restarted, 60.0, "the killed rank to be restarted")
     time.sleep(2.0)  # a second restart, if one were coming, would be under way by now
-    restarts = [r for i in cluster.coordinators for r in cluster.coordinator_log(index=i)
-                if r.get("event") == "action" and r.get("action") in ("RestartRanks", "RestartTask", "Assign") and r["ts"] >= t0]
+    restarts = [a for i in cluster.coordinators for a in cluster.actions(t0, i)
+                if a["action"] in ("RestartRanks", "RestartTask", "Assign")]
     assert len(restarts) == 1, restarts  # exactly once, by whichever leader decided it
     incidents = [i for i in cluster.incidents() if i.detected_ts >= t0 - 1]
     assert [i.kind for i in incidents] == [ErrorKind.EXITED_ABNORMALLY], incidents

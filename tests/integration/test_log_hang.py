@@ -48,7 +48,7 @@ def test_the_documented_megatron_log_job_is_detected_hung_when_stopped(monkeypat
                    "the relaunched job's first line")
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-        acts = [r["action"] for r in c.coordinator_log(t0) if r.get("event") == "action"]
+        acts = [a["action"] for a in c.actions(t0)]
         assert acts.count("RestartTask") == 1 and "IsolateNode" not in acts, acts
 
 

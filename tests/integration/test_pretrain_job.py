@@ -50,7 +50,7 @@ def test_a_killed_rank_of_an_api_job_is_relaunched_alone_and_rejoins(tmp_path: P
             top = max(int(r["step"]) for r in c.running_ranks("mlp").values())
             c.wait_for(lambda: stepping(top + 3), 60.0, "both ranks to train on together", poll_s=0.2)
             assert c.running_ranks("mlp")[0]["pid"] == survivor["pid"], "the survivor must not be restarted"
-            acts = [str(r.get("action")) for r in c.coordinator_log(since=t0) if r.get("event") == "action"]
+            acts = [str(a["action"]) for a in c.actions(t0)]
             assert "RestartRanks" in acts, acts
             assert "RestartTask" not in acts and "Assign" not in acts, acts
         finally:

@@ -64,16 +64,7 @@ def trains_past(c: LocalCluster, step: int, timeout: float = 180.0) -> None:
 
 
 def actions_since(c: LocalCluster, t0: float) -> list[str]:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t0))
-    out = []
-    for line in Path(c.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("event") == "action" and rec.get("timestamp", "") >= stamp:
-            out.append(str(rec.get("action")))
-    return out
+    return [str(a["action"]) for a in c.actions(t0)]
 
 
 def test_task_is_placed_and_trains(cluster: LocalCluster) -> None:
@@ -140,12 +131,6 @@ def test_sev1_isolates_the_node_and_reconfigures_then_the_node_rejoins(cluster: 
     cluster.start_agent(node)  # repaired: the node joins again (④), a reconfiguration trigger
     cluster.wait_registered(node)
 
-    def rejoined_pool() -> bool:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t_join))
-        for line in Path(cluster.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
-            if f'"node": "{node}"' in line and '"node registered"' in line and line.rsplit('"timestamp": "', 1)[-1] >= stamp:
-                return True
-        return False
-
-    cluster.wait_for(rejoined_pool, 30.0, "the coordinator to take the node back")
+    cluster.wait_for(lambda: any(r.get("event") == "node registered" and r.get("node") == node
+                                 for r in cluster.coordinator_log(t_join)), 30.0, "the coordinator to take the node back")
     trains_past(cluster, top_step(cluster))

@@ -49,14 +49,6 @@ def steps(c: LocalCluster, rank: int) -> list[int]:
     return [int(line.split()[1]) for line in lines(c, rank) if line.startswith("step ")]
 
 
-def actions(c: LocalCluster) -> list[str]:
-    out = []
-    for line in Path(c.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
-        if '"event": "action"' in line:
-            out.append(str(json.loads(line)["action"]))
-    return out
-
-
 def documented_spec(ckpt: Path) -> tuple[dict[str, Any], int]:
     """The example's spec with its checkpoint directory replaced by ``ckpt``; and its step count."""
     spec = json.loads(SPEC.read_text())
@@ -96,7 +88,7 @@ def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path
                 # before the barrier that the dead rank never reached (its line never printed)
                 assert 0 < resume1 <= killed_at + 2, (resume1, killed_at)
                 assert steps(c, rank)[-1] == steps_total - 1 and lines(c, rank)[-1] == f"done rank {rank}"
-            acts = actions(c)
+            acts = [str(a["action"]) for a in c.actions()]
             assert acts.count("RestartTask") == 1, acts  # one restart of the whole task, the peer's crash merged
             assert "RestartRanks" not in acts and "IsolateNode" not in acts, acts
             assert acts.count("Assign") == 1, acts  # the same placement: no reconfiguration

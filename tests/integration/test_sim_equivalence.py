@@ -62,12 +62,7 @@ def simulated(restart_node: int, lost_node: int) -> list[Step]:
 
 
 def _actions(c: LocalCluster) -> list[Step]:
-    out = []
-    for line in Path(c.run_dir, "coordinator.log").read_text(errors="replace").splitlines():
-        if '"event": "action"' in line:
-            rec = json.loads(line)
-            out.append(_key(str(rec["action"]), rec.get("task"), rec.get("node")))
-    return out
+    return [_key(str(a["action"]), a.get("task"), a.get("node")) for a in c.actions()]
 
 
 def _task(name: str) -> dict[str, Any]:

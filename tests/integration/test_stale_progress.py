@@ -129,5 +129,5 @@ def test_only_the_relaunched_process_confirms_a_restart(cluster: LocalCluster, t
     assert now[0]["pid"] == before[0]["pid"], (now, before)  # the survivor was left alone
     incidents = [i for i in cluster.incidents() if i.detected_ts >= t0 - 1]
     assert [i.kind.value for i in incidents] == ["exited_abnormally"], incidents
-    actions = [str(r.get("action")) for r in cluster.coordinator_log(t0) if r.get("event") == "action"]
+    actions = [str(a["action"]) for a in cluster.actions(t0)]
     assert actions == ["RestartRanks"], actions

@@ -218,6 +218,11 @@ class LocalCluster:
                 out.append(rec)
         return out
 
+    def actions(self, since: float = 0.0, index: int = 0) -> list[dict[str, Any]]:
+        """The actions coordinator ``index`` took at or after ``since`` (its ``action`` log records, in
+        order: ``action``, ``task``/``node`` where they apply, ``ts``)."""
+        return [r for r in self.coordinator_log(since, index) if r.get("event") == "action"]
+
     def node_state(self, node: str) -> str | None:
         """The node's state in the coordinator's decision record (up, drained, isolated, lost)."""
         assert self.store is not None
