@@ -21,7 +21,6 @@ import os
 import queue
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -47,10 +46,10 @@ from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
 from unicron.kernel import parentdeath, patterns, protocol, severity, tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreClosed, StoreUnavailable
-from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
+from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry, parse_endpoints
 from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.net import interface_of
+from unicron.kernel.net import interface_of, route_address
 from unicron.kernel.procs import pid_alive
 from unicron.kernel.types import (
     AssignmentResult,
@@ -115,12 +114,15 @@ class NodeNameTaken(ConfigError):
     """Another live agent holds this node's registration."""
 
 
-def default_advertise_host() -> str:
-    """The address of this machine's hostname (what other nodes most likely reach it at)."""
+def default_advertise_host(etcd: str) -> str:
+    """This host's address on its route to etcd: the network the other nodes share with it. (Not the
+    hostname's address: Debian maps it to 127.0.1.1, which no other node can reach.)"""
+    host, port = parse_endpoints(etcd)[0]
     try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+        return route_address(host, port)
+    except OSError as exc:
+        raise ConfigError(f"no route to etcd ({host}:{port}: {exc}) to pick this node's address from: "
+                          "set --advertise-host / UNICRON_ADVERTISE_HOST") from exc
 
 
 class Agent:
@@ -128,7 +130,7 @@ class Agent:
         self.settings = settings
         self.node = settings.node
         self.tls_config = tls.load(settings.tls_dir, settings.node)
-        self.advertise_host = settings.advertise_host or default_advertise_host()
+        self.advertise_host = settings.advertise_host or default_advertise_host(settings.etcd)
         self._gloo_ifname = interface_of(self.advertise_host)
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()

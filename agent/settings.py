@@ -16,7 +16,7 @@ class AgentSettings:
     node: str = setting(socket.gethostname(), "UNICRON_NODE", "this node's name in the cluster")
     """Unique per node; used as the etcd key segment, so [A-Za-z0-9_.-] only."""
     advertise_host: str = setting("", "UNICRON_ADVERTISE_HOST",
-                                  "address other nodes reach this agent at (default: the hostname's address)")
+                                  "address other nodes reach this agent at (default: this host's address on its route to etcd)")
     """Task store sidecars this agent hosts listen on it; registered as ``NodeInfo.host``."""
     etcd: str = setting("127.0.0.1:2379", "UNICRON_ETCD", "etcd endpoints, host:port[,host:port...]")
     """etcd endpoints."""

@@ -21,6 +21,7 @@ from coordinator.tasks import TaskSpec, load_spec_json, parse_task_spec
 from unicron.kernel import log as ulog
 from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
+from unicron.kernel.net import WILDCARDS
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -217,14 +218,16 @@ def join_host_port(host: str, port: int) -> str:
 
 def advertised(host: str, port: int) -> str:
     """The address clients should dial: a wildcard listen address is replaced by this host's name."""
-    if host in ("", "0.0.0.0", "::", "[::]"):
+    if host in WILDCARDS:
         host = socket.gethostname()
     return join_host_port(host, port)
 
 
 def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
-          workers: int = 4, tls_config: tls.TLSConfig | None = None) -> tuple[grpc.Server, str]:
-    """Start the API server on ``host:port`` (port 0: any free port). Returns it and the address to dial.
+          workers: int = 4, tls_config: tls.TLSConfig | None = None,
+          advertise_host: str = "") -> tuple[grpc.Server, str]:
+    """Start the API server on ``host:port`` (port 0: any free port). Returns it and the address to dial
+    (on ``advertise_host`` when given).
 
     With ``tls_config`` the server takes only clients whose certificate the cluster CA signed
     (``require_client_auth``) and authorizes each call by the certificate's role (:func:`authorize`)."""
@@ -254,7 +257,7 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
             "or --api-port / UNICRON_API_PORT"
         )
     server.start()
-    address = advertised(host, bound)
+    address = join_host_port(advertise_host, bound) if advertise_host else advertised(host, bound)
     log.info("API serving", listen=join_host_port(host, bound), address=address, tls=tls_config is not None)
     return server, address
 

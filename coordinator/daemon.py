@@ -39,7 +39,7 @@ from coordinator.leader import Leadership
 from coordinator.link import LinkServer
 from coordinator.lookup import PlanLookup
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.settings import CoordinatorSettings
+from coordinator.settings import CoordinatorSettings, advertise_host
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
@@ -217,9 +217,11 @@ class Coordinator:
             on_heartbeat=self.metrics.heartbeat_gap.observe, tls_config=self.tls_config,
         ).start()
         self.metrics.watch_heartbeats(self.link.heartbeat_ages)
+        advertise = advertise_host(self.settings)
         self._api_server, api_address = api.serve(self, self.settings.listen_host, self.settings.api_port,
-                                                    tls_config=self.tls_config)
-        address = json.dumps({"link": self.link.address, "api": api_address, "pid": os.getpid()})
+                                                    tls_config=self.tls_config, advertise_host=advertise)
+        link_address = api.join_host_port(advertise, int(self.link.address.rpartition(":")[2]))
+        address = json.dumps({"link": link_address, "api": api_address, "pid": os.getpid()})
         self.leadership = Leadership(self.store, self.keys, address, self.settings.leader_ttl_s,
                                      on_deposed=self._on_deposed,
                                      on_reelected=lambda: self._inbox.put(Reelected()))
@@ -232,7 +234,7 @@ class Coordinator:
         self.metrics.leader.set(1)
         self.metrics.state(self.state)
         self.ready.set()
-        log.info("coordinator leading", link=self.link.address)
+        log.info("coordinator leading", link=link_address, api=api_address)
         self._loop()
         self._shutdown()
         # Non-zero when deposed, so systemd's Restart=on-failure brings us back as a standby.

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
+from unicron.kernel.net import WILDCARDS, route_address
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,9 @@ class CoordinatorSettings:
     """Key prefix; several clusters can share one etcd under different prefixes."""
     listen_host: str = setting("127.0.0.1", "UNICRON_COORDINATOR_HOST", "address the agent link and API listen on")
     """Interface for the agent link and the gRPC API."""
+    advertise_host: str = setting("", "UNICRON_COORDINATOR_ADVERTISE_HOST", "address agents and clients dial the link and API at (default: --listen-host, or for a wildcard listen host this host's address on its route to etcd)")
+    """Goes into the leader key. A wildcard listen address (0.0.0.0) is no address to dial; the
+    route to etcd is the network the agents share with this host."""
     link_port: int = setting(0, "UNICRON_LINK_PORT", "TCP port of the agent link (0: any free port)")
     """Agents find the actual address in the leader key."""
     api_port: int = setting(0, "UNICRON_API_PORT", "TCP port of the gRPC API (0: any free port)")
@@ -60,6 +64,9 @@ class CoordinatorSettings:
             raise ConfigError("--heartbeat-timeout-s / UNICRON_HEARTBEAT_TIMEOUT must be > 0")
         if self.leader_ttl_s < 2:
             raise ConfigError("--leader-ttl-s / UNICRON_LEADER_TTL must be >= 2 (etcd's minimum lease TTL)")
+        if self.advertise_host in WILDCARDS[1:]:
+            raise ConfigError("--advertise-host / UNICRON_COORDINATOR_ADVERTISE_HOST must be an address peers can "
+                              f"dial, not the wildcard {self.advertise_host}; leave it empty for the default")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError("--metrics-port / UNICRON_METRICS_PORT must be 0 (off) or a TCP port")
         if self.tls_dir:
@@ -68,3 +75,20 @@ class CoordinatorSettings:
             tls.load(self.tls_dir, self.tls_name, tls.Role.COORDINATOR)
         if self.alert_webhook and not self.alert_webhook.startswith(("http://", "https://")):
             raise ConfigError("--alert-webhook / UNICRON_ALERT_WEBHOOK must be an http:// or https:// URL")
+
+
+def advertise_host(settings: CoordinatorSettings) -> str:
+    """The address the coordinator advertises in the leader key (see ``advertise_host``)."""
+    if settings.advertise_host:
+        return settings.advertise_host
+    if settings.listen_host not in WILDCARDS:
+        return settings.listen_host
+    from unicron.kernel.etcd import parse_endpoints
+
+    host, port = parse_endpoints(settings.etcd)[0]
+    try:
+        return route_address(host, port)
+    except OSError as exc:
+        raise ConfigError(f"--listen-host {settings.listen_host!r} is a wildcard and this host has no route to etcd "
+                          f"({host}:{port}: {exc}) to pick an address from: set --advertise-host / "
+                          "UNICRON_COORDINATOR_ADVERTISE_HOST") from exc

@@ -6,6 +6,19 @@ import socket
 
 import psutil
 
+#: listen addresses that mean "every interface": never an address to give a peer
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def route_address(host: str, port: int) -> str:
+    """This host's own address on its route to ``host:port``: the source address the kernel picks to
+    reach it, so a peer on that network can reach this host back at it. (A UDP ``connect`` only
+    selects the route; no packet is sent.) Raises OSError when there is no route."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return str(s.getsockname()[0])
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (the OS picks it; the caller binds it soon after)."""
