@@ -65,7 +65,7 @@ class EtcdServer:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return f"{'https' if self.tls_config else 'http'}://{self.host}:{self.peer_port}"
 
     def start(self, timeout_s: float = 15.0) -> EtcdServer:
         self.launch()
@@ -85,8 +85,11 @@ class EtcdServer:
             "--heartbeat-interval", "50", "--election-timeout", "500",
         ]
         if self.tls_config is not None:
-            argv += ["--cert-file", str(self.tls_config.cert), "--key-file", str(self.tls_config.key),
-                     "--trusted-ca-file", str(self.tls_config.ca), "--client-cert-auth"]
+            cert, key, ca = str(self.tls_config.cert), str(self.tls_config.key), str(self.tls_config.ca)
+            argv += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+                     # members talk to each other with the same certificate, and take only the CA's
+                     "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
+                     "--peer-client-cert-auth"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -161,16 +164,19 @@ class EtcdServer:
 class EtcdCluster:
     """``members`` etcd servers forming one cluster. ``hosts`` (one per member) are
     ``(address, launcher)`` pairs, e.g. a namespace's IP and ``ip netns exec NS``; default: loopback
-    ports. The same interface as :class:`EtcdServer` where the tests and the harness use it."""
+    ports. With ``tls_dir``, clients and peers on TLS (each member serves ``DIR/etcd.crt``, whose SANs
+    must cover every member's address). The same interface as :class:`EtcdServer` where the tests and
+    the harness use it."""
 
-    def __init__(self, members: int = 3, hosts: Sequence[tuple[str, Sequence[str]]] = ()) -> None:
+    def __init__(self, members: int = 3, hosts: Sequence[tuple[str, Sequence[str]]] = (),
+                 tls_dir: str | None = None) -> None:
         if members < 1:
             raise ConfigError(f"etcd cluster: members must be >= 1, got {members}")
         if hosts and len(hosts) != members:
             raise ConfigError(f"etcd cluster: {members} members but {len(hosts)} hosts")
         self.members = [
-            EtcdServer(name=f"m{i}", host=hosts[i][0], ports=(2379, 2380), launcher=hosts[i][1]) if hosts
-            else EtcdServer(name=f"m{i}")
+            EtcdServer(name=f"m{i}", host=hosts[i][0], ports=(2379, 2380), launcher=hosts[i][1], tls_dir=tls_dir)
+            if hosts else EtcdServer(name=f"m{i}", tls_dir=tls_dir)
             for i in range(members)
         ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
@@ -201,7 +207,7 @@ class EtcdCluster:
         for m in self.members:
             if m.proc is None:
                 continue
-            store = Store(m.endpoint, timeout_s=1.0)
+            store = Store(m.endpoint, timeout_s=1.0, tls_config=m.tls_config)
             try:
                 leader = store.client.status().leader
                 for other in self.members:

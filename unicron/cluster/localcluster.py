@@ -73,20 +73,21 @@ class LocalCluster:
         daemon on mutual TLS (``UNICRON_TLS_DIR``); the harness itself acts as the coordinator.
         ``netns``: each process on a host (network namespace) of its own; ``etcd_members``: etcd
         as a cluster of that many members; ``coordinators``: one leader and the rest running standbys."""
-        if tls and (netns or etcd_members > 1):
-            # the certificates name loopback only; a namespace's IP or a member cluster is not in them yet
-            raise ConfigError("LocalCluster: tls=True runs on loopback with one etcd member; drop netns/etcd_members")
         self.n_agents = agents
         self.gpus_per_agent = gpus_per_agent
+        self.n_coordinators = coordinators
         self.keys = Keyspace(prefix)
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="unicron-run-")
-        self.tls_dir = self._issue_certs() if tls else ""
         self.net = Network().create() if netns else None
+        if self.net is not None:  # every host up front: the certificates name their addresses
+            for host in (*(f"etcd{i}" for i in range(etcd_members)), *(f"coord{i}" for i in range(coordinators)),
+                         *self.node_names()):
+                self.net.add(host)
+        self.tls_dir = self._issue_certs(etcd_members) if tls else ""
         self.etcd: EtcdServer | EtcdCluster = self._make_etcd(etcd_members)
         self.store: Store | None = None
         #: the first coordinator started (the leader, until a test kills it); see :meth:`leader_pid`
         self.coordinator: subprocess.Popen[bytes] | None = None
-        self.n_coordinators = coordinators
         #: every coordinator process by index (its host in netns mode is ``coord<index>``)
         self.coordinators: dict[int, subprocess.Popen[bytes]] = {}
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
@@ -102,13 +103,18 @@ class LocalCluster:
     def node_names(self) -> list[str]:
         return [f"node{i}" for i in range(self.n_agents)]
 
-    def _issue_certs(self) -> str:
+    def _issue_certs(self, etcd_members: int) -> str:
+        """The cluster CA and every holder's certificate, each naming the addresses its holder serves
+        on (loopback always; in netns mode its hosts' IPs: all coordinators share one certificate,
+        and so do all etcd members)."""
         directory = Path(self.run_dir) / "certs"
         tls.init_ca(directory)
-        holders = [(tls.Role.COORDINATOR, "coordinator"), (tls.Role.OPERATOR, "operator"),
-                   (tls.Role.ETCD, EtcdServer.SERVER_CERT), (tls.Role.ETCD, etcdauth.ROOT)]
-        for role, name in [*holders, *((tls.Role.NODE, n) for n in self.node_names())]:
-            tls.issue(directory, role, name)
+        coords = [self.host_ip(f"coord{i}") for i in range(self.n_coordinators)]
+        members = [self.host_ip(f"etcd{i}") for i in range(etcd_members)]
+        holders = [(tls.Role.COORDINATOR, "coordinator", coords), (tls.Role.OPERATOR, "operator", []),
+                   (tls.Role.ETCD, EtcdServer.SERVER_CERT, members), (tls.Role.ETCD, etcdauth.ROOT, [])]
+        for role, name, hosts in [*holders, *((tls.Role.NODE, n, [self.host_ip(n)]) for n in self.node_names())]:
+            tls.issue(directory, role, name, hosts)
         return str(directory)
 
     def tls_config(self, name: str) -> tls.TLSConfig | None:
@@ -120,15 +126,18 @@ class LocalCluster:
         assert admin is not None
         peers = [tls.Peer(tls.Role.COORDINATOR, "coordinator"), tls.Peer(tls.Role.OPERATOR, "operator"),
                  *(tls.Peer(tls.Role.NODE, n) for n in self.node_names())]
-        etcdauth.setup(self.etcd.endpoint, admin, self.keys, peers)
+        # auth is the cluster's: set up through any one member
+        etcdauth.setup(self.etcd.endpoint.split(",")[0], admin, self.keys, peers)
 
     def _make_etcd(self, members: int) -> EtcdServer | EtcdCluster:
+        tls_dir = self.tls_dir or None
         if self.net is None:
-            return EtcdServer(tls_dir=self.tls_dir or None) if members == 1 else EtcdCluster(members)
-        hosts = [self.net.add(f"etcd{i}") for i in range(members)]
+            return EtcdServer(tls_dir=tls_dir) if members == 1 else EtcdCluster(members, tls_dir=tls_dir)
+        hosts = [self.net.hosts[f"etcd{i}"] for i in range(members)]
         if members == 1:
-            return EtcdServer(host=hosts[0].ip, ports=(2379, 2380), launcher=self.net.wrap("etcd0", []))
-        return EtcdCluster(members, [(h.ip, self.net.wrap(h.name, [])) for h in hosts])
+            return EtcdServer(host=hosts[0].ip, ports=(2379, 2380), launcher=self.net.wrap("etcd0", []),
+                              tls_dir=tls_dir)
+        return EtcdCluster(members, [(h.ip, self.net.wrap(h.name, [])) for h in hosts], tls_dir=tls_dir)
 
     def host_ip(self, host: str) -> str:
         """The address of ``host`` (a node, ``coord<i>`` or ``etcd<i>``): its namespace's IP, or loopback."""
@@ -165,9 +174,9 @@ class LocalCluster:
         env = self._env()
         cmd = [sys.executable, *argv]
         if self.net is not None:
-            # Everything the daemon serves listens on its own host's address, never loopback.
-            ip = self.host_ip(host)
-            env.update({"UNICRON_METRICS_HOST": ip, "UNICRON_COORDINATOR_HOST": ip})
+            # Everything the daemon serves is reachable from other hosts, never on loopback only. The
+            # coordinator listens on every interface and advertises its default: its route to etcd.
+            env.update({"UNICRON_METRICS_HOST": self.host_ip(host), "UNICRON_COORDINATOR_HOST": "0.0.0.0"})
             cmd = self.net.wrap(host, cmd)
         out = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -276,7 +285,8 @@ class LocalCluster:
     def start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
             ["-m", "agent.main", "--node", node, "--gpu-backend", "simulated", "--gpus", str(self.gpus_per_agent),
-             "--advertise-host", self.host_ip(node), *self._metrics_args(node)],
+             # in netns mode the agent finds its address itself (its route to etcd)
+             *([] if self.net is not None else ["--advertise-host", "127.0.0.1"]), *self._metrics_args(node)],
             f"agent-{node}", node,
         )
 
