@@ -2,6 +2,9 @@
 
 One cluster serves the module (starting it costs seconds); each test restarts the workload at a new
 generation when it needs healthy ranks, and picks its own incident by time and kind.
+
+The cases whose path crosses hosts (exceptions by severity, a rank or an agent killed, checkpoint
+replicas) are plain functions here, run on the namespace cluster by test_netns.py (once, not twice).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def expect(cluster: LocalCluster, after: float, kind: ErrorKind, severity: Sever
     return inc
 
 
-def test_exception_propagation_each_severity(cluster: LocalCluster) -> None:
+def exception_propagation_each_severity(cluster: LocalCluster) -> None:
     run_workload(cluster, ["node0", "node1"])
     for kind, sev in ((ErrorKind.CONNECTION_REFUSED_RESET, Severity.SEV3), (ErrorKind.CUDA_ERROR, Severity.SEV2),
                       (ErrorKind.ECC_ERROR, Severity.SEV1)):
@@ -78,7 +81,7 @@ def test_exception_propagation_each_severity(cluster: LocalCluster) -> None:
         run_workload(cluster, ["node0", "node1"])
 
 
-def test_rank_killed_is_process_supervision_sev2(cluster: LocalCluster) -> None:
+def rank_killed_is_process_supervision_sev2(cluster: LocalCluster) -> None:
     run_workload(cluster, ["node0", "node1"])
     t0 = inject(cluster, "node0", fault="kill-rank", rank=1)
     inc = expect(cluster, t0 - 0.5, ErrorKind.EXITED_ABNORMALLY, Severity.SEV2, DetectionMethod.PROCESS_SUPERVISION)
@@ -164,7 +167,7 @@ def test_silenced_node_is_lost_by_heartbeat(cluster: LocalCluster) -> None:
     time.sleep(0.5)
 
 
-def test_killed_agent_is_lost_by_connection_close(cluster: LocalCluster) -> None:
+def killed_agent_is_lost_by_connection_close(cluster: LocalCluster) -> None:
     proc = cluster.agents["node2"]
     t0 = time.time()
     os.kill(proc.pid, signal.SIGKILL)
@@ -189,7 +192,7 @@ def test_exception_handled_in_place_is_recorded_as_handled(cluster: LocalCluster
     assert inc.handled and inc.task == "t3"
 
 
-def test_agents_host_checkpoint_replica_servers(cluster: LocalCluster) -> None:
+def agents_host_checkpoint_replica_servers(cluster: LocalCluster) -> None:
     from ckpt.replica import ReplicaClient
 
     assert cluster.store is not None
@@ -199,7 +202,7 @@ def test_agents_host_checkpoint_replica_servers(cluster: LocalCluster) -> None:
         assert ReplicaClient(info["replica_addr"], timeout_s=5.0).list("no-such-job") == []
 
 
-def test_in_memory_snapshots_are_replicated_to_the_ring_peer(cluster: LocalCluster, tmp_path: Path) -> None:
+def in_memory_snapshots_are_replicated_to_the_ring_peer(cluster: LocalCluster, tmp_path: Path) -> None:
     from ckpt.replica import ReplicaClient
 
     argv = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",

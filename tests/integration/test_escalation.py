@@ -1,7 +1,8 @@
 """Escalation end to end (paper Figure 7): every rank of a task crashes; the restart relaunches each
 dead rank (widened across both nodes, one restart for the burst); the relaunched processes crash before
 any iteration, so the restart fails and escalates to sev1 (node isolated, task placed elsewhere), and
-the restart budget ends the loop with the task marked failed and the reason given."""
+the restart budget ends the loop with the task marked failed and the reason given. On the namespace
+cluster (root only)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+from tests.integration.hosts import require_netns
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 
@@ -40,8 +42,9 @@ def task(name: str) -> dict[str, Any]:
 
 
 def test_crash_loop_escalates_then_stops(tmp_path: Path) -> None:
+    require_netns()
     env = {"UNICRON_RESTART_DEADLINE": "4", "UNICRON_STATUS_INTERVAL": "0.2"}
-    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env) as c:
+    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, netns=True) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec = tmp_path / "crash.json"

@@ -3,7 +3,9 @@ member in a network namespace of its own (its own IP on a bridge; :mod:`unicron.
 etcd as a 3-member cluster. Addresses chosen on the wrong host or ``127.0.0.1`` assumptions fail
 here, and a partition (a node's link taken down) can be tested. Root only: skipped otherwise.
 
-Only a representative few of the loopback tests run here (CI time); they are the same functions.
+The detection cases whose path crosses hosts run here only (test_detection.py keeps them as plain
+functions); the end-to-end recovery tests (test_recovery, test_restart_job, test_escalation) run on
+namespace clusters of their own.
 """
 
 from __future__ import annotations
@@ -19,17 +21,15 @@ from pathlib import Path
 import pytest
 
 from tests.integration import test_detection as det
+from tests.integration.hosts import require_netns
 from unicron.cluster.etcd_server import EtcdCluster
 from unicron.cluster.localcluster import LocalCluster
-from unicron.cluster.netns import unavailable_reason
 from unicron.kernel.types import DetectionMethod, ErrorKind, Severity
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"namespace cluster unavailable: {reason}")
+    require_netns()
     c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "3"}, netns=True,
                      etcd_members=3)
     c.start()
@@ -47,14 +47,18 @@ def test_every_daemon_is_on_a_host_of_its_own(cluster: LocalCluster) -> None:
         info = json.loads(cluster.store.get(cluster.keys.node(node)).value)  # type: ignore[union-attr]
         assert info["host"] == cluster.host_ip(node)
         assert info["replica_addr"].startswith(cluster.host_ip(node) + ":")
+    # The coordinator listens on 0.0.0.0 and advertises its own address (its route to etcd), which
+    # the agents dialled: none of them would be up otherwise.
     leader = json.loads(cluster.store.get(cluster.keys.leader()).value)  # type: ignore[union-attr]
     assert leader["link"].startswith(cluster.host_ip("coord0") + ":")
+    assert leader["api"].startswith(cluster.host_ip("coord0") + ":")
 
 
 CASES: list[Callable[[LocalCluster], None]] = [
-    det.test_rank_killed_is_process_supervision_sev2,  # gloo ranks across two hosts
-    det.test_killed_agent_is_lost_by_connection_close,
-    det.test_agents_host_checkpoint_replica_servers,
+    det.exception_propagation_each_severity,  # gloo ranks across two hosts
+    det.rank_killed_is_process_supervision_sev2,
+    det.killed_agent_is_lost_by_connection_close,
+    det.agents_host_checkpoint_replica_servers,
 ]
 
 
@@ -64,7 +68,7 @@ def test_detection_on_namespaces(cluster: LocalCluster, case: Callable[[LocalClu
 
 
 def test_snapshots_reach_the_ring_peer_on_another_host(cluster: LocalCluster, tmp_path: Path) -> None:
-    det.test_in_memory_snapshots_are_replicated_to_the_ring_peer(cluster, tmp_path)
+    det.in_memory_snapshots_are_replicated_to_the_ring_peer(cluster, tmp_path)
 
 
 def training(cluster: LocalCluster, nodes: list[str]) -> dict[int, tuple[int, int]]:

@@ -1,5 +1,6 @@
 """Recovery end to end (paper Figure 7): real etcd, a coordinator, three agents and real training
-processes (`unicron train`, a small Megatron-core GPT on gloo), driven through the CLI/API.
+processes (`unicron train`, a small Megatron-core GPT on gloo), driven through the CLI/API, on the
+multi-host namespace cluster (each node, the coordinator and etcd on a host of its own; root only).
 
 One cluster and one task serve the module; each test injects a fault and checks the action taken
 and that the task trains again.
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.hosts import require_netns
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.inject import Injection, request
@@ -31,8 +33,9 @@ TRAIN = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    require_netns()
     env = {"UNICRON_RESTART_DEADLINE": "40", "UNICRON_REATTEMPT_DEADLINE": "15", "UNICRON_STATUS_INTERVAL": "0.2"}
-    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env=env)
+    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, netns=True)
     c.start()
     os.environ["UNICRON_ETCD"] = c.etcd.endpoint
     spec = tmp_path_factory.mktemp("spec") / "job.json"

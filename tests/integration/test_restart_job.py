@@ -4,7 +4,8 @@ checkpoint directory moved into the test's own), running ``examples/stock_gloo_c
 the time a rank takes to exit after its last step line), which knows nothing of Unicron and checkpoints
 every step. One rank is SIGKILLed mid-run: every rank of the task is stopped and relaunched (new pids
 on both nodes) with TORCHELASTIC_RESTART_COUNT 0 -> 1, the job resumes from its checkpoint (not step
-0) and finishes, and no node is isolated (the peer's crash is the restart's consequence, merged)."""
+0) and finishes, and no node is isolated (the peer's crash is the restart's consequence, merged). On the namespace cluster
+(each node a host of its own; root only)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.hosts import require_netns
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 
@@ -59,9 +61,10 @@ def documented_spec(ckpt: Path) -> tuple[dict[str, Any], int]:
 
 def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    require_netns()  # two hosts: MASTER_ADDR and the ranks' gloo traffic cross the network
     monkeypatch.chdir(ROOT)  # the spec's paths are relative to the agents' directory, the repository
     env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "30"}
-    with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env) as c:
+    with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env, netns=True) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec, steps_total = documented_spec(tmp_path / "ckpt")
