@@ -31,10 +31,11 @@ def workload(iterations: int) -> list[str]:
             "--iterations", str(iterations)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
+    """One cluster for the module (a start costs seconds): each test leaves it with no task."""
     env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": str(int(RESTART_DEADLINE_S))}
-    with LocalCluster(agents=2, gpus_per_agent=2, extra_env=env) as c:
+    with LocalCluster(agents=2, gpus_per_agent=2, extra_env=env, prefork=["unicron.runtime.workload"]) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             yield c
@@ -75,6 +76,8 @@ def test_a_finished_task_releases_its_gpus_to_a_pending_one(cluster: LocalCluste
                    if r.get("task") == "second" and r.get("state") == "running") == 4
     cluster.wait_for(second_runs, 60.0, "second's ranks to run", poll_s=0.2)
     assert all(n["state"] == "up" for n in listing("nodes"))
+    assert cli(["cancel", "second"]) == 0  # the GPUs back for the next test
+    cluster.wait_for(lambda: all(t["name"] != "second" for t in listing("tasks")), 30.0, "second to go")
 
 
 def test_a_command_that_cannot_start_fails_the_task_at_once(cluster: LocalCluster, tmp_path: Path) -> None:

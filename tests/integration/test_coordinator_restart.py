@@ -33,7 +33,7 @@ def rank_pids(c: LocalCluster) -> dict[int, int]:
 
 
 def test_task_set_survives_a_coordinator_restart(tmp_path: Any) -> None:
-    with LocalCluster(agents=3, gpus_per_agent=2) as c:
+    with LocalCluster(agents=3, gpus_per_agent=2, prefork=[]) as c:  # sleeper ranks: no spawner to warm
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec = tmp_path / "t.json"

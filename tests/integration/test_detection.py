@@ -29,7 +29,9 @@ WORKLOAD = [sys.executable, "-m", "unicron.runtime.workload", "--iter-time", "0.
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "3"})
+    # the loopback cases run the gloo workload only (the training runtime's cases are in test_netns)
+    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "3"},
+                     prefork=["unicron.runtime.workload"])
     c.start()
     try:
         yield c

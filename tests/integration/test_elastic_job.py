@@ -24,7 +24,7 @@ STEP = re.compile(r"^step (\d+) rank (\d+)/(\d+) ")
 def test_a_lost_node_relaunches_an_elastic_job_at_a_smaller_world_size(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "30"}
-    with LocalCluster(agents=3, gpus_per_agent=1, extra_env=env) as c:
+    with LocalCluster(agents=3, gpus_per_agent=1, extra_env=env, prefork=["unicron.runtime.workload"]) as c:
         monkeypatch.setenv("UNICRON_ETCD", c.etcd.endpoint)
         spec = tmp_path / "elastic.json"
         spec.write_text(json.dumps({

@@ -44,7 +44,7 @@ def task(name: str) -> dict[str, Any]:
 def test_crash_loop_escalates_then_stops(tmp_path: Path) -> None:
     require_netns()
     env = {"UNICRON_RESTART_DEADLINE": "4", "UNICRON_STATUS_INTERVAL": "0.2"}
-    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, netns=True) as c:
+    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, netns=True, prefork=[]) as c:  # torch-free ranks
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec = tmp_path / "crash.json"

@@ -103,7 +103,7 @@ def cluster() -> Iterator[tuple[LocalCluster, Gate]]:
            "UNICRON_LEADER_TTL": "20",
            # hang detection is not under test: a slow iteration on a loaded machine must not restart a rank
            "UNICRON_HANG_FACTOR": "100"}
-    c = LocalCluster(agents=2, gpus_per_agent=1, extra_env=env)
+    c = LocalCluster(agents=2, gpus_per_agent=1, extra_env=env, prefork=["unicron.runtime.workload"])
     gate: Gate | None = None
     try:
         c.etcd.start()

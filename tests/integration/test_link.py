@@ -29,7 +29,8 @@ WORKLOAD = [sys.executable, "-m", "unicron.runtime.workload", "--iter-time", "0.
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"})
+    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"},
+                     prefork=["unicron.runtime.workload"])
     c.start()
     os.environ["UNICRON_ETCD"] = c.etcd.endpoint
     spec = tmp_path_factory.mktemp("spec") / "wl.json"

@@ -34,7 +34,8 @@ SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(agents=2, gpus_per_agent=1, metrics=True, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"})
+    c = LocalCluster(agents=2, gpus_per_agent=1, metrics=True, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"},
+                     prefork=[])  # torch-free ranks
     c.start()
     os.environ["UNICRON_ETCD"] = c.etcd.endpoint
     try:

@@ -35,7 +35,7 @@ TRAIN = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     require_netns()
     env = {"UNICRON_RESTART_DEADLINE": "40", "UNICRON_REATTEMPT_DEADLINE": "15", "UNICRON_STATUS_INTERVAL": "0.2"}
-    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, netns=True)
+    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, netns=True, prefork=["unicron.runtime.train"])
     c.start()
     os.environ["UNICRON_ETCD"] = c.etcd.endpoint
     spec = tmp_path_factory.mktemp("spec") / "job.json"

@@ -64,7 +64,7 @@ def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path
     require_netns()  # two hosts: MASTER_ADDR and the ranks' gloo traffic cross the network
     monkeypatch.chdir(ROOT)  # the spec's paths are relative to the agents' directory, the repository
     env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "30"}
-    with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env, netns=True) as c:
+    with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env, netns=True, prefork=["unicron.runtime.workload"]) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec, steps_total = documented_spec(tmp_path / "ckpt")

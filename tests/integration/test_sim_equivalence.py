@@ -83,7 +83,7 @@ def _progressing(c: LocalCluster, after: float) -> bool:
 
 def test_the_simulator_and_the_live_coordinator_take_the_same_actions(tmp_path: Path) -> None:
     env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "30"}
-    with LocalCluster(agents=NODES, gpus_per_agent=GPUS, extra_env=env) as c:
+    with LocalCluster(agents=NODES, gpus_per_agent=GPUS, extra_env=env, prefork=[]) as c:  # torch-free ranks
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             spec = tmp_path / "job.json"

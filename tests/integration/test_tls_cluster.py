@@ -34,7 +34,7 @@ def test_a_task_runs_over_tls_and_strangers_are_refused(
 ) -> None:
     netns = unavailable_reason() is None
     with LocalCluster(agents=2, gpus_per_agent=1, tls=True, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"},
-                      netns=netns, etcd_members=3 if netns else 1) as c:
+                      netns=netns, etcd_members=3 if netns else 1, prefork=[]) as c:  # torch-free ranks
         monkeypatch.setenv("UNICRON_ETCD", c.etcd.endpoint)
         spec = tmp_path / "s1.json"
         spec.write_text(json.dumps({"name": "s1", "command": STEPPER, "min_gpus": 2}))

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +67,16 @@ class LocalCluster:
         netns: bool = False,
         etcd_members: int = 1,
         coordinators: int = 1,
+        prefork: Sequence[str] | None = None,
     ) -> None:
         """With ``tls``, the secure variant (docs/operations.md): a cluster CA and certificates in
         ``<run_dir>/certs``, etcd with TLS, ``--client-cert-auth`` and per-role auth, and every
         daemon on mutual TLS (``UNICRON_TLS_DIR``); the harness itself acts as the coordinator.
         ``netns``: each process on a host (network namespace) of its own; ``etcd_members``: etcd
-        as a cluster of that many members; ``coordinators``: one leader and the rest running standbys."""
+        as a cluster of that many members; ``coordinators``: one leader and the rest running standbys.
+        ``prefork``: the modules the agents' warm spawners import (default: the agent's, training and
+        workload; ``[]``: no spawner). Three spawners importing Megatron-core at start cost ~30 s of
+        CPU on a 2-core machine: a cluster whose ranks never run it should say what they run."""
         self.n_agents = agents
         self.gpus_per_agent = gpus_per_agent
         self.n_coordinators = coordinators
@@ -91,7 +95,8 @@ class LocalCluster:
         #: every coordinator process by index (its host in netns mode is ``coord<index>``)
         self.coordinators: dict[int, subprocess.Popen[bytes]] = {}
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self.extra_env = extra_env or {}
+        self.extra_env = ({} if prefork is None else {"UNICRON_PREFORK": ",".join(prefork) or ","}) \
+            | (extra_env or {})
         self.quiet = quiet
         self._revision = 0
         #: with ``metrics``: "coordinator" and each node -> the port its /metrics is served on
