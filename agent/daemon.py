@@ -116,7 +116,8 @@ class NodeNameTaken(ConfigError):
 
 def default_advertise_host(etcd: str) -> str:
     """This host's address on its route to etcd: the network the other nodes share with it. (Not the
-    hostname's address: Debian maps it to 127.0.1.1, which no other node can reach.)"""
+    hostname's address: /etc/hosts often maps it to loopback, 127.0.1.1 on a stock Debian, 127.0.0.1
+    on this CI machine, which no other node can reach.)"""
     host, port = parse_endpoints(etcd)[0]
     try:
         return route_address(host, port)
