@@ -149,6 +149,8 @@ Input = WatchInput | LinkLost | LinkGoodbye | LinkConnected | CoreEvent | Call |
 
 EXIT_DEPOSED = 75  # EX_TEMPFAIL
 GOODBYE_DRAIN = '"goodbye"'  # drain/<node> of a node whose agent stopped on purpose ("1": an operator's drain)
+WIDE_WRITE_OPS = 100  # a decision write with more operations is logged ("decision written")
+SLOW_WRITE_S = 0.1  # as is one that took longer
 KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JSON log
 
 
@@ -604,7 +606,9 @@ class Coordinator:
             writes.update(draft.record(node) for node in sorted(changed))
             writes[self.keys.state()] = json.dumps(state.to_dict())
             assert self.leadership is not None
+            started = time.monotonic()
             self.leadership.write(puts=writes, deletes=deletes)
+            self._written(event, len(writes) + len(deletes), time.monotonic() - started)
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
         self.state, self.executor, self.costs = state, draft, costs
         for edge in edges:
@@ -616,6 +620,11 @@ class Coordinator:
                 self._alert(action, event.ts)
         self._observe(state, event, actions, costed, raised)
         return {inc.incident_id: inc for inc in costed}
+
+    def _written(self, event: d.Event, ops: int, write_s: float) -> None:
+        """Log a wide or slow decision write (a reconfiguration spanning many nodes): bench/scale.py reads it."""
+        if ops > WIDE_WRITE_OPS or write_s > SLOW_WRITE_S:
+            log.info("decision written", decision=type(event).__name__, ops=ops, write_s=round(write_s, 4))
 
     def _observe(self, state: d.CoreState, event: d.Event, actions: Sequence[d.Action],
                  costed: Sequence[Incident], raised: Incident | None) -> None:
