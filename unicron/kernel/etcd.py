@@ -139,6 +139,12 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
+#: etcd's default ``--max-txn-ops``: a transaction with more operations is refused ("too many operations")
+MAX_TXN_OPS = 128
+#: etcd's default ``--max-request-bytes`` is 1.5 MiB; a write is split well below it
+MAX_TXN_BYTES = 1024 * 1024
+
+
 class Store:
     """A connection to an etcd cluster (one or more endpoints, with failover)."""
 

@@ -101,6 +101,17 @@ class Keyspace:
     def drain(self, node: str) -> str:
         return self._k("drain", node)
 
+    def txns(self) -> str:
+        """Staged chunks of leader writes too wide for one etcd transaction (coordinator.leader)."""
+        return self._k("txn", "")
+
+    def txn(self, txn_id: str) -> str:
+        """The commit record of one wide write; its chunks are under ``txn/<id>/<i>``."""
+        return self._k("txn", txn_id)
+
+    def txn_chunk(self, txn_id: str, index: int) -> str:
+        return self._k("txn", txn_id, f"{index:06d}")
+
     def tail(self, key: str, area_prefix: str) -> str:
         """The part of ``key`` after ``area_prefix`` (e.g. the node name of a nodes/ key)."""
         return key[len(area_prefix):]
