@@ -535,7 +535,9 @@ class Coordinator:
 
     def _load_state(self) -> None:
         """Resume what a previous leader decided: the core's state and the nodes' assignments."""
-        assert self.store is not None
+        assert self.store is not None and self.leadership is not None
+        # a wide write a previous leader committed but did not finish is part of the state to load
+        self.leadership.recover()
         kv = self.store.get(self.keys.state())
         if kv is not None:
             try:
@@ -575,7 +577,9 @@ class Coordinator:
     def _draft(self, state: d.CoreState) -> Executor:
         """A copy of the executor to apply a decision to; it reads task specs from the new state."""
         draft = copy.copy(self.executor)
-        draft.desired = copy.deepcopy(self.executor.desired)
+        # Two levels copied, the records shared: the executor replaces a TaskAssignment (frozen) and
+        # never changes one in place. A deep copy cost 0.4 s per decision at 1,000 nodes x 8 GPUs.
+        draft.desired = {node: dict(tasks) for node, tasks in self.executor.desired.items()}
         draft.specs = functools.partial(_spec_in, state)
         draft.node_gpus = functools.partial(_gpus_in, state)  # a node joining in this decision has its GPUs
         return draft
