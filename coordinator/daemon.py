@@ -40,6 +40,7 @@ from coordinator.link import LinkServer
 from coordinator.lookup import PlanLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings
+from coordinator.statuses import StatusReader
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
@@ -169,6 +170,7 @@ class Coordinator:
         self._nodes: dict[str, NodeInfo] = {}
         self._lost_nodes: set[str] = set()
         self._statuses: dict[str, NodeStatus] = {}
+        self._status_reader = StatusReader()  # reads a status that changed only in time and steps cheaply
         self._results: dict[str, AssignmentResult] = {}
         self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=KEEP_INCIDENTS)
         self._incident_keys: collections.deque[str] = collections.deque()
@@ -503,9 +505,10 @@ class Coordinator:
         node = self.keys.tail(ev.key, self.keys.statuses())
         if ev.kind == "delete":
             self._statuses.pop(node, None)
+            self._status_reader.forget(node)
             return
         try:
-            status = NodeStatus.from_json(ev.value)
+            status = self._status_reader.read(node, ev.value)
         except InvalidRecord as exc:
             log.warning("ignoring garbage node status", key=ev.key, error=str(exc))
             return
