@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -129,6 +130,8 @@ def main() -> None:
     def progress(msg: str) -> None:
         print(f"[{time.time() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    # a SIGTERM (timeout(1)) unwinds through the finally below: etcd and the coordinator are stopped
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     c = LocalCluster(agents=0, gpus_per_agent=args.gpus)
     c.start()
     fleet: HollowFleet | None = None
