@@ -39,6 +39,7 @@ from typing import Any
 # the repository first: bench/ckpt.py would shadow the ckpt package
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from coordinator.statestore import read_state
 from unicron.cli.main import main as cli
 from unicron.cluster.hollow import HollowFleet
 from unicron.cluster.localcluster import LocalCluster
@@ -97,19 +98,17 @@ class LogTail:
         return found
 
 
-def state(c: LocalCluster) -> dict[str, Any]:
-    assert c.store is not None
-    kv = c.store.get(c.keys.state())
-    return dict(json.loads(kv.value)) if kv is not None else {}
-
-
 def up_nodes(c: LocalCluster) -> int:
-    return sum(1 for e in state(c).get("nodes", {}).values() if e.get("status") == "up")
+    assert c.store is not None
+    state, _ = read_state(c.store, c.keys)
+    return sum(1 for e in state.nodes.values() if e.status.value == "up") if state is not None else 0
 
 
 def task_phase(c: LocalCluster, task: str) -> str | None:
-    entry = state(c).get("tasks", {}).get(task)
-    return str(entry["phase"]) if entry else None
+    assert c.store is not None
+    state, _ = read_state(c.store, c.keys)
+    entry = state.tasks.get(task) if state is not None else None
+    return entry.phase.value if entry is not None else None
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ from coordinator.link import LinkServer
 from coordinator.lookup import PlanLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings
+from coordinator.statestore import read_state, state_writes
 from coordinator.statuses import StatusReader
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
@@ -187,6 +188,8 @@ class Coordinator:
         # the planner's inputs measured from adopted decisions (D_transition, failure rate, FLOP/s)
         self.grounding = Grounding(self.allocator.planner.reliability)
         self.state = self.core.initial_state()
+        #: the state as etcd holds it (coordinator.statestore): a decision writes what differs from it
+        self._written_state: d.CoreState | None = None
         self.executor = Executor(self.keys, self._spec, self._node_gpus,
                                  max_restarts=self.core.settings.max_restarts_without_progress)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
@@ -541,12 +544,14 @@ class Coordinator:
         assert self.store is not None and self.leadership is not None
         # a wide write a previous leader committed but did not finish is part of the state to load
         self.leadership.recover()
-        kv = self.store.get(self.keys.state())
-        if kv is not None:
-            try:
-                self.state = d.CoreState.from_dict(json.loads(kv.value))
-            except (InvalidRecord, ValueError) as exc:
-                log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
+        self._written_state = None  # what etcd holds is not known entry by entry: the next write writes all
+        try:
+            stored, split = read_state(self.store, self.keys)
+            if stored is not None:
+                self.state = stored
+                self._written_state = stored if split else None
+        except InvalidRecord as exc:
+            log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
         kvs, _ = self.store.get_prefix(self.keys.assignments())
         self.executor.desired.clear()
         self.executor.load({kv.key: kv.value for kv in kvs})
@@ -611,11 +616,14 @@ class Coordinator:
             # Clock ticks and plain progress that decided nothing are not worth a write per event:
             # a successor re-observes the clock and the last step.
             writes.update(draft.record(node) for node in sorted(changed))
-            writes[self.keys.state()] = json.dumps(state.to_dict())
+            state_puts, state_deletes = state_writes(self.keys, self._written_state, state)
+            writes.update(state_puts)
+            deletes = [*deletes, *state_deletes]
             assert self.leadership is not None
             started = time.monotonic()
             self.leadership.write(puts=writes, deletes=deletes)
             self._written(event, len(writes) + len(deletes), time.monotonic() - started)
+            self._written_state = state
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
         self.state, self.executor, self.costs = state, draft, costs
         for edge in edges:

@@ -71,6 +71,19 @@ class Keyspace:
     def state(self) -> str:
         return self._k("state")
 
+    def state_nodes(self) -> str:
+        """The decision state's node entries, one record each (the ``state`` key holds the rest)."""
+        return self._k("state", "nodes", "")
+
+    def state_node(self, node: str) -> str:
+        return self._k("state", "nodes", node)
+
+    def state_tasks(self) -> str:
+        return self._k("state", "tasks", "")
+
+    def state_task(self, task: str) -> str:
+        return self._k("state", "tasks", task)
+
     def assignments(self) -> str:
         return self._k("assign", "")
 
