@@ -11,8 +11,11 @@ task placed on hollow nodes reaches RUNNING and its recoveries are confirmed the
 
 What is shared, so that 1,000 nodes fit one process: one etcd client (:class:`Store`) for all; one
 watch on ``assign/`` handing each record to its node's agent; one thread sending every node's
-heartbeat each ``heartbeat_s`` (the messages are the real ones, one per node per interval); a few
-threads writing the status records, each node once per ``status_interval_s``.
+heartbeat each ``heartbeat_s`` (the messages are the real ones, one per node per interval); one
+stream refreshing every node's lease at TTL / 4 (as :class:`Lease` does for one); a few threads
+building each node's status record once per ``status_interval_s`` (the agent's own
+``_write_status``), written many per etcd transaction (the records and their leases are the real
+ones; a thread and a call per record and per lease cost more CPU than the coordinator's).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from agent.supervisor import ProcStatus
 from unicron.kernel import link, wire
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import StoreUnavailable
-from unicron.kernel.etcd import PrefixWatch, Store, WatchEvent
+from unicron.kernel.etcd import MAX_TXN_OPS, Lease, PrefixWatch, Store, WatchEvent
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import RankStatus, TaskAssignment
 
@@ -87,6 +90,39 @@ class SimulatedTask:
         return False
 
 
+class _StatusBatch:
+    """Status records waiting to be written, many per etcd transaction."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[str | bytes, Lease | None]] = {}
+
+    def add(self, key: str, value: str | bytes, lease: Lease | None) -> None:
+        with self._lock:
+            self._items[key] = (value, lease)
+
+    def take(self) -> list[tuple[str, str | bytes, Lease | None]]:
+        with self._lock:
+            items, self._items = self._items, {}
+        return [(k, v, lease) for k, (v, lease) in items.items()]
+
+
+class _FleetStore(Store):
+    """The fleet's one etcd client as a hollow agent sees it: its status puts join a batch (the
+    agent's own ``_write_status`` builds and "writes" them). Everything else goes to etcd at once."""
+
+    def __init__(self, shared: Store, batch: _StatusBatch, status_prefix: str) -> None:
+        self.__dict__.update(shared.__dict__)  # the same client and settings, not a second connection
+        self._batch = batch
+        self._status_prefix = status_prefix
+
+    def put(self, key: str, value: str | bytes, lease: Lease | None = None) -> int:
+        if key.startswith(self._status_prefix):
+            self._batch.add(key, value, lease)
+            return 0
+        return super().put(key, value, lease)
+
+
 class HollowAgent(Agent):
     """The real agent without processes: see the module doc for what is real and what is simulated."""
 
@@ -101,6 +137,8 @@ class HollowAgent(Agent):
 
     def start(self) -> None:
         self._register()
+        if self.lease is not None:
+            self.lease.stop()  # the fleet keeps every node's lease alive, over one stream
         self.ready.set()
 
     def reconcile(self, desired: list[TaskAssignment]) -> list[Outcome]:
@@ -135,6 +173,8 @@ class HollowFleet:
                  status_threads: int = 4, run_dir: str | None = None) -> None:
         self.keys = Keyspace(prefix)
         self.store = Store(etcd)
+        self._batch = _StatusBatch()
+        node_store = _FleetStore(self.store, self._batch, self.keys.statuses())
         self.heartbeat_s = heartbeat_s
         self.status_interval_s = status_interval_s
         self.status_threads = status_threads
@@ -143,7 +183,7 @@ class HollowFleet:
             f"{name}{i:04d}": HollowAgent(AgentSettings(
                 node=f"{name}{i:04d}", etcd=etcd, prefix=prefix, gpu_backend="simulated", gpus=gpus,
                 heartbeat_s=heartbeat_s, status_interval_s=status_interval_s, run_dir=run_dir,
-                replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"), self.store, iter_s)
+                replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"), node_store, iter_s)
             for i in range(n)
         }
         self._conns: dict[str, wire.LineSocket] = {}
@@ -163,6 +203,8 @@ class HollowFleet:
             self._on_assignment(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
         self._watch = self.store.watch_prefix(self.keys.assignments(), self._on_assignment, start_revision=rev + 1)
         self._spawn(self._heartbeats, "hollow-heartbeats")
+        self._spawn(self._keepalives, "hollow-keepalives")
+        self._spawn(self._flush_statuses, "hollow-status-writer")
         names = sorted(self.agents)
         for i in range(self.status_threads):
             self._spawn(lambda part=names[i::self.status_threads]: self._statuses(part), f"hollow-status-{i}")
@@ -263,6 +305,30 @@ class HollowFleet:
             next_ts += self.heartbeat_s
             self._stop.wait(max(0.0, next_ts - time.monotonic()))
             next_ts = max(next_ts, time.monotonic() - self.heartbeat_s)
+
+    def _keepalives(self) -> None:
+        """Every live node's lease refreshed as often as :class:`Lease` would (TTL / 4), all over one
+        stream: a thread and a stream per lease cost more CPU than the coordinator at 1,000 nodes."""
+        ttl = min(a.settings.lease_ttl_s for a in self.agents.values())
+        while not self._stop.wait(max(0.1, ttl / 4)):
+            leases = {n: a.lease for n, a in self.agents.items() if a.alive and a.lease is not None}
+            try:
+                ttls = self.store.refresh_leases([lease.lease_id for lease in leases.values()])
+            except StoreUnavailable as exc:
+                log.warning("hollow keepalives failed; will retry", error=str(exc))
+                continue
+            expired = [n for n, t in zip(leases, ttls, strict=True) if t <= 0]
+            if expired:
+                log.warning("hollow nodes' leases expired", nodes=expired[:10], count=len(expired))
+
+    def _flush_statuses(self) -> None:
+        while not self._stop.wait(0.1):
+            items = self._batch.take()
+            for i in range(0, len(items), MAX_TXN_OPS):
+                try:
+                    self.store.put_many(items[i:i + MAX_TXN_OPS])
+                except StoreUnavailable as exc:
+                    log.debug("hollow status writes skipped", error=str(exc))
 
     def _statuses(self, names: list[str]) -> None:
         gap = self.status_interval_s / max(1, len(names))
