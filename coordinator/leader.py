@@ -13,15 +13,63 @@ token) and steps down only when it finds another coordinator's key in place.
 
 from __future__ import annotations
 
+import itertools
+import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import NotLeader, StoreUnavailable
-from unicron.kernel.etcd import Lease, Store
+from unicron.kernel.etcd import MAX_TXN_BYTES, MAX_TXN_OPS, Lease, Store
 from unicron.kernel.keyspace import Keyspace
 
 log = ulog.get(__name__)
+
+#: operations of one chunk of a wide write; its apply adds the staged key's delete and the commit's
+CHUNK_OPS = MAX_TXN_OPS - 8
+#: bytes of one chunk's values (its staged copy is JSON-escaped, so somewhat larger)
+CHUNK_BYTES = MAX_TXN_BYTES // 2
+#: how long a committed wide write waits between attempts to apply its rest while etcd is down
+APPLY_RETRY_S = 0.2
+
+
+@dataclass
+class _Chunk:
+    puts: dict[str, str] = field(default_factory=dict)
+    deletes: list[str] = field(default_factory=list)
+    size: int = 0
+
+    @property
+    def ops(self) -> int:
+        return len(self.puts) + len(self.deletes)
+
+    def to_json(self) -> str:
+        return json.dumps({"puts": self.puts, "deletes": self.deletes})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> _Chunk:
+        data = json.loads(raw)
+        return cls(dict(data["puts"]), list(data["deletes"]))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def chunks(puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> list[_Chunk]:
+    """The operations split into chunks of at most ``CHUNK_OPS`` operations and ``CHUNK_BYTES``."""
+    out = [_Chunk()]
+    for key, value in [*((k, _text(v)) for k, v in puts.items()), *((k, None) for k in deletes)]:
+        size = len(key) + (len(value) if value is not None else 0)
+        if out[-1].ops >= CHUNK_OPS or (out[-1].ops and out[-1].size + size > CHUNK_BYTES):
+            out.append(_Chunk())
+        if value is None:
+            out[-1].deletes.append(key)
+        else:
+            out[-1].puts[key] = value
+        out[-1].size += size
+    return out
 
 
 class Leadership:
@@ -41,6 +89,7 @@ class Leadership:
         self._lock = threading.Lock()
         self._regaining = False
         self._closed = threading.Event()
+        self._txn_seq: Iterator[int] = itertools.count()
 
     def campaign(self, stop: threading.Event, poll_s: float | None = None) -> bool:
         """Block until this coordinator leads (True) or ``stop`` is set (False)."""
@@ -118,11 +167,23 @@ class Leadership:
         :class:`~unicron.kernel.errors.StoreUnavailable` (retry later) while our lease is lost and we
         campaign again.
         """
+        token = self._token()
+        size = sum(len(k) + len(v) for k, v in puts.items()) + sum(len(k) for k in deletes)
+        if len(puts) + len(deletes) > MAX_TXN_OPS or size > MAX_TXN_BYTES:
+            self._wide(token, puts, deletes)
+            return
+        self._guarded(token, puts, deletes)
+
+    def _token(self) -> int:
         token = self.token
         if token is None:
             if self.deposed:
                 raise NotLeader("this coordinator was deposed")
             raise StoreUnavailable("leadership lease lost; campaigning again")
+        return token
+
+    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
+        """One fenced transaction; raises NotLeader / StoreUnavailable when it did not land."""
         if self.store.guarded_txn(self.keys.leader(), token, puts=puts, deletes=deletes):
             return
         kv = self.store.get(self.keys.leader())
@@ -132,6 +193,83 @@ class Leadership:
             raise StoreUnavailable("the leader key expired; campaigning again")
         self._depose(f"another coordinator holds the leader key: {kv.value!r}")
         raise NotLeader("the leader key changed hands; this coordinator was deposed")
+
+    # --- writes wider than one etcd transaction ------------------------------------------------
+
+    def _wide(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
+        """A fenced write of more operations (or bytes) than one etcd transaction takes, still all or
+        nothing for whoever leads next:
+
+        1. stage: each chunk's operations are written as one value, ``txn/<id>/<i>``; the last
+           staging transaction also writes ``txn/<id>`` (the commit record, the point of no return);
+        2. apply: each chunk in one transaction that also deletes its staged copy; the last deletes
+           the commit record too.
+
+        Every step is guarded by the leader key, so a deposed leader's steps never land. A leader that
+        stops before the commit leaves staged chunks that nothing reads, and the next leader deletes
+        them; one that stops after it leaves chunks that the next leader applies (:meth:`recover`)
+        before it reads any state. Once committed, this call does not fail with StoreUnavailable: it
+        applies the rest until it is done or deposed (NotLeader: the next leader finishes it).
+        """
+        parts = chunks(puts, deletes)
+        txn_id = f"{token:016x}-{next(self._txn_seq):08d}"
+        staged = [self.keys.txn_chunk(txn_id, i) for i in range(len(parts))]
+        try:
+            for i, part in enumerate(parts):
+                commit = {self.keys.txn(txn_id): str(len(parts))} if i == len(parts) - 1 else {}
+                self._guarded(token, {staged[i]: part.to_json(), **commit}, ())
+        except StoreUnavailable:
+            self._discard(staged)
+            raise
+        for i, part in enumerate(parts):
+            last = [self.keys.txn(txn_id)] if i == len(parts) - 1 else []
+            self._apply_committed(part.puts, [*part.deletes, staged[i], *last])
+
+    def _apply_committed(self, puts: Mapping[str, str], deletes: Sequence[str]) -> None:
+        while True:
+            try:
+                self._guarded(self._token(), puts, deletes)
+                return
+            except StoreUnavailable as exc:
+                if self._closed.is_set():
+                    raise NotLeader("stopped while applying a committed write; the next leader applies the rest") from exc
+                log.warning("committed wide write waits for etcd", error=str(exc))
+                self._closed.wait(APPLY_RETRY_S)
+
+    def _discard(self, staged: Sequence[str]) -> None:
+        """Best effort: the staged chunks of a write that did not commit (recover() removes leftovers)."""
+        try:
+            self._guarded(self._token(), {}, list(staged))
+        except StoreUnavailable as exc:
+            log.warning("staged chunks left for the next recovery", error=str(exc))
+
+    def recover(self) -> int:
+        """Finish what a previous leader's wide write left: apply a committed one's remaining chunks,
+        delete an uncommitted one's. Called by a new leader before it reads any state. Returns the
+        number of chunks applied."""
+        kvs, _ = self.store.get_prefix(self.keys.txns())
+        by_id: dict[str, dict[str, bytes]] = {}
+        for kv in kvs:
+            txn_id = self.keys.tail(kv.key, self.keys.txns()).split("/", 1)[0]
+            by_id.setdefault(txn_id, {})[kv.key] = kv.value
+        applied = 0
+        for txn_id, entries in sorted(by_id.items()):
+            commit = self.keys.txn(txn_id)
+            staged = sorted(k for k in entries if k != commit)
+            if commit not in entries:
+                log.warning("deleting an uncommitted wide write's staged chunks", txn=txn_id, chunks=len(staged))
+                for i in range(0, len(staged), CHUNK_OPS):
+                    self._guarded(self._token(), {}, staged[i:i + CHUNK_OPS])
+                continue
+            log.warning("applying the rest of a committed wide write", txn=txn_id, chunks=len(staged))
+            for i, key in enumerate(staged):
+                part = _Chunk.from_json(entries[key])
+                last = [commit] if i == len(staged) - 1 else []
+                self._guarded(self._token(), part.puts, [*part.deletes, key, *last])
+                applied += 1
+            if not staged:
+                self._guarded(self._token(), {}, [commit])
+        return applied
 
     def resign(self) -> None:
         self._closed.set()

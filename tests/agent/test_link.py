@@ -7,6 +7,7 @@ registration with its token, and is not "connected" until the coordinator welcom
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -103,7 +104,8 @@ def test_client_reconnects_after_the_server_drops_it(server: LinkServer, events:
         events.wait("the first connection", lambda: events.connected == ["node2"])
         with server._cond:  # the coordinator side closes the connection (e.g. a network reset)
             peer = server._peers["node2"]
-        peer.conn.close()
+        # a reset: the socket reads EOF (closing it would only drop it from the server's selector)
+        peer.conn.sock.shutdown(socket.SHUT_RDWR)
         events.wait("the reconnection", lambda: events.connected == ["node2", "node2"])
         assert events.lost == [("node2", "connection closed")]
         assert server.connected_nodes() == ["node2"]

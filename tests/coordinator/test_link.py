@@ -224,3 +224,41 @@ def test_heartbeats_do_not_pile_up_watchdog_work(server: LinkServer, events: Eve
             b.thread.join()
     for c in conns:
         c.close()
+
+
+def test_one_reader_serves_many_peers_and_still_finds_the_dead(events: Events) -> None:
+    """Scale (issue 16 item 4): the server reads every connection on one thread (no thread per
+    connection); among 200 heartbeating peers, a silent one times out and a closed one is lost at once."""
+    tokens = {f"n{i:03d}": f"t{i}" for i in range(200)}
+    timeout_s = 2.0  # 200 hellos, one after the other, must fit in it
+    server = LinkServer("127.0.0.1", 0, timeout_s, on_lost=events.on_lost, on_connected=events.on_connected,
+                        verify=lambda node, token: tokens.get(node) == token).start()
+    try:
+        threads_before = threading.active_count()
+        conns = {n: connect(server, n, t) for n, t in tokens.items()}
+        assert all(welcomed(c) for c in conns.values())
+        events.wait("every hello", lambda: len(events.connected) == len(tokens))
+        silent, closed = "n007", "n123"
+        stop = threading.Event()
+
+        def beat() -> None:  # one thread heartbeats all the others, like the hollow fleet
+            while not stop.wait(0.05):
+                for n, c in list(conns.items()):
+                    if n != silent:
+                        c.send(link.Heartbeat().to_wire())
+
+        t = threading.Thread(target=beat, daemon=True)
+        t.start()
+        time.sleep(0.2)  # the handshake threads have ended
+        assert threading.active_count() <= threads_before + 2, threading.enumerate()
+        conns.pop(closed).close()
+        events.wait("the closed peer", lambda: (closed, "connection closed") in events.lost)
+        events.wait("the silent peer", lambda: (silent, "heartbeat timeout") in events.lost, timeout_s * 2)
+        time.sleep(0.5)
+        assert t.is_alive()  # every other peer still heartbeats
+        assert sorted(events.lost) == [(silent, "heartbeat timeout"), (closed, "connection closed")]
+        assert len(server.connected_nodes()) == len(tokens) - 2
+        stop.set()
+        t.join()
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from coordinator import decision as d
+from coordinator.statestore import read_state
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.types import ErrorKind, Incident, Severity
@@ -45,9 +46,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 def core(c: LocalCluster) -> d.CoreState:
     assert c.store is not None
-    kv = c.store.get(c.keys.state())
-    assert kv is not None
-    return d.CoreState.from_dict(json.loads(kv.value))
+    state, _ = read_state(c.store, c.keys)
+    assert state is not None
+    return state
 
 
 def running_ranks(c: LocalCluster, generation: int) -> dict[str, int]:

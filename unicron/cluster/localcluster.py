@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from coordinator.statestore import read_state
 from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.netns import Network
 from unicron.kernel import etcdauth, tls
@@ -240,9 +241,9 @@ class LocalCluster:
     def node_state(self, node: str) -> str | None:
         """The node's state in the coordinator's decision record (up, drained, isolated, lost)."""
         assert self.store is not None
-        kv = self.store.get(self.keys.state())
-        nodes = json.loads(kv.value).get("nodes", {}) if kv is not None else {}
-        return str(nodes[node]["status"]) if node in nodes else None
+        state, _ = read_state(self.store, self.keys)
+        entry = state.nodes.get(node) if state is not None else None
+        return entry.status.value if entry is not None else None
 
     def _metrics_args(self, who: str) -> list[str]:
         if not self.metrics:

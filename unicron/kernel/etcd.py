@@ -139,6 +139,12 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
+#: etcd's default ``--max-txn-ops``: a transaction with more operations is refused ("too many operations")
+MAX_TXN_OPS = 128
+#: etcd's default ``--max-request-bytes`` is 1.5 MiB; a write is split well below it
+MAX_TXN_BYTES = 1024 * 1024
+
+
 class Store:
     """A connection to an etcd cluster (one or more endpoints, with failover)."""
 
@@ -254,6 +260,30 @@ class Store:
         with self.converted(f"guarded txn on {guard_key}"):
             ok, _ = self.client.transaction(compare=compare, success=ops, failure=[])
         return bool(ok)
+
+    def put_many(self, items: Sequence[tuple[str, str | bytes, Lease | None]]) -> None:
+        """Write up to ``MAX_TXN_OPS`` keys in one transaction (no guard): many small records of
+        different owners in one round trip (the hollow nodes' status records, unicron.cluster.hollow)."""
+        tx = self.client.transactions
+        ops = [tx.put(k, v, lease=lease.lease_id if lease else None) for k, v, lease in items]
+        with self.converted(f"put {len(ops)} keys"):
+            self.client.transaction(compare=[], success=ops, failure=[])
+
+    def refresh_leases(self, lease_ids: Sequence[int]) -> list[int]:
+        """Keep many leases alive over one stream; returns each one's TTL (<= 0: expired). What
+        :class:`Lease` does for one, for the hollow nodes of unicron.cluster.hollow."""
+        client = self.client
+        reqs = [etcdrpc.LeaseKeepAliveRequest(ID=lease_id) for lease_id in lease_ids]
+        with self.converted(f"keepalive of {len(reqs)} leases"):
+            try:
+                responses = list(client.leasestub.LeaseKeepAlive(iter(reqs), self.timeout_s,
+                                                                 credentials=client.call_credentials,
+                                                                 metadata=client.metadata))
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)  # as pyetcd's own calls do: fail over
+                raise
+        ttl = {int(r.ID): int(r.TTL) for r in responses}
+        return [ttl.get(lease_id, 0) for lease_id in lease_ids]
 
     # --- leases and watches ------------------------------------------------------------------
 

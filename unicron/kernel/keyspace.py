@@ -71,6 +71,19 @@ class Keyspace:
     def state(self) -> str:
         return self._k("state")
 
+    def state_nodes(self) -> str:
+        """The decision state's node entries, one record each (the ``state`` key holds the rest)."""
+        return self._k("state", "nodes", "")
+
+    def state_node(self, node: str) -> str:
+        return self._k("state", "nodes", node)
+
+    def state_tasks(self) -> str:
+        return self._k("state", "tasks", "")
+
+    def state_task(self, task: str) -> str:
+        return self._k("state", "tasks", task)
+
     def assignments(self) -> str:
         return self._k("assign", "")
 
@@ -100,6 +113,17 @@ class Keyspace:
 
     def drain(self, node: str) -> str:
         return self._k("drain", node)
+
+    def txns(self) -> str:
+        """Staged chunks of leader writes too wide for one etcd transaction (coordinator.leader)."""
+        return self._k("txn", "")
+
+    def txn(self, txn_id: str) -> str:
+        """The commit record of one wide write; its chunks are under ``txn/<id>/<i>``."""
+        return self._k("txn", txn_id)
+
+    def txn_chunk(self, txn_id: str, index: int) -> str:
+        return self._k("txn", txn_id, f"{index:06d}")
 
     def tail(self, key: str, area_prefix: str) -> str:
         """The part of ``key`` after ``area_prefix`` (e.g. the node name of a nodes/ key)."""

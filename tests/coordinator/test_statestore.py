@@ -1,0 +1,64 @@
+"""The decision state written as what changed (issue 16 item 4): a decision that changes one node
+writes that node's entry and the clock, not 1,000 entries; what is stored reads back as the state."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from coordinator import decision as d
+from coordinator.decision.state import NodeEntry, NodeState, TaskEntry, TaskPhase
+from coordinator.statestore import read_state, state_writes
+from coordinator.tasks import parse_task_spec
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+
+KEYS = Keyspace("/st")
+
+
+def _state(nodes: int = 200) -> d.CoreState:
+    spec = parse_task_spec({"name": "wide", "command": ["python", "x.py"], "min_gpus": 1}, None)
+    st = d.CoreState(now=5.0, counter=9)
+    for i in range(nodes):
+        st.nodes[f"n{i:03d}"] = NodeEntry(8)
+    st.tasks["wide"] = TaskEntry(spec=spec, phase=TaskPhase.RUNNING, generation=2,
+                                 placement={f"n{i:03d}": list(range(8 * i, 8 * i + 8)) for i in range(nodes)})
+    return st
+
+
+def test_a_decision_writes_only_the_entries_it_changed() -> None:
+    old = _state()
+    puts, deletes = state_writes(KEYS, None, old)
+    assert len(puts) == 1 + 200 + 1 and deletes == []  # nothing known as written: everything
+    new = dataclasses.replace(old, now=6.0, nodes=dict(old.nodes), tasks={})
+    new.nodes["n007"] = NodeEntry(8, NodeState.LOST, "agent connection closed")
+    puts, deletes = state_writes(KEYS, old, new)
+    assert sorted(puts) == [KEYS.state(), KEYS.state_node("n007")]
+    assert deletes == [KEYS.state_task("wide")]
+    assert json.loads(puts[KEYS.state()]) == {"now": 6.0, "counter": 9, "nodes": {}, "tasks": {}}
+
+
+def test_what_is_written_reads_back_as_the_state(store: Store) -> None:
+    old = _state()
+    puts, _ = state_writes(KEYS, None, old)
+    for k, v in puts.items():
+        store.put(k, v)
+    new = dataclasses.replace(old, now=7.0, counter=10, nodes=dict(old.nodes))
+    new.nodes["n001"] = NodeEntry(8, NodeState.DRAINED, "operator")
+    puts, deletes = state_writes(KEYS, old, new)
+    for k, v in puts.items():
+        store.put(k, v)
+    for k in deletes:
+        store.delete(k)
+    loaded, split = read_state(store, KEYS)
+    assert split and loaded is not None
+    assert loaded.to_dict() == new.to_dict()
+
+
+def test_a_state_written_whole_still_loads(store: Store) -> None:
+    """An older coordinator wrote the state as one value: it loads, and is reported as not split (so
+    the next write writes every entry)."""
+    st = _state(3)
+    store.put(KEYS.state(), json.dumps(st.to_dict()))
+    loaded, split = read_state(store, KEYS)
+    assert not split and loaded is not None and loaded.to_dict() == st.to_dict()

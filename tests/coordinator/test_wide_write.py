@@ -1,0 +1,127 @@
+"""Leader writes wider than one etcd transaction (etcd refuses more than 128 operations), on a real
+etcd: they land whole, a deposed leader's lands nothing, and a leader that dies half-way leaves a
+write the next leader finishes (committed) or discards (not committed)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from coordinator.leader import Leadership, chunks
+from unicron.kernel.errors import NotLeader, StoreRejected
+from unicron.kernel.etcd import MAX_TXN_OPS, Store
+from unicron.kernel.keyspace import Keyspace
+
+NODES = 300  # node records: more than twice etcd's 128-operation limit
+
+
+def _records(keys: Keyspace, tag: str) -> dict[str, str]:
+    return {keys.assignment(f"n{i:04d}"): f'{{"node": "n{i:04d}", "by": "{tag}", "pad": "{"x" * 900}"}}'
+            for i in range(NODES)}
+
+
+def _leader(store: Store, keys: Keyspace, name: str, cls: type[Leadership] = Leadership) -> Leadership:
+    lead = cls(store, keys, name, ttl_s=3, on_deposed=lambda: None)
+    assert lead.campaign(threading.Event())
+    return lead
+
+
+def _values(store: Store, prefix: str) -> dict[str, bytes]:
+    kvs, _ = store.get_prefix(prefix)
+    return {kv.key: kv.value for kv in kvs}
+
+
+def test_etcd_refuses_a_transaction_over_its_limit(store: Store) -> None:
+    """The limit this module works around is real (a default etcd)."""
+    keys = Keyspace("/limit")
+    lead = _leader(store, keys, "a")
+    assert lead.token is not None
+    puts = {f"/limit/k{i}": "v" for i in range(MAX_TXN_OPS + 1)}
+    with pytest.raises(StoreRejected, match="too many operations"):
+        store.guarded_txn(keys.leader(), lead.token, puts=puts)
+    lead.resign()
+
+
+def test_a_wide_write_lands_whole_and_leaves_no_staging(store: Store) -> None:
+    keys = Keyspace("/wide")
+    lead = _leader(store, keys, "a")
+    stale = {f"/wide/drain/old{i}": "1" for i in range(40)}
+    lead.write(puts=stale)
+    puts = {**_records(keys, "a"), keys.state(): '{"counter": 7}'}
+    assert len(chunks(puts, list(stale))) > 2
+    lead.write(puts=puts, deletes=list(stale))
+    got = _values(store, "/wide/")
+    assert {k: v.decode() for k, v in got.items() if k in puts} == puts
+    assert not set(stale) & set(got)
+    assert _values(store, keys.txns()) == {}
+    lead.resign()
+
+
+def test_a_deposed_leaders_wide_write_lands_nothing(store: Store) -> None:
+    keys = Keyspace("/deposed")
+    a = _leader(store, keys, "a")
+    assert a.lease is not None
+    a.lease.revoke()  # a's key is gone (its lease expired) and b takes over
+    b = _leader(store, keys, "b")
+    with pytest.raises(NotLeader):
+        a.write(puts=_records(keys, "a"))
+    assert _values(store, keys.assignments()) == {}
+    assert _values(store, keys.txns()) == {}
+    b.resign()
+
+
+class _Died(Exception):
+    pass
+
+
+class _DiesMidApply(Leadership):
+    """Dies after applying one chunk of a committed wide write."""
+
+    applied = 0
+
+    def _apply_committed(self, puts: Mapping[str, str], deletes: Sequence[str]) -> None:
+        if self.applied == 1:
+            raise _Died
+        self.applied += 1
+        super()._apply_committed(puts, deletes)
+
+
+class _DiesBeforeCommit(Leadership):
+    """Dies after staging the first chunk (no commit record yet)."""
+
+    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
+        if any(k == self.keys.txn(k.rsplit("/", 1)[-1]) for k in puts):
+            raise _Died  # the staging transaction that carries the commit record
+        super()._guarded(token, puts, deletes)
+
+
+def test_the_next_leader_finishes_a_committed_wide_write(store: Store) -> None:
+    keys = Keyspace("/rollfwd")
+    a = _leader(store, keys, "a", _DiesMidApply)
+    puts = _records(keys, "a")
+    with pytest.raises(_Died):
+        a.write(puts=puts)
+    half = _values(store, keys.assignments())
+    assert 0 < len(half) < NODES  # one chunk applied: the write is half-way
+    a.resign()
+    b = _leader(store, keys, "b")
+    assert b.recover() >= 1
+    assert {k: v.decode() for k, v in _values(store, keys.assignments()).items()} == puts
+    assert _values(store, keys.txns()) == {}
+    b.resign()
+
+
+def test_the_next_leader_discards_an_uncommitted_wide_write(store: Store) -> None:
+    keys = Keyspace("/rollback")
+    a = _leader(store, keys, "a", _DiesBeforeCommit)
+    with pytest.raises(_Died):
+        a.write(puts=_records(keys, "a"))
+    assert _values(store, keys.txns()) != {}  # staged chunks, no commit record
+    a.resign()
+    b = _leader(store, keys, "b")
+    assert b.recover() == 0
+    assert _values(store, keys.assignments()) == {}
+    assert _values(store, keys.txns()) == {}
+    b.resign()

@@ -1,0 +1,350 @@
+"""Hollow agents: the real agent with simulated GPUs and simulated ranks, many in one process, so that
+one machine can hold a control plane of 1,000+ nodes (issue 16 item 4; Kubernetes' "hollow nodes").
+
+What is real: :class:`agent.daemon.Agent`'s registration (``nodes/<node>`` created only if absent,
+under the node's own lease, kept alive by its own thread), its status and result records
+(``_write_status``, ``_on_assignment_event`` → ``_report_result``), and the link's hello
+(:meth:`agent.link.LinkClient._connect`: token, welcome) and heartbeat messages on one TCP connection
+per node. What is simulated: the GPUs (the simulated backend, no monitor threads) and the ranks: a
+:class:`SimulatedTask` takes an assignment at once and its ranks "train" one step per ``iter_s``, so a
+task placed on hollow nodes reaches RUNNING and its recoveries are confirmed the way real ones are.
+
+What is shared, so that 1,000 nodes fit one process: one etcd client (:class:`Store`) for all; one
+watch on ``assign/`` handing each record to its node's agent; one thread sending every node's
+heartbeat each ``heartbeat_s`` (the messages are the real ones, one per node per interval); one
+stream refreshing every node's lease at TTL / 4 (as :class:`Lease` does for one); a few threads
+building each node's status record once per ``status_interval_s`` (the agent's own
+``_write_status``), written many per etcd transaction (the records and their leases are the real
+ones; a thread and a call per record and per lease cost more CPU than the coordinator's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
+
+from agent.daemon import Agent
+from agent.link import LinkClient
+from agent.reconciler import Outcome
+from agent.settings import AgentSettings
+from agent.supervisor import ProcStatus
+from unicron.kernel import link, wire
+from unicron.kernel import log as ulog
+from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.etcd import MAX_TXN_OPS, Lease, PrefixWatch, Store, WatchEvent
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import RankStatus, TaskAssignment
+
+log = ulog.get(__name__)
+
+KEEPALIVE_BATCH = 100  # leases refreshed per stream
+
+
+class SimulatedTask:
+    """Stands in for :class:`agent.reconciler.TaskReconciler`: the assignment is applied at once and
+    each rank makes one step per ``iter_s`` from its launch (a restart relaunches the named ranks)."""
+
+    def __init__(self, a: TaskAssignment, iter_s: float) -> None:
+        self.task = a.task
+        self.latest = self.applied = a
+        self.iter_s = iter_s
+        now = time.time()
+        self._launched = {r.rank: now for r in a.ranks}
+        self.started = self._done(f"started {len(a.ranks)} simulated rank(s)")
+
+    def _done(self, detail: str) -> Outcome:
+        out = Outcome(self.task)
+        out.set(True, detail)
+        return out
+
+    def apply(self, a: TaskAssignment) -> Outcome:
+        restarted = a.restart_epoch != self.applied.restart_epoch
+        now = time.time()
+        for r in a.ranks:
+            if restarted and (not a.restart_ranks or r.rank in a.restart_ranks):
+                self._launched[r.rank] = now
+        self.latest = self.applied = a
+        return self._done("applied")
+
+    def stop(self, reason: str) -> Outcome:
+        return self._done(f"stopped: {reason}")
+
+    def rank_statuses(self) -> list[RankStatus]:
+        now = time.time()
+        a = self.applied
+        return [RankStatus(task=a.task, generation=a.generation, rank=r.rank, pid=0, state="running",
+                           step=int((now - self._launched.get(r.rank, now)) / self.iter_s),
+                           restart_epoch=a.restart_epoch) for r in a.ranks]
+
+    def processes(self) -> dict[int, ProcStatus]:
+        return {r.rank: ProcStatus(rank=r.rank, pid=0, state="running", returncode=None, requested=False)
+                for r in self.applied.ranks}
+
+    def cannot_start(self) -> str:
+        return ""
+
+    def hosts_store(self) -> bool:
+        return False
+
+
+class _StatusBatch:
+    """Status records waiting to be written, many per etcd transaction."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[str | bytes, Lease | None]] = {}
+
+    def add(self, key: str, value: str | bytes, lease: Lease | None) -> None:
+        with self._lock:
+            self._items[key] = (value, lease)
+
+    def take(self) -> list[tuple[str, str | bytes, Lease | None]]:
+        with self._lock:
+            items, self._items = self._items, {}
+        return [(k, v, lease) for k, (v, lease) in items.items()]
+
+
+class _FleetStore(Store):
+    """The fleet's one etcd client as a hollow agent sees it: its status puts join a batch (the
+    agent's own ``_write_status`` builds and "writes" them). Everything else goes to etcd at once."""
+
+    def __init__(self, shared: Store, batch: _StatusBatch, status_prefix: str) -> None:
+        self.__dict__.update(shared.__dict__)  # the same client and settings, not a second connection
+        self._batch = batch
+        self._status_prefix = status_prefix
+
+    def put(self, key: str, value: str | bytes, lease: Lease | None = None) -> int:
+        if key.startswith(self._status_prefix):
+            self._batch.add(key, value, lease)
+            return 0
+        return super().put(key, value, lease)
+
+
+class HollowAgent(Agent):
+    """The real agent without processes: see the module doc for what is real and what is simulated."""
+
+    def __init__(self, settings: AgentSettings, store: Store, iter_s: float) -> None:
+        super().__init__(settings)
+        self.store = store
+        self.iter_s = iter_s
+        # the real client, used for its hello; the fleet sends the heartbeats
+        self.link_client = LinkClient(self.node, settings.heartbeat_s, self._resolve_coordinator,
+                                      token=self.link_token)
+        self.alive = True
+
+    def start(self) -> None:
+        self._register()
+        if self.lease is not None:
+            self.lease.stop()  # the fleet keeps every node's lease alive, over one stream
+        self.ready.set()
+
+    def reconcile(self, desired: list[TaskAssignment]) -> list[Outcome]:
+        wanted = {a.task: a for a in desired}
+        outcomes: list[Outcome] = []
+        with self._tasks_lock:
+            tasks = cast(dict[str, SimulatedTask], self._tasks)
+            for name in [n for n in tasks if n not in wanted]:
+                outcomes.append(tasks.pop(name).stop("no longer assigned to this node"))
+            for name, a in wanted.items():
+                rec = tasks.get(name)
+                if rec is not None and rec.latest.generation == a.generation:
+                    outcomes.append(rec.apply(a))
+                    continue
+                tasks[name] = SimulatedTask(a, self.iter_s)
+                outcomes.append(tasks[name].started)
+        return outcomes
+
+    def die(self) -> None:
+        """What the node's death leaves behind: no lease refresh, no status (the fleet closes its link)."""
+        self.alive = False
+        self.stop_event.set()
+        if self.lease is not None:
+            self.lease.stop()
+
+
+class HollowFleet:
+    """``n`` hollow agents named ``<name><i>`` in this process, against a real etcd and coordinator."""
+
+    def __init__(self, etcd: str, n: int, gpus: int, prefix: str = "/unicron", name: str = "hollow",
+                 heartbeat_s: float = 0.1, status_interval_s: float = 1.0, iter_s: float = 1.0,
+                 status_threads: int = 4, run_dir: str | None = None) -> None:
+        self.keys = Keyspace(prefix)
+        self.store = Store(etcd)
+        self._batch = _StatusBatch()
+        node_store = _FleetStore(self.store, self._batch, self.keys.statuses())
+        self.heartbeat_s = heartbeat_s
+        self.status_interval_s = status_interval_s
+        self.status_threads = status_threads
+        run_dir = run_dir or tempfile.mkdtemp(prefix="unicron-hollow-")
+        self.agents = {
+            f"{name}{i:04d}": HollowAgent(AgentSettings(
+                node=f"{name}{i:04d}", etcd=etcd, prefix=prefix, gpu_backend="simulated", gpus=gpus,
+                heartbeat_s=heartbeat_s, status_interval_s=status_interval_s, run_dir=run_dir,
+                replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"), node_store, iter_s)
+            for i in range(n)
+        }
+        self._conns: dict[str, wire.LineSocket] = {}
+        self._hung: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._watch: PrefixWatch | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> HollowFleet:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(HollowAgent.start, self.agents.values()))
+        kvs, rev = self.store.get_prefix(self.keys.assignments())
+        for kv in kvs:
+            self._on_assignment(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+        self._watch = self.store.watch_prefix(self.keys.assignments(), self._on_assignment, start_revision=rev + 1)
+        self._spawn(self._heartbeats, "hollow-heartbeats")
+        self._spawn(self._keepalives, "hollow-keepalives")
+        self._spawn(self._flush_statuses, "hollow-status-writer")
+        names = sorted(self.agents)
+        for i in range(self.status_threads):
+            self._spawn(lambda part=names[i::self.status_threads]: self._statuses(part), f"hollow-status-{i}")
+        return self
+
+    def _spawn(self, target: object, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+        for t in self._threads:
+            t.join(timeout=5.0)
+        with self._lock:
+            conns = list(self._conns.values())
+            self._conns.clear()
+        for c in conns:
+            c.close()
+        for a in self.agents.values():
+            a.stop_event.set()  # a revoked lease is not lost: no re-registration
+        for a in self.agents.values():
+            if a.lease is not None and a.alive:
+                with contextlib.suppress(StoreUnavailable):
+                    a.lease.revoke()
+        self.store.close()
+
+    # --- faults --------------------------------------------------------------------------------
+
+    def kill(self, node: str) -> float:
+        """The node's agent dies: its kernel closes the link, its lease is no longer refreshed.
+        Returns the time of death."""
+        agent = self.agents[node]
+        with self._lock:
+            conn = self._conns.pop(node, None)
+            ts = time.time()
+            agent.die()
+        if conn is not None:
+            conn.close()
+        return ts
+
+    def hang(self, node: str) -> float:
+        """The node hangs: its link stays open but heartbeats stop, and so do lease and status."""
+        agent = self.agents[node]
+        with self._lock:
+            self._hung.add(node)
+            ts = time.time()
+            agent.die()
+        return ts
+
+    def live(self) -> list[str]:
+        return sorted(n for n, a in self.agents.items() if a.alive)
+
+    def connected(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    # --- the shared loops ------------------------------------------------------------------------
+
+    def _on_assignment(self, ev: WatchEvent) -> None:
+        node = self.keys.tail(ev.key, self.keys.assignments())
+        agent = self.agents.get(node)
+        if agent is not None and agent.alive:
+            agent._on_assignment_event(ev)
+
+    def _connect(self, names: Iterable[str]) -> None:
+        def one(node: str) -> None:
+            conn = self.agents[node].link_client._connect()
+            if conn is None:
+                return
+            with self._lock:
+                if self.agents[node].alive and node not in self._conns:
+                    self._conns[node] = conn
+                    return
+            conn.close()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, names))
+
+    def _heartbeats(self) -> None:
+        beat = link.Heartbeat().to_wire()
+        next_ts = time.monotonic()
+        while not self._stop.is_set():
+            with self._lock:
+                missing = [n for n, a in self.agents.items() if a.alive and n not in self._conns]
+                conns = [(n, c) for n, c in self._conns.items() if n not in self._hung]
+            if missing:
+                self._connect(missing)
+            for node, conn in conns:
+                try:
+                    conn.send(beat)
+                except OSError:
+                    with self._lock:
+                        if self._conns.get(node) is conn:
+                            del self._conns[node]
+                    conn.close()
+            next_ts += self.heartbeat_s
+            self._stop.wait(max(0.0, next_ts - time.monotonic()))
+            next_ts = max(next_ts, time.monotonic() - self.heartbeat_s)
+
+    def _keepalives(self) -> None:
+        """Every live node's lease refreshed as often as :class:`Lease` would (TTL / 4), all over one
+        stream: a thread and a stream per lease cost more CPU than the coordinator at 1,000 nodes."""
+        ttl = min(a.settings.lease_ttl_s for a in self.agents.values())
+        while not self._stop.wait(max(0.1, ttl / 4)):
+            leases = [(n, a.lease) for n, a in self.agents.items() if a.alive and a.lease is not None]
+            expired = []
+            # 100 a stream: one stream of 1,000 exceeded the call's 2 s deadline (seen at 1,000 nodes)
+            for i in range(0, len(leases), KEEPALIVE_BATCH):
+                part = leases[i:i + KEEPALIVE_BATCH]
+                try:
+                    ttls = self.store.refresh_leases([lease.lease_id for _, lease in part])
+                except StoreUnavailable as exc:
+                    log.warning("hollow keepalives failed; will retry", error=str(exc))
+                    continue
+                expired += [n for (n, _), t in zip(part, ttls, strict=True) if t <= 0]
+            if expired:
+                log.warning("hollow nodes' leases expired", nodes=expired[:10], count=len(expired))
+
+    def _flush_statuses(self) -> None:
+        while not self._stop.wait(0.1):
+            items = self._batch.take()
+            for i in range(0, len(items), MAX_TXN_OPS):
+                try:
+                    self.store.put_many(items[i:i + MAX_TXN_OPS])
+                except StoreUnavailable as exc:
+                    log.debug("hollow status writes skipped", error=str(exc))
+
+    def _statuses(self, names: list[str]) -> None:
+        gap = self.status_interval_s / max(1, len(names))
+        while not self._stop.is_set():
+            start = time.monotonic()
+            for i, node in enumerate(names):
+                agent = self.agents[node]
+                if agent.alive:
+                    agent._write_status()
+                self._stop.wait(max(0.0, start + (i + 1) * gap - time.monotonic()))
+                if self._stop.is_set():
+                    return
+
