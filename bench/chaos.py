@@ -448,7 +448,7 @@ def submit(c: LocalCluster, steps_dir: Path, spec_dir: Path) -> None:
 
 
 def run(seed: int, faults: int, budget_s: float, agents: int, outage_s: float,
-        heal_timeout_s: float = 45.0) -> dict[str, Any]:
+        heal_timeout_s: float = 45.0, stop_file: str | None = None) -> dict[str, Any]:
     reason = unavailable_reason()
     if reason is not None:
         raise SystemExit(f"chaos: the namespace cluster is unavailable: {reason}")
@@ -469,7 +469,8 @@ def run(seed: int, faults: int, budget_s: float, agents: int, outage_s: float,
         watcher.start()
         t_end = time.monotonic() + budget_s
         try:
-            while sum(chaos.tally.injected.values()) < faults and time.monotonic() < t_end:
+            while (sum(chaos.tally.injected.values()) < faults and time.monotonic() < t_end
+                   and not (stop_file and os.path.exists(stop_file))):
                 chaos.inject(rng.choice(KINDS), outage_s)
         finally:
             chaos._stop.set()
@@ -497,13 +498,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--faults", type=int, default=None, help="faults to inject (default 200; quick: 6)")
     ap.add_argument("--budget-s", type=float, default=None, help="stop injecting after this long")
+    ap.add_argument("--stop-file", default="/tmp/unicron-chaos.stop",
+                    help="end the schedule early once this file exists (the end checks and the JSON line still come)")
     args = ap.parse_args()
     faults = args.faults or (6 if args.quick else 200)
     budget = args.budget_s or (20.0 if args.quick else 20 * 60.0)
     t0 = time.monotonic()
     soaked = soak.soak([args.seed], 2 if args.quick else 8, 3000 if args.quick else 20000, soak.IterationSettings())
     progress(f"soak: {soaked}")
-    out = run(args.seed, faults, budget, agents=3 if args.quick else 4, outage_s=3.0 if args.quick else 8.0)
+    out = run(args.seed, faults, budget, agents=3 if args.quick else 4, outage_s=3.0 if args.quick else 8.0,
+              stop_file=args.stop_file)
     out |= {"false_alarms": soaked["false_alarms"], "soak": soaked, "wall_s": round(time.monotonic() - t0, 1)}
     print(json.dumps(out))
     return 0
