@@ -469,9 +469,12 @@ def run(seed: int, faults: int, budget_s: float, agents: int, outage_s: float,
         watcher.start()
         t_end = time.monotonic() + budget_s
         try:
+            schedule: list[str] = []
             while (sum(chaos.tally.injected.values()) < faults and time.monotonic() < t_end
                    and not (stop_file and os.path.exists(stop_file))):
-                chaos.inject(rng.choice(KINDS), outage_s)
+                if not schedule:  # rounds of every kind in a seeded order: each kind once per round
+                    schedule = rng.sample(KINDS, len(KINDS))
+                chaos.inject(schedule.pop(), outage_s)
         finally:
             chaos._stop.set()
             watcher.join()
