@@ -314,11 +314,14 @@ class HangWatcher:
             self._monitors[key] = monitor
         self.rearm()
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: Hashable, monitor: IterationMonitor | None) -> None:
+        """Stop watching ``monitor`` under ``key``; nothing if another monitor holds the key now
+        (a rank's newer process) or ``monitor`` is None."""
         with self._cond:
-            monitor = self._monitors.pop(key, None)
-        if monitor is not None:
-            monitor.on_change = None
+            if monitor is None or self._monitors.get(key) is not monitor:
+                return
+            self._monitors.pop(key)
+        monitor.on_change = None
         self.rearm()
 
     def rearm(self) -> None:

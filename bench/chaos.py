@@ -293,7 +293,7 @@ class Chaos:
         assert self.c.store is not None
         node = str(info["node"])
         request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "raise", "kind": kind.value,
-                                                                      "task": t, "rank": r}))
+                                                                      "task": t, "rank": r}), timeout_s=20.0)
         repair = (lambda: self.undrain(node)) if sev is Severity.SEV1 else None
         return Fault(name, time.time(), node, t, r, severity=sev, repair=repair,
                      expect=lambda i: i.kind is kind and i.task == t and i.rank == r)
@@ -311,7 +311,8 @@ class Chaos:
         info = self.pick_rank()[2]
         node, gpu = str(info["node"]), int(info.get("gpu", 0))
         assert self.c.store is not None
-        request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "xid", "code": 79, "gpu": gpu}))
+        request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "xid", "code": 79, "gpu": gpu}),
+                timeout_s=20.0)  # right after an etcd outage the agent's watch is still resuming
         return Fault("xid", time.time(), node, severity=Severity.SEV1, repair=lambda: self.undrain(node),
                      expect=lambda i: i.kind is ErrorKind.GPU_DRIVER_ERROR and i.node == node)
 

@@ -208,7 +208,7 @@ def test_iteration_ending_in_time_is_not_reported(watched: tuple[HangWatcher, Si
     mon.iter_end(1, 0.1, time.time())
     time.sleep(0.1)
     assert sink.got == []
-    watcher.remove("r")
+    watcher.remove("r", mon)
     mon.iter_start(2, time.time())
     time.sleep(0.2)
     assert sink.got == [] and mon.on_change is None
@@ -264,3 +264,15 @@ def test_a_reported_hang_that_ends_does_not_widen_the_threshold() -> None:
     mon.iter_end(10, 8.0, t + 8.0)  # it finished after all: still no evidence of a healthy 8 s
     mon.iter_start(11, t + 8.0)
     assert mon.deadline() == pytest.approx(t + 8.0 + 3.0)
+
+
+def test_an_old_process_leaving_does_not_unwatch_the_new_process_of_its_rank(
+        watched: tuple[HangWatcher, Sink, CountingClock]) -> None:
+    watcher, sink, _ = watched
+    old, new = steady(0.05), steady(0.05)
+    watcher.add("r", old)
+    watcher.add("r", new)  # the rank's relaunched process registered first
+    watcher.remove("r", old)  # then the old process's exit is handled: the new one stays watched
+    new.iter_start(1, time.time())
+    ((key, _, _),) = sink.wait(1)  # its hang is still found
+    assert key == "r"
