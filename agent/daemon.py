@@ -392,8 +392,11 @@ class Agent:
 
     # TaskHost: called by the reconcilers, outside their locks.
 
-    def forget_rank(self, task: str, rank: int) -> None:
-        self.hang_watcher.remove((task, rank))
+    def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
+        # Only this process's monitor: an old generation's rank that exits after the new
+        # generation's rank registered must not take the new one off the watcher (seen in the chaos
+        # suite: a SIGSTOPped rank was never reported as hung).
+        self.hang_watcher.remove((task, rank), monitor)
         with self._progress_lock:
             self._progress.pop((task, rank), None)
 
@@ -617,7 +620,7 @@ class Agent:
         """Stop ``name``'s reconciler (caller holds ``_tasks_lock``; this only enqueues)."""
         rec = self._tasks.pop(name)
         for rank in rec.latest.ranks:
-            self.hang_watcher.remove((name, rank.rank))
+            self.hang_watcher.remove((name, rank.rank), rec.monitors.get(rank.rank))
         self._retired[name] = rec
         return rec.stop(reason)
 

@@ -21,6 +21,14 @@ purpose: excluding everything above 1.1x would cut off the top of the normal jit
 baseline low (to ~0.89x the true mean with ±20 % jitter), and a lasting change of pace (e.g. after
 micro-batches were redistributed to fewer ranks) becomes the new normal after about one window.
 
+Tail memory (issue 16's realistic soak, ``bench/soak.py``): real iteration times have heavy tails (GC
+pauses, data-loader stalls) that a fixed 3x-the-mean rule takes for hangs. Every completed iteration
+showed that a healthy iteration can take that long, so the hang threshold is widened to
+``tail_margin`` x the longest of the last ``tail_window`` completed iterations, at most
+``max_hang_factor`` x the baseline. A hang never completes, so it cannot widen the threshold; an
+iteration reported as a hang that later ends is not recorded either. The first stall longer than any
+seen before is still reported (no rule on iteration times alone can tell it from a hang).
+
 :class:`IterationMonitor` is pure logic with time passed in (one per rank). :class:`HangWatcher` is
 the thread that sleeps until the earliest deadline of all monitors and reports findings.
 """
@@ -63,6 +71,15 @@ class IterationSettings:
     min_hang_s: float = 0.0
     """Floor of the hang threshold in seconds, for very short iterations where a GC pause or a
     scheduling hiccup is a sizeable multiple of the iteration."""
+    tail_margin: float = 2.0
+    """The hang threshold is at least this times the longest iteration that completed among the
+    last ``tail_window`` (a GC pause or a data-loader stall that ended shows how long a healthy
+    iteration can take); 0 turns the tail memory off (3x the mean only)."""
+    tail_window: int = 1000
+    """Recent completed train iterations whose longest widens the hang threshold."""
+    max_hang_factor: float = 10.0
+    """Ceiling of what the tail memory may widen the threshold to, times the baseline: hangs are
+    still found within this many iterations."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -75,6 +92,9 @@ class IterationSettings:
              ">= window and >= min_samples"),
             ("outlier_factor", self.outlier_factor > self.degrade_factor, "> degrade_factor"),
             ("min_hang_s", self.min_hang_s >= 0.0, ">= 0"),
+            ("tail_margin", self.tail_margin >= 0.0, ">= 0"),
+            ("tail_window", self.tail_window >= 1, ">= 1"),
+            ("max_hang_factor", self.max_hang_factor >= self.hang_factor, ">= hang_factor"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -119,6 +139,7 @@ class IterationMonitor:
             self._baseline: deque[float] = deque(maxlen=self.settings.baseline_window)
             self._sum = 0.0
             self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.window)  # (start, dur)
+            self._tail = SlidingMax(self.settings.tail_window)
             self._degraded = False
             self._pending: list[Finding] = []
             self.slow_iterations = 0
@@ -177,6 +198,9 @@ class IterationMonitor:
             self._baseline.append(duration)
             self._sum += duration
         self._recent.append((ts - duration, duration))
+        # every completed iteration, outliers too: it ended, so it was no hang (one that was
+        # reported as a hang never gets here, so a real hang cannot widen the threshold)
+        self._tail.push(duration)
         self._judge_degradation(step, ts)
 
     def _judge_degradation(self, step: int, ts: float) -> None:
@@ -204,7 +228,14 @@ class IterationMonitor:
         mean = self._mean()
         if self._open is None or self._phase != PHASE_TRAIN or mean is None or self._hang_reported:
             return None
-        return self._open[1] + max(self.settings.hang_factor * mean, self.settings.min_hang_s)
+        return self._open[1] + max(self._threshold(mean), self.settings.min_hang_s)
+
+    def _threshold(self, mean: float) -> float:
+        """hang_factor x the mean, widened to tail_margin x the longest recent healthy iteration
+        (at most max_hang_factor x the mean)."""
+        s = self.settings
+        tail = s.tail_margin * (self._tail.max() or 0.0)
+        return max(s.hang_factor * mean, min(tail, s.max_hang_factor * mean))
 
     def deadline(self) -> float | None:
         """When the running iteration becomes a hang. None: no iteration open, not in the train
@@ -223,8 +254,8 @@ class IterationMonitor:
                 self._hang_reported = True
                 out.append(Finding(
                     ErrorKind.TASK_HANG, step,
-                    f"iteration {step} running {now - start:.3f} s > {self.settings.hang_factor} x "
-                    f"mean iteration time {mean:.3f} s",
+                    f"iteration {step} running {now - start:.3f} s > {self._threshold(mean):.3f} s "
+                    f"(mean iteration time {mean:.3f} s, longest recent {self._tail.max() or 0.0:.3f} s)",
                     deadline, start,
                 ))
             return out
@@ -238,6 +269,26 @@ class IterationMonitor:
                 "slow_iterations": self.slow_iterations,
                 "step": self._open[0] if self._open else None,
             }
+
+
+class SlidingMax:
+    """The largest of the last ``size`` values pushed, in O(1) amortized (a monotonic deque)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._n = 0
+        self._q: deque[tuple[int, float]] = deque()  # (index, value), values decreasing
+
+    def push(self, value: float) -> None:
+        while self._q and self._q[-1][1] <= value:
+            self._q.pop()
+        self._q.append((self._n, value))
+        self._n += 1
+        if self._q[0][0] <= self._n - 1 - self._size:
+            self._q.popleft()
+
+    def max(self) -> float | None:
+        return self._q[0][1] if self._q else None
 
 
 FindingCallback = Callable[[Hashable, Finding], None]
@@ -263,11 +314,14 @@ class HangWatcher:
             self._monitors[key] = monitor
         self.rearm()
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: Hashable, monitor: IterationMonitor | None) -> None:
+        """Stop watching ``monitor`` under ``key``; nothing if another monitor holds the key now
+        (a rank's newer process) or ``monitor`` is None."""
         with self._cond:
-            monitor = self._monitors.pop(key, None)
-        if monitor is not None:
-            monitor.on_change = None
+            if monitor is None or self._monitors.get(key) is not monitor:
+                return
+            self._monitors.pop(key)
+        monitor.on_change = None
         self.rearm()
 
     def rearm(self) -> None:
@@ -327,4 +381,4 @@ class HangWatcher:
             log.exception("on_finding callback failed", key=key)
 
 
-__all__ = ["Finding", "HangWatcher", "IterationMonitor", "IterationSettings"]
+__all__ = ["Finding", "HangWatcher", "IterationMonitor", "IterationSettings", "SlidingMax"]

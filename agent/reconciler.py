@@ -118,8 +118,9 @@ class TaskHost(Protocol):
     def mark_failed(self, store: StoreAddress, rank: int) -> None:
         """Write ``failed/<rank>`` into the task's store, so its peers stop waiting for the rank at once."""
 
-    def forget_rank(self, task: str, rank: int) -> None:
-        """The rank's process is gone: stop judging its iteration timings."""
+    def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
+        """The rank's process is gone: stop judging its iteration timings (``monitor``: the one this
+        process was judged by; a newer process of the same rank may already have its own)."""
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None: ...
 
@@ -592,9 +593,9 @@ class TaskReconciler:
             if state is RankState.HEALTHY:
                 self._ranks[ex.rank] = RankState.SUCCEEDED if ex.returncode == 0 else (
                     RankState.FAILED if ex.abnormal else RankState.STOPPED)
-            self.monitors.pop(ex.rank, None)
+            mon = self.monitors.pop(ex.rank, None)
             a, store, step = self.applied, self._store, self.steps.get(ex.rank)
-        self.host.forget_rank(a.task, ex.rank)
+        self.host.forget_rank(a.task, ex.rank, mon)
         if not ex.abnormal:  # exit 0, or an exit we asked for
             log.info("rank exited", task=a.task, rank=ex.rank, returncode=ex.returncode, requested=ex.requested)
             return

@@ -27,6 +27,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -159,44 +160,71 @@ def p50(xs: list[float]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="3 injections per kind and 200 clean iterations")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 injection per kind, 2 TLS pairs and 100 clean iterations (under a minute)")
     ap.add_argument("--tls-only", action="store_true",
                     help="only the TLS cost pairs (tls_detection_overhead), skipping the other kinds")
     args = ap.parse_args()
-    n = 3 if args.quick else 20
-    clean_iters = 200 if args.quick else 1000
+    n = 1 if args.quick else 20
+    clean_iters = 100 if args.quick else 1000
+    pairs = 2 if args.quick else max(n, 5)
+    # The secure cluster starts in a thread beside the plaintext one (a cluster start is ~20 s of the
+    # run, mostly waiting): it is up, idle, while the plaintext kinds are measured.
+    secure = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}, tls=True)
+    secure_up: list[BaseException | None] = []
+
+    def start_secure() -> None:
+        try:
+            secure.start()
+            secure_up.append(None)
+        except BaseException as exc:
+            secure_up.append(exc)
+
+    starter = threading.Thread(target=start_secure, name="start-tls-cluster")
+    starter.start()
+    try:
+        return measure(args.quick, args.tls_only, n, clean_iters, pairs, secure, starter, secure_up)
+    finally:
+        starter.join()
+        secure.stop()
+
+
+def measure(quick: bool, tls_only: bool, n: int, clean_iters: int, pairs: int, secure: LocalCluster,
+            starter: threading.Thread, secure_up: list[BaseException | None]) -> int:
     results: dict[str, list[float]] = {k: [] for k in
                                        ("agent_killed", "node_silenced", "lease_expiry", "rank_killed", "exception",
                                         "xid", "stall")}
     with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}) as cluster:
         b = Bench(cluster)
         b.start_workload()
-        for i in range(0 if args.tls_only else n):
+        for i in range(0 if tls_only else n):
             for kind in ("xid", "exception", "rank_killed", "stall"):
                 results[kind].append(getattr(b, kind)())
                 progress(f"{i}: {kind} {results[kind][-1]:.4f}")
-        for i in range(0 if args.tls_only else n):
+        for i in range(0 if tls_only else n):
             results["agent_killed"].append(b.agent_killed())
             hb, lease = b.node_silenced()
             results["node_silenced"].append(hb)
             results["lease_expiry"].append(lease)
             progress(f"{i}: agent_killed {results['agent_killed'][-1]:.4f} silenced {hb:.4f} lease {lease:.4f}")
-        false_alarms, degradations = b.false_alarms(0 if args.tls_only else clean_iters)
+        false_alarms, degradations = b.false_alarms(0 if tls_only else clean_iters)
         # TLS cost: the secure variant beside this cluster, rank kills alternating between the two, so
         # both series run under the same load (both clusters up) at the same times
         plain_paired: list[float] = []
         tls_paired: list[float] = []
-        with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"},
-                          tls=True) as secure:
-            bs = Bench(secure)
-            bs.start_workload()
-            for i in range(max(n, 5)):
-                plain_paired.append(b.rank_killed())
-                tls_paired.append(bs.rank_killed())
-                progress(f"{i}: rank_killed plaintext {plain_paired[-1]:.4f} TLS {tls_paired[-1]:.4f}")
+        starter.join()
+        if secure_up[0] is not None:
+            raise secure_up[0]
+        progress("TLS cluster up")
+        bs = Bench(secure)
+        bs.start_workload()
+        for i in range(pairs):
+            plain_paired.append(b.rank_killed())
+            tls_paired.append(bs.rank_killed())
+            progress(f"{i}: rank_killed plaintext {plain_paired[-1]:.4f} TLS {tls_paired[-1]:.4f}")
     results["rank_killed_paired_plaintext"] = plain_paired
     results["rank_killed_paired_tls"] = tls_paired
-    if args.tls_only:
+    if tls_only:
         for k in ("rank_killed_paired_plaintext", "rank_killed_paired_tls"):
             print(f"{k}: {[round(x, 4) for x in results[k]]}")
         print(json.dumps({"pairs": len(tls_paired), "rank_killed_paired_plaintext_p50_s": p50(plain_paired),
@@ -206,6 +234,7 @@ def main() -> int:
     for k, xs in results.items():
         print(f"{k:>14}: n={len(xs)} p50={p50(xs)} max={round(max(xs), 4)} all={[round(x, 3) for x in xs]}")
     out = {
+        "quick": quick,
         "injections_per_kind": n,
         "agent_killed_p50_s": p50(results["agent_killed"]),
         "node_silenced_p50_s": p50(results["node_silenced"]),

@@ -9,7 +9,7 @@ from collections.abc import Hashable, Iterator
 
 import pytest
 
-from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings
+from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings, SlidingMax
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.types import ErrorKind
 
@@ -208,7 +208,7 @@ def test_iteration_ending_in_time_is_not_reported(watched: tuple[HangWatcher, Si
     mon.iter_end(1, 0.1, time.time())
     time.sleep(0.1)
     assert sink.got == []
-    watcher.remove("r")
+    watcher.remove("r", mon)
     mon.iter_start(2, time.time())
     time.sleep(0.2)
     assert sink.got == [] and mon.on_change is None
@@ -222,3 +222,57 @@ def test_degradation_delivered_through_the_watcher(watched: tuple[HangWatcher, S
     feed(mon, [1.5] * 20, t0=t, step0=60)
     ((_, finding, _),) = sink.wait(1)
     assert finding.kind is DEGR
+
+
+def test_sliding_max_forgets_values_older_than_its_window() -> None:
+    m = SlidingMax(3)
+    assert m.max() is None
+    for v, want in [(5.0, 5.0), (1.0, 5.0), (2.0, 5.0), (1.5, 2.0), (0.5, 2.0), (0.2, 1.5), (0.1, 0.5)]:
+        m.push(v)
+        assert m.max() == want
+
+
+def test_a_long_iteration_that_completed_widens_the_hang_threshold_up_to_its_ceiling() -> None:
+    s = IterationSettings(warmup_iterations=0, min_samples=5, tail_margin=2.0, tail_window=50, max_hang_factor=10.0)
+    mon = IterationMonitor(s)
+    t = feed(mon, [1.0] * 20)
+    mon.iter_start(20, t)
+    assert mon.deadline() == pytest.approx(t + 3.0)  # nothing long seen: 3x the mean
+    t = feed(mon, [2.5], t0=t, step0=20)  # a GC pause that ended (an outlier: kept out of the mean)
+    mon.iter_start(21, t)
+    assert mon.baseline() == pytest.approx(1.0)
+    assert mon.deadline() == pytest.approx(t + 5.0)  # 2 x the longest healthy iteration
+    assert mon.check(t + 4.9) == []  # the same pause again is no hang
+    t = feed(mon, [4.9], t0=t, step0=21)
+    mon.iter_start(22, t)
+    assert mon.deadline() == pytest.approx(t + 9.8)
+    t = feed(mon, [9.0], t0=t, step0=22)
+    mon.iter_start(23, t)
+    assert mon.deadline() == pytest.approx(t + 10.0)  # capped at max_hang_factor x the mean
+    assert [(f.kind, f.step) for f in mon.check(t + 10.0) if f.kind is HANG] == [(HANG, 23)]
+    t = feed(mon, [1.0] * 50, t0=t + 20.0, step0=24)  # the long ones leave the tail window
+    mon.iter_start(99, t)
+    assert mon.deadline() == pytest.approx(t + 3.0, rel=0.01)
+
+
+def test_a_reported_hang_that_ends_does_not_widen_the_threshold() -> None:
+    s = IterationSettings(warmup_iterations=0, min_samples=5, tail_margin=2.0)
+    mon = IterationMonitor(s)
+    t = feed(mon, [1.0] * 10)
+    mon.iter_start(10, t)
+    assert [f.kind for f in mon.check(t + 3.0)] == [HANG]
+    mon.iter_end(10, 8.0, t + 8.0)  # it finished after all: still no evidence of a healthy 8 s
+    mon.iter_start(11, t + 8.0)
+    assert mon.deadline() == pytest.approx(t + 8.0 + 3.0)
+
+
+def test_an_old_process_leaving_does_not_unwatch_the_new_process_of_its_rank(
+        watched: tuple[HangWatcher, Sink, CountingClock]) -> None:
+    watcher, sink, _ = watched
+    old, new = steady(0.05), steady(0.05)
+    watcher.add("r", old)
+    watcher.add("r", new)  # the rank's relaunched process registered first
+    watcher.remove("r", old)  # then the old process's exit is handled: the new one stays watched
+    new.iter_start(1, time.time())
+    ((key, _, _),) = sink.wait(1)  # its hang is still found
+    assert key == "r"

@@ -1,0 +1,207 @@
+"""False-alarm soak of the hang/slowness detector on realistic iteration-time traces.
+
+The detection bench's fault-free run uses uniform ±20 % jitter, which cannot cross a 3x threshold:
+its zero false alarms proves nothing. Real training iteration times have structure and heavy tails.
+This bench generates seeded traces of one rank's iterations (nominal D_iter = 1 s) with:
+
+* compute: ±3 % normal noise (a fixed configuration computes at a steady pace);
+* GC pauses: a gen-2 collection every 20-60 iterations, pause lognormal (median 0.25 s, sigma 0.6;
+  Megatron-LM grew ``--manual-gc`` because these make straggler iterations);
+* data-loader hiccups: 2 % of iterations wait on input, Pareto tail (alpha 2, scale 0.2 s, up to
+  6 s: a shared filesystem's slow read);
+* checkpoint stalls every 500 iterations (20-40 s) and evaluation stalls every 1000 (30-60 s).
+
+Two variants of the stalls: ``reported`` (the rank says so, as ``unicron.runtime`` does with
+``client.phase("checkpoint")`` and as the agent parses Megatron's save lines) and ``unreported``
+(a script that stalls inside its step without telling: no rule based on iteration times can tell
+the first such stall from a hang; counted apart, not a target).
+
+It drives the real detector (:class:`agent.iterations.IterationMonitor`) with the trace's
+timestamps, asking it at every deadline it names (as :class:`HangWatcher` does), and counts
+``false_alarms``: TASK_HANG findings on a healthy trace (sustained-degradation records are only
+recorded by the coordinator, counted apart). The same traces then get a real hang (an iteration that
+never ends) at a random step; ``hang_detect_diter`` is how long after its start it was reported, in
+D_iter. Both are measured for the shipped settings and for the previous rule (3x the mean, no tail
+memory) in the same run.
+
+    .venv/bin/python bench/soak.py [--quick] [--seed N]
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agent.iterations import Finding, IterationMonitor, IterationSettings
+from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_EVAL, PHASE_TRAIN
+from unicron.kernel.types import ErrorKind
+
+D_ITER = 1.0
+
+
+@dataclass(frozen=True)
+class Event:
+    ts: float
+    what: str  # "start", "end", "phase"
+    step: int = 0
+    duration: float = 0.0
+    phase: str = PHASE_TRAIN
+
+
+@dataclass(frozen=True)
+class TraceShape:
+    """The parameters of a realistic trace (seconds; per-iteration probabilities)."""
+
+    noise: float = 0.03
+    gc_every: tuple[int, int] = (20, 60)
+    gc_median_s: float = 0.25
+    gc_sigma: float = 0.6
+    loader_p: float = 0.02
+    loader_scale_s: float = 0.2
+    loader_alpha: float = 2.0
+    loader_max_s: float = 6.0
+    ckpt_every: int = 500
+    ckpt_s: tuple[float, float] = (20.0, 40.0)
+    eval_every: int = 1000
+    eval_s: tuple[float, float] = (30.0, 60.0)
+
+
+def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape = TraceShape(),
+          hang_at: int | None = None) -> Iterator[Event]:
+    """One rank's events; with ``hang_at`` the trace ends with that iteration started and never ended."""
+    t = 0.0
+    next_gc = rng.randint(*shape.gc_every)
+    for step in range(iterations):
+        stall = 0.0
+        for every, (lo, hi), phase in ((shape.ckpt_every, shape.ckpt_s, PHASE_CHECKPOINT),
+                                       (shape.eval_every, shape.eval_s, PHASE_EVAL)):
+            if step and step % every == 0:
+                s = rng.uniform(lo, hi)
+                if reported:  # between iterations, bracketed by phase messages
+                    yield Event(t, "phase", phase=phase)
+                    t += s
+                    yield Event(t, "phase", phase=PHASE_TRAIN)
+                else:
+                    stall += s  # inside the next iteration
+        yield Event(t, "start", step)
+        if step == hang_at:
+            return
+        d = D_ITER * (1.0 + rng.gauss(0.0, shape.noise)) + stall
+        if step == next_gc:
+            d += rng.lognormvariate(0.0, shape.gc_sigma) * shape.gc_median_s
+            next_gc = step + rng.randint(*shape.gc_every)
+        if rng.random() < shape.loader_p:
+            d += min(shape.loader_max_s, shape.loader_scale_s * rng.paretovariate(shape.loader_alpha))
+        t += d
+        yield Event(t, "end", step, duration=d)
+
+
+@dataclass
+class Outcome:
+    hangs: list[tuple[int, float]]  # (step, seconds after the iteration's start)
+    degradations: int
+
+
+def drive(events: Iterator[Event], settings: IterationSettings, horizon_s: float = 3600.0) -> Outcome:
+    """Feed the monitor the events in order, asking it at each deadline it names before the next
+    event (what HangWatcher does in the agent), and after the last event until ``horizon_s``."""
+    mon = IterationMonitor(settings)
+    out = Outcome([], 0)
+    last_ts = 0.0
+
+    def due(until: float) -> None:
+        while (deadline := mon.deadline()) is not None and deadline <= until:
+            found = mon.check(deadline)
+            _tally(out, found)
+            if not found:
+                break
+        _tally(out, mon.check(until))
+
+    for ev in events:
+        due(ev.ts)
+        if ev.what == "start":
+            mon.iter_start(ev.step, ev.ts)
+        elif ev.what == "end":
+            mon.iter_end(ev.step, ev.duration, ev.ts)
+        else:
+            mon.phase(ev.phase, ev.ts)
+        last_ts = ev.ts
+    due(last_ts + horizon_s)
+    return out
+
+
+def _tally(out: Outcome, findings: list[Finding]) -> None:
+    for f in findings:
+        if f.kind is ErrorKind.TASK_HANG:
+            out.hangs.append((f.step or 0, f.ts - f.onset_ts))
+        elif f.kind is ErrorKind.DEGRADATION:
+            out.degradations += 1
+
+
+#: the rule before the soak (3x the mean, nothing learnt from the tail): the comparison in the same run
+PREVIOUS = IterationSettings(tail_margin=0.0)
+
+
+def soak(seeds: list[int], ranks: int, iterations: int, settings: IterationSettings) -> dict[str, object]:
+    """False alarms over ``ranks`` x ``iterations`` per seed and variant, then one real hang per trace."""
+    alarms = {"reported": 0, "unreported": 0}
+    degradations = 0
+    latencies: list[float] = []
+    missed = 0
+    for seed in seeds:
+        for rank in range(ranks):
+            for variant in alarms:
+                o = drive(trace(random.Random(f"{seed}/{rank}/{variant}"), iterations, variant == "reported"),
+                          settings)
+                alarms[variant] += len(o.hangs)
+                degradations += o.degradations
+            rng = random.Random(f"{seed}/{rank}/hang")
+            at = rng.randint(200, iterations - 1)
+            o = drive(trace(rng, iterations, True, hang_at=at), settings)
+            found = [lat for step, lat in o.hangs if step == at]
+            if found:
+                latencies.append(found[0] / D_ITER)
+            else:
+                missed += 1
+    return {
+        "rank_iterations": len(seeds) * ranks * iterations,
+        "false_alarms": alarms["reported"],
+        "false_alarms_unreported_stalls": alarms["unreported"],
+        "degradation_records": degradations,
+        "hangs_injected": len(seeds) * ranks,
+        "hangs_missed": missed,
+        "hang_detect_p50_diter": round(statistics.median(latencies), 3) if latencies else None,
+        "hang_detect_max_diter": round(max(latencies), 3) if latencies else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="1 seed x 4 ranks x 5,000 iterations")
+    ap.add_argument("--seed", type=int, default=0, help="the first seed")
+    args = ap.parse_args()
+    seeds = [args.seed] if args.quick else list(range(args.seed, args.seed + 5))
+    ranks, iterations = (4, 5000) if args.quick else (8, 20000)
+    t0 = time.monotonic()
+    previous = soak(seeds, ranks, iterations, PREVIOUS)
+    shipped = soak(seeds, ranks, iterations, IterationSettings())
+    print(f"previous rule: {previous}", file=sys.stderr)
+    print(f"shipped rule:  {shipped}", file=sys.stderr)
+    print(json.dumps({**shipped, "seeds": seeds, "previous_rule": previous,
+                      "wall_s": round(time.monotonic() - t0, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
