@@ -76,8 +76,8 @@ def test_a_finished_task_releases_its_gpus_to_a_pending_one(cluster: LocalCluste
                    if r.get("task") == "second" and r.get("state") == "running") == 4
     cluster.wait_for(second_runs, 60.0, "second's ranks to run", poll_s=0.2)
     assert all(n["state"] == "up" for n in listing("nodes"))
-    assert cli(["cancel", "second"]) == 0  # the GPUs back for the next test
-    cluster.wait_for(lambda: all(t["name"] != "second" for t in listing("tasks")), 30.0, "second to go")
+    assert cli(["cancel", "second"]) == 0  # its GPUs go back to the pool for the next test
+    cluster.wait_for(lambda: task("second")["phase"] == "cancelled", 30.0, "second to be cancelled")
 
 
 def test_a_command_that_cannot_start_fails_the_task_at_once(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -30,7 +30,9 @@ WORKLOAD = [sys.executable, "-m", "unicron.runtime.workload", "--iter-time", "0.
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     # the loopback cases run the gloo workload only (the training runtime's cases are in test_netns)
-    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "3"},
+    # statuses every 0.2 s: the cases wait on them (the default 1 s only adds latency to each wait)
+    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "3",
+                                                            "UNICRON_STATUS_INTERVAL": "0.2"},
                      prefork=["unicron.runtime.workload"])
     c.start()
     try:

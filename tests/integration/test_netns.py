@@ -30,10 +30,9 @@ from unicron.kernel.types import DetectionMethod, ErrorKind, Severity
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     require_netns()
-    # Warm spawners for the gloo workload only: importing Megatron-core in three of them at start
-    # costs more CPU than the one snapshot case's two training ranks importing it themselves.
-    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "3"}, netns=True,
-                     etcd_members=3, prefork=["unicron.runtime.workload"])
+    # statuses every 0.2 s: the cases wait on them (the default 1 s only adds latency to each wait)
+    c = LocalCluster(agents=3, gpus_per_agent=2, netns=True, etcd_members=3,
+                     extra_env={"UNICRON_WARMUP_ITERATIONS": "3", "UNICRON_STATUS_INTERVAL": "0.2"})
     c.start()
     try:
         yield c
