@@ -50,6 +50,11 @@ def started_key(rank: int) -> str:
     return f"started/{rank}"
 
 
+def leave_key(rank: int) -> str:
+    """``leave/<rank>``: the incarnation of ``rank`` that was asked to leave (an in-place shrink)."""
+    return f"leave/{rank}"
+
+
 def failed_key(rank: int) -> str:
     return f"failed/{rank}"
 
