@@ -172,3 +172,24 @@ def test_a_tp2_task_loses_a_node_in_place(cluster: LocalCluster, tmp_path: Path)
     stop_training(c)
     dps = check_exact(out, tmp_path, tp=2, blocks=3)
     assert dps[0] == 3 and dps[-1] == 2, dps
+
+
+def test_a_drained_nodes_rank_leaves_at_a_boundary_and_the_rest_go_on(cluster: LocalCluster,
+                                                                       tmp_path: Path) -> None:
+    """The agent's side of a shrink whose node stays in service: the rank gets ``Leave``, finishes its
+    iteration and exits 0 (no failure reported, nothing marked); the others never stop."""
+    c, out = cluster, tmp_path / "out"
+    submit(c, tmp_path, out, tp=1)
+    first = stepping(c, {0, 1, 2}, 2, timeout=120.0)
+    node = first[2]["node"]
+    t0 = time.time()
+    assert cli(["drain", node]) == 0
+    shrunk = stepping(c, {0, 1}, max(r["step"] for r in first.values()) + 2)
+    assert {r: shrunk[r]["pid"] for r in (0, 1)} == {r: first[r]["pid"] for r in (0, 1)}
+    acts = actions_since(c, t0)
+    assert "ResizeInPlace" in acts and "Assign" not in acts, acts
+    assert not [i for i in c.incidents() if i.detected_ts >= t0 - 1], "a rank leaving is no incident"
+    stop_training(c)
+    assert result(out, 2)["mode"] == "left"
+    dps = check_exact(out, tmp_path, tp=1, blocks=3)
+    assert dps[0] == 3 and dps[-1] == 2, dps
