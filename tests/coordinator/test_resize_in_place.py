@@ -108,3 +108,23 @@ def test_no_resize_in_place_before_the_launch_is_confirmed() -> None:
     assert one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="gone")), Assign, JOB)
     sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
     assert one(sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="gone")), ResizeInPlace, JOB)
+
+
+def test_records_and_states_written_before_the_membership_epoch_still_read() -> None:
+    from coordinator.decision import CoreState
+    from unicron.kernel.types import TaskAssignment, TaskResult
+
+    old = {"task": "t", "generation": 3, "argv": ["x"], "env": {}, "world_size": 2,
+           "ranks": [{"rank": 0, "local_rank": 0, "gpu": 0}], "store_node": "n1"}
+    a = TaskAssignment.from_dict(old)
+    assert (a.membership_epoch, a.members, a.joiners, a.lost) == (0, [], [], [])
+    assert TaskResult.from_dict({"generation": 3, "restart_epoch": 0, "regroup_epoch": 0, "ranks": {}}
+                                ).membership_epoch == 0
+    sim = _three_nodes()
+    raw = sim.state.to_dict()
+    for entry in raw["tasks"].values():  # type: ignore[attr-defined]
+        for key in ("membership_epoch", "world_size", "confirmed"):
+            del entry[key]
+    state = CoreState.from_dict(raw)
+    # an old state's task has no launch size on record: it is not resized in place until its next Assign
+    assert state.tasks[JOB].world_size == 0 and not state.tasks[JOB].confirmed
