@@ -139,7 +139,9 @@ def test_node_lost_shrinks_in_place_and_its_return_grows_back_in_place(cluster: 
     assert "ResizeInPlace" in acts and "Assign" not in acts, acts
 
     t1 = time.time()
-    c.start_agent(victim)  # repaired: the node joins again (④) and rank 2 is re-hosted there as a joiner
+    c.start_agent(victim)  # repaired; a node lost by a sev1 stays isolated until an operator returns it
+    c.wait_registered(victim)
+    assert cli(["undrain", victim]) == 0  # back in service (④): rank 2 is re-hosted there as a joiner
     grown = stepping(c, {0, 1, 2}, max(r["step"] for r in shrunk.values()) + 2)
     grow_s = time.time() - t1
     assert {r: grown[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
