@@ -400,8 +400,8 @@ class Agent:
         with self._progress_lock:
             self._progress.pop((task, rank), None)
 
-    def mark_failed(self, store: StoreAddress, rank: int) -> None:
-        self.marker.mark(store.host, store.port, rank)
+    def mark_failed(self, store: StoreAddress, rank: int, current: bool = False) -> None:
+        self.marker.mark(store.host, store.port, rank, current=current)
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, line, task=task,
@@ -580,7 +580,7 @@ class Agent:
         tasks = {
             rec.task: TaskResult(
                 generation=rec.applied.generation, restart_epoch=rec.applied.restart_epoch,
-                regroup_epoch=rec.applied.regroup_epoch,
+                regroup_epoch=rec.applied.regroup_epoch, membership_epoch=rec.applied.membership_epoch,
                 ranks={str(r): st.state for r, st in rec.processes().items()},
                 cannot_start=rec.cannot_start(),
             )
@@ -605,7 +605,8 @@ class Agent:
             for name, a in wanted.items():
                 rec = self._tasks.get(name)
                 if rec is not None and rec.latest.generation == a.generation:
-                    if (a.restart_epoch, a.regroup_epoch) != (rec.latest.restart_epoch, rec.latest.regroup_epoch):
+                    epochs = (a.restart_epoch, a.regroup_epoch, a.membership_epoch)
+                    if epochs != (rec.latest.restart_epoch, rec.latest.regroup_epoch, rec.latest.membership_epoch):
                         outcomes.append(rec.apply(a))
                     continue
                 if rec is not None:

@@ -6,12 +6,17 @@ gone); a new restart or regroup epoch of the same generation is applied by the e
 ``recovery: "restart"`` task a new restart epoch is a new attempt of the whole task: every named rank
 is stopped (SIGTERM, grace, SIGKILL), the store-hosting node starts a fresh store sidecar for the
 attempt (the others wait for its address at that epoch), the backoff passes, and all are relaunched.
+A new membership epoch of the same generation is an in-place resize: running ranks no longer assigned
+here (or re-hosted as joiners) are told to ``Leave`` at an iteration boundary and reaped; the ranks of a
+lost node are marked failed by the node hosting the store; then the joiners are launched. Survivors are
+not touched.
 
 Rank lifecycle (modelled on torch elastic's ``WorkerState``)::
 
     INIT ──launched──▶ HEALTHY ──exit 0──────────────▶ SUCCEEDED
      │                  │  ──exit ≠ 0, not requested──▶ FAILED ──restart_epoch──▶ RESTARTING
      │                  │  ──restart_epoch───────────▶ RESTARTING ──relaunched──▶ HEALTHY
+     │                  │  ──membership_epoch, not kept▶ STOPPING (Leave) ──exited──▶ (forgotten)
      │                  └─ unassigned / new generation ▶ STOPPING ──exited──▶ STOPPED
      └─ cannot start (no such file, NUL byte, ...) ───▶ FAILED
 
@@ -66,6 +71,9 @@ RESTART_WAIT_S = 10.0
 #: this long: started at once, its torch import competed for the CPU with the relaunched ranks' own
 #: (measured: 0.9 s of a 6 s cold relaunch on 2 cores, bench/jobs.py)
 SPARE_DELAY_S = 20.0
+#: how long a rank asked to leave (an in-place shrink) has to finish its iteration and exit before
+#: it is stopped (SIGTERM, then SIGKILL after STOP_GRACE_S)
+LEAVE_WAIT_S = 60.0
 #: ``TaskAssignment.recovery`` of a task whose every rank is relaunched together
 RECOVERY_RESTART = "restart"
 
@@ -115,8 +123,9 @@ class TaskHost(Protocol):
                rank: int | None = None, gpu: int | None = None, step: int | None = None,
                source_ts: float | None = None, handled: bool = False, generation: int | None = None) -> Report: ...
 
-    def mark_failed(self, store: StoreAddress, rank: int) -> None:
-        """Write ``failed/<rank>`` into the task's store, so its peers stop waiting for the rank at once."""
+    def mark_failed(self, store: StoreAddress, rank: int, current: bool = False) -> None:
+        """Write ``failed/<rank>`` into the task's store, so its peers stop waiting for the rank at once
+        (``current``: the rank's newest process is gone, however many were marked before)."""
 
     def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
         """The rank's process is gone: stop judging its iteration timings (``monitor``: the one this
@@ -452,6 +461,8 @@ class TaskReconciler:
             applied, store = self.applied, self._store
         specs = {s.rank: s for s in a.ranks}
         errors: list[str] = []
+        if a.membership_epoch > applied.membership_epoch and store is not None:
+            errors += self._resize(a, applied, specs, store)
         if a.restart_epoch > applied.restart_epoch and a.recovery == RECOVERY_RESTART:
             errors += self._restart_all(a, specs)
         elif a.restart_epoch > applied.restart_epoch and store is not None:
@@ -476,6 +487,58 @@ class TaskReconciler:
         with self._lock:
             self.applied = a
         return (False, "; ".join(errors)) if errors else (True, "applied")
+
+    def _resize(self, a: TaskAssignment, applied: TaskAssignment, specs: dict[int, RankSpec],
+                store: StoreAddress) -> list[str]:
+        """An in-place resize on this node: leavers leave at an iteration boundary, the lost node's ranks
+        are marked failed (by the store's node), joiners start; survivors go on untouched."""
+        running = {r for r, st in self.supervisor.status().items() if st.returncode is None}
+        leaving = sorted(r for r in running if r not in specs or r in a.joiners)
+        errors = self._leave(a, leaving)
+        with self._lock:
+            hosts_store = self._sidecar is not None
+        if hosts_store:
+            # A rank re-hosted in the same resize is not marked: its new process could start (and
+            # count itself in started/<rank>) before the mark lands and be taken for dead.
+            for r in sorted(set(a.lost) - set(a.joiners) - set(applied.lost)):
+                self.host.mark_failed(store, r, current=True)
+        joiners = [r for r in sorted(specs) if r not in running or r in leaving]
+        with self._lock:
+            for r in joiners:
+                self._ranks[r] = RankState.RESTARTING
+        for r in joiners:
+            if err := self._launch(a, specs[r], store, restart=True):
+                errors.append(err)
+        log.info("resized in place", task=a.task, membership_epoch=a.membership_epoch, left=leaving,
+                 joined=joiners, lost=list(a.lost), members=list(a.members))
+        return errors
+
+    def _leave(self, a: TaskAssignment, ranks: list[int]) -> list[str]:
+        """Tell ``ranks`` to leave at their next iteration boundary; stop those that do not in time."""
+        msg = protocol.Leave(membership_epoch=a.membership_epoch, reason="in-place resize")
+        with self._lock:
+            for r in ranks:
+                self._ranks[r] = RankState.STOPPING
+        for r in ranks:
+            self.supervisor.expect_exit(r)
+            if not self.host.send_to_rank(a.task, r, msg):  # not instrumented (or gone): stop it
+                self.supervisor.kill(r, signal.SIGTERM, grace_s=STOP_GRACE_S)
+        errors = []
+        for r in ranks:
+            if self.supervisor.wait(r, timeout_s=LEAVE_WAIT_S) is None:
+                log.warning("rank did not leave in time; stopping it", task=a.task, rank=r)
+                self.supervisor.kill(r, signal.SIGTERM, grace_s=STOP_GRACE_S)
+                if self.supervisor.wait(r, timeout_s=STOP_GRACE_S + RESTART_WAIT_S) is None:
+                    errors.append(f"rank {r} did not leave")
+                    continue
+            self.supervisor.forget(r)
+            with self._lock:
+                self._ranks.pop(r, None)
+                self.steps.pop(r, None)
+                self.launched_epoch.pop(r, None)
+                mon = self.monitors.pop(r, None)
+            self.host.forget_rank(a.task, r, mon)
+        return errors
 
     def _restart_all(self, a: TaskAssignment, specs: dict[int, RankSpec]) -> list[str]:
         """A ``recovery: "restart"`` task's new attempt: stop every named rank (SIGTERM, grace, SIGKILL),
@@ -590,13 +653,14 @@ class TaskReconciler:
     def _on_exit(self, ex: RankExit) -> None:
         with self._lock:
             state = self._ranks.get(ex.rank)
+            stopping = state is RankState.STOPPING
             if state is RankState.HEALTHY:
                 self._ranks[ex.rank] = RankState.SUCCEEDED if ex.returncode == 0 else (
                     RankState.FAILED if ex.abnormal else RankState.STOPPED)
             mon = self.monitors.pop(ex.rank, None)
             a, store, step = self.applied, self._store, self.steps.get(ex.rank)
         self.host.forget_rank(a.task, ex.rank, mon)
-        if not ex.abnormal:  # exit 0, or an exit we asked for
+        if stopping or not ex.abnormal:  # exit 0, an exit we asked for, or a rank told to leave
             log.info("rank exited", task=a.task, rank=ex.rank, returncode=ex.returncode, requested=ex.requested)
             return
         if store is not None:

@@ -396,6 +396,19 @@ class Supervisor:
                 exits.append(proc.exit)
         return exits
 
+    def expect_exit(self, rank: int) -> None:
+        """``rank`` was asked to exit (an in-place shrink's Leave): its exit is not a failure."""
+        proc = self._get(rank)
+        with self._lock:
+            proc.requested = True
+
+    def forget(self, rank: int) -> None:
+        """Drop an exited rank's record (it left the task; it is no process of this node any more)."""
+        with self._lock:
+            proc = self._procs.get(rank)
+            if proc is not None and proc.state == EXITED:
+                del self._procs[rank]
+
     def status(self) -> dict[int, ProcStatus]:
         """Every supervised rank's process, by rank."""
         with self._lock:

@@ -100,6 +100,8 @@ def _applied(tr: TaskResult | None, entry: d.TaskEntry, kind: d.ActionKind) -> b
         return tr.restart_epoch >= entry.restart_epoch
     if kind is d.ActionKind.REATTEMPT:
         return tr.regroup_epoch >= entry.regroup_epoch
+    if kind is d.ActionKind.RESIZE:
+        return tr.membership_epoch >= entry.membership_epoch
     return True
 
 

@@ -33,6 +33,7 @@ _ACTION_NAMES = {
     d.ActionKind.REATTEMPT: "reattempt",
     d.ActionKind.RESTART: "restart",
     d.ActionKind.ASSIGN: "reconfigure",
+    d.ActionKind.RESIZE: "reconfigure",
 }
 _PRECEDENCE = ("reconfigure", "restart", "reattempt")  # the widest action names a multi-task incident
 

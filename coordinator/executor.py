@@ -47,6 +47,8 @@ class Executor:
         match action:
             case d.Assign():
                 return self._assign(action)
+            case d.ResizeInPlace():
+                return self._resize(action)
             case d.StopTask():
                 return self._remove_task(action.task)
             case d.RestartRanks():
@@ -115,6 +117,47 @@ class Executor:
                 world_size=action.world_size, ranks=specs, store_node=store_node,
                 group_rank=nodes.index(node), group_world_size=len(nodes), max_restarts=self.max_restarts,
                 recovery=(spec.recovery or Recovery.INPROCESS).value, restart_epoch=action.restart_epoch,
+            )
+            changed.add(node)
+        return changed
+
+    def _resize(self, action: d.ResizeInPlace) -> set[str]:
+        """The task's records at its new membership: survivors keep their RankSpec (GPU, local rank),
+        joiners get free GPUs. A node whose ranks all leave keeps the task with no ranks (its agent asks
+        them to leave at an iteration boundary rather than stop them); a lost node's record loses it."""
+        current = {n: tasks[action.task] for n, tasks in self.desired.items() if action.task in tasks}
+        if not current:
+            return set()
+        template = next(iter(current.values()))
+        placement = {n: sorted(r) for n, r in action.placement.items() if r}
+        joiners = set(action.joiners)
+        lost = set(action.lost)
+        specs: dict[str, list[RankSpec]] = {}
+        for node, ranks in placement.items():
+            kept = [s for s in (current[node].ranks if node in current else []) if s.rank in ranks
+                    and s.rank not in joiners]
+            free = [g for g in self._free_gpus(node, action.task) if g not in {s.gpu for s in kept}]
+            locals_ = [i for i in range(self.node_gpus(node)) if i not in {s.local_rank for s in kept}]
+            new = [r for r in ranks if r not in {s.rank for s in kept}]
+            if len(free) < len(new):  # checked before anything changes
+                raise PermanentError(
+                    f"in-place resize of task {action.task} places {len(new)} joiner(s) on node {node}, which "
+                    f"has {len(free)} free GPU(s) of {self.node_gpus(node)} registered"
+                )
+            specs[node] = sorted(kept + [RankSpec(rank=r, local_rank=locals_[i], gpu=free[i])
+                                         for i, r in enumerate(new)], key=lambda s: s.rank)
+        nodes = sorted(placement, key=lambda n: placement[n][0])
+        changed = set()
+        for node in sorted(set(current) | set(placement)):
+            if node not in placement and all(s.rank in lost for s in current[node].ranks):
+                del self.desired[node][action.task]  # its processes went with the node
+                changed.add(node)
+                continue
+            base = current.get(node, template)
+            self.desired.setdefault(node, {})[action.task] = dataclasses.replace(
+                base, ranks=specs.get(node, []), membership_epoch=action.membership_epoch,
+                members=list(action.members), joiners=list(action.joiners), lost=list(action.lost),
+                group_rank=nodes.index(node) if node in nodes else 0, group_world_size=len(nodes),
             )
             changed.add(node)
         return changed

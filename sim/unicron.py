@@ -104,6 +104,14 @@ class UnicronSim(Simulation):
                 seconds = self.costs.unicron_reconfigure_s(
                     rank_bytes, self.workload.iteration_s(action.task, run.gpus), faulted)
                 self._transition(action.task, action.action_id, seconds)
+            case d.ResizeInPlace():
+                # the same mechanisms as a reattempt (survivors regroup, no process restarts) and, with
+                # joiners, a restart (a relaunched rank rejoins from a replica): their measured costs
+                run = self.tasks[action.task]
+                run.gpus = sum(len(r) for r in action.placement.values())
+                seconds = self.costs.unicron_in_place_s(bool(action.joiners),
+                                                        self.workload.iteration_s(action.task, run.gpus))
+                self._transition(action.task, action.action_id, seconds)
             case d.RestartRanks() | d.Reattempt():
                 run = self.tasks[action.task]
                 seconds = self.costs.unicron_in_place_s(

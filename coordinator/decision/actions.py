@@ -80,6 +80,29 @@ class Assign:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResizeInPlace:
+    """Change ``task``'s data-parallel size without stopping its running ranks (same generation, same
+    layout): ``membership_epoch`` is its new membership. Rank ids are those of the launch
+    (``world_size`` stays); ``placement`` holds every rank of the new membership. Survivors keep their
+    processes; ``joiners`` start on their node and join at an iteration boundary, taking their state
+    from a healthy replica; ``leaving`` ranks, on nodes still in service, are asked to leave at an
+    iteration boundary; ``lost`` ranks went with their node (the task's store node marks them failed)."""
+
+    action_id: str
+    task: str
+    generation: int
+    membership_epoch: int
+    placement: Mapping[str, tuple[int, ...]]
+    """node -> the ranks there (survivors and joiners)."""
+    members: tuple[int, ...]
+    joiners: tuple[int, ...]
+    leaving: tuple[int, ...]
+    lost: tuple[int, ...]
+    world_size: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class StopTask:
     """Stop every process of the task (preempted, cancelled or failed). Returned before any Assign."""
 
@@ -107,7 +130,9 @@ class Alert:
     node: str | None = None
 
 
-Action = Reattempt | RestartRanks | RestartTask | IsolateNode | Assign | StopTask | MarkTaskFailed | Alert
+Action = (
+    Reattempt | RestartRanks | RestartTask | IsolateNode | Assign | ResizeInPlace | StopTask | MarkTaskFailed | Alert
+)
 
 
 class ActionKind(enum.StrEnum):
@@ -116,4 +141,5 @@ class ActionKind(enum.StrEnum):
     REATTEMPT = "reattempt"
     RESTART = "restart"
     ASSIGN = "assign"
+    RESIZE = "resize"
 

@@ -13,6 +13,7 @@ from coordinator.decision.actions import (
     IsolateNode,
     MarkTaskFailed,
     Reattempt,
+    ResizeInPlace,
     RestartRanks,
     RestartTask,
     StopTask,
@@ -56,7 +57,8 @@ _EVENT_TYPES: dict[str, type[Any]] = {
 }
 _ACTION_TYPES: dict[str, type[Any]] = {
     c.__name__: c
-    for c in (Reattempt, RestartRanks, RestartTask, IsolateNode, Assign, StopTask, MarkTaskFailed, Alert)
+    for c in (Reattempt, RestartRanks, RestartTask, IsolateNode, Assign, ResizeInPlace, StopTask, MarkTaskFailed,
+              Alert)
 }
 
 
@@ -94,7 +96,7 @@ def from_dict(data: object) -> Event | Action:
             raw["placement"] = {n: tuple(r) for n, r in raw["placement"].items()}
         if "cause" in raw:
             raw["cause"] = FailureCause(raw["cause"])
-        for key in ("members", "failed_ranks", "ranks"):
+        for key in ("members", "failed_ranks", "ranks", "joiners", "leaving", "lost"):
             if key in raw:
                 raw[key] = tuple(raw[key])
         result: Event | Action = cls(**raw)

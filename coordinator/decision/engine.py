@@ -20,6 +20,7 @@ from coordinator.decision.actions import (
     IsolateNode,
     MarkTaskFailed,
     Reattempt,
+    ResizeInPlace,
     RestartRanks,
     RestartTask,
     StopTask,
@@ -40,6 +41,7 @@ from coordinator.decision.events import (
     TaskSubmitted,
     Tick,
 )
+from coordinator.decision.resize import InPlace, plan_in_place
 from coordinator.decision.settings import DecisionSettings
 from coordinator.decision.state import (
     ACTIVE_PHASES,
@@ -68,6 +70,7 @@ class _Fault:
     node: str | None = None
     ranks: tuple[int, ...] = ()
     placement: Mapping[str, int] | None = None  # for RESIZED
+    in_place: InPlace | None = None  # for RESIZED_IN_PLACE
     fatal: bool = False  # the reason is the task's failure itself (TASK_ERROR), not a spent budget
 
 
@@ -162,6 +165,7 @@ class _Run:
             _R.ESCALATE: self._do_escalate,
             _R.REASSIGN: self._do_reassign,
             _R.ASSIGN: self._do_assign,
+            _R.RESIZE: self._do_resize,
             _R.STOP: self._do_stop,
             _R.RECOVERED: self._do_recovered,
             _R.FAIL: self._do_fail,
@@ -378,6 +382,8 @@ class _Run:
             entry.restart_epoch += 1
         entry.placement = _ranks(entry.placement, fault.placement)
         entry.generation += 1
+        entry.world_size = sum(fault.placement.values())
+        entry.confirmed = False
         entry.recovery_step = entry.last_step
         action = Assign(
             action_id=self._id(),
@@ -391,6 +397,31 @@ class _Run:
         self.actions.append(action)
         self._track(entry, action.action_id, ActionKind.ASSIGN, None, list(entry.placement))
 
+    def _do_resize(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        """Same generation, new membership: only joiners start, only leavers stop."""
+        plan = fault.in_place
+        assert plan is not None
+        entry.placement = {n: list(r) for n, r in plan.placement.items()}
+        entry.membership_epoch += 1
+        entry.recovery_step = entry.last_step
+        entry.reason = fault.reason
+        action = ResizeInPlace(
+            action_id=self._id(),
+            task=name,
+            generation=entry.generation,
+            membership_epoch=entry.membership_epoch,
+            placement={n: tuple(r) for n, r in sorted(plan.placement.items())},
+            members=plan.members,
+            joiners=plan.joiners,
+            leaving=plan.leaving,
+            lost=plan.lost,
+            world_size=entry.world_size,
+            reason=fault.reason,
+        )
+        self.actions.append(action)
+        # confirmed by a step completed after it (the generation stays: older steps say nothing)
+        self._track(entry, action.action_id, ActionKind.RESIZE, None, list(entry.placement))
+
     def _clear(self, entry: TaskEntry, reason: str) -> None:
         entry.placement = {}
         entry.outstanding = None
@@ -402,6 +433,7 @@ class _Run:
 
     def _do_recovered(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         entry.outstanding = None
+        entry.confirmed = True
         entry.reattempts = 0
         entry.fault_node = None
         entry.failed_ranks = []
@@ -573,8 +605,9 @@ class _Run:
             entry.restarts, entry.no_progress_since = 0, None
         if event.generation is None or event.generation != entry.generation:
             return
-        # a reattempt or restart keeps the generation: only a step past the fault proves it worked
-        same_config = entry.phase in (TaskPhase.REATTEMPTING, TaskPhase.RESTARTING)
+        # a reattempt, restart or in-place resize keeps the generation: only a step past it proves it worked
+        resizing = entry.outstanding is not None and entry.outstanding.kind is ActionKind.RESIZE
+        same_config = resizing or entry.phase in (TaskPhase.REATTEMPTING, TaskPhase.RESTARTING)
         if same_config and entry.recovery_step is not None and event.step <= entry.recovery_step:
             return
         self._fire(event.task, _T.PROGRESS, _Fault(f"step {event.step} completed"))
@@ -605,7 +638,26 @@ class _Run:
                 continue
             if new != {n: len(r) for n, r in entry.placement.items()} or name in self.forced:
                 why = entry.reason if name in self.forced else "new plan"
-                self._fire(name, _T.RESIZED, _Fault(why, placement=new))
+                in_place = self._in_place(entry, new)
+                if in_place is not None:
+                    self._fire(name, _T.RESIZED_IN_PLACE, _Fault(why, placement=new, in_place=in_place))
+                else:
+                    self._fire(name, _T.RESIZED, _Fault(why, placement=new))
+
+    def _in_place(self, entry: TaskEntry, new: Mapping[str, int]) -> InPlace | None:
+        """The in-place change to ``new``, where the task's phase, recovery mode and outstanding action
+        allow one (an Assign not yet confirmed may have ranks that never ran; a restart relaunches
+        ranks of the membership it knows)."""
+        if (entry.phase, _T.RESIZED_IN_PLACE) not in TRANSITIONS or entry.spec.restarts_whole:
+            return None
+        if not entry.confirmed:
+            return None  # a rank of the generation may never have started: it could not join
+        o = entry.outstanding
+        if o is not None and o.kind not in (ActionKind.RESIZE, ActionKind.REATTEMPT):
+            return None
+        gone = {n for n, e in self.state.nodes.items() if e.status in (NodeState.LOST, NodeState.ISOLATED)}
+        return plan_in_place(entry.placement, new, world_size=entry.world_size, unit=entry.spec.unit,
+                             tp=entry.spec.tp_size, gone=gone)
 
     def _plan(
         self, specs: list[TaskSpec], usable: dict[str, int]

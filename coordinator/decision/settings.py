@@ -29,6 +29,8 @@ class DecisionSettings:
     """Seconds for a restart to be confirmed before it counts as failed."""
     reconfigure_deadline_s: float = 300.0
     """Seconds for an assignment (launch or reconfiguration) to be confirmed before it counts as failed."""
+    resize_deadline_s: float = 120.0
+    """Seconds for an in-place resize to be confirmed (a step completed after it) before it counts as failed."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -50,5 +52,6 @@ class DecisionSettings:
             ActionKind.REATTEMPT: self.reattempt_deadline_s,
             ActionKind.RESTART: self.restart_deadline_s,
             ActionKind.ASSIGN: self.reconfigure_deadline_s,
+            ActionKind.RESIZE: self.resize_deadline_s,
         }[kind]
 

@@ -27,6 +27,8 @@ class Trigger(enum.StrEnum):
     REATTEMPTS_SPENT = "reattempts_spent"  # a reattempt was due but the incident's reattempts are spent
     NO_PROGRESS = "no_progress"  # a restart was due but the restart budget is spent
     RESIZED = "resized"  # a reconfiguration gave the task a different placement (or a fresh one)
+    # ... a different data-parallel size that keeps its layout and a complete replica: no rank stops
+    RESIZED_IN_PLACE = "resized_in_place"
     UNPLACED = "unplaced"  # a reconfiguration gave the task no GPUs
     FINISHED = "finished"
     CANCELLED = "cancelled"
@@ -41,6 +43,7 @@ class Response(enum.StrEnum):
     ESCALATE = "escalate"  # failed restart -> sev1: isolate the restart's node, re-plan
     REASSIGN = "reassign"  # failed assignment: isolate the node it failed on (if known), re-plan
     ASSIGN = "assign"  # emit Assign with the new placement
+    RESIZE = "resize"  # emit ResizeInPlace: survivors keep running, joiners join, leavers leave
     STOP = "stop"  # emit StopTask; the task waits for GPUs
     RECOVERED = "recovered"  # clear the outstanding action
     FAIL = "fail"  # emit StopTask + MarkTaskFailed + Alert; its GPUs go to the others
@@ -69,6 +72,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RUNNING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # no reattempts allowed: sev2
         (_P.RUNNING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RUNNING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ④ join / ⑤ finish / ⑥ launch elsewhere
+        (_P.RUNNING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),  # ③ / ④ / ⑤ without a restart
         (_P.RUNNING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RUNNING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RUNNING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
@@ -83,6 +87,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.REATTEMPTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.REATTEMPTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
         (_P.REATTEMPTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        (_P.REATTEMPTING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),
         (_P.REATTEMPTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.REATTEMPTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
@@ -115,6 +120,8 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RECONFIGURING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
         (_P.RECONFIGURING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
+        # only while no Assign is out (the engine checks): its ranks may not run yet
+        (_P.RECONFIGURING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),
         (_P.RECONFIGURING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RECONFIGURING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RECONFIGURING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),

@@ -18,7 +18,10 @@ from coordinator.decision import (
     FailureCause,
     IsolateNode,
     MarkTaskFailed,
+    NodeDrained,
+    NodeUndrained,
     Reattempt,
+    ResizeInPlace,
     Response,
     RestartRanks,
     RestartTask,
@@ -46,6 +49,7 @@ EMITS: dict[Response, set[type[Action]]] = {
     R.ESCALATE: {IsolateNode, Assign},
     R.REASSIGN: {Assign},
     R.ASSIGN: {Assign},
+    R.RESIZE: {ResizeInPlace},
     R.STOP: {StopTask},
     R.RECOVERED: set(),
     R.FAIL: {StopTask, MarkTaskFailed, Alert},
@@ -130,6 +134,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return _action_failed
     if trigger is T.RESIZED:
         return lambda sim: sim.join("n3")
+    if trigger is T.RESIZED_IN_PLACE:
+        return _resize_in_place if phase is P.RECONFIGURING else _drain_n2
     if trigger is T.UNPLACED:
         return lambda sim: sim.submit("vip", min_gpus=16, weight=2.0)
     if trigger is T.FINISHED:
@@ -137,6 +143,20 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
     if trigger is T.CANCELLED:
         return lambda sim: sim.feed(TaskCancelled(ts=sim.ts(), task=JOB))
     raise AssertionError(f"no driver for {trigger}")
+
+
+def _drain_n2(sim: Sim) -> list[Action]:
+    """``job`` (ranks 0-7 on n1, 8-15 on n2) shrinks in place to n1: rank 0's node keeps it."""
+    return sim.feed(NodeDrained(ts=sim.ts(), node="n2"))
+
+
+def _resize_in_place(sim: Sim) -> list[Action]:
+    """From a launch not yet confirmed (no in-place resize: its ranks may never have run): confirm it,
+    shrink in place (RECONFIGURING again, with the resize out), then grow back in place."""
+    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
+    _drain_n2(sim)
+    assert sim.phase(JOB) is P.RECONFIGURING
+    return sim.feed(NodeUndrained(ts=sim.ts(), node="n2"))
 
 
 EDGES = sorted(TRANSITIONS.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value))

@@ -72,3 +72,38 @@ def test_group_rank_numbers_nodes_by_their_lowest_rank_as_torchrun_does() -> Non
     ex.apply(assign("t", {"a": (4, 5), "b": (0, 1), "c": (2, 3)}))
     got = {n: (t["t"].group_rank, t["t"].group_world_size, t["t"].max_restarts) for n, t in ex.desired.items()}
     assert got == {"b": (0, 3, 4), "c": (1, 3, 4), "a": (2, 3, 4)}
+
+
+def resize(placement: dict[str, tuple[int, ...]], epoch: int, joiners: tuple[int, ...] = (),
+           leaving: tuple[int, ...] = (), lost: tuple[int, ...] = ()) -> d.ResizeInPlace:
+    members = tuple(sorted(r for ranks in placement.values() for r in ranks))
+    return d.ResizeInPlace(action_id="r", task="t", generation=1, membership_epoch=epoch, placement=placement,
+                           members=members, joiners=joiners, leaving=leaving, lost=lost, world_size=6,
+                           reason="test")
+
+
+def test_resize_in_place_keeps_the_generation_and_the_survivors_rank_specs() -> None:
+    ex = executor({"n0": 2, "n1": 2, "n2": 2})
+    ex.apply(assign("t", {"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}))
+    before = {n: ex.desired[n]["t"] for n in ("n0", "n1")}
+    # n2 lost: its record drops the task; the others name the new membership, same generation
+    assert ex.apply(resize({"n0": (0, 1), "n1": (2, 3)}, 1, lost=(4, 5))) == {"n0", "n1", "n2"}
+    assert "t" not in ex.desired["n2"]
+    for node, old in before.items():
+        now = ex.desired[node]["t"]
+        assert (now.generation, now.world_size, now.ranks, now.store_node) == (1, 6, old.ranks, "n0")
+        assert (now.membership_epoch, now.members, now.joiners, now.lost) == (1, [0, 1, 2, 3], [], [4, 5])
+    # n2 back: its ranks are joiners there, on its GPUs
+    ex.apply(resize({"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}, 2, joiners=(4, 5)))
+    back = ex.desired["n2"]["t"]
+    assert [(s.rank, s.gpu) for s in back.ranks] == [(4, 0), (5, 1)]
+    assert (back.generation, back.membership_epoch, back.joiners, back.world_size) == (1, 2, [4, 5], 6)
+    NodeAssignment.from_json(ex.record("n2")[1])
+
+
+def test_a_node_whose_ranks_leave_keeps_the_task_with_no_ranks() -> None:
+    ex = executor({"n0": 2, "n1": 2})
+    ex.apply(assign("t", {"n0": (0, 1), "n1": (2, 3)}))
+    ex.apply(resize({"n0": (0, 1)}, 1, leaving=(2, 3)))
+    drained = ex.desired["n1"]["t"]
+    assert drained.ranks == [] and drained.membership_epoch == 1 and drained.members == [0, 1]

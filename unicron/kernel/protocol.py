@@ -2,7 +2,7 @@
 
 Rank -> agent: ``Hello`` first, then progress (``IterStart``, ``IterEnd``, ``MicrobatchDone``,
 ``Phase``), failures (``ExceptionReport``) and acknowledgements (``RegroupDone``).
-Agent -> rank: instructions (``Regroup``, ``Stop``) and fault injection (``InjectRaise``,
+Agent -> rank: instructions (``Regroup``, ``Leave``, ``Stop``) and fault injection (``InjectRaise``,
 ``InjectSlow``, used by ``unicron inject``).
 
 Every message has a ``type`` tag; :func:`parse` turns a decoded JSON object back into its class and
@@ -125,6 +125,17 @@ class Regroup(Message):
 
 
 @dataclass(frozen=True)
+class Leave(Message):
+    """Leave the task at the next iteration boundary: an in-place shrink gave this rank's GPU away
+    (drained node, a higher-weight task). The others go on at the smaller data-parallel size; the
+    rank exits 0 once they agreed an epoch without it."""
+
+    TYPE: ClassVar[str] = "leave"
+    membership_epoch: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Stop(Message):
     TYPE: ClassVar[str] = "stop"
     reason: str = ""
@@ -152,7 +163,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, IterStart, IterEnd, MicrobatchDone, Phase, ExceptionReport, RegroupDone,
-        Regroup, Stop, InjectRaise, InjectSlow,
+        Regroup, Leave, Stop, InjectRaise, InjectSlow,
     )
 }
 

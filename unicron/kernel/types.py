@@ -440,6 +440,18 @@ class TaskAssignment(Record):
     recovery: str = "inprocess"
     #: a whole-task restart waits this long between stopping the ranks and relaunching them (backoff)
     restart_delay_s: float = 0.0
+    #: an in-place resize (same generation, layout kept) bumps this: ranks named in ``ranks`` that do
+    #: not run yet are launched (``joiners`` among them join the running ones at an iteration
+    #: boundary), running ranks no longer named are asked to leave at an iteration boundary; the
+    #: survivors never stop. ``world_size`` stays the launch size: the rank ids are kept.
+    membership_epoch: int = 0
+    #: every rank of the task in this membership, on all nodes (empty: all ``world_size`` ranks)
+    members: list[int] = field(default_factory=list)
+    #: ranks of ``members`` (any node) that start now and take their state from a healthy replica
+    joiners: list[int] = field(default_factory=list)
+    #: ranks removed because their node was lost (their processes are gone with it): the node that
+    #: hosts the task's store marks them failed, so survivors need not wait for heartbeats to go stale
+    lost: list[int] = field(default_factory=list)
 
     def rank_specs(self) -> list[RankSpec]:
         return list(self.ranks)
@@ -467,6 +479,8 @@ class TaskResult(Record):
     ranks: dict[str, str]  # rank (JSON keys are strings) -> "running" | "exited" | "stopped"
     cannot_start: str = ""
     """Why the task's command could not be executed (no such file, not executable): its own fault."""
+    #: the in-place membership the node applied (``TaskAssignment.membership_epoch``)
+    membership_epoch: int = 0
 
 
 @dataclass(frozen=True)

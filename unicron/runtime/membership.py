@@ -13,8 +13,9 @@ After a failure (or to admit joiners) the survivors move to the next epoch:
 3. **Barrier**: members check in under ``epoch/<g+1>/ready/<rank>`` while watching for a member dying
    or a newer epoch appearing (then they move on to that one), and only then build their groups.
 
-A rank left out of an agreed epoch (its replica lost a rank, or it was presumed dead) gets
-:class:`Excluded` and rejoins later like a restarted process: it writes ``join/<rank>`` and waits for
+A rank asked to leave (``leave/<rank>``, an in-place shrink) is left out of the next proposal; it gets
+:class:`Excluded` and exits. Any other rank left out of an agreed epoch (its replica lost a rank, or it
+was presumed dead) gets :class:`Excluded` and rejoins later like a restarted process: it writes ``join/<rank>`` and waits for
 an epoch that includes it. Survivors admit complete replicas of joiners at an iteration boundary.
 """
 
@@ -165,6 +166,15 @@ class Membership:
         out |= self.judge.stale(r for r in others if r not in out)
         return out | (self._knowledge() & set(others))
 
+    def leaving(self, rec: EpochRecord) -> set[int]:
+        """Members of ``rec`` whose incarnation there was asked to leave (``leave/<rank>``)."""
+        asked = [r for r in rec.members if self.store.check([keys.leave_key(r)])]
+        return {r for r in asked if _int(self.store.get(keys.leave_key(r))) == rec.incarnations.get(r, 1)}
+
+    def leave(self) -> None:
+        """Ask to be left out of the next epoch (the agent's Leave); the others agree it at a commit."""
+        self.store.set(keys.leave_key(self.rank), str(self.incarnation))
+
     def joiners(self, members: Iterable[int]) -> dict[int, int]:
         """Ranks outside ``members`` asking to join, as complete live replicas: rank -> incarnation."""
         inside = set(members)
@@ -245,7 +255,8 @@ class Membership:
         raise RegroupFailed(f"rank {self.rank}: not admitted to the job within {timeout_s:.0f}s")
 
     def _proposal(self, base: EpochRecord, dead: set[int], reason: str) -> EpochRecord:
-        alive = [r for r in base.members if r not in dead]
+        leaving = self.leaving(base)
+        alive = [r for r in base.members if r not in dead and r not in leaving]
         members = self.topo.full_replica_members(alive)
         incs = {r: base.incarnations[r] for r in members}
         incs.update(self.joiners(members))

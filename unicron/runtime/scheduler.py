@@ -28,6 +28,7 @@ Lifecycle of a rank (:class:`RankMode`)::
        |                        |   +--state received-- JOINING <--excluded from an epoch-- TRAINING
        +--restarted (or --resume with checkpoints)--> JOINING --the job finished meanwhile--> JOB_DONE
     TRAINING --stop agreed at a commit--> STOPPING --> FINISHED
+    TRAINING --agent's Leave, agreed at a commit, excluded from the next epoch--> LEFT (exit 0)
     TRAINING --last iteration committed--> FINISHED
 
 A rank holds a valid replica's state in TRAINING, RECOVERING, STOPPING and FINISHED; in JOINING it
@@ -119,6 +120,7 @@ class RankMode(Enum):
     STOPPING = "stopping"  # every member agreed at the last commit to stop
     FINISHED = "finished"  # trained to the end (or stopped)
     JOB_DONE = "job_done"  # the job finished before this rank held any state: nothing to do
+    LEFT = "left"  # asked to leave (an in-place shrink): the others agreed an epoch without it
 
 
 HOLDS_STATE = frozenset({RankMode.TRAINING, RankMode.RECOVERING, RankMode.STOPPING, RankMode.FINISHED})
@@ -263,6 +265,7 @@ class Trainer(Generic[BatchT]):
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
         self.mode = RankMode.STARTING
         self.stop_requested = False  # asked (agent Stop or the store's stop key); acted on once agreed
+        self.leaving = False  # the agent's Leave: raise the membership flag until an epoch leaves us out
         self.due: RegroupDue | None = None  # a regroup to run before the next attempt at the iteration
         self._groups: Groups | None = None  # set once admitted to an epoch
         self._held: Held | None = None  # built once, with the first groups
@@ -368,6 +371,8 @@ class Trainer(Generic[BatchT]):
             return 0
         finally:
             self.gc.close()
+        if self.mode is RankMode.LEFT:
+            return 0  # the job goes on without this rank: not its end
         self.store.set(FINISHED_KEY, str(self.it))
         self.mode = RankMode.FINISHED
         wait = getattr(self.checkpointer, "wait", None)
@@ -409,10 +414,19 @@ class Trainer(Generic[BatchT]):
         except InjectedFault as fault:
             self._on_injected(fault)
         except Excluded:
-            self._rejoin()
+            if self.leaving:
+                self._left()
+            else:
+                self._rejoin()
+
+    def _left(self) -> None:
+        """Excluded as asked: the others run the agreed epoch without this rank."""
+        self.mode = RankMode.LEFT
+        self._event("left", it=self.it)
+        self.log.info("left the job as asked", step=self.it)
 
     def finished(self) -> bool:
-        if self.mode is RankMode.STOPPING:
+        if self.mode in (RankMode.STOPPING, RankMode.LEFT):
             return True
         return bool(self.sched.iterations) and self.it >= self.sched.iterations
 
@@ -530,6 +544,9 @@ class Trainer(Generic[BatchT]):
     # --- reduce and commit -----------------------------------------------------------------------
 
     def _join_flag(self) -> float:
+        """1 when the membership should change at this commit: joiners wait, or this rank leaves."""
+        if self.leaving:
+            return 1.0
         members = self.groups.record.members
         if len(members) == self.topo.world_size:
             return 0.0
@@ -627,6 +644,10 @@ class Trainer(Generic[BatchT]):
             elif isinstance(msg, protocol.Regroup):
                 self._agent_dead |= set(msg.failed)
                 regroups.append(msg)
+            elif isinstance(msg, protocol.Leave) and not self.leaving:
+                self.leaving = True
+                self.membership.leave()
+                self._event("leave_requested", it=self.it if self._held is not None else -1, reason=msg.reason)
         return regroups
 
     def _drain_instructions(self) -> None:

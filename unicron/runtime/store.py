@@ -50,6 +50,11 @@ def started_key(rank: int) -> str:
     return f"started/{rank}"
 
 
+def leave_key(rank: int) -> str:
+    """``leave/<rank>``: the incarnation of ``rank`` that was asked to leave (an in-place shrink)."""
+    return f"leave/{rank}"
+
+
 def failed_key(rank: int) -> str:
     return f"failed/{rank}"
 
@@ -118,8 +123,19 @@ def mark_failed(host: str, port: int, rank: int, store: RendezvousStore | None =
     return int(s.add(failed_key(rank), 1))
 
 
+def mark_current_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
+    """Record that ``rank``'s newest process is gone, whoever else already said so: ``failed`` is
+    raised to ``started`` and never beyond (an in-place shrink marks the ranks of a lost node, whose
+    own agent may or may not have marked them first; counting twice would make the rank's next
+    incarnation look dead at its start)."""
+    s = store if store is not None else connect(host, port, timeout_s=5.0)
+    behind = counter(s, started_key(rank)) - counter(s, failed_key(rank))
+    return int(s.add(failed_key(rank), max(behind, 0)))
+
+
 def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> dict[str, Any]:
-    """One failure-marker request (a JSON line ``{"host", "port", "rank"}``) -> its answer; never raises.
+    """One failure-marker request (a JSON line ``{"host", "port", "rank"}``, optionally ``"current": true``
+    for :func:`mark_current_failed`) -> its answer; never raises.
 
     ``stores`` keeps one connection per store across requests; a failed one is dropped and reopened
     next time.
@@ -127,13 +143,15 @@ def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> d
     try:
         req = json.loads(line)
         host, port, rank = str(req["host"]), int(req["port"]), int(req["rank"])
+        current = bool(req.get("current", False))
     except (ValueError, KeyError, TypeError) as exc:
         return {"ok": False, "error": f"bad request {line.strip()[:80]!r}: {exc}"}
     try:
         store = stores.get((host, port))
         if store is None:
             store = stores[(host, port)] = connect(host, port, timeout_s=5.0)
-        count = mark_failed(host, port, rank, store=store)
+        mark = mark_current_failed if current else mark_failed
+        count = mark(host, port, rank, store=store)
         return {"ok": True, "rank": rank, "failures": count}
     except (UnicronError, RuntimeError, OSError) as exc:
         stores.pop((host, port), None)  # reconnect next time

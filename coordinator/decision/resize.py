@@ -1,0 +1,80 @@
+"""Whether a new allocation can be reached in place, and how: pure rank arithmetic.
+
+A task keeps its launch's rank ids (``world_size`` stays); a replica is ``unit = tp * pp``
+consecutive ranks and every node holds whole tensor-parallel groups. The new allocation (GPU count per
+node) is reached in place when
+
+* it is no larger than the launch (growing past it needs more rank ids: a new generation),
+* the node hosting rank 0 keeps the task (its agent hosts the task's rendezvous store), and
+* at least one complete replica survives on the nodes that keep the task.
+
+Survivors: on each node that keeps the task, its lowest ranks up to the node's new count, then only
+those in complete replicas. Joiners: the lowest missing replicas, whole tensor-parallel groups placed
+on the free slots in node order. Everything else that ran leaves (its node is still in service) or is
+lost (its node is gone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """The in-place membership that reaches the new allocation."""
+
+    placement: dict[str, list[int]]
+    """node -> its ranks in the new membership (survivors and joiners)."""
+    joiners: tuple[int, ...]
+    leaving: tuple[int, ...]
+    lost: tuple[int, ...]
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(sorted(r for ranks in self.placement.values() for r in ranks))
+
+
+def plan_in_place(
+    old: Mapping[str, Sequence[int]],
+    new: Mapping[str, int],
+    *,
+    world_size: int,
+    unit: int,
+    tp: int,
+    gone: Collection[str],
+) -> InPlace | None:
+    """The in-place change from ``old`` (node -> ranks) to ``new`` (node -> GPU count), or None when it
+    must be a new generation. ``gone``: nodes out of service whose processes are lost with them."""
+    total = sum(new.values())
+    if not old or world_size <= 0 or total == 0 or total > world_size or total % unit:
+        return None
+    store_node = next((n for n, ranks in old.items() if 0 in ranks), None)
+    if store_node is None or not new.get(store_node):
+        return None
+    kept = {n: sorted(old[n])[: new[n]] for n in old if new.get(n)}
+    alive = {r for ranks in kept.values() for r in ranks}
+    replicas = {r // unit for r in alive if all(x in alive for x in range(r // unit * unit, (r // unit + 1) * unit))}
+    if not replicas:
+        return None  # no complete replica survives: nobody holds the state
+    placement = {n: [r for r in ranks if r // unit in replicas] for n, ranks in kept.items()}
+    survivors = {r for ranks in placement.values() for r in ranks}
+    missing = [rep for rep in range(world_size // unit) if rep not in replicas]
+    need = (total - len(replicas) * unit) // unit
+    groups = [list(range(g, g + tp)) for rep in missing[:need] for g in range(rep * unit, (rep + 1) * unit, tp)]
+    order = sorted(new, key=lambda n: (n not in old, n))  # nodes that keep the task first
+    for node in order:
+        slots = new[node] - len(placement.get(node, []))
+        while slots >= tp and groups:
+            placement.setdefault(node, []).extend(groups.pop(0))
+            slots -= tp
+    if groups or any(len(placement.get(n, [])) != c for n, c in new.items() if c):
+        return None  # the free slots cannot take whole tensor-parallel groups
+    members = {r for ranks in placement.values() for r in ranks}
+    joiners = tuple(sorted(members - survivors))
+    before = [(n, r) for n, ranks in old.items() for r in ranks]
+    leaving = tuple(sorted(r for n, r in before if n not in gone and (r not in members or r in joiners)))
+    lost = tuple(sorted(r for n, r in before if n in gone))
+    if not joiners and not leaving and not lost:
+        return None  # nothing changes: a forced re-plan of the same membership is a new generation
+    return InPlace({n: sorted(r) for n, r in sorted(placement.items()) if r}, joiners, leaving, lost)

@@ -1,0 +1,130 @@
+"""In-place resizes: the pure membership arithmetic and the decisions that use it."""
+
+from __future__ import annotations
+
+from coordinator.decision import (
+    ActionSucceeded,
+    Assign,
+    NodeJoined,
+    NodeLost,
+    ResizeInPlace,
+    TaskPhase,
+)
+from coordinator.decision.resize import plan_in_place
+from tests.coordinator.test_decision import Sim, one, only, running_cluster
+
+JOB = "job"
+
+
+def test_shrink_keeps_survivors_and_names_the_lost_ranks() -> None:
+    old = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    got = plan_in_place(old, {"a": 2, "b": 2}, world_size=6, unit=1, tp=1, gone={"c"})
+    assert got is not None
+    assert got.placement == {"a": [0, 1], "b": [2, 3]}
+    assert (got.joiners, got.leaving, got.lost) == ((), (), (4, 5))
+
+
+def test_drained_node_ranks_leave_rather_than_get_lost() -> None:
+    old = {"a": [0, 1], "b": [2, 3]}
+    got = plan_in_place(old, {"a": 2}, world_size=4, unit=1, tp=1, gone=set())
+    assert got is not None and got.leaving == (2, 3) and got.lost == ()
+
+
+def test_grow_rehosts_the_missing_rank_ids_as_joiners() -> None:
+    old = {"a": [0, 1], "b": [2, 3]}
+    got = plan_in_place(old, {"a": 2, "b": 2, "c": 2}, world_size=6, unit=1, tp=1, gone=set())
+    assert got is not None
+    assert got.placement == {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    assert got.joiners == (4, 5) and got.leaving == () and got.members == tuple(range(6))
+
+
+def test_tensor_parallel_replicas_stay_whole() -> None:
+    old = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}  # tp=2: replicas {0,1} {2,3} {4,5}
+    got = plan_in_place(old, {"a": 2, "c": 2}, world_size=6, unit=2, tp=2, gone={"b"})
+    assert got is not None and got.placement == {"a": [0, 1], "c": [4, 5]} and got.lost == (2, 3)
+    back = plan_in_place(got.placement, {"a": 2, "b": 2, "c": 2}, world_size=6, unit=2, tp=2, gone=set())
+    assert back is not None and back.placement["b"] == [2, 3] and back.joiners == (2, 3)
+
+
+def test_a_partial_replica_leaves_and_is_rehosted_whole() -> None:
+    # pp=2, tp=1: replica {2,3} spans b and c; c is lost, so rank 2 on b leaves and the replica rejoins
+    old = {"a": [0, 1], "b": [2], "c": [3]}
+    got = plan_in_place(old, {"a": 2, "b": 2}, world_size=4, unit=2, tp=1, gone={"c"})
+    assert got is not None
+    assert got.placement == {"a": [0, 1], "b": [2, 3]}
+    assert got.joiners == (2, 3) and got.leaving == (2,) and got.lost == (3,)
+
+
+def test_what_cannot_be_done_in_place() -> None:
+    old = {"a": [0, 1], "b": [2, 3]}
+    # rank 0's node (the store's) gone; beyond the launch size; no change at all; a count off the unit
+    assert plan_in_place(old, {"b": 2}, world_size=4, unit=1, tp=1, gone={"a"}) is None
+    assert plan_in_place(old, {"a": 2, "b": 2, "c": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
+    assert plan_in_place(old, {"a": 2, "b": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
+    assert plan_in_place(old, {"a": 2, "b": 1}, world_size=4, unit=2, tp=2, gone=set()) is None
+    # no complete replica survives (unit 4 = one replica over both nodes)
+    assert plan_in_place(old, {"a": 2, "c": 2}, world_size=4, unit=4, tp=2, gone={"b"}) is None
+
+
+def _three_nodes(**fields: object) -> Sim:
+    sim = running_cluster({"n1": 2, "n2": 2, "n3": 2}, {JOB: {"min_gpus": 2, **fields}})
+    sim.progress(JOB, 5)
+    assert sim.phase(JOB) is TaskPhase.RUNNING and sim.gpus(JOB) == {"n1": 2, "n2": 2, "n3": 2}
+    return sim
+
+
+def test_node_lost_shrinks_in_place_then_rejoin_grows_back_in_place() -> None:
+    sim = _three_nodes()
+    gen = sim.state.tasks[JOB].generation
+    actions = sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="link closed"))
+    assert not only(actions, Assign)
+    shrink = one(actions, ResizeInPlace, JOB)
+    assert shrink.generation == gen and shrink.membership_epoch == 1 and shrink.world_size == 6
+    assert shrink.members == (0, 1, 2, 3) and shrink.lost == (4, 5) and shrink.joiners == ()
+    # a step the survivors had already made says nothing; one past the resize confirms it
+    sim.progress(JOB, 5)
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+    sim.progress(JOB, 6)
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+    grow = one(sim.feed(NodeJoined(ts=sim.ts(), node="n3", gpus=2)), ResizeInPlace, JOB)
+    assert grow.generation == gen and grow.membership_epoch == 2
+    assert dict(grow.placement) == {"n1": (0, 1), "n2": (2, 3), "n3": (4, 5)} and grow.joiners == (4, 5)
+
+
+def test_losing_the_store_node_or_a_restart_task_is_a_new_generation() -> None:
+    sim = _three_nodes()
+    acts = sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="link closed"))
+    a = one(acts, Assign, JOB)
+    assert a.generation == sim.state.tasks[JOB].generation and not only(acts, ResizeInPlace)
+    sim = _three_nodes(recovery="restart", max_gpus=6)
+    assert one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="gone")), Assign, JOB)
+
+
+def test_no_resize_in_place_before_the_launch_is_confirmed() -> None:
+    sim = Sim()
+    for n in ("n1", "n2", "n3"):
+        sim.join(n, 2)
+    sim.submit(JOB, min_gpus=2)
+    assert one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="gone")), Assign, JOB)
+    sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
+    assert one(sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="gone")), ResizeInPlace, JOB)
+
+
+def test_records_and_states_written_before_the_membership_epoch_still_read() -> None:
+    from coordinator.decision import CoreState
+    from unicron.kernel.types import TaskAssignment, TaskResult
+
+    old = {"task": "t", "generation": 3, "argv": ["x"], "env": {}, "world_size": 2,
+           "ranks": [{"rank": 0, "local_rank": 0, "gpu": 0}], "store_node": "n1"}
+    a = TaskAssignment.from_dict(old)
+    assert (a.membership_epoch, a.members, a.joiners, a.lost) == (0, [], [], [])
+    assert TaskResult.from_dict({"generation": 3, "restart_epoch": 0, "regroup_epoch": 0, "ranks": {}}
+                                ).membership_epoch == 0
+    sim = _three_nodes()
+    raw = sim.state.to_dict()
+    for entry in raw["tasks"].values():  # type: ignore[attr-defined]
+        for key in ("membership_epoch", "world_size", "confirmed"):
+            del entry[key]
+    state = CoreState.from_dict(raw)
+    # an old state's task has no launch size on record: it is not resized in place until its next Assign
+    assert state.tasks[JOB].world_size == 0 and not state.tasks[JOB].confirmed

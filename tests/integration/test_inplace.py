@@ -1,0 +1,198 @@
+"""Reconfiguration in place end to end (issue 13 items 1 and 4): real etcd, a coordinator, three agents
+and real ``unicron train`` ranks (float64). A node is killed (its agent and ranks SIGKILLed): the task
+shrinks in place (``ResizeInPlace``, same generation), the survivors keep their processes, no
+completed iteration is redone, and the parameters after the run equal a failure-free run's within
+1e-12 relative. The node comes back: the task grows back in place, the re-hosted ranks join from a
+healthy replica, and still no survivor restarts. The same shrink with TP=2.
+
+The runs train until the test sets the task store's stop key (every rank stops at one agreed commit
+and writes its outputs), so no figure depends on how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unicron.cli.main import main as cli
+from unicron.cluster.launch import LocalJob
+from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.types import StoreAddress
+from unicron.runtime import store as keys
+from unicron.runtime.compare import load_params, max_rel_diff
+from unicron.runtime.heartbeat import STOP_KEY
+
+ARGS = ["--iter-sleep", "0.1", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "64",
+        "--dtype", "float64", "--global-batch-size", "24", "--micro-batch-size", "4", "--heartbeat-window", "3"]
+TOLERANCE = 1e-12
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    gpus = int(getattr(request, "param", 1))
+    with LocalCluster(agents=3, gpus_per_agent=gpus, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"}) as c:
+        os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+        try:
+            yield c
+        finally:
+            os.environ.pop("UNICRON_ETCD", None)
+
+
+def submit(c: LocalCluster, tmp: Path, out: Path, tp: int) -> None:
+    command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--tp", str(tp), *ARGS,
+               "--out-dir", str(out)]
+    spec = tmp / "job.json"
+    spec.write_text(json.dumps({"name": "job", "command": command, "min_gpus": tp, "tp_size": tp}))
+    assert cli(["submit", str(spec)]) == 0
+
+
+def ranks(c: LocalCluster) -> dict[int, dict[str, Any]]:
+    return c.running_ranks("job")
+
+
+def stepping(c: LocalCluster, want: set[int], past: int, timeout: float = 90.0) -> dict[int, dict[str, Any]]:
+    """The running ranks once exactly ``want`` run and every one of them reported a step > ``past``."""
+    def ready() -> dict[int, dict[str, Any]] | None:
+        now = ranks(c)
+        ok = set(now) == want and all(isinstance(r.get("step"), int) and r["step"] > past for r in now.values())
+        return now if ok else None
+
+    found: dict[int, dict[str, Any]] = c.wait_for(ready, timeout, f"ranks {sorted(want)} past step {past}",
+                                                  poll_s=0.1)
+    return found
+
+
+def kill_node(c: LocalCluster, node: str) -> None:
+    """The node dies: its agent (with its spawner and store sidecar) and its ranks, all SIGKILLed."""
+    victims = [int(r["pid"]) for r in ranks(c).values() if r["node"] == node]
+    os.killpg(c.agents[node].pid, signal.SIGKILL)
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    c.agents[node].wait()
+
+
+def actions_since(c: LocalCluster, t0: float) -> list[str]:
+    return [str(r["action"]) for r in c.coordinator_log(t0) if r.get("event") == "action"]
+
+
+def stop_training(c: LocalCluster) -> None:
+    """Every rank stops at one agreed commit and writes its outputs (the runtime's stop key)."""
+    assert c.store is not None
+    kv = c.store.get(c.keys.store("job"))
+    assert kv is not None
+    addr = StoreAddress.from_json(kv.value)
+    keys.connect(addr.host, addr.port).set(STOP_KEY, "1")
+    c.wait_for(lambda: not ranks(c), 60.0, "every rank to stop", poll_s=0.1)
+
+
+def result(out: Path, rank: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / f"rank{rank}.json").read_text())
+    return data
+
+
+def reference(tmp: Path, iterations: int, tp: int, blocks: int) -> Path:
+    """A failure-free run of the same iterations on one replica, with the same reduction blocks."""
+    job = LocalJob(tp, ["--iterations", str(iterations), "--tp", str(tp), *ARGS, "--blocks", str(blocks)],
+                   str(tmp / "reference"))
+    with job:
+        codes = job.wait(120.0)
+    assert all(code == 0 for code in codes.values()), job.logs()
+    return Path(job.params_path(0))
+
+
+def check_exact(out: Path, tmp: Path, tp: int, blocks: int) -> list[int]:
+    """Rank 0 ran every iteration once, and its parameters equal the failure-free run's; returns the
+    data-parallel size of each iteration."""
+    done = result(out, 0)
+    its = [e["data"] for e in done["events"] if e["kind"] == "iteration"]
+    assert [e["it"] for e in its] == list(range(done["iterations"])), "an iteration was redone or skipped"
+    diff = max_rel_diff(load_params(str(out / "rank0.pt")), load_params(str(reference(tmp, done["iterations"], tp,
+                                                                                      blocks))))
+    assert diff <= TOLERANCE, f"max rel diff {diff:.3e} > {TOLERANCE}"
+    return [int(e["dp"]) for e in its]
+
+
+def test_node_lost_shrinks_in_place_and_its_return_grows_back_in_place(cluster: LocalCluster,
+                                                                       tmp_path: Path) -> None:
+    c, out = cluster, tmp_path / "out"
+    submit(c, tmp_path, out, tp=1)
+    first = stepping(c, {0, 1, 2}, 2, timeout=120.0)
+    gen = {r["generation"] for r in first.values()}
+    victim = first[2]["node"]
+    assert victim != first[0]["node"]  # rank 0's node hosts the store: it must survive an in-place shrink
+    t0 = time.time()
+    kill_node(c, victim)
+    survivors = {r: first[r]["pid"] for r in (0, 1)}
+    shrunk = stepping(c, {0, 1}, max(r["step"] for r in first.values()) + 2)
+    shrink_s = time.time() - t0
+    assert {r: shrunk[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
+    assert {r["generation"] for r in shrunk.values()} == gen
+    acts = actions_since(c, t0)
+    assert "ResizeInPlace" in acts and "Assign" not in acts, acts
+
+    t1 = time.time()
+    c.start_agent(victim)  # repaired; a node lost by a sev1 stays isolated until an operator returns it
+    c.wait_registered(victim)
+    assert cli(["undrain", victim]) == 0  # back in service (④): rank 2 is re-hosted there as a joiner
+    grown = stepping(c, {0, 1, 2}, max(r["step"] for r in shrunk.values()) + 2)
+    grow_s = time.time() - t1
+    assert {r: grown[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
+    assert grown[2]["node"] == victim and grown[2]["pid"] != first[2]["pid"]
+    assert {r["generation"] for r in grown.values()} == gen
+    assert "Assign" not in actions_since(c, t0)
+
+    stop_training(c)
+    dps = check_exact(out, tmp_path, tp=1, blocks=3)
+    assert dps[0] == 3 and 2 in dps and dps[-1] == 3, dps
+    assert result(out, 2)["incarnation"] == 2  # the joiner took its state from a replica
+    print(f"shrink (kill -> survivors 2 steps on) {shrink_s:.1f} s; grow (agent start -> joiner steps) "
+          f"{grow_s:.1f} s; dp per iteration {dps}")
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_tp2_task_loses_a_node_in_place(cluster: LocalCluster, tmp_path: Path) -> None:
+    c, out = cluster, tmp_path / "out"
+    submit(c, tmp_path, out, tp=2)
+    first = stepping(c, set(range(6)), 2, timeout=120.0)
+    victim = first[4]["node"]
+    assert {first[4]["node"], first[5]["node"]} == {victim} != {first[0]["node"]}
+    t0 = time.time()
+    kill_node(c, victim)
+    survivors = {r: first[r]["pid"] for r in range(4)}
+    shrunk = stepping(c, set(range(4)), max(r["step"] for r in first.values()) + 2)
+    assert {r: shrunk[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
+    acts = actions_since(c, t0)
+    assert "ResizeInPlace" in acts and "Assign" not in acts, acts
+    stop_training(c)
+    dps = check_exact(out, tmp_path, tp=2, blocks=3)
+    assert dps[0] == 3 and dps[-1] == 2, dps
+
+
+def test_a_drained_nodes_rank_leaves_at_a_boundary_and_the_rest_go_on(cluster: LocalCluster,
+                                                                       tmp_path: Path) -> None:
+    """The agent's side of a shrink whose node stays in service: the rank gets ``Leave``, finishes its
+    iteration and exits 0 (no failure reported, nothing marked); the others never stop."""
+    c, out = cluster, tmp_path / "out"
+    submit(c, tmp_path, out, tp=1)
+    first = stepping(c, {0, 1, 2}, 2, timeout=120.0)
+    node = first[2]["node"]
+    t0 = time.time()
+    assert cli(["drain", node]) == 0
+    shrunk = stepping(c, {0, 1}, max(r["step"] for r in first.values()) + 2)
+    assert {r: shrunk[r]["pid"] for r in (0, 1)} == {r: first[r]["pid"] for r in (0, 1)}
+    acts = actions_since(c, t0)
+    assert "ResizeInPlace" in acts and "Assign" not in acts, acts
+    faults = [i for i in c.incidents() if i.detected_ts >= t0 - 1 and i.severity is not None]
+    assert not faults, f"a rank leaving is no fault: {faults}"
+    stop_training(c)
+    assert result(out, 2)["mode"] == "left"
+    dps = check_exact(out, tmp_path, tp=1, blocks=3)
+    assert dps[0] == 3 and dps[-1] == 2, dps
