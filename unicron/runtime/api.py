@@ -151,6 +151,7 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
         micro_batch_size=args.micro_batch_size, iterations=args.iterations, deterministic=args.deterministic,
         bucket_elems=args.bucket_elems, recovery=args.recovery, seed=args.seed, iter_sleep=args.iter_sleep,
         join_timeout_s=args.join_timeout, manual_gc_interval=args.manual_gc_interval,
+        log_iterations=args.log_iterations,
     )
     comm = CommSettings(
         collective_timeout_s=args.collective_timeout, regroup_timeout_s=args.regroup_timeout,

@@ -116,5 +116,7 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     _opt(c, "--stop-snapshot", default="on", choices=("on", "off"),
          help="on SIGTERM (or any stop) save a snapshot at the iteration boundary before exiting (default on)")
     o = p.add_argument_group("outputs")
+    _opt(o, "--log-iterations", action="store_true",
+         help="print 'iteration N done TS pid P dp D' on stdout as each iteration commits (benchmarks)")
     _opt(o, "--out-dir", default="", help="write rank<R>.json (events, losses) and rank<R>.pt (params)")
     return p

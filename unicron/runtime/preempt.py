@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -73,5 +72,6 @@ class Preemption:
         took = f" {time.time() - self.signalled_at:.2f} s after SIGTERM" if self.signalled_at else ""
         what = (f"on-demand snapshot of iteration {self.saved[0]} saved" if self.saved
                 else "no on-demand snapshot (--stop-snapshot off or no --ckpt)")
-        print(f"rank {rank}: stopped at iteration {iteration}{took}; {what}", file=sys.stderr, flush=True)
+        # stdout: the job's own output (the agent appends it to the rank's log), as Megatron prints
+        print(f"rank {rank}: stopped at iteration {iteration}{took}; {what}", flush=True)
         log.info("stopped on request", rank=rank, step=iteration, snapshot=self.saved is not None)

@@ -161,6 +161,8 @@ class ScheduleConfig:
     join_timeout_s: float = 600.0
     #: collect garbage only at every Nth iteration boundary, on all ranks alike (0: automatic)
     manual_gc_interval: int = 0
+    #: print ``iteration N done TS pid P dp D`` on stdout at each commit (the rank's own clock; benchmarks)
+    log_iterations: bool = False
 
 
 VIEW_CHECK_EVERY = 100
@@ -630,6 +632,9 @@ class Trainer(Generic[BatchT]):
         self.losses.append(loss)
         self._event("iteration", it=self.it, loss=loss, epoch=self.groups.record.epoch,
                     dp=self._epoch_plan(self.groups.record)[0])
+        if self.sched.log_iterations:
+            print(f"iteration {self.it} done {time.time():.6f} pid {os.getpid()} "
+                  f"dp {self._epoch_plan(self.groups.record)[0]}", flush=True)
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
         saved = self._checkpoint()
@@ -828,6 +833,7 @@ class Trainer(Generic[BatchT]):
         source = next((s.source for s in self.sources if isinstance(s, CheckpointSource)), "")
         self._event("restored", it=self.it, source=source)
         self.log.info("restored", step=self.it, source=source)
+        print(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'}", flush=True)
 
     def _any_checkpoint(self) -> bool:
         """``--resume`` with no checkpoint on any rank (a first launch) starts from scratch, as
