@@ -223,8 +223,10 @@ class Bench:
         return self.measure(TASK, t0, 4, new_pids={int(self.ranks(TASK)[rank]["pid"])})
 
     def reconfigure(self) -> tuple[dict[str, float], str]:
-        store_node = min(str(r["node"]) for r in self.ranks(TASK).values())
-        node = max(str(r["node"]) for r in self.ranks(TASK).values() if str(r["node"]) != store_node)
+        ranks = self.ranks(TASK)
+        # not rank 0's node (whose agent hosts the task's store in this placement, as the old bench chose)
+        node = next(str(r["node"]) for _, r in sorted(ranks.items(), reverse=True)
+                    if str(r["node"]) != str(ranks[0]["node"]))
         self.at_offset(TASK)
         t0 = time.time()
         os.kill(self.c.agents[node].pid, signal.SIGKILL)
@@ -242,12 +244,14 @@ class Bench:
         log = self.logs[BASE]
         last = max(d.it for d in log.poll())
         ckpt = (last // BASE_EVERY + 1) * BASE_EVERY  # the next checkpoint: saved after iteration ckpt-1
-        fault_it = self.at_offset(BASE, ckpt - 1 + BASE_AFTER - 1)
+        # iterations ckpt .. ckpt+BASE_AFTER-1 complete after the checkpoint; the fault lands in the next
+        fault_it = self.at_offset(BASE, ckpt + BASE_AFTER - 1)
         victim = max(self.ranks(BASE).values(), key=lambda r: int(r["rank"]))
         t0 = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)
         out = self.measure(BASE, t0, 4)
-        caught = min((d.ts for d in log.after(t0) if d.it >= fault_it and d.dp == 4), default=float("nan"))
+        pids = {int(r["pid"]) for r in self.ranks(BASE).values()}
+        caught = min((d.ts for d in log.after(t0) if d.it >= fault_it and d.pid in pids), default=float("nan"))
         out["caught_up_s"] = caught - t0
         return out
 
