@@ -9,8 +9,9 @@ one committed (read from those lines); the clock starts at the fault and stops a
 **completed** afterwards by a process of the configuration the task settles in, at that
 configuration's data-parallel size:
 
-* ``reattempt`` (sev3): a rank raises "connection reset" (``unicron inject``); clock from the agent's
-  delivery stamp;
+* ``reattempt`` (sev3): a rank raises "connection reset" (``unicron inject``; the rank takes an
+  injected fault between two micro-batches, so it lands inside the iteration); clock from the
+  agent's delivery stamp;
 * ``restart`` (sev2): a rank is SIGKILLed; the clock stops when the *restarted* rank has rejoined
   and completed an iteration;
 * ``reconfigure`` (sev1, shrink): a node's agent is SIGKILLed (its ranks die with it); the task goes on

@@ -537,6 +537,8 @@ class Trainer(Generic[BatchT]):
             self.mb_position += 1
             if self.client.enabled:
                 self.client.microbatch_done(self.it, mb)
+                if self.todo:  # an injected fault lands inside the iteration, as a scripted mbN one does
+                    self.client.check_injected()
         if self.views_checked_at is None or abs(self.it - self.views_checked_at) >= VIEW_CHECK_EVERY:
             self.flat.check_views()
             self.views_checked_at = self.it
