@@ -16,8 +16,9 @@ configuration's data-parallel size:
   and completed an iteration;
 * ``reconfigure`` (sev1, shrink): a node's agent is SIGKILLed (its ranks die with it); the task goes on
   on the other node (DP 2);
-* ``grow`` (node join): the agent comes back; clock from its registration (as read here) until the
-  first iteration completed at DP 4;
+* ``grow`` (node join): the agent comes back and is undrained (a node isolated after a sev1 stays
+  out until an operator undrains it); clock from the undrain's answer until the first iteration
+  completed at DP 4;
 * ``baseline_restart``: the same runtime as a ``recovery: "restart"`` task (torchrun's
   ``--max-restarts`` semantics: any rank's failure stops every rank and relaunches the whole job
   through the same agents and warm spawner, with a fresh store), ``--ckpt torch-save --ckpt-every 10
@@ -236,8 +237,11 @@ class Bench:
         return out, node
 
     def grow(self, node: str) -> dict[str, float]:
+        """The lost node comes back. The coordinator keeps a node isolated after a sev1 until an
+        operator undrains it: the join is the undrain (its answer starts the clock)."""
         self.c.start_agent(node)
         self.c.wait_registered(node)
+        assert cli(["undrain", node]) == 0
         t0 = time.time()
         return self.measure(TASK, t0, 4)
 
