@@ -220,9 +220,12 @@ class Bench:
         self.at_offset(TASK)
         t0 = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)
-        self.c.wait_for(lambda: rank in self.ranks(TASK) and int(self.ranks(TASK)[rank]["pid"]) not in before,
-                        120.0, "the rank's relaunch", poll_s=0.05)
-        return self.measure(TASK, t0, 4, new_pids={int(self.ranks(TASK)[rank]["pid"])})
+        def relaunched() -> int | None:
+            r = self.ranks(TASK).get(rank)
+            return int(r["pid"]) if r is not None and int(r["pid"]) not in before else None
+
+        pid = self.c.wait_for(relaunched, 120.0, "the rank's relaunch", poll_s=0.05)
+        return self.measure(TASK, t0, 4, new_pids={pid})
 
     def reconfigure(self) -> tuple[dict[str, float], str]:
         ranks = self.ranks(TASK)
@@ -239,8 +242,13 @@ class Bench:
     def grow(self, node: str) -> dict[str, float]:
         """The lost node comes back. The coordinator keeps a node isolated after a sev1 until an
         operator undrains it: the join is the undrain (its answer starts the clock)."""
+        started = time.time()
         self.c.start_agent(node)
         self.c.wait_registered(node)
+        # a node that joins runs a warm agent: wait for its spawner's socket (torch imported), or the
+        # spawner's import would be counted as the transition
+        sock = Path(self.c.run_dir, f"{node}.pf")
+        self.c.wait_for(lambda: sock.exists() and sock.stat().st_ctime > started, 120.0, "the spawner", poll_s=0.1)
         assert cli(["undrain", node]) == 0
         t0 = time.time()
         return self.measure(TASK, t0, 4)
