@@ -79,3 +79,42 @@ def test_memory_checkpoint_survives_losing_every_local_copy(runner: Runner, tmp_
     restored = [second.events(r, "restored")[0] for r in range(2)]
     assert [e["it"] for e in restored] == [newest, newest], restored
     assert {e["source"] for e in restored} == {"remote", "replica"}, restored
+
+
+class _Tiered:
+    """A checkpointer with tiers (``persist=``) and background work (``wait``), as CheckpointManager."""
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[int, bool]] = []
+        self.waited = 0
+
+    def save(self, state: object, iteration: int, persist: bool = False) -> None:
+        self.saves.append((iteration, persist))
+
+    def wait(self) -> None:
+        self.waited += 1
+
+
+def test_the_stop_snapshot_is_persisted_once_and_waited_for() -> None:
+    from unicron.runtime.preempt import Preemption
+
+    p = Preemption()
+    p._on_signal(signal.SIGTERM, None)
+    assert p.requested and p.signalled_at is not None
+    ck = _Tiered()
+    p.save(ck, dict, 7, writer=True, already_saved=False)  # type: ignore[arg-type]
+    assert ck.saves == [(7, True)] and ck.waited == 1 and p.saved == (7, "_Tiered")
+    p.save(ck, dict, 8, writer=True, already_saved=True)  # type: ignore[arg-type]
+    assert ck.saves == [(7, True)] and ck.waited == 2  # the periodic one of this iteration stands
+    p.save(ck, dict, 9, writer=False, already_saved=False)  # type: ignore[arg-type]
+    off = Preemption(snapshot=False)
+    off.save(ck, dict, 10, writer=True, already_saved=False)  # type: ignore[arg-type]
+    assert ck.saves == [(7, True)] and off.saved is None
+
+
+def test_storage_root_defaults_under_the_checkpoint_directory() -> None:
+    from unicron.runtime.checkpoint import storage_root
+
+    assert storage_root("", "/ck") == "/ck/persisted"
+    assert storage_root("/shared/ck", "/ck") == "/shared/ck"
+    assert storage_root("none", "/ck") == "" and storage_root("", "") == ""
