@@ -12,6 +12,7 @@ the stop is computed again.
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 import threading
 import time
@@ -38,13 +39,21 @@ class Preemption:
         self.requested = False
         self.signalled_at: float | None = None
         self.saved: tuple[int, str] | None = None  # (iteration, where) of the on-demand snapshot
+        self._idle: Callable[[], bool] = lambda: False
 
-    def install(self) -> None:
-        """Handle SIGTERM in this (the main) thread; a no-op elsewhere (signals go to the main thread)."""
+    def install(self, idle: Callable[[], bool] = lambda: False) -> None:
+        """Handle SIGTERM in this (the main) thread; a no-op elsewhere (signals go to the main thread).
+        ``idle``: whether the rank holds no state worth saving yet (starting, waiting to join): then
+        SIGTERM ends it at once, as it did before, instead of after the agent's grace."""
+        self._idle = idle
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._idle():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         # Only a flag: the handler runs between bytecodes of whatever the rank was doing.
         self.requested = True
         if self.signalled_at is None:

@@ -364,7 +364,7 @@ class Trainer(Generic[BatchT]):
 
     def run(self) -> int:
         """Train until the configured iterations are done or the job is stopped; returns an exit code."""
-        self.preempt.install()
+        self.preempt.install(idle=lambda: self._held is None or not self.holds_state)
         try:
             self.begin()
             while not self.finished():
