@@ -611,7 +611,8 @@ class Agent:
                     continue
                 if rec is not None:
                     outcomes.append(self._retire(name, f"reconfigured to generation {a.generation}"))
-                new = TaskReconciler(a, self, self.prefork, previous=self._retired.pop(name, None))
+                new = TaskReconciler(a, self, self.prefork, previous=self._retired.pop(name, None),
+                                     stop_grace_s=self.settings.stop_grace_s)
                 self._tasks[name] = new
                 new.offer_store(self._stores.get(name))
                 outcomes.append(new.started)

@@ -63,8 +63,9 @@ from unicron.kernel.types import (
 
 log = ulog.get(__name__)
 
-#: how long a stop gives ranks between SIGTERM and SIGKILL
-STOP_GRACE_S = 2.0
+#: how long a stop gives ranks between SIGTERM and SIGKILL, unless the agent says otherwise
+#: (``AgentSettings.stop_grace_s``): a training rank's on-demand snapshot is taken in it
+STOP_GRACE_S = 10.0
 #: how long a restart waits for a SIGKILLed rank to be reaped before giving up on it
 RESTART_WAIT_S = 10.0
 #: after a restart, the next attempt's spare store starts once a relaunched rank made a step, or after
@@ -172,8 +173,9 @@ class _Command:
 
 class TaskReconciler:
     def __init__(self, assignment: TaskAssignment, host: TaskHost, prefork: Prefork | None,
-                 previous: TaskReconciler | None = None) -> None:
+                 previous: TaskReconciler | None = None, stop_grace_s: float = STOP_GRACE_S) -> None:
         self.task = assignment.task
+        self.stop_grace_s = stop_grace_s
         self.host = host
         self._previous = previous
         self._lock = threading.Lock()
@@ -550,10 +552,10 @@ class TaskReconciler:
         running = self.supervisor.status()
         for r in ranks:
             if r in running:
-                self.supervisor.kill(r, signal.SIGTERM, grace_s=STOP_GRACE_S)
-        errors = [f"rank {r} did not exit within {STOP_GRACE_S + RESTART_WAIT_S:.0f} s of SIGTERM"
+                self.supervisor.kill(r, signal.SIGTERM, grace_s=self.stop_grace_s)
+        errors = [f"rank {r} did not exit within {self.stop_grace_s + RESTART_WAIT_S:.0f} s of SIGTERM"
                   for r in ranks if r in running
-                  and self.supervisor.wait(r, timeout_s=STOP_GRACE_S + RESTART_WAIT_S) is None]
+                  and self.supervisor.wait(r, timeout_s=self.stop_grace_s + RESTART_WAIT_S) is None]
         if errors:
             return errors
         store = self._fresh_store(a)
@@ -633,7 +635,7 @@ class TaskReconciler:
             spare.stop()
         if pending is not None:
             pending[0].stop()
-        self.supervisor.close(grace_s=STOP_GRACE_S)
+        self.supervisor.close(grace_s=self.stop_grace_s)
         if sidecar is not None:
             sidecar.stop()
             if store is not None and revision:

@@ -54,6 +54,10 @@ class AgentSettings:
                                   "regex of an uninstrumented job's progress lines, with a (?P<iteration>...) group "
                                   "and optionally (?P<elapsed_ms>...) or (?P<elapsed_s>...); a task's env overrides it")
     """Megatron-LM's ``iteration N/ M | ... elapsed time per iteration (ms): X`` lines are always parsed."""
+    stop_grace_s: float = setting(10.0, "UNICRON_STOP_GRACE", "seconds a stopped rank gets between SIGTERM and SIGKILL")
+    """A training rank uses it to reach the iteration boundary, save an on-demand snapshot and exit 0
+    (unicron/runtime/preempt.py): give it an iteration plus a snapshot's save. Every stop of a running
+    task (cancel, preemption, a relaunching reconfigure) waits at most this long per rank."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
     """Calls that exceed it count as etcd being unavailable and are retried."""
     metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)")
@@ -74,6 +78,8 @@ class AgentSettings:
             raise ConfigError("--lease-ttl-s / UNICRON_LEASE_TTL must be >= 1")
         if self.progress_regex:
             compile_regex(self.progress_regex)
+        if self.stop_grace_s < 0:
+            raise ConfigError("--stop-grace-s / UNICRON_STOP_GRACE must be >= 0")
         if self.heartbeat_s <= 0:
             raise ConfigError("--heartbeat-s / UNICRON_HEARTBEAT must be > 0")
         if self.tls_dir:

@@ -234,8 +234,10 @@ class CheckpointManager(Checkpointer):
 
     # ------------------------------------------------------------------------------------------- save
 
-    def save(self, state: Any, iteration: int) -> SaveTicket:
-        """Snapshot ``state`` after ``iteration`` (strictly increasing); see :class:`SaveTicket`."""
+    def save(self, state: Any, iteration: int, persist: bool = False) -> SaveTicket:
+        """Snapshot ``state`` after ``iteration`` (strictly increasing); see :class:`SaveTicket`.
+        ``persist``: also write this one to storage (when there is one) whatever ``persist_every``
+        says, e.g. the on-demand snapshot a stopping task takes before its processes exit."""
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointManager")
         if not isinstance(iteration, int) or iteration < 0:
@@ -267,10 +269,8 @@ class CheckpointManager(Checkpointer):
         ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), t3 - t0, t1 - t0, t3 - t2)
         self._last = iteration
         self._count += 1
-        due = (
-            self.storage is not None
-            and self.config.persist_every > 0
-            and self._count % self.config.persist_every == 0
+        due = self.storage is not None and (
+            persist or (self.config.persist_every > 0 and self._count % self.config.persist_every == 0)
         )
         job = _Job(
             slot, iteration, enc.meta, enc.data_len, ticket, event, due, enc=enc if background else None

@@ -36,6 +36,7 @@ from unicron.runtime.job import BatchT, DataContext, ForwardStep, Job, MicroBatc
 from unicron.runtime.membership import CommSettings
 from unicron.runtime.model import ModelType, ensure_torch_distributed
 from unicron.runtime.plan import Topology
+from unicron.runtime.preempt import Preemption
 from unicron.runtime.scheduler import ScheduleConfig, Trainer
 from unicron.runtime.state import OptimConfig
 
@@ -139,6 +140,10 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.ckpt not in ("none", "torch-save", "memory"):
         raise ConfigError(f"--ckpt {args.ckpt!r}: choose none, torch-save or memory")
+    if args.ckpt_persist_every < 0:
+        raise ConfigError(f"--ckpt-persist-every must be >= 0, got {args.ckpt_persist_every}")
+    if args.stop_snapshot not in ("on", "off"):
+        raise ConfigError(f"--stop-snapshot {args.stop_snapshot!r}: choose on or off")
     if not 0 < args.heartbeat_interval < args.heartbeat_window:
         raise ConfigError("--heartbeat-interval must be > 0 and below --heartbeat-window")
     sched = ScheduleConfig(
@@ -146,6 +151,7 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
         micro_batch_size=args.micro_batch_size, iterations=args.iterations, deterministic=args.deterministic,
         bucket_elems=args.bucket_elems, recovery=args.recovery, seed=args.seed, iter_sleep=args.iter_sleep,
         join_timeout_s=args.join_timeout, manual_gc_interval=args.manual_gc_interval,
+        log_iterations=args.log_iterations,
     )
     comm = CommSettings(
         collective_timeout_s=args.collective_timeout, regroup_timeout_s=args.regroup_timeout,
@@ -192,7 +198,8 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         store = keys.connect(host, port)
         torch.set_num_threads(args.threads)
         ensure_torch_distributed()
-        checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank)
+        checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank,
+                                         storage=args.ckpt_storage, persist_every=args.ckpt_persist_every)
         incarnation = int(store.add(keys.started_key(rank), 1))
     except BaseException:
         heartbeat.stop()
@@ -204,6 +211,7 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         sched=sched, comm=comm, client=client,
         faults=FaultScript.from_env(rank, incarnation, store), checkpointer=checkpointer,
         ckpt_every=args.ckpt_every, resume=args.resume, watcher=heartbeat,
+        preemption=Preemption(snapshot=args.stop_snapshot == "on"),
     )
     return Rank(trainer, heartbeat, client)
 

@@ -92,8 +92,28 @@ def has_checkpoint(checkpointer: Checkpointer) -> bool:
     return True
 
 
-def make_checkpointer(kind: str, directory: str, job: str, rank: int) -> Checkpointer | None:
-    """The checkpointer named by ``--ckpt``; None for ``none``."""
+def newest_checkpoint(checkpointer: Checkpointer) -> int | None:
+    """The newest iteration any of ``checkpointer``'s tiers claims to hold (unverified, nothing loaded)."""
+    if isinstance(checkpointer, TorchSaveCheckpointer):
+        held = checkpointer.held()
+        return held[-1] if held else None
+    available = getattr(checkpointer, "available", None)
+    if callable(available):
+        return max((i for _, _, its in available() for i in (its or [])), default=None)
+    return None
+
+
+def storage_root(storage: str, directory: str) -> str:
+    """``--ckpt-storage``: the directory persisted snapshots go to ("" = under ``--ckpt-dir``; none: off)."""
+    if storage == "none":
+        return ""
+    return storage or (os.path.join(directory, "persisted") if directory else "")
+
+
+def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage: str = "",
+                      persist_every: int = 1) -> Checkpointer | None:
+    """The checkpointer named by ``--ckpt``; None for ``none``. ``storage``/``persist_every``: the
+    remote tier of ``memory`` (see :func:`storage_root`)."""
     if kind == "none":
         return None
     if kind == "torch-save":
@@ -102,16 +122,22 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int) -> Checkpo
         return TorchSaveCheckpointer(directory, rank)
     if kind == "memory":
         from ckpt.manager import CheckpointConfig, CheckpointManager
-
-        name = re.sub(r"[^A-Za-z0-9._-]", "-", job or "local")[:128] or "local"
         from ckpt.replica import ReplicaClient
-
-        local = os.path.join(directory, f"rank-{rank}") if directory else ""
-        # Peer nodes' replica servers (GEMINI placement), given by the agent that launched us.
+        from ckpt.storage import FilesystemStorage
         from unicron.kernel import tls
 
+        name = re.sub(r"[^A-Za-z0-9._-]", "-", job or "local")[:128] or "local"
+        local = os.path.join(directory, f"rank-{rank}") if directory else ""
         tls_config = tls.from_env()  # the node's certificate, when the agent runs with --tls-dir
+        # Peer nodes' replica servers (GEMINI placement), given by the agent that launched us.
         peers = [ReplicaClient(a, tls_config=tls_config)
                  for a in os.environ.get(ENV_CKPT_PEERS, "").split(",") if a.strip()]
-        return CheckpointManager(CheckpointConfig(job=name, rank=rank, local_dir=local), peers=peers)
+        root = storage_root(storage, directory)
+        try:
+            remote = FilesystemStorage(root) if root else None
+        except OSError as exc:
+            raise ConfigError(f"--ckpt-storage {root!r}: {exc}") from exc
+        config = CheckpointConfig(job=name, rank=rank, local_dir=local,
+                                  persist_every=persist_every if remote is not None else 0)
+        return CheckpointManager(config, peers=peers, storage=remote)
     raise ConfigError(f"--ckpt {kind!r}: choose one of {KINDS}")

@@ -107,6 +107,16 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     _opt(c, "--ckpt-dir", default="", help="directory of torch-save files / in-memory slots")
     _opt(c, "--ckpt-every", type=int, default=0, help="checkpoint every N iterations (0: never)")
     _opt(c, "--resume", action="store_true", help="start from the newest checkpoint")
+    _opt(c, "--ckpt-storage", default="",
+         help="--ckpt memory's remote tier: a directory (a shared filesystem) snapshots are persisted to in the "
+              "background, so the task survives losing every node; default <ckpt-dir>/persisted when --ckpt-dir "
+              "is given, 'none' for no remote tier")
+    _opt(c, "--ckpt-persist-every", type=int, default=1,
+         help="--ckpt memory: persist every Nth snapshot to --ckpt-storage (default 1; a stop's snapshot always)")
+    _opt(c, "--stop-snapshot", default="on", choices=("on", "off"),
+         help="on SIGTERM (or any stop) save a snapshot at the iteration boundary before exiting (default on)")
     o = p.add_argument_group("outputs")
+    _opt(o, "--log-iterations", action="store_true",
+         help="print 'iteration N done TS pid P dp D' on stdout as each iteration commits (benchmarks)")
     _opt(o, "--out-dir", default="", help="write rank<R>.json (events, losses) and rank<R>.pt (params)")
     return p

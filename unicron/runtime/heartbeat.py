@@ -111,6 +111,7 @@ class Heartbeat:
     def _child(self, parent: int) -> None:
         die_with_parent(parent)  # (also checked each tick: getppid)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank handles ^C; we follow it out
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the rank stops at a boundary (preempt.py); we follow it
         try:
             conn = keys.connect(self._host, self._port)
         except Exception as exc:

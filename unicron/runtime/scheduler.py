@@ -86,6 +86,7 @@ from unicron.runtime.job import BatchT, Job, grad_dtype
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
 from unicron.runtime.model import broken_group, rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, seed_rng
+from unicron.runtime.preempt import Preemption
 from unicron.runtime.recovery import (
     RankStatus,
     RegroupDue,
@@ -162,6 +163,8 @@ class ScheduleConfig:
     join_timeout_s: float = 600.0
     #: collect garbage only at every Nth iteration boundary, on all ranks alike (0: automatic)
     manual_gc_interval: int = 0
+    #: print ``iteration N done TS pid P dp D`` on stdout at each commit (the rank's own clock; benchmarks)
+    log_iterations: bool = False
 
 
 VIEW_CHECK_EVERY = 100
@@ -245,6 +248,7 @@ class Trainer(Generic[BatchT]):
         ckpt_every: int = 0,
         resume: bool = False,
         watcher: Heartbeat | None = None,
+        preemption: Preemption | None = None,
     ) -> None:
         if sched.recovery not in RECOVERY_MODES:
             raise ConfigError(f"--recovery {sched.recovery!r}: choose one of {RECOVERY_MODES}")
@@ -256,6 +260,7 @@ class Trainer(Generic[BatchT]):
         if isinstance(checkpointer, TorchSaveCheckpointer):
             checkpointer.use_shard(topo.tp_rank(rank))  # the files of this rank's model-parallel shard
         self.watcher = watcher
+        self.preempt = preemption if preemption is not None else Preemption()  # SIGTERM: stop, snapshot
         self.log = ulog.get(__name__, rank=rank, incarnation=incarnation)
         self.sources: list[StateSource] = [ReplicaBroadcast()]
         if checkpointer is not None:
@@ -362,6 +367,7 @@ class Trainer(Generic[BatchT]):
 
     def run(self) -> int:
         """Train until the configured iterations are done or the job is stopped; returns an exit code."""
+        self.preempt.install(idle=lambda: self._held is None or not self.holds_state)
         try:
             self.begin()
             while not self.finished():
@@ -373,11 +379,19 @@ class Trainer(Generic[BatchT]):
             self.gc.close()
         if self.mode is RankMode.LEFT:
             return 0  # the job goes on without this rank: not its end
-        self.store.set(FINISHED_KEY, str(self.it))
+        stopped = self.mode is RankMode.STOPPING
+        try:
+            self.store.set(FINISHED_KEY, str(self.it))
+        except Exception as exc:  # a stopping task's store may go first; the exit stays 0
+            if not stopped:
+                raise
+            self.log.warning("could not mark the job finished in the store", error=str(exc))
         self.mode = RankMode.FINISHED
         wait = getattr(self.checkpointer, "wait", None)
         if callable(wait):
             wait()  # let the last snapshot's background work finish before the process exits
+        if stopped and self.preempt.requested:
+            self.preempt.report(self.rank, self.it)
         return 0
 
     def _finished_before_joining(self, done: JobFinished) -> None:
@@ -537,6 +551,8 @@ class Trainer(Generic[BatchT]):
             self.mb_position += 1
             if self.client.enabled:
                 self.client.microbatch_done(self.it, mb)
+                if self.todo:  # an injected fault lands inside the iteration, as a scripted mbN one does
+                    self.client.check_injected()
         if self.views_checked_at is None or abs(self.it - self.views_checked_at) >= VIEW_CHECK_EVERY:
             self.flat.check_views()
             self.views_checked_at = self.it
@@ -559,7 +575,7 @@ class Trainer(Generic[BatchT]):
     def _stop_flag(self) -> float:
         # the agent's Stop was read at the last boundary (_drain_instructions)
         seen = self.watcher.stop_seen if self.watcher is not None else self.store.check([STOP_KEY])
-        return 1.0 if self.stop_requested or seen else 0.0
+        return 1.0 if self.stop_requested or self.preempt.requested or seen else 0.0
 
     def _reduce(self) -> None:
         if self.prog.complete:
@@ -591,15 +607,32 @@ class Trainer(Generic[BatchT]):
             self.faults.at(self.it, "commit")
         return join, stop
 
-    def _checkpoint(self) -> None:
+    def _ckpt_writer(self) -> bool:
+        # one live replica per shard writes shared files; the others hold the same state
+        shared = getattr(self.checkpointer, "shared_by_replicas", False)
+        return not shared or self.rank == min(self.groups.dp_ranks)
+
+    def _checkpoint(self) -> bool:
+        """The periodic checkpoint, if due at this boundary; whether this rank saved."""
         if self.checkpointer is None or not self.ckpt_every or self.it % self.ckpt_every:
-            return
-        if getattr(self.checkpointer, "shared_by_replicas", False) and self.rank != min(self.groups.dp_ranks):
-            return  # one live replica per shard writes; the others hold the same state
+            return False
+        if not self._ckpt_writer():
+            return False
         t0 = time.time()
         with self.client.phase(protocol.PHASE_CHECKPOINT):
             self.checkpointer.save(self.state.state_dict(), self.it)
         self._event("checkpoint", it=self.it, seconds=time.time() - t0)
+        return True
+
+    def _stop_snapshot(self, saved: bool) -> None:
+        """A stop agreed at this boundary: the on-demand snapshot (``preempt.py``), on every stop."""
+        if self.checkpointer is None or not self.preempt.snapshot:
+            return
+        t0 = time.time()
+        with self.client.phase(protocol.PHASE_CHECKPOINT):
+            self.preempt.save(self.checkpointer, self.state.state_dict, self.it,
+                              writer=self._ckpt_writer(), already_saved=saved)
+        self._event("stop_snapshot", it=self.it, seconds=time.time() - t0)
 
     def _tail_flags(self) -> tuple[bool, bool]:
         tail = self.prog.tail().tolist()
@@ -618,12 +651,16 @@ class Trainer(Generic[BatchT]):
         self.losses.append(loss)
         self._event("iteration", it=self.it, loss=loss, epoch=self.groups.record.epoch,
                     dp=self._epoch_plan(self.groups.record)[0])
+        if self.sched.log_iterations:
+            print(f"iteration {self.it} done {time.time():.6f} pid {os.getpid()} "
+                  f"dp {self._epoch_plan(self.groups.record)[0]}", flush=True)
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
-        self._checkpoint()
+        saved = self._checkpoint()
         self.gc.at_boundary(self.it)
         self._drain_instructions()
         if stop:
+            self._stop_snapshot(saved)
             self.mode = RankMode.STOPPING
         elif join:
             self.due = RegroupDue(RegroupReason.ADMISSION, assume_same=True)
@@ -816,7 +853,10 @@ class Trainer(Generic[BatchT]):
             raise RestoreMismatch(f"ranks restored different iterations {found}; no common checkpoint")
         self.mode = RankMode.RECOVERING
         self._new_iteration(self.groups.record)
-        self._event("restored", it=self.it)
+        source = next((s.source for s in self.sources if isinstance(s, CheckpointSource)), "")
+        self._event("restored", it=self.it, source=source)
+        self.log.info("restored", step=self.it, source=source)
+        print(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'}", flush=True)
 
     def _any_checkpoint(self) -> bool:
         """``--resume`` with no checkpoint on any rank (a first launch) starts from scratch, as

@@ -141,23 +141,54 @@ class ReplicaBroadcast(StateSource):
 
 
 class CheckpointSource(StateSource):
-    """Every receiver restores its own rank's newest in-memory checkpoint (``ckpt`` Checkpointer).
+    """No replica holds the state (the whole task was stopped or lost): restore the newest snapshot.
 
-    Used only when no data-parallel replica is healthy; the restored iteration is the same on every
-    rank because the checkpoint manager saves all ranks at the same iterations.
+    Every data-parallel replica of a shard holds the same state, so the group needs one copy of the
+    newest iteration, not one per rank: the members tell each other the newest iteration their
+    checkpointer claims (its nearest tier first: this node's memory, a peer's, then remote storage),
+    the holder of the newest restores it (falling back to an older one only if no copy of the newest
+    is valid) and broadcasts it to the rest (peer memory). A rank relaunched where it holds nothing,
+    or a task relaunched with more replicas, so never restores an older periodic checkpoint while a
+    newer snapshot (a stop's on-demand one) exists anywhere in the group.
     """
 
     name = "checkpoint"
 
     def __init__(self, checkpointer: Any) -> None:
         self.checkpointer = checkpointer
+        #: where this rank's state came from at the last transfer: a tier (local, peer, remote) or
+        #: "replica" (broadcast by the group's holder of the newest snapshot)
+        self.source = ""
 
     def transfer(
         self, state: ReplicaState, group: CommGroup, group_ranks: Sequence[int],
         holders: Sequence[int], receivers: Sequence[int], me: int,
     ) -> bool:
-        if me not in receivers:
+        from ckpt.api import NoValidCheckpoint
+        from unicron.runtime.checkpoint import newest_checkpoint
+
+        if not receivers:
             return True
-        restored = self.checkpointer.restore()
-        state.load_state_dict(restored.state)
+        newest = newest_checkpoint(self.checkpointer) if me in receivers else None
+        mine = torch.tensor([-1 if newest is None else newest], dtype=torch.int64)
+        its = [torch.empty_like(mine) for _ in range(group.size())]
+        group.allgather([its], [mine]).wait()
+        claims = [int(t) for t in its]
+        best = max(claims)
+        if best < 0:
+            return False  # nobody holds a snapshot: the caller says so
+        root = claims.index(best)
+        if group.rank() == root:
+            try:
+                restored = self.checkpointer.restore(iteration=best)
+            except NoValidCheckpoint:  # every copy of the newest is damaged: the newest valid one
+                restored = self.checkpointer.restore()
+            state.load_state_dict(restored.state)
+            self.source = restored.tier.value
+        else:
+            self.source = "replica"
+        it = torch.tensor([state.iteration], dtype=torch.int64)
+        group.broadcast(it, root).wait()
+        _broadcast_flat(group, root, state.tensors())
+        state.iteration = int(it.item())
         return True

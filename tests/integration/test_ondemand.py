@@ -1,0 +1,120 @@
+"""Work-conserving stops end to end (issue 13 item 4): real etcd, a coordinator, three agents and a
+2-rank ``unicron.runtime.train`` task with ``--ckpt memory`` and no periodic checkpoint at all
+(``--ckpt-every 0``). Whatever stops it — a cancel, or a move the control plane makes by relaunching
+it (its node drained, no replica left to keep) — its ranks get SIGTERM from their agents, stop at one
+iteration boundary with an on-demand snapshot and exit 0; the relaunched ranks restore that snapshot:
+0 iterations computed again. Without the snapshot there would be nothing to restore (a fresh start)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
+
+TASK = "od"
+STOPPED = re.compile(r"^rank (\d+): stopped at iteration (\d+) .*on-demand snapshot of iteration (\d+) saved")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    env = {"UNICRON_STATUS_INTERVAL": "0.2"}
+    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env) as c:
+        os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+        try:
+            yield c
+        finally:
+            os.environ.pop("UNICRON_ETCD", None)
+
+
+def submit(c: LocalCluster, tmp: Path, name: str) -> None:
+    command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
+               "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
+               "--global-batch-size", "8", "--micro-batch-size", "2",
+               "--ckpt", "memory", "--ckpt-dir", str(tmp / "ck"), "--ckpt-every", "0", "--resume"]
+    spec = tmp / f"{name}.json"
+    spec.write_text(json.dumps({"name": name, "command": command, "min_gpus": 2, "max_gpus": 2,
+                                }))
+    assert cli(["submit", str(spec)]) == 0
+
+
+def log_lines(c: LocalCluster, name: str, rank: int) -> list[str]:
+    path = Path(c.run_dir, "logs", name, f"rank{rank}.log")
+    return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+
+def stops(c: LocalCluster, name: str) -> dict[int, list[int]]:
+    """Per rank, the iterations at which it stopped with an on-demand snapshot (its exit line)."""
+    out: dict[int, list[int]] = {}
+    for r in (0, 1):
+        out[r] = [int(m[3]) for line in log_lines(c, name, r) if (m := STOPPED.match(line))]
+    return out
+
+
+RESTORED = re.compile(r"^rank (\d+): restored iteration (\d+) from (\w+)")
+
+
+def restores(c: LocalCluster, name: str) -> list[tuple[int, int, str]]:
+    """(rank, iteration, source) of every restore the ranks printed, rank by rank in log order."""
+    return [(r, int(m[2]), m[3]) for r in (0, 1) for line in log_lines(c, name, r) if (m := RESTORED.match(line))]
+
+
+def stepping(c: LocalCluster, name: str, least: int) -> bool:
+    ranks = c.running_ranks(name)
+    return len(ranks) == 2 and all(isinstance(r.get("step"), int) and r["step"] >= least for r in ranks.values())
+
+
+def test_cancel_saves_and_a_resubmit_resumes_where_it_stopped(cluster: LocalCluster, tmp_path: Path) -> None:
+    c, name = cluster, f"{TASK}-cancel"
+    submit(c, tmp_path, name)
+    c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
+    assert cli(["cancel", name]) == 0
+    c.wait_for(lambda: not c.running_ranks(name) and all(stops(c, name).values()), 30.0,
+               "both ranks to stop with a snapshot", poll_s=0.1)
+    at = stops(c, name)
+    assert at[0] == at[1] and len(at[0]) == 1, at  # one boundary for both
+    n = at[0][0]
+    assert n >= 5 and restores(c, name) == []
+    submit(c, tmp_path, name)
+    c.wait_for(lambda: stepping(c, name, n + 2), 90.0, "the resubmitted task to train on", poll_s=0.1)
+    got = restores(c, name)
+    assert [it for _, it, _ in got] == [n, n], got  # resumed where it stopped: 0 iterations redone
+    assert cli(["cancel", name]) == 0
+    c.wait_for(lambda: not c.running_ranks(name), 30.0, "the task to stop", poll_s=0.1)
+
+
+def test_a_relaunching_move_restores_from_the_on_demand_snapshot(cluster: LocalCluster, tmp_path: Path) -> None:
+    """The task's nodes are drained: no replica of it survives there, so the control plane stops it
+    and places it again (a new generation, new processes); it resumes at the stop's iteration."""
+    c, name = cluster, f"{TASK}-move"
+    submit(c, tmp_path, name)
+    c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
+    before = c.running_ranks(name)
+    nodes = sorted({str(r["node"]) for r in before.values()})
+    gen = max(int(r.get("generation") or 0) for r in before.values())
+    for node in nodes:
+        assert cli(["drain", node]) == 0
+    try:
+        def moved() -> bool:
+            now = c.running_ranks(name)
+            return (len(now) == 2 and not {str(r["node"]) for r in now.values()} & set(nodes)
+                    and all(int(r.get("generation") or 0) > gen for r in now.values()))
+
+        c.wait_for(moved, 60.0, "the task to run on the other node", poll_s=0.1)
+        at = stops(c, name)
+        assert at[0] and at[0] == at[1], at
+        n = at[0][-1]
+        c.wait_for(lambda: len(restores(c, name)) == 2, 30.0, "both ranks to restore", poll_s=0.1)
+        got = restores(c, name)
+        assert [it for _, it, _ in got] == [n, n], (got, at)  # the stop's snapshot: 0 iterations redone
+    finally:
+        for node in nodes:
+            cli(["undrain", node])
+        cli(["cancel", name])

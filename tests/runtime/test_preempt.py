@@ -1,0 +1,120 @@
+"""Work-conserving stop and the remote tier on real processes (issue 13 items 2-3): SIGTERM makes every
+rank stop at one iteration boundary with an on-demand snapshot; a relaunch with another data-parallel
+size resumes exactly there; with every local copy gone, ``--ckpt memory`` restores from its storage."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from tests.runtime.conftest import Runner, train_args, wait_for
+from unicron.cluster.launch import LocalJob
+from unicron.runtime.compare import max_rel_diff
+
+
+def memory_args(ck: Path, every: int = 4) -> list[str]:
+    return ["--ckpt", "memory", "--ckpt-dir", str(ck), "--ckpt-every", str(every), "--resume"]
+
+
+def persisted(ck: Path, rank: int = 0) -> list[int]:
+    """Iterations whose manifest rank ``rank`` persisted to the remote tier (``<ckpt-dir>/persisted``)."""
+    found = (ck / "persisted").glob(f"*/rank-{rank:05d}/manifest-*.json")
+    return sorted(int(p.stem.split("-")[1]) for p in found)
+
+
+def test_sigterm_saves_at_the_boundary_and_a_smaller_relaunch_resumes_there(runner: Runner, tmp_path: Path) -> None:
+    """4 ranks checkpoint every 4 iterations; all get SIGTERM between two checkpoints: each exits 0 after
+    an on-demand snapshot of the same iteration N. Relaunched with 2 ranks (another layout), both
+    resume at N (0 iterations redone) and end where an uninterrupted run ends (float64, 1e-12)."""
+    ck = tmp_path / "ck"
+    args = train_args(0, "float64", False, "--blocks", "4", "--iter-sleep", "0.05", *memory_args(ck))
+
+    def sigterm_between_checkpoints(job: LocalJob) -> None:
+        wait_for(lambda: persisted(ck) != [], 60, "the first periodic checkpoint")
+        time.sleep(0.3)  # into the next interval
+        for rp in job.procs.values():
+            if rp.proc.poll() is None:
+                os.kill(rp.proc.pid, signal.SIGTERM)
+
+    first = runner.run(4, args, while_running=sigterm_between_checkpoints)
+    assert all(c == 0 for c in first.codes.values()), first.job.logs()
+    stops = {r: [e["it"] for e in first.events(r, "stop_snapshot")] for r in range(4)}
+    n = stops[0][0]
+    assert stops == {r: [n] for r in range(4)}, stops  # one boundary, every rank
+    assert all(first.result(r)["iterations"] == n for r in range(4))
+    assert "stopped at iteration" in first.job.logs() and "on-demand snapshot" in first.job.logs()
+    assert n in persisted(ck), (n, persisted(ck))  # the stop's snapshot reached storage before exit
+
+    end = n + 2
+    second = runner.run(2, train_args(end, "float64", False, "--blocks", "4", *memory_args(ck)))
+    assert second.codes == {0: 0, 1: 0}, second.job.logs()
+    restored = [second.events(r, "restored") for r in range(2)]
+    assert [[e["it"] for e in ev] for ev in restored] == [[n], [n]], restored  # nothing redone
+    assert {ev[0]["source"] for ev in restored} == {"local", "replica"}, restored  # one reads, one receives
+    assert [e["it"] for e in second.events(0, "iteration")] == [n, n + 1]
+    diff = max_rel_diff(second.params(0), runner.reference(train_args(end, "float64", False)))
+    assert diff <= 1e-12, f"max rel diff {diff:.3e} against the uninterrupted run"
+
+
+def test_memory_checkpoint_survives_losing_every_local_copy(runner: Runner, tmp_path: Path) -> None:
+    """Every rank SIGKILLed (no stop snapshot) and every node-local copy deleted: the relaunch restores
+    the newest snapshot the ranks persisted in the background, from the remote tier."""
+    ck = tmp_path / "ck"
+    args = train_args(0, "float32", False, "--iter-sleep", "0.05", *memory_args(ck, every=2))
+
+    def lose_everything(job: LocalJob) -> None:
+        wait_for(lambda: len(persisted(ck, 1)) >= 2, 60, "two persisted snapshots")
+        job.stop()  # SIGKILL every rank: nodes gone
+
+    first = runner.run(2, args, while_running=lose_everything)
+    assert set(first.codes.values()) == {-9}, first.codes
+    for local in ck.glob("rank-*"):
+        shutil.rmtree(local)  # node memory and disk lost; only <ckpt-dir>/persisted remains
+    newest = max(persisted(ck, 0)[-1], persisted(ck, 1)[-1])  # the newest holder restores it
+    second = runner.run(2, train_args(newest + 1, "float32", False, *memory_args(ck, every=2)))
+    assert second.codes == {0: 0, 1: 0}, second.job.logs()
+    restored = [second.events(r, "restored")[0] for r in range(2)]
+    assert [e["it"] for e in restored] == [newest, newest], restored
+    assert {e["source"] for e in restored} == {"remote", "replica"}, restored
+
+
+class _Tiered:
+    """A checkpointer with tiers (``persist=``) and background work (``wait``), as CheckpointManager."""
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[int, bool]] = []
+        self.waited = 0
+
+    def save(self, state: object, iteration: int, persist: bool = False) -> None:
+        self.saves.append((iteration, persist))
+
+    def wait(self) -> None:
+        self.waited += 1
+
+
+def test_the_stop_snapshot_is_persisted_once_and_waited_for() -> None:
+    from unicron.runtime.preempt import Preemption
+
+    p = Preemption()
+    p._on_signal(signal.SIGTERM, None)
+    assert p.requested and p.signalled_at is not None
+    ck = _Tiered()
+    p.save(ck, dict, 7, writer=True, already_saved=False)  # type: ignore[arg-type]
+    assert ck.saves == [(7, True)] and ck.waited == 1 and p.saved == (7, "_Tiered")
+    p.save(ck, dict, 8, writer=True, already_saved=True)  # type: ignore[arg-type]
+    assert ck.saves == [(7, True)] and ck.waited == 2  # the periodic one of this iteration stands
+    p.save(ck, dict, 9, writer=False, already_saved=False)  # type: ignore[arg-type]
+    off = Preemption(snapshot=False)
+    off.save(ck, dict, 10, writer=True, already_saved=False)  # type: ignore[arg-type]
+    assert ck.saves == [(7, True)] and off.saved is None
+
+
+def test_storage_root_defaults_under_the_checkpoint_directory() -> None:
+    from unicron.runtime.checkpoint import storage_root
+
+    assert storage_root("", "/ck") == "/ck/persisted"
+    assert storage_root("/shared/ck", "/ck") == "/shared/ck"
+    assert storage_root("none", "/ck") == "" and storage_root("", "") == ""
