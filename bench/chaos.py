@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import soak  # type: ignore[import-not-found,unused-ignore]  # bench/soak.py: the realistic false-alarm soak
 
+from coordinator.statestore import read_state
 from unicron.cli.main import main as cli
 from unicron.cluster.etcd_server import EtcdCluster
 from unicron.cluster.localcluster import LocalCluster
@@ -165,8 +166,8 @@ class Chaos:
 
     def state(self) -> dict[str, Any]:
         assert self.c.store is not None
-        kv = self.c.store.get(self.c.keys.state())
-        return json.loads(kv.value) if kv is not None else {}
+        state, _ = read_state(self.c.store, self.c.keys)  # the state is split over several keys
+        return dict(state.to_dict()) if state is not None else {}
 
     def tasks(self) -> dict[str, Any]:
         buf = io.StringIO()
