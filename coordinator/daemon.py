@@ -182,7 +182,8 @@ class Coordinator:
         self.allocator = WafAllocator(settings.gpu_type, lookup=self.lookup)
         self.core = d.DecisionCore(
             d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
-                               restart_deadline_s=settings.restart_deadline_s),
+                               restart_deadline_s=settings.restart_deadline_s,
+                               in_place_resize=settings.in_place_resize),
             self.allocator,
         )
         # the planner's inputs measured from adopted decisions (D_transition, failure rate, FLOP/s)

@@ -648,6 +648,8 @@ class _Run:
         """The in-place change to ``new``, where the task's phase, recovery mode and outstanding action
         allow one (an Assign not yet confirmed may have ranks that never ran; a restart relaunches
         ranks of the membership it knows)."""
+        if not self.settings.in_place_resize:
+            return None
         if (entry.phase, _T.RESIZED_IN_PLACE) not in TRANSITIONS or entry.spec.restarts_whole:
             return None
         if not entry.confirmed:

@@ -31,11 +31,19 @@ class DecisionSettings:
     """Seconds for an assignment (launch or reconfiguration) to be confirmed before it counts as failed."""
     resize_deadline_s: float = 120.0
     """Seconds for an in-place resize to be confirmed (a step completed after it) before it counts as failed."""
+    in_place_resize: bool = False
+    """Reach a new allocation that keeps the layout by an in-place resize (survivors keep running)
+    instead of a new generation. Off by default: in ``bench/transition.py`` a sev3 reattempt raised by
+    the survivors of an in-place shrink regrouped them into a one-rank epoch and the task later fell
+    into a restart loop that isolated a healthy node (issue 13, open)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.startswith("max_"):
+            if f.name == "in_place_resize":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"decision.{f.name}: expected true or false, got {value!r}")
+            elif f.name.startswith("max_"):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ConfigError(f"decision.{f.name}: expected an integer >= 0, got {value!r}")
             elif not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:

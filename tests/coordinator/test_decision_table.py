@@ -68,6 +68,8 @@ def _settings(phase: TaskPhase, trigger: Trigger) -> DecisionSettings:
         return DecisionSettings(max_reattempts=0)
     if trigger is T.ACTION_FAILED and phase is P.REATTEMPTING:
         return DecisionSettings(max_reattempts=2)  # a second reattempt is still allowed
+    if trigger is T.RESIZED_IN_PLACE:
+        return DecisionSettings(in_place_resize=True)  # off by default (DecisionSettings)
     return DecisionSettings()
 
 

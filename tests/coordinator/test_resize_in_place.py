@@ -5,6 +5,7 @@ from __future__ import annotations
 from coordinator.decision import (
     ActionSucceeded,
     Assign,
+    DecisionSettings,
     NodeJoined,
     NodeLost,
     ResizeInPlace,
@@ -66,8 +67,11 @@ def test_what_cannot_be_done_in_place() -> None:
     assert plan_in_place(old, {"a": 2, "c": 2}, world_size=4, unit=4, tp=2, gone={"b"}) is None
 
 
+IN_PLACE = DecisionSettings(in_place_resize=True)
+
+
 def _three_nodes(**fields: object) -> Sim:
-    sim = running_cluster({"n1": 2, "n2": 2, "n3": 2}, {JOB: {"min_gpus": 2, **fields}})
+    sim = running_cluster({"n1": 2, "n2": 2, "n3": 2}, {JOB: {"min_gpus": 2, **fields}}, Sim(IN_PLACE))
     sim.progress(JOB, 5)
     assert sim.phase(JOB) is TaskPhase.RUNNING and sim.gpus(JOB) == {"n1": 2, "n2": 2, "n3": 2}
     return sim
@@ -101,7 +105,7 @@ def test_losing_the_store_node_or_a_restart_task_is_a_new_generation() -> None:
 
 
 def test_no_resize_in_place_before_the_launch_is_confirmed() -> None:
-    sim = Sim()
+    sim = Sim(IN_PLACE)
     for n in ("n1", "n2", "n3"):
         sim.join(n, 2)
     sim.submit(JOB, min_gpus=2)
@@ -128,3 +132,10 @@ def test_records_and_states_written_before_the_membership_epoch_still_read() -> 
     state = CoreState.from_dict(raw)
     # an old state's task has no launch size on record: it is not resized in place until its next Assign
     assert state.tasks[JOB].world_size == 0 and not state.tasks[JOB].confirmed
+
+
+def test_no_resize_in_place_unless_the_setting_is_on() -> None:
+    sim = running_cluster({"n1": 2, "n2": 2, "n3": 2}, {JOB: {"min_gpus": 2}})
+    sim.progress(JOB, 5)
+    acts = sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="gone"))
+    assert one(acts, Assign, JOB) and not only(acts, ResizeInPlace)

@@ -38,7 +38,8 @@ TOLERANCE = 1e-12
 @pytest.fixture
 def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     gpus = int(getattr(request, "param", 1))
-    with LocalCluster(agents=3, gpus_per_agent=gpus, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"}) as c:
+    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_IN_PLACE_RESIZE": "1"}  # off by default (experimental)
+    with LocalCluster(agents=3, gpus_per_agent=gpus, extra_env=env) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
             yield c
