@@ -276,3 +276,13 @@ def test_an_old_process_leaving_does_not_unwatch_the_new_process_of_its_rank(
     new.iter_start(1, time.time())
     ((key, _, _),) = sink.wait(1)  # its hang is still found
     assert key == "r"
+
+
+def test_a_hang_factor_above_the_tail_cap_is_accepted_and_rules() -> None:
+    # UNICRON_HANG_FACTOR=100 (tests that must not see hangs) once stopped the agent at start
+    s = IterationSettings(warmup_iterations=0, min_samples=5, hang_factor=100.0, max_hang_factor=10.0)
+    mon = IterationMonitor(s)
+    t = feed(mon, [1.0] * 20)
+    mon.iter_start(20, t)
+    assert mon.deadline() == pytest.approx(t + 100.0)
+    assert "100.0 x mean iteration time 1.000 s" in mon.check(t + 100.0)[0].message

@@ -17,7 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import chaos  # type: ignore[import-not-found,unused-ignore]
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(unavailable_reason() is not None, reason=f"netns: {unavailable_reason()}")]
+              pytest.mark.skipif(unavailable_reason() is not None, reason=f"netns: {unavailable_reason()}"),
+              # ~50 s with its own namespace cluster: out of the default suite to keep CI under 20 min
+              pytest.mark.skipif(os.environ.get("UNICRON_CHAOS_TEST") != "1",
+                                 reason="set UNICRON_CHAOS_TEST=1 (or run bench/chaos.py --quick)")]
 
 
 def test_a_short_seeded_chaos_schedule_breaks_no_invariant() -> None:

@@ -35,7 +35,11 @@ def main(prog: str, description: str, settings_cls: type[S], build: Callable[[S]
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     ulog.configure(str(getattr(settings, "log_level", "INFO")))
-    daemon = build(settings)
+    try:
+        daemon = build(settings)
+    except ConfigError as exc:  # a setting only the daemon's parts can judge (e.g. the monitor's thresholds)
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         daemon.stop()
