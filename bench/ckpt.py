@@ -56,7 +56,8 @@ class Demo:
     scaled to a ~1 GB training state; an iteration is one micro-batch forward/backward plus the step."""
 
     def __init__(self, batch: int, seq: int) -> None:
-        from unicron.runtime.model import ModelConfig, build_gpt, lm_loss, solo_group
+        from unicron.runtime.comm import solo_group
+        from unicron.runtime.model import ModelConfig, build_gpt, lm_loss
         from unicron.runtime.state import OptimConfig, ReplicaState
 
         self.group = solo_group()

@@ -18,17 +18,10 @@ from ckpt.api import NoValidCheckpoint
 from unicron.kernel.errors import ConfigError
 from unicron.runtime import cli, train
 from unicron.runtime.checkpoint import TorchSaveCheckpointer, make_checkpointer
+from unicron.runtime.comm import broken_group, ensure_torch_distributed, solo_group
 from unicron.runtime.data import FileTokens, SyntheticTokens, make_source
 from unicron.runtime.faults import Fault, parse
-from unicron.runtime.model import (
-    ModelConfig,
-    broken_group,
-    build_gpt,
-    ensure_torch_distributed,
-    lm_loss,
-    rebind_groups,
-    solo_group,
-)
+from unicron.runtime.model import ModelConfig, build_gpt, lm_loss, rebind_groups
 from unicron.runtime.scheduler import is_comm_error
 from unicron.runtime.state import OptimConfig, ReplicaState
 

@@ -17,8 +17,8 @@ from tests.runtime.conftest import COMM, Runner
 from tests.runtime.test_failures import assert_exact, failure_regroups
 from unicron.kernel.errors import ConfigError
 from unicron.runtime.api import Providers, make_parser, training_data
+from unicron.runtime.comm import solo_group
 from unicron.runtime.job import Job, grad_dtype
-from unicron.runtime.model import solo_group
 from unicron.runtime.scheduler import ScheduleConfig
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "pretrain_mlp.py")

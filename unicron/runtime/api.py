@@ -29,12 +29,13 @@ from unicron.kernel.client import AgentClient
 from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.runtime import store as keys
 from unicron.runtime.checkpoint import make_checkpointer
+from unicron.runtime.comm import ensure_torch_distributed
 from unicron.runtime.faults import FaultScript
 from unicron.runtime.flags import add_runtime_arguments, env_name
 from unicron.runtime.heartbeat import Heartbeat
 from unicron.runtime.job import BatchT, DataContext, ForwardStep, Job, MicroBatches, ModelProvider
 from unicron.runtime.membership import CommSettings
-from unicron.runtime.model import ModelType, ensure_torch_distributed
+from unicron.runtime.model import ModelType
 from unicron.runtime.plan import Topology
 from unicron.runtime.preempt import Preemption
 from unicron.runtime.scheduler import ScheduleConfig, Trainer

@@ -12,6 +12,7 @@ import datetime
 from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllreduceOptions,
     HashStore,
@@ -25,7 +26,8 @@ from torch._C._distributed_c10d import (
 from torch._C._distributed_c10d import Store as RendezvousStore
 
 __all__ = [
-    "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "new_group",
+    "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "broken_group",
+    "ensure_torch_distributed", "new_group", "solo_group",
 ]
 
 
@@ -66,3 +68,34 @@ def allreduce_max(group: CommGroup, tensor: torch.Tensor) -> None:
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.MAX  # type: ignore[assignment]
     group.allreduce([tensor], opts).wait()
+
+
+_SOLO: CommGroup | None = None
+_BROKEN: CommGroup | None = None
+
+
+def ensure_torch_distributed() -> None:
+    """Megatron's helpers treat an uninitialised torch.distributed as "no groups at all" (``None``);
+    give the process a private one-rank default group. It never communicates: the runtime's real
+    groups are built per epoch, because a job-wide default group dies with any rank."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+
+
+def solo_group() -> CommGroup:
+    """A one-rank group for the parallel dimensions this runtime does not split (pp, cp, ...)."""
+    global _SOLO
+    ensure_torch_distributed()
+    if _SOLO is None:
+        _SOLO = new_group("gloo", HashStore(), "unicron-solo", 0, 1, 60.0)
+    return _SOLO
+
+
+def broken_group() -> CommGroup:
+    """Placeholder that takes a released group's place (in the model and in
+    :class:`~unicron.runtime.membership.Groups`) until the next epoch's group is bound."""
+    global _BROKEN
+    ensure_torch_distributed()
+    if _BROKEN is None:
+        _BROKEN = new_group("gloo", HashStore(), "unicron-broken", 0, 1, 60.0)
+    return _BROKEN

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import PermanentError
 from unicron.runtime import store as keys
-from unicron.runtime.comm import CommGroup, RendezvousStore, new_group
+from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group, new_group, solo_group
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import StalenessJudge
-from unicron.runtime.model import broken_group, solo_group
 from unicron.runtime.plan import Topology
 
 log = ulog.get(__name__)

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from unicron.kernel.errors import ConfigError
-from unicron.runtime.comm import CommGroup, HashStore, allreduce_max, new_group
+from unicron.runtime.comm import CommGroup, allreduce_max, solo_group
 
 with warnings.catch_warnings():
     # Megatron warns at import that Transformer Engine / Apex are absent: expected on CPU.
@@ -135,37 +134,6 @@ class SDPAttention(MegatronModule):  # type: ignore[misc]
             is_causal=causal, scale=self.softmax_scale,
         )
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
-
-
-_SOLO: CommGroup | None = None
-_BROKEN: CommGroup | None = None
-
-
-def ensure_torch_distributed() -> None:
-    """Megatron's helpers treat an uninitialised torch.distributed as "no groups at all" (``None``);
-    give the process a private one-rank default group. It never communicates: the runtime's real
-    groups are built per epoch, because a job-wide default group dies with any rank."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-
-
-def solo_group() -> CommGroup:
-    """A one-rank group for the parallel dimensions this runtime does not split (pp, cp, ...)."""
-    global _SOLO
-    ensure_torch_distributed()
-    if _SOLO is None:
-        _SOLO = new_group("gloo", HashStore(), "unicron-solo", 0, 1, 60.0)
-    return _SOLO
-
-
-def broken_group() -> CommGroup:
-    """Placeholder that takes a released group's place (in the model and in
-    :class:`~unicron.runtime.membership.Groups`) until the next epoch's group is bound."""
-    global _BROKEN
-    ensure_torch_distributed()
-    if _BROKEN is None:
-        _BROKEN = new_group("gloo", HashStore(), "unicron-broken", 0, 1, 60.0)
-    return _BROKEN
 
 
 def pg_collection(tp_group: CommGroup) -> ProcessGroupCollection:

@@ -61,7 +61,7 @@ from unicron.kernel.patterns import match
 from unicron.kernel.types import ErrorKind, Severity
 from unicron.runtime import membership
 from unicron.runtime.checkpoint import TorchSaveCheckpointer, has_checkpoint
-from unicron.runtime.comm import CommGroup, RendezvousStore
+from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.faults import FaultScript
 from unicron.runtime.gcpolicy import GcPolicy
@@ -84,7 +84,7 @@ from unicron.runtime.grads import (
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat
 from unicron.runtime.job import BatchT, Job, grad_dtype
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
-from unicron.runtime.model import broken_group, rebind_groups
+from unicron.runtime.model import rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, seed_rng
 from unicron.runtime.preempt import Preemption
 from unicron.runtime.recovery import (
