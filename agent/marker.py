@@ -1,7 +1,7 @@
 """Tells a task's surviving ranks, through its rendezvous store, that a rank died: adds 1 to
 ``failed/<rank>`` there. The write needs torch's store client, which the agent must not import, so it
-is done by a helper process, ``python -m unicron.runtime.store --marker`` (the protocol, its key and
-its reader are described in :mod:`unicron.runtime.store`)."""
+is done by a helper process, ``python -m unicron.runtime.membership --marker`` (the protocol, its key and
+its reader are described in :mod:`unicron.runtime.membership`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class FailureMarker:
 
     def _spawn(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "unicron.runtime.store", "--marker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "unicron.runtime.membership", "--marker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, bufsize=1, preexec_fn=self._preexec,
         )
         assert self._proc.stdout is not None

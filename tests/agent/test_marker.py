@@ -7,6 +7,7 @@ import time
 from agent.marker import FailureMarker
 from agent.sidecar import StoreSidecar
 from unicron.runtime import store as keys
+from unicron.runtime.membership import failed_key
 
 
 def test_mark_adds_to_the_ranks_failed_counter_in_the_tasks_store() -> None:
@@ -17,10 +18,10 @@ def test_mark_adds_to_the_ranks_failed_counter_in_the_tasks_store() -> None:
         marker.mark(sidecar.host, sidecar.port, 2)
         marker.mark(sidecar.host, sidecar.port, 2)
         deadline = time.monotonic() + 60.0  # the helper imports torch before it answers
-        while keys.counter(client, keys.failed_key(2)) < 2 and time.monotonic() < deadline:
+        while keys.counter(client, failed_key(2)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert keys.counter(client, keys.failed_key(2)) == 2
-        assert keys.counter(client, keys.failed_key(1)) == 0
+        assert keys.counter(client, failed_key(2)) == 2
+        assert keys.counter(client, failed_key(1)) == 0
     finally:
         marker.stop()
         sidecar.stop()
@@ -34,16 +35,16 @@ def test_mark_current_raises_failed_to_started_and_never_beyond() -> None:
     try:
         client = keys.connect(sidecar.host, sidecar.port)
         client.add(keys.started_key(3), 2)  # incarnation 2 runs
-        client.add(keys.failed_key(3), 1)  # incarnation 1 was marked dead long ago
+        client.add(failed_key(3), 1)  # incarnation 1 was marked dead long ago
         marker.mark(sidecar.host, sidecar.port, 3, current=True)
         marker.mark(sidecar.host, sidecar.port, 3, current=True)
         marker.mark(sidecar.host, sidecar.port, 4, current=True)  # never started: nothing to mark
         marker.mark(sidecar.host, sidecar.port, 5)  # a plain mark after them: all answered once it is
         deadline = time.monotonic() + 60.0
-        while keys.counter(client, keys.failed_key(5)) < 1 and time.monotonic() < deadline:
+        while keys.counter(client, failed_key(5)) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert keys.counter(client, keys.failed_key(3)) == 2
-        assert keys.counter(client, keys.failed_key(4)) == 0
+        assert keys.counter(client, failed_key(3)) == 2
+        assert keys.counter(client, failed_key(4)) == 0
     finally:
         marker.stop()
         sidecar.stop()

@@ -20,7 +20,7 @@ from unicron.kernel.net import free_port
 from unicron.runtime import store as keys
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat, StalenessJudge
-from unicron.runtime.membership import CommSettings, Membership
+from unicron.runtime.membership import CommSettings, Membership, failed_key, mark_failed
 from unicron.runtime.plan import Topology
 
 
@@ -44,17 +44,17 @@ def sidecar() -> Iterator[tuple[str, int]]:
 def test_sidecar_serves_clients_and_mark_failed_counts(sidecar: tuple[str, int]) -> None:
     host, port = sidecar
     client = keys.connect(host, port)
-    assert keys.counter(client, keys.failed_key(3)) == 0
-    assert keys.mark_failed(host, port, 3) == 1
-    assert keys.mark_failed(host, port, 3, store=client) == 2
-    assert keys.counter(client, keys.failed_key(3)) == 2
+    assert keys.counter(client, failed_key(3)) == 0
+    assert mark_failed(host, port, 3) == 1
+    assert mark_failed(host, port, 3, store=client) == 2
+    assert keys.counter(client, failed_key(3)) == 2
 
 
 def test_marker_process_marks_failed_and_survives_bad_requests(sidecar: tuple[str, int]) -> None:
-    """``python -m unicron.runtime.store --marker`` as the agent runs it: JSON lines in, answers out."""
+    """``python -m unicron.runtime.membership --marker`` as the agent runs it: JSON lines in, answers out."""
     host, port = sidecar
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unicron.runtime.store", "--marker"], env=base_env(), text=True,
+        [sys.executable, "-m", "unicron.runtime.membership", "--marker"], env=base_env(), text=True,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )
     assert proc.stdin is not None and proc.stdout is not None
@@ -72,7 +72,7 @@ def test_marker_process_marks_failed_and_survives_bad_requests(sidecar: tuple[st
         assert ask(json.dumps({"host": host, "port": port}))["ok"] is False  # no rank
         assert ask(json.dumps({"host": host, "port": port, "rank": 11})) == {"ok": True, "rank": 11, "failures": 1}
         assert ask(json.dumps({"host": host, "port": port, "rank": 11}))["failures"] == 2
-        assert keys.counter(keys.connect(host, port), keys.failed_key(11)) == 2
+        assert keys.counter(keys.connect(host, port), failed_key(11)) == 2
     finally:
         proc.stdin.close()
         assert proc.wait(30) == 0
@@ -132,7 +132,7 @@ def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple
         results[(r, "start")] = list(groups.record.members)
         started.wait()
         if r == 2:
-            keys.mark_failed(host, port, 2)  # what the agent does when the process exits
+            mark_failed(host, port, 2)  # what the agent does when the process exits
             return
         groups.release()
         after = m.regroup(groups.record, "failure")

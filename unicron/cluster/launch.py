@@ -2,7 +2,7 @@
 
 Tests and benchmarks use :class:`LocalJob` where the real system uses the Unicron agent. It does
 the three things the runtime needs from an agent: run the store sidecar, set the torchrun-style
-environment of each rank, and call :func:`unicron.runtime.store.mark_failed` the moment a rank exits
+environment of each rank, and call :func:`unicron.runtime.membership.mark_failed` the moment a rank exits
 abnormally (optionally restarting it, as the agent does for a sev2 failure).
 """
 
@@ -25,6 +25,7 @@ from unicron.kernel.errors import TemporaryError
 from unicron.kernel.net import free_port
 from unicron.runtime import store as keys
 from unicron.runtime.epoch import EpochRecord
+from unicron.runtime.membership import mark_failed
 
 PYTHON = sys.executable
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -171,7 +172,7 @@ class LocalJob:
                 self.history.append({"event": "exit", "rank": rp.rank, "incarnation": rp.incarnation,
                                      "code": code, "ts": time.time()})
                 if code != 0 and self.mark_failures:
-                    keys.mark_failed(self.host, self.port, rp.rank, store=self._store)
+                    mark_failed(self.host, self.port, rp.rank, store=self._store)
                 if code != 0 and rp.rank in self.restart:
                     threading.Timer(self.restart[rp.rank], self._respawn, args=(rp.rank,)).start()
             self._stop.wait(0.005)

@@ -2,7 +2,7 @@
 
 A counter (not a timestamp) so that judging needs no synchronised clocks: a rank whose counter did not
 move for ``window_s`` of the observer's own time is presumed dead. This covers a whole node dying,
-where no agent is left to call :func:`unicron.runtime.store.mark_failed`.
+where no agent is left to call :func:`unicron.runtime.membership.mark_failed`.
 
 The same thread watches the store keys the training loop would otherwise poll every iteration (the
 launcher's ``stop``, join requests of ranks outside the group), so that no store round trip lies on

@@ -5,8 +5,7 @@ groups built for it under a fresh store prefix ``e<epoch>/...``. Epoch 0 is ever
 After a failure (or to admit joiners) the survivors move to the next epoch:
 
 1. **Knowledge**: which members are dead, in order of speed: ``failed/<rank>`` counters written by the
-   agent (:func:`unicron.runtime.store.mark_failed`), heartbeat staleness, the agent's ``Regroup``
-   instruction. With no one dead after the heartbeat window, the membership stays the same (an
+   agent (:func:`mark_failed`, below), heartbeat staleness, the agent's ``Regroup`` instruction. With no one dead after the heartbeat window, the membership stays the same (an
    in-place reattempt of a transient error).
 2. **Agreement**: ``compare_set("epoch/<g+1>", "", proposal)``: the first proposal wins and every
    survivor adopts it, so all end with the same member list.
@@ -17,17 +16,31 @@ A rank asked to leave (``leave/<rank>``, an in-place shrink) is left out of the 
 :class:`Excluded` and exits. Any other rank left out of an agreed epoch (its replica lost a rank, or it
 was presumed dead) gets :class:`Excluded` and rejoins later like a restarted process: it writes ``join/<rank>`` and waits for
 an epoch that includes it. Survivors admit complete replicas of joiners at an iteration boundary.
+
+**Failure marks** (``failed/<rank>``): the agent learns of a rank's death first (it is the parent) and
+the survivors regroup faster when told at once than when they wait for a heartbeat to go stale. The
+key, its incarnation rule (incarnation ``i`` is dead once ``failed >= i``), the writer
+(:func:`mark_failed`) and the reader (:meth:`Membership.dead`) are one protocol, so they live here
+together. Writing to a store needs torch's TCPStore client, and importing torch inside the agent holds
+the GIL long enough to starve its heartbeat thread (seen: a false node loss), so the agent
+(:mod:`agent.marker`) keeps a small helper process, ``python -m unicron.runtime.membership --marker``:
+one JSON line per request on stdin, ``{"host", "port", "rank"}``; one JSON line per answer on stdout
+(:func:`mark_request`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import PermanentError
+from unicron.kernel.errors import PermanentError, UnicronError
 from unicron.runtime import store as keys
 from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group, new_group, solo_group
 from unicron.runtime.epoch import EpochRecord
@@ -111,6 +124,34 @@ class CommSettings:
     backend: str = "gloo"
 
 
+# --- failure marks ----------------------------------------------------------------------------
+
+
+def failed_key(rank: int) -> str:
+    """``failed/<rank>``: how many processes of ``rank`` are known dead (see the module's docstring)."""
+    return f"failed/{rank}"
+
+
+def mark_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
+    """Record that the current process of ``rank`` died; returns the new failure count.
+
+    The agent calls this the moment its child exits, so survivors regroup without waiting for a
+    heartbeat to go stale. Pass ``store`` to reuse a connection.
+    """
+    s = store if store is not None else keys.connect(host, port, timeout_s=5.0)
+    return int(s.add(failed_key(rank), 1))
+
+
+def mark_current_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
+    """Record that ``rank``'s newest process is gone, whoever else already said so: ``failed`` is
+    raised to ``started`` and never beyond (an in-place shrink marks the ranks of a lost node, whose
+    own agent may or may not have marked them first; counting twice would make the rank's next
+    incarnation look dead at its start)."""
+    s = store if store is not None else keys.connect(host, port, timeout_s=5.0)
+    behind = keys.counter(s, keys.started_key(rank)) - keys.counter(s, failed_key(rank))
+    return int(s.add(failed_key(rank), max(behind, 0)))
+
+
 Knowledge = Callable[[], set[int]]
 """Extra failure knowledge: ranks the agent's Regroup instructions name as failed."""
 
@@ -161,7 +202,7 @@ class Membership:
     def dead(self, rec: EpochRecord, ranks: Iterable[int]) -> set[int]:
         """Members of ``rec`` among ``ranks`` known or presumed dead right now."""
         others = [r for r in ranks if r != self.rank]
-        out = {r for r in others if keys.counter(self.store, keys.failed_key(r)) >= rec.incarnations.get(r, 1)}
+        out = {r for r in others if keys.counter(self.store, failed_key(r)) >= rec.incarnations.get(r, 1)}
         out |= self.judge.stale(r for r in others if r not in out)
         return out | (self._knowledge() & set(others))
 
@@ -183,7 +224,7 @@ class Membership:
                 continue
             inc = int(self.store.get(keys.join_key(r)))
             if inc == keys.counter(self.store, keys.started_key(r)) and keys.counter(
-                self.store, keys.failed_key(r)
+                self.store, failed_key(r)
             ) < inc:
                 asking[r] = inc
         stale = self.judge.stale(asking)
@@ -343,3 +384,53 @@ class _MovedOn(Exception):
     def __init__(self, record: EpochRecord) -> None:
         super().__init__(f"epoch {record.epoch} abandoned")
         self.record = record
+
+
+def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> dict[str, Any]:
+    """One failure-marker request (a JSON line ``{"host", "port", "rank"}``, optionally ``"current": true``
+    for :func:`mark_current_failed`) -> its answer; never raises.
+
+    ``stores`` keeps one connection per store across requests; a failed one is dropped and reopened
+    next time.
+    """
+    try:
+        req = json.loads(line)
+        host, port, rank = str(req["host"]), int(req["port"]), int(req["rank"])
+        current = bool(req.get("current", False))
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"ok": False, "error": f"bad request {line.strip()[:80]!r}: {exc}"}
+    try:
+        store = stores.get((host, port))
+        if store is None:
+            store = stores[(host, port)] = keys.connect(host, port, timeout_s=5.0)
+        mark = mark_current_failed if current else mark_failed
+        count = mark(host, port, rank, store=store)
+        return {"ok": True, "rank": rank, "failures": count}
+    except (UnicronError, RuntimeError, OSError) as exc:
+        stores.pop((host, port), None)  # reconnect next time
+        return {"ok": False, "rank": rank, "error": str(exc)}
+
+
+def serve_marks(requests: Iterable[str], answers: TextIO) -> None:
+    """The failure marker's loop: a ready line, then one answer line per request line."""
+    stores: dict[tuple[str, int], RendezvousStore] = {}
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in requests:
+        if line.strip():
+            print(json.dumps(mark_request(line, stores)), file=answers, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m unicron.runtime.membership",
+        description="The agent's failure marker: mark ranks failed in their tasks' stores.",
+    )
+    parser.add_argument("--marker", action="store_true", required=True,
+                        help="JSON requests {host, port, rank} on stdin, one answer line each on stdout")
+    parser.parse_args(argv)
+    serve_marks(sys.stdin, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,26 +1,17 @@
-"""The task's rendezvous store: a TCPStore sidecar that outlives any rank, the keys ranks share, and
-the failure marker that writes ``failed/<rank>`` for the agent.
+"""The task's rendezvous store: a TCPStore sidecar that outlives any rank, and the keys ranks share.
 
 Rank 0 may die, so no rank hosts the store: the agent (or a test launcher) runs
 ``python -m unicron.runtime.store --host H --port P`` next to the task and every rank connects as a
 client. One sidecar serves one launch of one task (the agent starts a fresh one per assignment
 generation), so keys need no task prefix.
 
-The failure marker, ``python -m unicron.runtime.store --marker``: the agent learns of a rank's death
-first (it is the parent) and the survivors regroup faster when told at once than when they wait for a
-heartbeat to go stale. Writing to a store needs torch's TCPStore client, and importing torch inside the
-agent holds the GIL long enough to starve its heartbeat thread (seen: a false node loss), so the agent
-(:mod:`agent.marker`) keeps this small process: one JSON line per request on stdin,
-``{"host", "port", "rank"}``; one JSON line per answer on stdout (:func:`mark_request`). Writer
-(:func:`mark_failed`), key and reader (:mod:`unicron.runtime.membership` counts ``failed/<rank>``
-against incarnations) are this one protocol, so they live here together.
-
 Keys (all small ASCII values):
 
 * ``started/<rank>``: counter, +1 each time a process for ``rank`` starts; its value is that
   process's *incarnation* (1 = first start, >1 = a restart that must rejoin).
-* ``failed/<rank>``: counter, +1 by :func:`mark_failed` whenever someone knows a process of ``rank``
-  died. Incarnation ``i`` is dead once ``failed >= i``.
+* ``failed/<rank>``: counter, +1 whenever someone knows a process of ``rank`` died; incarnation
+  ``i`` is dead once ``failed >= i``. Key, writer (the agent's failure marker) and reader are one
+  protocol and live in :mod:`unicron.runtime.membership`.
 * ``hb/<rank>``: counter a rank's heartbeat thread bumps every ~50 ms.
 * ``join/<rank>``: the incarnation of a live process of ``rank`` asking to (re)join.
 * ``epoch/latest`` and ``epoch/<g>``: the agreed membership of each process-group epoch
@@ -31,16 +22,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any, TextIO
 
-from unicron.kernel.errors import ConfigError, TemporaryError, UnicronError
+from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.runtime.comm import RendezvousStore, TCPStore
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -53,10 +41,6 @@ def started_key(rank: int) -> str:
 def leave_key(rank: int) -> str:
     """``leave/<rank>``: the incarnation of ``rank`` that was asked to leave (an in-place shrink)."""
     return f"leave/{rank}"
-
-
-def failed_key(rank: int) -> str:
-    return f"failed/{rank}"
 
 
 def hb_key(rank: int) -> str:
@@ -113,75 +97,14 @@ def counter(store: RendezvousStore, key: str) -> int:
     return int(store.add(key, 0))
 
 
-def mark_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
-    """Record that the current process of ``rank`` died; returns the new failure count.
-
-    The agent calls this the moment its child exits, so survivors regroup without waiting for a
-    heartbeat to go stale. Pass ``store`` to reuse a connection.
-    """
-    s = store if store is not None else connect(host, port, timeout_s=5.0)
-    return int(s.add(failed_key(rank), 1))
-
-
-def mark_current_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
-    """Record that ``rank``'s newest process is gone, whoever else already said so: ``failed`` is
-    raised to ``started`` and never beyond (an in-place shrink marks the ranks of a lost node, whose
-    own agent may or may not have marked them first; counting twice would make the rank's next
-    incarnation look dead at its start)."""
-    s = store if store is not None else connect(host, port, timeout_s=5.0)
-    behind = counter(s, started_key(rank)) - counter(s, failed_key(rank))
-    return int(s.add(failed_key(rank), max(behind, 0)))
-
-
-def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> dict[str, Any]:
-    """One failure-marker request (a JSON line ``{"host", "port", "rank"}``, optionally ``"current": true``
-    for :func:`mark_current_failed`) -> its answer; never raises.
-
-    ``stores`` keeps one connection per store across requests; a failed one is dropped and reopened
-    next time.
-    """
-    try:
-        req = json.loads(line)
-        host, port, rank = str(req["host"]), int(req["port"]), int(req["rank"])
-        current = bool(req.get("current", False))
-    except (ValueError, KeyError, TypeError) as exc:
-        return {"ok": False, "error": f"bad request {line.strip()[:80]!r}: {exc}"}
-    try:
-        store = stores.get((host, port))
-        if store is None:
-            store = stores[(host, port)] = connect(host, port, timeout_s=5.0)
-        mark = mark_current_failed if current else mark_failed
-        count = mark(host, port, rank, store=store)
-        return {"ok": True, "rank": rank, "failures": count}
-    except (UnicronError, RuntimeError, OSError) as exc:
-        stores.pop((host, port), None)  # reconnect next time
-        return {"ok": False, "rank": rank, "error": str(exc)}
-
-
-def serve_marks(requests: Iterable[str], answers: TextIO) -> None:
-    """The failure marker's loop: a ready line, then one answer line per request line."""
-    stores: dict[tuple[str, int], RendezvousStore] = {}
-    print(json.dumps({"ready": True}), file=answers, flush=True)
-    for line in requests:
-        if line.strip():
-            print(json.dumps(mark_request(line, stores)), file=answers, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m unicron.runtime.store",
-        description="Host a task's TCPStore until killed, or (--marker) mark ranks failed in stores for the agent.",
+        description="Host a task's TCPStore until killed.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, help="TCP port to listen on")
-    parser.add_argument("--marker", action="store_true",
-                        help="be the agent's failure marker: JSON requests on stdin, answers on stdout")
+    parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     args = parser.parse_args(argv)
-    if args.marker:
-        serve_marks(sys.stdin, sys.stdout)
-        return 0
-    if args.port is None:
-        parser.error("--port is required (unless --marker)")
     try:
         server = serve_store(args.host, args.port)
     except (ConfigError, TemporaryError) as exc:
