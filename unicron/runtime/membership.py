@@ -5,9 +5,12 @@ groups built for it under a fresh store prefix ``e<epoch>/...``. Epoch 0 is ever
 After a failure (or to admit joiners) the survivors move to the next epoch:
 
 1. **Knowledge**: which members are dead, in order of speed: ``failed/<rank>`` counters written by the
-   agent (:func:`unicron.runtime.store.mark_failed`), heartbeat staleness, the agent's ``Regroup``
-   instruction. With no one dead after the heartbeat window, the membership stays the same (an
-   in-place reattempt of a transient error).
+   agent (:func:`unicron.runtime.store.mark_failed`, per incarnation), then heartbeat staleness. With
+   no one dead after the heartbeat window, the membership stays the same (an in-place reattempt of a
+   transient error). The agent's ``Regroup`` names the ranks a sev3 incident came from: they are
+   alive (a sev3 is not fatal), so it is never taken as a death (it once was, without an
+   incarnation: a survivor that reported a lost peer's broken connection was taken for dead by the
+   others forever, which left rank 0 alone in an epoch and re-proposed the same admission endlessly).
 2. **Agreement**: ``compare_set("epoch/<g+1>", "", proposal)``: the first proposal wins and every
    survivor adopts it, so all end with the same member list.
 3. **Barrier**: members check in under ``epoch/<g+1>/ready/<rank>`` while watching for a member dying
@@ -112,8 +115,8 @@ class CommSettings:
     backend: str = "gloo"
 
 
-Knowledge = Callable[[], set[int]]
-"""Extra failure knowledge: ranks the agent's Regroup instructions name as failed."""
+Poll = Callable[[], None]
+"""Called while a regroup waits, to read the agent's instructions (a Leave or Stop arriving then)."""
 
 
 class Membership:
@@ -126,7 +129,7 @@ class Membership:
         topo: Topology,
         incarnation: int,
         settings: CommSettings,
-        knowledge: Knowledge | None = None,
+        poll: Poll | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -136,7 +139,7 @@ class Membership:
         self.judge = StalenessJudge(store, settings.heartbeat_window_s)
         #: seconds spent in the phases of the last regroup (for logs and benchmarks)
         self.timing: dict[str, float] = {}
-        self._knowledge = knowledge or set
+        self._poll = poll or (lambda: None)
 
     # --- records ---------------------------------------------------------------------------------
 
@@ -151,11 +154,25 @@ class Membership:
         return EpochRecord.decode(won)
 
     def latest(self, after: int) -> EpochRecord | None:
-        """The newest agreed epoch after ``after``, if any."""
-        found, e = None, after + 1
-        while (rec := self._read(e)) is not None:
-            found, e = rec, e + 1
-        return found
+        """The newest agreed epoch after ``after``, if any.
+
+        Epochs are contiguous (each is proposed as its base + 1), so the newest is found by doubling
+        the step past ``after`` and then bisecting: O(log n) store reads, where a scan one by one from
+        0 (a joiner knows no epoch) made a grow wait for tens of thousands of reads.
+        """
+        if not self._exists(after + 1):
+            return None
+        lo, step = after + 1, 1  # lo exists
+        while self._exists(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step  # hi does not exist
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._exists(mid) else (lo, mid)
+        return self._read(lo)
+
+    def _exists(self, epoch: int) -> bool:
+        return self.store.check([f"epoch/{epoch}"])
 
     # --- knowledge -------------------------------------------------------------------------------
 
@@ -164,7 +181,8 @@ class Membership:
         others = [r for r in ranks if r != self.rank]
         out = {r for r in others if keys.counter(self.store, keys.failed_key(r)) >= rec.incarnations.get(r, 1)}
         out |= self.judge.stale(r for r in others if r not in out)
-        return out | (self._knowledge() & set(others))
+        self._poll()
+        return out
 
     def leaving(self, rec: EpochRecord) -> set[int]:
         """Members of ``rec`` whose incarnation there was asked to leave (``leave/<rank>``)."""
