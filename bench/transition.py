@@ -35,7 +35,7 @@ completed before the fault and were computed again (last completed + 1 - the fir
 after recovery). ``projected_*``: a separate, labelled projection adding the recompute a 30-minute
 checkpoint interval costs on average (15 min) to the baseline; never mixed into measured figures.
 
-    .venv/bin/python bench/transition.py [--quick] [--reps N]
+    .venv/bin/python bench/transition.py [--quick] [--reps N] [--no-in-place]
 """
 
 from __future__ import annotations
@@ -277,15 +277,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one repetition per kind, a shorter window")
     ap.add_argument("--reps", type=int, default=0, help="repetitions per kind (default 5; --quick 1)")
-    ap.add_argument("--in-place", action="store_true",
-                    help="turn on the coordinator's experimental in-place resize (UNICRON_IN_PLACE_RESIZE)")
+    ap.add_argument("--no-in-place", action="store_true",
+                    help="turn off the coordinator's in-place resize (UNICRON_IN_PLACE_RESIZE=0): every move is "
+                         "a new generation, for comparison")
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 5)
-    window = 8 if args.quick else 16
+    window = 5 if args.quick else 16
     kinds = ("reattempt", "restart", "reconfigure", "grow", "baseline_restart")
     res: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     env = {"UNICRON_STATUS_INTERVAL": "0.1", "UNICRON_WARMUP_ITERATIONS": "5",
-           "UNICRON_IN_PLACE_RESIZE": "1" if args.in_place else "0"}
+           "UNICRON_IN_PLACE_RESIZE": "0" if args.no_in_place else "1"}
     started = time.time()
     with LocalCluster(agents=2, gpus_per_agent=2, extra_env=env) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
@@ -321,7 +322,7 @@ def main() -> int:
     caught = [x["caught_up_s"] for x in res["baseline_restart"]]
     print(f"baseline caught up with the fault's iteration: {summary(caught)}")
     base = med["baseline_restart"]
-    out: dict[str, Any] = {"repetitions": reps, "quick": args.quick, "in_place": args.in_place,
+    out: dict[str, Any] = {"repetitions": reps, "quick": args.quick, "in_place": not args.no_in_place,
                            "wall_s": round(time.time() - started, 1)}
     for k in kinds:
         out[f"{k}_s"] = round(med[k], 3)
