@@ -266,7 +266,7 @@ class Trainer(Generic[BatchT]):
         if checkpointer is not None:
             self.sources.append(CheckpointSource(checkpointer))
         self.membership = Membership(store, rank, topo, incarnation, comm, poll=self._poll_agent)
-        self._regrouped_at = -1e9  # monotonic time the last regroup completed
+        self._regrouped_at = -1e9  # monotonic time the last recovery regroup completed
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
         self.mode = RankMode.STARTING
         self.stop_requested = False  # asked (agent Stop or the store's stop key); acted on once agreed
@@ -701,7 +701,8 @@ class Trainer(Generic[BatchT]):
                 self.due = RegroupDue(RegroupReason.ADMISSION, assume_same=True)
 
     def _regroup_done(self, rec: EpochRecord, reason: RegroupReason, t0: float, ok: bool = True) -> None:
-        self._regrouped_at = time.monotonic()
+        if reason in (RegroupReason.FAILURE, RegroupReason.REATTEMPT, RegroupReason.AGENT):
+            self._regrouped_at = time.monotonic()  # a recovery: what an agent's Regroup would ask for
         dp = len(self.topo.replicas_in(rec.members))
         detail = f"{reason.value}: members={list(rec.members)} dp={dp} it={self.it}"
         self.client.send(protocol.RegroupDone(epoch=rec.epoch, ok=ok, detail=detail))
