@@ -203,11 +203,17 @@ class Membership:
             inc = int(self.store.get(keys.join_key(r)))
             if inc == keys.counter(self.store, keys.started_key(r)) and keys.counter(
                 self.store, keys.failed_key(r)
-            ) < inc:
+            ) < inc and not self._asked_to_leave(r, inc):
                 asking[r] = inc
         stale = self.judge.stale(asking)
         complete = self.topo.full_replica_members(r for r in asking if r not in stale)
         return {r: asking[r] for r in complete}
+
+    def _asked_to_leave(self, rank: int, incarnation: int) -> bool:
+        """A rank that joined (its ``join/<rank>`` stays) and was then asked to leave is no joiner: taking
+        it back in re-formed the same epoch at every commit (one epoch an iteration, issue 13)."""
+        key = keys.leave_key(rank)
+        return self.store.check([key]) and _int(self.store.get(key)) == incarnation
 
     def has_joiners(self, members: Iterable[int]) -> bool:
         """Cheap check used at every iteration boundary while some ranks are out."""
