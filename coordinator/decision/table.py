@@ -16,6 +16,8 @@ from unicron.kernel.types import Severity
 
 class Trigger(enum.StrEnum):
     SEV3 = "sev3"  # a sev3 incident names one of the task's ranks / nodes
+    # a sev3 from a survivor of an in-place resize, in the iteration that was in flight when it removed peers
+    RESIZE_ECHO = "resize_echo"
     SEV2 = "sev2"
     PEER_DIED = "peer_died"  # during a restart: a rank's process died that the restart does not relaunch
     TASK_FAULT = "task_fault"  # a sev2 / sev3 incident on a task whose recovery is "restart" (all ranks)
@@ -64,6 +66,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.PENDING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ⑥ launched
         (_P.PENDING, _T.CANCELLED): (_P.CANCELLED, _R.WITHDRAW),
         # running
+        (_P.RUNNING, _T.RESIZE_ECHO): (_P.RUNNING, _R.MERGE),  # part of the resize already done
         (_P.RUNNING, _T.SEV3): (_P.REATTEMPTING, _R.REATTEMPT),  # ①
         (_P.RUNNING, _T.SEV2): (_P.RESTARTING, _R.RESTART),  # ②
         (_P.RUNNING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),  # ③
@@ -77,6 +80,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RUNNING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RUNNING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
         # reattempting
+        (_P.REATTEMPTING, _T.RESIZE_ECHO): (_P.REATTEMPTING, _R.MERGE),  # part of the resize already done
         (_P.REATTEMPTING, _T.SEV3): (_P.REATTEMPTING, _R.MERGE),
         (_P.REATTEMPTING, _T.SEV2): (_P.RESTARTING, _R.RESTART),
         (_P.REATTEMPTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
@@ -92,6 +96,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.REATTEMPTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
         # restarting
+        (_P.RESTARTING, _T.RESIZE_ECHO): (_P.RESTARTING, _R.MERGE),  # part of the resize already done
         (_P.RESTARTING, _T.SEV3): (_P.RESTARTING, _R.MERGE),
         (_P.RESTARTING, _T.SEV2): (_P.RESTARTING, _R.MERGE),
         # A dead process is no consequence a restart absorbs: widen the restart to relaunch it too
@@ -110,6 +115,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RESTARTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RESTARTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
         # reconfiguring
+        (_P.RECONFIGURING, _T.RESIZE_ECHO): (_P.RECONFIGURING, _R.MERGE),  # part of the resize already done
         (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.SEV2): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.TASK_FAULT): (_P.RECONFIGURING, _R.MERGE),

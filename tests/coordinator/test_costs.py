@@ -11,6 +11,7 @@ from coordinator.decision import (
     IncidentRaised,
     NodeJoined,
     Reattempt,
+    ResizeInPlace,
     RestartRanks,
     TaskCancelled,
     TaskPhase,
@@ -68,7 +69,7 @@ def test_sev2_restart_costs_detection_and_transition_no_sub_healthy_time() -> No
 def test_sev1_counts_sub_healthy_time_until_the_task_has_its_gpus_back() -> None:
     sim = cluster({"n1": 8, "n2": 8}, {"job": {}})
     assert sum(sim.gpus("job").values()) == 16
-    assign = one(sim.incident("n2", SEV1_KIND, task="job"), Assign, "job")
+    assign = one(sim.incident("n2", SEV1_KIND, task="job"), ResizeInPlace, "job")  # n1 goes on in place
     issued = sim.t
     assert sim.last().action == "reconfigure"
     sim.ok(assign)  # running on n1 alone: recovered, at half capacity
@@ -76,7 +77,7 @@ def test_sev1_counts_sub_healthy_time_until_the_task_has_its_gpus_back() -> None
     assert inc.transition_s == sim.t - issued and inc.sub_healthy_s is None
     recovered = sim.t
     sim.t += 30.0
-    grow = one(sim.feed(NodeJoined(ts=sim.ts(), node="n2", gpus=8)), Assign, "job")  # n2 back: replan
+    grow = one(sim.feed(NodeJoined(ts=sim.ts(), node="n2", gpus=8)), ResizeInPlace, "job")  # n2 back: grow
     assert sim.last().sub_healthy_s is None  # not until the bigger configuration runs
     sim.ok(grow)
     assert sum(sim.gpus("job").values()) == 16

@@ -105,11 +105,12 @@ class Sim:
         task: str | None = None,
         rank: int | None = None,
         generation: int | None = None,
+        step: int | None = None,
     ) -> list[Action]:
         self.incidents += 1
         ts = self.ts()
         report = Report(
-            method=kind[0], kind=kind[1], node=node, task=task, rank=rank, source_ts=ts, agent_ts=ts
+            method=kind[0], kind=kind[1], node=node, task=task, rank=rank, source_ts=ts, agent_ts=ts, step=step
         )
         incident = classify(report, detected_ts=ts, incident_id=f"i{self.incidents}")
         return self.feed(IncidentRaised(ts=ts, incident=incident, generation=generation))

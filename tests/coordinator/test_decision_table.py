@@ -68,8 +68,6 @@ def _settings(phase: TaskPhase, trigger: Trigger) -> DecisionSettings:
         return DecisionSettings(max_reattempts=0)
     if trigger is T.ACTION_FAILED and phase is P.REATTEMPTING:
         return DecisionSettings(max_reattempts=2)  # a second reattempt is still allowed
-    if trigger is T.RESIZED_IN_PLACE:
-        return DecisionSettings(in_place_resize=True)  # off by default (DecisionSettings)
     return DecisionSettings()
 
 
@@ -105,6 +103,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return lambda sim: sim.incident("n1", SEV3_KIND, task=JOB)
     if trigger is T.SEV2:
         return lambda sim: sim.incident("n1", SEV2_KIND, task=JOB)
+    if trigger is T.RESIZE_ECHO:
+        return _resize_echo
     if trigger is T.SEV1:
         return lambda sim: sim.incident("n1", SEV1_KIND)
     if trigger is T.TASK_FAULT:  # a "restart" task's rank on n2 dies (a sev2 like any other)
@@ -145,6 +145,13 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
     if trigger is T.CANCELLED:
         return lambda sim: sim.feed(TaskCancelled(ts=sim.ts(), task=JOB))
     raise AssertionError(f"no driver for {trigger}")
+
+
+def _resize_echo(sim: Sim) -> list[Action]:
+    """A survivor's sev3 from the iteration in flight at an in-place resize made at step 5 (the resize
+    is put on record directly: reaching it by events would leave the phase under test)."""
+    sim.state.tasks[JOB].resized_step = 5
+    return sim.incident("n1", SEV3_KIND, task=JOB, step=6)
 
 
 def _drain_n2(sim: Sim) -> list[Action]:

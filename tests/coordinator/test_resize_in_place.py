@@ -8,11 +8,13 @@ from coordinator.decision import (
     DecisionSettings,
     NodeJoined,
     NodeLost,
+    Reattempt,
     ResizeInPlace,
     TaskPhase,
 )
 from coordinator.decision.resize import plan_in_place
-from tests.coordinator.test_decision import Sim, one, only, running_cluster
+from coordinator.decision.table import Trigger
+from tests.coordinator.test_decision import SEV3_KIND, Sim, one, only, running_cluster
 
 JOB = "job"
 
@@ -134,8 +136,28 @@ def test_records_and_states_written_before_the_membership_epoch_still_read() -> 
     assert state.tasks[JOB].world_size == 0 and not state.tasks[JOB].confirmed
 
 
-def test_no_resize_in_place_unless_the_setting_is_on() -> None:
-    sim = running_cluster({"n1": 2, "n2": 2, "n3": 2}, {JOB: {"min_gpus": 2}})
+def test_resize_in_place_is_on_by_default_and_off_makes_a_new_generation() -> None:
+    assert DecisionSettings().in_place_resize
+    sim = running_cluster({"n1": 2, "n2": 2, "n3": 2}, {JOB: {"min_gpus": 2}}, Sim(DecisionSettings(in_place_resize=False)))
     sim.progress(JOB, 5)
     acts = sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="gone"))
     assert one(acts, Assign, JOB) and not only(acts, ResizeInPlace)
+
+
+def test_survivors_sev3_of_the_iteration_in_flight_at_a_shrink_is_merged_not_reattempted() -> None:
+    """In bench/transition the survivors' reports of the lost peer's broken connection arrived after the
+    shrink was confirmed and raised a reattempt; they belong to the resize. A later sev3 is a new fault."""
+    sim = _three_nodes()
+    one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="link closed")), ResizeInPlace, JOB)
+    sim.progress(JOB, 6)
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+    for step in (5, 6):  # the survivors' view of the iteration in flight (step 6) or the one before
+        assert not only(sim.incident("n1", SEV3_KIND, task=JOB, rank=0, step=step), Reattempt)
+        assert sim.phase(JOB) is TaskPhase.RUNNING
+        assert [t.trigger for t in sim.transitions] == [Trigger.RESIZE_ECHO]
+    assert one(sim.incident("n1", SEV3_KIND, task=JOB, rank=0, step=7), Reattempt, JOB)
+    # before it: the same report during the resize is merged as any sev3 during a reconfiguration
+    sim = _three_nodes()
+    sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="link closed"))
+    assert not only(sim.incident("n1", SEV3_KIND, task=JOB, rank=0, step=6), Reattempt)
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING

@@ -3,7 +3,8 @@ and real ``unicron train`` ranks (float64). A node is killed (its agent and rank
 shrinks in place (``ResizeInPlace``, same generation), the survivors keep their processes, no
 completed iteration is redone, and the parameters after the run equal a failure-free run's within
 1e-12 relative. The node comes back: the task grows back in place, the re-hosted ranks join from a
-healthy replica, and still no survivor restarts. The same shrink with TP=2.
+healthy replica, and still no survivor restarts; then the node is drained: its rank leaves at a
+boundary (the agent's ``Leave``) and the rest go on. The same shrink with TP=2.
 
 The runs train until the test sets the task store's stop key (every rank stops at one agreed commit
 and writes its outputs), so no figure depends on how fast this machine is.
@@ -38,7 +39,7 @@ TOLERANCE = 1e-12
 @pytest.fixture
 def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     gpus = int(getattr(request, "param", 1))
-    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_IN_PLACE_RESIZE": "1"}  # off by default (experimental)
+    env = {"UNICRON_STATUS_INTERVAL": "0.2"}  # in-place resize is the coordinator's default
     with LocalCluster(agents=3, gpus_per_agent=gpus, extra_env=env) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         try:
@@ -121,8 +122,9 @@ def check_exact(out: Path, tmp: Path, tp: int, blocks: int) -> list[int]:
     return [int(e["dp"]) for e in its]
 
 
-def test_node_lost_shrinks_in_place_and_its_return_grows_back_in_place(cluster: LocalCluster,
-                                                                       tmp_path: Path) -> None:
+def test_node_lost_shrinks_in_place_its_return_grows_back_and_a_drain_shrinks_by_leave(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """One cluster for the three moves (each test's cluster start and reference run cost ~30 s)."""
     c, out = cluster, tmp_path / "out"
     submit(c, tmp_path, out, tp=1)
     first = stepping(c, {0, 1, 2}, 2, timeout=120.0)
@@ -150,12 +152,29 @@ def test_node_lost_shrinks_in_place_and_its_return_grows_back_in_place(cluster: 
     assert {r["generation"] for r in grown.values()} == gen
     assert "Assign" not in actions_since(c, t0)
 
+    drained = drain_leaves(c, grown, survivors)
+
     stop_training(c)
     dps = check_exact(out, tmp_path, tp=1, blocks=3)
-    assert dps[0] == 3 and 2 in dps and dps[-1] == 3, dps
+    assert dps[0] == 3 and dps[-1] == 2 and 3 in dps[dps.index(2):], dps  # 3, 2 (lost), 3 (grown), 2 (drained)
     assert result(out, 2)["incarnation"] == 2  # the joiner took its state from a replica
+    assert result(out, 2)["mode"] == "left"  # ... and left when its node was drained
     print(f"shrink (kill -> survivors 2 steps on) {shrink_s:.1f} s; grow (agent start -> joiner steps) "
-          f"{grow_s:.1f} s; dp per iteration {dps}")
+          f"{grow_s:.1f} s; drain {drained:.1f} s; dp per iteration {dps}")
+
+
+def drain_leaves(c: LocalCluster, before: dict[int, dict[str, Any]], survivors: dict[int, Any]) -> float:
+    """The agent's side of a shrink whose node stays in service: rank 2 gets ``Leave``, finishes its
+    iteration and exits 0 (no failure reported, nothing marked); the others never stop."""
+    t0 = time.time()
+    assert cli(["drain", str(before[2]["node"])]) == 0
+    shrunk = stepping(c, {0, 1}, max(r["step"] for r in before.values()) + 2)
+    assert {r: shrunk[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
+    acts = actions_since(c, t0)
+    assert "ResizeInPlace" in acts and "Assign" not in acts, acts
+    faults = [i for i in c.incidents() if i.detected_ts >= t0 - 1 and i.severity is not None]
+    assert not faults, f"a rank leaving is no fault: {faults}"
+    return time.time() - t0
 
 
 @pytest.mark.parametrize("cluster", [2], indirect=True)
@@ -174,26 +193,4 @@ def test_a_tp2_task_loses_a_node_in_place(cluster: LocalCluster, tmp_path: Path)
     assert "ResizeInPlace" in acts and "Assign" not in acts, acts
     stop_training(c)
     dps = check_exact(out, tmp_path, tp=2, blocks=3)
-    assert dps[0] == 3 and dps[-1] == 2, dps
-
-
-def test_a_drained_nodes_rank_leaves_at_a_boundary_and_the_rest_go_on(cluster: LocalCluster,
-                                                                       tmp_path: Path) -> None:
-    """The agent's side of a shrink whose node stays in service: the rank gets ``Leave``, finishes its
-    iteration and exits 0 (no failure reported, nothing marked); the others never stop."""
-    c, out = cluster, tmp_path / "out"
-    submit(c, tmp_path, out, tp=1)
-    first = stepping(c, {0, 1, 2}, 2, timeout=120.0)
-    node = first[2]["node"]
-    t0 = time.time()
-    assert cli(["drain", node]) == 0
-    shrunk = stepping(c, {0, 1}, max(r["step"] for r in first.values()) + 2)
-    assert {r: shrunk[r]["pid"] for r in (0, 1)} == {r: first[r]["pid"] for r in (0, 1)}
-    acts = actions_since(c, t0)
-    assert "ResizeInPlace" in acts and "Assign" not in acts, acts
-    faults = [i for i in c.incidents() if i.detected_ts >= t0 - 1 and i.severity is not None]
-    assert not faults, f"a rank leaving is no fault: {faults}"
-    stop_training(c)
-    assert result(out, 2)["mode"] == "left"
-    dps = check_exact(out, tmp_path, tp=1, blocks=3)
     assert dps[0] == 3 and dps[-1] == 2, dps

@@ -30,7 +30,9 @@ WORKLOAD = [sys.executable, "-m", "unicron.runtime.workload", "--iter-time", "0.
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_STATUS_INTERVAL": "0.2"},
+    # the stand-in workload (one fixed gloo world) cannot change its membership in place: a move relaunches it
+    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_IN_PLACE_RESIZE": "0"}
+    c = LocalCluster(agents=3, gpus_per_agent=2, extra_env=env,
                      prefork=["unicron.runtime.workload"])
     c.start()
     os.environ["UNICRON_ETCD"] = c.etcd.endpoint

@@ -100,3 +100,28 @@ def test_ranks_report_to_the_agent_and_follow_its_instructions(runner: Runner, a
     assert all(not e.fatal for e in agent_socket.of(0, protocol.ExceptionReport)), "peer errors are non-fatal"
     assert "reattempt" in agent_socket.of(1, protocol.RegroupDone)[1].detail
     assert os.path.exists(agent_socket.path)
+
+
+def test_an_agents_regroup_never_takes_the_ranks_it_names_for_dead(
+    runner: Runner, agent_socket: FakeAgentSocket,
+) -> None:
+    """A Regroup names the ranks a sev3 came from: alive. The runtime once took them for dead, for good,
+    so the other rank regrouped alone and then re-proposed admitting it without end (issue 13)."""
+    args = train_args(0, "float32", False, "--iter-sleep", "0.02")
+    env = {"UNICRON_AGENT_SOCKET": agent_socket.path}
+
+    def drive(job: LocalJob) -> None:
+        wait_for(lambda: len(agent_socket.of(0, protocol.IterEnd)) >= 2, 60, "two iterations on rank 0")
+        agent_socket.send(0, protocol.Regroup(epoch=1, members=[0, 1], failed=[1]))
+        wait_for(lambda: bool(agent_socket.of(0, protocol.RegroupDone)[1:]), 60, "the agent's regroup")
+        n = len(agent_socket.of(1, protocol.IterEnd))
+        wait_for(lambda: len(agent_socket.of(1, protocol.IterEnd)) >= n + 5, 60, "rank 1 to train on")
+        agent_socket.send(0, protocol.Stop(reason="test"))
+
+    done = runner.run(2, args, while_running=drive, env={0: env, 1: env})
+    assert done.codes == {0: 0, 1: 0}, done.job.logs()
+    for rank in (0, 1):
+        regroups = agent_socket.of(rank, protocol.RegroupDone)
+        assert [r.epoch for r in regroups] == [0, 1], [r.detail for r in regroups]  # one regroup, no churn
+        assert "members=[0, 1]" in regroups[1].detail, regroups[1].detail
+    assert done.result(0)["iterations"] == done.result(1)["iterations"]

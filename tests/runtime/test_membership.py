@@ -18,6 +18,7 @@ from unicron.cluster.launch import base_env
 from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.net import free_port
 from unicron.runtime import store as keys
+from unicron.runtime.comm import PrefixStore
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat, StalenessJudge
 from unicron.runtime.membership import CommSettings, Membership, failed_key, mark_failed
@@ -141,3 +142,35 @@ def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple
     run_ranks(3, rank)
     assert all(results[(r, "start")] == [0, 1, 2] for r in range(3))
     assert results[(0, "after")] == results[(1, "after")] == (1, [0, 1], 2)
+
+
+def test_latest_finds_the_newest_epoch_in_few_reads(sidecar: tuple[str, int]) -> None:
+    """A joiner knows no epoch (``latest(-1)``): after a long run it must not read every epoch from 0."""
+    host, port = sidecar
+    store = PrefixStore("latest-test/", keys.connect(host, port))
+    reads: list[str] = []
+
+    class Counting:
+        def check(self, k: list[str]) -> bool:
+            reads.extend(k)
+            return bool(store.check(k))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+    m = Membership(Counting(), 0, Topology(world_size=2, tp=1), incarnation=1,  # type: ignore[arg-type]
+                   settings=CommSettings())
+    assert m.latest(-1) is None
+    newest = -1
+    for n in (0, 1, 2, 6, 37, 300):
+        for e in range(newest + 1, n + 1):
+            store.set(f"epoch/{e}", EpochRecord(e, (0, 1), {0: 1, 1: 1}, "test").encode())
+        newest = n
+        for after in {-1, 0, n // 2, n - 1}:
+            if after >= n:
+                continue
+            reads.clear()
+            rec = m.latest(after)
+            assert rec is not None and rec.epoch == n, (n, after)
+            assert len(reads) <= 2 * (n - after).bit_length() + 2, (n, after, len(reads))
+        assert m.latest(n) is None

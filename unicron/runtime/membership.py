@@ -5,8 +5,12 @@ groups built for it under a fresh store prefix ``e<epoch>/...``. Epoch 0 is ever
 After a failure (or to admit joiners) the survivors move to the next epoch:
 
 1. **Knowledge**: which members are dead, in order of speed: ``failed/<rank>`` counters written by the
-   agent (:func:`mark_failed`, below), heartbeat staleness, the agent's ``Regroup`` instruction. With no one dead after the heartbeat window, the membership stays the same (an
-   in-place reattempt of a transient error).
+   agent (:func:`mark_failed`, below, per incarnation), then heartbeat staleness. With
+   no one dead after the heartbeat window, the membership stays the same (an in-place reattempt of a
+   transient error). The agent's ``Regroup`` names the ranks a sev3 incident came from: they are
+   alive (a sev3 is not fatal), so it is never taken as a death (it once was, without an
+   incarnation: a survivor that reported a lost peer's broken connection was taken for dead by the
+   others forever, which left rank 0 alone in an epoch and re-proposed the same admission endlessly).
 2. **Agreement**: ``compare_set("epoch/<g+1>", "", proposal)``: the first proposal wins and every
    survivor adopts it, so all end with the same member list.
 3. **Barrier**: members check in under ``epoch/<g+1>/ready/<rank>`` while watching for a member dying
@@ -152,8 +156,8 @@ def mark_current_failed(host: str, port: int, rank: int, store: RendezvousStore 
     return int(s.add(failed_key(rank), max(behind, 0)))
 
 
-Knowledge = Callable[[], set[int]]
-"""Extra failure knowledge: ranks the agent's Regroup instructions name as failed."""
+Poll = Callable[[], None]
+"""Called while a regroup waits, to read the agent's instructions (a Leave or Stop arriving then)."""
 
 
 class Membership:
@@ -166,7 +170,7 @@ class Membership:
         topo: Topology,
         incarnation: int,
         settings: CommSettings,
-        knowledge: Knowledge | None = None,
+        poll: Poll | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -176,7 +180,7 @@ class Membership:
         self.judge = StalenessJudge(store, settings.heartbeat_window_s)
         #: seconds spent in the phases of the last regroup (for logs and benchmarks)
         self.timing: dict[str, float] = {}
-        self._knowledge = knowledge or set
+        self._poll = poll or (lambda: None)
 
     # --- records ---------------------------------------------------------------------------------
 
@@ -191,11 +195,25 @@ class Membership:
         return EpochRecord.decode(won)
 
     def latest(self, after: int) -> EpochRecord | None:
-        """The newest agreed epoch after ``after``, if any."""
-        found, e = None, after + 1
-        while (rec := self._read(e)) is not None:
-            found, e = rec, e + 1
-        return found
+        """The newest agreed epoch after ``after``, if any.
+
+        Epochs are contiguous (each is proposed as its base + 1), so the newest is found by doubling
+        the step past ``after`` and then bisecting: O(log n) store reads, where a scan one by one from
+        0 (a joiner knows no epoch) made a grow wait for tens of thousands of reads.
+        """
+        if not self._exists(after + 1):
+            return None
+        lo, step = after + 1, 1  # lo exists
+        while self._exists(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step  # hi does not exist
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._exists(mid) else (lo, mid)
+        return self._read(lo)
+
+    def _exists(self, epoch: int) -> bool:
+        return self.store.check([f"epoch/{epoch}"])
 
     # --- knowledge -------------------------------------------------------------------------------
 
@@ -204,7 +222,8 @@ class Membership:
         others = [r for r in ranks if r != self.rank]
         out = {r for r in others if keys.counter(self.store, failed_key(r)) >= rec.incarnations.get(r, 1)}
         out |= self.judge.stale(r for r in others if r not in out)
-        return out | (self._knowledge() & set(others))
+        self._poll()
+        return out
 
     def leaving(self, rec: EpochRecord) -> set[int]:
         """Members of ``rec`` whose incarnation there was asked to leave (``leave/<rank>``)."""
@@ -225,11 +244,17 @@ class Membership:
             inc = int(self.store.get(keys.join_key(r)))
             if inc == keys.counter(self.store, keys.started_key(r)) and keys.counter(
                 self.store, failed_key(r)
-            ) < inc:
+            ) < inc and not self._asked_to_leave(r, inc):
                 asking[r] = inc
         stale = self.judge.stale(asking)
         complete = self.topo.full_replica_members(r for r in asking if r not in stale)
         return {r: asking[r] for r in complete}
+
+    def _asked_to_leave(self, rank: int, incarnation: int) -> bool:
+        """A rank that joined (its ``join/<rank>`` stays) and was then asked to leave is no joiner: taking
+        it back in re-formed the same epoch at every commit (one epoch an iteration, issue 13)."""
+        key = keys.leave_key(rank)
+        return self.store.check([key]) and _int(self.store.get(key)) == incarnation
 
     def has_joiners(self, members: Iterable[int]) -> bool:
         """Cheap check used at every iteration boundary while some ranks are out."""

@@ -35,7 +35,7 @@ class RegroupReason(StrEnum):
     FAILURE = "failure"  # a collective failed
     REATTEMPT = "reattempt"  # a sev3 error of our own: same members, in place
     ADMISSION = "admission"  # joiners are waiting
-    AGENT = "agent"  # the agent's Regroup named a dead member
+    AGENT = "agent"  # the agent's Regroup (a sev3 reattempt the ranks did not run themselves)
     JOIN = "join"  # this rank joined (restarted or excluded)
 
 

@@ -265,8 +265,8 @@ class Trainer(Generic[BatchT]):
         self.sources: list[StateSource] = [ReplicaBroadcast()]
         if checkpointer is not None:
             self.sources.append(CheckpointSource(checkpointer))
-        self._agent_dead: set[int] = set()
-        self.membership = Membership(store, rank, topo, incarnation, comm, knowledge=self._agent_knowledge)
+        self.membership = Membership(store, rank, topo, incarnation, comm, poll=self._poll_agent)
+        self._regrouped_at = -1e9  # monotonic time the last recovery regroup completed
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
         self.mode = RankMode.STARTING
         self.stop_requested = False  # asked (agent Stop or the store's stop key); acted on once agreed
@@ -668,10 +668,9 @@ class Trainer(Generic[BatchT]):
 
     # --- agent -----------------------------------------------------------------------------------
 
-    def _agent_knowledge(self) -> set[int]:
-        """Ranks the agent told us are dead (consulted while regrouping)."""
+    def _poll_agent(self) -> None:
+        """While regrouping: a Leave or Stop arriving now is noted (a Regroup is moot: we are regrouping)."""
         self._read_instructions()
-        return set(self._agent_dead)
 
     def _read_instructions(self) -> list[protocol.Regroup]:
         regroups: list[protocol.Regroup] = []
@@ -679,7 +678,6 @@ class Trainer(Generic[BatchT]):
             if isinstance(msg, protocol.Stop):
                 self.stop_requested = True
             elif isinstance(msg, protocol.Regroup):
-                self._agent_dead |= set(msg.failed)
                 regroups.append(msg)
             elif isinstance(msg, protocol.Leave) and not self.leaving:
                 self.leaving = True
@@ -688,15 +686,23 @@ class Trainer(Generic[BatchT]):
         return regroups
 
     def _drain_instructions(self) -> None:
-        """At an iteration boundary: an agent's Regroup naming a dead member or a new one is acted on."""
+        """At an iteration boundary: an agent's Regroup (a sev3 reattempt) or one naming a new member is
+        acted on. A reattempt the ranks already ran themselves (the reporter broke its groups and
+        everyone regrouped) is not run again: the Regroup reaches us a round trip through the
+        coordinator later, so one within a heartbeat window of our last regroup is that one. Its
+        ``failed`` ranks are the reporters, alive, so the regroup assumes the same members (deaths
+        are still read from the failed counters and heartbeats)."""
         members = set(self.groups.record.members)
+        regrouped = time.monotonic() - self._regrouped_at < self.comm.heartbeat_window_s
         for msg in self._read_instructions():
-            if self.due is None and set(msg.failed) & members:
-                self.due = RegroupDue(RegroupReason.AGENT, assume_same=False)
+            if self.due is None and set(msg.failed) & members and not regrouped:
+                self.due = RegroupDue(RegroupReason.AGENT, assume_same=True)
             elif self.due is None and set(msg.members) - members:
                 self.due = RegroupDue(RegroupReason.ADMISSION, assume_same=True)
 
     def _regroup_done(self, rec: EpochRecord, reason: RegroupReason, t0: float, ok: bool = True) -> None:
+        if reason in (RegroupReason.FAILURE, RegroupReason.REATTEMPT, RegroupReason.AGENT):
+            self._regrouped_at = time.monotonic()  # a recovery: what an agent's Regroup would ask for
         dp = len(self.topo.replicas_in(rec.members))
         detail = f"{reason.value}: members={list(rec.members)} dp={dp} it={self.it}"
         self.client.send(protocol.RegroupDone(epoch=rec.epoch, ok=ok, detail=detail))
