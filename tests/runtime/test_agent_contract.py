@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from tests.runtime.conftest import Runner, train_args, wait_for
 from unicron.cluster.launch import LocalJob
 from unicron.kernel import protocol, wire
+from unicron.kernel.client import AgentClient
 
 
 class FakeAgentSocket:
@@ -100,3 +102,21 @@ def test_ranks_report_to_the_agent_and_follow_its_instructions(runner: Runner, a
     assert all(not e.fatal for e in agent_socket.of(0, protocol.ExceptionReport)), "peer errors are non-fatal"
     assert "reattempt" in agent_socket.of(1, protocol.RegroupDone)[1].detail
     assert os.path.exists(agent_socket.path)
+
+
+def test_a_phase_inside_a_phase_returns_to_the_outer_one(agent_socket: FakeAgentSocket) -> None:
+    """The trainer fetches data in the data phase; nested in another phase, leaving it must not
+    report training (which would end e.g. a regroup's pause early)."""
+    client = AgentClient(rank=3, local_rank=0, socket_path=agent_socket.path).connect()
+    try:
+        with client.phase(protocol.PHASE_REGROUP), client.phase(protocol.PHASE_DATA):
+            pass
+        with client.phase(protocol.PHASE_DATA):
+            pass
+        deadline = time.monotonic() + 5
+        while len(agent_socket.of(3, protocol.Phase)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        client.close()
+    assert [m.name for m in agent_socket.of(3, protocol.Phase)] == [
+        "regroup", "data", "regroup", "train", "data", "train"]
