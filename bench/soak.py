@@ -11,10 +11,11 @@ This bench generates seeded traces of one rank's iterations (nominal D_iter = 1 
   6 s: a shared filesystem's slow read);
 * checkpoint stalls every 500 iterations (20-40 s) and evaluation stalls every 1000 (30-60 s).
 
-Three variants of the stalls: ``reported`` (the rank says so, as ``unicron.runtime`` does: checkpoints
+Four variants of the stalls: ``reported`` (the rank says so, as ``unicron.runtime`` does: checkpoints
 and evaluations with ``client.phase("checkpoint")``, as the agent also parses Megatron's save lines, and
 each wait for a micro-batch with ``client.phase("data")`` around the fetch in ``Trainer``; only waits
-longer than zero are emitted, a zero-length data phase changes nothing in the monitor), ``data
+longer than zero are emitted, a zero-length data phase changes nothing in the monitor), ``manual
+gc`` (the same, with the runtime's ``--manual-gc-interval``: GC pauses at iteration boundaries), ``data
 unreported`` (checkpoints reported, data-loader waits inside the iteration: what a rank that does not
 report its fetches, e.g. a Megatron script read from its log, gives) and ``unreported`` (a script that
 stalls inside its step without telling: no rule based on iteration times can tell the first such stall
@@ -84,9 +85,11 @@ class TraceShape:
 
 def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape = TraceShape(),
           hang_at: int | None = None, data_reported: bool | None = None,
-          data_hang: bool = False) -> Iterator[Event]:
+          data_hang: bool = False, manual_gc: bool = False) -> Iterator[Event]:
     """One rank's events; with ``hang_at`` the trace ends with that iteration started and never ended
-    (with ``data_hang``, stuck in its wait for data). ``data_reported`` defaults to ``reported``."""
+    (with ``data_hang``, stuck in its wait for data). ``data_reported`` defaults to ``reported``.
+    ``manual_gc``: the runtime's ``--manual-gc-interval`` (``unicron/runtime/gcpolicy.py``): the same
+    pauses, taken at an iteration boundary instead of inside an iteration."""
     data_phases = reported if data_reported is None else data_reported
     t = 0.0
     next_gc = rng.randint(*shape.gc_every)
@@ -108,9 +111,14 @@ def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape
                 yield Event(t, "phase", phase=PHASE_DATA)
             return
         d = D_ITER * (1.0 + rng.gauss(0.0, shape.noise)) + stall
+        boundary_gc = 0.0
         if step == next_gc:
-            d += rng.lognormvariate(0.0, shape.gc_sigma) * shape.gc_median_s
+            pause = rng.lognormvariate(0.0, shape.gc_sigma) * shape.gc_median_s
             next_gc = step + rng.randint(*shape.gc_every)
+            if manual_gc:
+                boundary_gc = pause
+            else:
+                d += pause
         if rng.random() < shape.loader_p:
             wait = min(shape.loader_max_s, shape.loader_scale_s * rng.paretovariate(shape.loader_alpha))
             if data_phases:  # the fetch comes first (the first micro-batch's), then the compute
@@ -119,6 +127,7 @@ def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape
             d += wait
         t += d
         yield Event(t, "end", step, duration=d)
+        t += boundary_gc
 
 
 @dataclass
@@ -171,16 +180,17 @@ def soak(seeds: list[int], ranks: int, iterations: int, settings: IterationSetti
     """False alarms over ``ranks`` x ``iterations`` per seed and variant, then one real hang per trace."""
     # (ckpt/eval reported, data waits reported): the seeds are the variant's name, as before this
     # change for "reported" and "unreported", so those traces' stalls are the same as in earlier runs
-    variants = {"reported": (True, True), "data_unreported": (True, False), "unreported": (False, False)}
+    variants = {"reported": (True, True, False), "manual_gc": (True, True, True),
+                "data_unreported": (True, False, False), "unreported": (False, False, False)}
     alarms = dict.fromkeys(variants, 0)
     degradations = 0
     latencies: dict[bool, list[float]] = {False: [], True: []}
     missed: dict[bool, int] = {False: 0, True: 0}
     for seed in seeds:
         for rank in range(ranks):
-            for variant, (reported, data) in variants.items():
-                rng = random.Random(f"{seed}/{rank}/{'reported' if variant == 'data_unreported' else variant}")
-                o = drive(trace(rng, iterations, reported, data_reported=data), settings)
+            for variant, (reported, data, manual_gc) in variants.items():
+                rng = random.Random(f"{seed}/{rank}/{'unreported' if variant == 'unreported' else 'reported'}")
+                o = drive(trace(rng, iterations, reported, data_reported=data, manual_gc=manual_gc), settings)
                 alarms[variant] += len(o.hangs)
                 degradations += o.degradations
             for data_hang in (False, True):
@@ -195,6 +205,7 @@ def soak(seeds: list[int], ranks: int, iterations: int, settings: IterationSetti
     return {
         "rank_iterations": len(seeds) * ranks * iterations,
         "false_alarms": alarms["reported"],
+        "false_alarms_manual_gc": alarms["manual_gc"],
         "false_alarms_data_waits_unreported": alarms["data_unreported"],
         "false_alarms_unreported_stalls": alarms["unreported"],
         "degradation_records": degradations,
