@@ -147,7 +147,8 @@ class Agent:
         self._applied_revision = -1
         self._watches: list[PrefixWatch] = []
         self.iteration_settings = IterationSettings(
-            hang_factor=settings.hang_factor, warmup_iterations=settings.warmup_iterations
+            hang_factor=settings.hang_factor, warmup_iterations=settings.warmup_iterations,
+            warmup_hang_s=settings.warmup_hang_s,
         )
         self.hang_watcher = HangWatcher(self._on_finding)
         self.progress_regex = settings.progress_regex
@@ -432,6 +433,10 @@ class Agent:
         self.metrics.rank_launches.labels(task).inc()
         if restart:
             self.metrics.rank_restarts.labels(task).inc()
+        # Watched from its launch: a rank stopped before its first report is otherwise never judged.
+        rec = self._task(task)
+        if rec is not None and (mon := self._monitor(rec, rank)) is not None:
+            mon.launched(time.time())
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
         return self.rank_server is not None and self.rank_server.send(task, rank, msg)

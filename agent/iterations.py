@@ -88,6 +88,10 @@ class IterationSettings:
     max_hang_factor: float = 10.0
     """Ceiling of what the tail memory may widen the threshold to, times the baseline: hangs are
     still found within this many iterations."""
+    warmup_hang_s: float = 1800.0
+    """Before there is a baseline (a rank just launched, or in warm-up), a rank that reports nothing
+    this long (no iteration started or ended, no phase) is a hang: the iteration rules cannot judge it
+    yet. Generous: a first iteration may compile for minutes (NCCL's own timeout is 30 min); 0: off."""
     data_wait_factor: float = 10.0
     """A wait for data (the ``data`` phase) longer than this times the baseline is a hang: a loader
     stuck for good is found within this many iterations (the same ceiling as ``max_hang_factor``)."""
@@ -108,6 +112,7 @@ class IterationSettings:
             # no rule against hang_factor: the threshold is never below hang_factor x the mean
             ("max_hang_factor", self.max_hang_factor >= 1.0, ">= 1"),
             ("data_wait_factor", self.data_wait_factor >= 1.0, ">= 1"),
+            ("warmup_hang_s", self.warmup_hang_s >= 0.0, ">= 0"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -139,6 +144,7 @@ class IterationMonitor:
         self._lock = threading.Lock()
         self.on_change: Callable[[], None] | None = None
         """Called (outside the monitor's lock) after every input; :class:`HangWatcher` sets it."""
+        self._last_input: float | None = None  # the launch or the latest report (warm-up bound); kept by reset()
         self.reset()
 
     def reset(self) -> None:
@@ -162,8 +168,16 @@ class IterationMonitor:
 
     # --- inputs ----------------------------------------------------------------------------------
 
+    def launched(self, ts: float) -> None:
+        """The rank's process was started at ``ts``: from now on it must report within
+        ``warmup_hang_s`` even before it has a baseline."""
+        with self._lock:
+            self._last_input = ts
+        self._changed()
+
     def iter_start(self, step: int, ts: float) -> None:
         with self._lock:
+            self._last_input = ts
             self._open = (step, ts)
             self._tainted = self._phase not in (PHASE_TRAIN, PHASE_DATA)
             self._hang_reported = False
@@ -172,6 +186,7 @@ class IterationMonitor:
 
     def iter_end(self, step: int, duration_s: float, ts: float) -> None:
         with self._lock:
+            self._last_input = ts
             self._end_data_wait(ts)
             counted = self._phase in (PHASE_TRAIN, PHASE_DATA) and not self._tainted and not self._hang_reported
             if self._open is not None and self._open[0] == step:
@@ -183,6 +198,7 @@ class IterationMonitor:
 
     def phase(self, name: str, ts: float) -> None:
         with self._lock:
+            self._last_input = ts
             was_data = self._phase == PHASE_DATA
             self._end_data_wait(ts)
             if name == PHASE_DATA:
@@ -259,13 +275,21 @@ class IterationMonitor:
 
     def _deadline(self) -> float | None:
         mean = self._mean()
-        if mean is None or self._hang_reported:
+        if self._hang_reported:
             return None
+        if mean is None:
+            return self._warmup_deadline()
         if self._phase == PHASE_DATA and self._data_since is not None:
             return self._data_since + max(self.settings.data_wait_factor * mean, self.settings.min_hang_s)
         if self._open is None or self._phase != PHASE_TRAIN:
             return None
         return self._open[1] + max(self._threshold(mean), self.settings.min_hang_s)
+
+    def _warmup_deadline(self) -> float | None:
+        s = self.settings
+        if not s.warmup_hang_s or self._last_input is None or self._phase not in (PHASE_TRAIN, PHASE_DATA):
+            return None
+        return self._last_input + s.warmup_hang_s
 
     def _threshold(self, mean: float) -> float:
         """hang_factor x the mean, widened to tail_margin x the longest recent healthy iteration
@@ -275,8 +299,9 @@ class IterationMonitor:
         return max(s.hang_factor * mean, min(tail, s.max_hang_factor * mean))
 
     def deadline(self) -> float | None:
-        """When the running iteration becomes a hang. None: no iteration open, not in the train
-        phase, no baseline yet (warm-up), or its hang was already reported."""
+        """When the running iteration (or wait for data) becomes a hang; before a baseline, when the
+        rank's silence does (``warmup_hang_s`` after its launch or latest report). None: no iteration
+        open, in a checkpoint/eval/regroup phase, or its hang was already reported."""
         with self._lock:
             return self._deadline()
 
@@ -285,7 +310,9 @@ class IterationMonitor:
         with self._lock:
             out, self._pending = self._pending, []
             deadline = self._deadline()
-            if deadline is not None and now >= deadline and self._phase == PHASE_DATA:
+            if deadline is not None and now >= deadline and self._mean() is None:
+                out.append(self._warmup_hang(now, deadline))
+            elif deadline is not None and now >= deadline and self._phase == PHASE_DATA:
                 out.append(self._data_hang(now, deadline))
             elif deadline is not None and now >= deadline and self._open is not None:
                 step, start = self._open
@@ -299,6 +326,16 @@ class IterationMonitor:
                     deadline, start,
                 ))
             return out
+
+    def _warmup_hang(self, now: float, deadline: float) -> Finding:
+        since = self._last_input if self._last_input is not None else deadline
+        self._hang_reported = True
+        return Finding(
+            ErrorKind.TASK_HANG, self._open[0] if self._open else None,
+            f"no report for {now - since:.3f} s before a baseline (launch or warm-up; bound "
+            f"{self.settings.warmup_hang_s} s)",
+            deadline, since,
+        )
 
     def _data_hang(self, now: float, deadline: float) -> Finding:
         since = self._data_since if self._data_since is not None else deadline

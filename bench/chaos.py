@@ -460,6 +460,9 @@ def run(seed: int, faults: int, budget_s: float, agents: int, outage_s: float,
     steps_dir.mkdir()
     c = LocalCluster(agents=agents, gpus_per_agent=2, netns=True, etcd_members=3, coordinators=2,
                      extra_env={"UNICRON_LEADER_TTL": str(LEADER_TTL_S), "UNICRON_WARMUP_ITERATIONS": "3",
+                                # a rank stopped before it has a baseline (right after a launch) is
+                                # found after this long; the default (30 min) is for real jobs
+                                "UNICRON_WARMUP_HANG_S": "10",
                                 "UNICRON_PREFORK": ""})
     with c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint

@@ -64,7 +64,7 @@ def test_hang_at_three_times_the_mean_reported_once() -> None:
 
 
 def test_no_deadline_during_warmup_or_without_an_open_iteration() -> None:
-    s = IterationSettings(warmup_iterations=3, min_samples=2)
+    s = IterationSettings(warmup_iterations=3, min_samples=2, warmup_hang_s=0)  # (the warm-up bound: below)
     mon = IterationMonitor(s)
     for n in range(4):  # 3 warm-up iterations + 1 sample < min_samples
         mon.iter_start(n, float(n))
@@ -125,6 +125,26 @@ def test_a_data_wait_past_its_bound_is_one_hang() -> None:
     assert IterationMonitor(IterationSettings(data_wait_factor=20.0)).settings.data_wait_factor == 20.0
     with pytest.raises(ConfigError, match="data_wait_factor"):
         IterationSettings(data_wait_factor=0.5)
+
+
+def test_a_rank_silent_since_its_launch_or_in_warm_up_is_a_hang_after_the_warmup_bound() -> None:
+    # bench/chaos.py SIGSTOPped a rank right after its launch: it never reported, and no iteration
+    # rule can judge a rank without a baseline, so nothing was ever found.
+    mon = IterationMonitor(IterationSettings(warmup_iterations=3, min_samples=2, warmup_hang_s=10.0))
+    assert mon.deadline() is None  # not launched yet
+    mon.launched(100.0)
+    assert mon.deadline() == pytest.approx(110.0) and mon.check(109.9) == []
+    (f,) = mon.check(110.0)
+    assert (f.kind, f.step, f.onset_ts) == (HANG, None, 100.0) and "baseline" in f.message
+    assert mon.check(200.0) == []  # once
+    mon.iter_start(0, 200.0)  # it reports after all (a slow start): judged afresh
+    assert mon.deadline() == pytest.approx(210.0)
+    mon.phase("checkpoint", 201.0)
+    assert mon.deadline() is None  # a checkpoint has no bound here, as with a baseline
+    mon.phase("train", 260.0)
+    feed(mon, [0.5] * 6, t0=300.0, step0=1)  # warm-up done: the iteration rules take over
+    mon.iter_start(7, 400.0)
+    assert mon.deadline() == pytest.approx(401.5)
 
 
 def test_completed_stalls_do_not_inflate_the_baseline() -> None:
