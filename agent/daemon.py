@@ -147,12 +147,16 @@ class Agent:
         self._applied_revision = -1
         self._watches: list[PrefixWatch] = []
         self.iteration_settings = IterationSettings(
-            hang_factor=settings.hang_factor, warmup_iterations=settings.warmup_iterations
+            hang_factor=settings.hang_factor, warmup_iterations=settings.warmup_iterations,
+            warmup_hang_s=settings.warmup_hang_s,
         )
         self.hang_watcher = HangWatcher(self._on_finding)
         self.progress_regex = settings.progress_regex
         self._progress_lock = threading.Lock()
         self._progress: dict[tuple[str, int], LogProgress] = {}  # (task, rank) -> its log-line feeder
+        # Tasks whose ranks talk to the agent's socket: only their relaunched ranks must report within
+        # warmup_hang_s (a Megatron script read from its log never does, and its other ranks print nothing).
+        self._reporting_tasks: set[str] = set()
         self.backend = open_backend(settings.gpu_backend, simulated_gpus=settings.gpus)
         self.gpu_monitor = GpuMonitor(self.backend, on_event=self._on_gpu_event, on_health=self._on_gpu_health,
                                       health_interval_s=settings.health_interval_s)
@@ -432,6 +436,10 @@ class Agent:
         self.metrics.rank_launches.labels(task).inc()
         if restart:
             self.metrics.rank_restarts.labels(task).inc()
+        # Watched from its launch: a rank stopped before its first report is otherwise never judged.
+        rec = self._task(task)
+        if task in self._reporting_tasks and rec is not None and (mon := self._monitor(rec, rank)) is not None:
+            mon.launched(time.time())
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
         return self.rank_server is not None and self.rank_server.send(task, rank, msg)
@@ -468,6 +476,7 @@ class Agent:
             # A rank of no task of ours (a stale process, or a forged message): nothing to report.
             log.warning("dropped a message from an unknown task or rank", task=task, rank=rank, type=msg.TYPE)
             return
+        self._reporting_tasks.add(task)
         mon = self._monitor(rec, rank)
         if isinstance(msg, protocol.ExceptionReport):
             kind = self._exception_kind(msg)

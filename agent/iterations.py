@@ -29,6 +29,14 @@ showed that a healthy iteration can take that long, so the hang threshold is wid
 iteration reported as a hang that later ends is not recorded either. The first stall longer than any
 seen before is still reported (no rule on iteration times alone can tell it from a hang).
 
+Data waits (``PHASE_DATA``): ``unicron.runtime`` reports the wait for each micro-batch from the data
+loader as a phase. Unlike a checkpoint, a data wait happens inside an iteration and does not taint it:
+the hang clock stops while the rank waits for data and resumes where it stopped, and the iteration's
+sample is its duration minus its data waits (compute time). The wait itself is bounded: waiting longer
+than ``data_wait_factor`` x the baseline (at least ``min_hang_s``) is a TASK_HANG (a loader stuck on a
+dead filesystem). The other phases (checkpoint, eval, regroup) have no bound here: the runtime's own
+timeouts end a stuck regroup, and Megatron's checkpoint lines give no rank-side timer to trust.
+
 :class:`IterationMonitor` is pure logic with time passed in (one per rank). :class:`HangWatcher` is
 the thread that sleeps until the earliest deadline of all monitors and reports findings.
 """
@@ -43,7 +51,7 @@ from dataclasses import dataclass
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
-from unicron.kernel.protocol import PHASE_TRAIN
+from unicron.kernel.protocol import PHASE_DATA, PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
@@ -80,6 +88,13 @@ class IterationSettings:
     max_hang_factor: float = 10.0
     """Ceiling of what the tail memory may widen the threshold to, times the baseline: hangs are
     still found within this many iterations."""
+    warmup_hang_s: float = 1800.0
+    """Before there is a baseline (a rank just launched, or in warm-up), a rank that reports nothing
+    this long (no iteration started or ended, no phase) is a hang: the iteration rules cannot judge it
+    yet. Generous: a first iteration may compile for minutes (NCCL's own timeout is 30 min); 0: off."""
+    data_wait_factor: float = 10.0
+    """A wait for data (the ``data`` phase) longer than this times the baseline is a hang: a loader
+    stuck for good is found within this many iterations (the same ceiling as ``max_hang_factor``)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -96,6 +111,8 @@ class IterationSettings:
             ("tail_window", self.tail_window >= 1, ">= 1"),
             # no rule against hang_factor: the threshold is never below hang_factor x the mean
             ("max_hang_factor", self.max_hang_factor >= 1.0, ">= 1"),
+            ("data_wait_factor", self.data_wait_factor >= 1.0, ">= 1"),
+            ("warmup_hang_s", self.warmup_hang_s >= 0.0, ">= 0"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -127,6 +144,7 @@ class IterationMonitor:
         self._lock = threading.Lock()
         self.on_change: Callable[[], None] | None = None
         """Called (outside the monitor's lock) after every input; :class:`HangWatcher` sets it."""
+        self._last_input: float | None = None  # the launch or the latest report (warm-up bound); kept by reset()
         self.reset()
 
     def reset(self) -> None:
@@ -134,6 +152,8 @@ class IterationMonitor:
         with self._lock:
             self._phase = PHASE_TRAIN
             self._open: tuple[int, float] | None = None  # (step, start ts) of the running iteration
+            self._data_since: float | None = None  # start of the running data wait
+            self._data_wait = 0.0  # data waits of the running iteration, ended ones
             self._tainted = False  # the open iteration spanned a non-train phase
             self._hang_reported = False
             self._completed = 0  # train iterations completed, warm-up included
@@ -148,30 +168,58 @@ class IterationMonitor:
 
     # --- inputs ----------------------------------------------------------------------------------
 
+    def launched(self, ts: float) -> None:
+        """The rank's process was started at ``ts``: from now on it must report within
+        ``warmup_hang_s`` even before it has a baseline."""
+        with self._lock:
+            self._last_input = ts
+        self._changed()
+
     def iter_start(self, step: int, ts: float) -> None:
         with self._lock:
+            self._last_input = ts
             self._open = (step, ts)
-            self._tainted = self._phase != PHASE_TRAIN
+            self._tainted = self._phase not in (PHASE_TRAIN, PHASE_DATA)
             self._hang_reported = False
+            self._data_wait = 0.0
         self._changed()
 
     def iter_end(self, step: int, duration_s: float, ts: float) -> None:
         with self._lock:
-            counted = self._phase == PHASE_TRAIN and not self._tainted and not self._hang_reported
+            self._last_input = ts
+            self._end_data_wait(ts)
+            counted = self._phase in (PHASE_TRAIN, PHASE_DATA) and not self._tainted and not self._hang_reported
             if self._open is not None and self._open[0] == step:
                 self._open = None
             if counted and duration_s >= 0:
-                self._record(step, duration_s, ts)
+                self._record(step, max(0.0, duration_s - self._data_wait), ts)
+            self._data_wait = 0.0
         self._changed()
 
     def phase(self, name: str, ts: float) -> None:
         with self._lock:
-            if name != PHASE_TRAIN and self._open is not None:
+            self._last_input = ts
+            was_data = self._phase == PHASE_DATA
+            self._end_data_wait(ts)
+            if name == PHASE_DATA:
+                self._data_since = ts  # inside the iteration: it stays a training sample
+                if not was_data and self._phase != PHASE_TRAIN and self._open is not None:
+                    self._open = (self._open[0], ts)  # out of e.g. a checkpoint: its time is not counted
+            elif name != PHASE_TRAIN and self._open is not None:
                 self._tainted = True  # its duration includes e.g. a checkpoint: not a training sample
-            elif name == PHASE_TRAIN and self._phase != PHASE_TRAIN and self._open is not None:
+            elif name == PHASE_TRAIN and self._phase != PHASE_TRAIN and not was_data and self._open is not None:
                 self._open = (self._open[0], ts)  # the hang clock restarts when training resumes
             self._phase = name
         self._changed()
+
+    def _end_data_wait(self, ts: float) -> None:
+        """A data wait ended at ``ts``: the open iteration's hang clock resumes where it stopped."""
+        since, self._data_since = self._data_since, None
+        if since is None or self._open is None:
+            return
+        waited = max(0.0, ts - max(since, self._open[1]))
+        self._data_wait += waited
+        self._open = (self._open[0], self._open[1] + waited)
 
     def _changed(self) -> None:
         hook = self.on_change
@@ -227,9 +275,21 @@ class IterationMonitor:
 
     def _deadline(self) -> float | None:
         mean = self._mean()
-        if self._open is None or self._phase != PHASE_TRAIN or mean is None or self._hang_reported:
+        if self._hang_reported:
+            return None
+        if mean is None:
+            return self._warmup_deadline()
+        if self._phase == PHASE_DATA and self._data_since is not None:
+            return self._data_since + max(self.settings.data_wait_factor * mean, self.settings.min_hang_s)
+        if self._open is None or self._phase != PHASE_TRAIN:
             return None
         return self._open[1] + max(self._threshold(mean), self.settings.min_hang_s)
+
+    def _warmup_deadline(self) -> float | None:
+        s = self.settings
+        if not s.warmup_hang_s or self._last_input is None or self._phase not in (PHASE_TRAIN, PHASE_DATA):
+            return None
+        return self._last_input + s.warmup_hang_s
 
     def _threshold(self, mean: float) -> float:
         """hang_factor x the mean, widened to tail_margin x the longest recent healthy iteration
@@ -239,8 +299,9 @@ class IterationMonitor:
         return max(s.hang_factor * mean, min(tail, s.max_hang_factor * mean))
 
     def deadline(self) -> float | None:
-        """When the running iteration becomes a hang. None: no iteration open, not in the train
-        phase, no baseline yet (warm-up), or its hang was already reported."""
+        """When the running iteration (or wait for data) becomes a hang; before a baseline, when the
+        rank's silence does (``warmup_hang_s`` after its launch or latest report). None: no iteration
+        open, in a checkpoint/eval/regroup phase, or its hang was already reported."""
         with self._lock:
             return self._deadline()
 
@@ -249,7 +310,11 @@ class IterationMonitor:
         with self._lock:
             out, self._pending = self._pending, []
             deadline = self._deadline()
-            if deadline is not None and now >= deadline and self._open is not None:
+            if deadline is not None and now >= deadline and self._mean() is None:
+                out.append(self._warmup_hang(now, deadline))
+            elif deadline is not None and now >= deadline and self._phase == PHASE_DATA:
+                out.append(self._data_hang(now, deadline))
+            elif deadline is not None and now >= deadline and self._open is not None:
                 step, start = self._open
                 mean = self._mean() or 0.0
                 self._hang_reported = True
@@ -261,6 +326,27 @@ class IterationMonitor:
                     deadline, start,
                 ))
             return out
+
+    def _warmup_hang(self, now: float, deadline: float) -> Finding:
+        since = self._last_input if self._last_input is not None else deadline
+        self._hang_reported = True
+        return Finding(
+            ErrorKind.TASK_HANG, self._open[0] if self._open else None,
+            f"no report for {now - since:.3f} s before a baseline (launch or warm-up; bound "
+            f"{self.settings.warmup_hang_s} s)",
+            deadline, since,
+        )
+
+    def _data_hang(self, now: float, deadline: float) -> Finding:
+        since = self._data_since if self._data_since is not None else deadline
+        mean = self._mean() or 0.0
+        self._hang_reported = True
+        return Finding(
+            ErrorKind.TASK_HANG, self._open[0] if self._open else None,
+            f"waiting for data {now - since:.3f} s > {self.settings.data_wait_factor} x mean iteration "
+            f"time {mean:.3f} s (the data loader is stuck)",
+            deadline, since,
+        )
 
     def stats(self) -> dict[str, float | int | None]:
         """Summary for the node status record."""

@@ -452,10 +452,10 @@ class TaskReconciler:
                 self._ranks[spec.rank] = RankState.FAILED
                 self._cannot_start = str(exc)
             return str(exc)
-        self.host.rank_launched(a.task, spec.rank, restart)
         with self._lock:
             if self._ranks.get(spec.rank) in (RankState.INIT, RankState.RESTARTING, RankState.FAILED):
                 self._ranks[spec.rank] = RankState.HEALTHY
+        self.host.rank_launched(a.task, spec.rank, restart)  # healthy: the host starts watching it
         return ""
 
     def _do_update(self, a: TaskAssignment) -> tuple[bool, str]:

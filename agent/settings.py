@@ -40,6 +40,9 @@ class AgentSettings:
     """The paper's 3x D_iter."""
     warmup_iterations: int = setting(5, "UNICRON_WARMUP_ITERATIONS", "iterations before hang detection starts")
     """The first iterations (compilation, allocator warm-up) are slow and do not set the baseline."""
+    warmup_hang_s: float = setting(1800.0, "UNICRON_WARMUP_HANG_S",
+                                   "seconds a rank without a baseline yet (just launched, warming up) may report nothing")
+    """Past it the rank is hung (sev2): the iteration rules need a baseline first. 0: off."""
     replica_budget_mb: int = setting(1024, "UNICRON_REPLICA_BUDGET_MB", "memory for peers' checkpoint replicas")
     """0 disables the replica server."""
     replica_host: str = setting("", "UNICRON_REPLICA_HOST",

@@ -95,12 +95,13 @@ class Bench:
         time.sleep(0.5)  # let the link reconnect so the next silence is a fresh loss
         return inc.detected_ts - t0, lease_s
 
-    def rank_killed(self) -> float:
+    def rank_killed(self, restart: bool = True) -> float:
         victim = next(r for r in self.ranks() if r.get("rank") == 1)
         t0 = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
         inc = self.wait(lambda i: i.kind is ErrorKind.EXITED_ABNORMALLY and i.rank == 1, t0)
-        self.start_workload()
+        if restart:  # (not after the run's last kill)
+            self.start_workload()
         return inc.detected_ts - t0
 
     def exception(self) -> float:
@@ -135,8 +136,11 @@ class Bench:
         self.start_workload()
         return (inc.detected_ts - t0) / d_iter
 
-    def false_alarms(self, iterations: int) -> tuple[int, int]:
-        self.start_workload(jitter=0.2)
+    def false_alarms(self, iterations: int, restart: bool = True) -> tuple[int, int]:
+        """Incidents over ``iterations`` fault-free iterations; ``restart``: of a fresh generation (else
+        of the running one, whose ranks the stall kind restarted last, same jitter)."""
+        if restart:
+            self.start_workload(jitter=0.2)
         t0, first = time.time(), self.min_step()
         self.c.wait_for(lambda: self.min_step() >= first + iterations, 120 + iterations * ITER_TIME * 3,
                         "the fault-free run", poll_s=0.5)
@@ -161,16 +165,24 @@ def p50(xs: list[float]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true",
-                    help="1 injection per kind, 2 TLS pairs and 100 clean iterations (under a minute)")
+                    help="1 injection per kind, 1 TLS pair (2 agents in the TLS cluster) and 100 clean "
+                         "iterations, without restarting the workload for them; the spawners preload only "
+                         "the workload (under a minute)")
     ap.add_argument("--tls-only", action="store_true",
                     help="only the TLS cost pairs (tls_detection_overhead), skipping the other kinds")
     args = ap.parse_args()
     n = 1 if args.quick else 20
     clean_iters = 100 if args.quick else 1000
-    pairs = 2 if args.quick else max(n, 5)
+    pairs = 1 if args.quick else max(n, 5)
     # The secure cluster starts in a thread beside the plaintext one (a cluster start is ~20 s of the
-    # run, mostly waiting): it is up, idle, while the plaintext kinds are measured.
-    secure = LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}, tls=True)
+    # run, mostly waiting): it is up, idle, while the plaintext kinds are measured. Its pairs use the
+    # ranks of node0 and node1 only; --quick leaves out its node2 (one agent and its spawner fewer to
+    # start on a 2-core machine).
+    # --quick: the warm spawners preload only the workload's module (torch), not the training runtime's
+    # Megatron as well: five spawners start at once on 2 cores (the latencies measured are the same).
+    prefork = ["unicron.runtime.workload"] if args.quick else None
+    secure = LocalCluster(agents=2 if args.quick else 3, gpus_per_agent=2,
+                          extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}, tls=True, prefork=prefork)
     secure_up: list[BaseException | None] = []
 
     def start_secure() -> None:
@@ -183,18 +195,19 @@ def main() -> int:
     starter = threading.Thread(target=start_secure, name="start-tls-cluster")
     starter.start()
     try:
-        return measure(args.quick, args.tls_only, n, clean_iters, pairs, secure, starter, secure_up)
+        return measure(args.quick, args.tls_only, n, clean_iters, pairs, secure, starter, secure_up, prefork)
     finally:
         starter.join()
         secure.stop()
 
 
 def measure(quick: bool, tls_only: bool, n: int, clean_iters: int, pairs: int, secure: LocalCluster,
-            starter: threading.Thread, secure_up: list[BaseException | None]) -> int:
+            starter: threading.Thread, secure_up: list[BaseException | None], prefork: list[str] | None) -> int:
     results: dict[str, list[float]] = {k: [] for k in
                                        ("agent_killed", "node_silenced", "lease_expiry", "rank_killed", "exception",
                                         "xid", "stall")}
-    with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"}) as cluster:
+    with LocalCluster(agents=3, gpus_per_agent=2, extra_env={"UNICRON_WARMUP_ITERATIONS": "5"},
+                      prefork=prefork) as cluster:
         b = Bench(cluster)
         b.start_workload()
         for i in range(0 if tls_only else n):
@@ -207,7 +220,7 @@ def measure(quick: bool, tls_only: bool, n: int, clean_iters: int, pairs: int, s
             results["node_silenced"].append(hb)
             results["lease_expiry"].append(lease)
             progress(f"{i}: agent_killed {results['agent_killed'][-1]:.4f} silenced {hb:.4f} lease {lease:.4f}")
-        false_alarms, degradations = b.false_alarms(0 if tls_only else clean_iters)
+        false_alarms, degradations = b.false_alarms(0 if tls_only else clean_iters, restart=not quick)
         # TLS cost: the secure variant beside this cluster, rank kills alternating between the two, so
         # both series run under the same load (both clusters up) at the same times
         plain_paired: list[float] = []
@@ -219,8 +232,9 @@ def measure(quick: bool, tls_only: bool, n: int, clean_iters: int, pairs: int, s
         bs = Bench(secure)
         bs.start_workload()
         for i in range(pairs):
-            plain_paired.append(b.rank_killed())
-            tls_paired.append(bs.rank_killed())
+            last = i == pairs - 1
+            plain_paired.append(b.rank_killed(restart=not last))
+            tls_paired.append(bs.rank_killed(restart=not last))
             progress(f"{i}: rank_killed plaintext {plain_paired[-1]:.4f} TLS {tls_paired[-1]:.4f}")
     results["rank_killed_paired_plaintext"] = plain_paired
     results["rank_killed_paired_tls"] = tls_paired

@@ -11,17 +11,23 @@ This bench generates seeded traces of one rank's iterations (nominal D_iter = 1 
   6 s: a shared filesystem's slow read);
 * checkpoint stalls every 500 iterations (20-40 s) and evaluation stalls every 1000 (30-60 s).
 
-Two variants of the stalls: ``reported`` (the rank says so, as ``unicron.runtime`` does with
-``client.phase("checkpoint")`` and as the agent parses Megatron's save lines) and ``unreported``
-(a script that stalls inside its step without telling: no rule based on iteration times can tell
-the first such stall from a hang; counted apart, not a target).
+Four variants of the stalls: ``reported`` (the rank says so, as ``unicron.runtime`` does: checkpoints
+and evaluations with ``client.phase("checkpoint")``, as the agent also parses Megatron's save lines, and
+each wait for a micro-batch with ``client.phase("data")`` around the fetch in ``Trainer``; only waits
+longer than zero are emitted, a zero-length data phase changes nothing in the monitor), ``manual
+gc`` (the same, with the runtime's ``--manual-gc-interval``: GC pauses at iteration boundaries), ``data
+unreported`` (checkpoints reported, data-loader waits inside the iteration: what a rank that does not
+report its fetches, e.g. a Megatron script read from its log, gives) and ``unreported`` (a script that
+stalls inside its step without telling: no rule based on iteration times can tell the first such stall
+from a hang; counted apart, not a target).
 
 It drives the real detector (:class:`agent.iterations.IterationMonitor`) with the trace's
 timestamps, asking it at every deadline it names (as :class:`HangWatcher` does), and counts
 ``false_alarms``: TASK_HANG findings on a healthy trace (sustained-degradation records are only
 recorded by the coordinator, counted apart). The same traces then get a real hang (an iteration that
 never ends) at a random step; ``hang_detect_diter`` is how long after its start it was reported, in
-D_iter. Both are measured for the shipped settings and for the previous rule (3x the mean, no tail
+D_iter; and a data-loader hang (a reported data wait that never ends) at another random step:
+``data_hang_detect_diter``, bounded by ``IterationSettings.data_wait_factor`` (a setting: 10 D_iter). Both are measured for the shipped settings and for the previous rule (3x the mean, no tail
 memory) in the same run.
 
     .venv/bin/python bench/soak.py [--quick] [--seed N]
@@ -44,7 +50,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.iterations import Finding, IterationMonitor, IterationSettings
-from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_EVAL, PHASE_TRAIN
+from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_DATA, PHASE_EVAL, PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
 
 D_ITER = 1.0
@@ -78,8 +84,13 @@ class TraceShape:
 
 
 def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape = TraceShape(),
-          hang_at: int | None = None) -> Iterator[Event]:
-    """One rank's events; with ``hang_at`` the trace ends with that iteration started and never ended."""
+          hang_at: int | None = None, data_reported: bool | None = None,
+          data_hang: bool = False, manual_gc: bool = False) -> Iterator[Event]:
+    """One rank's events; with ``hang_at`` the trace ends with that iteration started and never ended
+    (with ``data_hang``, stuck in its wait for data). ``data_reported`` defaults to ``reported``.
+    ``manual_gc``: the runtime's ``--manual-gc-interval`` (``unicron/runtime/gcpolicy.py``): the same
+    pauses, taken at an iteration boundary instead of inside an iteration."""
+    data_phases = reported if data_reported is None else data_reported
     t = 0.0
     next_gc = rng.randint(*shape.gc_every)
     for step in range(iterations):
@@ -96,15 +107,27 @@ def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape
                     stall += s  # inside the next iteration
         yield Event(t, "start", step)
         if step == hang_at:
+            if data_hang:
+                yield Event(t, "phase", phase=PHASE_DATA)
             return
         d = D_ITER * (1.0 + rng.gauss(0.0, shape.noise)) + stall
+        boundary_gc = 0.0
         if step == next_gc:
-            d += rng.lognormvariate(0.0, shape.gc_sigma) * shape.gc_median_s
+            pause = rng.lognormvariate(0.0, shape.gc_sigma) * shape.gc_median_s
             next_gc = step + rng.randint(*shape.gc_every)
+            if manual_gc:
+                boundary_gc = pause
+            else:
+                d += pause
         if rng.random() < shape.loader_p:
-            d += min(shape.loader_max_s, shape.loader_scale_s * rng.paretovariate(shape.loader_alpha))
+            wait = min(shape.loader_max_s, shape.loader_scale_s * rng.paretovariate(shape.loader_alpha))
+            if data_phases:  # the fetch comes first (the first micro-batch's), then the compute
+                yield Event(t, "phase", phase=PHASE_DATA)
+                yield Event(t + wait, "phase", phase=PHASE_TRAIN)
+            d += wait
         t += d
         yield Event(t, "end", step, duration=d)
+        t += boundary_gc
 
 
 @dataclass
@@ -155,35 +178,54 @@ PREVIOUS = IterationSettings(tail_margin=0.0)
 
 def soak(seeds: list[int], ranks: int, iterations: int, settings: IterationSettings) -> dict[str, object]:
     """False alarms over ``ranks`` x ``iterations`` per seed and variant, then one real hang per trace."""
-    alarms = {"reported": 0, "unreported": 0}
+    # (ckpt/eval reported, data waits reported): the seeds are the variant's name, as before this
+    # change for "reported" and "unreported", so those traces' stalls are the same as in earlier runs
+    variants = {"reported": (True, True, False), "manual_gc": (True, True, True),
+                "data_unreported": (True, False, False), "unreported": (False, False, False)}
+    alarms = dict.fromkeys(variants, 0)
     degradations = 0
-    latencies: list[float] = []
-    missed = 0
+    latencies: dict[bool, list[float]] = {False: [], True: []}
+    missed: dict[bool, int] = {False: 0, True: 0}
     for seed in seeds:
         for rank in range(ranks):
-            for variant in alarms:
-                o = drive(trace(random.Random(f"{seed}/{rank}/{variant}"), iterations, variant == "reported"),
-                          settings)
+            for variant, (reported, data, manual_gc) in variants.items():
+                rng = random.Random(f"{seed}/{rank}/{'unreported' if variant == 'unreported' else 'reported'}")
+                o = drive(trace(rng, iterations, reported, data_reported=data, manual_gc=manual_gc), settings)
                 alarms[variant] += len(o.hangs)
                 degradations += o.degradations
-            rng = random.Random(f"{seed}/{rank}/hang")
-            at = rng.randint(200, iterations - 1)
-            o = drive(trace(rng, iterations, True, hang_at=at), settings)
-            found = [lat for step, lat in o.hangs if step == at]
-            if found:
-                latencies.append(found[0] / D_ITER)
-            else:
-                missed += 1
+            for data_hang in (False, True):
+                rng = random.Random(f"{seed}/{rank}/{'data-hang' if data_hang else 'hang'}")
+                at = rng.randint(200, iterations - 1)
+                o = drive(trace(rng, iterations, True, hang_at=at, data_hang=data_hang), settings)
+                found = [lat for step, lat in o.hangs if step == at]
+                if found:
+                    latencies[data_hang].append(found[0] / D_ITER)
+                else:
+                    missed[data_hang] += 1
     return {
         "rank_iterations": len(seeds) * ranks * iterations,
         "false_alarms": alarms["reported"],
+        "false_alarms_manual_gc": alarms["manual_gc"],
+        "false_alarms_data_waits_unreported": alarms["data_unreported"],
         "false_alarms_unreported_stalls": alarms["unreported"],
         "degradation_records": degradations,
         "hangs_injected": len(seeds) * ranks,
-        "hangs_missed": missed,
-        "hang_detect_p50_diter": round(statistics.median(latencies), 3) if latencies else None,
-        "hang_detect_max_diter": round(max(latencies), 3) if latencies else None,
+        "hangs_missed": missed[False],
+        "hang_detect_p50_diter": _p50(latencies[False]),
+        "hang_detect_max_diter": _max(latencies[False]),
+        "data_hangs_injected": len(seeds) * ranks,
+        "data_hangs_missed": missed[True],
+        "data_hang_detect_p50_diter": _p50(latencies[True]),
+        "data_hang_detect_max_diter": _max(latencies[True]),
     }
+
+
+def _p50(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def _max(xs: list[float]) -> float | None:
+    return round(max(xs), 3) if xs else None
 
 
 def main() -> int:

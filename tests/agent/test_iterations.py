@@ -64,7 +64,7 @@ def test_hang_at_three_times_the_mean_reported_once() -> None:
 
 
 def test_no_deadline_during_warmup_or_without_an_open_iteration() -> None:
-    s = IterationSettings(warmup_iterations=3, min_samples=2)
+    s = IterationSettings(warmup_iterations=3, min_samples=2, warmup_hang_s=0)  # (the warm-up bound: below)
     mon = IterationMonitor(s)
     for n in range(4):  # 3 warm-up iterations + 1 sample < min_samples
         mon.iter_start(n, float(n))
@@ -92,6 +92,59 @@ def test_non_train_phase_suspends_hang_detection_and_restarts_the_clock() -> Non
     assert mon.deadline() == pytest.approx(60.3)
     mon.iter_end(20, 10.1, 60.1)  # spanned a checkpoint: not a training sample
     assert mon.baseline() == pytest.approx(0.1)
+
+
+def test_a_data_wait_stops_the_hang_clock_and_is_not_iteration_time() -> None:
+    mon = steady(0.1)  # deadline 3x = 0.3 s of compute
+    mon.iter_start(20, 50.0)
+    mon.phase("data", 50.05)
+    assert mon.deadline() == pytest.approx(50.05 + 1.0)  # the wait's own bound: 10x the baseline
+    assert mon.check(50.9) == []  # 0.85 s of waiting: no hang although 8.5x the mean has passed
+    mon.phase("train", 50.9)
+    assert mon.deadline() == pytest.approx(50.0 + 0.85 + 0.3)  # resumed where it stopped
+    assert mon.check(51.14) == []
+    mon.iter_end(20, 0.95, 50.95)
+    assert mon.baseline() == pytest.approx(0.1)  # the sample was 0.1 s of compute, not 0.95
+    assert mon.stats()["completed"] == 11  # and it was counted
+    # Control: the same 0.85 s inside the iteration, unreported, is a hang.
+    mon.iter_start(21, 60.0)
+    assert [f.kind for f in mon.check(60.85)] == [HANG]
+
+
+def test_a_data_wait_past_its_bound_is_one_hang() -> None:
+    mon = steady(0.1)
+    mon.iter_start(20, 50.0)
+    mon.phase("data", 50.02)
+    assert mon.check(51.01) == []
+    (f,) = mon.check(51.02)
+    assert (f.kind, f.step, f.onset_ts) == (HANG, 20, 50.02) and "data" in f.message
+    assert mon.check(60.0) == [] and mon.deadline() is None  # once per iteration
+    mon.phase("train", 60.0)
+    mon.iter_end(20, 10.0, 60.01)  # a hang that ended: no sample, no widening
+    assert mon.baseline() == pytest.approx(0.1) and mon.stats()["completed"] == 10
+    assert IterationMonitor(IterationSettings(data_wait_factor=20.0)).settings.data_wait_factor == 20.0
+    with pytest.raises(ConfigError, match="data_wait_factor"):
+        IterationSettings(data_wait_factor=0.5)
+
+
+def test_a_rank_silent_since_its_launch_or_in_warm_up_is_a_hang_after_the_warmup_bound() -> None:
+    # bench/chaos.py SIGSTOPped a rank right after its launch: it never reported, and no iteration
+    # rule can judge a rank without a baseline, so nothing was ever found.
+    mon = IterationMonitor(IterationSettings(warmup_iterations=3, min_samples=2, warmup_hang_s=10.0))
+    assert mon.deadline() is None  # not launched yet
+    mon.launched(100.0)
+    assert mon.deadline() == pytest.approx(110.0) and mon.check(109.9) == []
+    (f,) = mon.check(110.0)
+    assert (f.kind, f.step, f.onset_ts) == (HANG, None, 100.0) and "baseline" in f.message
+    assert mon.check(200.0) == []  # once
+    mon.iter_start(0, 200.0)  # it reports after all (a slow start): judged afresh
+    assert mon.deadline() == pytest.approx(210.0)
+    mon.phase("checkpoint", 201.0)
+    assert mon.deadline() is None  # a checkpoint has no bound here, as with a baseline
+    mon.phase("train", 260.0)
+    feed(mon, [0.5] * 6, t0=300.0, step0=1)  # warm-up done: the iteration rules take over
+    mon.iter_start(7, 400.0)
+    assert mon.deadline() == pytest.approx(401.5)
 
 
 def test_completed_stalls_do_not_inflate_the_baseline() -> None:

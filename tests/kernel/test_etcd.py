@@ -102,6 +102,44 @@ def test_watch_resumes_after_restart_without_losing_events(etcd_server: EtcdServ
     store.close()
 
 
+def test_a_watch_slow_to_see_a_break_does_not_cancel_another_watch_on_the_new_stream(
+    etcd_server: EtcdServer,
+) -> None:
+    """etcd numbers the watches of a stream from 0 again on the stream that replaces a broken one.
+    A watch whose handler was busy when the stream broke must not cancel its old id afterwards: on
+    the new stream it may name another watch, which then stops delivering without an error (found
+    by bench/chaos.py: an agent never saw its node's new assignment after an etcd member died)."""
+    store = Store(etcd_server.endpoint, timeout_s=1.0)
+    busy, release = threading.Event(), threading.Event()
+    seen_b: list[str] = []
+
+    def slow_a(ev: WatchEvent) -> None:
+        busy.set()
+        release.wait(20.0)
+
+    start = store.revision() + 1
+    watch_a = store.watch_prefix("/a/", slow_a, start_revision=start)  # the stream's watch 0
+    watch_b = store.watch_prefix("/b/", lambda ev: seen_b.append(ev.key), start_revision=start)
+    try:
+        store.put("/a/1", "x")
+        assert busy.wait(5.0)  # A's thread is inside its handler
+        etcd_server.stop()
+        etcd_server.start()
+        other = Store(etcd_server.endpoint)
+        other.put("/b/1", "x")
+        assert _wait(lambda: "/b/1" in seen_b, timeout=15.0)  # B is watch 0 of the new stream
+        release.set()  # A sees the break now, and resubscribes
+        time.sleep(0.5)
+        other.put("/b/2", "x")
+        assert _wait(lambda: "/b/2" in seen_b, timeout=5.0), seen_b
+        other.close()
+    finally:
+        release.set()
+        watch_a.stop()
+        watch_b.stop()
+        store.close()
+
+
 def test_lease_survives_an_etcd_outage_longer_than_its_ttl(etcd_server: EtcdServer) -> None:
     store = Store(etcd_server.endpoint, timeout_s=0.5)
     lost = threading.Event()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from tests.runtime.conftest import Runner, train_args, wait_for
 from unicron.cluster.launch import LocalJob
 from unicron.kernel import protocol, wire
+from unicron.kernel.client import AgentClient
 
 
 class FakeAgentSocket:
@@ -125,3 +127,21 @@ def test_an_agents_regroup_never_takes_the_ranks_it_names_for_dead(
         assert [r.epoch for r in regroups] == [0, 1], [r.detail for r in regroups]  # one regroup, no churn
         assert "members=[0, 1]" in regroups[1].detail, regroups[1].detail
     assert done.result(0)["iterations"] == done.result(1)["iterations"]
+
+
+def test_a_phase_inside_a_phase_returns_to_the_outer_one(agent_socket: FakeAgentSocket) -> None:
+    """The trainer fetches data in the data phase; nested in another phase, leaving it must not
+    report training (which would end e.g. a regroup's pause early)."""
+    client = AgentClient(rank=3, local_rank=0, socket_path=agent_socket.path).connect()
+    try:
+        with client.phase(protocol.PHASE_REGROUP), client.phase(protocol.PHASE_DATA):
+            pass
+        with client.phase(protocol.PHASE_DATA):
+            pass
+        deadline = time.monotonic() + 5
+        while len(agent_socket.of(3, protocol.Phase)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        client.close()
+    assert [m.name for m in agent_socket.of(3, protocol.Phase)] == [
+        "regroup", "data", "regroup", "train", "data", "train"]

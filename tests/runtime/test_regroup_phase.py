@@ -1,4 +1,4 @@
-"""#19 item 2: a rejoin pause is not a hang. Ranks report the ``regroup`` phase for the time of an
+"""#19 item 2: a rejoin pause is not a hang; #16 item 5: neither is a wait for data. Ranks report the ``regroup`` phase for the time of an
 agreed regroup or rejoin (real ranks over the agent socket), and the agent's hang detection does not
 judge that time (its IterationMonitor and HangWatcher, with a control pause in the train phase)."""
 
@@ -16,12 +16,17 @@ from unicron.kernel import protocol
 from unicron.kernel.types import ErrorKind
 
 
-def _phases_and_regroups(sock: FakeAgentSocket, rank: int) -> list[tuple[str, str]]:
-    """(kind, detail) of the rank's Hello, Phase and RegroupDone messages, in order."""
+def _phases_and_regroups(sock: FakeAgentSocket, rank: int, data: bool = False) -> list[tuple[str, str]]:
+    """(kind, detail) of the rank's Hello, Phase and RegroupDone messages, in order; the data phases
+    (one per micro-batch fetched) and their return to train only with ``data``."""
     out: list[tuple[str, str]] = []
+    in_data = False
     with sock.lock:
         for r, m in sock.messages:
             if r != rank:
+                continue
+            if not data and isinstance(m, protocol.Phase) and (m.name == protocol.PHASE_DATA or in_data):
+                in_data = m.name == protocol.PHASE_DATA  # a fetch and its return to train
                 continue
             if isinstance(m, protocol.Hello):
                 out.append(("hello", ""))
@@ -50,6 +55,12 @@ def test_survivor_and_joiner_report_the_regroup_phase_around_a_rejoin(
                       env={0: env, 1: env})
     assert done.codes == {0: 0, 1: 0}, done.job.logs()
     survivor = _phases_and_regroups(agent_socket, 0)
+    # Every micro-batch's fetch is a data phase, back to train right after (the rank fetched each
+    # micro-batch it computed: at least one per MicrobatchDone).
+    with_data = _phases_and_regroups(agent_socket, 0, data=True)
+    fetches = [i for i, p in enumerate(with_data) if p == ("phase", "data")]
+    assert len(fetches) >= len(agent_socket.of(0, protocol.MicrobatchDone)) > 0
+    assert all(with_data[i + 1] == ("phase", "train") for i in fetches), with_data
     # start; the failure regroup; the admission of the restarted rank: each pause inside the phase.
     assert survivor == [
         ("hello", ""), ("done", "start"),

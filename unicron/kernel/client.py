@@ -58,6 +58,7 @@ class AgentClient:
         self._pending_raise: protocol.InjectRaise | None = None
         self._inject_lock = threading.Lock()
         self._step: int | None = None
+        self._phase = protocol.PHASE_TRAIN
 
     @classmethod
     def from_env(cls) -> AgentClient:
@@ -175,12 +176,15 @@ class AgentClient:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """A non-training phase (checkpoint, eval): iterations inside it are not judged for hangs."""
+        """A non-training phase (checkpoint, eval, data wait): iterations inside it are not judged for
+        hangs. On leaving it the phase it was entered from is reported again (phases may nest)."""
+        outer, self._phase = self._phase, name
         self.send(protocol.Phase(name=name))
         try:
             yield
         finally:
-            self.send(protocol.Phase(name=protocol.PHASE_TRAIN))
+            self._phase = outer
+            self.send(protocol.Phase(name=outer))
 
     def report_exception(self, exc: BaseException, fatal: bool = True) -> None:
         kind = exc.kind.value if isinstance(exc, InjectedFault) else ""

@@ -416,12 +416,17 @@ class PrefixWatch:
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.05
-            self._pump(inbox)
+            if self._pump(inbox):
+                continue
+            # Only on a stream that still runs: etcd numbers watches per stream, so after a break this
+            # id may already name another watch of this client on the new stream (the chaos suite's
+            # agent lost its assignment watch so, silently, after an etcd member was killed).
             with contextlib.suppress(StoreClosed, *_CLIENT_ERRORS):
                 self.store.client.cancel_watch(watch_id)
 
-    def _pump(self, inbox: queue.Queue[Any]) -> None:
-        """Deliver events until the stream breaks or we are stopped."""
+    def _pump(self, inbox: queue.Queue[Any]) -> bool:
+        """Deliver events until the stream breaks (True: it broke, every watch on it is gone) or we
+        are stopped, or the revision was compacted (False: the watch may still be registered)."""
         while not self._stop.is_set():
             try:
                 item = inbox.get(timeout=0.2)
@@ -430,11 +435,11 @@ class PrefixWatch:
             if isinstance(item, etcd_exc.RevisionCompactedError):
                 with contextlib.suppress(StoreUnavailable):
                     self._resync()
-                return
+                return False
             if isinstance(item, BaseException) or item is None:
                 log.info("watch interrupted; resuming", prefix=self.prefix, cause=str(item),
                          revision=self.next_revision)
-                return
+                return True
             for ev in item.events:
                 kind = "delete" if isinstance(ev, pyetcd.events.DeleteEvent) else "put"
                 event = WatchEvent(kind, ev.key.decode(), ev.value, int(ev.mod_revision))
@@ -443,6 +448,7 @@ class PrefixWatch:
                     self.on_event(event)
                 except Exception:
                     log.exception("watch handler failed", prefix=self.prefix, key=event.key)
+        return False
 
 
 def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str,

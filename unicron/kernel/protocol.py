@@ -26,7 +26,10 @@ PHASE_CHECKPOINT = "checkpoint"
 PHASE_EVAL = "eval"
 PHASE_REGROUP = "regroup"
 """An agreed regroup or rejoin: the members pause on purpose while a peer is replaced or admitted."""
-PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_REGROUP)
+PHASE_DATA = "data"
+"""Waiting for the next micro-batch from the data loader: the wait is not iteration time, and it has its
+own bound (``IterationSettings.data_wait_factor``) so a loader stuck for good is still a hang."""
+PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_REGROUP, PHASE_DATA)
 
 
 class Message(Record):

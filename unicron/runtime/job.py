@@ -106,7 +106,11 @@ class Job(Generic[BatchT]):
 
     def loss(self, model: torch.nn.Module, iteration: int, mb: int) -> torch.Tensor:
         """The forward step on micro-batch ``mb`` of ``iteration``."""
-        loss = self.forward_step(self.data.batch(iteration, mb), model)
+        return self.forward(model, self.data.batch(iteration, mb))
+
+    def forward(self, model: torch.nn.Module, batch: BatchT) -> torch.Tensor:
+        """The forward step on a fetched micro-batch (the trainer fetches it in the data phase)."""
+        loss = self.forward_step(batch, model)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
             raise ConfigError(
                 "forward_step_func must return the micro-batch's loss as a scalar tensor with a graph "

@@ -529,7 +529,11 @@ class Trainer(Generic[BatchT]):
     def _forward_backward(self, mb: int) -> float:
         # Randomness in the forward (dropout) is the micro-batch's own, whichever rank computes it.
         seed_rng(mb_seed(self.sched.seed, self.it, mb))
-        loss = self.job.loss(self.state.model, self.it, mb)
+        # The wait for data is reported as a phase: a slow read from a shared filesystem is not a
+        # hang of the iteration (the agent bounds the wait on its own, agent/iterations.py).
+        with self.client.phase(protocol.PHASE_DATA):
+            batch = self.job.data.batch(self.it, mb)
+        loss = self.job.forward(self.state.model, batch)
         loss.backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
 
