@@ -46,6 +46,7 @@ from unicron.cli.main import main as cli
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.cluster.hollow import FleetProcesses
 from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.errors import StoreUnavailable
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -103,13 +104,19 @@ class LogTail:
 
 def up_nodes(c: LocalCluster) -> int:
     assert c.store is not None
-    state, _ = read_state(c.store, c.keys)
+    try:
+        state, _ = read_state(c.store, c.keys)
+    except StoreUnavailable:
+        return -1  # etcd busy (at 1,000 nodes the join's writes can hold it past the 2 s deadline)
     return sum(1 for e in state.nodes.values() if e.status.value == "up") if state is not None else 0
 
 
 def task_phase(c: LocalCluster, task: str) -> str | None:
     assert c.store is not None
-    state, _ = read_state(c.store, c.keys)
+    try:
+        state, _ = read_state(c.store, c.keys)
+    except StoreUnavailable:
+        return None
     entry = state.tasks.get(task) if state is not None else None
     return entry.phase.value if entry is not None else None
 
@@ -160,7 +167,8 @@ def main() -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
             json.dump({"name": "wide", "command": SLEEPER, "min_gpus": 1, "recovery": "inprocess"}, spec)
             spec.flush()
-            assert cli(["submit", spec.name]) == 0
+            # the coordinator may still be digesting the join of every node: its API answers late
+            assert cli(["submit", "--timeout", "120", spec.name]) == 0
         wrote = tail.wait(lambda r: r.get("event") == "decision written" and r.get("decision") == "TaskSubmitted",
                           120.0)
         refused = next((r for r in tail.lines if r.get("event") in ("input refused; dropped",

@@ -182,6 +182,10 @@ class HollowFleet:
         split over processes, :class:`FleetProcesses`)."""
         self.keys = Keyspace(prefix)
         self.store = Store(etcd)
+        # the keepalives' own client: a call that times out marks its client's endpoint failed for a
+        # while, and the fleet's result and status writes must not take every node's lease down with
+        # them (each real agent has a client of its own; seen at 1,000 nodes after the wide Assign)
+        self._lease_store = Store(etcd)
         self._batch = _StatusBatch()
         node_store = _FleetStore(self.store, self._batch, self.keys.statuses())
         self.heartbeat_s = heartbeat_s
@@ -244,6 +248,7 @@ class HollowFleet:
                 with contextlib.suppress(StoreUnavailable):
                     a.lease.revoke()
         self.store.close()
+        self._lease_store.close()
 
     # --- faults --------------------------------------------------------------------------------
 
@@ -338,7 +343,7 @@ class HollowFleet:
             for i in range(0, len(leases), KEEPALIVE_BATCH):
                 part = leases[i:i + KEEPALIVE_BATCH]
                 try:
-                    ttls = self.store.refresh_leases([lease.lease_id for _, lease in part])
+                    ttls = self._lease_store.refresh_leases([lease.lease_id for _, lease in part])
                 except StoreUnavailable as exc:
                     log.warning("hollow keepalives failed; will retry", error=str(exc))
                     continue
