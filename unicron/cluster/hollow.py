@@ -210,6 +210,9 @@ class HollowFleet:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> HollowFleet:
+        # the keepalives first: each node stops its lease's own refresh once registered, and a slice of
+        # 250 took longer than the 3 s TTL to register beside three others (their first leases lapsed)
+        self._spawn(self._keepalives, "hollow-keepalives")
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(HollowAgent.start, self.agents.values()))
         kvs, rev = self.store.get_prefix(self.keys.assignments())
@@ -218,7 +221,6 @@ class HollowFleet:
         self._watch = self.store.watch_prefix(self.keys.assignments(), self._on_assignment, start_revision=rev + 1)
         self._spawn(self._heartbeats, "hollow-heartbeats")
         self._spawn(self._connector, "hollow-connector")
-        self._spawn(self._keepalives, "hollow-keepalives")
         self._spawn(self._flush_statuses, "hollow-status-writer")
         names = sorted(self.agents)
         for i in range(self.status_threads):
