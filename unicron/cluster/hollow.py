@@ -15,8 +15,9 @@ heartbeat each ``heartbeat_s`` (the messages are the real ones, one per node per
 (re)connecting the links; streams of 100 refreshing each node's own lease at TTL / 4 (as :class:`Lease`
 does for one; a lease found expired is replaced as the agent does, by registering anew); a few threads
 building each node's status record once per ``status_interval_s`` (the agent's own ``_write_status``),
-written many per etcd transaction (the records and their leases are the real ones; a thread and a
-call per record and per lease cost more CPU than the coordinator's). :class:`FleetProcesses` splits a
+written many per etcd transaction, as are the agents' assignment results (the records and their
+leases are the real ones; a thread and a call per record and per lease cost more CPU than the
+coordinator's). :class:`FleetProcesses` splits a
 fleet over several such processes: at 1,000 nodes one process's GIL let leases lapse.
 """
 
@@ -115,16 +116,17 @@ class _StatusBatch:
 
 
 class _FleetStore(Store):
-    """The fleet's one etcd client as a hollow agent sees it: its status puts join a batch (the
-    agent's own ``_write_status`` builds and "writes" them). Everything else goes to etcd at once."""
+    """The fleet's one etcd client as a hollow agent sees it: its status and result puts join a batch
+    (the agent's own ``_write_status`` and ``_write_result`` build and "write" them). Everything else
+    goes to etcd at once."""
 
-    def __init__(self, shared: Store, batch: _StatusBatch, status_prefix: str) -> None:
+    def __init__(self, shared: Store, batch: _StatusBatch, prefixes: tuple[str, ...]) -> None:
         self.__dict__.update(shared.__dict__)  # the same client and settings, not a second connection
         self._batch = batch
-        self._status_prefix = status_prefix
+        self._prefixes = prefixes
 
     def put(self, key: str, value: str | bytes, lease: Lease | None = None) -> int:
-        if key.startswith(self._status_prefix):
+        if key.startswith(self._prefixes):
             self._batch.add(key, value, lease)
             return 0
         return super().put(key, value, lease)
@@ -187,7 +189,9 @@ class HollowFleet:
         # them (each real agent has a client of its own; seen at 1,000 nodes after the wide Assign)
         self._lease_store = Store(etcd)
         self._batch = _StatusBatch()
-        node_store = _FleetStore(self.store, self._batch, self.keys.statuses())
+        # results too: 1,000 nodes answering the wide Assign at once, a put each on one client, timed
+        # out by the hundred and took the client's endpoint down with them
+        node_store = _FleetStore(self.store, self._batch, (self.keys.statuses(), self.keys.results()))
         self.heartbeat_s = heartbeat_s
         self.status_interval_s = status_interval_s
         self.status_threads = status_threads
