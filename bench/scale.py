@@ -3,7 +3,8 @@ coordinator's CPU and the write of a reconfiguration spanning every node, at 1,0
 
 One real etcd and the real coordinator daemon (``LocalCluster(agents=0)``); the nodes are hollow agents
 (``unicron/cluster/hollow.py``: the real agent's registration, lease, status and result records, link
-hello and heartbeats, with simulated GPUs and ranks), all in this process.
+hello and heartbeats, with simulated GPUs and ranks), split over ``--fleet-procs`` processes (one
+process's GIL could not keep 1,000 nodes' leases on time).
 
 1. every node registers and the coordinator counts it up;
 2. a task asking for every GPU of the cluster is submitted: its Assign spans every node
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import random
 import signal
@@ -41,8 +43,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.statestore import read_state
 from unicron.cli.main import main as cli
-from unicron.cluster.hollow import HollowFleet
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.cluster.hollow import FleetProcesses
 from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.errors import StoreUnavailable
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -100,13 +104,19 @@ class LogTail:
 
 def up_nodes(c: LocalCluster) -> int:
     assert c.store is not None
-    state, _ = read_state(c.store, c.keys)
+    try:
+        state, _ = read_state(c.store, c.keys)
+    except StoreUnavailable:
+        return -1  # etcd busy (at 1,000 nodes the join's writes can hold it past the 2 s deadline)
     return sum(1 for e in state.nodes.values() if e.status.value == "up") if state is not None else 0
 
 
 def task_phase(c: LocalCluster, task: str) -> str | None:
     assert c.store is not None
-    state, _ = read_state(c.store, c.keys)
+    try:
+        state, _ = read_state(c.store, c.keys)
+    except StoreUnavailable:
+        return None
     entry = state.tasks.get(task) if state is not None else None
     return entry.phase.value if entry is not None else None
 
@@ -119,8 +129,13 @@ def main() -> None:
     ap.add_argument("--soak-s", type=float, default=None, help="soak seconds (default 600; --quick 15)")
     ap.add_argument("--kills", type=int, default=None, help="nodes killed, and as many hung (default 10; --quick 3)")
     ap.add_argument("--seed", type=int, default=16)
+    ap.add_argument("--fleet-procs", type=int, default=None,
+                    help="processes the hollow nodes are split over (default one per 250 nodes)")
     args = ap.parse_args()
     n = args.nodes or (100 if args.quick else 1000)
+    procs = args.fleet_procs or math.ceil(n / 250)
+    if procs < 1 or n < procs:
+        ap.error(f"--fleet-procs: between 1 and --nodes ({n}), got {procs}")
     soak_s = args.soak_s if args.soak_s is not None else (15.0 if args.quick else 600.0)
     kills = args.kills if args.kills is not None else (3 if args.quick else 10)
     rng = random.Random(args.seed)
@@ -133,14 +148,16 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     c = LocalCluster(agents=0, gpus_per_agent=args.gpus)
     c.start()
-    fleet: HollowFleet | None = None
-    out: dict[str, Any] = {"bench": "scale", "quick": args.quick, "nodes": n, "gpus_per_node": args.gpus}
+    fleet: FleetProcesses | None = None
+    out: dict[str, Any] = {"bench": "scale", "quick": args.quick, "nodes": n, "gpus_per_node": args.gpus,
+                           "fleet_procs": procs}
     try:
         assert c.coordinator is not None
         pid = c.coordinator.pid
         tail = LogTail(Path(c.run_dir) / "coordinator.log")
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
-        fleet = HollowFleet(c.etcd.endpoint, n, args.gpus, run_dir=c.run_dir).start()
+        fleet = FleetProcesses(c.etcd.endpoint, n, args.gpus, procs, run_dir=c.run_dir).start()
+        etcd_proc = c.etcd.proc if isinstance(c.etcd, EtcdServer) else None
         progress(f"{n} hollow nodes registered")
         c.wait_for(lambda: up_nodes(c) == n, 300.0, "the coordinator to count every node", poll_s=0.5)
         c.wait_for(lambda: fleet is not None and fleet.connected() == n, 120.0, "every link", poll_s=0.5)
@@ -150,7 +167,8 @@ def main() -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
             json.dump({"name": "wide", "command": SLEEPER, "min_gpus": 1, "recovery": "inprocess"}, spec)
             spec.flush()
-            assert cli(["submit", spec.name]) == 0
+            # the coordinator may still be digesting the join of every node: its API answers late
+            assert cli(["submit", "--timeout", "120", spec.name]) == 0
         wrote = tail.wait(lambda r: r.get("event") == "decision written" and r.get("decision") == "TaskSubmitted",
                           120.0)
         refused = next((r for r in tail.lines if r.get("event") in ("input refused; dropped",
@@ -167,15 +185,22 @@ def main() -> None:
 
         # --- soak: nothing injected ---------------------------------------------------------
         tail.poll()
-        load0, cpu0, own0, t0 = loadavg(), cpu_s(pid), cpu_s("self"), time.time()
+        fleet_pids: list[int | str] = ["self", *fleet.pids()]
+        etcd_pid = etcd_proc.pid if etcd_proc is not None else None
+
+        def cpu_now() -> tuple[float, float, float]:
+            return (cpu_s(pid), sum(cpu_s(p) for p in fleet_pids),
+                    cpu_s(etcd_pid) if etcd_pid is not None else 0.0)
+        load0, (cpu0, own0, etcd0), t0 = loadavg(), cpu_now(), time.time()
         time.sleep(soak_s)
-        cpu1, own1, t1 = cpu_s(pid), cpu_s("self"), time.time()
+        (cpu1, own1, etcd1), t1 = cpu_now(), time.time()
         tail.poll()
         losses = [r for r in tail.lines if r.get("event") == "incident" and r.get("kind") == "lost_connection"
                   and t0 <= r["ts"] <= t1]
         out[f"false_node_losses_{int(soak_s)}s"] = len(losses)
         out["coordinator_cpu_pct"] = round(100 * (cpu1 - cpu0) / (t1 - t0), 1)
-        out["hollow_process_cpu_pct"] = round(100 * (own1 - own0) / (t1 - t0), 1)
+        out["hollow_process_cpu_pct"] = round(100 * (own1 - own0) / (t1 - t0), 1)  # the fleet and the bench
+        out["etcd_cpu_pct"] = round(100 * (etcd1 - etcd0) / (t1 - t0), 1)
         out["loadavg_1m"] = [load0, loadavg()]
         progress(f"soak {soak_s:.0f}s: {len(losses)} false node losses, coordinator CPU "
                  f"{out['coordinator_cpu_pct']}%, hollow process {out['hollow_process_cpu_pct']}%")

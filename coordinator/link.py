@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import select
 import selectors
 import socket
 import ssl
@@ -65,6 +66,23 @@ class _Peer:
     lost: bool = False
     #: bytes read and not yet a whole line
     buf: bytearray = field(default_factory=bytearray)
+
+
+#: how soon a peer past its deadline with unread bytes in its socket is looked at again
+UNREAD_RECHECK_S = 0.05
+
+
+def _unread(peer: _Peer) -> bool:
+    """Whether ``peer``'s socket holds bytes the reader has not taken yet (poll, no read)."""
+    try:
+        fd = peer.conn.sock.fileno()
+        if fd < 0:
+            return False
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return any(ev & select.POLLIN for _, ev in p.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 class LinkServer:
@@ -330,10 +348,12 @@ class LinkServer:
             if peer.lost:
                 continue
             deadline = peer.last_heartbeat + self.timeout_s
-            if deadline <= now:
+            if deadline <= now and not _unread(peer):
                 expired.append(peer)
             else:
-                heapq.heappush(self._deadlines, (deadline, next(self._seq), peer))
+                # bytes waiting in the socket: the reader is behind (starved while the decision loop
+                # placed a task over 500 nodes, every peer "timed out"), the agent is not silent
+                heapq.heappush(self._deadlines, (max(deadline, now + UNREAD_RECHECK_S), next(self._seq), peer))
         return expired
 
     def _watchdog(self) -> None:

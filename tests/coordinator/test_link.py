@@ -262,3 +262,35 @@ def test_one_reader_serves_many_peers_and_still_finds_the_dead(events: Events) -
         t.join()
     finally:
         server.stop()
+
+
+def test_a_peer_whose_heartbeats_wait_unread_is_not_lost_while_the_reader_is_behind(
+        server: LinkServer, events: Events) -> None:
+    """Issue 16 (500 hollow nodes): while the coordinator's loop placed a wide task its link reader got
+    no turn, and the watchdog declared every node lost though their heartbeats sat in the sockets."""
+    quiet = connect(server, "node1", TOKENS["node1"])
+    assert welcomed(quiet)
+    busy = connect(server, "node2", TOKENS["node2"])
+    assert welcomed(busy)
+    readable = server._readable
+    stalled = threading.Event()
+
+    def behind(peer: object) -> None:  # the reader's first turn after the hellos takes 3 timeouts
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(TIMEOUT_S * 3)
+        readable(peer)  # type: ignore[arg-type]
+
+    server._readable = behind  # type: ignore[method-assign]
+    beats = Heartbeats(busy)
+    try:
+        # node1 is silent: lost at its deadline, reader or not
+        events.wait("node1's heartbeat timeout", lambda: events.lost == [("node1", "heartbeat timeout")])
+        assert stalled.wait(1.0)
+        time.sleep(TIMEOUT_S * 4)
+        assert events.lost == [("node1", "heartbeat timeout")]  # node2's heartbeats were waiting unread
+    finally:
+        beats.stop.set()
+        beats.thread.join()
+    quiet.close()
+    busy.close()

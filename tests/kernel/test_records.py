@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from typing import Any
+
 import pytest
 
 from unicron.kernel.errors import InvalidRecord
-from unicron.kernel.types import NodeInfo, StoreAddress
+from unicron.kernel.types import (
+    DetectionMethod,
+    ErrorKind,
+    NodeInfo,
+    NodeStatus,
+    RankStatus,
+    Record,
+    Report,
+    StoreAddress,
+)
 
 
 def test_a_record_round_trips_through_json() -> None:
@@ -18,3 +31,20 @@ def test_a_record_round_trips_through_json() -> None:
 def test_malformed_json_is_invalid_record(raw: str | bytes) -> None:
     with pytest.raises(InvalidRecord):
         NodeInfo.from_json(raw)
+
+
+def _asdict_dict(rec: Record) -> dict[str, Any]:
+    """What ``to_dict`` gave before it stopped calling ``dataclasses.asdict`` (issue 16: its copies cost)."""
+    return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(rec).items()}  # type: ignore[call-overload]
+
+
+def test_to_dict_is_what_asdict_gives_for_nested_records() -> None:
+    ranks = [RankStatus(task="t", generation=2, rank=r, pid=100 + r, state="running", step=r) for r in range(3)]
+    status = NodeStatus(node="n0", ts=1.5, generation=2, task="t", ranks=ranks,
+                        gpu_health=[{"gpu": 0, "ecc": [1, 2]}])
+    report = Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.ECC_ERROR, node="n0", rank=1)
+    for rec in (status, report):
+        assert rec.to_dict() == _asdict_dict(rec)
+        assert type(rec).from_json(rec.to_json()) == rec
+    assert status.to_dict()["ranks"][1] == dataclasses.asdict(ranks[1])
+    assert status.to_dict()["gpu_health"][0]["ecc"] is not status.gpu_health[0]["ecc"]  # a copy, as before

@@ -9,24 +9,30 @@ per node. What is simulated: the GPUs (the simulated backend, no monitor threads
 :class:`SimulatedTask` takes an assignment at once and its ranks "train" one step per ``iter_s``, so a
 task placed on hollow nodes reaches RUNNING and its recoveries are confirmed the way real ones are.
 
-What is shared, so that 1,000 nodes fit one process: one etcd client (:class:`Store`) for all; one
-watch on ``assign/`` handing each record to its node's agent; one thread sending every node's
-heartbeat each ``heartbeat_s`` (the messages are the real ones, one per node per interval); one
-stream refreshing every node's lease at TTL / 4 (as :class:`Lease` does for one); a few threads
-building each node's status record once per ``status_interval_s`` (the agent's own
-``_write_status``), written many per etcd transaction (the records and their leases are the real
-ones; a thread and a call per record and per lease cost more CPU than the coordinator's).
+What is shared, so that hundreds of nodes fit one process: one etcd client (:class:`Store`) for all;
+one watch on ``assign/`` handing each record to its node's agent; one thread sending every node's
+heartbeat each ``heartbeat_s`` (the messages are the real ones, one per node per interval) and another
+(re)connecting the links; streams of 100 refreshing each node's own lease at TTL / 4 (as :class:`Lease`
+does for one; a lease found expired is replaced as the agent does, by registering anew); a few threads
+building each node's status record once per ``status_interval_s`` (the agent's own ``_write_status``),
+written many per etcd transaction, as are the agents' assignment results (the records and their
+leases are the real ones; a thread and a call per record and per lease cost more CPU than the
+coordinator's). :class:`FleetProcesses` splits a
+fleet over several such processes: at 1,000 nodes one process's GIL let leases lapse.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import multiprocessing
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
+from multiprocessing.connection import Connection
+from typing import Any, cast
 
 from agent.daemon import Agent
 from agent.link import LinkClient
@@ -110,16 +116,17 @@ class _StatusBatch:
 
 
 class _FleetStore(Store):
-    """The fleet's one etcd client as a hollow agent sees it: its status puts join a batch (the
-    agent's own ``_write_status`` builds and "writes" them). Everything else goes to etcd at once."""
+    """The fleet's one etcd client as a hollow agent sees it: its status and result puts join a batch
+    (the agent's own ``_write_status`` and ``_write_result`` build and "write" them). Everything else
+    goes to etcd at once."""
 
-    def __init__(self, shared: Store, batch: _StatusBatch, status_prefix: str) -> None:
+    def __init__(self, shared: Store, batch: _StatusBatch, prefixes: tuple[str, ...]) -> None:
         self.__dict__.update(shared.__dict__)  # the same client and settings, not a second connection
         self._batch = batch
-        self._status_prefix = status_prefix
+        self._prefixes = prefixes
 
     def put(self, key: str, value: str | bytes, lease: Lease | None = None) -> int:
-        if key.startswith(self._status_prefix):
+        if key.startswith(self._prefixes):
             self._batch.add(key, value, lease)
             return 0
         return super().put(key, value, lease)
@@ -172,11 +179,19 @@ class HollowFleet:
 
     def __init__(self, etcd: str, n: int, gpus: int, prefix: str = "/unicron", name: str = "hollow",
                  heartbeat_s: float = 0.1, status_interval_s: float = 1.0, iter_s: float = 1.0,
-                 status_threads: int = 4, run_dir: str | None = None) -> None:
+                 status_threads: int = 4, run_dir: str | None = None, first: int = 0) -> None:
+        """Nodes ``<name><first>`` .. ``<name><first + n - 1>`` (``first``: this slice of a fleet
+        split over processes, :class:`FleetProcesses`)."""
         self.keys = Keyspace(prefix)
         self.store = Store(etcd)
+        # the keepalives' own client: a call that times out marks its client's endpoint failed for a
+        # while, and the fleet's result and status writes must not take every node's lease down with
+        # them (each real agent has a client of its own; seen at 1,000 nodes after the wide Assign)
+        self._lease_store = Store(etcd)
         self._batch = _StatusBatch()
-        node_store = _FleetStore(self.store, self._batch, self.keys.statuses())
+        # results too: 1,000 nodes answering the wide Assign at once, a put each on one client, timed
+        # out by the hundred and took the client's endpoint down with them
+        node_store = _FleetStore(self.store, self._batch, (self.keys.statuses(), self.keys.results()))
         self.heartbeat_s = heartbeat_s
         self.status_interval_s = status_interval_s
         self.status_threads = status_threads
@@ -186,10 +201,12 @@ class HollowFleet:
                 node=f"{name}{i:04d}", etcd=etcd, prefix=prefix, gpu_backend="simulated", gpus=gpus,
                 heartbeat_s=heartbeat_s, status_interval_s=status_interval_s, run_dir=run_dir,
                 replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"), node_store, iter_s)
-            for i in range(n)
+            for i in range(first, first + n)
         }
         self._conns: dict[str, wire.LineSocket] = {}
         self._hung: set[str] = set()
+        self._reregistering: set[str] = set()
+        self._reregister_wake = threading.Event()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -198,6 +215,10 @@ class HollowFleet:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> HollowFleet:
+        # the keepalives first: each node stops its lease's own refresh once registered, and a slice of
+        # 250 took longer than the 3 s TTL to register beside three others (their first leases lapsed)
+        self._spawn(self._keepalives, "hollow-keepalives")
+        self._spawn(self._reregistrar, "hollow-reregister")
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(HollowAgent.start, self.agents.values()))
         kvs, rev = self.store.get_prefix(self.keys.assignments())
@@ -205,7 +226,7 @@ class HollowFleet:
             self._on_assignment(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
         self._watch = self.store.watch_prefix(self.keys.assignments(), self._on_assignment, start_revision=rev + 1)
         self._spawn(self._heartbeats, "hollow-heartbeats")
-        self._spawn(self._keepalives, "hollow-keepalives")
+        self._spawn(self._connector, "hollow-connector")
         self._spawn(self._flush_statuses, "hollow-status-writer")
         names = sorted(self.agents)
         for i in range(self.status_threads):
@@ -235,6 +256,7 @@ class HollowFleet:
                 with contextlib.suppress(StoreUnavailable):
                     a.lease.revoke()
         self.store.close()
+        self._lease_store.close()
 
     # --- faults --------------------------------------------------------------------------------
 
@@ -287,18 +309,25 @@ class HollowFleet:
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(one, names))
 
+    def _connector(self) -> None:
+        """(Re)connects every live node without a link, apart from the heartbeats: a round of hellos
+        refused while the coordinator has not yet seen the nodes' registrations must not delay the
+        heartbeats of the nodes already connected (their 1 s timeout would fire)."""
+        while not self._stop.wait(self.heartbeat_s):
+            with self._lock:
+                missing = [n for n, a in self.agents.items() if a.alive and n not in self._conns]
+            if missing:
+                self._connect(missing)
+
     def _heartbeats(self) -> None:
-        beat = link.Heartbeat().to_wire()
+        beat = wire.encode(link.Heartbeat().to_wire())  # the same message every time: encoded once
         next_ts = time.monotonic()
         while not self._stop.is_set():
             with self._lock:
-                missing = [n for n, a in self.agents.items() if a.alive and n not in self._conns]
                 conns = [(n, c) for n, c in self._conns.items() if n not in self._hung]
-            if missing:
-                self._connect(missing)
             for node, conn in conns:
                 try:
-                    conn.send(beat)
+                    conn.sock.sendall(beat)  # the fleet is the connection's only sender after the hello
                 except OSError:
                     with self._lock:
                         if self._conns.get(node) is conn:
@@ -313,19 +342,48 @@ class HollowFleet:
         stream: a thread and a stream per lease cost more CPU than the coordinator at 1,000 nodes."""
         ttl = min(a.settings.lease_ttl_s for a in self.agents.values())
         while not self._stop.wait(max(0.1, ttl / 4)):
-            leases = [(n, a.lease) for n, a in self.agents.items() if a.alive and a.lease is not None]
+            with self._lock:
+                skip = set(self._reregistering)
+            leases = [(n, a.lease) for n, a in self.agents.items()
+                      if a.alive and a.lease is not None and n not in skip]
             expired = []
             # 100 a stream: one stream of 1,000 exceeded the call's 2 s deadline (seen at 1,000 nodes)
             for i in range(0, len(leases), KEEPALIVE_BATCH):
                 part = leases[i:i + KEEPALIVE_BATCH]
                 try:
-                    ttls = self.store.refresh_leases([lease.lease_id for _, lease in part])
+                    ttls = self._lease_store.refresh_leases([lease.lease_id for _, lease in part])
                 except StoreUnavailable as exc:
                     log.warning("hollow keepalives failed; will retry", error=str(exc))
                     continue
                 expired += [n for (n, _), t in zip(part, ttls, strict=True) if t <= 0]
             if expired:
                 log.warning("hollow nodes' leases expired", nodes=expired[:10], count=len(expired))
+                for node in expired:
+                    self._reregister(node)
+
+    def _reregister(self, node: str) -> None:
+        """What the real agent does when its lease is lost (``Agent._on_lease_lost``): register anew
+        under a fresh lease, which the fleet then keeps alive. Queued for one thread: a thread per
+        node, each retrying against a busy etcd with a keepalive thread per attempt's lease, took the
+        load average to 180 at 1,000 nodes."""
+        with self._lock:
+            self._reregistering.add(node)
+        self._reregister_wake.set()
+
+    def _reregistrar(self) -> None:
+        while not self._stop.is_set():
+            self._reregister_wake.wait(0.5)
+            self._reregister_wake.clear()
+            with self._lock:
+                todo = sorted(self._reregistering)
+            for node in todo:
+                agent = self.agents[node]
+                if agent.alive and not self._stop.is_set():
+                    agent._reregister()
+                    if agent.lease is not None:
+                        agent.lease.stop()  # the fleet refreshes it
+                with self._lock:
+                    self._reregistering.discard(node)
 
     def _flush_statuses(self) -> None:
         while not self._stop.wait(0.1):
@@ -348,3 +406,98 @@ class HollowFleet:
                 if self._stop.is_set():
                     return
 
+
+
+def _serve_slice(conn: Connection, etcd: str, first: int, n: int, gpus: int, options: dict[str, Any]) -> None:
+    """A fleet process: one :class:`HollowFleet` slice, answering its parent's calls over ``conn``
+    until told to stop or until the parent goes (the pipe closes)."""
+    fleet = HollowFleet(etcd, n, gpus, first=first, **options).start()
+    calls: dict[str, Callable[..., object]] = {"kill": fleet.kill, "hang": fleet.hang, "live": fleet.live,
+                                               "connected": fleet.connected}
+    conn.send(("ready", None))
+    try:
+        while True:
+            try:
+                op, args = conn.recv()
+            except EOFError:
+                return
+            if op == "stop":
+                return
+            conn.send(("ok", calls[op](*args)))
+    finally:
+        fleet.stop()
+
+
+class FleetProcesses:
+    """A hollow fleet of ``n`` nodes split over ``procs`` processes, each a :class:`HollowFleet` of a
+    slice of the names (``<name>0000`` ..): one process's GIL cannot keep 1,000 nodes' heartbeats,
+    leases and status records on time (seen at 1,000 nodes: leases lapsed). Each node keeps its own
+    lease, records and link connection as in one process; only the work is spread. Same calls as
+    :class:`HollowFleet`, each answered by the process that owns the node."""
+
+    def __init__(self, etcd: str, n: int, gpus: int, procs: int, **options: Any) -> None:
+        if procs < 1:
+            raise ValueError(f"procs: at least 1 fleet process, got {procs}")
+        per = math.ceil(n / procs)
+        self.name = str(options.get("name", "hollow"))
+        self._slices = [(first, min(per, n - first)) for first in range(0, n, per)]
+        # spawn, not fork: the parent holds gRPC channels, which do not survive a fork
+        ctx = multiprocessing.get_context("spawn")
+        self._conns: list[Connection] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        for first, count in self._slices:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve_slice, args=(child, etcd, first, count, gpus, options),
+                               name=f"hollow-fleet-{first}", daemon=True)
+            self._conns.append(parent)
+            self.processes.append(proc)
+        self._lock = threading.Lock()
+
+    def start(self, timeout_s: float = 300.0) -> FleetProcesses:
+        for proc in self.processes:
+            proc.start()
+        for conn, proc in zip(self._conns, self.processes, strict=True):
+            if not conn.poll(timeout_s):
+                raise TimeoutError(f"hollow fleet process {proc.name} did not start in {timeout_s:.0f} s")
+            conn.recv()
+        return self
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.pid is not None]
+
+    def _call(self, i: int, op: str, *args: str) -> Any:
+        with self._lock:
+            self._conns[i].send((op, args))
+            _, result = self._conns[i].recv()
+        return result
+
+    def _owner(self, node: str) -> int:
+        index = int(node.removeprefix(self.name))
+        return next(i for i, (first, count) in enumerate(self._slices) if first <= index < first + count)
+
+    def kill(self, node: str) -> float:
+        return float(self._call(self._owner(node), "kill", node))
+
+    def hang(self, node: str) -> float:
+        return float(self._call(self._owner(node), "hang", node))
+
+    def live(self) -> list[str]:
+        return sorted(n for i in range(len(self._conns)) for n in self._call(i, "live"))
+
+    def connected(self) -> int:
+        return sum(int(self._call(i, "connected")) for i in range(len(self._conns)))
+
+    def stop(self) -> None:
+        """Each process stops its slice (leases revoked), in parallel; one that does not is killed."""
+        with self._lock:
+            for conn, proc in zip(self._conns, self.processes, strict=True):
+                if proc.is_alive():
+                    with contextlib.suppress(OSError):
+                        conn.send(("stop", ()))
+            for proc in self.processes:
+                proc.join(timeout=30.0)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            for conn in self._conns:
+                conn.close()

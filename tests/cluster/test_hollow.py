@@ -1,0 +1,53 @@
+"""Hollow nodes split over processes (``FleetProcesses``, used by bench/scale.py): each node keeps its own
+registration, lease and status record, owned by one of the fleet's processes, against a real etcd."""
+
+from __future__ import annotations
+
+import time
+
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.cluster.hollow import FleetProcesses
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import NodeInfo
+
+NAMES = ["hollow0000", "hollow0001", "hollow0002", "hollow0003", "hollow0004"]
+
+
+def _registered(store: Store, keys: Keyspace) -> dict[str, NodeInfo]:
+    kvs, _ = store.get_prefix(keys.nodes())
+    return {keys.tail(kv.key, keys.nodes()): NodeInfo.from_json(kv.value) for kv in kvs}
+
+
+def _wait(pred: object, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():  # type: ignore[operator]
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_fleet_over_two_processes_keeps_each_nodes_own_lease_and_records(
+        etcd_server: EtcdServer, store: Store, prefix: str) -> None:
+    keys = Keyspace(prefix)
+    fleet = FleetProcesses(etcd_server.endpoint, 5, 2, procs=2, prefix=prefix, status_interval_s=0.2).start()
+    try:
+        nodes = _registered(store, keys)
+        assert sorted(nodes) == NAMES and fleet.live() == NAMES
+        # slices of 3 and 2 nodes, each registered by the process that owns it
+        owners = [nodes[n].agent_pid for n in NAMES]
+        assert owners == [fleet.pids()[0]] * 3 + [fleet.pids()[1]] * 2
+        kvs, _ = store.get_prefix(keys.nodes())
+        assert len({kv.lease for kv in kvs}) == 5  # a lease per node, not one per process
+        assert _wait(lambda: len(store.get_prefix(keys.statuses())[0]) == 5, 5.0)
+
+        died = fleet.kill("hollow0004")
+        # its lease (TTL 3 s) is no longer refreshed: its registration goes; the others' are kept alive
+        assert _wait(lambda: "hollow0004" not in _registered(store, keys), 6.0)
+        time.sleep(max(0.0, died + 3.5 - time.time()))
+        assert sorted(_registered(store, keys)) == NAMES[:4]
+        assert fleet.live() == NAMES[:4] and fleet.connected() == 0  # no coordinator to connect to
+    finally:
+        fleet.stop()
+    assert _registered(store, keys) == {}  # stopping revokes the live nodes' leases
