@@ -329,24 +329,19 @@ class IterationMonitor:
 
     def _warmup_hang(self, now: float, deadline: float) -> Finding:
         since = self._last_input if self._last_input is not None else deadline
-        self._hang_reported = True
-        return Finding(
-            ErrorKind.TASK_HANG, self._open[0] if self._open else None,
-            f"no report for {now - since:.3f} s before a baseline (launch or warm-up; bound "
-            f"{self.settings.warmup_hang_s} s)",
-            deadline, since,
-        )
+        return self._silent_hang(since, deadline, f"no report for {now - since:.3f} s before a baseline "
+                                 f"(launch or warm-up; bound {self.settings.warmup_hang_s} s)")
 
     def _data_hang(self, now: float, deadline: float) -> Finding:
         since = self._data_since if self._data_since is not None else deadline
-        mean = self._mean() or 0.0
+        return self._silent_hang(since, deadline, f"waiting for data {now - since:.3f} s > "
+                                 f"{self.settings.data_wait_factor} x mean iteration time "
+                                 f"{self._mean() or 0.0:.3f} s (the data loader is stuck)")
+
+    def _silent_hang(self, since: float, deadline: float, message: str) -> Finding:
+        """A hang judged by a bound rather than by iteration times (no baseline yet, or a data wait)."""
         self._hang_reported = True
-        return Finding(
-            ErrorKind.TASK_HANG, self._open[0] if self._open else None,
-            f"waiting for data {now - since:.3f} s > {self.settings.data_wait_factor} x mean iteration "
-            f"time {mean:.3f} s (the data loader is stuck)",
-            deadline, since,
-        )
+        return Finding(ErrorKind.TASK_HANG, self._open[0] if self._open else None, message, deadline, since)
 
     def stats(self) -> dict[str, float | int | None]:
         """Summary for the node status record."""
