@@ -187,7 +187,11 @@ class LocalJob:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                done = all(rp.proc.poll() is not None for rp in self.procs.values())
+                current = list(self.procs.values())
+            # An exit counts once the watcher has recorded it: returning between a process's exit and its
+            # history entry would hide that exit from the caller (seen under load).
+            recorded = {(h["rank"], h["incarnation"]) for h in list(self.history) if h["event"] == "exit"}
+            done = all(rp.proc.poll() is not None and (rp.rank, rp.incarnation) in recorded for rp in current)
             pending_restart = any(
                 h["event"] == "exit" and h["code"] != 0 and h["rank"] in self.restart
                 and self.procs[h["rank"]].incarnation == h["incarnation"]
