@@ -731,7 +731,10 @@ class Trainer(Generic[BatchT]):
                 self.moved = msg
             elif isinstance(msg, protocol.Leave) and not self.leaving:
                 self.leaving = True
-                self.membership.leave()
+                try:
+                    self.membership.leave()
+                except STORE_ERRORS:  # the store moved: the re-seed of the new one writes it (self.leaving)
+                    self.log.info("leave waits for the moved store", step=self.it if self._held is not None else -1)
                 self._event("leave_requested", it=self.it if self._held is not None else -1, reason=msg.reason)
         return regroups
 
