@@ -195,7 +195,8 @@ def reseed(store: RendezvousStore, rank: int, incarnation: int, records: Iterabl
         store.compare_set(BASE_KEY, "", str(held[0].epoch))
     if leaving:
         store.set(keys.leave_key(rank), str(incarnation))
-    store.set(SEEDED_KEY, "1")
+    if held:  # a joiner that holds no epoch has nothing others need: it does not open the store to them
+        store.set(SEEDED_KEY, "1")
 
 
 def await_seeded(store: RendezvousStore, timeout_s: float, poll_s: float = 0.02) -> bool:
