@@ -482,6 +482,7 @@ class Trainer(Generic[BatchT]):
         """Go on with the task's store on another node: wait for the agent's ``StoreMoved`` (its node
         was lost; an in-place resize named another, whose agent started a fresh one), connect, re-seed
         it with what this rank holds, and point the membership and the heartbeat at it."""
+        t_wait = time.time()
         deadline = time.monotonic() + self.comm.regroup_timeout_s
         while self.moved is None:
             if not self.client.enabled or time.monotonic() > deadline:
@@ -498,8 +499,8 @@ class Trainer(Generic[BatchT]):
         self.membership.use(store)
         if self.watcher is not None:
             self.watcher.move(msg.host, msg.port)
-        self._event("store_moved", store_epoch=msg.store_epoch, lost=list(msg.lost), seconds=time.time() - t0,
-                    error=str(exc).splitlines()[0] if exc is not None else "")
+        self._event("store_moved", store_epoch=msg.store_epoch, lost=list(msg.lost), waited_s=t0 - t_wait,
+                    seconds=time.time() - t0, error=str(exc).splitlines()[0] if exc is not None else "")
         self.log.info("store moved", store_epoch=msg.store_epoch, host=msg.host, port=msg.port, lost=list(msg.lost))
 
     def _on_injected(self, fault: InjectedFault) -> None:
