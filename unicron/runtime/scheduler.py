@@ -193,6 +193,10 @@ class StoreLost(PermanentError):
     """The task's store is gone and the agent named no new one in time."""
 
 
+class _StoreMoved(Exception):
+    """The agent said the store moved while this rank regrouped on the old one: move, then regroup."""
+
+
 class CommFailure(TemporaryError):
     """A collective failed: this rank's groups are broken and a regroup is due."""
 
@@ -477,6 +481,9 @@ class Trainer(Generic[BatchT]):
             except STORE_ERRORS as exc:  # the store went with its node (collectives fail as CommFailure)
                 self._move_store(exc)
                 self.due = RegroupDue(RegroupReason.FAILURE, assume_same=False)
+            except _StoreMoved:  # told while regrouping on the old store: the lost ranks' marks come with the move
+                self._move_store(None)
+                self.due = RegroupDue(RegroupReason.FAILURE, assume_same=True)
 
     def _move_store(self, exc: BaseException | None) -> None:
         """Go on with the task's store on another node: wait for the agent's ``StoreMoved`` (its node
@@ -717,8 +724,12 @@ class Trainer(Generic[BatchT]):
     # --- agent -----------------------------------------------------------------------------------
 
     def _poll_agent(self) -> None:
-        """While regrouping: a Leave or Stop arriving now is noted (a Regroup is moot: we are regrouping)."""
+        """While regrouping: a Leave or Stop arriving now is noted (a Regroup is moot: we are regrouping).
+        A member told that the store moved stops agreeing anything on the old one (should it still
+        answer, the others are gone from it: their heartbeats there stop, and it would agree alone)."""
         self._read_instructions()
+        if self.moved is not None and self.mode in (RankMode.TRAINING, RankMode.RECOVERING):
+            raise _StoreMoved()
 
     def _read_instructions(self) -> list[protocol.Regroup]:
         regroups: list[protocol.Regroup] = []
@@ -755,7 +766,7 @@ class Trainer(Generic[BatchT]):
                 self.due = RegroupDue(RegroupReason.ADMISSION, assume_same=True)
         if self.moved is not None:  # no store call failed yet (none on the iteration's path): move now
             self._move_store(None)
-            self.due = RegroupDue(RegroupReason.FAILURE, assume_same=False)
+            self.due = RegroupDue(RegroupReason.FAILURE, assume_same=True)  # the re-seed marked the lost
 
     def _regroup_done(self, rec: EpochRecord, reason: RegroupReason, t0: float, ok: bool = True) -> None:
         if reason in (RegroupReason.FAILURE, RegroupReason.REATTEMPT, RegroupReason.AGENT):
