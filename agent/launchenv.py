@@ -88,6 +88,6 @@ def rank_env(base: Mapping[str, str], a: TaskAssignment, spec: RankSpec, store: 
     env.update(torchrun_env(a, spec, store, set_cuda=set_cuda))
     env.update({
         protocol.ENV_SOCKET: socket_path, "UNICRON_TASK": a.task, "UNICRON_GENERATION": str(a.generation),
-        "UNICRON_NODE": node,
+        "UNICRON_NODE": node, protocol.ENV_STORE_EPOCH: str(store.store_epoch),
     })
     return env

@@ -9,7 +9,9 @@ attempt (the others wait for its address at that epoch), the backoff passes, and
 A new membership epoch of the same generation is an in-place resize: running ranks no longer assigned
 here (or re-hosted as joiners) are told to ``Leave`` at an iteration boundary and reaped; the ranks of a
 lost node are marked failed by the node hosting the store; then the joiners are launched. Survivors are
-not touched.
+not touched. When the store's own node was lost, the resize also names a new ``store_node`` (and
+``store_epoch``): that node starts a fresh sidecar, and first of all every node tells its running ranks
+where it is (``StoreMoved``).
 
 Rank lifecycle (modelled on torch elastic's ``WorkerState``)::
 
@@ -237,8 +239,10 @@ class TaskReconciler:
         if addr is None or addr.task != self.task or addr.generation != self.latest.generation:
             return
         with self._wake:
-            # a whole-task restart's fresh store (higher restart epoch) replaces the previous attempt's
-            if self._store is None or addr.restart_epoch > self._store.restart_epoch:
+            # a whole-task restart's fresh store (higher restart epoch) replaces the previous attempt's,
+            # and a store moved off a lost node (higher store epoch) the one that went with it
+            if self._store is None or (addr.restart_epoch, addr.store_epoch) > (
+                    self._store.restart_epoch, self._store.store_epoch):
                 self._store = addr
                 self._wake.notify_all()
 
@@ -406,7 +410,7 @@ class TaskReconciler:
         if sidecar is None:
             sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
-                            port=sidecar.port, restart_epoch=_store_epoch(a))
+                            port=sidecar.port, restart_epoch=_store_epoch(a), store_epoch=a.store_epoch)
         with self._lock:
             self._sidecar, self._store = sidecar, addr
         backoff = 0.05
@@ -431,8 +435,8 @@ class TaskReconciler:
             if self._store is None:
                 log.info("waiting for the task's store", task=a.task, generation=a.generation, store_node=a.store_node)
             epoch = _store_epoch(a)
-            self._wake.wait_for(
-                lambda: (self._store is not None and self._store.restart_epoch >= epoch) or self._stop_pending())
+            self._wake.wait_for(lambda: (self._store is not None and self._store.restart_epoch >= epoch
+                                         and self._store.store_epoch >= a.store_epoch) or self._stop_pending())
             return self._store if not self._stop_pending() else None
 
     def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, restart: bool = False) -> str:
@@ -463,6 +467,8 @@ class TaskReconciler:
             applied, store = self.applied, self._store
         specs = {s.rank: s for s in a.ranks}
         errors: list[str] = []
+        if a.store_epoch > applied.store_epoch:
+            store = self._move_store(a)
         if a.membership_epoch > applied.membership_epoch and store is not None:
             errors += self._resize(a, applied, specs, store)
         if a.restart_epoch > applied.restart_epoch and a.recovery == RECOVERY_RESTART:
@@ -489,6 +495,21 @@ class TaskReconciler:
         with self._lock:
             self.applied = a
         return (False, "; ".join(errors)) if errors else (True, "applied")
+
+    def _move_store(self, a: TaskAssignment) -> StoreAddress | None:
+        """The store went with its lost node and this resize names another: that node's agent starts a
+        sidecar and publishes it; every agent hands the address to its running ranks (``StoreMoved``),
+        before any of them is asked to leave or any joiner starts (both need the new store)."""
+        store = self._host_store(a) if a.store_node == self.host.node else self._await_store(a)
+        if store is None:
+            return None  # stopped meanwhile
+        msg = protocol.StoreMoved(store_epoch=store.store_epoch, host=store.host, port=store.port, lost=list(a.lost))
+        running = sorted(r for r, st in self.supervisor.status().items() if st.returncode is None)
+        for r in running:
+            self.host.send_to_rank(a.task, r, msg)
+        log.info("store moved", task=a.task, store_epoch=store.store_epoch, node=store.node,
+                 store=f"{store.host}:{store.port}", told=running)
+        return store
 
     def _resize(self, a: TaskAssignment, applied: TaskAssignment, specs: dict[int, RankSpec],
                 store: StoreAddress) -> list[str]:

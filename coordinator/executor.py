@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from coordinator import decision as d
+from coordinator.decision.resize import launch_store_node
 from coordinator.tasks import Recovery, TaskSpec
 from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.keyspace import Keyspace
@@ -106,7 +107,7 @@ class Executor:
         if not placement:
             return changed
         # The rendezvous store is the agent's sidecar, never rank 0 (which may die).
-        store_node = min(placement, key=lambda n: placement[n][0])
+        store_node = launch_store_node(placement)
         # torchrun numbers nodes (GROUP_RANK) so that lower ranks sit on lower-numbered nodes.
         nodes = sorted(placement, key=lambda n: placement[n][0])
         for node, ranks in sorted(placement.items()):
@@ -147,6 +148,11 @@ class Executor:
             specs[node] = sorted(kept + [RankSpec(rank=r, local_rank=locals_[i], gpu=free[i])
                                          for i, r in enumerate(new)], key=lambda s: s.rank)
         nodes = sorted(placement, key=lambda n: placement[n][0])
+        # A store moved to another node (its node is gone) starts at this membership epoch: that
+        # node's agent starts a sidecar and publishes it, every agent hands the address to its ranks.
+        moved = bool(action.store_node) and action.store_node != template.store_node
+        store_node, store_epoch = ((action.store_node, action.membership_epoch) if moved
+                                   else (template.store_node, template.store_epoch))
         changed = set()
         for node in sorted(set(current) | set(placement)):
             if node not in placement and all(s.rank in lost for s in current[node].ranks):
@@ -158,6 +164,7 @@ class Executor:
                 base, ranks=specs.get(node, []), membership_epoch=action.membership_epoch,
                 members=list(action.members), joiners=list(action.joiners), lost=list(action.lost),
                 group_rank=nodes.index(node) if node in nodes else 0, group_world_size=len(nodes),
+                store_node=store_node, store_epoch=store_epoch,
             )
             changed.add(node)
         return changed

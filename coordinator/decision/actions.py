@@ -86,7 +86,9 @@ class ResizeInPlace:
     (``world_size`` stays); ``placement`` holds every rank of the new membership. Survivors keep their
     processes; ``joiners`` start on their node and join at an iteration boundary, taking their state
     from a healthy replica; ``leaving`` ranks, on nodes still in service, are asked to leave at an
-    iteration boundary; ``lost`` ranks went with their node (the task's store node marks them failed)."""
+    iteration boundary; ``lost`` ranks went with their node (the task's store node marks them failed).
+    ``store_node`` hosts the task's store in the new membership: a node other than the previous one
+    when that one is gone (its agent starts a fresh sidecar, the survivors move to it)."""
 
     action_id: str
     task: str
@@ -100,6 +102,7 @@ class ResizeInPlace:
     lost: tuple[int, ...]
     world_size: int
     reason: str
+    store_node: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -382,6 +382,7 @@ class _Run:
             entry.restart_epoch += 1
         entry.placement = _ranks(entry.placement, fault.placement)
         entry.generation += 1
+        entry.store_node = ""  # a new launch's store is on its rank 0's node
         entry.world_size = sum(fault.placement.values())
         entry.confirmed = False
         entry.recovery_step = entry.last_step
@@ -403,6 +404,7 @@ class _Run:
         assert plan is not None
         entry.placement = {n: list(r) for n, r in plan.placement.items()}
         entry.membership_epoch += 1
+        entry.store_node = plan.store_node
         entry.recovery_step = entry.resized_step = entry.last_step
         entry.reason = fault.reason
         action = ResizeInPlace(
@@ -417,6 +419,7 @@ class _Run:
             lost=plan.lost,
             world_size=entry.world_size,
             reason=fault.reason,
+            store_node=plan.store_node,
         )
         self.actions.append(action)
         # confirmed by a step completed after it (the generation stays: older steps say nothing)
@@ -663,7 +666,7 @@ class _Run:
             return None  # a restart under way (its outstanding action cleared by this re-plan) relaunches ranks
         gone = {n for n, e in self.state.nodes.items() if e.status in (NodeState.LOST, NodeState.ISOLATED)}
         return plan_in_place(entry.placement, new, world_size=entry.world_size, unit=entry.spec.unit,
-                             tp=entry.spec.tp_size, gone=gone)
+                             tp=entry.spec.tp_size, gone=gone, store_node=entry.store_node)
 
     def _plan(
         self, specs: list[TaskSpec], usable: dict[str, int]

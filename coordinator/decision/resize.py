@@ -5,8 +5,14 @@ consecutive ranks and every node holds whole tensor-parallel groups. The new all
 node) is reached in place when
 
 * it is no larger than the launch (growing past it needs more rank ids: a new generation),
-* the node hosting rank 0 keeps the task (its agent hosts the task's rendezvous store), and
+* the node hosting the task's rendezvous store (its agent runs the sidecar; rank 0's node at launch)
+  keeps the task or is gone, and
 * at least one complete replica survives on the nodes that keep the task.
+
+A gone store node takes the store with it: the new membership names a new store node, the member
+node holding the lowest surviving rank (its agent starts a fresh sidecar; the survivors re-seed it
+from what they hold, see :mod:`unicron.runtime.membership`). A store node still in service that
+keeps no rank would have to hand the store over while its sidecar still serves: a new generation.
 
 Survivors: on each node that keeps the task, its lowest ranks up to the node's new count, then only
 those in complete replicas. Joiners: the lowest missing replicas, whole tensor-parallel groups placed
@@ -29,6 +35,8 @@ class InPlace:
     joiners: tuple[int, ...]
     leaving: tuple[int, ...]
     lost: tuple[int, ...]
+    store_node: str = ""
+    """The node hosting the task's store in the new membership (a new one when the old one is gone)."""
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -43,15 +51,17 @@ def plan_in_place(
     unit: int,
     tp: int,
     gone: Collection[str],
+    store_node: str = "",
 ) -> InPlace | None:
     """The in-place change from ``old`` (node -> ranks) to ``new`` (node -> GPU count), or None when it
-    must be a new generation. ``gone``: nodes out of service whose processes are lost with them."""
+    must be a new generation. ``gone``: nodes out of service whose processes are lost with them.
+    ``store_node``: the node hosting the task's store ("": the launch's, :func:`launch_store_node`)."""
     total = sum(new.values())
     if not old or world_size <= 0 or total == 0 or total > world_size or total % unit:
         return None
-    store_node = next((n for n, ranks in old.items() if 0 in ranks), None)
-    if store_node is None or not new.get(store_node):
-        return None
+    store_node = store_node or launch_store_node(old)
+    if not store_node or (store_node not in gone and not new.get(store_node)):
+        return None  # in service but keeping no rank: its sidecar would have to hand the store over
     kept = {n: sorted(old[n])[: new[n]] for n in old if new.get(n)}
     alive = {r for ranks in kept.values() for r in ranks}
     replicas = {r // unit for r in alive if all(x in alive for x in range(r // unit * unit, (r // unit + 1) * unit))}
@@ -77,4 +87,15 @@ def plan_in_place(
     lost = tuple(sorted(r for n, r in before if n in gone))
     if not joiners and not leaving and not lost:
         return None  # nothing changes: a forced re-plan of the same membership is a new generation
-    return InPlace({n: sorted(r) for n, r in sorted(placement.items()) if r}, joiners, leaving, lost)
+    final = {n: sorted(r) for n, r in sorted(placement.items()) if r}
+    if store_node in gone:  # the store went with its node: the lowest survivor's node hosts the next one
+        store_node = next(n for n, ranks in sorted(final.items(), key=lambda kv: min(kv[1]))
+                          if set(ranks) & survivors)
+    return InPlace(final, joiners, leaving, lost, store_node)
+
+
+def launch_store_node(placement: Mapping[str, Sequence[int]]) -> str:
+    """The node that hosts a launch's store: the one holding its lowest rank (rank 0's; the store is
+    the agent's sidecar, never a rank, which may die); "" for no placement."""
+    held = {n: ranks for n, ranks in placement.items() if ranks}
+    return min(held, key=lambda n: min(held[n]), default="")

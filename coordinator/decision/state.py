@@ -74,6 +74,7 @@ class TaskEntry:
     restart_epoch: int = 0
     regroup_epoch: int = 0
     membership_epoch: int = 0  # grows on every in-place resize (the generation stays)
+    store_node: str = ""  # the node hosting the task's store after an in-place resize moved it ("": the launch's)
     world_size: int = 0  # the ranks (ids 0..world_size-1) of the generation's launch; 0 before one
     confirmed: bool = False  # the generation's ranks all ran (a recovery or its Assign was confirmed)
     placement: dict[str, list[int]] = field(default_factory=dict)  # node -> global ranks

@@ -68,6 +68,10 @@ def _settings(phase: TaskPhase, trigger: Trigger) -> DecisionSettings:
         return DecisionSettings(max_reattempts=0)
     if trigger is T.ACTION_FAILED and phase is P.REATTEMPTING:
         return DecisionSettings(max_reattempts=2)  # a second reattempt is still allowed
+    if trigger is T.SEV1:
+        # the lost node's task would shrink in place (a replica survives; its own edge is tested):
+        # here the re-plan that follows the sev1's reconfigure is a new generation
+        return DecisionSettings(in_place_resize=False)
     return DecisionSettings()
 
 

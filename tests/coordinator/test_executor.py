@@ -3,6 +3,7 @@ its registration (issue #12 item 4)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -107,3 +108,15 @@ def test_a_node_whose_ranks_leave_keeps_the_task_with_no_ranks() -> None:
     ex.apply(resize({"n0": (0, 1)}, 1, leaving=(2, 3)))
     drained = ex.desired["n1"]["t"]
     assert drained.ranks == [] and drained.membership_epoch == 1 and drained.members == [0, 1]
+
+
+def test_a_resize_naming_a_new_store_node_moves_the_store_at_its_membership_epoch() -> None:
+    ex = executor({"n0": 2, "n1": 2, "n2": 2})
+    ex.apply(assign("t", {"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}))
+    moved = dataclasses.replace(resize({"n1": (2, 3), "n2": (4, 5)}, 1, lost=(0, 1)), store_node="n1")
+    assert ex.apply(moved) == {"n0", "n1", "n2"}
+    assert "t" not in ex.desired["n0"]
+    assert {(t["t"].store_node, t["t"].store_epoch) for n, t in ex.desired.items() if t} == {("n1", 1)}
+    # a later resize that keeps the store leaves its epoch alone
+    ex.apply(dataclasses.replace(resize({"n1": (2, 3)}, 2, lost=(4, 5)), store_node="n1"))
+    assert (ex.desired["n1"]["t"].store_node, ex.desired["n1"]["t"].store_epoch) == ("n1", 1)

@@ -60,8 +60,9 @@ def test_a_partial_replica_leaves_and_is_rehosted_whole() -> None:
 
 def test_what_cannot_be_done_in_place() -> None:
     old = {"a": [0, 1], "b": [2, 3]}
-    # rank 0's node (the store's) gone; beyond the launch size; no change at all; a count off the unit
-    assert plan_in_place(old, {"b": 2}, world_size=4, unit=1, tp=1, gone={"a"}) is None
+    # rank 0's node (the store's) in service but keeping no rank; beyond the launch size; no change at
+    # all; a count off the unit
+    assert plan_in_place(old, {"b": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
     assert plan_in_place(old, {"a": 2, "b": 2, "c": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
     assert plan_in_place(old, {"a": 2, "b": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
     assert plan_in_place(old, {"a": 2, "b": 1}, world_size=4, unit=2, tp=2, gone=set()) is None
@@ -97,11 +98,7 @@ def test_node_lost_shrinks_in_place_then_rejoin_grows_back_in_place() -> None:
     assert dict(grow.placement) == {"n1": (0, 1), "n2": (2, 3), "n3": (4, 5)} and grow.joiners == (4, 5)
 
 
-def test_losing_the_store_node_or_a_restart_task_is_a_new_generation() -> None:
-    sim = _three_nodes()
-    acts = sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="link closed"))
-    a = one(acts, Assign, JOB)
-    assert a.generation == sim.state.tasks[JOB].generation and not only(acts, ResizeInPlace)
+def test_a_restart_task_losing_a_node_is_a_new_generation() -> None:
     sim = _three_nodes(recovery="restart", max_gpus=6)
     assert one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="gone")), Assign, JOB)
 
@@ -161,3 +158,34 @@ def test_survivors_sev3_of_the_iteration_in_flight_at_a_shrink_is_merged_not_rea
     sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="link closed"))
     assert not only(sim.incident("n1", SEV3_KIND, task=JOB, rank=0, step=6), Reattempt)
     assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+
+
+def test_a_gone_store_node_moves_the_store_to_the_lowest_survivors_node() -> None:
+    old = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    got = plan_in_place(old, {"b": 2, "c": 2}, world_size=6, unit=1, tp=1, gone={"a"})
+    assert got is not None and got.placement == {"b": [2, 3], "c": [4, 5]} and got.lost == (0, 1)
+    assert got.store_node == "b"
+    # after the move the store is b's, not rank 0's node's: losing c keeps it, losing b moves it on
+    kept = plan_in_place(got.placement, {"b": 2}, world_size=6, unit=1, tp=1, gone={"c"}, store_node="b")
+    assert kept is not None and kept.store_node == "b"
+    on = plan_in_place(got.placement, {"c": 2}, world_size=6, unit=1, tp=1, gone={"b"}, store_node="b")
+    assert on is not None and on.store_node == "c"
+    # a node whose only ranks are joiners never hosts the moved store (its agent holds no survivor)
+    grow = plan_in_place(old, {"b": 2, "d": 2}, world_size=6, unit=2, tp=1, gone={"a", "c"})
+    assert grow is not None and grow.store_node == "b" and grow.joiners == (0, 1)
+    # the store's node in service but keeping no rank: its sidecar would have to hand over
+    assert plan_in_place(old, {"b": 2, "c": 2}, world_size=6, unit=1, tp=1, gone=set()) is None
+
+
+def test_losing_the_store_node_shrinks_in_place_and_names_the_new_store_node() -> None:
+    sim = _three_nodes()
+    gen = sim.state.tasks[JOB].generation
+    acts = sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="link closed"))
+    assert not only(acts, Assign)
+    shrink = one(acts, ResizeInPlace, JOB)
+    assert shrink.generation == gen and shrink.lost == (0, 1) and shrink.store_node == "n2"
+    assert sim.state.tasks[JOB].store_node == "n2"
+    sim.progress(JOB, 6)
+    # the store is n2's now: losing n2 moves it again (to n3), losing rank 0's old node says nothing
+    again = one(sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="link closed")), ResizeInPlace, JOB)
+    assert again.store_node == "n3" and again.members == (4, 5)

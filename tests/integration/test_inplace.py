@@ -1,10 +1,11 @@
 """Reconfiguration in place end to end (issue 13 items 1 and 4): real etcd, a coordinator, three agents
-and real ``unicron train`` ranks (float64). A node is killed (its agent and ranks SIGKILLed): the task
-shrinks in place (``ResizeInPlace``, same generation), the survivors keep their processes, no
-completed iteration is redone, and the parameters after the run equal a failure-free run's within
-1e-12 relative. The node comes back: the task grows back in place, the re-hosted ranks join from a
-healthy replica, and still no survivor restarts; then the node is drained: its rank leaves at a
-boundary (the agent's ``Leave``) and the rest go on. The same shrink with TP=2.
+and real ``unicron train`` ranks (float64). The node hosting the task's store (rank 0's) is killed (its agent,
+store sidecar and ranks SIGKILLed): the task shrinks in place (``ResizeInPlace``, same generation), the
+store moves to a surviving node, the survivors keep their processes, no completed iteration is redone,
+and the parameters after the run equal a failure-free run's within 1e-12 relative. The node comes
+back: the task grows back in place, the re-hosted rank joins from a healthy replica, and still no
+survivor restarts; then the node is drained: its rank leaves at a boundary (the agent's ``Leave``)
+and the rest go on. The same shrink with TP=2 (a node other than the store's lost).
 
 The runs train until the test sets the task store's stop key (every rank stops at one agreed commit
 and writes its outputs), so no figure depends on how fast this machine is.
@@ -85,6 +86,14 @@ def actions_since(c: LocalCluster, t0: float) -> list[str]:
     return [str(r["action"]) for r in c.coordinator_log(t0) if r.get("event") == "action"]
 
 
+def store_node(c: LocalCluster) -> str:
+    """The node whose agent publishes the task's store address (``stores/job``)."""
+    assert c.store is not None
+    kv = c.store.get(c.keys.store("job"))
+    assert kv is not None
+    return StoreAddress.from_json(kv.value).node
+
+
 def stop_training(c: LocalCluster) -> None:
     """Every rank stops at one agreed commit and writes its outputs (the runtime's stop key)."""
     assert c.store is not None
@@ -110,14 +119,14 @@ def reference(tmp: Path, iterations: int, tp: int, blocks: int) -> Path:
     return Path(job.params_path(0))
 
 
-def check_exact(out: Path, tmp: Path, tp: int, blocks: int) -> list[int]:
-    """Rank 0 ran every iteration once, and its parameters equal the failure-free run's; returns the
-    data-parallel size of each iteration."""
-    done = result(out, 0)
+def check_exact(out: Path, tmp: Path, tp: int, blocks: int, rank: int = 0) -> list[int]:
+    """``rank`` (one that ran throughout) ran every iteration once, and its parameters equal the
+    failure-free run's; returns the data-parallel size of each iteration."""
+    done = result(out, rank)
     its = [e["data"] for e in done["events"] if e["kind"] == "iteration"]
     assert [e["it"] for e in its] == list(range(done["iterations"])), "an iteration was redone or skipped"
-    diff = max_rel_diff(load_params(str(out / "rank0.pt")), load_params(str(reference(tmp, done["iterations"], tp,
-                                                                                      blocks))))
+    diff = max_rel_diff(load_params(str(out / f"rank{rank}.pt")), load_params(str(reference(tmp, done["iterations"],
+                                                                                            tp, blocks))))
     assert diff <= TOLERANCE, f"max rel diff {diff:.3e} > {TOLERANCE}"
     return [int(e["dp"]) for e in its]
 
@@ -129,46 +138,48 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_and_a_drain_shrinks_by
     submit(c, tmp_path, out, tp=1)
     first = stepping(c, {0, 1, 2}, 2, timeout=120.0)
     gen = {r["generation"] for r in first.values()}
-    victim = first[2]["node"]
-    assert victim != first[0]["node"]  # rank 0's node hosts the store: it must survive an in-place shrink
+    victim = first[0]["node"]
+    assert store_node(c) == victim  # the store's node is lost with its sidecar: the store moves
     t0 = time.time()
     kill_node(c, victim)
-    survivors = {r: first[r]["pid"] for r in (0, 1)}
-    shrunk = stepping(c, {0, 1}, max(r["step"] for r in first.values()) + 2)
+    survivors = {r: first[r]["pid"] for r in (1, 2)}
+    shrunk = stepping(c, {1, 2}, max(r["step"] for r in first.values()) + 2)
     shrink_s = time.time() - t0
     assert {r: shrunk[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
     assert {r["generation"] for r in shrunk.values()} == gen
     acts = actions_since(c, t0)
     assert "ResizeInPlace" in acts and "Assign" not in acts, acts
+    assert store_node(c) == first[1]["node"]  # the lowest survivor's node hosts the moved store
 
     t1 = time.time()
     c.start_agent(victim)  # repaired; a node lost by a sev1 stays isolated until an operator returns it
     c.wait_registered(victim)
-    assert cli(["undrain", victim]) == 0  # back in service (④): rank 2 is re-hosted there as a joiner
+    assert cli(["undrain", victim]) == 0  # back in service (④): rank 0 is re-hosted there as a joiner
     grown = stepping(c, {0, 1, 2}, max(r["step"] for r in shrunk.values()) + 2)
     grow_s = time.time() - t1
     assert {r: grown[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
-    assert grown[2]["node"] == victim and grown[2]["pid"] != first[2]["pid"]
+    assert grown[0]["node"] == victim and grown[0]["pid"] != first[0]["pid"]
     assert {r["generation"] for r in grown.values()} == gen
     assert "Assign" not in actions_since(c, t0)
 
-    drained = drain_leaves(c, grown, survivors)
+    drained = drain_leaves(c, grown, survivors, leaver=0)
 
     stop_training(c)
-    dps = check_exact(out, tmp_path, tp=1, blocks=3)
+    dps = check_exact(out, tmp_path, tp=1, blocks=3, rank=1)
     assert dps[0] == 3 and dps[-1] == 2 and 3 in dps[dps.index(2):], dps  # 3, 2 (lost), 3 (grown), 2 (drained)
-    assert result(out, 2)["incarnation"] == 2  # the joiner took its state from a replica
-    assert result(out, 2)["mode"] == "left"  # ... and left when its node was drained
+    assert result(out, 0)["incarnation"] == 2  # the joiner took its state from a replica
+    assert result(out, 0)["mode"] == "left"  # ... and left when its node was drained
     print(f"shrink (kill -> survivors 2 steps on) {shrink_s:.1f} s; grow (agent start -> joiner steps) "
           f"{grow_s:.1f} s; drain {drained:.1f} s; dp per iteration {dps}")
 
 
-def drain_leaves(c: LocalCluster, before: dict[int, dict[str, Any]], survivors: dict[int, Any]) -> float:
-    """The agent's side of a shrink whose node stays in service: rank 2 gets ``Leave``, finishes its
+def drain_leaves(c: LocalCluster, before: dict[int, dict[str, Any]], survivors: dict[int, Any],
+                 leaver: int = 2) -> float:
+    """The agent's side of a shrink whose node stays in service: ``leaver`` gets ``Leave``, finishes its
     iteration and exits 0 (no failure reported, nothing marked); the others never stop."""
     t0 = time.time()
-    assert cli(["drain", str(before[2]["node"])]) == 0
-    shrunk = stepping(c, {0, 1}, max(r["step"] for r in before.values()) + 2)
+    assert cli(["drain", str(before[leaver]["node"])]) == 0
+    shrunk = stepping(c, set(before) - {leaver}, max(r["step"] for r in before.values()) + 2)
     assert {r: shrunk[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
     acts = actions_since(c, t0)
     assert "ResizeInPlace" in acts and "Assign" not in acts, acts

@@ -21,7 +21,16 @@ from unicron.runtime import store as keys
 from unicron.runtime.comm import PrefixStore
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat, StalenessJudge
-from unicron.runtime.membership import CommSettings, Membership, failed_key, mark_failed
+from unicron.runtime.membership import (
+    BASE_KEY,
+    CommSettings,
+    Membership,
+    await_seeded,
+    failed_key,
+    mark_failed,
+    raise_counter,
+    reseed,
+)
 from unicron.runtime.plan import Topology
 
 
@@ -174,3 +183,83 @@ def test_latest_finds_the_newest_epoch_in_few_reads(sidecar: tuple[str, int]) ->
             assert rec is not None and rec.epoch == n, (n, after)
             assert len(reads) <= 2 * (n - after).bit_length() + 2, (n, after, len(reads))
         assert m.latest(n) is None
+
+
+def test_survivors_reseed_a_moved_store_and_a_later_joiner_counts_itself_past_them(sidecar: tuple[str, int]) -> None:
+    """The store's node is lost (rank 2 with it): the survivors re-seed a fresh store, agree the next
+    epoch there without rank 2, and rank 2 re-hosted later gets incarnation 2 and is admitted."""
+    host, port = sidecar
+    port_b = free_port()
+    server_b = keys.serve_store("127.0.0.1", port_b)  # the new store node's sidecar: empty
+    topo = Topology(world_size=3, tp=1)
+    settings = CommSettings(collective_timeout_s=20, regroup_timeout_s=30, heartbeat_window_s=5)
+    results: dict[Any, Any] = {}
+    started, shrunk = threading.Barrier(3), threading.Event()
+
+    def moved() -> PrefixStore:
+        return PrefixStore("moved-test/", keys.connect("127.0.0.1", port_b))
+
+    def survivor(r: int) -> None:
+        m = Membership(PrefixStore("moved-test/", keys.connect(host, port)), r, topo, incarnation=1,
+                       settings=settings)
+        groups = m.start()
+        started.wait()
+        if r == 2:
+            return  # lost with the store's node: only the survivors' re-seed says it is dead
+        groups.release()
+        new = moved()
+        reseed(new, r, 1, [groups.record], lost=[2], leaving=False)
+        m.use(new)
+        after = m.regroup(groups.record, "failure")
+        results[r] = (after.record.epoch, list(after.record.members))
+        after.release()
+        shrunk.set()
+        deadline = time.monotonic() + 30
+        while not m.joiners(after.record.members) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        grown = m.regroup(after.record, "admission", assume_same=True)
+        results[(r, "grown")] = (grown.record.epoch, list(grown.record.members))
+
+    def joiner() -> None:
+        assert shrunk.wait(30)
+        new = moved()
+        assert await_seeded(new, 30)
+        incarnation = int(new.add(keys.started_key(2), 1))
+        results["incarnation"] = incarnation
+        groups = Membership(new, 2, topo, incarnation, settings).join(30)
+        results[(2, "grown")] = (groups.record.epoch, list(groups.record.members))
+
+    try:
+        run_ranks(4, lambda i: survivor(i) if i < 3 else joiner())
+        assert results[0] == results[1] == (1, [0, 1])
+        assert results["incarnation"] == 2  # counted past its first process, which the old store knew
+        assert results[(0, "grown")] == results[(1, "grown")] == results[(2, "grown")] == (2, [0, 1, 2])
+        assert moved().get(BASE_KEY) == b"0"
+    finally:
+        del server_b
+
+
+def test_raise_counter_never_lowers(sidecar: tuple[str, int]) -> None:
+    store = PrefixStore("raise-test/", keys.connect(*sidecar))
+    raise_counter(store, "c", 3)
+    raise_counter(store, "c", 2)
+    assert keys.counter(store, "c") == 3
+    run_ranks(4, lambda i: raise_counter(store, "c", 5 + i))
+    assert keys.counter(store, "c") == 8
+
+
+def test_heartbeat_beats_on_a_moved_store(sidecar: tuple[str, int]) -> None:
+    host, port = sidecar
+    port_b = free_port()
+    server_b = keys.serve_store("127.0.0.1", port_b)
+    beat = Heartbeat(host, port, rank=11, interval_s=0.02, world=16).start()
+    try:
+        moved = keys.connect("127.0.0.1", port_b)
+        beat.move("127.0.0.1", port_b)
+        deadline = time.monotonic() + 10
+        while keys.counter(moved, keys.hb_key(11)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert keys.counter(moved, keys.hb_key(11)) >= 3
+    finally:
+        beat.stop()
+        del server_b

@@ -14,7 +14,8 @@ state                      coordinator  decision-core state JSON (survives resta
 assign/<node>              coordinator  NodeAssignment JSON (desired state, with generation)
 results/<node>             agent        AssignmentResult JSON (observed state)
 stores/<task>              agent        StoreAddress JSON of the task's store sidecar, under the
-                                        lease of the agent of the assignment's store_node
+                                        lease of the agent of the assignment's store_node (a
+                                        newer store_epoch when the store moved off a lost node)
 inject/<node>/<id>         CLI          fault-injection request for that node's agent
 drain/<node>               CLI/API,     present while the node is drained: "1" by an operator,
                            coordinator  "goodbye" while its agent is away after a planned stop

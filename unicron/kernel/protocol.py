@@ -2,7 +2,7 @@
 
 Rank -> agent: ``Hello`` first, then progress (``IterStart``, ``IterEnd``, ``MicrobatchDone``,
 ``Phase``), failures (``ExceptionReport``) and acknowledgements (``RegroupDone``).
-Agent -> rank: instructions (``Regroup``, ``Leave``, ``Stop``) and fault injection (``InjectRaise``,
+Agent -> rank: instructions (``Regroup``, ``Leave``, ``Stop``, ``StoreMoved``) and fault injection (``InjectRaise``,
 ``InjectSlow``, used by ``unicron inject``).
 
 Every message has a ``type`` tag; :func:`parse` turns a decoded JSON object back into its class and
@@ -20,6 +20,9 @@ from unicron.kernel.types import Record
 
 ENV_SOCKET = "UNICRON_AGENT_SOCKET"
 """Environment variable the agent sets for each rank: path of its Unix socket."""
+ENV_STORE_EPOCH = "UNICRON_STORE_EPOCH"
+"""The store's epoch (``StoreAddress.store_epoch``): > 0 once it moved off a lost node; a rank launched
+then waits for the survivors to re-seed it before it counts itself in (its incarnation)."""
 
 PHASE_TRAIN = "train"
 PHASE_CHECKPOINT = "checkpoint"
@@ -139,6 +142,20 @@ class Leave(Message):
 
 
 @dataclass(frozen=True)
+class StoreMoved(Message):
+    """The task's store moved: its node was lost and an in-place resize named another node, whose
+    agent started a fresh sidecar at ``host``:``port`` (``store_epoch``: the assignment's). The rank
+    reconnects there, re-seeds what it holds (its incarnation, its epoch; ``lost``: ranks that went
+    with the lost node, dead from now on) and goes on (:mod:`unicron.runtime.membership`)."""
+
+    TYPE: ClassVar[str] = "store_moved"
+    store_epoch: int
+    host: str
+    port: int
+    lost: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Stop(Message):
     TYPE: ClassVar[str] = "stop"
     reason: str = ""
@@ -166,7 +183,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, IterStart, IterEnd, MicrobatchDone, Phase, ExceptionReport, RegroupDone,
-        Regroup, Leave, Stop, InjectRaise, InjectSlow,
+        Regroup, Leave, StoreMoved, Stop, InjectRaise, InjectSlow,
     )
 }
 

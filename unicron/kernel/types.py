@@ -389,6 +389,8 @@ class StoreAddress(Record):
     #: env:// with the agent store adds no per-attempt prefix, so a reused store hands the relaunched
     #: ranks the previous attempt's keys and their process group init hangs). 0 for other tasks.
     restart_epoch: int = 0
+    #: the assignment's ``store_epoch`` this store serves (a store moved off a lost node is newer)
+    store_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -479,6 +481,10 @@ class TaskAssignment(Record):
     #: ranks removed because their node was lost (their processes are gone with it): the node that
     #: hosts the task's store marks them failed, so survivors need not wait for heartbeats to go stale
     lost: list[int] = field(default_factory=list)
+    #: the membership epoch at which ``store_node``'s sidecar started (0: the launch's): an in-place
+    #: resize after the store's node was lost names a new ``store_node`` and bumps this; agents then
+    #: hand the new address to their running ranks (``StoreMoved``), which re-seed it and go on there
+    store_epoch: int = 0
 
     def rank_specs(self) -> list[RankSpec]:
         return list(self.ranks)

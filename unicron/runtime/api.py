@@ -25,8 +25,10 @@ from typing import Generic
 import torch
 
 from unicron.kernel import log as ulog
+from unicron.kernel import protocol
 from unicron.kernel.client import AgentClient
 from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
+from unicron.runtime import membership
 from unicron.runtime import store as keys
 from unicron.runtime.checkpoint import make_checkpointer
 from unicron.runtime.comm import ensure_torch_distributed
@@ -201,7 +203,11 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         ensure_torch_distributed()
         checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank,
                                          storage=args.ckpt_storage, persist_every=args.ckpt_persist_every)
-        incarnation = int(store.add(keys.started_key(rank), 1))
+        store_epoch = _env_int(protocol.ENV_STORE_EPOCH, 0)
+        if store_epoch and not membership.await_seeded(store, comm.regroup_timeout_s):
+            raise TemporaryError(f"the task's store moved (store epoch {store_epoch}) and no survivor re-seeded "
+                                 f"it within {comm.regroup_timeout_s:.0f}s")
+        incarnation = int(store.add(keys.started_key(rank), 1))  # after the re-seed: it counts earlier ones
     except BaseException:
         heartbeat.stop()
         raise
@@ -214,6 +220,7 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         ckpt_every=args.ckpt_every, resume=args.resume, watcher=heartbeat,
         preemption=Preemption(snapshot=args.stop_snapshot == "on"),
     )
+    trainer.store_epoch = store_epoch
     return Rank(trainer, heartbeat, client)
 
 

@@ -46,13 +46,14 @@ class Heartbeat:
     and stops beating while its rank is stopped (SIGSTOP), so a frozen rank still goes stale.
     """
 
-    _PAUSED, _STOP_SEEN, _JOIN_SEEN, _QUIT = 0, 1, 2, 3
+    _PAUSED, _STOP_SEEN, _JOIN_SEEN, _QUIT, _MOVED = 0, 1, 2, 3, 4
     _HEADER = 8
+    _ADDR = 256  # "host:port" of a moved store (after the per-rank join mask)
 
     def __init__(self, host: str, port: int, rank: int, interval_s: float = 0.5, world: int = 4096) -> None:
         self._host, self._port, self._rank, self._interval = host, port, rank, interval_s
         self._world = world
-        self._mem = mmap.mmap(-1, self._HEADER + world)
+        self._mem = mmap.mmap(-1, self._HEADER + world + self._ADDR)
         self._pid = 0
 
     # --- shared flags ----------------------------------------------------------------------------
@@ -84,6 +85,18 @@ class Heartbeat:
         for r in ranks:
             mask[r] = 1
         self._mem[self._HEADER : self._HEADER + self._world] = bytes(mask)
+
+    def move(self, host: str, port: int) -> None:
+        """The task's store moved (its node was lost): beat there from now on."""
+        addr = f"{host}:{port}".encode()[: self._ADDR - 1]
+        at = self._HEADER + self._world
+        self._mem[at : at + self._ADDR] = addr + bytes(self._ADDR - len(addr))
+        self._mem[self._MOVED] = (self._mem[self._MOVED] + 1) % 256  # after the address: the beater reads it then
+
+    def _moved_to(self) -> tuple[str, int]:
+        at = self._HEADER + self._world
+        host, _, port = bytes(self._mem[at : at + self._ADDR]).rstrip(b"\0").decode().rpartition(":")
+        return host, int(port)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -123,8 +136,13 @@ class Heartbeat:
         # The stop key and join requests are looked at about once a second, not every beat: they are
         # acted on at an iteration boundary anyway, and each look is a store round trip.
         watch_every, tick = max(1, round(WATCH_PERIOD_S / self._interval)), 0
+        moved = 0  # a move before this process got here is still acted on
         while not mem[self._QUIT] and os.getppid() == parent:
             try:
+                if mem[self._MOVED] != moved:
+                    version = mem[self._MOVED]
+                    conn = keys.connect(*self._moved_to(), timeout_s=5.0)
+                    moved = version  # only once connected: a failed connect is tried again next beat
                 if not mem[self._PAUSED] and _running(parent):
                     conn.add(key, 1)
                     if tick % watch_every == 0:

@@ -30,6 +30,16 @@ the GIL long enough to starve its heartbeat thread (seen: a false node loss), so
 (:mod:`agent.marker`) keeps a small helper process, ``python -m unicron.runtime.membership --marker``:
 one JSON line per request on stdin, ``{"host", "port", "rank"}``; one JSON line per answer on stdout
 (:func:`mark_request`).
+
+**A moved store.** The store is the sidecar of one node's agent; when that node is lost while a replica
+survives, an in-place resize names another node, whose agent starts an empty store, and every agent
+sends its ranks ``StoreMoved``. Each survivor re-seeds the new store with what it holds (:func:`reseed`):
+its own ``started/<rank>`` and those of its epochs' members (raised, never lowered: several survivors
+seed at once), ``failed/<rank>`` of the lost ranks up to their incarnation, its epoch records
+(first writer wins; ``epoch/base``, the oldest, is where a joiner starts looking), its ``leave/`` and
+finally ``seeded``. A rank launched on a moved store waits for ``seeded`` before it counts itself in,
+so its incarnation follows its rank's earlier ones. Old epochs below ``epoch/base`` are not there:
+a rank reads the records of its own epochs from memory.
 """
 
 from __future__ import annotations
@@ -54,6 +64,10 @@ from unicron.runtime.plan import Topology
 log = ulog.get(__name__)
 
 FINISHED_KEY = "finished"
+SEEDED_KEY = "seeded"
+"""Written by a survivor once it re-seeded a moved store (module docstring, "A moved store")."""
+BASE_KEY = "epoch/base"
+"""The oldest epoch a moved store holds: joiners look for the newest epoch from there."""
 
 
 class Excluded(Exception):
@@ -156,6 +170,45 @@ def mark_current_failed(host: str, port: int, rank: int, store: RendezvousStore 
     return int(s.add(failed_key(rank), max(behind, 0)))
 
 
+def raise_counter(store: RendezvousStore, key: str, value: int) -> None:
+    """Raise counter ``key`` to at least ``value``, never lower it (survivors re-seed one store at once)."""
+    while True:
+        current = keys.counter(store, key)
+        if current >= value or int(store.compare_set(key, str(current), str(value))) >= value:
+            return
+
+
+def reseed(store: RendezvousStore, rank: int, incarnation: int, records: Iterable[EpochRecord],
+           lost: Iterable[int], leaving: bool) -> None:
+    """Seed a moved (empty) store with what this rank holds (module docstring, "A moved store")."""
+    raise_counter(store, keys.started_key(rank), incarnation)
+    held = sorted(records, key=lambda rec: rec.epoch)
+    for rec in held:
+        for r, inc in sorted(rec.incarnations.items()):
+            raise_counter(store, keys.started_key(r), inc)
+        store.compare_set(f"epoch/{rec.epoch}", "", rec.encode())
+    if held:
+        newest = held[-1]
+        for r in lost:
+            if r in newest.incarnations and r != rank:
+                raise_counter(store, failed_key(r), newest.incarnations[r])
+        store.compare_set(BASE_KEY, "", str(held[0].epoch))
+    if leaving:
+        store.set(keys.leave_key(rank), str(incarnation))
+    if held:  # a joiner that holds no epoch has nothing others need: it does not open the store to them
+        store.set(SEEDED_KEY, "1")
+
+
+def await_seeded(store: RendezvousStore, timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Wait until a survivor re-seeded a moved store; False if none did within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([SEEDED_KEY]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 Poll = Callable[[], None]
 """Called while a regroup waits, to read the agent's instructions (a Leave or Stop arriving then)."""
 
@@ -181,6 +234,11 @@ class Membership:
         #: seconds spent in the phases of the last regroup (for logs and benchmarks)
         self.timing: dict[str, float] = {}
         self._poll = poll or (lambda: None)
+
+    def use(self, store: RendezvousStore) -> None:
+        """Go on with a moved store (its heartbeat counters start anew: so does their judge)."""
+        self.store = store
+        self.judge = StalenessJudge(store, self.settings.heartbeat_window_s)
 
     # --- records ---------------------------------------------------------------------------------
 
@@ -304,7 +362,7 @@ class Membership:
         """As a restarted or excluded process: ask to join and wait for an epoch that includes us."""
         self.store.set(keys.join_key(self.rank), str(self.incarnation))
         deadline = time.monotonic() + timeout_s
-        seen = -1
+        seen = _int(self.store.get(BASE_KEY)) - 1 if self.store.check([BASE_KEY]) else -1
         while time.monotonic() < deadline:
             if self.store.check([FINISHED_KEY]):
                 raise JobFinished(_int(self.store.get(FINISHED_KEY)))

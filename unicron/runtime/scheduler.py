@@ -103,6 +103,8 @@ from unicron.runtime.recovery import (
     top_iteration,
 )
 from unicron.runtime.state import CheckpointSource, OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
+from unicron.runtime.store import STORE_ERRORS
+from unicron.runtime.store import connect as connect_store
 
 T = TypeVar("T")
 
@@ -185,6 +187,14 @@ class Event:
 
 class RestoreMismatch(PermanentError):
     """Ranks restored checkpoints of different iterations."""
+
+
+class StoreLost(PermanentError):
+    """The task's store is gone and the agent named no new one in time."""
+
+
+class _StoreMoved(Exception):
+    """The agent said the store moved while this rank regrouped on the old one: move, then regroup."""
 
 
 class CommFailure(TemporaryError):
@@ -285,6 +295,9 @@ class Trainer(Generic[BatchT]):
         self.losses: deque[float] = deque(maxlen=EVENT_LOG_LIMIT)
         self.gc = GcPolicy(sched.manual_gc_interval)
         self._plans: dict[int, tuple[int, Plan]] = {}  # epoch -> (live replicas, failure-free plan)
+        self.store_epoch = 0  # the store this rank uses: 0 = its launch's (or the one it was launched on)
+        self.moved: protocol.StoreMoved | None = None  # the agent's word that the store moved, not yet acted on
+        self._epochs: dict[int, EpochRecord] = {}  # records of the epochs this rank was in (a moved store lacks them)
 
     # --- what the rank holds -----------------------------------------------------------------------
 
@@ -333,7 +346,14 @@ class Trainer(Generic[BatchT]):
 
     # --- setup -----------------------------------------------------------------------------------
 
+    def _remember(self, rec: EpochRecord) -> None:
+        """Keep the records of this rank's recent epochs (a moved store is re-seeded with them)."""
+        self._epochs[rec.epoch] = rec
+        for old in sorted(self._epochs)[:-4]:
+            del self._epochs[old]
+
     def _setup(self, groups: Groups) -> None:
+        self._remember(groups.record)
         self._groups = groups
         model = self.job.build_model(groups.tp)
         self.model_tp = groups.tp
@@ -458,6 +478,37 @@ class Trainer(Generic[BatchT]):
                 self._commit(join, stop)
             except CommFailure:
                 self.due = RegroupDue(RegroupReason.FAILURE, assume_same=False)
+            except STORE_ERRORS as exc:  # the store went with its node (collectives fail as CommFailure)
+                self._move_store(exc)
+                self.due = RegroupDue(RegroupReason.FAILURE, assume_same=False)
+            except _StoreMoved:  # told while regrouping on the old store: the lost ranks' marks come with the move
+                self._move_store(None)
+                self.due = RegroupDue(RegroupReason.FAILURE, assume_same=True)
+
+    def _move_store(self, exc: BaseException | None) -> None:
+        """Go on with the task's store on another node: wait for the agent's ``StoreMoved`` (its node
+        was lost; an in-place resize named another, whose agent started a fresh one), connect, re-seed
+        it with what this rank holds, and point the membership and the heartbeat at it."""
+        t_wait = time.time()
+        deadline = time.monotonic() + self.comm.regroup_timeout_s
+        while self.moved is None:
+            if not self.client.enabled or time.monotonic() > deadline:
+                raise StoreLost(f"rank {self.rank}: the task's store failed ({exc}) and the agent named no "
+                                f"new one within {self.comm.regroup_timeout_s:.0f}s") from exc
+            self._read_instructions()
+            time.sleep(self.comm.poll_s * 4)
+        msg, self.moved = self.moved, None
+        t0 = time.time()
+        store = connect_store(msg.host, msg.port)
+        records = list(self._epochs.values()) or ([self._groups.record] if self._groups is not None else [])
+        membership.reseed(store, self.rank, self.incarnation, records, msg.lost, self.leaving)
+        self.store, self.store_epoch, self.faults.store = store, msg.store_epoch, store
+        self.membership.use(store)
+        if self.watcher is not None:
+            self.watcher.move(msg.host, msg.port)
+        self._event("store_moved", store_epoch=msg.store_epoch, lost=list(msg.lost), waited_s=t0 - t_wait,
+                    seconds=time.time() - t0, error=str(exc).splitlines()[0] if exc is not None else "")
+        self.log.info("store moved", store_epoch=msg.store_epoch, host=msg.host, port=msg.port, lost=list(msg.lost))
 
     def _on_injected(self, fault: InjectedFault) -> None:
         sev = severity_of_kind(fault.kind)
@@ -673,8 +724,12 @@ class Trainer(Generic[BatchT]):
     # --- agent -----------------------------------------------------------------------------------
 
     def _poll_agent(self) -> None:
-        """While regrouping: a Leave or Stop arriving now is noted (a Regroup is moot: we are regrouping)."""
+        """While regrouping: a Leave or Stop arriving now is noted (a Regroup is moot: we are regrouping).
+        A member told that the store moved stops agreeing anything on the old one (should it still
+        answer, the others are gone from it: their heartbeats there stop, and it would agree alone)."""
         self._read_instructions()
+        if self.moved is not None and self.mode in (RankMode.TRAINING, RankMode.RECOVERING):
+            raise _StoreMoved()
 
     def _read_instructions(self) -> list[protocol.Regroup]:
         regroups: list[protocol.Regroup] = []
@@ -683,9 +738,15 @@ class Trainer(Generic[BatchT]):
                 self.stop_requested = True
             elif isinstance(msg, protocol.Regroup):
                 regroups.append(msg)
+            elif isinstance(msg, protocol.StoreMoved) and msg.store_epoch > max(
+                    self.store_epoch, self.moved.store_epoch if self.moved is not None else 0):
+                self.moved = msg
             elif isinstance(msg, protocol.Leave) and not self.leaving:
                 self.leaving = True
-                self.membership.leave()
+                try:
+                    self.membership.leave()
+                except STORE_ERRORS:  # the store moved: the re-seed of the new one writes it (self.leaving)
+                    self.log.info("leave waits for the moved store", step=self.it if self._held is not None else -1)
                 self._event("leave_requested", it=self.it if self._held is not None else -1, reason=msg.reason)
         return regroups
 
@@ -703,6 +764,9 @@ class Trainer(Generic[BatchT]):
                 self.due = RegroupDue(RegroupReason.AGENT, assume_same=True)
             elif self.due is None and set(msg.members) - members:
                 self.due = RegroupDue(RegroupReason.ADMISSION, assume_same=True)
+        if self.moved is not None:  # no store call failed yet (none on the iteration's path): move now
+            self._move_store(None)
+            self.due = RegroupDue(RegroupReason.FAILURE, assume_same=True)  # the re-seed marked the lost
 
     def _regroup_done(self, rec: EpochRecord, reason: RegroupReason, t0: float, ok: bool = True) -> None:
         if reason in (RegroupReason.FAILURE, RegroupReason.REATTEMPT, RegroupReason.AGENT):
@@ -737,6 +801,7 @@ class Trainer(Generic[BatchT]):
             self.mode = RankMode.TRAINING
 
     def _adopt(self, groups: Groups) -> None:
+        self._remember(groups.record)
         if groups.tp is not self.model_tp:
             rebind_groups(self.state.model, self.model_tp, groups.tp)
             self.model_tp = groups.tp
@@ -750,7 +815,11 @@ class Trainer(Generic[BatchT]):
         self.mode = RankMode.JOINING
         with self.client.phase(protocol.PHASE_REGROUP):
             while True:
-                groups = self.membership.join(self.sched.join_timeout_s)
+                try:
+                    groups = self.membership.join(self.sched.join_timeout_s)
+                except STORE_ERRORS as exc:  # the store moved while we waited: ask again there
+                    self._move_store(exc)
+                    continue
                 if self._held is None:
                     self._setup(groups)
                 else:
@@ -914,6 +983,8 @@ class Trainer(Generic[BatchT]):
     def _record(self, epoch: int) -> EpochRecord:
         if epoch == self.groups.record.epoch:
             return self.groups.record
+        if epoch in self._epochs:
+            return self._epochs[epoch]
         raw = self.store.get(f"epoch/{epoch}")
         return EpochRecord.decode(raw)
 

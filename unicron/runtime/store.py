@@ -3,7 +3,8 @@
 Rank 0 may die, so no rank hosts the store: the agent (or a test launcher) runs
 ``python -m unicron.runtime.store --host H --port P`` next to the task and every rank connects as a
 client. One sidecar serves one launch of one task (the agent starts a fresh one per assignment
-generation), so keys need no task prefix.
+generation), so keys need no task prefix. Its node may be lost too: then an in-place resize moves the
+store to another node and the survivors re-seed it (:mod:`unicron.runtime.membership`, "A moved store").
 
 Keys (all small ASCII values):
 
@@ -28,10 +29,14 @@ import sys
 import threading
 import time
 
+import torch.distributed as dist
+
 from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.runtime.comm import RendezvousStore, TCPStore
 
 DEFAULT_TIMEOUT_S = 30.0
+STORE_ERRORS = (dist.DistNetworkError, dist.DistStoreError)
+"""What a store call raises when the sidecar is gone (its connection closed) or does not answer."""
 
 
 def started_key(rank: int) -> str:
