@@ -59,6 +59,8 @@ _OUTAGE_EXCEPTIONS = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeout
                       etcd_exc.NoServerAvailableError, etcd_exc.InternalServerError, etcd_exc.WatchTimedOut)
 # What ``close()`` and the shutdown paths swallow: any of the converted errors.
 _CLIENT_ERRORS = (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError)
+# gRPC codes after which the client marks its endpoint failed and fails over (pyetcd's own rule)
+_ENDPOINT_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
 
 
 def _classify(what: str, exc: Exception) -> UnicronError:
@@ -380,13 +382,33 @@ class PrefixWatch:
         self._stop.set()
         self._thread.join(timeout=2.0)
 
-    def _subscribe(self, inbox: queue.Queue[Any]) -> Any:
+    def _subscribe(self, deliver: Callable[[Any], None]) -> Any:
+        """A watch on a stream of its own; returns that stream's watcher (close it to drop the watch).
+
+        Not on the client's shared stream: pyetcd hands a create's answer to whichever create is
+        pending on the stream, so a create that timed out in an outage and was answered once etcd
+        was back bound the *next* watch's handler to the first one's prefix (chaos run: after a node
+        partition an agent's injection watch got ``stores/`` events, its assignment watch
+        ``inject/`` ones, and its own assignments never again). Alone on its stream, a late answer
+        can only be to this watch, and a new stream is opened for every retry."""
         client = self.store.client
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"range_end": pyetcd.utils.prefix_range_end(pyetcd.utils.to_bytes(self.prefix))}
         if self.next_revision is not None:
             kwargs["start_revision"] = self.next_revision
         with self.store.converted(f"watch {self.prefix}"):
-            return client.add_watch_prefix_callback(self.prefix, inbox.put, **kwargs)
+            watcher = client.get_watcher()
+            try:
+                watcher.add_callback(self.prefix, deliver, **kwargs)
+            except grpc.RpcError as exc:
+                if exc.code() in _ENDPOINT_DOWN:  # as the client's own calls do: fail over next time
+                    with contextlib.suppress(ValueError):
+                        client.endpoint_in_use.fail()
+                watcher.close()
+                raise
+            except BaseException:
+                watcher.close()
+                raise
+        return watcher
 
     def _resync(self) -> None:
         kvs, rev = self.store.get_prefix(self.prefix)
@@ -403,9 +425,17 @@ class PrefixWatch:
         backoff = 0.05
         while not self._stop.is_set():
             inbox: queue.Queue[Any] = queue.Queue()
+            live = threading.Event()
+            live.set()
+
+            def deliver(item: Any, inbox: queue.Queue[Any] = inbox, live: threading.Event = live) -> None:
+                if live.is_set():  # a retired stream may still answer: nobody reads its inbox
+                    inbox.put(item)
+
             try:
-                watch_id = self._subscribe(inbox)
+                watcher = self._subscribe(deliver)
             except (StoreUnavailable, StoreRejected) as exc:
+                live.clear()
                 if isinstance(exc.__cause__, etcd_exc.RevisionCompactedError):
                     with contextlib.suppress(StoreUnavailable):
                         self._resync()
@@ -416,17 +446,15 @@ class PrefixWatch:
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.05
-            if self._pump(inbox):
-                continue
-            # Only on a stream that still runs: etcd numbers watches per stream, so after a break this
-            # id may already name another watch of this client on the new stream (the chaos suite's
-            # agent lost its assignment watch so, silently, after an etcd member was killed).
-            with contextlib.suppress(StoreClosed, *_CLIENT_ERRORS):
-                self.store.client.cancel_watch(watch_id)
+            try:
+                self._pump(inbox)
+            finally:
+                live.clear()
+                with contextlib.suppress(*_CLIENT_ERRORS):
+                    watcher.close()
 
-    def _pump(self, inbox: queue.Queue[Any]) -> bool:
-        """Deliver events until the stream breaks (True: it broke, every watch on it is gone) or we
-        are stopped, or the revision was compacted (False: the watch may still be registered)."""
+    def _pump(self, inbox: queue.Queue[Any]) -> None:
+        """Deliver events until the stream breaks, the revision was compacted, or we are stopped."""
         while not self._stop.is_set():
             try:
                 item = inbox.get(timeout=0.2)
@@ -435,11 +463,11 @@ class PrefixWatch:
             if isinstance(item, etcd_exc.RevisionCompactedError):
                 with contextlib.suppress(StoreUnavailable):
                     self._resync()
-                return False
+                return
             if isinstance(item, BaseException) or item is None:
                 log.info("watch interrupted; resuming", prefix=self.prefix, cause=str(item),
                          revision=self.next_revision)
-                return True
+                return
             for ev in item.events:
                 kind = "delete" if isinstance(ev, pyetcd.events.DeleteEvent) else "put"
                 event = WatchEvent(kind, ev.key.decode(), ev.value, int(ev.mod_revision))
@@ -448,7 +476,6 @@ class PrefixWatch:
                     self.on_event(event)
                 except Exception:
                     log.exception("watch handler failed", prefix=self.prefix, key=event.key)
-        return False
 
 
 def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str,
