@@ -18,7 +18,15 @@ from collections.abc import Collection, Mapping
 
 from coordinator import decision as d
 from unicron.kernel.severity import severity_of
-from unicron.kernel.types import AssignmentResult, Incident, NodeStatus, Report, TaskResult
+from unicron.kernel.types import (
+    AssignmentResult,
+    DetectionMethod,
+    ErrorKind,
+    Incident,
+    NodeStatus,
+    Report,
+    TaskResult,
+)
 
 #: (task, generation) -> the highest step already turned into a ProgressMade
 Seen = Mapping[tuple[str, int], int]
@@ -176,6 +184,13 @@ def lease_gone(node: str, link_alive: bool, already_lost: bool, ts: float) -> d.
     if link_alive or already_lost:
         return None
     return d.NodeLost(ts=ts, node=node, reason="agent lease expired")
+
+
+def node_lost_report(node: str, reason: str, ts: float) -> Report:
+    """The coordinator's own report of a node it lost (link silent or closed, or lease gone): a sev1
+    ``lost_connection`` by Table 1, recorded as an incident like any agent's report."""
+    return Report(method=DetectionMethod.NODE_HEALTH, kind=ErrorKind.LOST_CONNECTION, node=node,
+                  message=reason, source_ts=ts, agent_ts=ts)
 
 
 def rejoin(node: str, gpus: int, state: d.CoreState, ts: float) -> d.NodeJoined | None:

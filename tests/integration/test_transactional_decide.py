@@ -22,7 +22,7 @@ from coordinator.tasks import parse_task_spec
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Lease, Store, WatchEvent
-from unicron.kernel.types import DetectionMethod, ErrorKind, NodeAssignment, NodeInfo, Report
+from unicron.kernel.types import DetectionMethod, ErrorKind, NodeAssignment, NodeInfo, Report, Severity
 
 
 class FlakyStore(Store):
@@ -170,3 +170,21 @@ def test_an_isolated_node_stays_isolated_when_its_agent_registers_again(
     feed(c, CoreEvent(d.NodeUndrained(ts=time.time(), node="n0")))
     settle(c)
     assert c.state.nodes["n0"].status.value == "up"  # (mypy narrowed the enum above)
+
+
+def test_a_node_whose_lease_is_gone_while_no_link_runs_is_a_recorded_sev1(
+        coord: tuple[Coordinator, FlakyStore]) -> None:
+    """An agent killed before its link reached a newly elected leader is found only by its lease
+    expiring (bench/chaos.py: fault 'agent_sigkill' right after 'leader_sigkill'); that loss is an
+    incident like a lost link, not only a transition."""
+    c, _ = coord
+    running(c)
+    node = next(n for n, r in c.state.tasks["t"].placement.items() if r)
+    before = incidents(c)
+    feed(c, NodeChanged(WatchEvent("delete", c.keys.node(node), b"", 0), time.time()))
+    settle(c)
+    assert incidents(c) == before + 1
+    inc = c.recent_incidents[-1]
+    assert (inc.node, inc.kind, inc.severity) == (node, ErrorKind.LOST_CONNECTION, Severity.SEV1), inc
+    assert c.state.nodes[node].status is d.NodeState.LOST
+    assert c.state.tasks["t"].phase is not d.TaskPhase.RUNNING  # its task moves off the node
