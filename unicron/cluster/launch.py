@@ -92,6 +92,7 @@ class LocalJob:
         self._store: Any = None
         self._server: Any = None
         self._stop = threading.Event()
+        self._killed = threading.Event()  # set by ``stop`` once every rank it killed has exited
         self._monitor = threading.Thread(target=self._watch, name="localjob-monitor", daemon=True)
         self._lock = threading.Lock()
         os.makedirs(self.out_dir, exist_ok=True)
@@ -162,20 +163,29 @@ class LocalJob:
     def _watch(self) -> None:
         handled: set[tuple[int, int]] = set()
         while not self._stop.is_set():
-            with self._lock:
-                items = list(self.procs.values())
-            for rp in items:
-                code = rp.proc.poll()
-                if code is None or (rp.rank, rp.incarnation) in handled:
-                    continue
-                handled.add((rp.rank, rp.incarnation))
-                self.history.append({"event": "exit", "rank": rp.rank, "incarnation": rp.incarnation,
-                                     "code": code, "ts": time.time()})
-                if code != 0 and self.mark_failures:
-                    mark_failed(self.host, self.port, rp.rank, store=self._store)
-                if code != 0 and rp.rank in self.restart:
-                    threading.Timer(self.restart[rp.rank], self._respawn, args=(rp.rank,)).start()
+            self._record_exits(handled, react=True)
             self._stop.wait(0.005)
+        # ``stop`` kills what is left and joins this thread: record those exits too, or ``wait`` after
+        # ``stop`` would wait out its whole timeout for entries that never come.
+        self._killed.wait()
+        self._record_exits(handled, react=False)
+
+    def _record_exits(self, handled: set[tuple[int, int]], react: bool) -> None:
+        with self._lock:
+            items = list(self.procs.values())
+        for rp in items:
+            code = rp.proc.poll()
+            if code is None or (rp.rank, rp.incarnation) in handled:
+                continue
+            handled.add((rp.rank, rp.incarnation))
+            self.history.append({"event": "exit", "rank": rp.rank, "incarnation": rp.incarnation,
+                                 "code": code, "ts": time.time()})
+            if not react:
+                continue
+            if code != 0 and self.mark_failures:
+                mark_failed(self.host, self.port, rp.rank, store=self._store)
+            if code != 0 and rp.rank in self.restart:
+                threading.Timer(self.restart[rp.rank], self._respawn, args=(rp.rank,)).start()
 
     def _respawn(self, rank: int) -> None:
         with self._lock:
@@ -192,7 +202,8 @@ class LocalJob:
             # history entry would hide that exit from the caller (seen under load).
             recorded = {(h["rank"], h["incarnation"]) for h in list(self.history) if h["event"] == "exit"}
             done = all(rp.proc.poll() is not None and (rp.rank, rp.incarnation) in recorded for rp in current)
-            pending_restart = any(
+            # After ``stop`` nothing is respawned, so a killed rank's exit is final.
+            pending_restart = not self._stop.is_set() and any(
                 h["event"] == "exit" and h["code"] != 0 and h["rank"] in self.restart
                 and self.procs[h["rank"]].incarnation == h["incarnation"]
                 for h in self.history
@@ -209,6 +220,9 @@ class LocalJob:
                 if rp.proc.poll() is None:
                     rp.proc.kill()
                     rp.proc.wait()
+        self._killed.set()
+        if self._monitor.is_alive():
+            self._monitor.join()
         if self._spawner is not None and self._spawner is not self.spawner:
             self._spawner.close()
         if self._store_proc is not None:
