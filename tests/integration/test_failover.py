@@ -95,9 +95,14 @@ def test_an_action_pending_at_the_leaders_death_is_carried_out_once(cluster: Loc
         return victim_rank in now and now[victim_rank] != victim_pid and settled(cluster)
     cluster.wait_for(restarted, 60.0, "the killed rank to be restarted")
     time.sleep(2.0)  # a second restart, if one were coming, would be under way by now
+    # Counted where it happens: the agents' rank starts. The coordinators' action lines can miss one:
+    # a leader killed after its fenced write landed but before it logged the action.
+    starts = [r for n in cluster.node_names() for r in cluster.agent_log(n, t0)
+              if r.get("event") == "rank started" and r.get("rank") == victim_rank]
+    assert len(starts) == 1, starts  # exactly once, by whichever leader decided it
     restarts = [a for i in cluster.coordinators for a in cluster.actions(t0, i)
                 if a["action"] in ("RestartRanks", "RestartTask", "Assign")]
-    assert len(restarts) == 1, restarts  # exactly once, by whichever leader decided it
+    assert len(restarts) <= 1, restarts
     incidents = [i for i in cluster.incidents() if i.detected_ts >= t0 - 1]
     assert [i.kind for i in incidents] == [ErrorKind.EXITED_ABNORMALLY], incidents
 

@@ -219,7 +219,13 @@ class LocalCluster:
     def coordinator_log(self, since: float = 0.0, index: int = 0) -> list[dict[str, Any]]:
         """Coordinator ``index``'s JSON log lines stamped at or after ``since`` (epoch seconds), each
         with its stamp as ``ts`` (epoch seconds, the coordinator's own clock)."""
-        name = "coordinator.log" if index == 0 else f"coordinator{index}.log"
+        return self._daemon_log("coordinator.log" if index == 0 else f"coordinator{index}.log", since)
+
+    def agent_log(self, node: str, since: float = 0.0) -> list[dict[str, Any]]:
+        """Agent ``node``'s JSON log lines stamped at or after ``since``, as :meth:`coordinator_log`."""
+        return self._daemon_log(f"agent-{node}.log", since)
+
+    def _daemon_log(self, name: str, since: float) -> list[dict[str, Any]]:
         out = []
         for line in Path(self.run_dir, name).read_text(errors="replace").splitlines():
             try:
