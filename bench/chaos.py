@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from contextlib import redirect_stdout
@@ -449,6 +450,29 @@ def submit(c: LocalCluster, steps_dir: Path, spec_dir: Path) -> None:
             assert cli(["submit", str(spec)]) == 0
 
 
+def play(inject: Callable[[str, float], None], tally: Tally, rng: random.Random, faults: int, t_end: float,
+         outage_s: float, stop_file: str | None) -> None:
+    """Inject rounds of every kind in a seeded order (each kind once per round) until ``faults`` are
+    in, the monotonic deadline ``t_end`` passes or ``stop_file`` exists.
+
+    Whatever stops a round ends the schedule as one violation, and returns: the end checks and the
+    JSON line must still come. Not only a cluster that never healed (TimeoutError): two full runs
+    ended in a traceback and no figures because an injection its agent never executed raised
+    TemporaryError from ``inject.request``, and a harness bug must not hide the run either (its
+    traceback is printed for triage, and it counts as a violation, so it cannot pass unseen)."""
+    schedule: list[str] = []
+    try:
+        while (sum(tally.injected.values()) < faults and time.monotonic() < t_end
+               and not (stop_file and os.path.exists(stop_file))):
+            if not schedule:
+                schedule = rng.sample(KINDS, len(KINDS))
+            inject(schedule.pop(), outage_s)
+    except Exception as exc:
+        traceback.print_exc()
+        tally.violate(f"schedule ended: {type(exc).__name__}: {exc}")
+        progress(f"schedule ended early: {type(exc).__name__}: {exc}")
+
+
 def run(seed: int, faults: int, budget_s: float, agents: int, outage_s: float,
         heal_timeout_s: float = 45.0, stop_file: str | None = None) -> dict[str, Any]:
     reason = unavailable_reason()
@@ -472,19 +496,8 @@ def run(seed: int, faults: int, budget_s: float, agents: int, outage_s: float,
         progress(f"cluster up, both tasks running; logs in {c.run_dir}")
         watcher = threading.Thread(target=chaos.watch, daemon=True)
         watcher.start()
-        t_end = time.monotonic() + budget_s
         try:
-            schedule: list[str] = []
-            while (sum(chaos.tally.injected.values()) < faults and time.monotonic() < t_end
-                   and not (stop_file and os.path.exists(stop_file))):
-                if not schedule:  # rounds of every kind in a seeded order: each kind once per round
-                    schedule = rng.sample(KINDS, len(KINDS))
-                chaos.inject(schedule.pop(), outage_s)
-        except TimeoutError as exc:
-            # the cluster never healed (or made no progress): the schedule ends there, but the end
-            # checks and the JSON line still come (a run of 67 faults ended in a traceback so)
-            chaos.tally.violate(f"schedule ended: {exc}")
-            progress(f"schedule ended early: {exc}")
+            play(chaos.inject, chaos.tally, rng, faults, time.monotonic() + budget_s, outage_s, stop_file)
         finally:
             chaos._stop.set()
             watcher.join()

@@ -220,6 +220,27 @@ def test_stop_and_cont(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
     assert sup.wait(0, 5.0) is not None and proc.exit is not None and not proc.exit.abnormal
 
 
+def test_a_sigterm_reaches_a_rank_stopped_by_someone_else_without_the_grace(
+    sup: Supervisor, ev: Events, tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready"
+    proc = sup.launch(0, py(f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(30)"))
+    while not ready.exists():
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGSTOP)  # not through sup.stop(): the supervisor thinks it is running
+    # a SIGTERM that lands before the stop takes effect would kill it anyway: wait for state T
+    deadline = time.monotonic() + 5.0
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the rank did not stop"
+        time.sleep(0.005)
+    assert sup.status()[0].state == RUNNING
+    t0 = time.time()
+    sup.kill(0, signal.SIGTERM, grace_s=5.0)
+    ((exit, seen),) = ev.exits(1)
+    assert exit.returncode == -signal.SIGTERM and exit.requested  # not the SIGKILL after the grace
+    assert seen - t0 < 2.0
+
+
 def test_terminate_all(sup: Supervisor, ev: Events) -> None:
     for rank in range(3):
         sup.launch(rank, py("import time; time.sleep(30)"))
