@@ -551,11 +551,12 @@ class Agent:
 
     def _on_assignment_event(self, ev: WatchEvent) -> None:
         desired: list[TaskAssignment] = []
+        isolated = False
         revision = self._applied_revision + 1
         if ev.kind == "put":
             try:
                 assignment = NodeAssignment.from_json(ev.value)
-                desired = assignment.task_assignments()
+                desired, isolated = assignment.task_assignments(), assignment.isolated
             except InvalidRecord as exc:
                 log.error("ignoring malformed assignment", key=ev.key, error=str(exc))
                 return
@@ -563,7 +564,7 @@ class Agent:
                 log.info("ignoring stale assignment", revision=assignment.revision, applied=self._applied_revision)
                 return
             revision = assignment.revision
-        outcomes = self.reconcile(desired)
+        outcomes = self.reconcile(desired, isolated)
         self._applied_revision = revision
         threading.Thread(target=self._report_result, args=(revision, outcomes), name=f"result-{revision}",
                          daemon=True).start()
@@ -603,14 +604,16 @@ class Agent:
         except (StoreUnavailable, PermanentError) as exc:
             log.warning("could not write assignment result", error=str(exc))
 
-    def reconcile(self, desired: list[TaskAssignment]) -> list[Outcome]:
+    def reconcile(self, desired: list[TaskAssignment], isolated: bool = False) -> list[Outcome]:
         """Make the node's processes match ``desired`` (level-triggered: safe to repeat). Returns at
-        once; each task's reconciler does the work and sets its outcome."""
+        once; each task's reconciler does the work and sets its outcome. ``isolated``: the node is out
+        of service (``NodeAssignment.isolated``), so a task no longer listed is killed, not stopped."""
         wanted = {a.task: a for a in desired}
         outcomes: list[Outcome] = []
         with self._tasks_lock:
             for name in [n for n in self._tasks if n not in wanted]:
-                outcomes.append(self._retire(name, "no longer assigned to this node"))
+                reason = "node isolated" if isolated else "no longer assigned to this node"
+                outcomes.append(self._retire(name, reason, kill=isolated))
             for name, a in wanted.items():
                 rec = self._tasks.get(name)
                 if rec is not None and rec.latest.generation == a.generation:
@@ -627,13 +630,13 @@ class Agent:
                 outcomes.append(new.started)
         return outcomes
 
-    def _retire(self, name: str, reason: str) -> Outcome:
+    def _retire(self, name: str, reason: str, kill: bool = False) -> Outcome:
         """Stop ``name``'s reconciler (caller holds ``_tasks_lock``; this only enqueues)."""
         rec = self._tasks.pop(name)
         for rank in rec.latest.ranks:
             self.hang_watcher.remove((name, rank.rank), rec.monitors.get(rank.rank))
         self._retired[name] = rec
-        return rec.stop(reason)
+        return rec.stop(reason, kill)
 
     def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
         env = launchenv.rank_env(with_torchrun_threads(os.environ), a, spec, store, node=self.node,

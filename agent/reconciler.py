@@ -171,6 +171,7 @@ class _Command:
     assignment: TaskAssignment | None  # None: stop
     reason: str
     outcome: Outcome
+    kill: bool = False  # a stop by SIGKILL, no grace (the node is isolated)
 
 
 class TaskReconciler:
@@ -229,10 +230,11 @@ class TaskReconciler:
             self.latest = a
         return self._submit(_Command(a, "updated", Outcome(self.task)))
 
-    def stop(self, reason: str) -> Outcome:
+    def stop(self, reason: str, kill: bool = False) -> Outcome:
+        """Stop every rank: SIGTERM and a grace for their work-conserving stop, or (``kill``) SIGKILL."""
         with self._lock:
             self._stop_requested = True
-        return self._submit(_Command(None, reason, Outcome(self.task)))
+        return self._submit(_Command(None, reason, Outcome(self.task), kill))
 
     def offer_store(self, addr: StoreAddress | None) -> None:
         """A published store address (``stores/<task>``); taken if it is this generation's."""
@@ -360,7 +362,7 @@ class TaskReconciler:
                 continue
             try:
                 if cmd.assignment is None:
-                    self._do_stop(cmd.reason)
+                    self._do_stop(cmd.reason, cmd.kill)
                     cmd.outcome.set(True, f"stopped: {cmd.reason}")
                     self._drain(f"task {self.task} stopped")
                     return
@@ -643,7 +645,7 @@ class TaskReconciler:
 
         threading.Thread(target=await_ready, name=f"spare-store-{task}", daemon=True).start()
 
-    def _do_stop(self, reason: str) -> None:
+    def _do_stop(self, reason: str, kill: bool = False) -> None:
         with self._lock:
             for r, st in self._ranks.items():
                 if st in (RankState.INIT, RankState.HEALTHY, RankState.RESTARTING):
@@ -656,7 +658,7 @@ class TaskReconciler:
             spare.stop()
         if pending is not None:
             pending[0].stop()
-        self.supervisor.close(grace_s=self.stop_grace_s)
+        self.supervisor.close(grace_s=self.stop_grace_s, sig=signal.SIGKILL if kill else signal.SIGTERM)
         if sidecar is not None:
             sidecar.stop()
             if store is not None and revision:

@@ -384,12 +384,13 @@ class Supervisor:
             proc.waiter.join(timeout_s)
         return proc.exit
 
-    def terminate_all(self, grace_s: float = 10.0) -> list[RankExit]:
-        """SIGTERM every live rank, SIGKILL those still alive after ``grace_s``; returns their exits."""
+    def terminate_all(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> list[RankExit]:
+        """Send ``sig`` to every live rank, SIGKILL those still alive after ``grace_s``; returns their
+        exits. ``sig`` SIGKILL: no grace at all (a faulty node's ranks must not stop politely)."""
         with self._lock:
             live = [p for p in self._procs.values() if p.state != EXITED]
         for proc in live:
-            self.kill(proc.rank, signal.SIGTERM, grace_s)
+            self.kill(proc.rank, sig, grace_s)
         exits = []
         for proc in live:
             proc.exited.wait(grace_s + 5.0)
@@ -417,7 +418,7 @@ class Supervisor:
         with self._lock:
             return {rank: proc.status() for rank, proc in sorted(self._procs.items())}
 
-    def close(self, grace_s: float = 10.0) -> None:
-        """Terminate all ranks and release the spawner thread."""
-        self.terminate_all(grace_s)
+    def close(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+        """Terminate all ranks (:meth:`terminate_all`) and release the spawner thread."""
+        self.terminate_all(grace_s, sig)
         self._spawner.shutdown(wait=True)

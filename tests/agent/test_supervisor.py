@@ -250,6 +250,24 @@ def test_terminate_all(sup: Supervisor, ev: Events) -> None:
     assert {s.state for s in sup.status().values()} == {EXITED}
 
 
+def test_terminate_all_by_sigkill_gives_no_sigterm_handler_a_chance(sup: Supervisor, ev: Events,
+                                                                    tmp_path: Path) -> None:
+    """An isolated node's ranks: their SIGTERM handler (the runtime's work-conserving stop) must not run."""
+    marker = tmp_path / "stopped politely"
+    handler = (f"import signal, sys, time\n"
+               f"def stop(*_):\n    open({str(marker)!r}, 'w').close(); sys.exit(0)\n"
+               f"signal.signal(signal.SIGTERM, stop)\nprint('ready', file=sys.stderr, flush=True)\n"
+               f"time.sleep(30)\n")
+    sup.launch(0, py(handler))
+    deadline = time.monotonic() + 10.0
+    while (0, "ready") not in ev.lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (0, "ready") in ev.lines, "the rank never installed its handler"
+    (exit,) = sup.terminate_all(grace_s=5.0, sig=signal.SIGKILL)
+    assert exit.returncode == -signal.SIGKILL and exit.requested
+    assert not marker.exists()
+
+
 def test_launch_errors(sup: Supervisor) -> None:
     with pytest.raises(PermanentError, match="cannot start"):
         sup.launch(0, ["/nonexistent/trainer"])

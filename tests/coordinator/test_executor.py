@@ -120,3 +120,21 @@ def test_a_resize_naming_a_new_store_node_moves_the_store_at_its_membership_epoc
     # a later resize that keeps the store leaves its epoch alone
     ex.apply(dataclasses.replace(resize({"n1": (2, 3)}, 2, lost=(4, 5)), store_node="n1"))
     assert (ex.desired["n1"]["t"].store_node, ex.desired["n1"]["t"].store_epoch) == ("n1", 1)
+
+
+def test_an_isolated_nodes_record_says_so_until_it_is_placed_on_again() -> None:
+    """Its agent kills (not stops) what the record no longer lists; a draft's isolation is the draft's."""
+    ex = executor({"n0": 1, "n1": 1})
+    ex.apply(assign("t", {"n0": (0,), "n1": (1,)}))
+    draft = ex.draft()
+    assert draft.apply(d.IsolateNode(action_id="i", node="n1", reason="xid 79")) == {"n1"}
+    isolated = NodeAssignment.from_json(draft.record("n1")[1])
+    assert isolated.isolated and isolated.tasks == []
+    assert not NodeAssignment.from_json(draft.record("n0")[1]).isolated
+    assert "n1" not in ex.isolated and ex.desired["n1"], "the draft changed the executor it was drawn from"
+
+    successor = executor({"n0": 1, "n1": 1})  # a new leader reads the records back
+    successor.load({"n0": draft.record("n0")[1].encode(), "n1": draft.record("n1")[1].encode()})
+    assert successor.isolated == {"n1"}
+    successor.apply(assign("t", {"n0": (0,), "n1": (1,)}, generation=2))  # returned to service
+    assert not NodeAssignment.from_json(successor.record("n1")[1]).isolated

@@ -5,7 +5,8 @@ store moves to a surviving node, the survivors keep their processes, no complete
 and the parameters after the run equal a failure-free run's within 1e-12 relative. The node comes
 back: the task grows back in place, the re-hosted rank joins from a healthy replica, and still no
 survivor restarts; then the node is drained: its rank leaves at a boundary (the agent's ``Leave``)
-and the rest go on. The same shrink with TP=2 (a node other than the store's lost).
+and the rest go on; then a sev1 (XID 79) isolates a node whose agent stays up: its rank is killed
+as a lost node's would be, and the last one trains on. The same shrink with TP=2 (a node other than the store's lost).
 
 The runs train until the test sets the task store's stop key (every rank stops at one agreed commit
 and writes its outputs), so no figure depends on how fast this machine is.
@@ -27,6 +28,7 @@ import pytest
 from unicron.cli.main import main as cli
 from unicron.cluster.launch import LocalJob
 from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.inject import Injection, request
 from unicron.kernel.types import StoreAddress
 from unicron.runtime import store as keys
 from unicron.runtime.compare import load_params, max_rel_diff
@@ -131,7 +133,7 @@ def check_exact(out: Path, tmp: Path, tp: int, blocks: int, rank: int = 0) -> li
     return [int(e["dp"]) for e in its]
 
 
-def test_node_lost_shrinks_in_place_its_return_grows_back_and_a_drain_shrinks_by_leave(
+def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolation_shrink(
         cluster: LocalCluster, tmp_path: Path) -> None:
     """One cluster for the three moves (each test's cluster start and reference run cost ~30 s)."""
     c, out = cluster, tmp_path / "out"
@@ -163,14 +165,18 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_and_a_drain_shrinks_by
     assert "Assign" not in actions_since(c, t0)
 
     drained = drain_leaves(c, grown, survivors, leaver=0)
+    isolated = isolation_kills(c, {1: survivors[1]}, faulty=2)
 
     stop_training(c)
     dps = check_exact(out, tmp_path, tp=1, blocks=3, rank=1)
-    assert dps[0] == 3 and dps[-1] == 2 and 3 in dps[dps.index(2):], dps  # 3, 2 (lost), 3 (grown), 2 (drained)
+    # 3, 2 (lost), 3 (grown), 2 (drained), 1 (isolated)
+    assert dps[0] == 3 and dps[-1] == 1 and 3 in dps[dps.index(2):] and 2 in dps[dps.index(3, 1):], dps
     assert result(out, 0)["incarnation"] == 2  # the joiner took its state from a replica
     assert result(out, 0)["mode"] == "left"  # ... and left when its node was drained
+    # killed with its node's isolation: no work-conserving stop, so no outputs of its own
+    assert not (out / "rank2.json").exists(), result(out, 2)
     print(f"shrink (kill -> survivors 2 steps on) {shrink_s:.1f} s; grow (agent start -> joiner steps) "
-          f"{grow_s:.1f} s; drain {drained:.1f} s; dp per iteration {dps}")
+          f"{grow_s:.1f} s; drain {drained:.1f} s; isolation {isolated:.1f} s; dp per iteration {dps}")
 
 
 def drain_leaves(c: LocalCluster, before: dict[int, dict[str, Any]], survivors: dict[int, Any],
@@ -185,6 +191,25 @@ def drain_leaves(c: LocalCluster, before: dict[int, dict[str, Any]], survivors: 
     assert "ResizeInPlace" in acts and "Assign" not in acts, acts
     faults = [i for i in c.incidents() if i.detected_ts >= t0 - 1 and i.severity is not None]
     assert not faults, f"a rank leaving is no fault: {faults}"
+    return time.time() - t0
+
+
+def isolation_kills(c: LocalCluster, survivors: dict[int, Any], faulty: int) -> float:
+    """An XID 79 under ``faulty`` on a node whose agent stays up: the node is isolated and its rank
+    goes as a lost node's would, SIGKILLed. It must not stop politely: a SIGTERMed rank's
+    work-conserving stop rides the gradient all-reduce, so every rank would stop at the next boundary
+    and the task, resized around the node, would be taken as finished."""
+    assert c.store is not None
+    before = stepping(c, {*survivors, faulty}, 0)  # fresh steps: the survivors must go on past them
+    node = str(before[faulty]["node"])
+    t0 = time.time()
+    answer = request(c.store, c.keys, node, Injection.from_dict({"fault": "xid", "code": 79, "gpu": 0}))
+    assert answer.ok, answer.detail
+    shrunk = stepping(c, set(before) - {faulty}, max(r["step"] for r in before.values()) + 2)
+    assert {r: shrunk[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
+    acts = actions_since(c, t0)
+    assert "IsolateNode" in acts and "ResizeInPlace" in acts and "Assign" not in acts, acts
+    assert c.node_state(node) == "isolated"
     return time.time() - t0
 
 
@@ -205,3 +230,4 @@ def test_a_tp2_task_loses_a_node_in_place(cluster: LocalCluster, tmp_path: Path)
     stop_training(c)
     dps = check_exact(out, tmp_path, tp=2, blocks=3)
     assert dps[0] == 3 and dps[-1] == 2, dps
+

@@ -497,6 +497,11 @@ class NodeAssignment(Record):
     node: str
     revision: int
     tasks: list[TaskAssignment]
+    #: the node is out of service after a sev1 (``IsolateNode``): its agent SIGKILLs the ranks of every
+    #: task the record no longer lists instead of stopping them. A faulty node's rank must go as a lost
+    #: node's would: its work-conserving stop (SIGTERM) would ride the gradient all-reduce and stop the
+    #: survivors with it, and a task resized in place around it would be taken as finished
+    isolated: bool = False
 
     def task_assignments(self) -> list[TaskAssignment]:
         return list(self.tasks)
