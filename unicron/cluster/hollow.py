@@ -150,7 +150,8 @@ class HollowAgent(Agent):
             self.lease.stop()  # the fleet keeps every node's lease alive, over one stream
         self.ready.set()
 
-    def reconcile(self, desired: list[TaskAssignment]) -> list[Outcome]:
+    def reconcile(self, desired: list[TaskAssignment], isolated: bool = False) -> list[Outcome]:
+        # simulated ranks: killed or stopped alike
         wanted = {a.task: a for a in desired}
         outcomes: list[Outcome] = []
         with self._tasks_lock:
