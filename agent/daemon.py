@@ -472,6 +472,9 @@ class Agent:
 
     def _on_rank_message(self, task: str, rank: int, msg: protocol.Message) -> None:
         rec = self._task(task)
+        if isinstance(msg, protocol.Stopped):
+            self._on_stopped(rec, task, rank, msg)
+            return
         if rec is None or not rec.has_rank(rank):
             # A rank of no task of ours (a stale process, or a forged message): nothing to report.
             log.warning("dropped a message from an unknown task or rank", task=task, rank=rank, type=msg.TYPE)
@@ -498,6 +501,15 @@ class Agent:
             # A new membership changes each rank's share of micro-batches, so its iteration time.
             mon.reset()
             log.info("rank regrouped", task=task, rank=rank, epoch=msg.epoch, ok=msg.ok, detail=msg.detail)
+
+    def _on_stopped(self, rec: TaskReconciler | None, task: str, rank: int, msg: protocol.Stopped) -> None:
+        """Noted before the rank may exit: its exit 0 must never be published without it. A rank of a
+        task this node no longer runs (we stopped it: its exit is asked for) is answered all the same,
+        or it would wait out its timeout."""
+        if rec is not None and rec.has_rank(rank):
+            rec.record_stopped(rank, msg.step)
+            log.info("rank stopped before its end", task=task, rank=rank, step=msg.step, snapshot=msg.snapshot)
+        self.send_to_rank(task, rank, protocol.StopNoted(step=msg.step))
 
     @staticmethod
     def _exception_kind(msg: protocol.ExceptionReport) -> ErrorKind:

@@ -15,7 +15,7 @@ where it is (``StoreMoved``).
 
 Rank lifecycle (modelled on torch elastic's ``WorkerState``)::
 
-    INIT ──launched──▶ HEALTHY ──exit 0──────────────▶ SUCCEEDED
+    INIT ──launched──▶ HEALTHY ──exit 0──────────────▶ SUCCEEDED (``stopped_at`` set if it said it stopped early)
      │                  │  ──exit ≠ 0, not requested──▶ FAILED ──restart_epoch──▶ RESTARTING
      │                  │  ──restart_epoch───────────▶ RESTARTING ──relaunched──▶ HEALTHY
      │                  │  ──membership_epoch, not kept▶ STOPPING (Leave) ──exited──▶ (forgotten)
@@ -204,6 +204,8 @@ class TaskReconciler:
         self._spare_due: float | None = None
         self._published_revision = 0
         self.steps: dict[int, int] = {}
+        #: rank -> the iteration it said it stopped at before its end (``protocol.Stopped``)
+        self.stopped_at: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
@@ -317,7 +319,7 @@ class TaskReconciler:
             gen = self.applied.generation
             return [RankStatus(task=self.task, generation=gen, rank=st.rank, pid=st.pid, state=st.state,
                                returncode=st.returncode, requested=st.requested, step=self.steps.get(r),
-                               restart_epoch=self.launched_epoch.get(r, 0))
+                               restart_epoch=self.launched_epoch.get(r, 0), stopped_at=self.stopped_at.get(r))
                     for r, st in procs.items()]
 
     def monitor(self, rank: int, make: Callable[[], IterationMonitor]) -> tuple[IterationMonitor | None, bool]:
@@ -330,6 +332,11 @@ class TaskReconciler:
                 return mon, False
             mon = self.monitors[rank] = make()
             return mon, True
+
+    def record_stopped(self, rank: int, step: int) -> None:
+        """The rank said it stopped early at ``step`` (its last message before it exits)."""
+        with self._lock:
+            self.stopped_at[rank] = step
 
     def record_step(self, rank: int, step: int) -> None:
         with self._lock:
@@ -449,6 +456,7 @@ class TaskReconciler:
             # A new process has made no step yet: its predecessor's last step, published with the
             # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
             self.steps.pop(spec.rank, None)
+            self.stopped_at.pop(spec.rank, None)
         try:
             self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
                                    stdout_path=self.host.rank_log_path(a.task, spec.rank))
@@ -560,6 +568,7 @@ class TaskReconciler:
             with self._lock:
                 self._ranks.pop(r, None)
                 self.steps.pop(r, None)
+                self.stopped_at.pop(r, None)
                 self.launched_epoch.pop(r, None)
                 mon = self.monitors.pop(r, None)
             self.host.forget_rank(a.task, r, mon)

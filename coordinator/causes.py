@@ -8,7 +8,8 @@ state. Each rule here is one arrow of the contract in ``docs/decision.md``:
                                             :mod:`unicron.kernel.severity`) -> ``IncidentRaised``
 * ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
 * ``results/<node>``                     -> ``ActionSucceeded`` / ``ActionFailed`` (:func:`outcomes`)
-* every rank of a task exited 0          -> ``TaskFinished``                    (:func:`finished`)
+* every rank of a task exited 0          -> ``TaskFinished``, or ``TaskStopped`` when a rank said it
+                                            stopped before its end               (:func:`ended`)
 * a node's lease gone, its link silent   -> ``NodeLost``                        (:func:`lease_gone`)
 """
 
@@ -24,6 +25,7 @@ from unicron.kernel.types import (
     ErrorKind,
     Incident,
     NodeStatus,
+    RankStatus,
     Report,
     TaskResult,
 )
@@ -156,26 +158,38 @@ def outcomes(
     return out
 
 
-def finished(statuses: Mapping[str, NodeStatus], state: d.CoreState, ts: float) -> list[d.TaskFinished]:
-    """Tasks every rank of which exited with returncode 0, on its own, at the current generation."""
-    out = []
+def ended(statuses: Mapping[str, NodeStatus], state: d.CoreState,
+          ts: float) -> list[d.TaskFinished | d.TaskStopped]:
+    """Tasks every rank of which exited with returncode 0, on its own, at the current generation:
+    finished, unless a rank said it stopped before its end (a SIGTERM nobody in Unicron sent: the
+    ranks stopped work-conservingly, and the task is to go on from their snapshot)."""
+    out: list[d.TaskFinished | d.TaskStopped] = []
     for name, entry in sorted(state.tasks.items()):
         if entry.phase not in d.ACTIVE_PHASES or not entry.placement:
             continue
-        if all(_all_exited_ok(statuses.get(node), name, entry.generation, ranks)
-               for node, ranks in entry.placement.items()):
+        exits = [_exits_ok(statuses.get(node), name, entry.generation, ranks)
+                 for node, ranks in entry.placement.items()]
+        if not all(e is not None for e in exits):
+            continue
+        stops = sorted((r.stopped_at, r.rank) for e in exits if e is not None for r in e if r.stopped_at is not None)
+        if not stops:
             out.append(d.TaskFinished(ts=ts, task=name))
+            continue
+        step, rank = stops[0]
+        out.append(d.TaskStopped(ts=ts, task=name, step=step,
+                                 reason=f"rank {rank} stopped at iteration {step} on a SIGTERM Unicron did not send"))
     return out
 
 
-def _all_exited_ok(status: NodeStatus | None, task: str, generation: int, ranks: Collection[int]) -> bool:
+def _exits_ok(status: NodeStatus | None, task: str, generation: int,
+              ranks: Collection[int]) -> list[RankStatus] | None:
+    """The node's ``ranks`` of the task's generation if every one exited 0 unasked, else None."""
     if status is None or not ranks:
-        return False
+        return None
     by_rank = {r.rank: r for r in status.ranks if r.task == task and r.generation == generation}
-    return all(
-        (r := by_rank.get(rank)) is not None and r.state == "exited" and r.returncode == 0 and not r.requested
-        for rank in ranks
-    )
+    out = [r for rank in ranks if (r := by_rank.get(rank)) is not None
+           and r.state == "exited" and r.returncode == 0 and not r.requested]
+    return out if len(out) == len(ranks) else None
 
 
 def lease_gone(node: str, link_alive: bool, already_lost: bool, ts: float) -> d.NodeLost | None:

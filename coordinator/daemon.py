@@ -523,9 +523,13 @@ class Coordinator:
             self._decide(made)
             assert made.generation is not None
             self._seen[(made.task, made.generation)] = made.step
-        for done in causes.finished(self._statuses, self.state, ts):
-            log.info("every rank of the task exited 0: finished", task=done.task)
-            self._decide(done)
+        for ended in causes.ended(self._statuses, self.state, ts):
+            if isinstance(ended, d.TaskStopped):
+                log.warning("every rank of the task stopped before its end, unasked", task=ended.task,
+                            step=ended.step, reason=ended.reason)
+            else:
+                log.info("every rank of the task exited 0: finished", task=ended.task)
+            self._decide(ended)
 
     def _on_result(self, ev: WatchEvent, ts: float) -> None:
         """An agent's reconcile result: the outcome of the actions it carried out."""

@@ -65,6 +65,7 @@ from coordinator.decision.events import (
     ProgressMade,
     TaskCancelled,
     TaskFinished,
+    TaskStopped,
     TaskSubmitted,
     Tick,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "TaskEntry",
     "TaskFinished",
     "TaskPhase",
+    "TaskStopped",
     "TaskSubmitted",
     "Tick",
     "Transition",

@@ -31,6 +31,7 @@ from coordinator.decision.events import (
     ProgressMade,
     TaskCancelled,
     TaskFinished,
+    TaskStopped,
     TaskSubmitted,
     Tick,
 )
@@ -48,6 +49,7 @@ _EVENT_TYPES: dict[str, type[Any]] = {
         NodeUndrained,
         TaskSubmitted,
         TaskFinished,
+        TaskStopped,
         TaskCancelled,
         ActionSucceeded,
         ActionFailed,

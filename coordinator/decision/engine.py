@@ -38,6 +38,7 @@ from coordinator.decision.events import (
     ProgressMade,
     TaskCancelled,
     TaskFinished,
+    TaskStopped,
     TaskSubmitted,
     Tick,
 )
@@ -156,6 +157,7 @@ class _Run:
         self.replan = False
         self.forced: set[str] = set()  # tasks that must get a fresh Assign even if their placement stays
         self.faulted: set[str] = set()  # tasks that lost a worker (paper Eq. 4)
+        self.relaunched: set[str] = set()  # forced tasks none of whose ranks runs: no in-place change
         self.responses: dict[Response, Callable[[str, TaskEntry, _Fault], None]] = {
             _R.MERGE: self._do_merge,
             _R.REATTEMPT: self._do_reattempt,
@@ -169,6 +171,7 @@ class _Run:
             _R.STOP: self._do_stop,
             _R.RECOVERED: self._do_recovered,
             _R.FAIL: self._do_fail,
+            _R.RELAUNCH: self._do_relaunch,
             _R.RELEASE: self._do_release,
             _R.STOP_RELEASE: self._do_stop_release,
             _R.WITHDRAW: self._do_withdraw,
@@ -230,6 +233,8 @@ class _Run:
                 self._on_submit(event.spec)
             case TaskFinished():
                 self._fire_named(event.task, _T.FINISHED, _Fault("finished"))
+            case TaskStopped():
+                self._fire_named(event.task, _T.STOPPED, _Fault(event.reason))
             case TaskCancelled():
                 self._fire_named(event.task, _T.CANCELLED, _Fault("cancelled by the user"))
             case ActionSucceeded():
@@ -375,6 +380,14 @@ class _Run:
             self._node_down(
                 fault.node, NodeState.ISOLATED, f"assignment of task {name} failed: {fault.reason}"
             )
+
+    def _do_relaunch(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        """Every rank stopped unasked: the task goes on as a new generation from their snapshot. A
+        relaunch spends the restart budget, so a task stopped again and again without a step fails."""
+        self._count_restart(entry)
+        self._force_replan(name, entry, fault)
+        self.relaunched.add(name)
+        self._alert(f"task {name}: {fault.reason}; relaunching it from its on-demand snapshot", task=name)
 
     def _do_assign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         assert fault.placement is not None
@@ -643,7 +656,7 @@ class _Run:
                 continue
             if new != {n: len(r) for n, r in entry.placement.items()} or name in self.forced:
                 why = entry.reason if name in self.forced else "new plan"
-                in_place = self._in_place(entry, new)
+                in_place = None if name in self.relaunched else self._in_place(entry, new)
                 if in_place is not None:
                     self._fire(name, _T.RESIZED_IN_PLACE, _Fault(why, placement=new, in_place=in_place))
                 else:

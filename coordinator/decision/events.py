@@ -73,6 +73,18 @@ class TaskFinished:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TaskStopped:
+    """Every rank exited 0 on its own, but before the task's end: a SIGTERM Unicron did not send (an
+    operator, another scheduler) stopped them work-conservingly at iteration ``step``. The task is
+    relaunched as a new generation, which resumes from their on-demand snapshot."""
+
+    ts: float
+    task: str
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class TaskCancelled:
     """A user withdrew the task: stop it and give its GPUs to the others."""
 
@@ -138,6 +150,7 @@ Event = (
     | NodeUndrained
     | TaskSubmitted
     | TaskFinished
+    | TaskStopped
     | TaskCancelled
     | ActionSucceeded
     | ActionFailed

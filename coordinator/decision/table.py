@@ -33,6 +33,7 @@ class Trigger(enum.StrEnum):
     RESIZED_IN_PLACE = "resized_in_place"
     UNPLACED = "unplaced"  # a reconfiguration gave the task no GPUs
     FINISHED = "finished"
+    STOPPED = "stopped"  # every rank stopped before the task's end, unasked: nothing runs any more
     CANCELLED = "cancelled"
 
 
@@ -49,6 +50,7 @@ class Response(enum.StrEnum):
     STOP = "stop"  # emit StopTask; the task waits for GPUs
     RECOVERED = "recovered"  # clear the outstanding action
     FAIL = "fail"  # emit StopTask + MarkTaskFailed + Alert; its GPUs go to the others
+    RELAUNCH = "relaunch"  # nothing runs: re-plan with this task forced to a new generation (no in-place)
     RELEASE = "release"  # finished: its GPUs go to the others
     STOP_RELEASE = "stop_release"  # cancelled while holding GPUs: emit StopTask, GPUs go to the others
     WITHDRAW = "withdraw"  # cancelled while pending: nothing to stop
@@ -78,6 +80,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RUNNING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),  # ③ / ④ / ⑤ without a restart
         (_P.RUNNING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RUNNING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RUNNING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.RUNNING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
         # reattempting
         (_P.REATTEMPTING, _T.RESIZE_ECHO): (_P.REATTEMPTING, _R.MERGE),  # part of the resize already done
@@ -94,6 +97,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.REATTEMPTING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),
         (_P.REATTEMPTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.REATTEMPTING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.REATTEMPTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
         # restarting
         (_P.RESTARTING, _T.RESIZE_ECHO): (_P.RESTARTING, _R.MERGE),  # part of the resize already done
@@ -113,6 +117,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RESTARTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.RESTARTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RESTARTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RESTARTING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.RESTARTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
         # reconfiguring
         (_P.RECONFIGURING, _T.RESIZE_ECHO): (_P.RECONFIGURING, _R.MERGE),  # part of the resize already done
@@ -130,6 +135,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),
         (_P.RECONFIGURING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RECONFIGURING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
+        (_P.RECONFIGURING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.RECONFIGURING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
     }
 )
@@ -143,6 +149,7 @@ BUDGETED: Mapping[Response, Trigger] = MappingProxyType(
         _R.RESTART_ALL: _T.NO_PROGRESS,
         _R.ESCALATE: _T.NO_PROGRESS,
         _R.REASSIGN: _T.NO_PROGRESS,
+        _R.RELAUNCH: _T.NO_PROGRESS,
     }
 )
 

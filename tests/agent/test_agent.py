@@ -141,6 +141,29 @@ def test_store_hosted_by_one_agent_and_reached_by_ranks_of_the_other(agents: dic
     wait_for(lambda: store.get(KEYS.store("t")) is None, 30, "the store address to be withdrawn")
 
 
+# A rank that says it stopped early (as the runtime does after a work-conserving stop) and exits 0 only
+# if its agent noted it first; the other rank exits 0 saying nothing (a finished rank).
+STOPS_EARLY = [sys.executable, "-c", (
+    "import os, sys; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "sys.exit(0 if os.environ['RANK'] == '1' or c.stopped(17, 16, timeout_s=30) else 3)\n"
+)]
+
+
+def test_a_rank_that_stops_early_is_noted_before_it_exits_and_its_status_says_so(
+        agents: dict[str, Agent], store: Store) -> None:
+    rev = assign(store, "a0", task("early", STOPS_EARLY, [0, 1], 2, store_node="a0"))
+    assert wait_for(lambda: result(store, "a0", rev), 60, "a0's result").ok
+
+    def exits() -> list[tuple[int, str, int | None, int | None]] | None:
+        st = status(store, "a0")
+        got = sorted((r.rank, r.state, r.returncode, r.stopped_at) for r in st.ranks) if st else []
+        return got if got and all(r[1] == "exited" for r in got) else None
+
+    # rank 0 exits 0 only once its agent answered (else 3); the status carries where it stopped
+    assert wait_for(exits, 60, "both ranks to exit") == [(0, "exited", 0, 17), (1, "exited", 0, None)]
+
+
 @pytest.mark.parametrize("argv, reason", [
     (["/nonexistent/trainer"], "No such file"),
     ([f"{sys.executable}\0"], "argv[0] contains a NUL byte"),

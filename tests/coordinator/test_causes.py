@@ -169,16 +169,36 @@ def test_a_task_finishes_when_every_rank_exited_0() -> None:
     state, placement = running_task()
     gen = state.tasks["t"].generation
     done = {n: status(n, rank(r, gen, state="exited", returncode=0)) for n, r in placement.items()}
-    assert causes.finished(done, state, ts=9.0) == [d.TaskFinished(ts=9.0, task="t")]
+    assert causes.ended(done, state, ts=9.0) == [d.TaskFinished(ts=9.0, task="t")]
     # one rank still running, one failed, one stopped on request, or an older generation: not finished
     for spoil in ({"state": "running", "returncode": None}, {"returncode": 1},
                   {"returncode": 0, "requested": True}):
         fields: dict[str, object] = {"state": "exited", **spoil}
         partly = {**done, "n1": status("n1", rank(placement["n1"], gen, **fields))}
-        assert causes.finished(partly, state, ts=9.0) == []
+        assert causes.ended(partly, state, ts=9.0) == []
     old = {n: status(n, rank(r, gen - 1, state="exited", returncode=0)) for n, r in placement.items()}
-    assert causes.finished(old, state, ts=9.0) == []
-    assert causes.finished({"n0": done["n0"]}, state, ts=9.0) == []
+    assert causes.ended(old, state, ts=9.0) == []
+    assert causes.ended({"n0": done["n0"]}, state, ts=9.0) == []
+
+
+def test_a_task_whose_ranks_stopped_before_its_end_is_stopped_not_finished() -> None:
+    """Ranks SIGTERMed by somebody else stop work-conservingly and exit 0 unasked; the one that says it
+    stopped (``stopped_at``) makes it a stop, at the lowest iteration said."""
+    state, placement = running_task()
+    gen = state.tasks["t"].generation
+    n0, n1 = sorted(placement)
+    ended = {n0: status(n0, rank(placement[n0], gen, state="exited", returncode=0, stopped_at=12)),
+             n1: status(n1, rank(placement[n1][:1], gen, state="exited", returncode=0, stopped_at=11)
+                        + rank(placement[n1][1:], gen, state="exited", returncode=0))}
+    [got] = causes.ended(ended, state, ts=9.0)
+    assert isinstance(got, d.TaskStopped) and got.task == "t" and got.step == 11
+    assert f"rank {placement[n1][0]} stopped at iteration 11" in got.reason
+    # asked to stop (a cancel, a relaunch), or a rank still running: neither finished nor stopped
+    asked = {**ended, n1: status(n1, rank(placement[n1], gen, state="exited", returncode=0, requested=True,
+                                          stopped_at=11))}
+    assert causes.ended(asked, state, ts=9.0) == []
+    running = {**ended, n1: status(n1, rank(placement[n1], gen))}
+    assert causes.ended(running, state, ts=9.0) == []
 
 
 def test_a_lease_gone_is_a_node_loss_only_when_the_link_is_silent() -> None:

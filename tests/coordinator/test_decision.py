@@ -40,6 +40,7 @@ from coordinator.decision import (
     TaskCancelled,
     TaskFinished,
     TaskPhase,
+    TaskStopped,
     TaskSubmitted,
     Tick,
     Transition,
@@ -242,6 +243,47 @@ def test_finished_task_gpus_go_to_the_others() -> None:
     assert sim.phase("a") is TaskPhase.FINISHED
     assert one(acts, Assign, "b").world_size == 16
     assert not only(acts, StopTask)
+
+
+def stopped(sim: Sim, task: str, step: int) -> list[Action]:
+    return sim.feed(TaskStopped(ts=sim.ts(), task=task, step=step,
+                                reason=f"rank 3 stopped at iteration {step} on a SIGTERM Unicron did not send"))
+
+
+def test_a_task_stopped_unasked_is_relaunched_where_it_was_as_a_new_generation() -> None:
+    """Not finished (its GPUs stay), not resized in place (none of its ranks runs): a new Assign."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {}})
+    sim.progress("a", 40)
+    before = sim.state.tasks["a"]
+    acts = stopped(sim, "a", 40)
+    assign = one(acts, Assign, "a")
+    assert assign.generation == before.generation + 1
+    assert {n: len(r) for n, r in assign.placement.items()} == {n: len(r) for n, r in before.placement.items()}
+    assert not only(acts, ResizeInPlace) and not only(acts, StopTask)
+    assert "iteration 40" in one(acts, Alert, "a").message
+    assert sim.phase("a") is TaskPhase.RECONFIGURING
+    sim.ok(assign)
+    assert sim.phase("a") is TaskPhase.RUNNING
+
+
+def test_a_task_stopped_again_and_again_without_a_step_fails() -> None:
+    settings = DecisionSettings()
+    sim = running_cluster({"n1": 8}, {"a": {}}, Sim(settings))
+    sim.progress("a", 40)
+    relaunches = 0
+    while sim.phase("a") is not TaskPhase.FAILED and relaunches <= settings.max_restarts_without_progress:
+        acts = stopped(sim, "a", 40)
+        if only(acts, Assign):
+            relaunches += 1
+            sim.confirm_all(acts)
+    assert sim.phase("a") is TaskPhase.FAILED
+    assert relaunches == settings.max_restarts_without_progress
+    # with a step between the stops, the budget is never spent
+    sim = running_cluster({"n1": 8}, {"b": {}}, Sim(settings))
+    for step in range(10, 100, 10):
+        sim.progress("b", step)
+        sim.confirm_all(stopped(sim, "b", step))
+    assert sim.phase("b") is TaskPhase.RUNNING
 
 
 def test_submit_above_free_stays_pending_then_runs_after_join() -> None:

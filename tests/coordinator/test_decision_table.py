@@ -29,6 +29,7 @@ from coordinator.decision import (
     TaskCancelled,
     TaskFinished,
     TaskPhase,
+    TaskStopped,
     Transition,
     Trigger,
 )
@@ -53,6 +54,7 @@ EMITS: dict[Response, set[type[Action]]] = {
     R.STOP: {StopTask},
     R.RECOVERED: set(),
     R.FAIL: {StopTask, MarkTaskFailed, Alert},
+    R.RELAUNCH: {Assign, Alert},
     R.RELEASE: set(),
     R.STOP_RELEASE: {StopTask},
     R.WITHDRAW: set(),
@@ -146,6 +148,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return lambda sim: sim.submit("vip", min_gpus=16, weight=2.0)
     if trigger is T.FINISHED:
         return lambda sim: sim.feed(TaskFinished(ts=sim.ts(), task=JOB))
+    if trigger is T.STOPPED:
+        return lambda sim: sim.feed(TaskStopped(ts=sim.ts(), task=JOB, step=7, reason="stopped unasked"))
     if trigger is T.CANCELLED:
         return lambda sim: sim.feed(TaskCancelled(ts=sim.ts(), task=JOB))
     raise AssertionError(f"no driver for {trigger}")

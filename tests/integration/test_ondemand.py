@@ -1,7 +1,7 @@
 """Work-conserving stops end to end (issue 13 item 4): real etcd, a coordinator, three agents and a
 2-rank ``unicron.runtime.train`` task with ``--ckpt memory`` and no periodic checkpoint at all
-(``--ckpt-every 0``). Whatever stops it — a cancel, or a move the control plane makes by relaunching
-it (its node drained, no replica left to keep) — its ranks get SIGTERM from their agents, stop at one
+(``--ckpt-every 0``). Whatever stops it — a cancel, a move the control plane makes by relaunching
+it (its node drained, no replica left to keep), or a SIGTERM from somebody else — its ranks stop at one
 iteration boundary with an on-demand snapshot and exit 0; the relaunched ranks restore that snapshot:
 0 iterations computed again. Without the snapshot there would be nothing to restore (a fresh start)."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,4 +118,33 @@ def test_a_relaunching_move_restores_from_the_on_demand_snapshot(cluster: LocalC
     finally:
         for node in nodes:
             cli(["undrain", node])
+        cli(["cancel", name])
+
+
+def test_a_rank_sigtermed_by_somebody_else_goes_on_from_the_snapshot_and_is_not_finished(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """A SIGTERM its agent did not send (an operator, another scheduler): both ranks stop at one
+    boundary and exit 0 unasked, but the task has not reached its end. Rank 1 said so before it exited,
+    so the control plane relaunches the task (a new generation) from the snapshot. Before, it took the
+    exits 0 for the job's end and marked the task FINISHED within a second: the job was lost."""
+    c, name = cluster, f"{TASK}-term"
+    submit(c, tmp_path, name)
+    c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
+    before = c.running_ranks(name)
+    gen = max(int(r.get("generation") or 0) for r in before.values())
+    os.kill(int(before[1]["pid"]), signal.SIGTERM)
+    try:
+        def relaunched() -> bool:
+            now = c.running_ranks(name)
+            return len(now) == 2 and all(int(r.get("generation") or 0) > gen for r in now.values())
+
+        c.wait_for(relaunched, 60.0, "the task to be relaunched", poll_s=0.1)
+        at = stops(c, name)
+        assert not at[0] and len(at[1]) == 1, at  # the signalled rank prints the stop line
+        n = at[1][0]
+        c.wait_for(lambda: len(restores(c, name)) == 2, 30.0, "both ranks to restore", poll_s=0.1)
+        got = restores(c, name)
+        assert [it for _, it, _ in got] == [n, n], (got, at)  # 0 iterations redone
+        c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the relaunched task to train on", poll_s=0.1)
+    finally:
         cli(["cancel", name])

@@ -28,6 +28,10 @@ from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
 
+#: how long a rank that stopped early waits for its agent to note it (a local socket round trip:
+#: milliseconds); past it the rank exits anyway
+STOP_NOTED_TIMEOUT_S = 2.0
+
 
 class InjectedFault(UnicronError):
     """Raised inside a rank by ``unicron inject raise KIND``; carries the Table 1 kind to report."""
@@ -59,6 +63,7 @@ class AgentClient:
         self._inject_lock = threading.Lock()
         self._step: int | None = None
         self._phase = protocol.PHASE_TRAIN
+        self._stop_noted = threading.Event()
 
     @classmethod
     def from_env(cls) -> AgentClient:
@@ -132,6 +137,8 @@ class AgentClient:
             elif isinstance(msg, protocol.InjectRaise):
                 with self._inject_lock:
                     self._pending_raise = msg
+            elif isinstance(msg, protocol.StopNoted):
+                self._stop_noted.set()
             else:
                 self.instructions.put(msg)
 
@@ -185,6 +192,19 @@ class AgentClient:
         finally:
             self._phase = outer
             self.send(protocol.Phase(name=outer))
+
+    def stopped(self, step: int, snapshot: int | None, timeout_s: float = STOP_NOTED_TIMEOUT_S) -> bool:
+        """Say that this rank ends early (stopped at ``step`` on a SIGTERM, ``snapshot``: the on-demand
+        snapshot's iteration) and wait until the agent noted it: its status must never show this exit
+        0 without it, or the control plane would take the job for finished. False: no agent answered."""
+        if self._conn is None:
+            return False
+        self._stop_noted.clear()
+        self.send(protocol.Stopped(step=step, snapshot=snapshot))
+        noted = self._stop_noted.wait(timeout_s)
+        if not noted:
+            log.warning("the agent did not note this rank's stop; exiting anyway", step=step)
+        return noted
 
     def report_exception(self, exc: BaseException, fatal: bool = True) -> None:
         kind = exc.kind.value if isinstance(exc, InjectedFault) else ""

@@ -1,9 +1,10 @@
 """Messages between a training rank and its node's agent (local Unix socket, one JSON line each).
 
 Rank -> agent: ``Hello`` first, then progress (``IterStart``, ``IterEnd``, ``MicrobatchDone``,
-``Phase``), failures (``ExceptionReport``) and acknowledgements (``RegroupDone``).
-Agent -> rank: instructions (``Regroup``, ``Leave``, ``Stop``, ``StoreMoved``) and fault injection (``InjectRaise``,
-``InjectSlow``, used by ``unicron inject``).
+``Phase``), failures (``ExceptionReport``), acknowledgements (``RegroupDone``) and, last, ``Stopped``
+when it ends before its last iteration.
+Agent -> rank: instructions (``Regroup``, ``Leave``, ``Stop``, ``StoreMoved``), the answer to ``Stopped``
+(``StopNoted``) and fault injection (``InjectRaise``, ``InjectSlow``, used by ``unicron inject``).
 
 Every message has a ``type`` tag; :func:`parse` turns a decoded JSON object back into its class and
 raises :class:`~unicron.kernel.errors.InvalidRecord` for an unknown type or bad fields.
@@ -114,6 +115,19 @@ class RegroupDone(Message):
     ts: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True)
+class Stopped(Message):
+    """The rank's last message: it stopped at iteration ``step`` on a SIGTERM (its own or a peer's,
+    agreed at one boundary) before its configured end, so its exit 0 is not the job's end.
+    ``snapshot``: the iteration of the on-demand snapshot it saved, None without one. The rank waits
+    for ``StopNoted`` before it exits, so the agent never reports the exit without this."""
+
+    TYPE: ClassVar[str] = "stopped"
+    step: int
+    snapshot: int | None = None
+    ts: float = field(default_factory=time.time)
+
+
 # --- agent -> rank -------------------------------------------------------------------------------
 
 
@@ -162,6 +176,14 @@ class Stop(Message):
 
 
 @dataclass(frozen=True)
+class StopNoted(Message):
+    """The agent recorded the rank's ``Stopped``: the rank may exit."""
+
+    TYPE: ClassVar[str] = "stop_noted"
+    step: int
+
+
+@dataclass(frozen=True)
 class InjectRaise(Message):
     """Fault injection: raise an exception of ``kind`` (an ErrorKind value) at the next iteration boundary."""
 
@@ -182,8 +204,8 @@ class InjectSlow(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, IterStart, IterEnd, MicrobatchDone, Phase, ExceptionReport, RegroupDone,
-        Regroup, Leave, StoreMoved, Stop, InjectRaise, InjectSlow,
+        Hello, IterStart, IterEnd, MicrobatchDone, Phase, ExceptionReport, RegroupDone, Stopped,
+        Regroup, Leave, StoreMoved, Stop, StopNoted, InjectRaise, InjectSlow,
     )
 }
 

@@ -411,6 +411,9 @@ class RankStatus(Record):
     #: the task's restart epoch when this process was launched: progress confirms a sev2 restart only
     #: when it comes from a process launched at (or after) the restart's epoch
     restart_epoch: int = 0
+    #: the iteration at which the rank said it stopped before its end (a work-conserving stop on a
+    #: SIGTERM, ``protocol.Stopped``): its exit 0 does not finish the task. None: it said no such thing
+    stopped_at: int | None = None
 
 
 @dataclass(frozen=True)

@@ -410,8 +410,10 @@ class Trainer(Generic[BatchT]):
         wait = getattr(self.checkpointer, "wait", None)
         if callable(wait):
             wait()  # let the last snapshot's background work finish before the process exits
-        if stopped and self.preempt.requested:
-            self.preempt.report(self.rank, self.it)
+        if stopped:
+            if self.preempt.requested:
+                self.preempt.report(self.rank, self.it)
+            self.client.stopped(self.it, self.preempt.saved[0] if self.preempt.saved else None)
         return 0
 
     def _finished_before_joining(self, done: JobFinished) -> None:
