@@ -22,13 +22,17 @@ import mmap
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from ckpt.api import CheckpointCorrupt, CheckpointError, Snapshot, SnapshotInfo
 from ckpt.codec import byte_view
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
+
+log = ulog.get(__name__)
 
 _PUBLISHED = "PUBLISHED"
 
@@ -103,17 +107,28 @@ class LocalStore:
 
     # ---- ownership
 
-    def lock(self) -> None:
-        """Become this rank's writer; fails if another live process is (its flock dies with it)."""
+    def lock(self, wait_s: float = 0.0) -> None:
+        """Become this rank's writer, waiting up to ``wait_s`` for another live process that is (its
+        flock dies with it: a previous generation's rank still saving its last snapshot)."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            os.close(fd)
-            raise CheckpointError(
-                f"{self.root} is in use by another process (it holds {self.root / 'LOCK'})"
-            ) from exc
+        deadline = time.monotonic() + wait_s
+        waited = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError as exc:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise CheckpointError(
+                        f"{self.root} is in use by another process (it holds {self.root / 'LOCK'}) "
+                        f"after {wait_s:g} s; give each rank its own directory or stop the other process"
+                    ) from exc
+                if not waited:
+                    log.info("waiting for the previous writer of this rank's slots to exit", root=str(self.root))
+                    waited = True
+                time.sleep(0.05)
         self._lock_fd = fd
 
     def close(self) -> None:

@@ -98,6 +98,12 @@ class CheckpointConfig:
     overlap: bool = setting(
         False, "UNICRON_CKPT_OVERLAP", "CPU: copy in the background; fence() before stepping"
     )
+    #: how long a new writer waits for the previous holder of this rank's slots to exit: a relaunch
+    #: (a new generation, maybe on other nodes) can start while the previous generation's rank still
+    #: saves its on-demand snapshot within its agent's stop grace (10 s by default)
+    lock_wait_s: float = setting(
+        30.0, "UNICRON_CKPT_LOCK_WAIT_S", "seconds to wait for the previous writer of this rank's slots to exit"
+    )
     #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
     safe_globals: str = setting(
         "", "UNICRON_CKPT_SAFE_GLOBALS", "extra module:Name globals allowed in a state"
@@ -108,6 +114,7 @@ class CheckpointConfig:
         checks = [
             ("rank", self.rank >= 0, "must be >= 0"),
             ("slots", self.slots >= 2, "must be >= 2 (double buffering)"),
+            ("lock_wait_s", self.lock_wait_s >= 0, "must be >= 0"),
             ("chunk_bytes", self.chunk_bytes >= 4096, "must be >= 4096"),
             ("persist_every", self.persist_every >= 0, "must be >= 0"),
             ("keep_remote", self.keep_remote >= 1, "must be >= 1"),
@@ -208,7 +215,7 @@ class CheckpointManager(Checkpointer):
         )
         self._log = log.get("ckpt", job=config.job, rank=config.rank)
         self._store = LocalStore(config.local_root(), config.slots)
-        self._store.lock()
+        self._store.lock(wait_s=config.lock_wait_s)
         threads = config.checksum_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-crc") if threads > 1 else None
         self._copy_workers = min(config.copy_threads, os.cpu_count() or 1)

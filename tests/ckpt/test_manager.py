@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import shutil
 import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -187,7 +189,25 @@ def test_unreachable_peer_is_skipped(make_config: Make) -> None:
 
 def test_second_writer_for_same_rank_refused(make_config: Make) -> None:
     with CheckpointManager(make_config()), pytest.raises(CheckpointError, match="in use"):
-        CheckpointManager(make_config())
+        t0 = time.monotonic()
+        try:
+            CheckpointManager(make_config(lock_wait_s=0.3))
+        finally:
+            assert time.monotonic() - t0 >= 0.3  # it waited for the holder first
+
+
+def test_a_new_writer_takes_over_once_the_previous_one_exits(make_config: Make) -> None:
+    """A relaunch may start while the previous generation's rank still saves its last snapshot: the
+    new writer waits for it and then restores what it saved."""
+    old = CheckpointManager(make_config())
+    old.save(filled_state(7), 7).result(30)
+    closer = threading.Timer(0.5, old.close)
+    closer.start()
+    t0 = time.monotonic()
+    with CheckpointManager(make_config(lock_wait_s=30)) as new:
+        assert time.monotonic() - t0 >= 0.4
+        assert new.restore().iteration == 7
+    closer.join()
 
 
 def test_overlap_copies_in_background_until_fence(make_config: Make) -> None:
