@@ -48,10 +48,9 @@ class FailureMarker:
             if answer.get("ok") is False:
                 log.info("could not mark a rank failed in its store", error=str(answer.get("error")))
 
-    def mark(self, host: str, port: int, rank: int, current: bool = False) -> None:
-        """``current``: the rank's newest process is gone, however many were marked before (raise
-        ``failed`` to ``started``) rather than "one more process died"."""
-        request = json.dumps({"host": host, "port": port, "rank": rank, "current": current}) + "\n"
+    def mark(self, host: str, port: int, rank: int) -> None:
+        """The rank's newest process is gone (:func:`unicron.runtime.membership.mark_failed`)."""
+        request = json.dumps({"host": host, "port": port, "rank": rank}) + "\n"
         with self._lock:
             try:
                 if self._proc is None or self._proc.poll() is not None:

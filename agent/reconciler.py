@@ -126,9 +126,9 @@ class TaskHost(Protocol):
                rank: int | None = None, gpu: int | None = None, step: int | None = None,
                source_ts: float | None = None, handled: bool = False, generation: int | None = None) -> Report: ...
 
-    def mark_failed(self, store: StoreAddress, rank: int, current: bool = False) -> None:
-        """Write ``failed/<rank>`` into the task's store, so its peers stop waiting for the rank at once
-        (``current``: the rank's newest process is gone, however many were marked before)."""
+    def mark_failed(self, store: StoreAddress, rank: int) -> None:
+        """Write ``failed/<rank>`` into the task's store (raised to the rank's newest process), so its
+        peers stop waiting for the rank at once."""
 
     def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
         """The rank's process is gone: stop judging its iteration timings (``monitor``: the one this
@@ -534,7 +534,7 @@ class TaskReconciler:
             # A rank re-hosted in the same resize is not marked: its new process could start (and
             # count itself in started/<rank>) before the mark lands and be taken for dead.
             for r in sorted(set(a.lost) - set(a.joiners) - set(applied.lost)):
-                self.host.mark_failed(store, r, current=True)
+                self.host.mark_failed(store, r)
         joiners = [r for r in sorted(specs) if r not in running or r in leaving]
         with self._lock:
             for r in joiners:

@@ -7,42 +7,48 @@ import time
 from agent.marker import FailureMarker
 from agent.sidecar import StoreSidecar
 from unicron.runtime import store as keys
+from unicron.runtime.comm import RendezvousStore
 from unicron.runtime.membership import failed_key
 
 
-def test_mark_adds_to_the_ranks_failed_counter_in_the_tasks_store() -> None:
+def wait_counter(client: RendezvousStore, rank: int, least: int) -> int:
+    deadline = time.monotonic() + 60.0  # the helper imports torch before it answers
+    while keys.counter(client, failed_key(rank)) < least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return keys.counter(client, failed_key(rank))
+
+
+def test_a_mark_counts_each_process_of_the_rank_that_started_and_died() -> None:
     sidecar = StoreSidecar.start("127.0.0.1", "t")
     marker = FailureMarker().start()
     try:
         client = keys.connect(sidecar.host, sidecar.port)
-        marker.mark(sidecar.host, sidecar.port, 2)
-        marker.mark(sidecar.host, sidecar.port, 2)
-        deadline = time.monotonic() + 60.0  # the helper imports torch before it answers
-        while keys.counter(client, failed_key(2)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert keys.counter(client, failed_key(2)) == 2
+        for incarnation in (1, 2):
+            client.add(keys.started_key(2), 1)  # what the rank's process does once it runs
+            marker.mark(sidecar.host, sidecar.port, 2)
+            assert wait_counter(client, 2, incarnation) == incarnation
         assert keys.counter(client, failed_key(1)) == 0
     finally:
         marker.stop()
         sidecar.stop()
 
 
-def test_mark_current_raises_failed_to_started_and_never_beyond() -> None:
-    """An in-place shrink's mark: the rank's newest process is gone, whether or not its own agent
-    marked it first; twice is once (a later incarnation must not look dead at its start)."""
+def test_a_mark_raises_failed_to_started_and_never_beyond() -> None:
+    """A rank marked twice (an in-place shrink marks a lost node's ranks, whose own agent may have
+    marked them first) is one death, and a process that died before it counted itself in (a crash at
+    start) is none: either way the rank's next incarnation must not look dead at its start."""
     sidecar = StoreSidecar.start("127.0.0.1", "t")
     marker = FailureMarker().start()
     try:
         client = keys.connect(sidecar.host, sidecar.port)
         client.add(keys.started_key(3), 2)  # incarnation 2 runs
         client.add(failed_key(3), 1)  # incarnation 1 was marked dead long ago
-        marker.mark(sidecar.host, sidecar.port, 3, current=True)
-        marker.mark(sidecar.host, sidecar.port, 3, current=True)
-        marker.mark(sidecar.host, sidecar.port, 4, current=True)  # never started: nothing to mark
-        marker.mark(sidecar.host, sidecar.port, 5)  # a plain mark after them: all answered once it is
-        deadline = time.monotonic() + 60.0
-        while keys.counter(client, failed_key(5)) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        marker.mark(sidecar.host, sidecar.port, 3)
+        marker.mark(sidecar.host, sidecar.port, 3)
+        marker.mark(sidecar.host, sidecar.port, 4)  # never started: nothing to mark
+        client.add(keys.started_key(5), 1)
+        marker.mark(sidecar.host, sidecar.port, 5)  # answered in order: once it is, all are
+        assert wait_counter(client, 5, 1) == 1
         assert keys.counter(client, failed_key(3)) == 2
         assert keys.counter(client, failed_key(4)) == 0
     finally:

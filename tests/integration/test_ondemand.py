@@ -35,11 +35,15 @@ def cluster() -> Iterator[LocalCluster]:
             os.environ.pop("UNICRON_ETCD", None)
 
 
-def submit(c: LocalCluster, tmp: Path, name: str) -> None:
-    command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
-               "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
-               "--global-batch-size", "8", "--micro-batch-size", "2",
-               "--ckpt", "memory", "--ckpt-dir", str(tmp / "ck"), "--ckpt-every", "0", "--resume"]
+def train_argv(tmp: Path) -> list[str]:
+    return [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
+            "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
+            "--global-batch-size", "8", "--micro-batch-size", "2",
+            "--ckpt", "memory", "--ckpt-dir", str(tmp / "ck"), "--ckpt-every", "0", "--resume"]
+
+
+def submit(c: LocalCluster, tmp: Path, name: str, command: list[str] | None = None) -> None:
+    command = command or train_argv(tmp)
     spec = tmp / f"{name}.json"
     spec.write_text(json.dumps({"name": name, "command": command, "min_gpus": 2, "max_gpus": 2,
                                 }))
@@ -146,5 +150,26 @@ def test_a_rank_sigtermed_by_somebody_else_goes_on_from_the_snapshot_and_is_not_
         got = restores(c, name)
         assert [it for _, it, _ in got] == [n, n], (got, at)  # 0 iterations redone
         c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the relaunched task to train on", poll_s=0.1)
+    finally:
+        cli(["cancel", name])
+
+
+def test_ranks_that_crash_before_they_count_in_are_restarted_and_all_train_together(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """Each rank's first process exits 1 at start, before it counted itself in its store (as when a
+    relaunch found its checkpoint slots still locked). The agent's failure mark of such a process once
+    counted as a death, so each rank's restarted process looked dead at its start: rank 0 trained
+    alone and rank 1 waited to be admitted forever."""
+    c, name = cluster, f"{TASK}-crash"
+    once = tmp_path / "crashed"
+    once.mkdir()
+    # the failure comes after the launch was confirmed (the agent's result shows the ranks running)
+    script = (f'm={once}/$RANK; if [ ! -e "$m" ]; then sleep 2; touch "$m"; echo "rank $RANK: failing at start" >&2; '
+              f'exit 1; fi; exec "$@"')
+    submit(c, tmp_path, name, ["/bin/sh", "-c", script, "sh", *train_argv(tmp_path)])
+    try:
+        c.wait_for(lambda: sorted(p.name for p in once.iterdir()) == ["0", "1"], 60.0, "both first processes to fail",
+                   poll_s=0.1)
+        c.wait_for(lambda: stepping(c, name, 5), 90.0, "both restarted ranks to train together", poll_s=0.1)
     finally:
         cli(["cancel", name])

@@ -55,7 +55,11 @@ def test_sidecar_serves_clients_and_mark_failed_counts(sidecar: tuple[str, int])
     host, port = sidecar
     client = keys.connect(host, port)
     assert keys.counter(client, failed_key(3)) == 0
+    assert mark_failed(host, port, 3) == 0  # no process of rank 3 counted itself in: none died
+    client.add(keys.started_key(3), 1)
     assert mark_failed(host, port, 3) == 1
+    assert mark_failed(host, port, 3, store=client) == 1  # the same process, marked twice
+    client.add(keys.started_key(3), 1)
     assert mark_failed(host, port, 3, store=client) == 2
     assert keys.counter(client, failed_key(3)) == 2
 
@@ -80,9 +84,12 @@ def test_marker_process_marks_failed_and_survives_bad_requests(sidecar: tuple[st
 
         assert ask("not json")["ok"] is False
         assert ask(json.dumps({"host": host, "port": port}))["ok"] is False  # no rank
-        assert ask(json.dumps({"host": host, "port": port, "rank": 11})) == {"ok": True, "rank": 11, "failures": 1}
-        assert ask(json.dumps({"host": host, "port": port, "rank": 11}))["failures"] == 2
-        assert keys.counter(keys.connect(host, port), failed_key(11)) == 2
+        client = keys.connect(host, port)
+        for incarnation in (1, 2):
+            client.add(keys.started_key(11), 1)
+            assert ask(json.dumps({"host": host, "port": port, "rank": 11})) == {
+                "ok": True, "rank": 11, "failures": incarnation}
+        assert keys.counter(client, failed_key(11)) == 2
     finally:
         proc.stdin.close()
         assert proc.wait(30) == 0
@@ -142,7 +149,9 @@ def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple
         results[(r, "start")] = list(groups.record.members)
         started.wait()
         if r == 2:
-            mark_failed(host, port, 2)  # what the agent does when the process exits
+            client = keys.connect(host, port)
+            client.add(keys.started_key(2), 1)  # what api.build does: incarnation 1 counted itself in
+            mark_failed(host, port, 2, store=client)  # what the agent does when the process exits
             return
         groups.release()
         after = m.regroup(groups.record, "failure")

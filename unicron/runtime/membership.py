@@ -151,20 +151,16 @@ def failed_key(rank: int) -> str:
 
 
 def mark_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
-    """Record that the current process of ``rank`` died; returns the new failure count.
+    """Record that ``rank``'s newest process is gone; returns the failure count. ``failed`` is raised
+    to ``started`` and never beyond: a process that died before it counted itself in (a crash at start)
+    is no incarnation anyone knows, and a rank marked twice (an in-place shrink marks a lost node's
+    ranks, whose own agent may have marked them first) is one death. Counting either would make the
+    rank's next incarnation look dead at its start: it was never admitted (both ranks of a relaunch
+    that crashed on a checkpoint lock, then restarted: rank 0 trained alone, rank 1 waited forever).
 
     The agent calls this the moment its child exits, so survivors regroup without waiting for a
     heartbeat to go stale. Pass ``store`` to reuse a connection.
     """
-    s = store if store is not None else keys.connect(host, port, timeout_s=5.0)
-    return int(s.add(failed_key(rank), 1))
-
-
-def mark_current_failed(host: str, port: int, rank: int, store: RendezvousStore | None = None) -> int:
-    """Record that ``rank``'s newest process is gone, whoever else already said so: ``failed`` is
-    raised to ``started`` and never beyond (an in-place shrink marks the ranks of a lost node, whose
-    own agent may or may not have marked them first; counting twice would make the rank's next
-    incarnation look dead at its start)."""
     s = store if store is not None else keys.connect(host, port, timeout_s=5.0)
     behind = keys.counter(s, keys.started_key(rank)) - keys.counter(s, failed_key(rank))
     return int(s.add(failed_key(rank), max(behind, 0)))
@@ -470,8 +466,7 @@ class _MovedOn(Exception):
 
 
 def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> dict[str, Any]:
-    """One failure-marker request (a JSON line ``{"host", "port", "rank"}``, optionally ``"current": true``
-    for :func:`mark_current_failed`) -> its answer; never raises.
+    """One failure-marker request (a JSON line ``{"host", "port", "rank"}``) -> its answer; never raises.
 
     ``stores`` keeps one connection per store across requests; a failed one is dropped and reopened
     next time.
@@ -479,15 +474,13 @@ def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> d
     try:
         req = json.loads(line)
         host, port, rank = str(req["host"]), int(req["port"]), int(req["rank"])
-        current = bool(req.get("current", False))
     except (ValueError, KeyError, TypeError) as exc:
         return {"ok": False, "error": f"bad request {line.strip()[:80]!r}: {exc}"}
     try:
         store = stores.get((host, port))
         if store is None:
             store = stores[(host, port)] = keys.connect(host, port, timeout_s=5.0)
-        mark = mark_current_failed if current else mark_failed
-        count = mark(host, port, rank, store=store)
+        count = mark_failed(host, port, rank, store=store)
         return {"ok": True, "rank": rank, "failures": count}
     except (UnicronError, RuntimeError, OSError) as exc:
         stores.pop((host, port), None)  # reconnect next time
