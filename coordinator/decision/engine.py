@@ -511,6 +511,8 @@ class _Run:
                 trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it
             elif trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
                 trigger = _T.PEER_DIED
+            elif trigger is _T.SEV2 and _launching(entry, event.generation):
+                trigger = _T.LAUNCH_FAULT
             self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
 
     def _node_down(self, node: str, status: NodeState, reason: str) -> None:
@@ -748,6 +750,12 @@ def _echo_of_resize(entry: TaskEntry, inc: Incident) -> bool:
     if entry.resized_step is None or inc.step is None:
         return False
     return inc.step <= entry.resized_step + 1
+
+
+def _launching(entry: TaskEntry, generation: int | None) -> bool:
+    """Whether a process of the task's current generation reports while its Assign is not confirmed."""
+    o = entry.outstanding
+    return generation == entry.generation and o is not None and o.kind is ActionKind.ASSIGN
 
 
 def _relaunched(entry: TaskEntry, inc: Incident) -> bool:

@@ -20,6 +20,8 @@ class Trigger(enum.StrEnum):
     RESIZE_ECHO = "resize_echo"
     SEV2 = "sev2"
     PEER_DIED = "peer_died"  # during a restart: a rank's process died that the restart does not relaunch
+    # a sev2 from a process of an Assign not yet confirmed: the launch failed there, no consequence of it
+    LAUNCH_FAULT = "launch_fault"
     TASK_FAULT = "task_fault"  # a sev2 / sev3 incident on a task whose recovery is "restart" (all ranks)
     SEV1 = "sev1"  # a node the task has ranks on was isolated or lost
     ACTION_OK = "action_ok"  # the task's outstanding action was confirmed
@@ -123,6 +125,8 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.RESIZE_ECHO): (_P.RECONFIGURING, _R.MERGE),  # part of the resize already done
         (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.SEV2): (_P.RECONFIGURING, _R.MERGE),
+        # merged, it waited out the Assign's deadline (300 s) with the rank dead
+        (_P.RECONFIGURING, _T.LAUNCH_FAULT): (_P.RESTARTING, _R.RESTART),
         (_P.RECONFIGURING, _T.TASK_FAULT): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
         (_P.RECONFIGURING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),

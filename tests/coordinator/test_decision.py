@@ -286,6 +286,22 @@ def test_a_task_stopped_again_and_again_without_a_step_fails() -> None:
     assert sim.phase("b") is TaskPhase.RUNNING
 
 
+def test_a_rank_of_a_launch_not_yet_confirmed_that_dies_is_restarted_at_once() -> None:
+    """Merged as a consequence of the reconfiguration, it waited out the Assign's 300 s deadline with the
+    rank dead. A report from an older generation is still a leftover of the replaced configuration."""
+    sim = Sim()
+    sim.join("n1")
+    sim.submit("a", min_gpus=8)
+    assert sim.phase("a") is TaskPhase.RECONFIGURING
+    gen = sim.state.tasks["a"].generation
+    assert sim.incident("n1", SEV2_KIND, task="a", rank=3, generation=gen - 1) == []
+    assert sim.phase("a") is TaskPhase.RECONFIGURING
+    restart = one(sim.incident("n1", SEV2_KIND, task="a", rank=3, generation=gen), RestartRanks, "a")
+    assert (restart.generation, restart.ranks, sim.phase("a")) == (gen, (3,), TaskPhase.RESTARTING)
+    sim.progress("a", 1)
+    assert sim.phase("a") is TaskPhase.RUNNING and sim.state.tasks["a"].confirmed
+
+
 def test_submit_above_free_stays_pending_then_runs_after_join() -> None:
     sim = running_cluster({"n1": 8}, {"small": {"weight": 2.0}})
     acts = sim.submit("big", min_gpus=8)

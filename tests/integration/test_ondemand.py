@@ -154,18 +154,20 @@ def test_a_rank_sigtermed_by_somebody_else_goes_on_from_the_snapshot_and_is_not_
         cli(["cancel", name])
 
 
+@pytest.mark.parametrize("delay_s", [0, 2])
 def test_ranks_that_crash_before_they_count_in_are_restarted_and_all_train_together(
-        cluster: LocalCluster, tmp_path: Path) -> None:
+        cluster: LocalCluster, tmp_path: Path, delay_s: int) -> None:
     """Each rank's first process exits 1 at start, before it counted itself in its store (as when a
     relaunch found its checkpoint slots still locked). The agent's failure mark of such a process once
     counted as a death, so each rank's restarted process looked dead at its start: rank 0 trained
-    alone and rank 1 waited to be admitted forever."""
-    c, name = cluster, f"{TASK}-crash"
+    alone and rank 1 waited to be admitted forever (``delay_s`` 2: the failure comes after the launch
+    was confirmed). At once (``delay_s`` 0), before the Assign was confirmed, the deaths were merged as
+    consequences of the reconfiguration and nothing happened until the Assign's 300 s deadline."""
+    c, name = cluster, f"{TASK}-crash{delay_s}"
     once = tmp_path / "crashed"
     once.mkdir()
-    # the failure comes after the launch was confirmed (the agent's result shows the ranks running)
-    script = (f'm={once}/$RANK; if [ ! -e "$m" ]; then sleep 2; touch "$m"; echo "rank $RANK: failing at start" >&2; '
-              f'exit 1; fi; exec "$@"')
+    script = (f'm={once}/$RANK; if [ ! -e "$m" ]; then sleep {delay_s}; touch "$m"; '
+              f'echo "rank $RANK: failing at start" >&2; exit 1; fi; exec "$@"')
     submit(c, tmp_path, name, ["/bin/sh", "-c", script, "sh", *train_argv(tmp_path)])
     try:
         c.wait_for(lambda: sorted(p.name for p in once.iterdir()) == ["0", "1"], 60.0, "both first processes to fail",
