@@ -38,6 +38,10 @@ class AlreadyExists(PermanentError):
     """A task of that name is already in the task set (gRPC ALREADY_EXISTS)."""
 
 
+class Refused(PermanentError):
+    """A valid request the task's state does not allow (gRPC FAILED_PRECONDITION)."""
+
+
 class ControlPlane(Protocol):
     """What the API needs from the coordinator. The daemon implements it.
 
@@ -49,6 +53,10 @@ class ControlPlane(Protocol):
 
     def submit(self, spec: TaskSpec) -> None:
         """Add a validated task to the task set. :class:`AlreadyExists` if the name is taken."""
+
+    def update(self, spec: TaskSpec) -> None:
+        """Replace the spec of the active task of that name (:class:`NotFound` if there is none;
+        :class:`Refused` for a change of TP x PP while it runs)."""
 
     def cancel(self, name: str) -> None:
         """Remove a task from the task set, stopping its ranks. :class:`NotFound` if unknown."""
@@ -138,8 +146,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         def submit() -> pb.SubmitReply:
             data = load_spec_json(request.spec_json)
             spec = parse_task_spec(data, self.cp.cluster_gpus(), self.cp.gpus_per_node())
-            self.cp.submit(spec)
-            log.info("task submitted", task=spec.name, weight=spec.weight, min_gpus=spec.min_gpus)
+            if request.update:
+                self.cp.update(spec)
+                log.info("task updated", task=spec.name, weight=spec.weight, min_gpus=spec.min_gpus)
+            else:
+                self.cp.submit(spec)
+                log.info("task submitted", task=spec.name, weight=spec.weight, min_gpus=spec.min_gpus)
             return pb.SubmitReply(task_json=_dumps(spec.to_dict()))
 
         return self._run(context, "Submit", submit)

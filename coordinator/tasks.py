@@ -149,6 +149,15 @@ class TaskSpec:
         # Megatron needs global batch = micro batch * DP * accumulation steps
         return self.model.global_batch_size % (self.model.micro_batch_size * dp) == 0
 
+    def launch_changes(self, new: TaskSpec) -> list[str]:
+        """The fields of ``new`` that change how the task's ranks are launched (its command, their
+        environment, the recovery mode, TP x PP or the micro-batch size): the running ranks must stop
+        and be relaunched to take them. Weight and GPU bounds are not among them: a re-plan is enough."""
+        old_mbs = None if self.model is None else self.model.micro_batch_size
+        new_mbs = None if new.model is None else new.model.micro_batch_size
+        changed = [f for f in ("command", "env", "recovery", "tp_size", "pp_size") if getattr(self, f) != getattr(new, f)]
+        return changed + (["model.micro_batch_size"] if old_mbs != new_mbs else [])
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

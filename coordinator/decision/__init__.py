@@ -67,6 +67,7 @@ from coordinator.decision.events import (
     TaskFinished,
     TaskStopped,
     TaskSubmitted,
+    TaskUpdated,
     Tick,
 )
 from coordinator.decision.settings import DecisionSettings
@@ -120,6 +121,7 @@ __all__ = [
     "TaskPhase",
     "TaskStopped",
     "TaskSubmitted",
+    "TaskUpdated",
     "Tick",
     "Transition",
     "Trigger",

@@ -33,6 +33,7 @@ from coordinator.decision.events import (
     TaskFinished,
     TaskStopped,
     TaskSubmitted,
+    TaskUpdated,
     Tick,
 )
 from coordinator.tasks import TaskSpec, parse_task_spec
@@ -48,6 +49,7 @@ _EVENT_TYPES: dict[str, type[Any]] = {
         NodeDrained,
         NodeUndrained,
         TaskSubmitted,
+        TaskUpdated,
         TaskFinished,
         TaskStopped,
         TaskCancelled,

@@ -40,6 +40,7 @@ from coordinator.decision.events import (
     TaskFinished,
     TaskStopped,
     TaskSubmitted,
+    TaskUpdated,
     Tick,
 )
 from coordinator.decision.resize import InPlace, plan_in_place
@@ -172,6 +173,7 @@ class _Run:
             _R.RECOVERED: self._do_recovered,
             _R.FAIL: self._do_fail,
             _R.RELAUNCH: self._do_relaunch,
+            _R.RELAUNCH_UPDATED: self._do_relaunch_updated,
             _R.RELEASE: self._do_release,
             _R.STOP_RELEASE: self._do_stop_release,
             _R.WITHDRAW: self._do_withdraw,
@@ -231,6 +233,8 @@ class _Run:
                 self._on_undrain(event.node)
             case TaskSubmitted():
                 self._on_submit(event.spec)
+            case TaskUpdated():
+                self._on_update(event.spec)
             case TaskFinished():
                 self._fire_named(event.task, _T.FINISHED, _Fault("finished"))
             case TaskStopped():
@@ -388,6 +392,11 @@ class _Run:
         self._force_replan(name, entry, fault)
         self.relaunched.add(name)
         self._alert(f"task {name}: {fault.reason}; relaunching it from its on-demand snapshot", task=name)
+
+    def _do_relaunch_updated(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        """The user's change, not a failure: no restart is counted."""
+        self._force_replan(name, entry, fault)
+        self.relaunched.add(name)
 
     def _do_assign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         assert fault.placement is not None
@@ -575,6 +584,20 @@ class _Run:
         generation = 0 if old is None else old.generation
         self.state.tasks[spec.name] = TaskEntry(spec, generation=generation, reason="waiting for a plan")
         self._own_tasks.add(spec.name)
+        self.replan = True
+
+    def _on_update(self, spec: TaskSpec) -> None:
+        old = self.state.tasks.get(spec.name)
+        if old is None or old.phase not in ACTIVE_PHASES:
+            self._alert(f"task {spec.name} is not in the task set; submit it instead", task=spec.name)
+            return
+        if spec == old.spec:
+            return
+        changes = old.spec.launch_changes(spec)
+        entry = self._task(spec.name)
+        entry.spec = spec
+        if changes and entry.placement:
+            self._fire(spec.name, _T.UPDATED, _Fault(f"spec updated ({', '.join(changes)})"))
         self.replan = True
 
     def _outstanding(self, action_id: str) -> tuple[str, Outstanding] | None:

@@ -65,6 +65,16 @@ class TaskSubmitted:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TaskUpdated:
+    """A user replaced the spec of an active task (``unicron update``). A change of how its ranks are
+    launched (:meth:`TaskSpec.launch_changes`) relaunches them as a new generation from their on-demand
+    snapshot; any other change (weight, GPU bounds) re-plans."""
+
+    ts: float
+    spec: TaskSpec
+
+
+@dataclass(frozen=True, kw_only=True)
 class TaskFinished:
     """The task's training completed: its GPUs go to the others (reconfigure ⑤)."""
 
@@ -149,6 +159,7 @@ Event = (
     | NodeDrained
     | NodeUndrained
     | TaskSubmitted
+    | TaskUpdated
     | TaskFinished
     | TaskStopped
     | TaskCancelled

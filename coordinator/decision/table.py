@@ -37,6 +37,8 @@ class Trigger(enum.StrEnum):
     FINISHED = "finished"
     STOPPED = "stopped"  # every rank stopped before the task's end, unasked: nothing runs any more
     CANCELLED = "cancelled"
+    # the user replaced the task's spec with one its running ranks cannot take (command, env, layout)
+    UPDATED = "updated"
 
 
 class Response(enum.StrEnum):
@@ -56,6 +58,9 @@ class Response(enum.StrEnum):
     RELEASE = "release"  # finished: its GPUs go to the others
     STOP_RELEASE = "stop_release"  # cancelled while holding GPUs: emit StopTask, GPUs go to the others
     WITHDRAW = "withdraw"  # cancelled while pending: nothing to stop
+    # a new spec: re-plan with this task forced to a new generation (no in-place), which stops the
+    # running ranks with an on-demand snapshot and launches the new command from it; no budget spent
+    RELAUNCH_UPDATED = "relaunch_updated"
 
 
 
@@ -84,6 +89,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RUNNING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RUNNING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.RUNNING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        (_P.RUNNING, _T.UPDATED): (_P.RECONFIGURING, _R.RELAUNCH_UPDATED),
         # reattempting
         (_P.REATTEMPTING, _T.RESIZE_ECHO): (_P.REATTEMPTING, _R.MERGE),  # part of the resize already done
         (_P.REATTEMPTING, _T.SEV3): (_P.REATTEMPTING, _R.MERGE),
@@ -101,6 +107,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.REATTEMPTING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.REATTEMPTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        (_P.REATTEMPTING, _T.UPDATED): (_P.RECONFIGURING, _R.RELAUNCH_UPDATED),
         # restarting
         (_P.RESTARTING, _T.RESIZE_ECHO): (_P.RESTARTING, _R.MERGE),  # part of the resize already done
         (_P.RESTARTING, _T.SEV3): (_P.RESTARTING, _R.MERGE),
@@ -121,6 +128,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RESTARTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RESTARTING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.RESTARTING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        (_P.RESTARTING, _T.UPDATED): (_P.RECONFIGURING, _R.RELAUNCH_UPDATED),
         # reconfiguring
         (_P.RECONFIGURING, _T.RESIZE_ECHO): (_P.RECONFIGURING, _R.MERGE),  # part of the resize already done
         (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
@@ -141,6 +149,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RECONFIGURING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.RECONFIGURING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
+        (_P.RECONFIGURING, _T.UPDATED): (_P.RECONFIGURING, _R.RELAUNCH_UPDATED),
     }
 )
 

@@ -61,6 +61,13 @@ class FakeControlPlane:
                 raise AlreadyExists(f"task {spec.name!r} already exists; cancel it or pick another name")
             self.specs[spec.name] = spec
 
+    def update(self, spec: TaskSpec) -> None:
+        self._check()
+        with self._lock:
+            if spec.name not in self.specs:
+                raise NotFound(f"no active task {spec.name!r} to update; submit it instead")
+            self.specs[spec.name] = spec
+
     def cancel(self, name: str) -> None:
         self._check()
         with self._lock:
@@ -259,7 +266,8 @@ def test_committed_generated_code_matches_the_proto(tmp_path: Path) -> None:
 # --- the CLI ---------------------------------------------------------------------------------
 
 
-def test_cli_submit_tasks_drain_cancel(unicron: Any, api: str, plane: FakeControlPlane) -> None:
+def test_cli_submit_tasks_drain_update_cancel(
+        unicron: Any, api: str, plane: FakeControlPlane, tmp_path: Path) -> None:
     code, out, err = unicron("submit", str(EXAMPLE), "--api", api)
     assert code == 0, err
     assert "submitted task gpt-1p3b" in out and "gpt-1p3b" in plane.specs
@@ -274,7 +282,15 @@ def test_cli_submit_tasks_drain_cancel(unicron: Any, api: str, plane: FakeContro
     code, out, _ = unicron("undrain", "n1", "--api", api, "--json")
     assert code == 0 and json.loads(out) == {"node": "n1", "drained": False} and plane.drained == set()
 
+    updated = tmp_path / "task.json"
+    updated.write_text(json.dumps({**json.loads(EXAMPLE.read_text()), "weight": 2.0}))
+    code, out, err = unicron("update", str(updated), "--api", api)
+    assert code == 0 and out.strip() == "updated task gpt-1p3b", err
+    assert plane.specs["gpt-1p3b"].weight == 2.0
+
     assert unicron("cancel", "gpt-1p3b", "--api", api)[0] == 0 and plane.specs == {}
+    code, out, err = unicron("update", str(updated), "--api", api)
+    assert code == 1 and "no active task 'gpt-1p3b' to update" in err and "Traceback" not in err
     code, out, err = unicron("cancel", "gpt-1p3b", "--api", api)
     assert code == 1 and "no task named 'gpt-1p3b'" in err and "Traceback" not in err
 

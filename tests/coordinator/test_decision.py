@@ -42,8 +42,10 @@ from coordinator.decision import (
     TaskPhase,
     TaskStopped,
     TaskSubmitted,
+    TaskUpdated,
     Tick,
     Transition,
+    Trigger,
     from_dict,
     to_dict,
 )
@@ -284,6 +286,48 @@ def test_a_task_stopped_again_and_again_without_a_step_fails() -> None:
         sim.progress("b", step)
         sim.confirm_all(stopped(sim, "b", step))
     assert sim.phase("b") is TaskPhase.RUNNING
+
+
+def updated(sim: Sim, task: str, **fields: Any) -> list[Action]:
+    old = sim.state.tasks[task].spec.to_dict()
+    return sim.feed(TaskUpdated(ts=sim.ts(), spec=parse_task_spec({**old, **fields}, None)))
+
+
+def test_a_new_command_relaunches_the_task_as_a_new_generation_without_spending_its_budget() -> None:
+    """The running ranks cannot take a new command (or micro-batch size): a new Assign of the same
+    placement (never in place), which the agents carry out by a work-conserving stop."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {}})
+    sim.progress("a", 40)
+    before = sim.state.tasks["a"]
+    acts = updated(sim, "a", command=["python", "pretrain_gpt.py", "--micro-batch-size", "1"])
+    assign = one(acts, Assign, "a")
+    assert assign.generation == before.generation + 1
+    assert {n: len(r) for n, r in assign.placement.items()} == {n: len(r) for n, r in before.placement.items()}
+    assert not only(acts, ResizeInPlace) and not only(acts, StopTask) and not only(acts, Alert)
+    after = sim.state.tasks["a"]
+    assert after.spec.command[-1] == "1" and after.restarts == before.restarts
+    assert sim.transitions[0].trigger is Trigger.UPDATED and "command" in sim.transitions[0].reason
+    sim.ok(assign)
+    assert sim.phase("a") is TaskPhase.RUNNING
+
+
+def test_a_new_weight_or_gpu_bound_only_re_plans() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {}})
+    gen = sim.state.tasks["a"].generation
+    acts = updated(sim, "a", weight=2.0)
+    assert acts == [] and sim.state.tasks["a"].spec.weight == 2.0 and sim.phase("a") is TaskPhase.RUNNING
+    acts = updated(sim, "a", max_gpus=8)  # a smaller bound: the planner shrinks it, like any re-plan
+    assert [t.trigger for t in sim.transitions] == [Trigger.RESIZED]
+    assert one(acts, Assign, "a").generation == gen + 1 and sum(sim.gpus("a").values()) == 8
+
+
+def test_an_update_of_a_pending_task_replaces_its_spec_and_one_of_an_unknown_task_alerts() -> None:
+    sim = running_cluster({"n1": 8}, {"big": {"min_gpus": 16}})
+    assert sim.phase("big") is TaskPhase.PENDING
+    acts = updated(sim, "big", min_gpus=8)
+    assert one(acts, Assign, "big").world_size == 8 and sim.state.tasks["big"].spec.min_gpus == 8
+    acts = sim.feed(TaskUpdated(ts=sim.ts(), spec=spec("ghost")))
+    assert "not in the task set" in one(acts, Alert).message and "ghost" not in sim.state.tasks
 
 
 def test_a_rank_of_a_launch_not_yet_confirmed_that_dies_is_restarted_at_once() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 
 import pytest
 
@@ -30,9 +31,11 @@ from coordinator.decision import (
     TaskFinished,
     TaskPhase,
     TaskStopped,
+    TaskUpdated,
     Transition,
     Trigger,
 )
+from coordinator.tasks import TaskSpec
 from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, SEV3_KIND, Sim
 
 P = TaskPhase
@@ -58,6 +61,7 @@ EMITS: dict[Response, set[type[Action]]] = {
     R.RELEASE: set(),
     R.STOP_RELEASE: {StopTask},
     R.WITHDRAW: set(),
+    R.RELAUNCH_UPDATED: {Assign},
 }
 
 
@@ -153,6 +157,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return lambda sim: sim.feed(TaskFinished(ts=sim.ts(), task=JOB))
     if trigger is T.STOPPED:
         return lambda sim: sim.feed(TaskStopped(ts=sim.ts(), task=JOB, step=7, reason="stopped unasked"))
+    if trigger is T.UPDATED:
+        return _new_command
     if trigger is T.CANCELLED:
         return lambda sim: sim.feed(TaskCancelled(ts=sim.ts(), task=JOB))
     raise AssertionError(f"no driver for {trigger}")
@@ -163,6 +169,12 @@ def _resize_echo(sim: Sim) -> list[Action]:
     is put on record directly: reaching it by events would leave the phase under test)."""
     sim.state.tasks[JOB].resized_step = 5
     return sim.incident("n1", SEV3_KIND, task=JOB, step=6)
+
+
+def _new_command(sim: Sim) -> list[Action]:
+    old = sim.state.tasks[JOB].spec
+    new = TaskSpec(**{**{f.name: getattr(old, f.name) for f in fields(old)}, "command": (*old.command, "--new")})
+    return sim.feed(TaskUpdated(ts=sim.ts(), spec=new))
 
 
 def _drain_n2(sim: Sim) -> list[Action]:

@@ -125,6 +125,44 @@ def test_a_relaunching_move_restores_from_the_on_demand_snapshot(cluster: LocalC
         cli(["cancel", name])
 
 
+def test_a_new_micro_batch_size_relaunches_the_task_from_the_on_demand_snapshot(
+        cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``unicron update`` with a new micro-batch size (a layout change the running ranks cannot take):
+    both ranks stop at one boundary with a snapshot, the new command is launched as a new generation
+    and restores it. A new TP size of a running task is refused, naming the field."""
+    c, name = cluster, f"{TASK}-mbs"
+    submit(c, tmp_path, name)
+    c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
+    gen = max(int(r.get("generation") or 0) for r in c.running_ranks(name).values())
+    spec = tmp_path / f"{name}.json"
+    old = json.loads(spec.read_text())
+    spec.write_text(json.dumps({**old, "tp_size": 2}))
+    capsys.readouterr()
+    assert cli(["update", str(spec)]) == 1
+    assert "task.tp_size: a running task keeps" in capsys.readouterr().err
+    argv = train_argv(tmp_path)
+    argv[argv.index("--micro-batch-size") + 1] = "1"
+    spec.write_text(json.dumps({**old, "command": argv}))
+    assert cli(["update", str(spec)]) == 0
+    try:
+        def relaunched() -> bool:
+            now = c.running_ranks(name)
+            return len(now) == 2 and all(int(r.get("generation") or 0) > gen for r in now.values())
+
+        c.wait_for(relaunched, 60.0, "the task to be relaunched", poll_s=0.1)
+        at = stops(c, name)
+        assert at[0] and at[0] == at[1], at
+        n = at[0][-1]
+        c.wait_for(lambda: len(restores(c, name)) == 2, 30.0, "both ranks to restore", poll_s=0.1)
+        got = restores(c, name)
+        assert [it for _, it, _ in got] == [n, n], (got, at)  # the stop's snapshot: 0 iterations redone
+        split = [line for r in (0, 1) for line in log_lines(c, name, r) if RESTORED.match(line)]
+        assert all(line.endswith("(8 micro-batches of 1)") for line in split), split  # global batch 8 kept
+        c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the relaunched task to train on", poll_s=0.1)
+    finally:
+        cli(["cancel", name])
+
+
 def test_a_rank_sigtermed_by_somebody_else_goes_on_from_the_snapshot_and_is_not_finished(
         cluster: LocalCluster, tmp_path: Path) -> None:
     """A SIGTERM its agent did not send (an operator, another scheduler): both ranks stop at one

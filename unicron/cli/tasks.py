@@ -1,4 +1,4 @@
-"""``unicron submit|cancel|tasks|drain|undrain``: the task set and drains, through the coordinator's API.
+"""``unicron submit|update|cancel|tasks|drain|undrain``: the task set and drains, through the coordinator's API.
 
 These commands go through the leading coordinator's gRPC API (docs/api.md), because the coordinator
 validates specs against the cluster and acts on the change. Its address is the ``api`` field of the
@@ -41,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_api_flags(p)
     p.add_argument("file", metavar="FILE", help="the task spec, a JSON object; '-' reads standard input")
     p.set_defaults(func=cmd_submit)
+    p = sub.add_parser("update", help="replace an active task's spec: a new command, env or micro-batch size "
+                       "relaunches its ranks from an on-demand snapshot; a new weight or GPU bounds re-plans")
+    add_api_flags(p)
+    p.add_argument("file", metavar="FILE", help="the task's new spec, a JSON object; '-' reads standard input")
+    p.set_defaults(func=cmd_update)
     p = sub.add_parser("cancel", help="remove a task from the task set, stopping its ranks")
     add_api_flags(p)
     p.add_argument("name", metavar="NAME", help="the task")
@@ -208,6 +213,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     summary = (f"submitted task {spec['name']} (weight {spec['weight']}, min_gpus {spec['min_gpus']}, "
                f"tp {spec['tp_size']} x pp {spec['pp_size']})")
     return _done(args, summary, spec)
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    reply = call(args, "Submit", pb.SubmitRequest(spec_json=read_spec(args.file), update=True))
+    spec = json.loads(reply.task_json)
+    return _done(args, f"updated task {spec['name']}", spec)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

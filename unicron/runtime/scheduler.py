@@ -937,7 +937,9 @@ class Trainer(Generic[BatchT]):
         source = next((s.source for s in self.sources if isinstance(s, CheckpointSource)), "")
         self._event("restored", it=self.it, source=source)
         self.log.info("restored", step=self.it, source=source)
-        print(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'}", flush=True)
+        # the batch split too: a relaunch with a new micro-batch size restores the same state
+        print(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'} "
+              f"({self.layout.micro_batches} micro-batches of {self.sched.micro_batch_size})", flush=True)
 
     def _any_checkpoint(self) -> bool:
         """``--resume`` with no checkpoint on any rank (a first launch) starts from scratch, as

@@ -7,10 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("spec_json",)
+    __slots__ = ("spec_json", "update")
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     spec_json: str
-    def __init__(self, spec_json: _Optional[str] = ...) -> None: ...
+    update: bool
+    def __init__(self, spec_json: _Optional[str] = ..., update: _Optional[bool] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("task_json",)

@@ -75,7 +75,8 @@ class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Submit(self, request, context):
-        """Validate a task spec against the cluster and add it to the task set.
+        """Validate a task spec against the cluster and add it to the task set (or, with update, replace
+        the spec of the active task of that name).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
