@@ -27,7 +27,7 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from coordinator import api, causes
+from coordinator import api, causes, compaction
 from coordinator import decision as d
 from coordinator.alerts import AlertMessage, WebhookNotifier
 from coordinator.allocation import WafAllocator
@@ -237,6 +237,10 @@ class Coordinator:
         self.lookup.start()
         self._start_watches()
         threading.Thread(target=self._ticker, name="ticker", daemon=True).start()
+        if self.settings.etcd_history_s > 0:
+            compactor = compaction.Compactor(self.store, self.settings.etcd_history_s)
+            threading.Thread(target=compaction.run, args=(compactor, self.stop_event), name="compactor",
+                             daemon=True).start()
         self.metrics.leader.set(1)
         self.metrics.state(self.state)
         self.ready.set()

@@ -52,6 +52,8 @@ class CoordinatorSettings:
     """Made by ``unicron certs``; with it only cluster-CA certificates get in, and the API's mutating calls take an operator's."""
     tls_name: str = setting("coordinator", "UNICRON_TLS_NAME", "name of this coordinator's certificate in --tls-dir")
     """Its certificate's role must be ``coordinator``; its SANs must cover --listen-host."""
+    etcd_history_s: float = setting(60.0, "UNICRON_ETCD_HISTORY", "seconds of etcd history the leader keeps: it compacts older revisions (0: never; then etcd must compact itself)")
+    """Without compaction etcd fills its backend quota and refuses every write (see coordinator.compaction)."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 
@@ -62,6 +64,8 @@ class CoordinatorSettings:
             gpu_type(self.gpu_type)
         except Exception as exc:
             raise ConfigError(f"--gpu-type / UNICRON_GPU_TYPE: {exc}") from exc
+        if self.etcd_history_s < 0:
+            raise ConfigError(f"--etcd-history-s / UNICRON_ETCD_HISTORY: {self.etcd_history_s} must be >= 0 (0: never compact)")
         if self.heartbeat_timeout_s <= 0:
             raise ConfigError("--heartbeat-timeout-s / UNICRON_HEARTBEAT_TIMEOUT must be > 0")
         if self.leader_ttl_s < 2:

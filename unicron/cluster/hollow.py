@@ -41,7 +41,7 @@ from agent.settings import AgentSettings
 from agent.supervisor import ProcStatus
 from unicron.kernel import link, wire
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.errors import PermanentError, StoreUnavailable
 from unicron.kernel.etcd import MAX_TXN_OPS, Lease, PrefixWatch, Store, WatchEvent
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import RankStatus, TaskAssignment
@@ -394,6 +394,8 @@ class HollowFleet:
                     self.store.put_many(items[i:i + MAX_TXN_OPS])
                 except StoreUnavailable as exc:
                     log.debug("hollow status writes skipped", error=str(exc))
+                except PermanentError as exc:  # as the agent's own status write: logged, the next one tried
+                    log.error("hollow status writes refused", error=str(exc))
 
     def _statuses(self, names: list[str]) -> None:
         gap = self.status_interval_s / max(1, len(names))

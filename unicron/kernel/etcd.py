@@ -242,6 +242,12 @@ class Store:
                 raise
         return int(resp.header.revision)
 
+    def compact(self, revision: int) -> None:
+        """Drop the history before ``revision``: etcd keeps every revision of every key until told to.
+        :class:`StoreRejected` if it was compacted already; a watch resuming from before it re-lists."""
+        with self.converted(f"compact to revision {revision}"):
+            self.client.compact(revision)
+
     def guarded_txn(
         self,
         guard_key: str,
