@@ -499,7 +499,7 @@ class TaskReconciler:
                 else:
                     log.info("rank restarted", task=a.task, rank=r, restart_epoch=a.restart_epoch)
         if a.regroup_epoch > applied.regroup_epoch:
-            msg = protocol.Regroup(epoch=a.regroup_epoch, members=a.regroup_members, failed=a.regroup_failed)
+            msg = protocol.Regroup(epoch=a.regroup_epoch, members=list(a.regroup_members), failed=a.regroup_failed)
             for spec in a.ranks:
                 self.host.send_to_rank(a.task, spec.rank, msg)
         with self._lock:

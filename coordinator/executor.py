@@ -21,7 +21,7 @@ from coordinator.decision.resize import launch_store_node
 from coordinator.tasks import Recovery, TaskSpec
 from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import NodeAssignment, RankSpec, TaskAssignment
+from unicron.kernel.types import NodeAssignment, RankSet, RankSpec, TaskAssignment
 
 
 class Executor:
@@ -77,7 +77,7 @@ class Executor:
             case d.Reattempt():
                 nodes = [n for n, tasks in self.desired.items() if action.task in tasks]
                 return self._update(action.task, nodes, regroup_epoch=action.regroup_epoch,
-                                    regroup_members=list(action.members), regroup_failed=list(action.failed_ranks))
+                                    regroup_members=RankSet.of(action.members), regroup_failed=list(action.failed_ranks))
             case d.IsolateNode():
                 changed = {action.node} if self.desired.get(action.node) else set()
                 self.desired[action.node] = {}
@@ -179,7 +179,7 @@ class Executor:
                 self.isolated.discard(node)  # placed on again: back in service
             self.desired.setdefault(node, {})[action.task] = dataclasses.replace(
                 base, ranks=specs.get(node, []), membership_epoch=action.membership_epoch,
-                members=list(action.members), joiners=list(action.joiners), lost=list(action.lost),
+                members=RankSet.of(action.members), joiners=list(action.joiners), lost=list(action.lost),
                 group_rank=nodes.index(node) if node in nodes else 0, group_world_size=len(nodes),
                 store_node=store_node, store_epoch=store_epoch,
             )

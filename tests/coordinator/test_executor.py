@@ -93,7 +93,8 @@ def test_resize_in_place_keeps_the_generation_and_the_survivors_rank_specs() -> 
     for node, old in before.items():
         now = ex.desired[node]["t"]
         assert (now.generation, now.world_size, now.ranks, now.store_node) == (1, 6, old.ranks, "n0")
-        assert (now.membership_epoch, now.members, now.joiners, now.lost) == (1, [0, 1, 2, 3], [], [4, 5])
+        assert (now.membership_epoch, list(now.members), now.joiners, now.lost) == (1, [0, 1, 2, 3], [], [4, 5])
+        assert now.members.ranges == [[0, 4]]  # as ranges in the record, not one id each
     # n2 back: its ranks are joiners there, on its GPUs
     ex.apply(resize({"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}, 2, joiners=(4, 5)))
     back = ex.desired["n2"]["t"]
@@ -107,7 +108,7 @@ def test_a_node_whose_ranks_leave_keeps_the_task_with_no_ranks() -> None:
     ex.apply(assign("t", {"n0": (0, 1), "n1": (2, 3)}))
     ex.apply(resize({"n0": (0, 1)}, 1, leaving=(2, 3)))
     drained = ex.desired["n1"]["t"]
-    assert drained.ranks == [] and drained.membership_epoch == 1 and drained.members == [0, 1]
+    assert drained.ranks == [] and drained.membership_epoch == 1 and list(drained.members) == [0, 1]
 
 
 def test_a_resize_naming_a_new_store_node_moves_the_store_at_its_membership_epoch() -> None:

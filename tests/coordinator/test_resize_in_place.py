@@ -120,7 +120,7 @@ def test_records_and_states_written_before_the_membership_epoch_still_read() -> 
     old = {"task": "t", "generation": 3, "argv": ["x"], "env": {}, "world_size": 2,
            "ranks": [{"rank": 0, "local_rank": 0, "gpu": 0}], "store_node": "n1"}
     a = TaskAssignment.from_dict(old)
-    assert (a.membership_epoch, a.members, a.joiners, a.lost) == (0, [], [], [])
+    assert (a.membership_epoch, list(a.members), a.joiners, a.lost) == (0, [], [], [])
     assert TaskResult.from_dict({"generation": 3, "restart_epoch": 0, "regroup_epoch": 0, "ranks": {}}
                                 ).membership_epoch == 0
     sim = _three_nodes()

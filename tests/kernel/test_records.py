@@ -48,3 +48,18 @@ def test_to_dict_is_what_asdict_gives_for_nested_records() -> None:
         assert type(rec).from_json(rec.to_json()) == rec
     assert status.to_dict()["ranks"][1] == dataclasses.asdict(ranks[1])
     assert status.to_dict()["gpu_health"][0]["ecc"] is not status.gpu_health[0]["ecc"]  # a copy, as before
+
+
+def test_a_rank_set_is_ranges_and_round_trips() -> None:
+    from unicron.kernel.types import MAX_RANK, RankSet, TaskAssignment
+
+    members = RankSet.of([*range(0, 4000), *range(4008, 8000), 9000])
+    assert members.ranges == [[0, 4000], [4008, 8000], [9000, 9001]]
+    assert len(members) == 7993 and 4007 not in members and 4008 in members and list(RankSet()) == []
+    a = TaskAssignment(task="t", generation=1, argv=["x"], env={}, world_size=9001, ranks=[], store_node="n",
+                       members=members)
+    assert len(a.to_json()) < 600  # 7,993 ids, each in every node's record, were ~40 kB
+    assert TaskAssignment.from_json(a.to_json()) == a
+    for bad in ([[3, 1]], [[0, 2], [1, 4]], [[-1, 2]], [[0, MAX_RANK + 1]], [[1]]):
+        with pytest.raises(InvalidRecord, match="RankSet.ranges"):
+            RankSet.from_dict({"ranges": bad})
