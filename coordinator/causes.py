@@ -159,13 +159,21 @@ def outcomes(
 
 
 def ended(statuses: Mapping[str, NodeStatus], state: d.CoreState,
-          ts: float) -> list[d.TaskFinished | d.TaskStopped]:
+          ts: float, changed: str | None = None) -> list[d.TaskFinished | d.TaskStopped]:
     """Tasks every rank of which exited with returncode 0, on its own, at the current generation:
     finished, unless a rank said it stopped before its end (a SIGTERM nobody in Unicron sent: the
-    ranks stopped work-conservingly, and the task is to go on from their snapshot)."""
+    ranks stopped work-conservingly, and the task is to go on from their snapshot).
+
+    ``changed``: the node whose status just arrived; only its tasks can have ended with it, and its own
+    ranks are looked at first. Scanning every node of every task for each of the 1,000 statuses a
+    second was 45 % of the coordinator's loop at 1,000 nodes."""
     out: list[d.TaskFinished | d.TaskStopped] = []
     for name, entry in sorted(state.tasks.items()):
         if entry.phase not in d.ACTIVE_PHASES or not entry.placement:
+            continue
+        if changed is not None and (
+                changed not in entry.placement
+                or _exits_ok(statuses.get(changed), name, entry.generation, entry.placement[changed]) is None):
             continue
         exits = [_exits_ok(statuses.get(node), name, entry.generation, ranks)
                  for node, ranks in entry.placement.items()]

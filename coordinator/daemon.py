@@ -527,7 +527,7 @@ class Coordinator:
             self._decide(made)
             assert made.generation is not None
             self._seen[(made.task, made.generation)] = made.step
-        for ended in causes.ended(self._statuses, self.state, ts):
+        for ended in causes.ended(self._statuses, self.state, ts, changed=node):
             if isinstance(ended, d.TaskStopped):
                 log.warning("every rank of the task stopped before its end, unasked", task=ended.task,
                             step=ended.step, reason=ended.reason)

@@ -168,6 +168,7 @@ class Executor:
         moved = bool(action.store_node) and action.store_node != template.store_node
         store_node, store_epoch = ((action.store_node, action.membership_epoch) if moved
                                    else (template.store_node, template.store_epoch))
+        members = RankSet.of(action.members)  # once: a sort of every rank per node was O(nodes^2)
         changed = set()
         for node in sorted(set(current) | set(placement)):
             if node not in placement and all(s.rank in lost for s in current[node].ranks):
@@ -179,7 +180,7 @@ class Executor:
                 self.isolated.discard(node)  # placed on again: back in service
             self.desired.setdefault(node, {})[action.task] = dataclasses.replace(
                 base, ranks=specs.get(node, []), membership_epoch=action.membership_epoch,
-                members=RankSet.of(action.members), joiners=list(action.joiners), lost=list(action.lost),
+                members=members, joiners=list(action.joiners), lost=list(action.lost),
                 group_rank=nodes.index(node) if node in nodes else 0, group_world_size=len(nodes),
                 store_node=store_node, store_epoch=store_epoch,
             )

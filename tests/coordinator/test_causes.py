@@ -179,6 +179,10 @@ def test_a_task_finishes_when_every_rank_exited_0() -> None:
     old = {n: status(n, rank(r, gen - 1, state="exited", returncode=0)) for n, r in placement.items()}
     assert causes.ended(old, state, ts=9.0) == []
     assert causes.ended({"n0": done["n0"]}, state, ts=9.0) == []
+    # told which node's status arrived: the same answers, looking at that node's tasks only
+    assert causes.ended(done, state, ts=9.0, changed="n1") == [d.TaskFinished(ts=9.0, task="t")]
+    assert causes.ended(partly, state, ts=9.0, changed="n0") == []
+    assert causes.ended(done, state, ts=9.0, changed="elsewhere") == []  # no task of it can have ended
 
 
 def test_a_task_whose_ranks_stopped_before_its_end_is_stopped_not_finished() -> None:
