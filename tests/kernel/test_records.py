@@ -61,5 +61,5 @@ def test_a_rank_set_is_ranges_and_round_trips() -> None:
     assert len(a.to_json()) < 600  # 7,993 ids, each in every node's record, were ~40 kB
     assert TaskAssignment.from_json(a.to_json()) == a
     for bad in ([[3, 1]], [[0, 2], [1, 4]], [[-1, 2]], [[0, MAX_RANK + 1]], [[1]]):
-        with pytest.raises(InvalidRecord, match="RankSet.ranges"):
+        with pytest.raises(InvalidRecord, match=r"RankSet\.ranges"):
             RankSet.from_dict({"ranges": bad})
