@@ -663,11 +663,13 @@ class TaskReconciler:
             spare, self._sidecar, self._spare = self._spare, None, None
             pending, self._pending = self._pending, None
             self._spare_due = None
+        # The ranks first: a store sidecar's stop waits up to its 1 s grace, and an isolated node's
+        # ranks outlived their relaunch elsewhere by that second (chaos run: two live processes per rank)
+        self.supervisor.close(grace_s=self.stop_grace_s, sig=signal.SIGKILL if kill else signal.SIGTERM)
         if spare is not None:
             spare.stop()
         if pending is not None:
             pending[0].stop()
-        self.supervisor.close(grace_s=self.stop_grace_s, sig=signal.SIGKILL if kill else signal.SIGTERM)
         if sidecar is not None:
             sidecar.stop()
             if store is not None and revision:

@@ -221,3 +221,37 @@ def test_a_second_agent_with_a_held_node_name_refuses_to_start(agents: dict[str,
     after = store.get(KEYS.node("a0"))
     assert after is not None and before is not None and after.mod_revision == before.mod_revision
     assert sock.stat().st_ino == inode  # the original's socket was not replaced
+
+
+class _SlowSpare:
+    """A spare store sidecar whose stop notes which of the task's ranks still run (a real one waits up
+    to its 1 s grace for the store process)."""
+
+    def __init__(self, agent: Agent, task_name: str) -> None:
+        self.agent, self.task_name = agent, task_name
+        self.running_at_stop: list[int] | None = None
+
+    def stop(self) -> None:
+        rec = self.agent._retired.get(self.task_name)
+        assert rec is not None
+        self.running_at_stop = [r for r, s in rec.supervisor.status().items() if s.state == "running"]
+
+
+def test_an_isolated_nodes_ranks_are_killed_before_its_store_sidecars_are_stopped(
+        agents: dict[str, Agent], store: Store) -> None:
+    """Chaos run: after a partition healed, the isolated node stopped the task's spare store first
+    (its 1 s grace) and SIGKILLed the ranks only then, so each rank lived in two processes, the old
+    one here and its relaunch elsewhere, for over a second."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(1000)"]
+    rev = assign(store, "a0", task("iso", sleeper, [0, 1], 2, store_node="a0"))
+    assert wait_for(lambda: result(store, "a0", rev), 60, "a0's result").ok
+    agent = agents["a0"]
+    spare = _SlowSpare(agent, "iso")
+    rec = agent._tasks["iso"]
+    with rec._lock:
+        rec._spare = spare  # type: ignore[assignment]
+    _revision[0] += 1
+    store.put(KEYS.assignment("a0"), NodeAssignment(node="a0", revision=_revision[0], tasks=[],
+                                                    isolated=True).to_json())
+    wait_for(lambda: spare.running_at_stop is not None or None, 30, "the spare's stop")
+    assert spare.running_at_stop == [], spare.running_at_stop
