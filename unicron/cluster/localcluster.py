@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,11 +208,17 @@ class LocalCluster:
         return self
 
     def running_ranks(self, task: str) -> dict[int, dict[str, Any]]:
-        """The task's running ranks by rank number, from every node's status, each with its node."""
+        """The task's running ranks by rank number, from every node's status, each with its node. A
+        rank listed by two nodes (a node cut off from etcd cannot yet have rewritten its status after
+        its ranks were killed and relaunched elsewhere) is taken from the newer launch: the chaos bench
+        otherwise aimed faults at processes that no longer existed."""
         out: dict[int, dict[str, Any]] = {}
         for n in self.node_names():
             for r in (self.agent_status(n) or {}).get("ranks", []):
-                if r.get("task") == task and r.get("state") == "running":
+                if r.get("task") != task or r.get("state") != "running":
+                    continue
+                seen = out.get(int(r["rank"]))
+                if seen is None or _launch(r) >= _launch(seen):
                     out[int(r["rank"])] = r | {"node": n}
         return out
 
@@ -399,3 +405,8 @@ class LocalCluster:
             self._revision += 1
             na = NodeAssignment(node=node, revision=self._revision, tasks=[ta])
             self.store.put(self.keys.assignment(node), na.to_json())
+
+
+def _launch(rank: Mapping[str, Any]) -> tuple[int, int]:
+    """A rank status's launch: (generation, restart epoch); a newer one supersedes an older."""
+    return int(rank.get("generation") or 0), int(rank.get("restart_epoch") or 0)
