@@ -76,6 +76,22 @@ def stepping(c: LocalCluster, name: str, least: int) -> bool:
     return len(ranks) == 2 and all(isinstance(r.get("step"), int) and r["step"] >= least for r in ranks.values())
 
 
+def wait_relaunched(c: LocalCluster, name: str, gen: int) -> None:
+    """Until both ranks run at a generation after ``gen``."""
+    def relaunched() -> bool:
+        now = c.running_ranks(name)
+        return len(now) == 2 and all(int(r.get("generation") or 0) > gen for r in now.values())
+
+    c.wait_for(relaunched, 60.0, "the task to be relaunched", poll_s=0.1)
+
+
+def assert_restored_at(c: LocalCluster, name: str, n: int, at: dict[int, list[int]]) -> None:
+    """Both ranks restored iteration ``n``, the stop's snapshot: 0 iterations redone."""
+    c.wait_for(lambda: len(restores(c, name)) == 2, 30.0, "both ranks to restore", poll_s=0.1)
+    got = restores(c, name)
+    assert [it for _, it, _ in got] == [n, n], (got, at)
+
+
 def test_cancel_saves_and_a_resubmit_resumes_where_it_stopped(cluster: LocalCluster, tmp_path: Path) -> None:
     c, name = cluster, f"{TASK}-cancel"
     submit(c, tmp_path, name)
@@ -116,9 +132,7 @@ def test_a_relaunching_move_restores_from_the_on_demand_snapshot(cluster: LocalC
         at = stops(c, name)
         assert at[0] and at[0] == at[1], at
         n = at[0][-1]
-        c.wait_for(lambda: len(restores(c, name)) == 2, 30.0, "both ranks to restore", poll_s=0.1)
-        got = restores(c, name)
-        assert [it for _, it, _ in got] == [n, n], (got, at)  # the stop's snapshot: 0 iterations redone
+        assert_restored_at(c, name, n, at)
     finally:
         for node in nodes:
             cli(["undrain", node])
@@ -145,17 +159,11 @@ def test_a_new_micro_batch_size_relaunches_the_task_from_the_on_demand_snapshot(
     spec.write_text(json.dumps({**old, "command": argv}))
     assert cli(["update", str(spec)]) == 0
     try:
-        def relaunched() -> bool:
-            now = c.running_ranks(name)
-            return len(now) == 2 and all(int(r.get("generation") or 0) > gen for r in now.values())
-
-        c.wait_for(relaunched, 60.0, "the task to be relaunched", poll_s=0.1)
+        wait_relaunched(c, name, gen)
         at = stops(c, name)
         assert at[0] and at[0] == at[1], at
         n = at[0][-1]
-        c.wait_for(lambda: len(restores(c, name)) == 2, 30.0, "both ranks to restore", poll_s=0.1)
-        got = restores(c, name)
-        assert [it for _, it, _ in got] == [n, n], (got, at)  # the stop's snapshot: 0 iterations redone
+        assert_restored_at(c, name, n, at)
         split = [line for r in (0, 1) for line in log_lines(c, name, r) if RESTORED.match(line)]
         assert all(line.endswith("(8 micro-batches of 1)") for line in split), split  # global batch 8 kept
         c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the relaunched task to train on", poll_s=0.1)
@@ -176,17 +184,11 @@ def test_a_rank_sigtermed_by_somebody_else_goes_on_from_the_snapshot_and_is_not_
     gen = max(int(r.get("generation") or 0) for r in before.values())
     os.kill(int(before[1]["pid"]), signal.SIGTERM)
     try:
-        def relaunched() -> bool:
-            now = c.running_ranks(name)
-            return len(now) == 2 and all(int(r.get("generation") or 0) > gen for r in now.values())
-
-        c.wait_for(relaunched, 60.0, "the task to be relaunched", poll_s=0.1)
+        wait_relaunched(c, name, gen)
         at = stops(c, name)
         assert not at[0] and len(at[1]) == 1, at  # the signalled rank prints the stop line
         n = at[1][0]
-        c.wait_for(lambda: len(restores(c, name)) == 2, 30.0, "both ranks to restore", poll_s=0.1)
-        got = restores(c, name)
-        assert [it for _, it, _ in got] == [n, n], (got, at)  # 0 iterations redone
+        assert_restored_at(c, name, n, at)
         c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the relaunched task to train on", poll_s=0.1)
     finally:
         cli(["cancel", name])
