@@ -22,7 +22,7 @@ from coordinator.decision.actions import ActionKind
 from coordinator.decision.state import CoreState, NodeEntry, NodeState, Outstanding, TaskEntry, TaskPhase
 from coordinator.tasks import NAME_RE
 from unicron.kernel import link, protocol
-from unicron.kernel.types import NodeInfo, Record
+from unicron.kernel.types import NodeInfo, RankSet, Record
 
 #: numbers Python's JSON parser reads that no field should take: beyond a float, NaN, 4300+ digits
 EDGE_NUMBERS = st.sampled_from([10**400, -(10**400), 2**63, -1, 0, float("nan"), float("inf"), float("-inf"),
@@ -51,6 +51,8 @@ OVERRIDES: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (protocol.Phase, "name"): st.sampled_from(protocol.PHASES),
     (link.LinkHello, "node"): st.text(min_size=1, max_size=12),
     (NodeInfo, "gpus"): st.integers(0, 16),
+    # sorted, disjoint ranges, as RankSet.of builds them (arbitrary nested lists are invalid ones)
+    (RankSet, "ranges"): st.lists(st.integers(0, 64), max_size=8).map(lambda rs: RankSet.of(rs).ranges),
 }
 
 
