@@ -171,21 +171,31 @@ def ended(statuses: Mapping[str, NodeStatus], state: d.CoreState,
     for name, entry in sorted(state.tasks.items()):
         if entry.phase not in d.ACTIVE_PHASES or not entry.placement:
             continue
-        if changed is not None and (
-                changed not in entry.placement
-                or _exits_ok(statuses.get(changed), name, entry.generation, entry.placement[changed]) is None):
+        if changed is not None and changed not in entry.placement:
             continue
-        exits = [_exits_ok(statuses.get(node), name, entry.generation, ranks)
-                 for node, ranks in entry.placement.items()]
-        if not all(e is not None for e in exits):
+        exits = _all_exits_ok(statuses, name, entry, first=changed)
+        if exits is None:
             continue
-        stops = sorted((r.stopped_at, r.rank) for e in exits if e is not None for r in e if r.stopped_at is not None)
+        stops = sorted((r.stopped_at, r.rank) for r in exits if r.stopped_at is not None)
         if not stops:
             out.append(d.TaskFinished(ts=ts, task=name))
             continue
         step, rank = stops[0]
         out.append(d.TaskStopped(ts=ts, task=name, step=step,
                                  reason=f"rank {rank} stopped at iteration {step} on a SIGTERM Unicron did not send"))
+    return out
+
+
+def _all_exits_ok(statuses: Mapping[str, NodeStatus], task: str, entry: d.TaskEntry,
+                  first: str | None) -> list[RankStatus] | None:
+    """Every rank of the task's placement if all exited 0 unasked, else None; node ``first`` is looked
+    at first and the scan stops at the first node that says no."""
+    out: list[RankStatus] = []
+    for node in sorted(entry.placement, key=lambda n: n != first):
+        here = _exits_ok(statuses.get(node), task, entry.generation, entry.placement[node])
+        if here is None:
+            return None
+        out += here
     return out
 
 

@@ -389,12 +389,12 @@ class _Run:
         """Every rank stopped unasked: the task goes on as a new generation from their snapshot. A
         relaunch spends the restart budget, so a task stopped again and again without a step fails."""
         self._count_restart(entry)
-        self._force_replan(name, entry, fault)
-        self.relaunched.add(name)
+        self._do_relaunch_updated(name, entry, fault)
         self._alert(f"task {name}: {fault.reason}; relaunching it from its on-demand snapshot", task=name)
 
     def _do_relaunch_updated(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
-        """The user's change, not a failure: no restart is counted."""
+        """A new generation wherever the re-plan puts the task, never in place (none of its running
+        ranks can go on). The user's change, not a failure: no restart is counted (``relaunch`` adds it)."""
         self._force_replan(name, entry, fault)
         self.relaunched.add(name)
 
