@@ -38,10 +38,6 @@ class AlreadyExists(PermanentError):
     """A task of that name is already in the task set (gRPC ALREADY_EXISTS)."""
 
 
-class Refused(PermanentError):
-    """A valid request the task's state does not allow (gRPC FAILED_PRECONDITION)."""
-
-
 class ControlPlane(Protocol):
     """What the API needs from the coordinator. The daemon implements it.
 
@@ -55,8 +51,9 @@ class ControlPlane(Protocol):
         """Add a validated task to the task set. :class:`AlreadyExists` if the name is taken."""
 
     def update(self, spec: TaskSpec) -> None:
-        """Replace the spec of the active task of that name (:class:`NotFound` if there is none;
-        :class:`Refused` for a change of TP x PP while it runs)."""
+        """Replace the spec of the active task of that name (:class:`NotFound` if there is none). A
+        change of how its ranks are launched (command, env, recovery, TP x PP, micro-batch size)
+        relaunches it from an on-demand snapshot; the runtime reshards that snapshot into a new TP."""
 
     def cancel(self, name: str) -> None:
         """Remove a task from the task set, stopping its ranks. :class:`NotFound` if unknown."""

@@ -707,14 +707,6 @@ class Coordinator:
             old = self.state.tasks.get(spec.name)
             if old is None or old.phase not in d.ACTIVE_PHASES:
                 raise api.NotFound(f"no active task {spec.name!r} to update; submit it instead")
-            resharded = [f for f in ("tp_size", "pp_size") if getattr(old.spec, f) != getattr(spec, f)]
-            if resharded and old.placement:
-                # its snapshots are sharded by TP x PP: the runtime restores a snapshot only into the
-                # layout that wrote it
-                raise api.Refused(
-                    f"task.{resharded[0]}: a running task keeps its tensor/pipeline-parallel layout "
-                    f"({old.spec.tp_size} x {old.spec.pp_size}); cancel it and submit the new layout under "
-                    "a new name, or change command, env, micro-batch size, weight or GPU bounds")
             self._decide(d.TaskUpdated(ts=time.time(), spec=spec),
                          puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
         self._call(run)

@@ -38,7 +38,7 @@ def cluster() -> Iterator[LocalCluster]:
 def train_argv(tmp: Path) -> list[str]:
     return [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--iter-sleep", "0.05",
             "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
-            "--global-batch-size", "8", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--micro-batch-size", "2", "--tp", "1",
             "--ckpt", "memory", "--ckpt-dir", str(tmp / "ck"), "--ckpt-every", "0", "--resume"]
 
 
@@ -139,34 +139,51 @@ def test_a_relaunching_move_restores_from_the_on_demand_snapshot(cluster: LocalC
         cli(["cancel", name])
 
 
-def test_a_new_micro_batch_size_relaunches_the_task_from_the_on_demand_snapshot(
-        cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``unicron update`` with a new micro-batch size (a layout change the running ranks cannot take):
-    both ranks stop at one boundary with a snapshot, the new command is launched as a new generation
-    and restores it. A new TP size of a running task is refused, naming the field."""
-    c, name = cluster, f"{TASK}-mbs"
-    submit(c, tmp_path, name)
+def relaunch_with(c: LocalCluster, tmp: Path, name: str, changes: dict[str, object], flags: dict[str, str]) -> None:
+    """``unicron update`` of a training task's spec with ``changes`` and its command's ``flags``
+    replaced; both ranks must restore the stop's snapshot (0 iterations redone) and train on."""
+    submit(c, tmp, name)
     c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
     gen = max(int(r.get("generation") or 0) for r in c.running_ranks(name).values())
-    spec = tmp_path / f"{name}.json"
-    old = json.loads(spec.read_text())
-    spec.write_text(json.dumps({**old, "tp_size": 2}))
-    capsys.readouterr()
-    assert cli(["update", str(spec)]) == 1
-    assert "task.tp_size: a running task keeps" in capsys.readouterr().err
-    argv = train_argv(tmp_path)
-    argv[argv.index("--micro-batch-size") + 1] = "1"
-    spec.write_text(json.dumps({**old, "command": argv}))
+    spec = tmp / f"{name}.json"
+    argv = train_argv(tmp)
+    for flag, value in flags.items():
+        argv[argv.index(flag) + 1] = value
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), **changes, "command": argv}))
     assert cli(["update", str(spec)]) == 0
+    wait_relaunched(c, name, gen)
+    at = stops(c, name)
+    assert at[0] and at[0] == at[1], at
+    n = at[0][-1]
+    assert_restored_at(c, name, n, at)
+    c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the relaunched task to train on", poll_s=0.1)
+
+
+def test_a_new_micro_batch_size_relaunches_the_task_from_the_on_demand_snapshot(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """``unicron update`` with a new micro-batch size (a layout change the running ranks cannot take):
+    both ranks stop at one boundary with a snapshot, the new command is launched as a new generation
+    and restores it."""
+    c, name = cluster, f"{TASK}-mbs"
     try:
-        wait_relaunched(c, name, gen)
-        at = stops(c, name)
-        assert at[0] and at[0] == at[1], at
-        n = at[0][-1]
-        assert_restored_at(c, name, n, at)
+        relaunch_with(c, tmp_path, name, {}, {"--micro-batch-size": "1"})
         split = [line for r in (0, 1) for line in log_lines(c, name, r) if RESTORED.match(line)]
         assert all(line.endswith("(8 micro-batches of 1)") for line in split), split  # global batch 8 kept
-        c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the relaunched task to train on", poll_s=0.1)
+    finally:
+        cli(["cancel", name])
+
+
+def test_a_new_tp_size_relaunches_the_task_and_reshards_the_on_demand_snapshot(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """``unicron update`` from TP=1 x DP=2 to TP=2 x DP=1: the ranks stop with their snapshots (each a
+    whole TP=1 replica), the task is placed again with TP=2 (both ranks on one node) and each rank
+    restores its half of the stop's iteration: 0 iterations redone, the global batch kept."""
+    c, name = cluster, f"{TASK}-tp"
+    try:
+        relaunch_with(c, tmp_path, name, {"tp_size": 2}, {"--tp": "2"})
+        split = [line for r in (0, 1) for line in log_lines(c, name, r) if RESTORED.match(line)]
+        assert all(line.endswith("resharded from TP 1 to 2 (4 micro-batches of 2)") for line in split), split
+        assert len({str(r["node"]) for r in c.running_ranks(name).values()}) == 1  # a TP group stays on a node
     finally:
         cli(["cancel", name])
 

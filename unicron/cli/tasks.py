@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_api_flags(p)
     p.add_argument("file", metavar="FILE", help="the task spec, a JSON object; '-' reads standard input")
     p.set_defaults(func=cmd_submit)
-    p = sub.add_parser("update", help="replace an active task's spec: a new command, env or micro-batch size "
-                       "relaunches its ranks from an on-demand snapshot; a new weight or GPU bounds re-plans")
+    p = sub.add_parser("update", help="replace an active task's spec: a new command, env, TP size or micro-batch "
+                       "size relaunches its ranks from an on-demand snapshot (resharded to a new TP); a new "
+                       "weight or GPU bounds re-plans")
     add_api_flags(p)
     p.add_argument("file", metavar="FILE", help="the task's new spec, a JSON object; '-' reads standard input")
     p.set_defaults(func=cmd_update)

@@ -62,6 +62,16 @@ class TorchSaveCheckpointer(Checkpointer):
         found = (re.match(r"it(\d+)\.pt$", os.path.basename(p)) for p in glob.glob(os.path.join(self.dir, "it*.pt")))
         return sorted(int(m.group(1)) for m in found if m)
 
+    def read_shard(self, shard: int) -> Restored | None:
+        """The newest snapshot of shard ``shard``'s directory (any rank may read any shard: the files
+        are shared), or None; this checkpointer keeps reading and writing its own shard."""
+        own = self.shard
+        try:
+            self.use_shard(shard)
+            return self.restore() if self.held() else None
+        finally:
+            self.use_shard(own)
+
     def save(self, state: Any, iteration: int) -> None:
         # Unique per writer: after a regroup the previous writer may still be finishing a save.
         tmp = f"{self._path(iteration)}.{self.rank}.{os.getpid()}.tmp"

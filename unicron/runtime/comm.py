@@ -9,6 +9,7 @@ groups are typed by :class:`CommGroup`, the protocol of what we call on them.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -26,7 +27,8 @@ from torch._C._distributed_c10d import (
 from torch._C._distributed_c10d import Store as RendezvousStore
 
 __all__ = [
-    "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "broken_group",
+    "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "broadcast_flat",
+    "broken_group",
     "ensure_torch_distributed", "new_group", "solo_group",
 ]
 
@@ -62,6 +64,24 @@ def new_group(
         opts._timeout = timeout
         return cast(CommGroup, ProcessGroupNCCL(scoped, rank, size, opts))
     return cast(CommGroup, ProcessGroupGloo(scoped, rank, size, timeout))
+
+
+def broadcast_flat(group: CommGroup, root: int, tensors: Sequence[torch.Tensor]) -> None:
+    """Broadcast ``tensors`` from group index ``root`` into the others' ``tensors`` (same shapes and
+    dtypes), one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        ts = by_dtype[dtype]
+        flat = torch.cat([t.reshape(-1) for t in ts]) if group.rank() == root else torch.empty(
+            sum(t.numel() for t in ts), dtype=dtype
+        )
+        group.broadcast(flat, root).wait()
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def allreduce_max(group: CommGroup, tensor: torch.Tensor) -> None:

@@ -102,7 +102,15 @@ from unicron.runtime.recovery import (
     table_of,
     top_iteration,
 )
-from unicron.runtime.state import CheckpointSource, OptimConfig, ReplicaBroadcast, ReplicaState, StateSource
+from unicron.runtime.reshard import TpLayout, restore_resharded
+from unicron.runtime.state import (
+    CheckpointSource,
+    OptimConfig,
+    Outcome,
+    ReplicaBroadcast,
+    ReplicaState,
+    StateSource,
+)
 from unicron.runtime.store import STORE_ERRORS
 from unicron.runtime.store import connect as connect_store
 
@@ -357,7 +365,7 @@ class Trainer(Generic[BatchT]):
         self._groups = groups
         model = self.job.build_model(groups.tp)
         self.model_tp = groups.tp
-        state = ReplicaState(model, self.optim_cfg)
+        state = ReplicaState(model, self.optim_cfg, TpLayout(self.topo.tp, self.topo.tp_rank(self.rank)))
         flat = FlatGrads(state.params, grad_dtype(state.params))
         prog = ReduceProgress(bucket_bounds(flat.numel + TAIL, self.sched.bucket_elems), flat.buf.dtype,
                               numel=flat.numel, scale=1.0 / self.layout.micro_batches)
@@ -921,8 +929,9 @@ class Trainer(Generic[BatchT]):
 
     def _restore_everyone(self) -> None:
         """No member holds a replica's state (the whole job restarted): all restore the checkpoint,
-        which must be of one iteration on every rank."""
-        self._transfer_state([], list(self.groups.dp_ranks))
+        which must be of one iteration on every rank; a snapshot of another tensor-parallel size
+        (``unicron update`` of the TP) is resharded by all ranks together."""
+        resharded = self._restore_snapshots()
         found = self._restored_iterations()
         if len(found) > 1 and self.checkpointer is not None:
             # A rank's newest snapshot may not have been published when the job died: all go back
@@ -935,29 +944,54 @@ class Trainer(Generic[BatchT]):
         self.mode = RankMode.RECOVERING
         self._new_iteration(self.groups.record)
         source = next((s.source for s in self.sources if isinstance(s, CheckpointSource)), "")
-        self._event("restored", it=self.it, source=source)
-        self.log.info("restored", step=self.it, source=source)
-        # the batch split too: a relaunch with a new micro-batch size restores the same state
-        print(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'} "
+        self._event("restored", it=self.it, source=source, resharded_from=resharded)
+        self.log.info("restored", step=self.it, source=source, resharded_from=resharded)
+        # the layout too: a relaunch with a new micro-batch size or TP size restores the same state
+        how = f", resharded from TP {resharded} to {self.topo.tp}" if resharded else ""
+        print(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'}{how} "
               f"({self.layout.micro_batches} micro-batches of {self.sched.micro_batch_size})", flush=True)
+
+    def _restore_snapshots(self) -> int:
+        """Each data-parallel group restores its newest snapshot (its holder broadcasts it); when any
+        group's is of another TP size, or holds none while others do, every rank reshards. Returns
+        the old TP size when resharded, else 0."""
+        source = next((s for s in self.sources if isinstance(s, CheckpointSource)), None)
+        if source is None:
+            raise RuntimeInvariantError(f"no state source could serve joiners {list(self.groups.dp_ranks)}")
+        dp_ranks = list(self.groups.dp_ranks)
+        self._collective("state", lambda: source.transfer(
+            self.state, self.groups.dp, dp_ranks, [], dp_ranks, self.rank))
+        outcomes = self._world_ints("restore", int(source.outcome))
+        if all(o == Outcome.NOTHING for o in outcomes):
+            raise RuntimeInvariantError(f"no state source could serve joiners {dp_ranks}")
+        if all(o == Outcome.SERVED for o in outcomes):
+            return 0
+        assert self.checkpointer is not None
+        checkpointer, mine = self.checkpointer, source.foreign
+        got = self._collective("reshard", lambda: restore_resharded(
+            self.state, checkpointer, self.groups.world, self.topo.tp, self.topo.tp_rank(self.rank), mine))
+        assert got is not None  # a failed collective raises CommFailure
+        source.source, old_tp = got
+        return old_tp
+
+    def _world_ints(self, what: str, value: int) -> list[int]:
+        """``value`` of every rank of the world, in rank order."""
+        mine = torch.tensor([value], dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
+        self._collective(what, lambda: self.groups.world.allgather([out], [mine]).wait())
+        return [int(t) for t in out]
 
     def _any_checkpoint(self) -> bool:
         """``--resume`` with no checkpoint on any rank (a first launch) starts from scratch, as
         Megatron's ``--load`` does; the ranks decide together so that none restores alone."""
         assert self.checkpointer is not None
-        mine = torch.tensor([int(has_checkpoint(self.checkpointer))], dtype=torch.int64)
-        flags = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
-        self._collective("resume", lambda: self.groups.world.allgather([flags], [mine]).wait())
-        found = any(int(f) for f in flags)
+        found = any(self._world_ints("resume", int(has_checkpoint(self.checkpointer))))
         if not found:
             self._event("fresh_start", reason="--resume: no checkpoint on any rank")
         return found
 
     def _restored_iterations(self) -> list[int]:
-        mine = torch.tensor([self.it], dtype=torch.int64)
-        its = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
-        self._collective("restore", lambda: self.groups.world.allgather([its], [mine]).wait())
-        return sorted({int(t) for t in its})
+        return sorted(set(self._world_ints("restore", self.it)))
 
     def _fetch_buckets(self, root: int, lo: int, hi: int, apply: bool) -> None:
         """Broadcast reduced buckets [lo, hi) from DP-group index ``root``; with ``apply`` take the

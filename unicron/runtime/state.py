@@ -11,6 +11,7 @@ state in line with the healthy replicas:
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 
 from unicron.kernel.errors import ConfigError
-from unicron.runtime.comm import CommGroup
+from unicron.runtime.comm import CommGroup, broadcast_flat
+from unicron.runtime.reshard import UNSPLIT, Slot, TpLayout, layout_of, partition_of
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,14 @@ class ReplicaState:
     its layout never depends on whether a step ran, and a joiner can receive it in place.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, layout: TpLayout = UNSPLIT) -> None:
         cfg.validate()
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        #: the tensor-parallel shard this state is (recorded in every snapshot)
+        self.layout = layout
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             weight_decay=cfg.weight_decay, foreach=False,
@@ -73,10 +79,21 @@ class ReplicaState:
             out += [p.data, st["exp_avg"], st["exp_avg_sq"], st["step"]]
         return out
 
+    def slots(self) -> list[Slot]:
+        """:meth:`tensors` with each one's tensor-parallel split (the parameter's)."""
+        return [Slot(t, partition_of(p) if t.dim() else None)
+                for p, t in zip((p for p in self.params for _ in range(4)), self.tensors(), strict=True)]
+
+    def fits(self, snapshot: dict[str, Any]) -> bool:
+        """Whether ``snapshot`` is of this state's tensor-parallel shard (else: :mod:`reshard`)."""
+        layout = layout_of(snapshot)
+        return layout is None or layout == self.layout
+
     def state_dict(self) -> dict[str, Any]:
         """References, not copies: a checkpointer copies what it keeps."""
         return {
             "iteration": self.iteration,
+            "layout": self.layout.to_dict(),
             "model": {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)},
             "optimizer": self.optimizer.state_dict(),
         }
@@ -101,23 +118,6 @@ class StateSource(ABC):
     ) -> bool: ...
 
 
-def _broadcast_flat(group: CommGroup, root: int, tensors: Sequence[torch.Tensor]) -> None:
-    """Broadcast ``tensors`` from group index ``root``, one flat buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        ts = by_dtype[dtype]
-        flat = torch.cat([t.reshape(-1) for t in ts]) if group.rank() == root else torch.empty(
-            sum(t.numel() for t in ts), dtype=dtype
-        )
-        group.broadcast(flat, root).wait()
-        offset = 0
-        for t in ts:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
 class ReplicaBroadcast(StateSource):
     """The lowest-ranked healthy replica in the data-parallel group broadcasts its state."""
 
@@ -135,7 +135,7 @@ class ReplicaBroadcast(StateSource):
         root = group_ranks.index(roots[0])
         it = torch.tensor([state.iteration], dtype=torch.int64)
         group.broadcast(it, root).wait()
-        _broadcast_flat(group, root, state.tensors())
+        broadcast_flat(group, root, state.tensors())
         state.iteration = int(it.item())
         return True
 
@@ -159,6 +159,10 @@ class CheckpointSource(StateSource):
         #: where this rank's state came from at the last transfer: a tier (local, peer, remote) or
         #: "replica" (broadcast by the group's holder of the newest snapshot)
         self.source = ""
+        #: the last transfer's outcome, for the caller's decision to reshard (see :class:`Outcome`)
+        self.outcome = Outcome.SERVED
+        #: the snapshot this rank restored that is of another tensor-parallel layout (kept for resharding)
+        self.foreign: Any = None
 
     def transfer(
         self, state: ReplicaState, group: CommGroup, group_ranks: Sequence[int],
@@ -167,6 +171,7 @@ class CheckpointSource(StateSource):
         from ckpt.api import NoValidCheckpoint
         from unicron.runtime.checkpoint import newest_checkpoint
 
+        self.outcome, self.foreign = Outcome.SERVED, None
         if not receivers:
             return True
         newest = newest_checkpoint(self.checkpointer) if me in receivers else None
@@ -176,19 +181,38 @@ class CheckpointSource(StateSource):
         claims = [int(t) for t in its]
         best = max(claims)
         if best < 0:
+            self.outcome = Outcome.NOTHING
             return False  # nobody holds a snapshot: the caller says so
         root = claims.index(best)
+        fits = 1
         if group.rank() == root:
             try:
                 restored = self.checkpointer.restore(iteration=best)
             except NoValidCheckpoint:  # every copy of the newest is damaged: the newest valid one
                 restored = self.checkpointer.restore()
-            state.load_state_dict(restored.state)
+            if state.fits(restored.state):
+                state.load_state_dict(restored.state)
+            else:
+                self.foreign, fits = restored, 0
             self.source = restored.tier.value
         else:
             self.source = "replica"
-        it = torch.tensor([state.iteration], dtype=torch.int64)
-        group.broadcast(it, root).wait()
-        _broadcast_flat(group, root, state.tensors())
-        state.iteration = int(it.item())
+        head = torch.tensor([state.iteration, fits], dtype=torch.int64)
+        group.broadcast(head, root).wait()
+        if not int(head[1]):  # of another tensor-parallel layout: the caller reshards it
+            self.outcome = Outcome.FOREIGN
+            return True
+        broadcast_flat(group, root, state.tensors())
+        state.iteration = int(head[0])
         return True
+
+
+class Outcome(enum.IntEnum):
+    """What a :class:`CheckpointSource` transfer did for the group."""
+
+    #: the group holds the newest snapshot's state
+    SERVED = 0
+    #: no member holds any snapshot
+    NOTHING = 1
+    #: the newest snapshot is of another tensor-parallel layout: nothing was loaded
+    FOREIGN = 2
