@@ -477,7 +477,8 @@ class Agent:
             return
         if rec is None or not rec.has_rank(rank):
             # A rank of no task of ours (a stale process, or a forged message): nothing to report.
-            log.warning("dropped a message from an unknown task or rank", task=task, rank=rank, type=msg.TYPE)
+            log.warning("dropped a message from an unknown task or rank", node=self.node, task=task, rank=rank,
+                        type=msg.TYPE)
             return
         self._reporting_tasks.add(task)
         mon = self._monitor(rec, rank)

@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-# The agent forks its ranks (with a pre-exec hook for PDEATHSIG) while gRPC threads (the etcd
-# client) run; gRPC's fork handlers then break the child before it can exec (seen: SIGABRT).
-# Nothing gRPC is used between fork and exec, so the handlers are not needed.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
 import sys
 
 from agent.settings import AgentSettings

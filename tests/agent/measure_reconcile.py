@@ -8,11 +8,8 @@ Real etcd, a real in-process Agent, ranks that are real processes (``sleep``).
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as agent.main does
-
 import dataclasses
+import os
 import signal
 import statistics
 import sys

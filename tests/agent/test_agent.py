@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as agent.main does: the agent forks ranks
-
 import json
+import os
 import socket
 import subprocess
 import sys

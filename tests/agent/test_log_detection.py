@@ -3,10 +3,6 @@ lines in a rank's output feed the hang detector; an NCCL watchdog timeout line i
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as agent.main does: the agent forks ranks
-
 import dataclasses
 import sys
 import threading

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as agent.main does: the agent forks ranks
-
 import re
 import subprocess
 import sys
