@@ -149,7 +149,8 @@ class CheckpointSource(StateSource):
     the holder of the newest restores it (falling back to an older one only if no copy of the newest
     is valid) and broadcasts it to the rest (peer memory). A rank relaunched where it holds nothing,
     or a task relaunched with more replicas, so never restores an older periodic checkpoint while a
-    newer snapshot (a stop's on-demand one) exists anywhere in the group.
+    newer snapshot (a stop's on-demand one) exists anywhere in the group. A newest snapshot of another
+    TP size is not loaded (:attr:`outcome` says so): resharding needs every rank of the task.
     """
 
     name = "checkpoint"
@@ -199,9 +200,9 @@ class CheckpointSource(StateSource):
             self.source = "replica"
         head = torch.tensor([state.iteration, fits], dtype=torch.int64)
         group.broadcast(head, root).wait()
-        if not int(head[1]):  # of another tensor-parallel layout: the caller reshards it
-            self.outcome = Outcome.FOREIGN
-            return True
+        if not int(head[1]):  # of another tensor-parallel layout: nothing loaded; only a restore
+            self.outcome = Outcome.FOREIGN  # of every rank can reshard it (Trainer._restore_snapshots)
+            return False
         broadcast_flat(group, root, state.tensors())
         state.iteration = int(head[0])
         return True
@@ -214,5 +215,6 @@ class Outcome(enum.IntEnum):
     SERVED = 0
     #: no member holds any snapshot
     NOTHING = 1
-    #: the newest snapshot is of another tensor-parallel layout: nothing was loaded
+    #: the newest snapshot is of another tensor-parallel layout: nothing was loaded (a joiner's
+    #: transfer then fails loudly rather than train on state it does not have)
     FOREIGN = 2
