@@ -211,7 +211,8 @@ def log_hang(c: LocalCluster, name: str, work: Path) -> float:
     try:
         inc = c.wait_incident(lambda i: i.kind is ErrorKind.TASK_HANG and i.task == name, timeout_s=30.0, after=t0)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # the agent may have killed and reaped it already
+            os.kill(pid, signal.SIGCONT)
         quiet_cli(["cancel", name])
     c.wait_for(lambda: not c.running_ranks(name), 30.0, f"{name}'s ranks to stop")
     return (inc.detected_ts - t0) / D_ITER_S
