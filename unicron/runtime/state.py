@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ckpt.api import Restored
 from unicron.kernel.errors import ConfigError
 from unicron.runtime.comm import CommGroup, broadcast_flat
 from unicron.runtime.reshard import UNSPLIT, Slot, TpLayout, layout_of, partition_of
@@ -163,7 +164,7 @@ class CheckpointSource(StateSource):
         #: the last transfer's outcome, for the caller's decision to reshard (see :class:`Outcome`)
         self.outcome = Outcome.SERVED
         #: the snapshot this rank restored that is of another tensor-parallel layout (kept for resharding)
-        self.foreign: Any = None
+        self.foreign: Restored | None = None
 
     def transfer(
         self, state: ReplicaState, group: CommGroup, group_ranks: Sequence[int],
