@@ -54,23 +54,20 @@ class TorchSaveCheckpointer(Checkpointer):
         self.dir = os.path.join(self.root, f"tp{shard}")
         os.makedirs(self.dir, exist_ok=True)
 
-    def _path(self, iteration: int) -> str:
-        return os.path.join(self.dir, f"it{iteration}.pt")
+    def _path(self, iteration: int, directory: str | None = None) -> str:
+        return os.path.join(directory or self.dir, f"it{iteration}.pt")
 
-    def held(self) -> list[int]:
-        """Iterations of the snapshots on disk, ascending."""
-        found = (re.match(r"it(\d+)\.pt$", os.path.basename(p)) for p in glob.glob(os.path.join(self.dir, "it*.pt")))
+    def held(self, directory: str | None = None) -> list[int]:
+        """Iterations of the snapshots on disk (in this shard's directory, or ``directory``), ascending."""
+        pattern = os.path.join(directory or self.dir, "it*.pt")
+        found = (re.match(r"it(\d+)\.pt$", os.path.basename(p)) for p in glob.glob(pattern))
         return sorted(int(m.group(1)) for m in found if m)
 
     def read_shard(self, shard: int) -> Restored | None:
         """The newest snapshot of shard ``shard``'s directory (any rank may read any shard: the files
         are shared), or None; this checkpointer keeps reading and writing its own shard."""
-        own = self.shard
-        try:
-            self.use_shard(shard)
-            return self.restore() if self.held() else None
-        finally:
-            self.use_shard(own)
+        directory = os.path.join(self.root, f"tp{shard}")
+        return self._load(directory, None) if self.held(directory) else None
 
     def save(self, state: Any, iteration: int) -> None:
         # Unique per writer: after a regroup the previous writer may still be finishing a save.
@@ -82,14 +79,18 @@ class TorchSaveCheckpointer(Checkpointer):
                 os.remove(self._path(old))
 
     def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
+        return self._load(self.dir, iteration)
+
+    def _load(self, directory: str, iteration: int | None) -> Restored:
         t0 = time.perf_counter()
-        held = self.held()
+        held = self.held(directory)
         want = iteration if iteration is not None else (held[-1] if held else None)
         if want is None or want not in held:
-            attempt = TierAttempt(Tier.REMOTE, self.dir, want, "no such checkpoint file")
+            attempt = TierAttempt(Tier.REMOTE, directory, want, "no such checkpoint file")
             raise NoValidCheckpoint("torch-save", self.rank, iteration, [attempt])
-        state = torch.load(self._path(want), map_location="cpu", weights_only=True)
-        return Restored(state, want, Tier.REMOTE, self._path(want), seconds=time.perf_counter() - t0)
+        path = self._path(want, directory)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return Restored(state, want, Tier.REMOTE, path, seconds=time.perf_counter() - t0)
 
 
 def has_checkpoint(checkpointer: Checkpointer) -> bool:
