@@ -15,6 +15,7 @@ mid-write therefore leaves PUBLISHED naming only complete slots: the previous sn
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -37,6 +38,19 @@ log = ulog.get(__name__)
 _PUBLISHED = "PUBLISHED"
 
 
+def clear_cuda_error() -> None:
+    """Reset CUDA's last error after a call that failed on purpose-tolerated grounds. A refused
+    cudaHostRegister stays the runtime's last error, and torch's next kernel-launch check reads it as
+    its own (seen on an H100: the optimizer step after it raised cudaErrorInvalidValue); reading the
+    error clears it. torch binds no cudaGetLastError, so it is called in the process's libcudart."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if "/libcudart.so" in path:
+            ctypes.CDLL(path).cudaGetLastError()  # the loaded library: dlopen returns the same instance
+            return
+    raise CheckpointError("cannot clear a CUDA error: no libcudart is loaded in this process")
+
+
 class _Mapping:
     """A shared mapping of one slot file, grown on demand, viewed as a uint8 tensor."""
 
@@ -46,19 +60,27 @@ class _Mapping:
         self._mm: mmap.mmap | None = None
         self.tensor: torch.Tensor | None = None
         self.pinned = False
+        self.unpinnable = False  # cudaHostRegister refused this file's pages: copy into it unpinned
 
     def ensure(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         if self.tensor is None or self.capacity < nbytes:
             self._map(nbytes)
         assert self.tensor is not None
-        if pin and not self.pinned:
+        if pin and not self.pinned and not self.unpinnable:
             # page-lock the shared pages so GPU->host copies run asynchronously (DMA) straight into them
             rc = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
                 self.tensor.data_ptr(), self.capacity, 0
             )
-            if int(rc) != 0:
-                raise CheckpointError(f"cudaHostRegister of {self.path} ({self.capacity} bytes) failed: {rc}")
-            self.pinned = True
+            if int(rc) == 0:
+                self.pinned = True
+            else:
+                clear_cuda_error()
+                # CUDA page-locks shared mappings of tmpfs only (seen on an H100: a file on ext4 gives
+                # cudaErrorInvalidValue). Unpinned, the copy is still whole, just synchronous.
+                self.unpinnable = True
+                log.warning("snapshot slot cannot be page-locked: GPU copies into it are synchronous; "
+                            "put CheckpointConfig.local_dir on tmpfs (e.g. /dev/shm)",
+                            path=str(self.path), cuda_error=int(rc))
         return self.tensor[:nbytes]
 
     def _map(self, nbytes: int) -> None:
