@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from unicron.kernel import log as ulog
+from unicron.kernel.errors import TemporaryError
 from unicron.kernel.parentdeath import die_with_parent
 
 log = ulog.get(__name__)
@@ -71,7 +72,7 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
         proc.wait()
 
 
-class PreforkUnavailable(Exception):
+class PreforkUnavailable(TemporaryError):
     """The spawner cannot start this rank (not ready, gone, refused): start it as a new process."""
 
 

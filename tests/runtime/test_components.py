@@ -136,3 +136,11 @@ def test_cli_registers_train_and_reports_bad_settings_by_name(capsys: pytest.Cap
         assert "--global-batch-size 30" in capsys.readouterr().err
         assert train.main(["--tp", "3"]) == train.EXIT_CONFIG
         assert "--tp 3" in capsys.readouterr().err
+        assert train.main(["--backend", "nccl", "--device", "cpu"]) == train.EXIT_CONFIG
+        err = capsys.readouterr().err
+        assert "--backend nccl reduces CUDA tensors only" in err and len(err.strip().splitlines()) == 1
+        if not torch.cuda.is_available():
+            assert train.main(["--backend", "nccl"]) == train.EXIT_CONFIG
+            err = capsys.readouterr().err
+            assert "--device cuda: LOCAL_RANK=0 but this rank sees 0 GPU(s)" in err, err
+            assert len(err.strip().splitlines()) == 1

@@ -124,6 +124,26 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
 
 
+def rank_device(choice: str, backend: str, local_rank: int) -> str:
+    """``CommSettings.device`` for ``--device`` (see its help); a ConfigError names what cannot work."""
+    if choice == "auto":
+        choice = "cuda" if backend == "nccl" else "cpu"
+    if choice == "cpu":
+        if backend == "nccl":
+            raise ConfigError("--backend nccl reduces CUDA tensors only: use --device cuda (or auto), "
+                              "or --backend gloo on the CPU")
+        return "cpu"
+    if choice != "cuda":
+        raise ConfigError(f"--device {choice!r}: choose auto, cpu or cuda")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not 0 <= local_rank < visible:
+        raise ConfigError(
+            f"--device cuda: LOCAL_RANK={local_rank} but this rank sees {visible} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); the rank uses the "
+            "GPU numbered LOCAL_RANK, so run one rank per visible GPU, or --device cpu with --backend gloo")
+    return f"cuda:{local_rank}"
+
+
 def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, CommSettings]:
     """The runtime's settings from its flags (:func:`unicron.runtime.flags.add_runtime_arguments`)."""
     if args.micro_batch_size < 1 or args.global_batch_size % args.micro_batch_size:
@@ -159,6 +179,7 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
     comm = CommSettings(
         collective_timeout_s=args.collective_timeout, regroup_timeout_s=args.regroup_timeout,
         heartbeat_window_s=args.heartbeat_window, backend=args.backend,
+        device=rank_device(args.device, args.backend, _env_int("LOCAL_RANK", 0)),
     )
     optim = OptimConfig(lr=args.lr)
     optim.validate()

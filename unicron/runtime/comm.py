@@ -27,10 +27,13 @@ from torch._C._distributed_c10d import (
 from torch._C._distributed_c10d import Store as RendezvousStore
 
 __all__ = [
-    "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "broadcast_flat",
+    "CPU", "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "broadcast_flat",
     "broken_group",
     "ensure_torch_distributed", "new_group", "solo_group",
 ]
+
+CPU = torch.device("cpu")
+"""Where a rank's model and collective tensors live with gloo (``CommSettings.device``)."""
 
 
 class Work(Protocol):
@@ -66,16 +69,19 @@ def new_group(
     return cast(CommGroup, ProcessGroupGloo(scoped, rank, size, timeout))
 
 
-def broadcast_flat(group: CommGroup, root: int, tensors: Sequence[torch.Tensor]) -> None:
+def broadcast_flat(
+    group: CommGroup, root: int, tensors: Sequence[torch.Tensor], device: torch.device = CPU
+) -> None:
     """Broadcast ``tensors`` from group index ``root`` into the others' ``tensors`` (same shapes and
-    dtypes), one flat buffer per dtype."""
+    dtypes), one flat buffer per dtype on ``device`` (the group's: NCCL sends CUDA tensors only, and
+    a state mixes devices, e.g. Adam's step counters stay on the CPU)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype in sorted(by_dtype, key=str):
         ts = by_dtype[dtype]
-        flat = torch.cat([t.reshape(-1) for t in ts]) if group.rank() == root else torch.empty(
-            sum(t.numel() for t in ts), dtype=dtype
+        flat = torch.cat([t.reshape(-1).to(device) for t in ts]) if group.rank() == root else torch.empty(
+            sum(t.numel() for t in ts), dtype=dtype, device=device
         )
         group.broadcast(flat, root).wait()
         offset = 0

@@ -93,6 +93,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     _opt(s, "--recovery", default="redistribute", choices=("redistribute", "rerun"),
          help="after a failure keep completed micro-batches (redistribute) or rerun the iteration")
     _opt(s, "--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend")
+    _opt(s, "--device", default="auto", choices=("auto", "cpu", "cuda"),
+         help="where the model and the collectives' tensors live; cuda: the GPU numbered LOCAL_RANK among "
+              "the visible ones (auto: cuda with --backend nccl, else cpu)")
     _opt(s, "--collective-timeout", type=float, default=30.0, help="collective timeout, seconds")
     _opt(s, "--regroup-timeout", type=float, default=90.0, help="regroup deadline, seconds (> collective)")
     _opt(s, "--heartbeat-window", type=float, default=5.0, help="heartbeat staleness window, seconds")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from unicron.kernel.errors import PermanentError
-from unicron.runtime.comm import CommGroup
+from unicron.runtime.comm import CPU, CommGroup
 from unicron.runtime.plan import BatchLayout
 
 TAIL = 3
@@ -46,7 +46,8 @@ class FlatGrads:
     def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        self.buf = torch.zeros(self.numel + TAIL, dtype=dtype)
+        device = self.params[0].device if self.params else None
+        self.buf = torch.zeros(self.numel + TAIL, dtype=dtype, device=device)
         self._views: dict[int, list[torch.Tensor]] = {}  # data_ptr of a buffer -> per-parameter views
         self._bound = 0
         self.bind(self.buf)
@@ -233,9 +234,11 @@ class ReduceProgress:
     """
 
     def __init__(self, bounds: list[tuple[int, int]], dtype: torch.dtype, numel: int | None = None,
-                 scale: float = 1.0, done: int = 0) -> None:
+                 scale: float = 1.0, done: int = 0, device: torch.device = CPU) -> None:
         self.bounds = bounds
         self.dtype = dtype
+        #: where the buffers live: the gradients' device, which the collectives run on
+        self.device = device
         self.total = bounds[-1][1] if bounds else 0
         #: leading elements that are gradients (scaled); the rest is the raw tail
         self.numel = self.total if numel is None else numel
@@ -249,7 +252,7 @@ class ReduceProgress:
     def _buffer(self, side: int) -> torch.Tensor:
         buf = self._bufs[side]
         if buf is None:
-            buf = self._bufs[side] = torch.zeros(self.total, dtype=self.dtype)
+            buf = self._bufs[side] = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         return buf
 
     def _grad_elems(self, b: int) -> int:
@@ -334,11 +337,11 @@ def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hoo
         prog.store(b, send)
 
 
-def _encode_table(items: Sequence[Contribution], slots: int) -> torch.Tensor:
+def _encode_table(items: Sequence[Contribution], slots: int, device: torch.device) -> torch.Tensor:
     t = torch.full((slots, 2), -1, dtype=torch.int64)
     for i, c in enumerate(items):
         t[i, 0], t[i, 1] = c.start, c.length
-    return t
+    return t.to(device)
 
 
 def reduce_gather(
@@ -352,7 +355,7 @@ def reduce_gather(
     layout = acc.layout
     size = group.size()
     if prog.table is None:
-        mine = _encode_table(acc.items, layout.micro_batches)
+        mine = _encode_table(acc.items, layout.micro_batches, prog.device)
         tables = [torch.empty_like(mine) for _ in range(size)]
         group.allgather([tables], [mine]).wait()
         prog.table = [[(int(a), int(b)) for a, b in t.tolist() if a >= 0] for t in tables]
@@ -362,7 +365,7 @@ def reduce_gather(
         if hook is not None:
             hook(b)
         s, e = prog.bounds[b]
-        local = torch.zeros((slots, e - s), dtype=prog.dtype)
+        local = torch.zeros((slots, e - s), dtype=prog.dtype, device=prog.device)
         for i, c in enumerate(acc.items):
             local[i] = c.vec[s:e]
         out = [torch.empty_like(local) for _ in range(size)]

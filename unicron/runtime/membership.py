@@ -138,8 +138,10 @@ class CommSettings:
     heartbeat_window_s: float = 5.0
     #: poll interval of the store while waiting
     poll_s: float = 0.005
-    #: process-group backend: "gloo" (CPU) or "nccl"
+    #: process-group backend: "gloo" (CPU or CUDA tensors) or "nccl" (CUDA tensors only)
     backend: str = "gloo"
+    #: where the model and every collective's tensors live: "cpu" or "cuda:<LOCAL_RANK>"
+    device: str = "cpu"
 
 
 # --- failure marks ----------------------------------------------------------------------------

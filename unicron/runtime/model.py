@@ -179,7 +179,7 @@ def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, tp_grou
     logit gather allocates on CUDA, so the loss is taken here: the same log-sum-exp formula for any
     TP size, its two sums all-reduced over ``tp_group`` (backward: identity, as in Megatron).
     """
-    position_ids = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
+    position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
     logits = model(tokens, position_ids, None)  # [b, s, vocab/tp]
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # reduced-precision logits: take the loss in float32

@@ -202,8 +202,9 @@ def restore_resharded(state: ReplicaState, checkpointer: Checkpointer, world: Co
         mine = own_snapshot(checkpointer, world.rank())
     slots = state.slots()
     claim = NO_CLAIM if mine is None else claim_of(mine.state, slots, state.names, tp)
-    gathered = [torch.empty(3, dtype=torch.int64) for _ in range(world.size())]
-    world.allgather([gathered], [torch.tensor(claim, dtype=torch.int64)]).wait()
+    device = state.device  # the collectives' (NCCL: CUDA); the old shards are joined on the CPU
+    gathered = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world.size())]
+    world.allgather([gathered], [torch.tensor(claim, dtype=torch.int64, device=device)]).wait()
     claims = [(int(c[0]), int(c[1]), int(c[2])) for c in gathered]
     iteration, old_tp, owners = choose(claims)
     shards: list[list[torch.Tensor]] = []
@@ -214,7 +215,7 @@ def restore_resharded(state: ReplicaState, checkpointer: Checkpointer, world: Co
         else:
             tensors = [torch.empty(shard_shape(s.target.shape, s.part, tp, old_tp), dtype=s.target.dtype)
                        for s in slots]
-        broadcast_flat(world, owner, tensors)
+        broadcast_flat(world, owner, tensors, device)
         shards.append(tensors)
     reshard(slots, shards, tp, tp_rank)
     state.iteration = iteration

@@ -273,6 +273,10 @@ class Trainer(Generic[BatchT]):
         self.rank, self.topo, self.store, self.incarnation = rank, topo, store, incarnation
         self.job, self.optim_cfg, self.sched, self.comm = job, optim_cfg, sched, comm
         self.client, self.faults = client, faults
+        #: where the model, its gradients and every collective's tensors live (``CommSettings.device``)
+        self.device = torch.device(comm.device)
+        if self.device.type == "cuda":  # pragma: no cover - GPU only
+            torch.cuda.set_device(self.device)
         self.layout = BatchLayout(sched.micro_batches, sched.blocks or topo.replicas)
         self.checkpointer, self.ckpt_every, self.resume = checkpointer, ckpt_every, resume
         if isinstance(checkpointer, TorchSaveCheckpointer):
@@ -363,12 +367,12 @@ class Trainer(Generic[BatchT]):
     def _setup(self, groups: Groups) -> None:
         self._remember(groups.record)
         self._groups = groups
-        model = self.job.build_model(groups.tp)
+        model = self.job.build_model(groups.tp).to(self.device)
         self.model_tp = groups.tp
         state = ReplicaState(model, self.optim_cfg, TpLayout(self.topo.tp, self.topo.tp_rank(self.rank)))
         flat = FlatGrads(state.params, grad_dtype(state.params))
         prog = ReduceProgress(bucket_bounds(flat.numel + TAIL, self.sched.bucket_elems), flat.buf.dtype,
-                              numel=flat.numel, scale=1.0 / self.layout.micro_batches)
+                              numel=flat.numel, scale=1.0 / self.layout.micro_batches, device=self.device)
         self._held = Held(state, flat, prog, self._accumulator(flat, self.sched.deterministic))
         self.views_checked_at = None
         self.gc.after_setup()
@@ -665,7 +669,7 @@ class Trainer(Generic[BatchT]):
         still need our old parameters to recompute a micro-batch)."""
         join, stop = self._tail_flags()
         if self.topo.tp > 1:
-            flags = torch.tensor([float(join), float(stop)], dtype=torch.float64)  # never reduce a part
+            flags = torch.tensor([float(join), float(stop)], dtype=torch.float64, device=self.device)  # not a part
             self._collective("commit", lambda: self.groups.tp.allreduce([flags]).wait())
             join, stop = bool(flags[0] > 0), bool(flags[1] > 0)
         if self.faults.armed:
@@ -852,7 +856,7 @@ class Trainer(Generic[BatchT]):
         )
 
     def _exchange_status(self) -> StatusTable:
-        mine = self._status().encode(self.layout.micro_batches)
+        mine = self._status().encode(self.layout.micro_batches).to(self.device)
         rows = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
         self._collective("agree", lambda: self.groups.world.allgather([rows], [mine]).wait())
         return table_of(rows)
@@ -976,7 +980,7 @@ class Trainer(Generic[BatchT]):
 
     def _world_ints(self, what: str, value: int) -> list[int]:
         """``value`` of every rank of the world, in rank order."""
-        mine = torch.tensor([value], dtype=torch.int64)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
         out = [torch.empty_like(mine) for _ in range(self.groups.world.size())]
         self._collective(what, lambda: self.groups.world.allgather([out], [mine]).wait())
         return [int(t) for t in out]
@@ -1000,7 +1004,7 @@ class Trainer(Generic[BatchT]):
         if self.groups.dp.rank() == root:
             buf = self.prog.span(lo, hi)
         else:
-            buf = torch.empty(e - s, dtype=self.prog.dtype)
+            buf = torch.empty(e - s, dtype=self.prog.dtype, device=self.prog.device)
         self._collective("catch-up", lambda: self.groups.dp.broadcast(buf, root).wait())
         if apply:
             for b in range(max(self.prog.done, lo), hi):
@@ -1033,7 +1037,7 @@ class Trainer(Generic[BatchT]):
         iterations = self.it if self._held is not None and self.mode is not RankMode.JOB_DONE else self.job_iterations
         with open(os.path.join(out_dir, f"rank{self.rank}.json"), "w") as fh:
             json.dump(
-                {"rank": self.rank, "incarnation": self.incarnation, "iterations": iterations,
+                {"rank": self.rank, "incarnation": self.incarnation, "iterations": iterations, "device": str(self.device),
                  "mode": self.mode.value, "losses": list(self.losses), "events": [e.__dict__ for e in self.events]},
                 fh,
             )

@@ -72,6 +72,11 @@ class ReplicaState:
             }
         self.iteration = 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live: the collectives that move this state run there."""
+        return self.params[0].device if self.params else torch.device("cpu")
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the state, in a fixed order."""
         out: list[torch.Tensor] = []
@@ -134,9 +139,9 @@ class ReplicaBroadcast(StateSource):
         if not roots:
             return False
         root = group_ranks.index(roots[0])
-        it = torch.tensor([state.iteration], dtype=torch.int64)
+        it = torch.tensor([state.iteration], dtype=torch.int64, device=state.device)
         group.broadcast(it, root).wait()
-        broadcast_flat(group, root, state.tensors())
+        broadcast_flat(group, root, state.tensors(), state.device)
         state.iteration = int(it.item())
         return True
 
@@ -177,7 +182,7 @@ class CheckpointSource(StateSource):
         if not receivers:
             return True
         newest = newest_checkpoint(self.checkpointer) if me in receivers else None
-        mine = torch.tensor([-1 if newest is None else newest], dtype=torch.int64)
+        mine = torch.tensor([-1 if newest is None else newest], dtype=torch.int64, device=state.device)
         its = [torch.empty_like(mine) for _ in range(group.size())]
         group.allgather([its], [mine]).wait()
         claims = [int(t) for t in its]
@@ -199,12 +204,12 @@ class CheckpointSource(StateSource):
             self.source = restored.tier.value
         else:
             self.source = "replica"
-        head = torch.tensor([state.iteration, fits], dtype=torch.int64)
+        head = torch.tensor([state.iteration, fits], dtype=torch.int64, device=state.device)
         group.broadcast(head, root).wait()
         if not int(head[1]):  # of another tensor-parallel layout: nothing loaded; only a restore
             self.outcome = Outcome.FOREIGN  # of every rank can reshard it (Trainer._restore_snapshots)
             return False
-        broadcast_flat(group, root, state.tensors())
+        broadcast_flat(group, root, state.tensors(), state.device)
         state.iteration = int(head[0])
         return True
 

@@ -54,7 +54,10 @@ def model_provider(ctx: ModelContext) -> torch.nn.Module:
 
 
 def forward_step(batch: Tokens, model: torch.nn.Module) -> torch.Tensor:
-    tokens, labels = batch
+    # the data source yields CPU tensors; the model is wherever --device put it (Megatron's get_batch
+    # moves its batch to the GPU the same way)
+    device = next(model.parameters()).device
+    tokens, labels = (t.to(device) for t in batch)
     return lm_loss(model, tokens, labels, tp_group_of(model))
 
 
