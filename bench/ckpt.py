@@ -20,6 +20,12 @@ vocabulary 4096, context 256, fp32, AdamW (``ReplicaState``); an iteration is on
 4 x 256 tokens forward/backward plus the optimizer step (--quick: 2 x 256, a shorter iteration, so the
 stricter ratio; --quick also skips the iterations-with-snapshots comparison).
 
+``--device cuda``: the same state on the GPU (micro-batch 32 x 256). save() then issues asynchronous
+copies on a side stream into the page-locked slot and fence() makes the training stream wait for them;
+``copy_gbps`` is timed from save() to the copies' end, ``memcpy_gbps`` is a plain device-to-host copy of
+as many bytes into page-locked memory, and ``gpu_snapshot_every_step_overhead`` (no target) is how much
+longer an iteration with a snapshot after every step takes.
+
 Targets: copy_gbps >= 0.5 x memcpy_gbps (best of the interleaved repeats of each);
 snapshot_blocking_s (blocking mode, median) <= 5 % of iteration_s.
 The last line printed is one JSON object with the figures.
@@ -55,14 +61,15 @@ class Demo:
     """The project's demo model (``unicron.runtime``: Megatron-core GPT on CPU, its AdamW replica state)
     scaled to a ~1 GB training state; an iteration is one micro-batch forward/backward plus the step."""
 
-    def __init__(self, batch: int, seq: int) -> None:
+    def __init__(self, batch: int, seq: int, device: torch.device) -> None:
         from unicron.runtime.comm import solo_group
         from unicron.runtime.model import ModelConfig, build_gpt, lm_loss
         from unicron.runtime.state import OptimConfig, ReplicaState
 
         self.group = solo_group()
         self.cfg = ModelConfig(layers=12, hidden=768, heads=12, seq=256, vocab=4096)
-        self.model = build_gpt(self.cfg, self.group)
+        self.device = device
+        self.model = build_gpt(self.cfg, self.group).to(device)
         self.replica = ReplicaState(self.model, OptimConfig())  # AdamW moments created eagerly
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.replica.optimizer, T_max=1000)
         self.loss = lm_loss
@@ -74,7 +81,7 @@ class Demo:
         return self.replica.iteration
 
     def forward_backward(self) -> None:
-        tokens = torch.randint(0, self.cfg.vocab, (self.batch, self.seq))
+        tokens = torch.randint(0, self.cfg.vocab, (self.batch, self.seq), device=self.device)
         loss = self.loss(self.model, tokens, torch.roll(tokens, -1, 1), self.group)
         loss.backward()  # type: ignore[no-untyped-call]
 
@@ -85,10 +92,16 @@ class Demo:
         self.replica.iteration += 1
         self.sample += self.batch
 
+    def sync(self) -> None:
+        """Wait for the GPU's queued work (a no-op on the CPU): timings end when the work did."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def step(self) -> float:
         t0 = time.perf_counter()
         self.forward_backward()
         self.update()
+        self.sync()
         return time.perf_counter() - t0
 
     def state(self) -> dict[str, Any]:
@@ -130,8 +143,60 @@ def config(shm: Path, node: str, **kw: Any) -> CheckpointConfig:
     return CheckpointConfig(job="bench", rank=0, local_dir=str(shm / node / "rank-0"), **kw)
 
 
+def gpu_snapshots(demo: Demo, shm: Path, reps: int, fig: dict[str, Any]) -> None:
+    """GPU state: save() issues asynchronous copies into the page-locked slot, fence() makes the stream
+    wait for them. Timed to the copies' end (save, fence, synchronize), against a plain device-to-host
+    ``copy_`` of as many bytes into page-locked memory, interleaved, best and median of each."""
+    with CheckpointManager(config(shm, "node-a")) as m:
+        first = m.save(demo.state(), demo.iteration)
+        m.fence()
+        first.result()
+        fig["snapshot_first_blocking_s"] = round(first.blocking_s, 3)
+        say(f"first snapshot (allocates and page-locks its slot): blocking {first.blocking_s:.3f} s")
+        demo.replica.iteration += 1
+        m.save(demo.state(), demo.iteration)  # the second slot
+        m.fence()
+        m.wait()
+        src = torch.ones(first.nbytes, dtype=torch.uint8, device=demo.device)
+        dst = torch.zeros(first.nbytes, dtype=torch.uint8).pin_memory()
+        blocking, done, plain, publish = [], [], [], []
+        for _ in range(reps):
+            demo.sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            demo.sync()
+            plain.append(time.perf_counter() - t0)
+            demo.replica.iteration += 1
+            t0 = time.perf_counter()
+            t = m.save(demo.state(), demo.iteration)
+            m.fence()
+            demo.sync()
+            done.append(time.perf_counter() - t0)
+            blocking.append(t.blocking_s)
+            publish.append(dict(t.result().stage_s)["publish"])
+        del src, dst
+    nbytes = first.nbytes
+    fig["snapshot_blocking_s"] = round(statistics.median(blocking), 4)
+    fig["snapshot_blocking_min_s"] = round(min(blocking), 4)
+    fig["copy_gbps"] = round(nbytes / min(done) / GB, 2)
+    fig["memcpy_gbps"] = round(nbytes / min(plain) / GB, 2)
+    fig["copy_median_gbps"] = round(nbytes / statistics.median(done) / GB, 2)
+    fig["memcpy_median_gbps"] = round(nbytes / statistics.median(plain) / GB, 2)
+    fig["publish_s"] = round(statistics.median(publish), 3)
+    fig["checksum_gbps"] = round(nbytes / statistics.median(publish) / GB, 2)
+    say(f"snapshot x{reps} of GPU state: save() blocked median {fig['snapshot_blocking_s']} s, "
+        f"min {fig['snapshot_blocking_min_s']} s")
+    say(f"  to the copies' end {fig['copy_gbps']} GB/s best, {fig['copy_median_gbps']} median; plain "
+        f"device-to-host copy_ into page-locked memory {fig['memcpy_gbps']} GB/s best, "
+        f"{fig['memcpy_median_gbps']} median")
+    say(f"  background checksum + publish: {fig['publish_s']} s ({fig['checksum_gbps']} GB/s)")
+
+
 def snapshots(demo: Demo, shm: Path, reps: int, fig: dict[str, Any]) -> None:
     """Blocking snapshots (plain copy) interleaved with the plain-copy baseline, best and median of each."""
+    if demo.device.type == "cuda":
+        gpu_snapshots(demo, shm, reps, fig)
+        return
     with CheckpointManager(config(shm, "node-a")) as m:
         first = m.save(demo.state(), demo.iteration)
         first.result()
@@ -174,7 +239,9 @@ def training_stall(demo: Demo, shm: Path, iters: int, fig: dict[str, Any]) -> No
     plain = [demo.step() for _ in range(iters)]
     fig["iteration_s"] = round(statistics.median(plain), 3)
     say(f"demo iteration ({demo.batch}x{demo.seq} tokens): {fig['iteration_s']} s (median of {iters})")
-    for mode, overlap in (("blocking", False), ("overlap", True)):
+    # GPU state is always copied asynchronously (overlap concerns CPU tensors only): one mode
+    modes = (("gpu", False),) if demo.device.type == "cuda" else (("blocking", False), ("overlap", True))
+    for mode, overlap in modes:
         with CheckpointManager(config(shm, "node-a", overlap=overlap)) as m:
             demo.replica.iteration += 1
             m.save(demo.state(), demo.iteration)  # not timed: maps the (already allocated) slots
@@ -186,6 +253,7 @@ def training_stall(demo: Demo, shm: Path, iters: int, fig: dict[str, Any]) -> No
                 m.fence()  # overlap: the previous snapshot's copy must be done before the step
                 demo.update()
                 blocking.append(m.save(demo.state(), demo.iteration).blocking_s)
+                demo.sync()
                 times.append(time.perf_counter() - t0)
             m.fence()
             m.wait()
@@ -244,10 +312,15 @@ def tiers(demo: Demo, shm: Path, disk: Path, state_bytes: int, fig: dict[str, An
 def run(args: argparse.Namespace, shm: Path, disk: Path) -> dict[str, Any]:
     fig: dict[str, Any] = {}
     batch, seq = (2, 256) if args.quick else (4, 256)
-    demo = Demo(batch, seq)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        batch *= 8  # a GPU iteration of 4 x 256 tokens takes milliseconds; keep it a training step's size
+    demo = Demo(batch, seq, device)
     state_bytes = encode(demo.state()).data_len
     fig["state_gb"] = round(state_bytes / GB, 3)
-    fig["demo_model"] = f"unicron.runtime GPT 12x768 vocab 4096, micro-batch {batch}x{seq}, AdamW fp32, CPU"
+    fig["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    fig["demo_model"] = (f"unicron.runtime GPT 12x768 vocab 4096, micro-batch {batch}x{seq}, AdamW fp32, "
+                         f"{fig['device']}")
     say(f"state: {fig['state_gb']} GB ({sum(p.numel() for p in demo.model.parameters()) / 1e6:.1f} M params)")
     demo.step()  # warm-up: the first iteration pays for allocating gradients and activations
     snapshots(demo, shm, 2 if args.quick else 6, fig)
@@ -255,7 +328,7 @@ def run(args: argparse.Namespace, shm: Path, disk: Path) -> dict[str, Any]:
         fig["iteration_s"] = round(demo.step(), 3)
         say(f"demo iteration ({demo.batch}x{demo.seq} tokens): {fig['iteration_s']} s")
     else:
-        training_stall(demo, shm, 3, fig)
+        training_stall(demo, shm, 20 if device.type == "cuda" else 3, fig)
     save_s, fsync_s = torch_save(demo.state(), disk / "torch_save.pt")
     fig["torch_save_gbps"] = round(state_bytes / save_s / GB, 2)
     fig["torch_save_fsync_gbps"] = round(state_bytes / (save_s + fsync_s) / GB, 2)
@@ -273,6 +346,8 @@ def main() -> int:
         "--quick", action="store_true", help="a smaller micro-batch and fewer repeats (< 1 min)"
     )
     parser.add_argument("--shm", default="/dev/shm", help="where the shared-memory slots go")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the training state lives (cuda: the GPU path, asynchronous copies)")
     parser.add_argument(
         "--disk", default=None, help="local-disk directory for torch.save and 'remote' storage"
     )
@@ -287,6 +362,8 @@ def main() -> int:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     fig["copy_vs_memcpy"] = round(fig["copy_gbps"] / fig["memcpy_gbps"], 3)
+    if "iteration_with_gpu_snapshot_s" in fig:  # a measurement, no target: what a snapshot per step costs
+        fig["gpu_snapshot_every_step_overhead"] = round(fig["iteration_with_gpu_snapshot_s"] / fig["iteration_s"] - 1, 3)
     if "overlap_save_blocking_s" in fig:
         fig["overlap_blocking_vs_iteration"] = round(fig["overlap_save_blocking_s"] / fig["iteration_s"], 4)
     fig["blocking_vs_iteration"] = round(fig["snapshot_blocking_s"] / fig["iteration_s"], 4)

@@ -391,7 +391,8 @@ class CheckpointManager(Checkpointer):
                 torn = [] if job.fenced_clean else _changed(job)
         else:
             torn = []  # copied synchronously inside save(): nothing could interleave
-        job.tensors = []
+        with self._cv:  # a fence() still to come finds nothing to check (the copy is over, judged here)
+            job.tensors, job.versions = [], []
         if torn:
             raise CheckpointError(
                 f"torn snapshot discarded: {len(torn)} tensor(s) were modified before their copy completed "
