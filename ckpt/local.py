@@ -48,7 +48,8 @@ def clear_cuda_error() -> None:
         if "/libcudart.so" in path:
             ctypes.CDLL(path).cudaGetLastError()  # the loaded library: dlopen returns the same instance
             return
-    raise CheckpointError("cannot clear a CUDA error: no libcudart is loaded in this process")
+    raise CheckpointError("CUDA refused to page-lock a snapshot slot and its error cannot be cleared (no "
+                          "libcudart loaded): put CheckpointConfig.local_dir on tmpfs (e.g. /dev/shm)")
 
 
 class _Mapping:
