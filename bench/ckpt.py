@@ -143,6 +143,22 @@ def config(shm: Path, node: str, **kw: Any) -> CheckpointConfig:
     return CheckpointConfig(job="bench", rank=0, local_dir=str(shm / node / "rank-0"), **kw)
 
 
+def copy_figures(
+    fig: dict[str, Any], nbytes: int, blocking: list[float], copy: list[float], plain: list[float],
+    publish: list[float],
+) -> None:
+    """The snapshot figures from the repeats' seconds: save() blocking, snapshot copy and plain copy of
+    ``nbytes`` (best and median), checksum + publish."""
+    fig["snapshot_blocking_s"] = round(statistics.median(blocking), 4)
+    fig["snapshot_blocking_min_s"] = round(min(blocking), 4)
+    fig["copy_gbps"] = round(nbytes / min(copy) / GB, 2)
+    fig["memcpy_gbps"] = round(nbytes / min(plain) / GB, 2)
+    fig["copy_median_gbps"] = round(nbytes / statistics.median(copy) / GB, 2)
+    fig["memcpy_median_gbps"] = round(nbytes / statistics.median(plain) / GB, 2)
+    fig["publish_s"] = round(statistics.median(publish), 3)
+    fig["checksum_gbps"] = round(nbytes / statistics.median(publish) / GB, 2)
+
+
 def gpu_snapshots(demo: Demo, shm: Path, reps: int, fig: dict[str, Any]) -> None:
     """GPU state: save() issues asynchronous copies into the page-locked slot, fence() makes the stream
     wait for them. Timed to the copies' end (save, fence, synchronize), against a plain device-to-host
@@ -175,15 +191,7 @@ def gpu_snapshots(demo: Demo, shm: Path, reps: int, fig: dict[str, Any]) -> None
             blocking.append(t.blocking_s)
             publish.append(dict(t.result().stage_s)["publish"])
         del src, dst
-    nbytes = first.nbytes
-    fig["snapshot_blocking_s"] = round(statistics.median(blocking), 4)
-    fig["snapshot_blocking_min_s"] = round(min(blocking), 4)
-    fig["copy_gbps"] = round(nbytes / min(done) / GB, 2)
-    fig["memcpy_gbps"] = round(nbytes / min(plain) / GB, 2)
-    fig["copy_median_gbps"] = round(nbytes / statistics.median(done) / GB, 2)
-    fig["memcpy_median_gbps"] = round(nbytes / statistics.median(plain) / GB, 2)
-    fig["publish_s"] = round(statistics.median(publish), 3)
-    fig["checksum_gbps"] = round(nbytes / statistics.median(publish) / GB, 2)
+    copy_figures(fig, first.nbytes, blocking, done, plain, publish)
     say(f"snapshot x{reps} of GPU state: save() blocked median {fig['snapshot_blocking_s']} s, "
         f"min {fig['snapshot_blocking_min_s']} s")
     say(f"  to the copies' end {fig['copy_gbps']} GB/s best, {fig['copy_median_gbps']} median; plain "
@@ -214,15 +222,8 @@ def snapshots(demo: Demo, shm: Path, reps: int, fig: dict[str, Any]) -> None:
             publish.append(dict(t.result().stage_s)["publish"])
             tickets.append(t)
         del src, dst
-    nbytes = tickets[0].nbytes
-    fig["snapshot_blocking_s"] = round(statistics.median(t.blocking_s for t in tickets), 4)
-    fig["snapshot_blocking_min_s"] = round(min(t.blocking_s for t in tickets), 4)
-    fig["copy_gbps"] = round(nbytes / min(t.copy_s for t in tickets) / GB, 2)
-    fig["memcpy_gbps"] = round(nbytes / min(plain) / GB, 2)
-    fig["copy_median_gbps"] = round(nbytes / statistics.median(t.copy_s for t in tickets) / GB, 2)
-    fig["memcpy_median_gbps"] = round(nbytes / statistics.median(plain) / GB, 2)
-    fig["publish_s"] = round(statistics.median(publish), 3)
-    fig["checksum_gbps"] = round(nbytes / statistics.median(publish) / GB, 2)
+    copy_figures(fig, tickets[0].nbytes, [t.blocking_s for t in tickets], [t.copy_s for t in tickets], plain,
+                 publish)
     say(
         f"snapshot x{reps} (plain copy into shared memory): blocking median {fig['snapshot_blocking_s']} s, "
         f"min {fig['snapshot_blocking_min_s']} s"

@@ -372,7 +372,7 @@ class Trainer(Generic[BatchT]):
         state = ReplicaState(model, self.optim_cfg, TpLayout(self.topo.tp, self.topo.tp_rank(self.rank)))
         flat = FlatGrads(state.params, grad_dtype(state.params))
         prog = ReduceProgress(bucket_bounds(flat.numel + TAIL, self.sched.bucket_elems), flat.buf.dtype,
-                              numel=flat.numel, scale=1.0 / self.layout.micro_batches, device=self.device)
+                              numel=flat.numel, scale=1.0 / self.layout.micro_batches, device=flat.buf.device)
         self._held = Held(state, flat, prog, self._accumulator(flat, self.sched.deterministic))
         self.views_checked_at = None
         self.gc.after_setup()
