@@ -430,7 +430,7 @@ class Agent:
             if tracker is None or tracker.monitor is not mon:  # a relaunched rank has a new monitor
                 tracker = self._progress[(task, rank)] = LogProgress(mon)
         tracker.feed(progress, ts)
-        rec.record_step(rank, progress.iteration)
+        rec.record_step(rank, progress.iteration, completed=True)  # a progress line follows the iterations it counts
 
     def rank_launched(self, task: str, rank: int, restart: bool) -> None:
         self.metrics.rank_launches.labels(task).inc()
@@ -496,6 +496,7 @@ class Agent:
             rec.record_step(rank, msg.step)
         elif isinstance(msg, protocol.IterEnd):
             mon.iter_end(msg.step, msg.duration_s, msg.ts)
+            rec.record_step(rank, msg.step, completed=True)
         elif isinstance(msg, protocol.Phase):
             mon.phase(msg.name, msg.ts)
         elif isinstance(msg, protocol.RegroupDone):

@@ -204,6 +204,8 @@ class TaskReconciler:
         self._spare_due: float | None = None
         self._published_revision = 0
         self.steps: dict[int, int] = {}
+        #: ranks whose current process completed an iteration since its launch (``RankStatus.advanced``)
+        self.advanced: set[int] = set()
         #: rank -> the iteration it said it stopped at before its end (``protocol.Stopped``)
         self.stopped_at: dict[int, int] = {}
         self.launched_epoch: dict[int, int] = {}
@@ -319,7 +321,8 @@ class TaskReconciler:
             gen = self.applied.generation
             return [RankStatus(task=self.task, generation=gen, rank=st.rank, pid=st.pid, state=st.state,
                                returncode=st.returncode, requested=st.requested, step=self.steps.get(r),
-                               restart_epoch=self.launched_epoch.get(r, 0), stopped_at=self.stopped_at.get(r))
+                               restart_epoch=self.launched_epoch.get(r, 0), advanced=r in self.advanced,
+                               stopped_at=self.stopped_at.get(r))
                     for r, st in procs.items()]
 
     def monitor(self, rank: int, make: Callable[[], IterationMonitor]) -> tuple[IterationMonitor | None, bool]:
@@ -338,9 +341,12 @@ class TaskReconciler:
         with self._lock:
             self.stopped_at[rank] = step
 
-    def record_step(self, rank: int, step: int) -> None:
+    def record_step(self, rank: int, step: int, completed: bool = False) -> None:
+        """The rank's process is at ``step``; ``completed``: it finished an iteration (not only began one)."""
         with self._lock:
             self.steps[rank] = step
+            if completed:
+                self.advanced.add(rank)
             if self._spare_due is not None:  # the relaunched attempt runs: its spare may start now
                 self._spare_due = 0.0
                 self._wake.notify_all()
@@ -456,6 +462,7 @@ class TaskReconciler:
             # A new process has made no step yet: its predecessor's last step, published with the
             # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
             self.steps.pop(spec.rank, None)
+            self.advanced.discard(spec.rank)
             self.stopped_at.pop(spec.rank, None)
         try:
             self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
@@ -568,6 +575,7 @@ class TaskReconciler:
             with self._lock:
                 self._ranks.pop(r, None)
                 self.steps.pop(r, None)
+                self.advanced.discard(r)
                 self.stopped_at.pop(r, None)
                 self.launched_epoch.pop(r, None)
                 mon = self.monitors.pop(r, None)

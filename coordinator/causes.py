@@ -78,27 +78,38 @@ def raised(inc: Incident, generation: int | None) -> d.IncidentRaised | None:
     return d.IncidentRaised(ts=inc.detected_ts, incident=inc, generation=generation)
 
 
-def _min_epoch(entry: d.TaskEntry) -> int:
-    """Progress confirms a pending restart only from processes that restart launched."""
+def _pending_restart(entry: d.TaskEntry) -> int | None:
+    """The restart epoch whose processes alone can show that the task recovered, if a restart is pending."""
     o = entry.outstanding
-    return entry.restart_epoch if o is not None and o.kind is d.ActionKind.RESTART else 0
+    return entry.restart_epoch if o is not None and o.kind is d.ActionKind.RESTART else None
 
 
 def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> list[d.ProgressMade]:
-    """New steps completed by a task's ranks at its current generation (and restart epoch)."""
+    """New steps completed by a task's ranks at its current generation (and, while a restart is
+    pending, by processes that restart launched: a survivor's or the dead process's step says nothing
+    about it). Such a process that has completed an iteration proves the restart whatever its step:
+    a job that resumed from its checkpoint redoes steps the coordinator saw before the failure, and
+    waiting for it to pass them would let the restart's deadline expire on a healthy node."""
     best: dict[str, int] = {}
+    proven: dict[str, int] = {}  # task -> highest step of a relaunched process that completed an iteration
     for r in status.ranks:
         entry = state.tasks.get(r.task)
         if entry is None or r.step is None or r.generation != entry.generation:
             continue
-        if r.restart_epoch < _min_epoch(entry):
-            continue  # a survivor's (or the dead process's) step says nothing about the restart
+        epoch = _pending_restart(entry)
+        if epoch is not None and r.restart_epoch < epoch:
+            continue
         best[r.task] = max(r.step, best.get(r.task, -1))
+        if epoch is not None and r.advanced:
+            proven[r.task] = max(r.step, proven.get(r.task, -1))
     out = []
     for task, step in sorted(best.items()):
-        generation = state.tasks[task].generation
-        if step > seen.get((task, generation), -1):
-            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=generation))
+        entry = state.tasks[task]
+        if task in proven:
+            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation,
+                                      restart_epoch=entry.restart_epoch))
+        elif step > seen.get((task, entry.generation), -1):
+            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation))
     return out
 
 

@@ -526,7 +526,8 @@ class Coordinator:
         for made in causes.progress(status, self.state, self._seen, ts):
             self._decide(made)
             assert made.generation is not None
-            self._seen[(made.task, made.generation)] = made.step
+            key = (made.task, made.generation)
+            self._seen[key] = max(made.step, self._seen.get(key, -1))  # a redone step is below it
         for ended in causes.ended(self._statuses, self.state, ts, changed=node):
             if isinstance(ended, d.TaskStopped):
                 log.warning("every rank of the task stopped before its end, unasked", task=ended.task,

@@ -648,12 +648,17 @@ class _Run:
             entry.restarts, entry.no_progress_since = 0, None
         if event.generation is None or event.generation != entry.generation:
             return
-        # a reattempt, restart or in-place resize keeps the generation: only a step past it proves it worked
+        # a reattempt, restart or in-place resize keeps the generation: only a step past it proves it
+        # worked, or, for a restart, an iteration completed by a process it launched (which may redo
+        # steps from the job's checkpoint: waiting for it to pass the fault would outlast the deadline)
+        relaunched = (entry.phase is TaskPhase.RESTARTING and event.restart_epoch is not None
+                      and event.restart_epoch >= entry.restart_epoch)
         resizing = entry.outstanding is not None and entry.outstanding.kind is ActionKind.RESIZE
         same_config = resizing or entry.phase in (TaskPhase.REATTEMPTING, TaskPhase.RESTARTING)
-        if same_config and entry.recovery_step is not None and event.step <= entry.recovery_step:
+        if same_config and not relaunched and entry.recovery_step is not None and event.step <= entry.recovery_step:
             return
-        self._fire(event.task, _T.PROGRESS, _Fault(f"step {event.step} completed"))
+        by = f" by a process of restart epoch {event.restart_epoch}" if relaunched else ""
+        self._fire(event.task, _T.PROGRESS, _Fault(f"step {event.step} completed{by}"))
 
     # -- reconfiguration ----------------------------------------------------------------------------
 

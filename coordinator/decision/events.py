@@ -143,6 +143,10 @@ class ProgressMade:
     task: str
     step: int
     generation: int | None = None
+    #: set when the step comes from a process launched at this restart epoch that has completed an
+    #: iteration: proof that restart worked even at a step the task had passed before it (a job that
+    #: resumed from an older checkpoint redoes steps)
+    restart_epoch: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

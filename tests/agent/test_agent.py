@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ from unicron.kernel.types import (
     NodeAssignment,
     NodeStatus,
     RankSpec,
+    RankStatus,
     StoreAddress,
     TaskAssignment,
 )
@@ -159,6 +161,44 @@ def test_a_rank_that_stops_early_is_noted_before_it_exits_and_its_status_says_so
 
     # rank 0 exits 0 only once its agent answered (else 3); the status carries where it stopped
     assert wait_for(exits, 60, "both ranks to exit") == [(0, "exited", 0, 17), (1, "exited", 0, None)]
+
+
+# A rank that begins iteration 40, as a job resumed from its checkpoint at 40 does, and finishes it only
+# once the file named by its argument exists; then it idles.
+RESUMES = [sys.executable, "-c", (
+    "import os, sys, time; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "with c.iteration(40):\n"
+    "    while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+    "time.sleep(120)\n"
+)]
+
+
+def test_a_rank_process_is_advanced_once_it_completed_an_iteration_and_a_relaunch_starts_over(
+        agents: dict[str, Agent], store: Store, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    t = task("redo", [*RESUMES, str(go)], [0], 1, store_node="a0")
+    assign(store, "a0", t)
+
+    def at_40(epoch: int, advanced: bool) -> RankStatus | None:
+        st = status(store, "a0")
+        return next((r for r in st.ranks if r.task == "redo" and r.step == 40 and r.restart_epoch == epoch
+                     and r.advanced is advanced), None) if st else None
+
+    # begun only: its step is where the checkpoint left it, no work of its own
+    began = wait_for(lambda: at_40(0, advanced=False), 60, "iteration 40 begun")
+    time.sleep(0.5)  # statuses are written every 0.2 s: a wrong "advanced" would show by now
+    assert at_40(0, advanced=True) is None
+    go.touch()
+    done = wait_for(lambda: at_40(0, advanced=True), 30, "iteration 40 completed")
+    assert done.pid == began.pid
+    # a relaunched process has completed nothing yet, whatever its predecessor did
+    go.unlink()
+    assign(store, "a0", dataclasses.replace(t, restart_epoch=1, restart_ranks=[0]))
+    again = wait_for(lambda: at_40(1, advanced=False), 60, "the relaunched process at iteration 40")
+    assert again.pid != began.pid
+    time.sleep(0.5)
+    assert at_40(1, advanced=True) is None
 
 
 @pytest.mark.parametrize("argv, reason", [

@@ -56,6 +56,7 @@ def test_a_megatron_job_that_stops_printing_is_a_task_hang(agent: Agent, store: 
     assert "3.0 x mean iteration time 0.200 s" in found.message  # Megatron's own time per iteration x 10
     st = status(store, "a0")
     assert st is not None and [r.step for r in st.ranks] == [120]  # progress, as instrumented ranks report it
+    assert [r.advanced for r in st.ranks] == [True]  # a progress line follows the iterations it counts
     # stdout went through the parser and still reached the rank's log file.
     lines = (tmp_path / "logs" / "mega" / "rank0.log").read_text().splitlines()
     assert len(lines) == 12 and "iteration      120/     300" in lines[-1]

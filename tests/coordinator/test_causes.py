@@ -100,17 +100,24 @@ def test_progress_counts_only_the_current_generation_and_new_steps() -> None:
     assert causes.progress(st, state, {("t", gen): 7}, ts=5.0) == []
 
 
-def test_a_stale_step_does_not_confirm_a_restart() -> None:
-    """Issue #19 item 1: during a restart, only processes launched at its epoch show recovery."""
+def restarting(step: int, node: str) -> tuple[d.CoreState, dict[str, list[int]], int]:
+    """Task ``t`` running at ``step``, then its rank on ``node`` exits abnormally: a restart is pending.
+    Returns the state, the placement and the generation."""
     state, placement = running_task()
     gen = state.tasks["t"].generation
-    state, _ = CORE.handle(state, d.ProgressMade(ts=3.0, task="t", step=10, generation=gen))
+    state, _ = CORE.handle(state, d.ProgressMade(ts=3.0, task="t", step=step, generation=gen))
     assert state.tasks["t"].phase is d.TaskPhase.RUNNING
-    report = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node="n1",
-                    task="t", rank=placement["n1"][0], source_ts=4.0, agent_ts=4.0)
+    report = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node=node,
+                    task="t", rank=placement[node][0], source_ts=4.0, agent_ts=4.0)
     state, _ = CORE.handle(state, d.IncidentRaised(ts=4.0, incident=causes.incident(report, 4.0), generation=gen))
-    entry = state.tasks["t"]
-    assert entry.phase is d.TaskPhase.RESTARTING and entry.restart_epoch == 1
+    assert state.tasks["t"].phase is d.TaskPhase.RESTARTING
+    return state, placement, gen
+
+
+def test_a_stale_step_does_not_confirm_a_restart() -> None:
+    """Issue #19 item 1: during a restart, only processes launched at its epoch show recovery."""
+    state, placement, gen = restarting(step=10, node="n1")
+    assert state.tasks["t"].restart_epoch == 1
     # the survivor on n0 (launched at epoch 0) is ahead of what the coordinator saw: not a recovery
     survivor = status("n0", rank(placement["n0"], gen, step=12, restart_epoch=0))
     assert causes.progress(survivor, state, {("t", gen): 10}, ts=5.0) == []
@@ -151,13 +158,28 @@ def test_an_assignment_succeeds_once_every_node_runs_its_ranks() -> None:
     assert state.tasks["t"].phase is d.TaskPhase.RUNNING
 
 
+def test_a_relaunched_process_that_completed_an_iteration_proves_the_restart_below_the_steps_seen() -> None:
+    """A job resumed from its checkpoint redoes steps the coordinator saw before the failure."""
+    state, placement, gen = restarting(step=500, node="n1")
+    epoch = state.tasks["t"].restart_epoch
+    seen = {("t", gen): 500}
+    # begun at its checkpoint's step, nothing completed yet: no proof
+    begun = status("n1", rank(placement["n1"], gen, step=400, restart_epoch=epoch))
+    assert causes.progress(begun, state, seen, ts=5.0) == []
+    # a survivor that completed iterations proves nothing about the restart
+    survivor = status("n0", rank(placement["n0"], gen, step=450, restart_epoch=epoch - 1, advanced=True))
+    assert causes.progress(survivor, state, seen, ts=5.0) == []
+    done = status("n1", rank(placement["n1"], gen, step=401, restart_epoch=epoch, advanced=True))
+    [made] = causes.progress(done, state, seen, ts=5.0)
+    assert (made.step, made.restart_epoch) == (401, epoch)
+    state, _ = CORE.handle(state, made)
+    assert state.tasks["t"].phase is d.TaskPhase.RUNNING and state.tasks["t"].outstanding is None
+    # once confirmed, redone steps are no news
+    assert causes.progress(done, state, seen, ts=6.0) == []
+
+
 def test_a_relaunched_rank_does_not_by_itself_confirm_a_restart() -> None:
-    state, placement = running_task()
-    gen = state.tasks["t"].generation
-    state, _ = CORE.handle(state, d.ProgressMade(ts=3.0, task="t", step=1, generation=gen))
-    report = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node="n0",
-                    task="t", rank=placement["n0"][0], source_ts=4.0, agent_ts=4.0)
-    state, _ = CORE.handle(state, d.IncidentRaised(ts=4.0, incident=causes.incident(report, 4.0), generation=gen))
+    state, placement, gen = restarting(step=1, node="n0")
     ok = result("n0", ok=True, generation=gen, restart_epoch=1, ranks={str(r): "running" for r in placement["n0"]})
     assert causes.outcomes(ok, {"n0": ok}, state, ts=5.0) == []
     bad = result("n0", ok=False, generation=gen, restart_epoch=1, ranks={}, detail="cannot start")

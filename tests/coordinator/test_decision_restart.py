@@ -71,6 +71,28 @@ def test_the_peers_crashes_are_merged_and_no_node_is_isolated() -> None:
     assert sim.phase(JOB) is d.TaskPhase.RUNNING and sim.state.tasks[JOB].restarts == 0
 
 
+def test_a_restart_that_redoes_steps_from_the_jobs_checkpoint_is_confirmed_by_its_first_iteration() -> None:
+    """The job resumes from its own checkpoint, behind the step it had reached. Before, only a step
+    past the fault confirmed the restart: a redo longer than the restart deadline (120 s) expired it,
+    isolated a healthy node and stopped the task."""
+    sim = running()
+    sim.progress(JOB, 500)
+    act = only_restart(sim.incident("n2", SEV2_KIND, task=JOB, rank=8))
+    gen = sim.state.tasks[JOB].generation
+    # a redone step not shown to come from the restart's processes, or from an earlier restart's, is no proof
+    sim.feed(d.ProgressMade(ts=sim.ts(), task=JOB, step=400, generation=gen))
+    sim.feed(d.ProgressMade(ts=sim.ts(), task=JOB, step=401, generation=gen, restart_epoch=act.restart_epoch - 1))
+    assert sim.phase(JOB) is d.TaskPhase.RESTARTING
+    sim.feed(d.ProgressMade(ts=sim.ts(), task=JOB, step=402, generation=gen, restart_epoch=act.restart_epoch))
+    assert sim.phase(JOB) is d.TaskPhase.RUNNING and sim.state.tasks[JOB].outstanding is None
+    assert sim.feed(d.Tick(ts=sim.ts(200.0))) == []  # past the restart's deadline: nothing to escalate
+    assert all(n.status is d.NodeState.UP for n in sim.state.nodes.values())
+    # a redone step is no progress for the budget: a crash before step 500 is another restart without it
+    assert sim.state.tasks[JOB].restarts == 1
+    assert only_restart(sim.incident("n2", SEV2_KIND, task=JOB, rank=8)).restart_epoch == act.restart_epoch + 1
+    assert sim.state.tasks[JOB].restarts == 2
+
+
 def test_a_hardware_fault_still_moves_the_task() -> None:
     sim = running()
     acts = sim.incident("n1", SEV1_KIND)

@@ -98,3 +98,52 @@ def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path
             print(f"kill -> finished in {recovered_s:.1f} s")
         finally:
             os.environ.pop("UNICRON_ETCD", None)
+
+
+def test_a_restart_that_redoes_steps_from_an_older_checkpoint_is_confirmed_by_its_first_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job checkpoints every 35 steps of 0.4 s (after step 34), and a rank is killed at step 60 or
+    later: the relaunched job redoes at least 26 steps (10.4 s) from its checkpoint. Its first step
+    confirms the restart. Before, only a step past the fault did, so the 9 s restart deadline expired
+    during the redo: the restart's node (healthy) was isolated and the task reconfigured."""
+    require_netns()
+    monkeypatch.chdir(ROOT)
+    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "9"}
+    with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env, netns=True) as c:
+        os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+        try:
+            spec, _ = documented_spec(tmp_path / "ckpt")
+            argv: list[str] = spec["command"]
+            argv[argv.index("--steps") + 1] = "1000"
+            argv[argv.index("--step-time") + 1] = "0.4"
+            argv += ["--ckpt-interval", "35"]
+            spec_file = tmp_path / "stock.json"
+            spec_file.write_text(json.dumps(spec))
+            assert cli(["submit", str(spec_file)]) == 0
+            c.wait_for(lambda: max(steps(c, 1) or [0]) >= 60, 120.0,
+                       "step 60 on rank 1", poll_s=0.1)
+            (victim, _, _), = starts(c, 1)
+            t0 = time.time()
+            os.kill(victim, signal.SIGKILL)
+            killed_at = max(steps(c, 1))
+            assert killed_at >= 60
+
+            def confirmed() -> dict[str, Any] | None:
+                return next((r for r in c.coordinator_log(t0) if r.get("event") == "transition"
+                             and "restarting --progress--> running" in str(r.get("edge"))), None)
+
+            edge = c.wait_for(confirmed, 60.0, "the restart confirmed", poll_s=0.2)
+            (_, _, resume), = starts(c, 1)[1:]
+            assert resume == 35 and killed_at >= 60, (resume, killed_at)  # redone from its checkpoint
+            # confirmed by the relaunched attempt's step, before it got back to the fault
+            by = re.search(r"step (\d+) completed by a process of restart epoch 1", str(edge["edge"]))
+            assert by is not None, edge
+            done = int(by[1])
+            assert resume <= done < killed_at, (resume, done, killed_at)
+            time.sleep(max(0.0, t0 + 11.0 - time.time()))  # past the restart's deadline
+            acts = [str(a["action"]) for a in c.actions(t0)]
+            assert acts == ["RestartTask"], acts  # no escalation: no IsolateNode, no re-Assign
+            assert task("stock")["phase"] == "running"
+            assert all(c.node_state(n) == "up" for n in c.node_names())
+        finally:
+            os.environ.pop("UNICRON_ETCD", None)

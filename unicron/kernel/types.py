@@ -411,6 +411,10 @@ class RankStatus(Record):
     #: the task's restart epoch when this process was launched: progress confirms a sev2 restart only
     #: when it comes from a process launched at (or after) the restart's epoch
     restart_epoch: int = 0
+    #: this process completed an iteration since it was launched (an ``IterEnd``, or a progress line of
+    #: its output): its ``step`` is then its own work, not just the checkpoint it resumed from, and it
+    #: confirms a restart even below the step the task had reached (a stock job redoes from its checkpoint)
+    advanced: bool = False
     #: the iteration at which the rank said it stopped before its end (a work-conserving stop on a
     #: SIGTERM, ``protocol.Stopped``): its exit 0 does not finish the task. None: it said no such thing
     stopped_at: int | None = None
