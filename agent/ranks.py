@@ -45,8 +45,7 @@ class RankServer:
 
     def stop(self) -> None:
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        wire.stop_listening(self._sock, self._thread)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with self._lock:
@@ -75,6 +74,9 @@ class RankServer:
             try:
                 sock, _ = self._sock.accept()
             except OSError:
+                return
+            if self._stop.is_set():
+                sock.close()
                 return
             threading.Thread(target=self._serve, args=(wire.LineSocket(sock),), daemon=True).start()
 

@@ -121,8 +121,9 @@ class LinkServer:
         # handshake and hello, which may block; then it joins the selector.
         self._selector = selectors.DefaultSelector()
         self._sel_lock = threading.Lock()  # registrations and closes; select() itself runs unlocked
+        self._acceptor = threading.Thread(target=self._accept_loop, name="link-accept", daemon=True)
         self._threads = [
-            threading.Thread(target=self._accept_loop, name="link-accept", daemon=True),
+            self._acceptor,
             threading.Thread(target=self._watchdog, name="link-watchdog", daemon=True),
             threading.Thread(target=self._reader, name="link-reader", daemon=True),
         ]
@@ -134,8 +135,7 @@ class LinkServer:
 
     def stop(self) -> None:
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        wire.stop_listening(self._sock, self._acceptor)
         with self._cond:
             peers = list(self._peers.values())
             self._cond.notify_all()
@@ -157,6 +157,9 @@ class LinkServer:
             try:
                 sock, _ = self._sock.accept()
             except OSError:
+                return
+            if self._stop.is_set():
+                sock.close()
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(sock,), daemon=True).start()

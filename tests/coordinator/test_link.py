@@ -302,3 +302,14 @@ def test_a_peer_whose_heartbeats_wait_unread_is_not_lost_while_the_reader_is_beh
         beats.thread.join()
     quiet.close()
     busy.close()
+
+
+def test_a_stopped_server_leaves_no_thread_in_accept(events: Events) -> None:
+    """Closing a listening socket does not wake a thread blocked in accept(); left there, it can take
+    the connections of the next socket given the same descriptor number (unicron.kernel.wire.stop_listening)."""
+    s = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=events.on_lost, on_connected=events.on_connected,
+                   on_goodbye=events.on_goodbye, verify=lambda node, token: TOKENS.get(node) == token).start()
+    acceptor = next(t for t in threading.enumerate() if t.name == "link-accept" and t.is_alive())
+    time.sleep(0.1)  # in accept() by now
+    s.stop()
+    assert not acceptor.is_alive()

@@ -67,3 +67,20 @@ class LineSocket:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def stop_listening(sock: socket.socket, acceptor: threading.Thread, timeout_s: float = 5.0) -> None:
+    """Stop a listening socket served by ``acceptor`` (a thread looping on ``accept()``), and release
+    its descriptor only once that thread is gone.
+
+    ``close()`` alone does not wake a blocked ``accept()`` on Linux, and the number it frees goes to
+    the next socket this process opens: a stopped agent's rank-server thread, still in ``accept()``
+    with the old number, took the connections of the next agent's rank server in the same process and
+    dropped their messages as an unknown task's (seen in ``tests/agent/test_agent.py``). ``shutdown``
+    wakes it (``EINVAL``); the loop must then see its stop flag and return.
+    """
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    if acceptor.is_alive() and acceptor is not threading.current_thread():
+        acceptor.join(timeout_s)
+    sock.close()

@@ -1,0 +1,35 @@
+"""The agent's rank server (agent/ranks.py) started and stopped in one process, as tests and in-process
+agents do."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+from agent.ranks import RankServer
+from unicron.kernel import protocol, wire
+
+
+def test_a_stopped_rank_server_leaves_no_thread_in_accept_and_the_next_one_gets_its_ranks(tmp_path: Path) -> None:
+    """A stopped agent's rank server took the connections of the next agent's in the same process:
+    its thread stayed in accept() after close(), on a descriptor number the new server was given, and
+    it dropped the ranks' messages as an unknown task's (seen in tests/agent/test_agent.py under load)."""
+    got: list[tuple[str, str]] = []
+    old = RankServer(str(tmp_path / "old.sock"), lambda task, rank, msg: got.append(("old", task))).start()
+    time.sleep(0.1)  # its thread is in accept() by now
+    old.stop()
+    assert not old._thread.is_alive()
+    new = RankServer(str(tmp_path / "new.sock"), lambda task, rank, msg: got.append(("new", task))).start()
+    try:
+        for i in range(20):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(new.path)
+                wire.LineSocket(s).send(protocol.Hello(task=f"t{i}", rank=0, local_rank=0, pid=1, generation=1).to_wire())
+                deadline = time.monotonic() + 5.0
+                while len(got) <= i and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        assert got == [("new", f"t{i}") for i in range(20)]
+    finally:
+        new.stop()
+    assert not new._thread.is_alive()
