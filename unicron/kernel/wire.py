@@ -73,10 +73,10 @@ def stop_listening(sock: socket.socket, acceptor: threading.Thread, timeout_s: f
     """Stop a listening socket served by ``acceptor`` (a thread looping on ``accept()``), and release
     its descriptor only once that thread is gone.
 
-    ``close()`` alone does not wake a blocked ``accept()`` on Linux, and the number it frees goes to
-    the next socket this process opens: a stopped agent's rank-server thread, still in ``accept()``
-    with the old number, took the connections of the next agent's rank server in the same process and
-    dropped their messages as an unknown task's (seen in ``tests/agent/test_agent.py``). ``shutdown``
+    ``close()`` alone does not wake a blocked ``accept()`` on Linux, and frees a descriptor number the
+    next socket of this process may get: a stopped agent's rank-server thread, left in ``accept()``,
+    later accepted a connection made to the next agent's rank server in the same process and dropped
+    its messages as an unknown task's (seen in ``tests/agent/test_agent.py`` under load). ``shutdown``
     wakes it (``EINVAL``); the loop must then see its stop flag and return.
     """
     with contextlib.suppress(OSError):
