@@ -91,7 +91,7 @@ def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> l
     a job that resumed from its checkpoint redoes steps the coordinator saw before the failure, and
     waiting for it to pass them would let the restart's deadline expire on a healthy node."""
     best: dict[str, int] = {}
-    proven: dict[str, int] = {}  # task -> highest step of a relaunched process that completed an iteration
+    proven: set[str] = set()  # tasks with a process of the pending restart that completed an iteration
     for r in status.ranks:
         entry = state.tasks.get(r.task)
         if entry is None or r.step is None or r.generation != entry.generation:
@@ -101,7 +101,7 @@ def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> l
             continue
         best[r.task] = max(r.step, best.get(r.task, -1))
         if epoch is not None and r.advanced:
-            proven[r.task] = max(r.step, proven.get(r.task, -1))
+            proven.add(r.task)
     out = []
     for task, step in sorted(best.items()):
         entry = state.tasks[task]
