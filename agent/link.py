@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 
 from unicron.kernel import link, tls, wire
@@ -26,13 +27,15 @@ class LinkClient:
     """The agent's end: connect to the leader, say hello, heartbeat; reconnect when it breaks."""
 
     def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], str | None], token: str,
-                 tls_config: tls.TLSConfig | None = None) -> None:
+                 tls_config: tls.TLSConfig | None = None, on_sent: Callable[[float], None] | None = None) -> None:
         self.node = node
         #: with TLS the agent presents its node certificate and checks the coordinator's against the CA
         self._ssl = tls_config.client_context() if tls_config is not None else None
         self.heartbeat_s = heartbeat_s
         self.resolve = resolve  # returns the current leader's "host:port", or None
         self.token = token
+        #: on_sent(seconds since the previous heartbeat on this connection), after each heartbeat (metrics)
+        self.on_sent = on_sent
         self._stop = threading.Event()
         self._goodbye: str | None = None
         self.connected = threading.Event()  # set while the coordinator has welcomed this connection
@@ -99,8 +102,13 @@ class LinkClient:
             backoff = 0.05
             self.connected.set()
             try:
+                last = time.monotonic()
                 while not self._stop.wait(self.heartbeat_s):
                     conn.send(link.Heartbeat().to_wire())
+                    now = time.monotonic()
+                    if self.on_sent is not None:
+                        self.on_sent(now - last)
+                    last = now
             except OSError as exc:
                 self.log.warning("link to the coordinator broke; reconnecting", error=str(exc))
                 self.connected.clear()

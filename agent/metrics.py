@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from unicron.kernel.metrics import EtcdMetrics
+
+#: around the default 0.1 s heartbeat: an agent short of CPU shows here before the coordinator's
+#: timeout (1 s) takes its node for lost
+HEARTBEAT_BUCKETS = (0.11, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 
 class _Sampled(Collector):
@@ -36,6 +40,9 @@ class AgentMetrics:
                                      ["task"], registry=r)
         self.reports = Counter("unicron_agent_reports", "reports published by this agent, by detection method and kind",
                                ["method", "kind"], registry=r)
+        self.heartbeat_interval = Histogram("unicron_agent_heartbeat_interval_seconds",
+                                            "time between two heartbeats this agent sent to the coordinator",
+                                            buckets=HEARTBEAT_BUCKETS, registry=r)
         self.gpu_events = Counter("unicron_agent_gpu_events", "GPU health events (XID, ECC, NVLink) by kind",
                                   ["kind"], registry=r)
 

@@ -20,7 +20,7 @@ threads (so forking it is safe) and never initialises CUDA (so a forked rank can
 The agent runs one per node; :class:`unicron.cluster.launch.LocalJob` (tests, benchmarks) uses the same.
 
 Protocol, one connection per rank: the agent sends a 4-byte big-endian length and a JSON request
-``{"argv", "env", "cwd"}`` with its stdout and stderr descriptors attached; the spawner answers
+``{"argv", "env", "cwd", "nice"}`` (``nice``: the rank's CPU priority, null: the spawner's) with its stdout and stderr descriptors attached; the spawner answers
 ``{"pid": P}`` then, when the rank has exited, ``{"exit": CODE}`` (negative: killed by that signal).
 """
 
@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from unicron.kernel import log as ulog
+from unicron.kernel import priority
 from unicron.kernel.errors import TemporaryError
 from unicron.kernel.parentdeath import die_with_parent
 
@@ -201,15 +202,15 @@ class Prefork:
         return len(argv) >= 3 and (argv[1] == "-c" or (argv[1] == "-m" and argv[2] in self.modules))
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
-              stdout: int | None, stderr: int | None = None) -> PreforkedProcess:
+              stdout: int | None, stderr: int | None = None, nice: int | None = None) -> PreforkedProcess:
         """Fork ``argv`` from the spawner; stdout goes to ``stdout`` (a descriptor; None: ours), stderr
-        to ``stderr``, or when None to a pipe read through the result's ``stderr``. Raises
-        :class:`PreforkUnavailable` when it cannot."""
+        to ``stderr``, or when None to a pipe read through the result's ``stderr``; ``nice``: the rank's
+        CPU priority (None: the spawner's). Raises :class:`PreforkUnavailable` when it cannot."""
         if not self.ready():
             self._restart_if_dead()
             raise PreforkUnavailable("the rank spawner is not running (yet)")
         request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env),
-                              "cwd": cwd}).encode()
+                              "cwd": cwd, "nice": nice}).encode()
         read_end, write_end = os.pipe() if stderr is None else (-1, os.dup(stderr))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         reader = conn.makefile("rb")
@@ -354,6 +355,8 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
             with contextlib.suppress(OSError):
                 os.close(fd)
         die_with_parent(spawner)
+        if isinstance(request.get("nice"), int):
+            priority.set_thread(request["nice"])  # the spawner is one thread: this is the whole rank
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)

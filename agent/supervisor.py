@@ -35,7 +35,7 @@ from typing import IO
 
 from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
 from unicron.kernel import log as ulog
-from unicron.kernel import parentdeath, patterns
+from unicron.kernel import parentdeath, patterns, priority
 from unicron.kernel.errors import ConfigError, PermanentError
 from unicron.kernel.types import ErrorKind
 
@@ -142,6 +142,20 @@ class RankProcess:
         return ProcStatus(self.rank, self.pid, self.state, rc, self.requested)
 
 
+def _child_setup(die_with_parent: Callable[[], None] | None, nice: int | None) -> Callable[[], None] | None:
+    """The ``preexec_fn`` of a rank started as a new process: ``die_with_parent``, then its own CPU
+    priority (:mod:`unicron.kernel.priority`; None: the agent's)."""
+    if nice is None:
+        return die_with_parent
+
+    def run() -> None:
+        if die_with_parent is not None:
+            die_with_parent()
+        priority.set_thread(nice)
+
+    return run
+
+
 class Supervisor:
     """Launches and watches the ranks of this node (one process per rank, keyed by rank number).
 
@@ -158,6 +172,7 @@ class Supervisor:
         pdeathsig: bool = True,
         prefork: Prefork | None = None,
         on_line: LineCallback | None = None,
+        rank_nice: int | None = None,
     ) -> None:
         self._on_exit = on_exit
         self._on_line = on_line
@@ -167,8 +182,9 @@ class Supervisor:
         # A dying rank prints its error right before exiting: give its reader this long to reach EOF
         # so the stderr match is reported (and RankExit.stderr_kind set) before the exit itself.
         self._stderr_grace = stderr_grace_s
-        self._preexec = parentdeath.preexec(signal.SIGKILL) if pdeathsig else None
+        self._preexec = _child_setup(parentdeath.preexec(signal.SIGKILL) if pdeathsig else None, rank_nice)
         self._prefork = prefork
+        self._rank_nice = rank_nice
         self._procs: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         # The one long-lived thread that forks every child (see the module docstring on PDEATHSIG).
@@ -232,7 +248,7 @@ class Supervisor:
                 popen: subprocess.Popen[bytes] | PreforkedProcess | None = None
                 if self._prefork is not None and self._prefork.eligible(argv, env, cwd):
                     try:
-                        popen = self._prefork.spawn(argv, env, cwd, out_fd)
+                        popen = self._prefork.spawn(argv, env, cwd, out_fd, nice=self._rank_nice)
                     except PreforkUnavailable as exc:
                         log.info("rank starts as a new process", rank=rank, reason=str(exc))
                 if popen is None:

@@ -112,3 +112,25 @@ def test_client_reconnects_after_the_server_drops_it(server: LinkServer, events:
     finally:
         c.stop(goodbye="done")
     assert events.goodbyes == [("node2", "done")]
+
+
+def test_each_heartbeat_reports_the_real_interval_since_the_previous_one(server: LinkServer, events: Events) -> None:
+    """What ``unicron_agent_heartbeat_interval_seconds`` observes: a late send shows as a long interval
+    (here the agent's own thread is held up once, as a starved agent's would be)."""
+    seen: list[float] = []
+    done = threading.Event()
+
+    def on_sent(interval_s: float) -> None:
+        seen.append(interval_s)
+        if len(seen) == 3:
+            time.sleep(0.3)
+        if len(seen) == 6:
+            done.set()
+
+    c = LinkClient("node1", HEARTBEAT_S, lambda: server.address, token="token-of-node1", on_sent=on_sent).start()
+    try:
+        assert done.wait(5.0)
+    finally:
+        c.stop(goodbye="test over")
+    assert all(s >= HEARTBEAT_S * 0.9 for s in seen), seen
+    assert seen[3] >= 0.3 + HEARTBEAT_S * 0.9, seen  # the held-up one
