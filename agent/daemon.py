@@ -169,7 +169,8 @@ class Agent:
         self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
         self.prefork = (Prefork(modules, os.path.join(settings.run_dir, f"{settings.node}.pf"),
-                                preexec=parentdeath.preexec(signal.SIGKILL)) if modules else None)
+                                preexec=parentdeath.preexec(signal.SIGKILL), nice=settings.rank_nice)
+                        if modules else None)
         # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
         self.replicas: ReplicaServer | None = None
         self.metrics = AgentMetrics()
@@ -192,6 +193,8 @@ class Agent:
             log.warning("ranks start at the agent's priority: only root may start them above it", node=self.node,
                         nice=own, rank_nice=self.settings.rank_nice)
             self.rank_nice = None
+            if self.prefork is not None:
+                self.prefork.nice = None
         log.info("CPU priorities", node=self.node, nice=own, rank_nice=self.rank_nice if self.rank_nice is not None else own)
 
     def run(self) -> int:

@@ -20,7 +20,7 @@ threads (so forking it is safe) and never initialises CUDA (so a forked rank can
 The agent runs one per node; :class:`unicron.cluster.launch.LocalJob` (tests, benchmarks) uses the same.
 
 Protocol, one connection per rank: the agent sends a 4-byte big-endian length and a JSON request
-``{"argv", "env", "cwd", "nice"}`` (``nice``: the rank's CPU priority, null: the spawner's) with its stdout and stderr descriptors attached; the spawner answers
+``{"argv", "env", "cwd"}`` with its stdout and stderr descriptors attached; the spawner answers
 ``{"pid": P}`` then, when the rank has exited, ``{"exit": CODE}`` (negative: killed by that signal).
 """
 
@@ -140,7 +140,7 @@ class Prefork:
 
     def __init__(self, modules: Sequence[str], socket_path: str, python: str = sys.executable,
                  preexec: Callable[[], None] | None = None, env: Mapping[str, str] | None = None,
-                 restart_backoff_s: float = 60.0) -> None:
+                 restart_backoff_s: float = 60.0, nice: int | None = None) -> None:
         self.modules = tuple(m for m in modules if m)
         self.socket_path = socket_path
         self.python = python
@@ -148,6 +148,9 @@ class Prefork:
         self._proc: subprocess.Popen[bytes] | None = None
         self._env = with_torchrun_threads(os.environ if env is None else env)
         self._backoff = restart_backoff_s
+        #: the spawner's CPU priority, which its ranks inherit (None: its starter's): it is the ranks'
+        #: side, so the agent gives it theirs (unicron.kernel.priority); its imports are rank work
+        self.nice = nice
         self._started_at = -math.inf
         # PDEATHSIG fires when the *thread* that forked the spawner exits: start it from one thread
         # that lives as long as this handle, whichever thread asks.
@@ -163,7 +166,8 @@ class Prefork:
             os.unlink(self.socket_path)
         self._started_at = time.monotonic()
         self._proc = subprocess.Popen(
-            [self.python, "-m", "agent.prefork", "--socket", self.socket_path, "--preload", ",".join(self.modules)],
+            [self.python, "-m", "agent.prefork", "--socket", self.socket_path, "--preload", ",".join(self.modules),
+             *(["--nice", str(self.nice)] if self.nice is not None else [])],
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=self._preexec, env=self._env,
         )
 
@@ -202,15 +206,15 @@ class Prefork:
         return len(argv) >= 3 and (argv[1] == "-c" or (argv[1] == "-m" and argv[2] in self.modules))
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
-              stdout: int | None, stderr: int | None = None, nice: int | None = None) -> PreforkedProcess:
+              stdout: int | None, stderr: int | None = None) -> PreforkedProcess:
         """Fork ``argv`` from the spawner; stdout goes to ``stdout`` (a descriptor; None: ours), stderr
-        to ``stderr``, or when None to a pipe read through the result's ``stderr``; ``nice``: the rank's
-        CPU priority (None: the spawner's). Raises :class:`PreforkUnavailable` when it cannot."""
+        to ``stderr``, or when None to a pipe read through the result's ``stderr``. Raises
+        :class:`PreforkUnavailable` when it cannot."""
         if not self.ready():
             self._restart_if_dead()
             raise PreforkUnavailable("the rank spawner is not running (yet)")
         request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env),
-                              "cwd": cwd, "nice": nice}).encode()
+                              "cwd": cwd}).encode()
         read_end, write_end = os.pipe() if stderr is None else (-1, os.dup(stderr))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         reader = conn.makefile("rb")
@@ -355,8 +359,6 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
             with contextlib.suppress(OSError):
                 os.close(fd)
         die_with_parent(spawner)
-        if isinstance(request.get("nice"), int):
-            priority.set_thread(request["nice"])  # the spawner is one thread: this is the whole rank
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)
@@ -374,9 +376,14 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
         os._exit(code)
 
 
-def serve(socket_path: str, modules: Sequence[str]) -> int:
+def serve(socket_path: str, modules: Sequence[str], nice: int | None = None) -> int:
     parent = os.getppid()
     die_with_parent(parent)
+    if nice is not None:
+        try:
+            priority.set_thread(nice)  # one thread yet: the whole spawner, and every rank it forks
+        except PermissionError:
+            print(f"prefork: cannot set nice {nice}; ranks run at {priority.current()}", file=sys.stderr)
     for name in modules:
         importlib.import_module(name)  # the whole point: import once, fork many
     threads = len(os.listdir("/proc/self/task"))
@@ -480,10 +487,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent.prefork", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
     parser.add_argument("--preload", default="", help="comma-separated modules to import before serving")
+    parser.add_argument("--nice", type=int, default=None, help="CPU priority of the spawner and its ranks")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent's ^C reaches us too; it stops us itself
     try:
-        return serve(args.socket, [m for m in args.preload.split(",") if m])
+        return serve(args.socket, [m for m in args.preload.split(",") if m], args.nice)
     except ImportError as exc:
         print(f"prefork: cannot preload: {exc}; ranks start as new processes", file=sys.stderr)
         return 2

@@ -144,7 +144,8 @@ class RankProcess:
 
 def _child_setup(die_with_parent: Callable[[], None] | None, nice: int | None) -> Callable[[], None] | None:
     """The ``preexec_fn`` of a rank started as a new process: ``die_with_parent``, then its own CPU
-    priority (:mod:`unicron.kernel.priority`; None: the agent's)."""
+    priority (:mod:`unicron.kernel.priority`; None: the agent's). A forked rank has its spawner's
+    (``Prefork(nice=...)``)."""
     if nice is None:
         return die_with_parent
 
@@ -184,7 +185,6 @@ class Supervisor:
         self._stderr_grace = stderr_grace_s
         self._preexec = _child_setup(parentdeath.preexec(signal.SIGKILL) if pdeathsig else None, rank_nice)
         self._prefork = prefork
-        self._rank_nice = rank_nice
         self._procs: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         # The one long-lived thread that forks every child (see the module docstring on PDEATHSIG).
@@ -248,7 +248,7 @@ class Supervisor:
                 popen: subprocess.Popen[bytes] | PreforkedProcess | None = None
                 if self._prefork is not None and self._prefork.eligible(argv, env, cwd):
                     try:
-                        popen = self._prefork.spawn(argv, env, cwd, out_fd, nice=self._rank_nice)
+                        popen = self._prefork.spawn(argv, env, cwd, out_fd)
                     except PreforkUnavailable as exc:
                         log.info("rank starts as a new process", rank=rank, reason=str(exc))
                 if popen is None:

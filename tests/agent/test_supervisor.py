@@ -438,12 +438,11 @@ def test_forked_ranks_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", ["exec", "prefork"])
-def test_ranks_start_at_their_own_cpu_priority_on_both_paths(
-    path: str, ev: Events, tmp_path: Path, request: pytest.FixtureRequest,
-) -> None:
+def test_ranks_start_at_their_own_cpu_priority_on_both_paths(path: str, ev: Events, tmp_path: Path) -> None:
     """The agent runs above its ranks (unicron.kernel.priority); here the test's process stands in for
-    the agent and the ranks ask for nice 7 (raising a nice value needs no privilege)."""
-    prefork = request.getfixturevalue("spawner") if path == "prefork" else None
+    the agent and gives its ranks nice 7 (raising a nice value needs no privilege): an exec'd rank
+    through the supervisor, a forked one through its spawner, which the agent starts at the ranks' value."""
+    prefork = started(Prefork([], str(tmp_path / "s"), nice=7)) if path == "prefork" else None
     s = Supervisor(ev.on_exit, stderr_sink=ev.sink, prefork=prefork, rank_nice=7)
     try:
         seen = tmp_path / "nice"
@@ -457,3 +456,5 @@ def test_ranks_start_at_their_own_cpu_priority_on_both_paths(
         assert os.getpriority(os.PRIO_PROCESS, 0) != 7  # the launcher keeps its own
     finally:
         s.close(grace_s=1.0)
+        if prefork is not None:
+            prefork.close()

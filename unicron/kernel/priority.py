@@ -9,8 +9,9 @@ so its cause is inferred). So the agent raises its own priority and starts the r
 keeps its share of the node against everything else, and the monitor watching it is not starved by it.
 
 Nice values are per thread on Linux: :func:`set_own` sets every thread of the process, and a child
-starts with the value of the thread that forked it (so children the agent starts for itself, such as
-the store sidecar and the warm spawner, keep the agent's priority unless they set their own).
+starts with the value of the thread that forked it. So the children the agent starts for itself (the
+task's store sidecar, the failure marker) keep the agent's priority, and the warm spawner, whose
+imports are rank work, is started at the ranks' (its forked ranks inherit it).
 """
 
 from __future__ import annotations
