@@ -44,7 +44,7 @@ from ckpt.placement import replica_targets
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
-from unicron.kernel import parentdeath, patterns, priority, protocol, severity, tls
+from unicron.kernel import parentdeath, patterns, protocol, severity, tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreClosed, StoreUnavailable
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry, parse_endpoints
 from unicron.kernel.inject import Fault, Injection
@@ -152,7 +152,6 @@ class Agent:
         )
         self.hang_watcher = HangWatcher(self._on_finding)
         self.progress_regex = settings.progress_regex
-        self.rank_nice: int | None = settings.rank_nice
         self._progress_lock = threading.Lock()
         self._progress: dict[tuple[str, int], LogProgress] = {}  # (task, rank) -> its log-line feeder
         # Tasks whose ranks talk to the agent's socket: only their relaunched ranks must report within
@@ -169,8 +168,7 @@ class Agent:
         self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
         self.prefork = (Prefork(modules, os.path.join(settings.run_dir, f"{settings.node}.pf"),
-                                preexec=parentdeath.preexec(signal.SIGKILL), nice=settings.rank_nice)
-                        if modules else None)
+                                preexec=parentdeath.preexec(signal.SIGKILL)) if modules else None)
         # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
         self.replicas: ReplicaServer | None = None
         self.metrics = AgentMetrics()
@@ -182,23 +180,7 @@ class Agent:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def _set_priorities(self) -> None:
-        """The agent above its ranks (:mod:`unicron.kernel.priority`); a missing privilege is a warning."""
-        why = priority.set_own(self.settings.nice)
-        own = priority.current()
-        if why is not None:
-            log.warning("agent CPU priority not raised: its heartbeats can be late while its ranks keep every "
-                        "core busy", node=self.node, reason=why)
-        if self.settings.rank_nice < own and os.geteuid() != 0:
-            log.warning("ranks start at the agent's priority: only root may start them above it", node=self.node,
-                        nice=own, rank_nice=self.settings.rank_nice)
-            self.rank_nice = None
-            if self.prefork is not None:
-                self.prefork.nice = None
-        log.info("CPU priorities", node=self.node, nice=own, rank_nice=self.rank_nice if self.rank_nice is not None else own)
-
     def run(self) -> int:
-        self._set_priorities()
         if self.tls_config is None:
             log.warning(tls.plaintext_warning("this agent's replica server or link, or etcd"), node=self.node)
         store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,

@@ -50,7 +50,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from unicron.kernel import log as ulog
-from unicron.kernel import priority
 from unicron.kernel.errors import TemporaryError
 from unicron.kernel.parentdeath import die_with_parent
 
@@ -140,7 +139,7 @@ class Prefork:
 
     def __init__(self, modules: Sequence[str], socket_path: str, python: str = sys.executable,
                  preexec: Callable[[], None] | None = None, env: Mapping[str, str] | None = None,
-                 restart_backoff_s: float = 60.0, nice: int | None = None) -> None:
+                 restart_backoff_s: float = 60.0) -> None:
         self.modules = tuple(m for m in modules if m)
         self.socket_path = socket_path
         self.python = python
@@ -148,9 +147,6 @@ class Prefork:
         self._proc: subprocess.Popen[bytes] | None = None
         self._env = with_torchrun_threads(os.environ if env is None else env)
         self._backoff = restart_backoff_s
-        #: the spawner's CPU priority, which its ranks inherit (None: its starter's): it is the ranks'
-        #: side, so the agent gives it theirs (unicron.kernel.priority); its imports are rank work
-        self.nice = nice
         self._started_at = -math.inf
         # PDEATHSIG fires when the *thread* that forked the spawner exits: start it from one thread
         # that lives as long as this handle, whichever thread asks.
@@ -166,8 +162,7 @@ class Prefork:
             os.unlink(self.socket_path)
         self._started_at = time.monotonic()
         self._proc = subprocess.Popen(
-            [self.python, "-m", "agent.prefork", "--socket", self.socket_path, "--preload", ",".join(self.modules),
-             *(["--nice", str(self.nice)] if self.nice is not None else [])],
+            [self.python, "-m", "agent.prefork", "--socket", self.socket_path, "--preload", ",".join(self.modules)],
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=self._preexec, env=self._env,
         )
 
@@ -376,14 +371,9 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
         os._exit(code)
 
 
-def serve(socket_path: str, modules: Sequence[str], nice: int | None = None) -> int:
+def serve(socket_path: str, modules: Sequence[str]) -> int:
     parent = os.getppid()
     die_with_parent(parent)
-    if nice is not None:
-        try:
-            priority.set_thread(nice)  # one thread yet: the whole spawner, and every rank it forks
-        except PermissionError:
-            print(f"prefork: cannot set nice {nice}; ranks run at {priority.current()}", file=sys.stderr)
     for name in modules:
         importlib.import_module(name)  # the whole point: import once, fork many
     threads = len(os.listdir("/proc/self/task"))
@@ -487,11 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent.prefork", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
     parser.add_argument("--preload", default="", help="comma-separated modules to import before serving")
-    parser.add_argument("--nice", type=int, default=None, help="CPU priority of the spawner and its ranks")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent's ^C reaches us too; it stops us itself
     try:
-        return serve(args.socket, [m for m in args.preload.split(",") if m], args.nice)
+        return serve(args.socket, [m for m in args.preload.split(",") if m])
     except ImportError as exc:
         print(f"prefork: cannot preload: {exc}; ranks start as new processes", file=sys.stderr)
         return 2

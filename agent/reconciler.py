@@ -113,8 +113,6 @@ class TaskHost(Protocol):
     advertise_host: str
     #: the agent's default progress regex for uninstrumented jobs ("" = Megatron-LM's lines only)
     progress_regex: str
-    #: the nice value rank processes start at (None: the agent's own)
-    rank_nice: int | None
 
     def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]: ...
 
@@ -214,7 +212,7 @@ class TaskReconciler:
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
         self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
-                                     on_line=self._on_line, rank_nice=host.rank_nice)
+                                     on_line=self._on_line)
         self.started = self._submit(_Command(assignment, "assigned", Outcome(self.task)))
         self._thread = threading.Thread(target=self._run, name=f"reconcile-{self.task}", daemon=True)
         self._thread.start()

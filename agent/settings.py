@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from agent.progress import compile_regex
-from unicron.kernel import priority, tls
+from unicron.kernel import tls
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
 
@@ -61,13 +61,6 @@ class AgentSettings:
     """A training rank uses it to reach the iteration boundary, save an on-demand snapshot and exit 0
     (unicron/runtime/preempt.py): give it an iteration plus a snapshot's save. Every stop of a running
     task (cancel, preemption, a relaunching reconfigure) waits at most this long per rank."""
-    nice: int = setting(-10, "UNICRON_AGENT_NICE",
-                        "the agent's CPU priority, a nice value set at start (below 0 needs root or CAP_SYS_NICE)")
-    """Above its ranks', so that ranks keeping every core busy cannot delay its heartbeats past the
-    coordinator's timeout (a healthy node taken for lost): see unicron/kernel/priority.py. Without the
-    privilege the agent warns and runs at the priority it was started with."""
-    rank_nice: int = setting(0, "UNICRON_RANK_NICE", "the CPU priority (nice value) the ranks start at")
-    """0, the normal priority: the job keeps its share of the node against everything but the agent."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
     """Calls that exceed it count as etcd being unavailable and are retried."""
     metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)")
@@ -90,9 +83,6 @@ class AgentSettings:
             compile_regex(self.progress_regex)
         if self.stop_grace_s < 0:
             raise ConfigError("--stop-grace-s / UNICRON_STOP_GRACE must be >= 0")
-        for flag, value in (("--nice / UNICRON_AGENT_NICE", self.nice), ("--rank-nice / UNICRON_RANK_NICE", self.rank_nice)):
-            if not priority.HIGHEST <= value <= priority.LOWEST:
-                raise ConfigError(f"{flag} must be a nice value from {priority.HIGHEST} to {priority.LOWEST}, not {value}")
         if self.heartbeat_s <= 0:
             raise ConfigError("--heartbeat-s / UNICRON_HEARTBEAT must be > 0")
         if self.tls_dir:

@@ -35,7 +35,7 @@ from typing import IO
 
 from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
 from unicron.kernel import log as ulog
-from unicron.kernel import parentdeath, patterns, priority
+from unicron.kernel import parentdeath, patterns
 from unicron.kernel.errors import ConfigError, PermanentError
 from unicron.kernel.types import ErrorKind
 
@@ -142,21 +142,6 @@ class RankProcess:
         return ProcStatus(self.rank, self.pid, self.state, rc, self.requested)
 
 
-def _child_setup(die_with_parent: Callable[[], None] | None, nice: int | None) -> Callable[[], None] | None:
-    """The ``preexec_fn`` of a rank started as a new process: ``die_with_parent``, then its own CPU
-    priority (:mod:`unicron.kernel.priority`; None: the agent's). A forked rank has its spawner's
-    (``Prefork(nice=...)``)."""
-    if nice is None:
-        return die_with_parent
-
-    def run() -> None:
-        if die_with_parent is not None:
-            die_with_parent()
-        priority.set_thread(nice)
-
-    return run
-
-
 class Supervisor:
     """Launches and watches the ranks of this node (one process per rank, keyed by rank number).
 
@@ -173,7 +158,6 @@ class Supervisor:
         pdeathsig: bool = True,
         prefork: Prefork | None = None,
         on_line: LineCallback | None = None,
-        rank_nice: int | None = None,
     ) -> None:
         self._on_exit = on_exit
         self._on_line = on_line
@@ -183,7 +167,7 @@ class Supervisor:
         # A dying rank prints its error right before exiting: give its reader this long to reach EOF
         # so the stderr match is reported (and RankExit.stderr_kind set) before the exit itself.
         self._stderr_grace = stderr_grace_s
-        self._preexec = _child_setup(parentdeath.preexec(signal.SIGKILL) if pdeathsig else None, rank_nice)
+        self._preexec = parentdeath.preexec(signal.SIGKILL) if pdeathsig else None
         self._prefork = prefork
         self._procs: dict[int, RankProcess] = {}
         self._lock = threading.Lock()

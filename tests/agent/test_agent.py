@@ -50,7 +50,7 @@ def wait_for(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
 def settings(etcd: EtcdServer, node: str, run_dir: Path) -> AgentSettings:
     return AgentSettings(node=node, etcd=etcd.endpoint, prefix=PREFIX, gpu_backend="simulated", gpus=2,
                          run_dir=str(run_dir), replica_budget_mb=0, prefork="", advertise_host="127.0.0.1",
-                         status_interval_s=0.2, nice=0)  # nice: in pytest's own process, leave its priority
+                         status_interval_s=0.2)
 
 
 @pytest.fixture

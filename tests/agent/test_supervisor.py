@@ -435,26 +435,3 @@ def test_forked_ranks_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
     finally:
         if _alive(rank_pid):
             os.killpg(rank_pid, signal.SIGKILL)
-
-
-@pytest.mark.parametrize("path", ["exec", "prefork"])
-def test_ranks_start_at_their_own_cpu_priority_on_both_paths(path: str, ev: Events, tmp_path: Path) -> None:
-    """The agent runs above its ranks (unicron.kernel.priority); here the test's process stands in for
-    the agent and gives its ranks nice 7 (raising a nice value needs no privilege): an exec'd rank
-    through the supervisor, a forked one through its spawner, which the agent starts at the ranks' value."""
-    prefork = started(Prefork([], str(tmp_path / "s"), nice=7)) if path == "prefork" else None
-    s = Supervisor(ev.on_exit, stderr_sink=ev.sink, prefork=prefork, rank_nice=7)
-    try:
-        seen = tmp_path / "nice"
-        # a thread the rank starts gets the rank's value too (a child thread inherits its creator's)
-        code = ("import os, threading; n = []; t = threading.Thread(target=lambda: n.append(os.getpriority(0, 0)));"
-                f" t.start(); t.join(); open({str(seen)!r}, 'w').write(f'{{os.getpriority(0, 0)}} {{n[0]}}')")
-        proc = s.launch(0, py(code))
-        assert isinstance(proc.popen, PreforkedProcess if prefork else subprocess.Popen)
-        ev.exits(1)
-        assert seen.read_text() == "7 7"
-        assert os.getpriority(os.PRIO_PROCESS, 0) != 7  # the launcher keeps its own
-    finally:
-        s.close(grace_s=1.0)
-        if prefork is not None:
-            prefork.close()

@@ -114,16 +114,6 @@ def test_sev2_restarts_only_the_failed_rank_which_rejoins(cluster: LocalCluster)
     assert any(e["rank"] == victim["rank"] and e["pid"] == new_pid and e["how"] == "forked by the spawner"
                for e in started), started
     trains_past(cluster, top_step(cluster))
-    # The agent (every thread) runs above its ranks, exec'd or forked: unicron/kernel/priority.py.
-    # Without root it cannot raise its own priority and warns; the ranks then run at its priority.
-    agent_nice = -10 if os.geteuid() == 0 else 0
-    agent = cluster.agents[victim["node"]]
-    assert thread_nices(agent.pid) == {agent_nice}
-    assert set().union(*(thread_nices(int(r["pid"])) for r in ranks(cluster))) == {0}
-
-
-def thread_nices(pid: int) -> set[int]:
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def test_sev1_isolates_the_node_and_reconfigures_then_the_node_rejoins(cluster: LocalCluster) -> None:

@@ -69,7 +69,6 @@ class LocalCluster:
         etcd_members: int = 1,
         coordinators: int = 1,
         prefork: Sequence[str] | None = None,
-        node_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         """With ``tls``, the secure variant (docs/operations.md): a cluster CA and certificates in
         ``<run_dir>/certs``, etcd with TLS, ``--client-cert-auth`` and per-role auth, and every
@@ -77,8 +76,7 @@ class LocalCluster:
         ``netns``: each process on a host (network namespace) of its own; ``etcd_members``: etcd
         as a cluster of that many members; ``coordinators``: one leader and the rest running standbys.
         ``prefork``: the modules the agents' warm spawners import (default: the agent's, training and
-        workload; ``[]``: no spawner). ``node_env``: per node, environment of its agent on top of
-        ``extra_env`` (a benchmark comparing agent settings within one run). Three spawners importing Megatron-core at start cost ~30 s of
+        workload; ``[]``: no spawner). Three spawners importing Megatron-core at start cost ~30 s of
         CPU on a 2-core machine: a cluster whose ranks never run it should say what they run."""
         self.n_agents = agents
         self.gpus_per_agent = gpus_per_agent
@@ -100,7 +98,6 @@ class LocalCluster:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.extra_env = ({} if prefork is None else {"UNICRON_PREFORK": ",".join(prefork) or ","}) \
             | (extra_env or {})
-        self.node_env = {n: dict(e) for n, e in (node_env or {}).items()}
         self.quiet = quiet
         self._revision = 0
         #: with ``metrics``: "coordinator" and each node -> the port its /metrics is served on
@@ -178,10 +175,9 @@ class LocalCluster:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, argv: list[str], log_name: str, host: str,
-               env_extra: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def _spawn(self, argv: list[str], log_name: str, host: str) -> subprocess.Popen[bytes]:
         log_path = Path(self.run_dir) / f"{log_name}.log"
-        env = self._env() | dict(env_extra or {})
+        env = self._env()
         cmd = [sys.executable, *argv]
         if self.net is not None:
             # Everything the daemon serves is reachable from other hosts, never on loopback only. The
@@ -309,7 +305,7 @@ class LocalCluster:
             ["-m", "agent.main", "--node", node, "--gpu-backend", "simulated", "--gpus", str(self.gpus_per_agent),
              # in netns mode the agent finds its address itself (its route to etcd)
              *([] if self.net is not None else ["--advertise-host", "127.0.0.1"]), *self._metrics_args(node)],
-            f"agent-{node}", node, self.node_env.get(node),
+            f"agent-{node}", node,
         )
 
     def stop(self) -> None:
