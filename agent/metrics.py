@@ -12,11 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from unicron.kernel.metrics import EtcdMetrics
-
-#: around the default 0.1 s heartbeat: an agent short of CPU shows here before the coordinator's
-#: timeout (1 s) takes its node for lost
-HEARTBEAT_BUCKETS = (0.11, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+from unicron.kernel.metrics import HEARTBEAT_BUCKETS, EtcdMetrics
 
 
 class _Sampled(Collector):

@@ -14,13 +14,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator import decision as d
-from unicron.kernel.metrics import EtcdMetrics
+from unicron.kernel.metrics import HEARTBEAT_BUCKETS, EtcdMetrics
 from unicron.kernel.types import Incident
 
 #: seconds; detection is milliseconds to a few seconds (Table 2), recoveries seconds to minutes
 DETECTION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
-HEARTBEAT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 NODE_STATES = tuple(s.value for s in d.NodeState)
 
 

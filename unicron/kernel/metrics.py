@@ -19,6 +19,10 @@ from unicron.kernel.errors import ConfigError, UnicronError
 
 log = ulog.get(__name__)
 
+#: seconds between two heartbeats of an agent (0.1 s nominal), sent (agent) or received (coordinator):
+#: an agent short of CPU shows here before the coordinator's timeout (1 s) takes its node for lost
+HEARTBEAT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
 
 @dataclass
 class MetricsServer:
