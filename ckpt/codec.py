@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,6 +32,7 @@ _META_HEAD = struct.Struct("!4sI")
 _DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: str(v).removeprefix("torch.") for v in _DTYPES.values()}
 
 # Globals the metadata pickle may name: containers, numbers and the classes optimizer/scheduler/RNG
 # states use. Everything else must be listed in CheckpointConfig.safe_globals.
@@ -80,8 +81,10 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
+    """Where one tensor lies in the data. A tuple, not a dataclass: ``encode`` makes hundreds per save(),
+    and the table is these tuples as JSON arrays."""
+
     dtype: str
     shape: tuple[int, ...]
     offset: int
@@ -103,7 +106,7 @@ class Encoded:
 
 
 def _check_tensor(t: torch.Tensor, index: int) -> None:
-    if t.layout != torch.strided or t.is_quantized or t.device.type not in ("cpu", "cuda"):
+    if t.layout != torch.strided or t.is_quantized or not (t.is_cpu or t.is_cuda):
         raise CheckpointError(
             f"tensor #{index} ({t.dtype}, {tuple(t.shape)}, {t.layout}, on {t.device}) cannot be "
             "snapshotted: only dense CPU or CUDA tensors are supported; convert it "
@@ -114,25 +117,17 @@ def _check_tensor(t: torch.Tensor, index: int) -> None:
 def encode(state: Any) -> Encoded:
     """Pickle ``state`` with tensors taken out, and lay the tensors out in a flat byte range."""
     tensors: list[torch.Tensor] = []
-    entries: list[_Entry] = []
     seen: dict[int, int] = {}
-    cursor = 0
 
     class _Pickler(pickle.Pickler):
+        # called for every object pickled: tensors are only collected here, laid out below
         def persistent_id(self, obj: Any) -> Any:
-            nonlocal cursor
             if not isinstance(obj, torch.Tensor):
                 return None
             index = seen.get(id(obj))
             if index is None:
-                _check_tensor(obj, len(tensors))
                 index = seen[id(obj)] = len(tensors)
-                nbytes = obj.numel() * obj.element_size()
-                entries.append(
-                    _Entry(str(obj.dtype).removeprefix("torch."), tuple(obj.shape), cursor, nbytes)
-                )
                 tensors.append(obj)
-                cursor = _align(cursor + nbytes)
             return ("t", index)
 
     buf = io.BytesIO()
@@ -140,7 +135,13 @@ def encode(state: Any) -> Encoded:
         _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"state cannot be snapshotted: {exc}") from exc
-    table = json.dumps([[e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]).encode()
+    entries: list[_Entry] = []
+    cursor = 0
+    for index, t in enumerate(tensors):
+        _check_tensor(t, index)
+        entries.append(_Entry(_DTYPE_NAMES[t.dtype], tuple(t.shape), cursor, t.nbytes))
+        cursor = _align(cursor + t.nbytes)
+    table = json.dumps(entries).encode()  # each entry a JSON array: [dtype, shape, offset, nbytes]
     meta = _META_HEAD.pack(_META_MAGIC, len(table)) + table + buf.getvalue()
     return Encoded(meta=meta, tensors=tensors, entries=entries, data_len=cursor)
 
@@ -152,6 +153,26 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 def _dest(data: torch.Tensor, e: _Entry) -> torch.Tensor:
     return data[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
+
+
+class Destinations:
+    """The views of one buffer that a layout's tensors are copied into, built again only when the
+    buffer or the layout changes. Building them is three tensor operations per tensor: for a GPU state
+    of 447 tensors, 4.9 ms of save()'s 14.6 ms on an H100's host. A slot's buffer and a training
+    state's layout stay the same from one save() to the next."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] = (0, 0)
+        self._entries: list[_Entry] = []
+        self._views: list[torch.Tensor] = []
+
+    def views(self, data: torch.Tensor, entries: list[_Entry]) -> list[torch.Tensor]:
+        # the cached views keep their buffer alive, so its address is not reused while they exist
+        key = (data.data_ptr(), data.numel())
+        if key != self._key or entries != self._entries:
+            self._views = [_dest(data, e) for e in entries]
+            self._key, self._entries = key, entries
+        return self._views
 
 
 _PIECE = 16 << 20
@@ -196,14 +217,21 @@ def _copy_cpu(enc: Encoded, data: torch.Tensor, pool: Executor | None, workers: 
 
 
 def copy_into(
-    enc: Encoded, data: torch.Tensor, stream: Any = None, pool: Executor | None = None, workers: int = 1
+    enc: Encoded,
+    data: torch.Tensor,
+    stream: Any = None,
+    pool: Executor | None = None,
+    workers: int = 1,
+    dests: Destinations | None = None,
 ) -> Any:
     """Copy the tensors into ``data`` (uint8, at least ``enc.data_len`` long).
 
     CPU tensors are copied synchronously (by ``workers`` threads of ``pool``). CUDA tensors are copied
     asynchronously on ``stream`` (which first waits for the current stream, so the values are final);
-    ``data`` must then be pinned. Returns a CUDA event recorded after the copies, or None when
-    everything was copied synchronously.
+    ``data`` must then be pinned, and the caller must hold ``enc.tensors`` until the returned CUDA event
+    has completed (no ``record_stream``: the allocator cannot reuse memory of a tensor still referenced).
+    Returns that event, or None when everything was copied synchronously. ``dests``: the views of
+    ``data`` kept from an earlier copy of CUDA tensors into the same buffer.
     """
     if data.numel() < enc.data_len or not data.is_contiguous():
         raise CheckpointError(
@@ -213,12 +241,12 @@ def copy_into(
         _copy_cpu(enc, data, pool, workers)
         if not enc.on_cuda:
             return None
+        views = (Destinations() if dests is None else dests).views(data, enc.entries)
+        on_gpu = [i for i, t in enumerate(enc.tensors) if t.is_cuda]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for t, e in zip(enc.tensors, enc.entries, strict=True):
-                if t.is_cuda:
-                    _dest(data, e).copy_(t, non_blocking=True)
-                    t.record_stream(stream)  # the allocator must not reuse t's memory before the copy ran
+            # one call for all: a copy_ per tensor costs the host more than the whole list's launch
+            torch._foreach_copy_([views[i] for i in on_gpu], [enc.tensors[i] for i in on_gpu], non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return event

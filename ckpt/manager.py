@@ -222,6 +222,7 @@ class CheckpointManager(Checkpointer):
         self._copy_pool = ThreadPoolExecutor(self._copy_workers, thread_name_prefix="ckpt-copy")
         self._cv = threading.Condition()
         self._busy = [False] * config.slots
+        self._dests = [codec.Destinations() for _ in range(config.slots)]  # GPU copies' views of each slot
         self._inflight: list[SaveTicket] = []
         self._last: int | None = None
         self._count = 0
@@ -268,7 +269,9 @@ class CheckpointManager(Checkpointer):
             event = None
             if not background:
                 stream = self._copy_stream() if enc.on_cuda else None
-                event = codec.copy_into(enc, data, stream, self._copy_pool, self._copy_workers)
+                event = codec.copy_into(
+                    enc, data, stream, self._copy_pool, self._copy_workers, self._dests[slot]
+                )
         except BaseException:
             self._release(slot)
             raise

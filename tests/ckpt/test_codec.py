@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from ckpt.api import CheckpointCorrupt, CheckpointError
-from ckpt.codec import _META_HEAD, _META_MAGIC, copy_into, decode, encode, parse_safe_globals
+from ckpt.codec import (
+    _META_HEAD,
+    _META_MAGIC,
+    Destinations,
+    copy_into,
+    decode,
+    encode,
+    parse_safe_globals,
+)
 from tests.ckpt.helpers import assert_same
 
 
@@ -163,13 +171,31 @@ def test_parallel_raw_copy_matches_values_including_lazy_views() -> None:
         assert torch.equal(out[k], v.resolve_conj().resolve_neg()), k
 
 
+def test_destination_views_are_kept_while_buffer_and_layout_stay_and_rebuilt_when_either_changes() -> None:
+    dests = Destinations()
+    a, b = torch.zeros(256, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)
+    layout = encode({"w": torch.ones(4, 3), "i": torch.arange(5)}).entries
+    first = dests.views(a, layout)
+    assert [(v.dtype, tuple(v.shape)) for v in first] == [(torch.float32, (4, 3)), (torch.int64, (5,))]
+    assert first[0].data_ptr() == a.data_ptr() and first[1].data_ptr() == a.data_ptr() + layout[1].offset
+    again = dests.views(a, encode({"w": torch.full((4, 3), 2.0), "i": torch.arange(5) + 1}).entries)
+    assert all(x is y for x, y in zip(again, first, strict=True))  # same layout, same buffer: kept
+    moved = dests.views(b, layout)
+    assert [v.data_ptr() for v in moved] == [b.data_ptr(), b.data_ptr() + layout[1].offset]
+    grown = dests.views(b, encode({"w": torch.ones(4, 3), "i": torch.arange(9)}).entries)
+    assert tuple(grown[1].shape) == (9,) and grown[0] is not moved[0]
+
+
 @pytest.mark.gpu
 def test_cuda_state_copied_asynchronously_into_pinned_memory() -> None:
     state = {"w": torch.randn(1 << 20, device="cuda"), "cpu": torch.arange(5)}
     enc = encode(state)
     data = torch.empty(enc.data_len, dtype=torch.uint8).pin_memory()
-    event = copy_into(enc, data, torch.cuda.Stream())  # type: ignore[no-untyped-call]
-    assert event is not None
-    event.synchronize()
-    out = decode(enc.meta, data, private=False)
-    assert torch.equal(out["w"], state["w"].cpu()) and torch.equal(out["cpu"], state["cpu"])
+    stream, dests = torch.cuda.Stream(), Destinations()  # type: ignore[no-untyped-call]
+    for step in range(3):  # the second and third copies reuse the first one's views of the buffer
+        event = copy_into(enc, data, stream, dests=dests)
+        assert event is not None
+        event.synchronize()
+        out = decode(enc.meta, data, private=False)
+        assert torch.equal(out["w"], state["w"].cpu()) and torch.equal(out["cpu"], state["cpu"]), step
+        state["w"].add_(1)

@@ -296,3 +296,27 @@ def test_a_fence_after_the_gpu_snapshot_was_published_finds_nothing_to_check() -
             assert restored.iteration == 1 and torch.equal(restored.state["w"], expected)
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+@pytest.mark.gpu
+def test_gpu_snapshots_stay_right_when_the_views_of_a_slot_are_reused_and_when_the_slot_grows() -> None:
+    """save() keeps each slot's views for the next GPU snapshot of the same layout; a state that grows
+    remaps the slot, and the views must follow it."""
+    local = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        w = torch.randn(1 << 16, device="cuda")
+        with CheckpointManager(CheckpointConfig(job="job-1", rank=0, local_dir=str(local))) as m:
+            for it in range(1, 6):  # two slots: iterations 3 and 5 reuse the views of 1 and 3
+                state = {"w": w, "b": torch.full((8,), float(it), device="cuda")}
+                if it == 5:
+                    state["extra"] = torch.randn(1 << 20, device="cuda")  # grows the slot
+                ticket = m.save(state, it)
+                m.fence()
+                expected = {k: v.cpu() for k, v in state.items()}
+                assert ticket.result(60).published
+                restored = m.restore()
+                assert restored.iteration == it
+                assert all(torch.equal(restored.state[k], v) for k, v in expected.items()), it
+                w.add_(1)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
