@@ -18,7 +18,8 @@ until every rank is past step 5 and 5 s more; and node losses at the coordinator
 
 The figure can fail: ``largest_bucket_s`` (the upper bound of the largest histogram bucket any
 interval reached) at or above the timeout, or any node loss. Buckets, not exact maxima: 1.0 means an
-interval in (0.5, 1.0] s. The last line is one JSON object.
+interval in (0.5, 1.0] s. ``sched_autogroup`` is the kernel's setting during the run, which changed
+the tail here (``scripts/test.sh`` turns it off). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -94,6 +95,15 @@ def summary(hists: list[dict[float, float]]) -> dict[str, object]:
                                         for s in OVER_S}, "largest_bucket_s": largest_bucket(hists)}
 
 
+def sched_autogroup() -> int | None:
+    """kernel.sched_autogroup_enabled (None where the kernel has no autogroup): with it on, the agents'
+    threads waited up to 0.6 s for a CPU here, with it off at most 32 ms (bench/RESULTS.md)."""
+    try:
+        return int(Path("/proc/sys/kernel/sched_autogroup_enabled").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one repetition (full: five)")
@@ -115,7 +125,8 @@ def main() -> None:
     per_rep = [largest_bucket(h) for h, _ in runs]
     whole = summary([h for hists, _ in runs for h in hists])
     result = {
-        "bench": "heartbeat_margin", "reps": reps, "busy": args.busy, "heartbeat_timeout_s": timeout_s, **whole,
+        "bench": "heartbeat_margin", "reps": reps, "busy": args.busy, "heartbeat_timeout_s": timeout_s,
+        "sched_autogroup": sched_autogroup(), **whole,
         "largest_bucket_per_rep_s": per_rep,
         "largest_bucket_p50_s": statistics.median(per_rep),
         "node_losses": sum(n for _, n in runs),

@@ -6,5 +6,14 @@ bash scripts/setup.sh
 echo "== ruff" && .venv/bin/ruff check .
 echo "== import-linter" && .venv/bin/lint-imports
 echo "== mypy --strict" && .venv/bin/mypy .
+# The kernel's autogroup (a scheduling group per session; on by default here) kept runnable agent
+# threads off the CPU for up to 0.6 s while ranks trained on the 2 cores, and heartbeats came up to 1 s
+# late: the false node losses seen in fresh-clone runs (bench/RESULTS.md, "Heartbeat margin"). Off for
+# the run where it can be written (root, writable /proc/sys), restored after.
+autogroup=/proc/sys/kernel/sched_autogroup_enabled
+if [ "$(cat $autogroup 2>/dev/null)" = 1 ] && { echo 0 > $autogroup; } 2>/dev/null; then
+    trap 'echo 1 > $autogroup' EXIT
+    echo "== kernel.sched_autogroup_enabled=0 for this run (restored after)"
+fi
 echo "== pytest"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
