@@ -97,7 +97,7 @@ def summary(hists: list[dict[float, float]]) -> dict[str, object]:
 
 def sched_autogroup() -> int | None:
     """kernel.sched_autogroup_enabled (None where the kernel has no autogroup): with it on, the agents'
-    threads waited up to 0.6 s for a CPU here, with it off at most 32 ms (bench/RESULTS.md)."""
+    threads waited up to 0.7 s for a CPU here, with it off at most 32 ms (bench/RESULTS.md)."""
     try:
         return int(Path("/proc/sys/kernel/sched_autogroup_enabled").read_text())
     except (OSError, ValueError):

@@ -7,9 +7,9 @@ echo "== ruff" && .venv/bin/ruff check .
 echo "== import-linter" && .venv/bin/lint-imports
 echo "== mypy --strict" && .venv/bin/mypy .
 # The kernel's autogroup (a scheduling group per session; on by default here) kept runnable agent
-# threads off the CPU for up to 0.6 s while ranks trained on the 2 cores, and heartbeats came up to 1 s
-# late: the false node losses seen in fresh-clone runs (bench/RESULTS.md, "Heartbeat margin"). Off for
-# the run where it can be written (root, writable /proc/sys), restored after.
+# threads off the CPU for up to 0.7 s while ranks trained on the 2 cores, and heartbeats came up to 1 s
+# late: the likely cause of the false node loss a fresh-clone run saw (bench/RESULTS.md, "Heartbeat
+# margin"). Off for the run where it can be written (root, writable /proc/sys), restored after.
 autogroup=/proc/sys/kernel/sched_autogroup_enabled
 if [ "$(cat $autogroup 2>/dev/null)" = 1 ] && { echo 0 > $autogroup; } 2>/dev/null; then
     trap 'echo 1 > $autogroup' EXIT
