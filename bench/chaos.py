@@ -7,8 +7,9 @@ connection reset), a simulated GPU XID, agent SIGKILL, node partition (its link 
 leader SIGKILL, coordinator leader partition, etcd member SIGKILL, whole-etcd outage. One at a time:
 inject, wait for the incident it must become (kind and severity; none for the control-plane faults),
 repair what an operator or systemd would (restart a killed daemon, undrain an isolated node, heal a
-link, restart etcd), and wait until the cluster is healed: both tasks running at their GPUs, every
-node up, a leader, progress. ``heal_s``: fault -> healed, per kind.
+link, restart etcd), and wait until the cluster is healed: both tasks running at their GPUs (each
+rank the statuses list a live process holding that identity), every node up, a leader, progress.
+``heal_s``: fault -> healed, per kind.
 
 Invariants, checked every 0.2 s by a watcher thread and at the end (each breach one violation):
 
@@ -178,7 +179,13 @@ class Chaos:
         return {t["name"]: t for t in json.loads(buf.getvalue())}
 
     def running(self, task: str) -> dict[int, dict[str, Any]]:
-        return self.c.running_ranks(task)
+        """The task's ranks that the nodes' statuses call running and that are live processes holding
+        that identity now. A status is a snapshot: a node cut off from etcd (a partition) cannot yet
+        have rewritten it after its ranks died, and seed 41 aimed a kill at such a rank (the pid was
+        gone) and took the cluster for healed while that node's new ranks had not started."""
+        live = rank_processes()
+        return {r: info for r, info in self.c.running_ranks(task).items()
+                if int(info["pid"]) in live.get((task, r), [])}
 
     def committed(self, task: str) -> int:
         with contextlib.suppress(OSError, ValueError):
@@ -278,15 +285,23 @@ class Chaos:
         r = self.rng.choice(sorted(ranks))
         return t, r, ranks[r]
 
+    def signal_rank(self, sig: signal.Signals) -> tuple[str, int, dict[str, Any]]:
+        """Send ``sig`` to a live rank; one that exits between the pick and the signal is picked again."""
+        for _ in range(5):
+            t, r, info = self.pick_rank()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(info["pid"]), sig)
+                return t, r, info
+            time.sleep(0.2)
+        raise RuntimeError(f"no live rank took {sig.name} in 5 picks")
+
     def f_rank_kill(self) -> Fault:
-        t, r, info = self.pick_rank()
-        os.kill(int(info["pid"]), signal.SIGKILL)
+        t, r, info = self.signal_rank(signal.SIGKILL)
         return Fault("rank_sigkill", time.time(), info["node"], t, r, severity=Severity.SEV2,
                      expect=lambda i: i.kind is ErrorKind.EXITED_ABNORMALLY and i.task == t and i.rank == r)
 
     def f_rank_stop(self) -> Fault:
-        t, r, info = self.pick_rank()
-        os.kill(int(info["pid"]), signal.SIGSTOP)
+        t, r, info = self.signal_rank(signal.SIGSTOP)
         return Fault("rank_sigstop", time.time(), info["node"], t, r, severity=Severity.SEV2,
                      expect=lambda i: i.kind is ErrorKind.TASK_HANG and i.task == t)
 
