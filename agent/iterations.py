@@ -34,8 +34,11 @@ loader as a phase. Unlike a checkpoint, a data wait happens inside an iteration 
 the hang clock stops while the rank waits for data and resumes where it stopped, and the iteration's
 sample is its duration minus its data waits (compute time). The wait itself is bounded: waiting longer
 than ``data_wait_factor`` x the baseline (at least ``min_hang_s``) is a TASK_HANG (a loader stuck on a
-dead filesystem). The other phases (checkpoint, eval, regroup) have no bound here: the runtime's own
-timeouts end a stuck regroup, and Megatron's checkpoint lines give no rank-side timer to trust.
+dead filesystem). Full garbage collections (``PHASE_GC``, reported by the rank client from
+``gc.callbacks`` while it trains) are waits of the same kind, bounded by ``gc_wait_factor``: a 2-3 s
+gen-2 pause in a 1 s iteration was the soak's one remaining cause of false alarms. The other phases
+(checkpoint, eval, regroup) have no bound here: the runtime's own timeouts end a stuck regroup, and
+Megatron's checkpoint lines give no rank-side timer to trust.
 
 :class:`IterationMonitor` is pure logic with time passed in (one per rank). :class:`HangWatcher` is
 the thread that sleeps until the earliest deadline of all monitors and reports findings.
@@ -51,10 +54,15 @@ from dataclasses import dataclass
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
-from unicron.kernel.protocol import PHASE_DATA, PHASE_TRAIN
+from unicron.kernel.protocol import PHASE_DATA, PHASE_GC, PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
+
+#: waits inside an iteration: the hang clock stops while they last, each with its own bound
+_WAITS = (PHASE_DATA, PHASE_GC)
+#: phases whose iterations are judged (training, and training interrupted by a wait)
+_JUDGED = (PHASE_TRAIN, *_WAITS)
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,9 @@ class IterationSettings:
     data_wait_factor: float = 10.0
     """A wait for data (the ``data`` phase) longer than this times the baseline is a hang: a loader
     stuck for good is found within this many iterations (the same ceiling as ``max_hang_factor``)."""
+    gc_wait_factor: float = 10.0
+    """A full garbage collection (the ``gc`` phase) longer than this times the baseline is a hang (a
+    finalizer blocked for good); shorter ones stop the hang clock like a data wait."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -112,6 +123,7 @@ class IterationSettings:
             # no rule against hang_factor: the threshold is never below hang_factor x the mean
             ("max_hang_factor", self.max_hang_factor >= 1.0, ">= 1"),
             ("data_wait_factor", self.data_wait_factor >= 1.0, ">= 1"),
+            ("gc_wait_factor", self.gc_wait_factor >= 1.0, ">= 1"),
             ("warmup_hang_s", self.warmup_hang_s >= 0.0, ">= 0"),
         )
         for name, ok, rule in checks:
@@ -152,8 +164,8 @@ class IterationMonitor:
         with self._lock:
             self._phase = PHASE_TRAIN
             self._open: tuple[int, float] | None = None  # (step, start ts) of the running iteration
-            self._data_since: float | None = None  # start of the running data wait
-            self._data_wait = 0.0  # data waits of the running iteration, ended ones
+            self._wait_since: float | None = None  # start of the running wait (data or gc)
+            self._waited = 0.0  # waits of the running iteration, ended ones
             self._tainted = False  # the open iteration spanned a non-train phase
             self._hang_reported = False
             self._completed = 0  # train iterations completed, warm-up included
@@ -179,46 +191,46 @@ class IterationMonitor:
         with self._lock:
             self._last_input = ts
             self._open = (step, ts)
-            self._tainted = self._phase not in (PHASE_TRAIN, PHASE_DATA)
+            self._tainted = self._phase not in _JUDGED
             self._hang_reported = False
-            self._data_wait = 0.0
+            self._waited = 0.0
         self._changed()
 
     def iter_end(self, step: int, duration_s: float, ts: float) -> None:
         with self._lock:
             self._last_input = ts
-            self._end_data_wait(ts)
-            counted = self._phase in (PHASE_TRAIN, PHASE_DATA) and not self._tainted and not self._hang_reported
+            self._end_wait(ts)
+            counted = self._phase in _JUDGED and not self._tainted and not self._hang_reported
             if self._open is not None and self._open[0] == step:
                 self._open = None
             if counted and duration_s >= 0:
-                self._record(step, max(0.0, duration_s - self._data_wait), ts)
-            self._data_wait = 0.0
+                self._record(step, max(0.0, duration_s - self._waited), ts)
+            self._waited = 0.0
         self._changed()
 
     def phase(self, name: str, ts: float) -> None:
         with self._lock:
             self._last_input = ts
-            was_data = self._phase == PHASE_DATA
-            self._end_data_wait(ts)
-            if name == PHASE_DATA:
-                self._data_since = ts  # inside the iteration: it stays a training sample
-                if not was_data and self._phase != PHASE_TRAIN and self._open is not None:
+            was_waiting = self._phase in _WAITS
+            self._end_wait(ts)
+            if name in _WAITS:
+                self._wait_since = ts  # inside the iteration: it stays a training sample
+                if not was_waiting and self._phase != PHASE_TRAIN and self._open is not None:
                     self._open = (self._open[0], ts)  # out of e.g. a checkpoint: its time is not counted
             elif name != PHASE_TRAIN and self._open is not None:
                 self._tainted = True  # its duration includes e.g. a checkpoint: not a training sample
-            elif name == PHASE_TRAIN and self._phase != PHASE_TRAIN and not was_data and self._open is not None:
+            elif name == PHASE_TRAIN and self._phase != PHASE_TRAIN and not was_waiting and self._open is not None:
                 self._open = (self._open[0], ts)  # the hang clock restarts when training resumes
             self._phase = name
         self._changed()
 
-    def _end_data_wait(self, ts: float) -> None:
-        """A data wait ended at ``ts``: the open iteration's hang clock resumes where it stopped."""
-        since, self._data_since = self._data_since, None
+    def _end_wait(self, ts: float) -> None:
+        """A wait (data or gc) ended at ``ts``: the open iteration's hang clock resumes where it stopped."""
+        since, self._wait_since = self._wait_since, None
         if since is None or self._open is None:
             return
         waited = max(0.0, ts - max(since, self._open[1]))
-        self._data_wait += waited
+        self._waited += waited
         self._open = (self._open[0], self._open[1] + waited)
 
     def _changed(self) -> None:
@@ -279,15 +291,16 @@ class IterationMonitor:
             return None
         if mean is None:
             return self._warmup_deadline()
-        if self._phase == PHASE_DATA and self._data_since is not None:
-            return self._data_since + max(self.settings.data_wait_factor * mean, self.settings.min_hang_s)
+        if self._phase in _WAITS and self._wait_since is not None:
+            factor = self.settings.gc_wait_factor if self._phase == PHASE_GC else self.settings.data_wait_factor
+            return self._wait_since + max(factor * mean, self.settings.min_hang_s)
         if self._open is None or self._phase != PHASE_TRAIN:
             return None
         return self._open[1] + max(self._threshold(mean), self.settings.min_hang_s)
 
     def _warmup_deadline(self) -> float | None:
         s = self.settings
-        if not s.warmup_hang_s or self._last_input is None or self._phase not in (PHASE_TRAIN, PHASE_DATA):
+        if not s.warmup_hang_s or self._last_input is None or self._phase not in _JUDGED:
             return None
         return self._last_input + s.warmup_hang_s
 
@@ -312,8 +325,8 @@ class IterationMonitor:
             deadline = self._deadline()
             if deadline is not None and now >= deadline and self._mean() is None:
                 out.append(self._warmup_hang(now, deadline))
-            elif deadline is not None and now >= deadline and self._phase == PHASE_DATA:
-                out.append(self._data_hang(now, deadline))
+            elif deadline is not None and now >= deadline and self._phase in _WAITS:
+                out.append(self._wait_hang(now, deadline))
             elif deadline is not None and now >= deadline and self._open is not None:
                 step, start = self._open
                 mean = self._mean() or 0.0
@@ -332,14 +345,17 @@ class IterationMonitor:
         return self._silent_hang(since, deadline, f"no report for {now - since:.3f} s before a baseline "
                                  f"(launch or warm-up; bound {self.settings.warmup_hang_s} s)")
 
-    def _data_hang(self, now: float, deadline: float) -> Finding:
-        since = self._data_since if self._data_since is not None else deadline
+    def _wait_hang(self, now: float, deadline: float) -> Finding:
+        since = self._wait_since if self._wait_since is not None else deadline
+        mean = f"mean iteration time {self._mean() or 0.0:.3f} s"
+        if self._phase == PHASE_GC:
+            return self._silent_hang(since, deadline, f"in garbage collection {now - since:.3f} s > "
+                                     f"{self.settings.gc_wait_factor} x {mean} (a finalizer is stuck)")
         return self._silent_hang(since, deadline, f"waiting for data {now - since:.3f} s > "
-                                 f"{self.settings.data_wait_factor} x mean iteration time "
-                                 f"{self._mean() or 0.0:.3f} s (the data loader is stuck)")
+                                 f"{self.settings.data_wait_factor} x {mean} (the data loader is stuck)")
 
     def _silent_hang(self, since: float, deadline: float, message: str) -> Finding:
-        """A hang judged by a bound rather than by iteration times (no baseline yet, or a data wait)."""
+        """A hang judged by a bound rather than by iteration times (no baseline yet, or a wait)."""
         self._hang_reported = True
         return Finding(ErrorKind.TASK_HANG, self._open[0] if self._open else None, message, deadline, since)
 

@@ -11,12 +11,14 @@ This bench generates seeded traces of one rank's iterations (nominal D_iter = 1 
   6 s: a shared filesystem's slow read);
 * checkpoint stalls every 500 iterations (20-40 s) and evaluation stalls every 1000 (30-60 s).
 
-Four variants of the stalls: ``reported`` (the rank says so, as ``unicron.runtime`` does: checkpoints
-and evaluations with ``client.phase("checkpoint")``, as the agent also parses Megatron's save lines, and
-each wait for a micro-batch with ``client.phase("data")`` around the fetch in ``Trainer``; only waits
-longer than zero are emitted, a zero-length data phase changes nothing in the monitor), ``manual
-gc`` (the same, with the runtime's ``--manual-gc-interval``: GC pauses at iteration boundaries), ``data
-unreported`` (checkpoints reported, data-loader waits inside the iteration: what a rank that does not
+Five variants of the stalls: ``reported`` (the rank says so, as ``unicron.runtime`` does: checkpoints
+and evaluations with ``client.phase("checkpoint")``, as the agent also parses Megatron's save lines,
+each wait for a micro-batch with ``client.phase("data")`` around the fetch in ``Trainer``, and each
+full GC pause inside an iteration as the ``gc`` phase, which the rank client sends from
+``gc.callbacks``; only waits longer than zero are emitted, a zero-length data phase changes nothing in
+the monitor), ``gc unreported`` (the same without the GC phases: the client before it reported them),
+``manual gc`` (no GC phases, the runtime's ``--manual-gc-interval``: GC pauses at iteration
+boundaries), ``data unreported`` (checkpoints reported, data-loader waits inside the iteration: what a rank that does not
 report its fetches, e.g. a Megatron script read from its log, gives) and ``unreported`` (a script that
 stalls inside its step without telling: no rule based on iteration times can tell the first such stall
 from a hang; counted apart, not a target).
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.iterations import Finding, IterationMonitor, IterationSettings
-from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_DATA, PHASE_EVAL, PHASE_TRAIN
+from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_DATA, PHASE_EVAL, PHASE_GC, PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
 
 D_ITER = 1.0
@@ -85,12 +87,15 @@ class TraceShape:
 
 def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape = TraceShape(),
           hang_at: int | None = None, data_reported: bool | None = None,
-          data_hang: bool = False, manual_gc: bool = False) -> Iterator[Event]:
+          data_hang: bool = False, manual_gc: bool = False, gc_reported: bool | None = None) -> Iterator[Event]:
     """One rank's events; with ``hang_at`` the trace ends with that iteration started and never ended
     (with ``data_hang``, stuck in its wait for data). ``data_reported`` defaults to ``reported``.
     ``manual_gc``: the runtime's ``--manual-gc-interval`` (``unicron/runtime/gcpolicy.py``): the same
-    pauses, taken at an iteration boundary instead of inside an iteration."""
+    pauses, taken at an iteration boundary instead of inside an iteration. ``gc_reported`` (defaults
+    to ``reported``): a pause inside an iteration is bracketed by the ``gc`` phase, as the rank client
+    reports full collections; it follows the iteration's data wait (the draws are unchanged)."""
     data_phases = reported if data_reported is None else data_reported
+    gc_phases = reported if gc_reported is None else gc_reported
     t = 0.0
     next_gc = rng.randint(*shape.gc_every)
     for step in range(iterations):
@@ -111,20 +116,25 @@ def trace(rng: random.Random, iterations: int, reported: bool, shape: TraceShape
                 yield Event(t, "phase", phase=PHASE_DATA)
             return
         d = D_ITER * (1.0 + rng.gauss(0.0, shape.noise)) + stall
-        boundary_gc = 0.0
+        boundary_gc = inner_gc = 0.0
         if step == next_gc:
             pause = rng.lognormvariate(0.0, shape.gc_sigma) * shape.gc_median_s
             next_gc = step + rng.randint(*shape.gc_every)
             if manual_gc:
                 boundary_gc = pause
             else:
+                inner_gc = pause
                 d += pause
+        wait = 0.0
         if rng.random() < shape.loader_p:
             wait = min(shape.loader_max_s, shape.loader_scale_s * rng.paretovariate(shape.loader_alpha))
             if data_phases:  # the fetch comes first (the first micro-batch's), then the compute
                 yield Event(t, "phase", phase=PHASE_DATA)
                 yield Event(t + wait, "phase", phase=PHASE_TRAIN)
             d += wait
+        if inner_gc and gc_phases:
+            yield Event(t + wait, "phase", phase=PHASE_GC)
+            yield Event(t + wait + inner_gc, "phase", phase=PHASE_TRAIN)
         t += d
         yield Event(t, "end", step, duration=d)
         t += boundary_gc
@@ -180,17 +190,20 @@ def soak(seeds: list[int], ranks: int, iterations: int, settings: IterationSetti
     """False alarms over ``ranks`` x ``iterations`` per seed and variant, then one real hang per trace."""
     # (ckpt/eval reported, data waits reported): the seeds are the variant's name, as before this
     # change for "reported" and "unreported", so those traces' stalls are the same as in earlier runs
-    variants = {"reported": (True, True, False), "manual_gc": (True, True, True),
-                "data_unreported": (True, False, False), "unreported": (False, False, False)}
+    # (ckpt/eval reported, data waits reported, manual gc, gc pauses reported)
+    variants = {"reported": (True, True, False, True), "gc_unreported": (True, True, False, False),
+                "manual_gc": (True, True, True, False), "data_unreported": (True, False, False, False),
+                "unreported": (False, False, False, False)}
     alarms = dict.fromkeys(variants, 0)
     degradations = 0
     latencies: dict[bool, list[float]] = {False: [], True: []}
     missed: dict[bool, int] = {False: 0, True: 0}
     for seed in seeds:
         for rank in range(ranks):
-            for variant, (reported, data, manual_gc) in variants.items():
+            for variant, (reported, data, manual_gc, gc_phases) in variants.items():
                 rng = random.Random(f"{seed}/{rank}/{'unreported' if variant == 'unreported' else 'reported'}")
-                o = drive(trace(rng, iterations, reported, data_reported=data, manual_gc=manual_gc), settings)
+                o = drive(trace(rng, iterations, reported, data_reported=data, manual_gc=manual_gc,
+                                gc_reported=gc_phases), settings)
                 alarms[variant] += len(o.hangs)
                 degradations += o.degradations
             for data_hang in (False, True):
@@ -205,6 +218,7 @@ def soak(seeds: list[int], ranks: int, iterations: int, settings: IterationSetti
     return {
         "rank_iterations": len(seeds) * ranks * iterations,
         "false_alarms": alarms["reported"],
+        "false_alarms_gc_unreported": alarms["gc_unreported"],
         "false_alarms_manual_gc": alarms["manual_gc"],
         "false_alarms_data_waits_unreported": alarms["data_unreported"],
         "false_alarms_unreported_stalls": alarms["unreported"],

@@ -127,6 +127,29 @@ def test_a_data_wait_past_its_bound_is_one_hang() -> None:
         IterationSettings(data_wait_factor=0.5)
 
 
+def test_a_gc_pause_stops_the_hang_clock_like_a_data_wait_and_past_its_own_bound_is_one_hang() -> None:
+    # bench/soak.py: a 2.4 s gen-2 pause in a 1 s iteration was the last cause of false alarms
+    mon = steady(0.1)
+    mon.iter_start(20, 50.0)
+    mon.phase("gc", 50.05)
+    assert mon.deadline() == pytest.approx(50.05 + 1.0)  # gc_wait_factor 10 x the baseline
+    assert mon.check(50.9) == []  # an 0.85 s pause: 8.5x the mean, no hang
+    mon.phase("train", 50.9)
+    assert mon.deadline() == pytest.approx(50.0 + 0.85 + 0.3)  # the clock resumed where it stopped
+    mon.iter_end(20, 0.95, 50.95)
+    assert mon.baseline() == pytest.approx(0.1)  # the sample is the compute, not the pause
+    mon = IterationMonitor(IterationSettings(warmup_iterations=2, min_samples=5, gc_wait_factor=20.0))
+    feed(mon, [0.1] * 10)
+    mon.iter_start(20, 50.0)
+    mon.phase("gc", 50.02)
+    assert mon.check(52.01) == []
+    (f,) = mon.check(52.02)  # a collection stuck for good (a finalizer that never returns)
+    assert (f.kind, f.step, f.onset_ts) == (HANG, 20, 50.02) and "garbage collection" in f.message
+    assert mon.check(60.0) == []  # once
+    with pytest.raises(ConfigError, match="gc_wait_factor"):
+        IterationSettings(gc_wait_factor=0.5)
+
+
 def test_a_rank_silent_since_its_launch_or_in_warm_up_is_a_hang_after_the_warmup_bound() -> None:
     # bench/chaos.py SIGSTOPped a rank right after its launch: it never reported, and no iteration
     # rule can judge a rank without a baseline, so nothing was ever found.

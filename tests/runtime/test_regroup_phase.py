@@ -16,17 +16,19 @@ from unicron.kernel import protocol
 from unicron.kernel.types import ErrorKind
 
 
-def _phases_and_regroups(sock: FakeAgentSocket, rank: int, data: bool = False) -> list[tuple[str, str]]:
-    """(kind, detail) of the rank's Hello, Phase and RegroupDone messages, in order; the data phases
-    (one per micro-batch fetched) and their return to train only with ``data``."""
+def _phases_and_regroups(sock: FakeAgentSocket, rank: int, waits: bool = False) -> list[tuple[str, str]]:
+    """(kind, detail) of the rank's Hello, Phase and RegroupDone messages, in order; the waits (a data
+    phase per micro-batch fetched, a gc phase per full collection while training) and their return to
+    train only with ``waits``."""
     out: list[tuple[str, str]] = []
-    in_data = False
+    in_wait = False
     with sock.lock:
         for r, m in sock.messages:
             if r != rank:
                 continue
-            if not data and isinstance(m, protocol.Phase) and (m.name == protocol.PHASE_DATA or in_data):
-                in_data = m.name == protocol.PHASE_DATA  # a fetch and its return to train
+            wait = isinstance(m, protocol.Phase) and m.name in (protocol.PHASE_DATA, protocol.PHASE_GC)
+            if not waits and isinstance(m, protocol.Phase) and (wait or in_wait):
+                in_wait = wait  # a wait and its return to train
                 continue
             if isinstance(m, protocol.Hello):
                 out.append(("hello", ""))
@@ -57,10 +59,14 @@ def test_survivor_and_joiner_report_the_regroup_phase_around_a_rejoin(
     survivor = _phases_and_regroups(agent_socket, 0)
     # Every micro-batch's fetch is a data phase, back to train right after (the rank fetched each
     # micro-batch it computed: at least one per MicrobatchDone).
-    with_data = _phases_and_regroups(agent_socket, 0, data=True)
-    fetches = [i for i, p in enumerate(with_data) if p == ("phase", "data")]
+    with_waits = _phases_and_regroups(agent_socket, 0, waits=True)
+    fetches = [i for i, p in enumerate(with_waits) if p == ("phase", "data")]
     assert len(fetches) >= len(agent_socket.of(0, protocol.MicrobatchDone)) > 0
-    assert all(with_data[i + 1] == ("phase", "train") for i in fetches), with_data
+    assert all(with_waits[i + 1] == ("phase", "train") for i in fetches), with_waits
+    # The full collection after the model is built (the runtime's GC policy) is a gc phase, back to
+    # train right after: the rank client reports each one while training.
+    collections = [i for i, p in enumerate(with_waits) if p == ("phase", "gc")]
+    assert collections and all(with_waits[i + 1] == ("phase", "train") for i in collections), with_waits
     # start; the failure regroup; the admission of the restarted rank: each pause inside the phase.
     assert survivor == [
         ("hello", ""), ("done", "start"),

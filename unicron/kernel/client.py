@@ -11,6 +11,7 @@ the agent's own supervision notices a rank that stops talking.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import queue
 import socket
@@ -64,6 +65,8 @@ class AgentClient:
         self._step: int | None = None
         self._phase = protocol.PHASE_TRAIN
         self._stop_noted = threading.Event()
+        self._gc_reported = False  # a full collection's start was sent, its end not yet
+        self._gc_end_ts: float | None = None  # its end, when the socket was busy at that moment
 
     @classmethod
     def from_env(cls) -> AgentClient:
@@ -98,9 +101,12 @@ class AgentClient:
         )
         self._reader = threading.Thread(target=self._read_loop, name="unicron-client", daemon=True)
         self._reader.start()
+        gc.callbacks.append(self._on_gc)
         return self
 
     def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
@@ -110,6 +116,9 @@ class AgentClient:
         if conn is None:
             return
         try:
+            if self._gc_end_ts is not None:  # a collection ended while the socket was busy: end it first
+                ended, self._gc_end_ts = self._gc_end_ts, None
+                conn.send(protocol.Phase(name=self._phase, ts=ended).to_wire())
             conn.send(msg.to_wire())
         except OSError as exc:
             log.warning("lost the agent socket; reporting stops", error=str(exc))
@@ -192,6 +201,26 @@ class AgentClient:
         finally:
             self._phase = outer
             self.send(protocol.Phase(name=outer))
+
+    def _on_gc(self, event: str, info: dict[str, int]) -> None:
+        """``gc.callbacks`` hook: a full collection while training is reported as the ``gc`` phase, so
+        the agent stops the iteration's hang clock for its pause (seconds on a large heap) instead of
+        taking a long pause for a hang. It runs inside the collector, in whichever thread allocated,
+        possibly one in the middle of :meth:`send`: it never waits for the socket. A start that finds
+        the socket busy is not reported; an end that does is sent before the next message."""
+        conn = self._conn
+        if conn is None or info.get("generation") != 2:
+            return
+        try:
+            if event == "start" and self._phase == protocol.PHASE_TRAIN:
+                self._gc_reported = conn.try_send(protocol.Phase(name=protocol.PHASE_GC).to_wire())
+            elif event == "stop" and self._gc_reported:
+                self._gc_reported = False
+                ended = protocol.Phase(name=self._phase)
+                if not conn.try_send(ended.to_wire()):
+                    self._gc_end_ts = ended.ts
+        except OSError:
+            self._conn = None  # the agent is gone: reporting stops, as in send()
 
     def stopped(self, step: int, snapshot: int | None, timeout_s: float = STOP_NOTED_TIMEOUT_S) -> bool:
         """Say that this rank ends early (stopped at ``step`` on a SIGTERM, ``snapshot``: the on-demand

@@ -33,7 +33,10 @@ PHASE_REGROUP = "regroup"
 PHASE_DATA = "data"
 """Waiting for the next micro-batch from the data loader: the wait is not iteration time, and it has its
 own bound (``IterationSettings.data_wait_factor``) so a loader stuck for good is still a hang."""
-PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_REGROUP, PHASE_DATA)
+PHASE_GC = "gc"
+"""A full (generation 2) garbage collection inside a training iteration, reported from ``gc.callbacks``:
+like a data wait, not iteration time, with its own bound (``IterationSettings.gc_wait_factor``)."""
+PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_REGROUP, PHASE_DATA, PHASE_GC)
 
 
 class Message(Record):

@@ -47,6 +47,19 @@ class LineSocket:
         with self._send_lock:
             self.sock.sendall(data)
 
+    def try_send(self, obj: dict[str, Any]) -> bool:
+        """Send unless another send holds the socket at this moment; then return False at once. For
+        callers that must not wait, e.g. a garbage-collector callback in a thread that may itself be
+        inside :meth:`send`."""
+        data = encode(obj)
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            self.sock.sendall(data)
+        finally:
+            self._send_lock.release()
+        return True
+
     def recv_line(self) -> bytes | None:
         """Next line without its newline, or None at EOF. Raises InvalidRecord for an over-long line."""
         while True:

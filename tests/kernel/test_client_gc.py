@@ -1,0 +1,96 @@
+"""The rank client reports full garbage collections while training as the ``gc`` phase, over a real
+Unix socket, without ever waiting for the socket inside the collector."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from unicron.kernel import protocol, wire
+from unicron.kernel.client import AgentClient
+
+
+class Agent:
+    """The agent's end of one rank's socket: every message it receives, in order."""
+
+    def __init__(self, path: str) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(1)
+        self.messages: list[protocol.Message] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn = wire.LineSocket(self.server.accept()[0])
+        while (line := conn.recv_line()) is not None:
+            self.messages.append(protocol.parse(wire.decode(line)))
+
+    def phases(self) -> list[str]:
+        return [m.name for m in self.messages if isinstance(m, protocol.Phase)]
+
+    def wait_for(self, n: int) -> list[protocol.Message]:
+        deadline = time.monotonic() + 10.0
+        while len(self.messages) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return list(self.messages)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[AgentClient, Agent]]:
+    gc.disable()  # only the collections a test makes: an automatic one would add messages
+    agent = Agent(str(tmp_path / "agent.sock"))
+    client = AgentClient(rank=0, local_rank=0, task="t", socket_path=str(tmp_path / "agent.sock")).connect()
+    agent.wait_for(1)  # the hello
+    yield client, agent
+    client.close()
+    agent.close()
+    gc.enable()
+
+
+def test_a_full_collection_while_training_is_the_gc_phase_and_nothing_else_is(
+        pair: tuple[AgentClient, Agent]) -> None:
+    client, agent = pair
+    gc.collect(0)  # a young generation: too short to matter, not reported
+    gc.collect()
+    msgs = agent.wait_for(3)
+    assert agent.phases() == ["gc", "train"]
+    start, end = msgs[1], msgs[2]
+    assert isinstance(start, protocol.Phase) and isinstance(end, protocol.Phase) and start.ts <= end.ts
+    with client.phase(protocol.PHASE_DATA):  # a data wait already stops the hang clock
+        gc.collect()
+    assert agent.wait_for(5) and agent.phases() == ["gc", "train", "data", "train"]
+    client.close()
+    assert client._on_gc not in gc.callbacks  # no callback outlives its client
+
+
+def test_the_collector_never_waits_for_a_busy_socket_and_a_missed_end_goes_before_the_next_message(
+        pair: tuple[AgentClient, Agent]) -> None:
+    client, agent = pair
+    conn = client._conn
+    assert conn is not None
+    with conn._send_lock:  # another send in flight: the start is not reported
+        gc.collect()
+    client.microbatch_done(1, 0)
+    assert [type(m) for m in agent.wait_for(2)[1:]] == [protocol.MicrobatchDone]
+    # a start sent, the end finding the socket busy: it is sent before the next message, with its time
+    client._on_gc("start", {"generation": 2})  # as the collector calls it
+    with conn._send_lock:
+        t0 = time.time()
+        client._on_gc("stop", {"generation": 2})
+        t1 = time.time()
+    assert len(agent.wait_for(3)) == 3 and agent.phases() == ["gc"]
+    client.microbatch_done(1, 1)
+    msgs = agent.wait_for(5)
+    end = msgs[3]
+    assert isinstance(end, protocol.Phase) and end.name == "train" and t0 <= end.ts <= t1
+    assert isinstance(msgs[4], protocol.MicrobatchDone) and msgs[4].index == 1
