@@ -18,10 +18,10 @@ full GC pause inside an iteration as the ``gc`` phase, which the rank client sen
 ``gc.callbacks``; only waits longer than zero are emitted, a zero-length data phase changes nothing in
 the monitor), ``gc unreported`` (the same without the GC phases: the client before it reported them),
 ``manual gc`` (no GC phases, the runtime's ``--manual-gc-interval``: GC pauses at iteration
-boundaries), ``data unreported`` (checkpoints reported, data-loader waits inside the iteration: what a rank that does not
-report its fetches, e.g. a Megatron script read from its log, gives) and ``unreported`` (a script that
-stalls inside its step without telling: no rule based on iteration times can tell the first such stall
-from a hang; counted apart, not a target).
+boundaries), ``data unreported`` (checkpoints reported, data-loader waits inside the iteration: what a
+rank that does not report its fetches, e.g. a Megatron script read from its log, gives) and
+``unreported`` (a script that stalls inside its step without telling: no rule based on iteration
+times can tell the first such stall from a hang; counted apart, not a target).
 
 It drives the real detector (:class:`agent.iterations.IterationMonitor`) with the trace's
 timestamps, asking it at every deadline it names (as :class:`HangWatcher` does), and counts
@@ -188,9 +188,8 @@ PREVIOUS = IterationSettings(tail_margin=0.0)
 
 def soak(seeds: list[int], ranks: int, iterations: int, settings: IterationSettings) -> dict[str, object]:
     """False alarms over ``ranks`` x ``iterations`` per seed and variant, then one real hang per trace."""
-    # (ckpt/eval reported, data waits reported): the seeds are the variant's name, as before this
-    # change for "reported" and "unreported", so those traces' stalls are the same as in earlier runs
-    # (ckpt/eval reported, data waits reported, manual gc, gc pauses reported)
+    # (ckpt/eval reported, data waits reported, manual gc, gc pauses reported); the seeds are named
+    # "reported" or "unreported" as in earlier runs, so every variant's traces are the same as before
     variants = {"reported": (True, True, False, True), "gc_unreported": (True, True, False, False),
                 "manual_gc": (True, True, True, False), "data_unreported": (True, False, False, False),
                 "unreported": (False, False, False, False)}

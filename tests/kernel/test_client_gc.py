@@ -94,3 +94,20 @@ def test_the_collector_never_waits_for_a_busy_socket_and_a_missed_end_goes_befor
     end = msgs[3]
     assert isinstance(end, protocol.Phase) and end.name == "train" and t0 <= end.ts <= t1
     assert isinstance(msgs[4], protocol.MicrobatchDone) and msgs[4].index == 1
+
+
+def test_a_held_back_end_is_dropped_once_the_next_collection_starts(pair: tuple[AgentClient, Agent]) -> None:
+    # the next start ends the earlier wait on the agent's side; the old end sent after it would close
+    # the new collection's wait early
+    client, agent = pair
+    conn = client._conn
+    assert conn is not None
+    client._on_gc("start", {"generation": 2})
+    with conn._send_lock:
+        client._on_gc("stop", {"generation": 2})
+    client._on_gc("start", {"generation": 2})
+    client._on_gc("stop", {"generation": 2})
+    client.microbatch_done(1, 0)
+    msgs = agent.wait_for(5)  # in order: the microbatch comes after anything sent before it
+    assert agent.phases() == ["gc", "gc", "train"]
+    assert [type(m) for m in msgs[1:]] == [protocol.Phase] * 3 + [protocol.MicrobatchDone]

@@ -214,6 +214,8 @@ class AgentClient:
         try:
             if event == "start" and self._phase == protocol.PHASE_TRAIN:
                 self._gc_reported = conn.try_send(protocol.Phase(name=protocol.PHASE_GC).to_wire())
+                if self._gc_reported:  # it ends any earlier wait: an end still held back would now close this one
+                    self._gc_end_ts = None
             elif event == "stop" and self._gc_reported:
                 self._gc_reported = False
                 ended = protocol.Phase(name=self._phase)
