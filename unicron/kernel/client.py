@@ -66,7 +66,7 @@ class AgentClient:
         self._phase = protocol.PHASE_TRAIN
         self._stop_noted = threading.Event()
         self._gc_reported = False  # a full collection's start was sent, its end not yet
-        self._gc_end_ts: float | None = None  # its end, when the socket was busy at that moment
+        self._gc_end: protocol.Phase | None = None  # its end, held back: the socket was busy then
 
     @classmethod
     def from_env(cls) -> AgentClient:
@@ -116,9 +116,9 @@ class AgentClient:
         if conn is None:
             return
         try:
-            if self._gc_end_ts is not None:  # a collection ended while the socket was busy: end it first
-                ended, self._gc_end_ts = self._gc_end_ts, None
-                conn.send(protocol.Phase(name=self._phase, ts=ended).to_wire())
+            if self._gc_end is not None:  # a collection ended while the socket was busy: end it first
+                ended, self._gc_end = self._gc_end, None
+                conn.send(ended.to_wire())
             conn.send(msg.to_wire())
         except OSError as exc:
             log.warning("lost the agent socket; reporting stops", error=str(exc))
@@ -215,12 +215,12 @@ class AgentClient:
             if event == "start" and self._phase == protocol.PHASE_TRAIN:
                 self._gc_reported = conn.try_send(protocol.Phase(name=protocol.PHASE_GC).to_wire())
                 if self._gc_reported:  # it ends any earlier wait: an end still held back would now close this one
-                    self._gc_end_ts = None
+                    self._gc_end = None
             elif event == "stop" and self._gc_reported:
                 self._gc_reported = False
                 ended = protocol.Phase(name=self._phase)
                 if not conn.try_send(ended.to_wire()):
-                    self._gc_end_ts = ended.ts
+                    self._gc_end = ended
         except OSError:
             self._conn = None  # the agent is gone: reporting stops, as in send()
 
