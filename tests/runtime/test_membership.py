@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from tests.runtime.threads import run_ranks
 from unicron.cluster.launch import base_env
@@ -24,6 +25,7 @@ from unicron.runtime.heartbeat import STOP_KEY, Heartbeat, StalenessJudge
 from unicron.runtime.membership import (
     BASE_KEY,
     CommSettings,
+    Groups,
     Membership,
     await_seeded,
     failed_key,
@@ -49,6 +51,19 @@ def sidecar() -> Iterator[tuple[str, int]]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def used(groups: Groups) -> Groups:
+    """``groups`` after one allreduce over all members, as training does before anything else.
+
+    A rank that dropped groups it had just built, while a slower peer was still connecting, closed that
+    peer's half-made gloo mesh ("Connection closed by peer"): under load the peer then moved on to an
+    epoch the others, already returned, never entered. A collective completes only once every member
+    has connected."""
+    ones = torch.ones(1)
+    groups.world.allreduce([ones]).wait()
+    assert ones.item() == len(groups.record.members)
+    return groups
 
 
 def test_sidecar_serves_clients_and_mark_failed_counts(sidecar: tuple[str, int]) -> None:
@@ -154,7 +169,7 @@ def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple
             mark_failed(host, port, 2, store=client)  # what the agent does when the process exits
             return
         groups.release()
-        after = m.regroup(groups.record, "failure")
+        after = used(m.regroup(groups.record, "failure"))
         results[(r, "after")] = (after.record.epoch, list(after.record.members), after.dp.size())
 
     run_ranks(3, rank)
@@ -219,14 +234,14 @@ def test_survivors_reseed_a_moved_store_and_a_later_joiner_counts_itself_past_th
         new = moved()
         reseed(new, r, 1, [groups.record], lost=[2], leaving=False)
         m.use(new)
-        after = m.regroup(groups.record, "failure")
+        after = used(m.regroup(groups.record, "failure"))
         results[r] = (after.record.epoch, list(after.record.members))
         after.release()
         shrunk.set()
         deadline = time.monotonic() + 30
         while not m.joiners(after.record.members) and time.monotonic() < deadline:
             time.sleep(0.02)
-        grown = m.regroup(after.record, "admission", assume_same=True)
+        grown = used(m.regroup(after.record, "admission", assume_same=True))
         results[(r, "grown")] = (grown.record.epoch, list(grown.record.members))
 
     def joiner() -> None:
@@ -235,7 +250,7 @@ def test_survivors_reseed_a_moved_store_and_a_later_joiner_counts_itself_past_th
         assert await_seeded(new, 30)
         incarnation = int(new.add(keys.started_key(2), 1))
         results["incarnation"] = incarnation
-        groups = Membership(new, 2, topo, incarnation, settings).join(30)
+        groups = used(Membership(new, 2, topo, incarnation, settings).join(30))
         results[(2, "grown")] = (groups.record.epoch, list(groups.record.members))
 
     try:
