@@ -27,6 +27,7 @@ from unicron.runtime.membership import (
     CommSettings,
     Groups,
     Membership,
+    RegroupFailed,
     await_seeded,
     failed_key,
     mark_failed,
@@ -175,6 +176,13 @@ def test_survivors_agree_on_one_membership_after_a_marked_failure(sidecar: tuple
     run_ranks(3, rank)
     assert all(results[(r, "start")] == [0, 1, 2] for r in range(3))
     assert results[(0, "after")] == results[(1, "after")] == (1, [0, 1], 2)
+
+
+def test_a_member_that_never_arrives_is_named_when_the_epoch_gives_up(sidecar: tuple[str, int]) -> None:
+    m = Membership(PrefixStore("absent-test/", keys.connect(*sidecar)), 0, Topology(world_size=2, tp=1),
+                   incarnation=1, settings=CommSettings(regroup_timeout_s=1))
+    with pytest.raises(RegroupFailed, match=r"rank 0: members \[1\] of epoch 0 did not arrive within 1s"):
+        m.start()
 
 
 def test_latest_finds_the_newest_epoch_in_few_reads(sidecar: tuple[str, int]) -> None:

@@ -423,7 +423,9 @@ class Membership:
             if self.dead(rec, missing):
                 raise _MovedOn(rec)
             time.sleep(self.settings.poll_s)
-        raise RegroupFailed(f"rank {self.rank}: members of epoch {rec.epoch} did not all arrive")
+        missing = [r for r in rec.members if not self.store.check([prefix + str(r)])]
+        raise RegroupFailed(f"rank {self.rank}: members {missing} of epoch {rec.epoch} did not arrive within "
+                            f"{self.settings.regroup_timeout_s:.0f}s and were not marked dead")
 
     def _group(self, name: str, ranks: list[int]) -> CommGroup:
         if len(ranks) == 1 and self.settings.backend == "gloo":
