@@ -28,7 +28,7 @@ from coordinator.statestore import read_state
 from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.netns import Network
 from unicron.kernel import etcdauth, tls
-from unicron.kernel.errors import ConfigError
+from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
@@ -344,13 +344,21 @@ class LocalCluster:
     # --- observation -------------------------------------------------------------------------
 
     def wait_for(self, pred: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02) -> Any:
+        """``pred()``'s first truthy value within ``timeout_s``. A temporary error counts as "not yet":
+        a 3-member etcd whose members miss heartbeats under load elects anew, and reads time out
+        meanwhile (chaos seed 57 ended before its first fault on one)."""
         deadline = time.monotonic() + timeout_s
+        last: TemporaryError | None = None
         while time.monotonic() < deadline:
-            value = pred()
+            try:
+                value = pred()
+            except TemporaryError as exc:
+                last, value = exc, None
             if value:
                 return value
             time.sleep(poll_s)
-        raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}; logs in {self.run_dir}")
+        cause = f" (last error: {last})" if last is not None else ""
+        raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}{cause}; logs in {self.run_dir}")
 
     def registered_nodes(self) -> list[str]:
         assert self.store is not None

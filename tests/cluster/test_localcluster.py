@@ -1,0 +1,50 @@
+"""The local-cluster harness's own waiting (unicron.cluster.localcluster), against a real etcd."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.etcd import Store
+
+
+def test_wait_for_rides_out_an_etcd_that_stalls_and_names_it_when_it_never_answers(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """A stalled etcd (SIGSTOP: what a member between elections looks like to a reader) times reads
+    out; the wait asks again instead of ending the run, and says what it last saw if time runs out."""
+    store = Store(etcd_server.endpoint, timeout_s=0.5)
+    store.put("/k", "v")
+    stalls: list[StoreUnavailable] = []
+
+    def read() -> bytes | None:
+        try:
+            kv = store.get("/k")
+        except StoreUnavailable as exc:
+            stalls.append(exc)
+            raise
+        return None if kv is None else kv.value
+
+    assert etcd_server.proc is not None
+    pgid = etcd_server.proc.pid
+    harness = LocalCluster(run_dir=str(tmp_path))
+    os.killpg(pgid, signal.SIGSTOP)
+    resume = threading.Timer(3 * store.timeout_s, os.killpg, (pgid, signal.SIGCONT))
+    resume.start()
+    try:
+        assert harness.wait_for(read, 60.0, "the key") == b"v"
+        assert stalls, "etcd answered while stopped: the stall was never ridden out"
+        os.killpg(pgid, signal.SIGSTOP)
+        with pytest.raises(TimeoutError, match=r"waiting for the key \(last error: etcd get /k failed"):
+            harness.wait_for(read, 2.5 * store.timeout_s, "the key")
+    finally:
+        resume.cancel()
+        os.killpg(pgid, signal.SIGCONT)
+        store.close()
