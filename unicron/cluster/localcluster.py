@@ -345,8 +345,8 @@ class LocalCluster:
 
     def wait_for(self, pred: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02) -> Any:
         """``pred()``'s first truthy value within ``timeout_s``. A temporary error counts as "not yet":
-        a 3-member etcd whose members miss heartbeats under load elects anew, and reads time out
-        meanwhile (chaos seed 57 ended before its first fault on one)."""
+        reads time out while etcd stalls (a 3-member cluster electing, say), and chaos seed 57 ended
+        before its first fault on one such timeout."""
         deadline = time.monotonic() + timeout_s
         last: TemporaryError | None = None
         while time.monotonic() < deadline:

@@ -410,22 +410,23 @@ class Membership:
         return groups
 
     def _barrier(self, rec: EpochRecord, deadline: float) -> None:
-        prefix = f"epoch/{rec.epoch}/ready/"
-        self.store.set(prefix + str(self.rank), str(self.incarnation))
-        want = [prefix + str(r) for r in rec.members]
+        self.store.set(_ready_key(rec.epoch, self.rank), str(self.incarnation))
+        want = [_ready_key(rec.epoch, r) for r in rec.members]
         while time.monotonic() < deadline:
             if self.store.check(want):
                 return
             newer = self._read(rec.epoch + 1)
             if newer is not None:
                 raise _MovedOn(rec)
-            missing = [r for r in rec.members if not self.store.check([prefix + str(r)])]
-            if self.dead(rec, missing):
+            if self.dead(rec, self._absent(rec)):
                 raise _MovedOn(rec)
             time.sleep(self.settings.poll_s)
-        missing = [r for r in rec.members if not self.store.check([prefix + str(r)])]
-        raise RegroupFailed(f"rank {self.rank}: members {missing} of epoch {rec.epoch} did not arrive within "
-                            f"{self.settings.regroup_timeout_s:.0f}s and were not marked dead")
+        raise RegroupFailed(f"rank {self.rank}: members {self._absent(rec)} of epoch {rec.epoch} did not arrive "
+                            f"within {self.settings.regroup_timeout_s:.0f}s and were not marked dead")
+
+    def _absent(self, rec: EpochRecord) -> list[int]:
+        """Members of ``rec`` not (yet) at its barrier."""
+        return [r for r in rec.members if not self.store.check([_ready_key(rec.epoch, r)])]
 
     def _group(self, name: str, ranks: list[int]) -> CommGroup:
         if len(ranks) == 1 and self.settings.backend == "gloo":
@@ -452,6 +453,10 @@ class Membership:
             log.warning("building the groups failed", rank=self.rank, epoch=g, error=str(exc))
             raise _MovedOn(rec) from exc
         return Groups(rec, world, dp, tp, dp_ranks)
+
+
+def _ready_key(epoch: int, rank: int) -> str:
+    return f"epoch/{epoch}/ready/{rank}"
 
 
 def _int(raw: bytes) -> int:
