@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from unicron.cluster.etcd_server import EtcdServer
+from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Store
@@ -48,3 +48,16 @@ def test_wait_for_rides_out_an_etcd_that_stalls_and_names_it_when_it_never_answe
         resume.cancel()
         os.killpg(pgid, signal.SIGCONT)
         store.close()
+
+
+def test_a_stopped_cluster_keeps_its_etcd_members_logs_with_its_own(tmp_path: Path) -> None:
+    """The members' logs live in their data dirs, which stop removes; the run's logs keep a copy."""
+    harness = LocalCluster(agents=0, etcd_members=3, run_dir=str(tmp_path))
+    assert isinstance(harness.etcd, EtcdCluster)
+    data_dirs = [Path(m.data_dir) for m in harness.etcd.members]
+    harness.etcd.start()
+    harness.stop()
+    assert not any(d.exists() for d in data_dirs)
+    for m in harness.etcd.members:
+        log = (tmp_path / f"etcd-{m.name}.log").read_text()
+        assert m.name in log and "raft" in log, log[:500]

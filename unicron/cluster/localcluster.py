@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -323,9 +324,18 @@ class LocalCluster:
                 p.wait()
         if self.store is not None:
             self.store.close()
+        self._keep_etcd_logs()
         self.etcd.cleanup()
         if self.net is not None:
             self.net.destroy()
+
+    def _keep_etcd_logs(self) -> None:
+        """Copy each member's log into the run's logs: it lives in the member's data dir, which
+        cleanup removes, and a stall or an election seen in the run is read there afterwards."""
+        members = self.etcd.members if isinstance(self.etcd, EtcdCluster) else [self.etcd]
+        for m in members:
+            with contextlib.suppress(OSError):
+                shutil.copyfile(m.log_path, Path(self.run_dir) / f"etcd-{m.name}.log")
 
     def __enter__(self) -> LocalCluster:
         # The cluster's processes run in their own sessions: a SIGTERM to this process must unwind
