@@ -530,6 +530,8 @@ def run(seed: int, faults: int, budget_s: float, agents: int, outage_s: float,
         "rank_identity_overlap_max_s": round(max(tally.overlaps), 2) if tally.overlaps else 0.0,
         "rank_identities_seen_max": chaos.identities_seen_max,
         "committed_steps": {t: chaos.committed(t) for t in TASKS},
+        # reads in the harness's own waits that failed and were asked again (etcd faults, stalls)
+        "wait_temporary_errors": c.temporary_errors,
     }
 
 

@@ -41,6 +41,7 @@ def test_wait_for_rides_out_an_etcd_that_stalls_and_names_it_when_it_never_answe
     try:
         assert harness.wait_for(read, 60.0, "the key") == b"v"
         assert stalls, "etcd answered while stopped: the stall was never ridden out"
+        assert harness.temporary_errors == len(stalls)
         os.killpg(pgid, signal.SIGSTOP)
         with pytest.raises(TimeoutError, match=r"waiting for the key \(last error: etcd get /k failed"):
             harness.wait_for(read, 2.5 * store.timeout_s, "the key")

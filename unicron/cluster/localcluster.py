@@ -104,6 +104,8 @@ class LocalCluster:
         #: with ``metrics``: "coordinator" and each node -> the port its /metrics is served on
         self.metrics_ports: dict[str, int] = {}
         self.metrics = metrics
+        #: temporary errors (an etcd read timing out, say) that :meth:`wait_for` took for "not yet"
+        self.temporary_errors = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -364,6 +366,7 @@ class LocalCluster:
                 value = pred()
             except TemporaryError as exc:
                 last, value = exc, None
+                self.temporary_errors += 1
             if value:
                 return value
             time.sleep(poll_s)
