@@ -9,6 +9,7 @@ from agent.progress import compile_regex
 from unicron.kernel import tls
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
+from unicron.kernel.etcd import parse_endpoints
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class AgentSettings:
     def validate(self) -> None:
         if not self.node or any(not (c.isalnum() or c in "-_.") for c in self.node):
             raise ConfigError(f"--node / UNICRON_NODE: bad node name {self.node!r}; use letters, digits, - _ .")
+        parse_endpoints(self.etcd)
         if self.gpu_backend not in ("auto", "nvml", "simulated"):
             raise ConfigError("--gpu-backend / UNICRON_GPU_BACKEND must be auto, nvml or simulated")
         if self.lease_ttl_s < 1:

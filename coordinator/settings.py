@@ -59,7 +59,9 @@ class CoordinatorSettings:
 
     def validate(self) -> None:
         from plans.api import gpu_type
+        from unicron.kernel.etcd import parse_endpoints
 
+        parse_endpoints(self.etcd)
         try:
             gpu_type(self.gpu_type)
         except Exception as exc:

@@ -459,6 +459,43 @@ def test_cli_submit_of_a_file_that_is_not_a_spec_is_one_line(
     assert plane.specs == {}
 
 
+@pytest.mark.parametrize(("argv", "flag"), [
+    (("submit", "-", "--timeout", "nan"), "--timeout"),  # a NaN deadline used to retry forever
+    (("submit", "-", "--timeout", "0"), "--timeout"),
+    (("cancel", "t", "--timeout", "-1"), "--timeout"),
+    (("nodes", "--timeout", "inf"), "--timeout"),
+    (("incidents", "--limit", "-1"), "--limit"),
+    (("inject", "slow", "--node", "n1", "--delay", "-1"), "--delay"),
+    (("inject", "slow", "--node", "n1", "--iterations", "0"), "--iterations"),
+    (("inject", "kill-rank", "--node", "n1", "--rank", "x"), "--rank"),
+    (("inject", "xid", "79", "--node", "n1", "--gpu", "-2"), "--gpu"),
+])
+def test_cli_bad_numbers_are_refused_naming_the_flag(
+    unicron: Any, argv: tuple[str, ...], flag: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:  # argparse's refusal, before etcd or the API is dialled
+        unicron(*argv, "--etcd", f"127.0.0.1:{free_port()}")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert f"error: argument {flag}: '{argv[argv.index(flag) + 1]}' " in err.splitlines()[-1]
+    if argv[-1] == "nan":
+        assert err.endswith("argument --timeout: 'nan' must be a finite number > 0.0\n")
+
+
+def test_cli_bad_etcd_endpoint_is_one_line(unicron: Any) -> None:
+    code, out, err = unicron("tasks", "--etcd", "bad:port:x")
+    assert code == 1 and out == ""
+    assert err.startswith("unicron tasks: --etcd / UNICRON_ETCD: bad endpoint 'bad:port:x'") and err.count("\n") == 1
+
+
+def test_cli_inject_on_an_unknown_node_is_refused_at_once(
+    unicron: Any, etcd_server: EtcdServer, prefix: str,
+) -> None:
+    # before: the request went out and the CLI waited 5 s for an agent that does not exist
+    code, _, err = unicron("inject", "kill-rank", "--node", "nope", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    assert code == 1 and err == "unicron inject: node 'nope' is not registered (see 'unicron nodes')\n"
+
+
 # --- issue 19 item 16: what `unicron nodes` and `unicron status` show -------------------------
 
 

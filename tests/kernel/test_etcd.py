@@ -9,7 +9,14 @@ import time
 import pytest
 
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.kernel.errors import LeaseLost, StoreClosed, StoreRejected, StoreUnavailable, UnicronError
+from unicron.kernel.errors import (
+    ConfigError,
+    LeaseLost,
+    StoreClosed,
+    StoreRejected,
+    StoreUnavailable,
+    UnicronError,
+)
 from unicron.kernel.etcd import Store, WatchEvent, parse_endpoints
 
 
@@ -24,9 +31,10 @@ def _wait(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
 
 def test_parse_endpoints_rejects_garbage() -> None:
     assert parse_endpoints("127.0.0.1:1,http://h:2") == [("127.0.0.1", 1), ("h", 2)]
-    with pytest.raises(ValueError, match="host:port"):
-        parse_endpoints("nonsense")
-    with pytest.raises(ValueError, match="no etcd endpoint"):
+    for bad in ("nonsense", "bad:port:x", ":", "h:0", "h:65536"):
+        with pytest.raises(ConfigError, match=r"--etcd / UNICRON_ETCD: bad endpoint .*host:port"):
+            parse_endpoints(bad)
+    with pytest.raises(ConfigError, match="no endpoint given"):
         parse_endpoints(" , ")
 
 

@@ -14,7 +14,15 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from unicron.cli.common import add_cluster_flags, emit, one_line, open_store, read_json_prefix, tls_config
+from unicron.cli.common import (
+    add_cluster_flags,
+    at_least,
+    emit,
+    one_line,
+    open_store,
+    read_json_prefix,
+    tls_config,
+)
 from unicron.cli.tasks import ApiClient, leader_api
 from unicron.kernel.errors import UnicronError
 from unicron.kernel.etcd import Store
@@ -30,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_cluster_flags(p)
     p.add_argument("--api", default=os.environ.get("UNICRON_API") or None, metavar="HOST:PORT",
                    help="coordinator API address (env: UNICRON_API; default: from the leader key in etcd)")
-    p.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=at_least(float, 0.0, above=True), default=2.0, metavar="SECONDS",
                    help="how long to wait for the coordinator's view before showing etcd's alone (default 2)")
     p.set_defaults(func=cmd_nodes)
     p = sub.add_parser("status", help="show what each node runs (optionally one task)")
@@ -39,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("incidents", help="list recorded incidents, newest last")
     add_cluster_flags(p)
-    p.add_argument("--limit", type=int, default=50, help="show at most this many (default 50)")
+    p.add_argument("--limit", type=at_least(int, 0), default=50, help="show at most this many (default 50; 0: all kept)")
     p.set_defaults(func=cmd_incidents)
 
 

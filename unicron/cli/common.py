@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from unicron.kernel import tls
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
+
+N = TypeVar("N", int, float)
 
 #: the most of an error message the CLI prints (a server's message may carry a whole repr)
 MAX_ERROR_CHARS = 500
@@ -22,6 +25,22 @@ def one_line(message: str) -> str:
     """``message`` as one line of bounded length, for "unicron CMD: <message>" on stderr."""
     text = " ".join(message.split())
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def at_least(cast: Callable[[str], N], minimum: N, *, above: bool = False) -> Callable[[str], N]:
+    """An argparse ``type``: a finite number ``>= minimum`` (``> minimum`` with ``above``). argparse
+    turns the refusal into one line naming the flag, where a NaN timeout used to wait forever."""
+
+    def parse(text: str) -> N:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {'>' if above else '>='} {minimum}")
+        return value
+
+    return parse
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:

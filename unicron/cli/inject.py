@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from unicron.cli.common import add_cluster_flags, open_store
+from unicron.cli.common import add_cluster_flags, at_least, open_store
 from unicron.kernel.errors import PermanentError
 from unicron.kernel.etcd import Store
 from unicron.kernel.inject import Fault, Injection, request
@@ -34,10 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("arg", nargs="?", help="raise: the error kind (e.g. cuda_error); xid: the XID code (e.g. 79)")
     p.add_argument("--node", required=True, help="the node to inject on")
     p.add_argument("--task", help="the task (default: the node's first task)")
-    p.add_argument("--rank", type=int, help="the global rank (default: the node's first rank of the task)")
-    p.add_argument("--gpu", type=int, default=0, help="xid: the simulated GPU index (default 0)")
-    p.add_argument("--delay", type=float, default=1.0, help="slow: seconds added per iteration (default 1.0)")
-    p.add_argument("--iterations", type=int, default=1, help="slow: how many iterations (default 1)")
+    p.add_argument("--rank", type=at_least(int, 0), help="the global rank (default: the node's first rank of the task)")
+    p.add_argument("--gpu", type=at_least(int, 0), default=0, help="xid: the simulated GPU index (default 0)")
+    p.add_argument("--delay", type=at_least(float, 0.0), default=1.0, help="slow: seconds added per iteration (default 1.0)")
+    p.add_argument("--iterations", type=at_least(int, 1), default=1, help="slow: how many iterations (default 1)")
     p.add_argument("--resume", action="store_true", help="silence-node: send SIGCONT instead (end the silence)")
     p.set_defaults(func=cmd_inject)
 
@@ -46,11 +46,16 @@ def _stamp(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
 
 
-def agent_pid(store: Store, keys: Keyspace, node: str) -> int:
+def node_record(store: Store, keys: Keyspace, node: str) -> bytes:
+    """The node's registration; refused at once for an unknown node (its agent could never answer)."""
     kv = store.get(keys.node(node))
     if kv is None:
         raise PermanentError(f"node {node!r} is not registered (see 'unicron nodes')")
-    pid = json.loads(kv.value).get("agent_pid")
+    return kv.value
+
+
+def agent_pid(store: Store, keys: Keyspace, node: str) -> int:
+    pid = json.loads(node_record(store, keys, node)).get("agent_pid")
     if not isinstance(pid, int):
         raise PermanentError(f"node {node!r} has no agent pid in its record")
     return pid
@@ -90,7 +95,9 @@ def cmd_inject(args: argparse.Namespace) -> int:
             pid, ts = signal_agent(store, keys, args.node, sig)
             print(f"{_stamp(ts)} {args.fault}: sent {sig.name} to agent pid {pid} of node {args.node}")
             return 0
-        answer = request(store, keys, args.node, build_request(args))
+        req = build_request(args)
+        node_record(store, keys, args.node)
+        answer = request(store, keys, args.node, req)
         stamp = _stamp(answer.executed_ts or 0.0)
         if not answer.ok:
             print(f"{stamp} {args.fault} on node {args.node} FAILED: {answer.detail}")

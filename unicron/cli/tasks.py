@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from coordinator.tasks import MAX_SPEC_BYTES, load_spec_json
-from unicron.cli.common import add_cluster_flags, emit, one_line, open_store, tls_config
+from unicron.cli.common import add_cluster_flags, at_least, emit, one_line, open_store, tls_config
 from unicron.kernel import tls
 from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError, UnicronError
 from unicron.kernel.etcd import Store
@@ -69,7 +69,7 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     add_cluster_flags(p)
     p.add_argument("--api", default=os.environ.get("UNICRON_API") or None, metavar="HOST:PORT",
                    help="coordinator API address (env: UNICRON_API; default: from the leader key in etcd)")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=at_least(float, 0.0, above=True), default=10.0, metavar="SECONDS",
                    help="give up after this long, following failovers meanwhile (default 10)")
 
 

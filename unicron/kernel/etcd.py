@@ -40,7 +40,14 @@ from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
 
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import LeaseLost, StoreClosed, StoreRejected, StoreUnavailable, UnicronError
+from unicron.kernel.errors import (
+    ConfigError,
+    LeaseLost,
+    StoreClosed,
+    StoreRejected,
+    StoreUnavailable,
+    UnicronError,
+)
 from unicron.kernel.tls import TLSConfig
 
 log = ulog.get(__name__)
@@ -125,7 +132,10 @@ class WatchEvent:
 
 
 def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
-    """``"127.0.0.1:2379,127.0.0.1:2381"`` (or a list of ``host:port``) -> [(host, port), ...]."""
+    """``"127.0.0.1:2379,127.0.0.1:2381"`` (or a list of ``host:port``) -> [(host, port), ...].
+
+    A bad spec is a :class:`ConfigError` (a setting's value, not a bug), so every entry point prints
+    it as one line."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[tuple[str, int]] = []
     for item in (i.strip() for i in items):
@@ -133,11 +143,12 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
             continue
         item = item.removeprefix("http://")
         host, sep, port = item.rpartition(":")
-        if not sep or not port.isdigit() or not host:
-            raise ValueError(f"bad etcd endpoint {item!r}: expected host:port, e.g. 127.0.0.1:2379")
+        if not sep or not port.isdigit() or not host or not 0 < int(port) < 65536:
+            raise ConfigError(f"--etcd / UNICRON_ETCD: bad endpoint {item!r}: expected host:port with a port "
+                              "in 1-65535, e.g. 127.0.0.1:2379")
         out.append((host, int(port)))
     if not out:
-        raise ValueError("no etcd endpoint given: expected host:port[,host:port...]")
+        raise ConfigError("--etcd / UNICRON_ETCD: no endpoint given: expected host:port[,host:port...]")
     return out
 
 
