@@ -19,3 +19,17 @@ def test_a_bad_etcd_endpoint_is_one_line_naming_the_flag(
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert "--etcd / UNICRON_ETCD" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("main", "argv", "flag"), [
+    (agent_main, ["--node", "n1", "--heartbeat-s", "nan"], "--heartbeat-s / UNICRON_HEARTBEAT"),
+    (agent_main, ["--node", "n1", "--stop-grace-s", "inf"], "--stop-grace-s / UNICRON_STOP_GRACE"),
+    (coordinator_main, ["--heartbeat-timeout-s", "nan"], "--heartbeat-timeout-s / UNICRON_HEARTBEAT_TIMEOUT"),
+], ids=["agent-nan", "agent-inf", "coordinator-nan"])
+def test_a_float_setting_must_be_finite(
+    main: Callable[[list[str]], int], argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NaN passed every "must be > 0" check (a comparison with NaN is false) and reached the daemon."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag}: bad value" in err and "not a finite number" in err

@@ -44,6 +44,20 @@ def test_a_bad_environment_value_names_the_variable(
     assert "--hidden" in err and "UNICRON_TRAIN_HIDDEN" in err and "'wide'" in err
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf"])
+def test_a_float_flag_must_be_finite(
+    raw: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A NaN timeout passed the runtime's "regroup > collective" check (comparisons with NaN are false)."""
+    with pytest.raises(SystemExit):
+        _parser().parse_args([f"--collective-timeout={raw}"])
+    assert f"argument --collective-timeout: '{raw}' is not a valid number" in capsys.readouterr().err
+    monkeypatch.setenv("UNICRON_TRAIN_LR", raw)
+    with pytest.raises(SystemExit):
+        _parser().parse_args([])
+    assert "UNICRON_TRAIN_LR" in capsys.readouterr().err
+
+
 def test_manual_gc_collects_only_at_the_boundaries() -> None:
     policy = GcPolicy(interval=3)
     try:

@@ -24,6 +24,7 @@ from unicron.cli.common import (
     tls_config,
 )
 from unicron.cli.tasks import ApiClient, leader_api
+from unicron.kernel.config import finite_float
 from unicron.kernel.errors import UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -38,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_cluster_flags(p)
     p.add_argument("--api", default=os.environ.get("UNICRON_API") or None, metavar="HOST:PORT",
                    help="coordinator API address (env: UNICRON_API; default: from the leader key in etcd)")
-    p.add_argument("--timeout", type=at_least(float, 0.0, above=True), default=2.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=at_least(finite_float, 0.0, above=True), default=2.0, metavar="SECONDS",
                    help="how long to wait for the coordinator's view before showing etcd's alone (default 2)")
     p.set_defaults(func=cmd_nodes)
     p = sub.add_parser("status", help="show what each node runs (optionally one task)")

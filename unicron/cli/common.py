@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -35,9 +34,9 @@ def at_least(cast: Callable[[str], N], minimum: N, *, above: bool = False) -> Ca
         try:
             value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < minimum or (above and value == minimum):
-            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {'>' if above else '>='} {minimum}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number") from None
+        if value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>' if above else '>='} {minimum}")
         return value
 
     return parse

@@ -23,6 +23,7 @@ import grpc
 from coordinator.tasks import MAX_SPEC_BYTES, load_spec_json
 from unicron.cli.common import add_cluster_flags, at_least, emit, one_line, open_store, tls_config
 from unicron.kernel import tls
+from unicron.kernel.config import finite_float
 from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError, UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -69,7 +70,7 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     add_cluster_flags(p)
     p.add_argument("--api", default=os.environ.get("UNICRON_API") or None, metavar="HOST:PORT",
                    help="coordinator API address (env: UNICRON_API; default: from the leader key in etcd)")
-    p.add_argument("--timeout", type=at_least(float, 0.0, above=True), default=10.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=at_least(finite_float, 0.0, above=True), default=10.0, metavar="SECONDS",
                    help="give up after this long, following failovers meanwhile (default 10)")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from typing import Any, TypeVar
@@ -21,6 +22,15 @@ T = TypeVar("T")
 def setting(default: Any, env: str, help: str) -> Any:
     """A settings field: ``default`` value, environment variable ``env``, and the flag's ``help``."""
     return dataclasses.field(default=default, metadata={"env": env, "help": help})
+
+
+def finite_float(raw: str) -> float:
+    """``float(raw)``, refusing NaN and infinities with ValueError: NaN passes every "must be > 0" check
+    (a comparison with NaN is false) and then breaks a sleep or a deadline far from the flag."""
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError("not a finite number")
+    return value
 
 
 def _flag(name: str) -> str:
@@ -36,7 +46,9 @@ def _convert(raw: str, kind: Any, where: str) -> Any:
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError("expected true/false")
-        if kind in (int, float, str):
+        if kind is float:
+            return finite_float(raw)
+        if kind in (int, str):
             return kind(raw)
     except ValueError as exc:
         raise ConfigError(f"{where}: bad value {raw!r} ({exc})") from exc

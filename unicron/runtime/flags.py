@@ -9,6 +9,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from unicron.kernel.config import finite_float
+
 ENV_PREFIX = "UNICRON_TRAIN_"
 
 
@@ -22,9 +24,10 @@ def _env_type(kind: Callable[[str], Any], env: str) -> Callable[[str], Any]:
         try:
             return kind(raw)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{raw!r} is not a valid {kind.__name__} (flag or {env})") from exc
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a valid {name} (flag or {env})") from exc
 
-    convert.__name__ = kind.__name__
+    name = "number" if kind is finite_float else kind.__name__
+    convert.__name__ = name
     return convert
 
 
@@ -43,7 +46,7 @@ def _opt(group: Any, flag: str, **kw: Any) -> None:
         group.add_argument(flag, **kw)
         return
     kind = kw.pop("type", str)
-    kw["type"] = _env_type(kind, env)
+    kw["type"] = _env_type(finite_float if kind is float else kind, env)
     if raw is not None:
         kw["default"] = raw  # argparse converts a string default with ``type``, naming the flag on error
     group.add_argument(flag, **kw)
