@@ -25,15 +25,15 @@ class AgentSettings:
     """Must match the coordinator's."""
     gpu_backend: str = setting("auto", "UNICRON_GPU_BACKEND", "GPU backend: auto, nvml or simulated")
     """auto uses NVML when the driver library loads, else a simulated GPU backend."""
-    gpus: int = setting(2, "UNICRON_SIMULATED_GPUS", "number of GPUs of the simulated backend")
+    gpus: int = setting(2, "UNICRON_SIMULATED_GPUS", "number of GPUs of the simulated backend", least=0)
     """Ignored with NVML, which reports the real count."""
-    lease_ttl_s: int = setting(3, "UNICRON_LEASE_TTL", "TTL (s) of the node's etcd lease")
+    lease_ttl_s: int = setting(3, "UNICRON_LEASE_TTL", "TTL (s) of the node's etcd lease", least=1)
     """The node's records vanish this long after the agent stops refreshing (the slow node-loss path)."""
-    heartbeat_s: float = setting(0.1, "UNICRON_HEARTBEAT", "seconds between heartbeats to the coordinator")
+    heartbeat_s: float = setting(0.1, "UNICRON_HEARTBEAT", "seconds between heartbeats to the coordinator", above=0)
     """Keep well under the coordinator's --heartbeat-timeout-s."""
-    status_interval_s: float = setting(1.0, "UNICRON_STATUS_INTERVAL", "seconds between node status writes")
+    status_interval_s: float = setting(1.0, "UNICRON_STATUS_INTERVAL", "seconds between node status writes", above=0)
     """How fresh ``unicron nodes`` is."""
-    health_interval_s: float = setting(1.0, "UNICRON_HEALTH_INTERVAL", "seconds between GPU health polls")
+    health_interval_s: float = setting(1.0, "UNICRON_HEALTH_INTERVAL", "seconds between GPU health polls", above=0)
     """XID/ECC events arrive at once regardless; this is for counters and NVLink state."""
     run_dir: str = setting("/tmp/unicron", "UNICRON_RUN_DIR", "directory for the ranks' Unix socket and logs")
     """Created if missing."""
@@ -44,7 +44,7 @@ class AgentSettings:
     warmup_hang_s: float = setting(1800.0, "UNICRON_WARMUP_HANG_S",
                                    "seconds a rank without a baseline yet (just launched, warming up) may report nothing")
     """Past it the rank is hung (sev2): the iteration rules need a baseline first. 0: off."""
-    replica_budget_mb: int = setting(1024, "UNICRON_REPLICA_BUDGET_MB", "memory for peers' checkpoint replicas")
+    replica_budget_mb: int = setting(1024, "UNICRON_REPLICA_BUDGET_MB", "memory for peers' checkpoint replicas", least=0)
     """0 disables the replica server."""
     replica_host: str = setting("", "UNICRON_REPLICA_HOST",
                                 "address the checkpoint replica server listens on (default: the advertise host)")
@@ -58,13 +58,13 @@ class AgentSettings:
                                   "regex of an uninstrumented job's progress lines, with a (?P<iteration>...) group "
                                   "and optionally (?P<elapsed_ms>...) or (?P<elapsed_s>...); a task's env overrides it")
     """Megatron-LM's ``iteration N/ M | ... elapsed time per iteration (ms): X`` lines are always parsed."""
-    stop_grace_s: float = setting(10.0, "UNICRON_STOP_GRACE", "seconds a stopped rank gets between SIGTERM and SIGKILL")
+    stop_grace_s: float = setting(10.0, "UNICRON_STOP_GRACE", "seconds a stopped rank gets between SIGTERM and SIGKILL", least=0)
     """A training rank uses it to reach the iteration boundary, save an on-demand snapshot and exit 0
     (unicron/runtime/preempt.py): give it an iteration plus a snapshot's save. Every stop of a running
     task (cancel, preemption, a relaunching reconfigure) waits at most this long per rank."""
-    etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
+    etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call", above=0)
     """Calls that exceed it count as etcd being unavailable and are retried."""
-    metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)")
+    metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)", least=0, most=65535)
     """Scraped by Prometheus; the metric names are in docs/operations.md."""
     metrics_host: str = setting("127.0.0.1", "UNICRON_METRICS_HOST", "address the metrics endpoint listens on")
     """Loopback by default: the endpoint is unauthenticated; set the cluster network's address to scrape it."""
@@ -79,15 +79,7 @@ class AgentSettings:
         parse_endpoints(self.etcd)
         if self.gpu_backend not in ("auto", "nvml", "simulated"):
             raise ConfigError("--gpu-backend / UNICRON_GPU_BACKEND must be auto, nvml or simulated")
-        if self.lease_ttl_s < 1:
-            raise ConfigError("--lease-ttl-s / UNICRON_LEASE_TTL must be >= 1")
         if self.progress_regex:
             compile_regex(self.progress_regex)
-        if self.stop_grace_s < 0:
-            raise ConfigError("--stop-grace-s / UNICRON_STOP_GRACE must be >= 0")
-        if self.heartbeat_s <= 0:
-            raise ConfigError("--heartbeat-s / UNICRON_HEARTBEAT must be > 0")
         if self.tls_dir:
             tls.load(self.tls_dir, self.node, tls.Role.NODE)
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError("--metrics-port / UNICRON_METRICS_PORT must be 0 (off) or a TCP port")

@@ -20,15 +20,15 @@ class CoordinatorSettings:
     advertise_host: str = setting("", "UNICRON_COORDINATOR_ADVERTISE_HOST", "address agents and clients dial the link and API at (default: --listen-host, or for a wildcard listen host this host's address on its route to etcd)")
     """Goes into the leader key. A wildcard listen address (0.0.0.0) is no address to dial; the
     route to etcd is the network the agents share with this host."""
-    link_port: int = setting(0, "UNICRON_LINK_PORT", "TCP port of the agent link (0: any free port)")
+    link_port: int = setting(0, "UNICRON_LINK_PORT", "TCP port of the agent link (0: any free port)", least=0, most=65535)
     """Agents find the actual address in the leader key."""
-    api_port: int = setting(0, "UNICRON_API_PORT", "TCP port of the gRPC API (0: any free port)")
+    api_port: int = setting(0, "UNICRON_API_PORT", "TCP port of the gRPC API (0: any free port)", least=0, most=65535)
     """The CLI finds the actual address in the leader key."""
-    heartbeat_timeout_s: float = setting(1.0, "UNICRON_HEARTBEAT_TIMEOUT", "seconds without an agent heartbeat before its node is lost")
+    heartbeat_timeout_s: float = setting(1.0, "UNICRON_HEARTBEAT_TIMEOUT", "seconds without an agent heartbeat before its node is lost", above=0)
     """Must exceed several agent heartbeat intervals; the paper's Table 2 took 5.6 s for this case."""
-    leader_ttl_s: int = setting(3, "UNICRON_LEADER_TTL", "TTL (s) of the leadership lease")
+    leader_ttl_s: int = setting(3, "UNICRON_LEADER_TTL", "TTL (s) of the leadership lease", least=2)
     """A stopped leader is replaced this long after it stopped refreshing."""
-    etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call")
+    etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call", above=0)
     """Calls that exceed it count as etcd being unavailable and are retried."""
     reattempt_deadline_s: float = setting(30.0, "UNICRON_REATTEMPT_DEADLINE", "seconds a sev3 reattempt may take before it counts as failed")
     """Figure 7: a failed reattempt escalates to a sev2 restart."""
@@ -36,23 +36,23 @@ class CoordinatorSettings:
     """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
     in_place_resize: bool = setting(True, "UNICRON_IN_PLACE_RESIZE", "resize a task in place (survivors keep running) when a new allocation keeps its layout; 0 makes every move a new generation")
     """See DecisionSettings.in_place_resize."""
-    regroup_grace_s: float = setting(10.0, "UNICRON_REGROUP_GRACE", "seconds after a rank's in-place recovery during which the task's hang reports are its consequence")
+    regroup_grace_s: float = setting(10.0, "UNICRON_REGROUP_GRACE", "seconds after a rank's in-place recovery during which the task's hang reports are its consequence", least=0)
     """Peers wait in a collective while the ranks regroup; their hang detectors may fire meanwhile."""
     gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")
     """One of plans.hardware's types (A100, A800, H100, H200); the cluster is assumed homogeneous."""
-    metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)")
+    metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)", least=0, most=65535)
     """Scraped by Prometheus; the metric names are in docs/operations.md."""
     metrics_host: str = setting("127.0.0.1", "UNICRON_METRICS_HOST", "address the metrics endpoint listens on")
     """Loopback by default: the endpoint is unauthenticated; set the cluster network's address to scrape it."""
     alert_webhook: str = setting("", "UNICRON_ALERT_WEBHOOK", "URL the decision core's alerts are POSTed to as JSON (empty: log only)")
     """Node isolated or lost, task failed, GPUs left idle: one POST each, retried, never blocking decisions."""
-    alert_webhook_timeout_s: float = setting(2.0, "UNICRON_ALERT_WEBHOOK_TIMEOUT", "timeout (s) of one webhook POST")
+    alert_webhook_timeout_s: float = setting(2.0, "UNICRON_ALERT_WEBHOOK_TIMEOUT", "timeout (s) of one webhook POST", above=0)
     """A POST that times out is retried (3 times, backoff from 0.5 s), then counted as failed."""
     tls_dir: str = setting("", "UNICRON_TLS_DIR", "directory with ca.crt and this coordinator's TLS_NAME.crt/.key: mutual TLS on etcd, the agent link and the API (empty: plaintext)")
     """Made by ``unicron certs``; with it only cluster-CA certificates get in, and the API's mutating calls take an operator's."""
     tls_name: str = setting("coordinator", "UNICRON_TLS_NAME", "name of this coordinator's certificate in --tls-dir")
     """Its certificate's role must be ``coordinator``; its SANs must cover --listen-host."""
-    etcd_history_s: float = setting(60.0, "UNICRON_ETCD_HISTORY", "seconds of etcd history the leader keeps: it compacts older revisions (0: never; then etcd must compact itself)")
+    etcd_history_s: float = setting(60.0, "UNICRON_ETCD_HISTORY", "seconds of etcd history the leader keeps: it compacts older revisions (0: never; then etcd must compact itself)", least=0)
     """Without compaction etcd fills its backend quota and refuses every write (see coordinator.compaction)."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
@@ -66,17 +66,9 @@ class CoordinatorSettings:
             gpu_type(self.gpu_type)
         except Exception as exc:
             raise ConfigError(f"--gpu-type / UNICRON_GPU_TYPE: {exc}") from exc
-        if self.etcd_history_s < 0:
-            raise ConfigError(f"--etcd-history-s / UNICRON_ETCD_HISTORY: {self.etcd_history_s} must be >= 0 (0: never compact)")
-        if self.heartbeat_timeout_s <= 0:
-            raise ConfigError("--heartbeat-timeout-s / UNICRON_HEARTBEAT_TIMEOUT must be > 0")
-        if self.leader_ttl_s < 2:
-            raise ConfigError("--leader-ttl-s / UNICRON_LEADER_TTL must be >= 2 (etcd's minimum lease TTL)")
         if self.advertise_host in WILDCARDS[1:]:
             raise ConfigError("--advertise-host / UNICRON_COORDINATOR_ADVERTISE_HOST must be an address peers can "
                               f"dial, not the wildcard {self.advertise_host}; leave it empty for the default")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError("--metrics-port / UNICRON_METRICS_PORT must be 0 (off) or a TCP port")
         if self.tls_dir:
             from unicron.kernel import tls
 

@@ -33,3 +33,24 @@ def test_a_float_setting_must_be_finite(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{flag}: bad value" in err and "not a finite number" in err
+
+
+@pytest.mark.parametrize(("main", "argv", "message"), [
+    # each of these ran, or died in a traceback far from the flag, before the bounds
+    (agent_main, ["--node", "n1", "--status-interval-s=-1"], "--status-interval-s / UNICRON_STATUS_INTERVAL: -1.0 must be > 0"),
+    (agent_main, ["--node", "n1", "--etcd-timeout-s=0"], "--etcd-timeout-s / UNICRON_ETCD_TIMEOUT: 0.0 must be > 0"),
+    (agent_main, ["--node", "n1", "--replica-budget-mb=-5"], "--replica-budget-mb / UNICRON_REPLICA_BUDGET_MB: -5 must be >= 0"),
+    (agent_main, ["--node", "n1", "--lease-ttl-s=0"], "--lease-ttl-s / UNICRON_LEASE_TTL: 0 must be >= 1"),
+    (coordinator_main, ["--link-port=-1"], "--link-port / UNICRON_LINK_PORT: -1 must be >= 0"),
+    (coordinator_main, ["--api-port=70000"], "--api-port / UNICRON_API_PORT: 70000 must be <= 65535"),
+    (coordinator_main, ["--regroup-grace-s=-1"], "--regroup-grace-s / UNICRON_REGROUP_GRACE: -1.0 must be >= 0"),
+    (coordinator_main, ["--alert-webhook-timeout-s=0"], "--alert-webhook-timeout-s / UNICRON_ALERT_WEBHOOK_TIMEOUT: 0.0 must be > 0"),
+    (coordinator_main, ["--leader-ttl-s=1"], "--leader-ttl-s / UNICRON_LEADER_TTL: 1 must be >= 2"),
+], ids=["status-interval", "agent-etcd-timeout", "replica-budget", "lease-ttl", "link-port", "api-port",
+        "regroup-grace", "webhook-timeout", "leader-ttl"])
+def test_a_number_outside_its_bounds_is_one_line_naming_the_flag(
+    main: Callable[[list[str]], int], argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip("\n").endswith(message), err

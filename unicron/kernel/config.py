@@ -19,9 +19,27 @@ from unicron.kernel.errors import ConfigError
 T = TypeVar("T")
 
 
-def setting(default: Any, env: str, help: str) -> Any:
-    """A settings field: ``default`` value, environment variable ``env``, and the flag's ``help``."""
-    return dataclasses.field(default=default, metadata={"env": env, "help": help})
+def setting(default: Any, env: str, help: str, *, least: float | None = None, above: float | None = None,
+            most: float | None = None) -> Any:
+    """A settings field: ``default`` value, environment variable ``env``, and the flag's ``help``.
+
+    A number may be bounded: ``least`` (>=), ``above`` (>), ``most`` (<=); :func:`from_args` refuses a
+    value outside with one line naming the flag, before the daemon's ``validate``."""
+    bounds = {"least": least, "above": above, "most": most}
+    return dataclasses.field(default=default, metadata={"env": env, "help": help,
+                                                        **{k: v for k, v in bounds.items() if v is not None}})
+
+
+def _check_bounds(obj: object) -> None:
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value, meta = getattr(obj, f.name), f.metadata
+        where = f"{_flag(f.name)} / {meta.get('env')}"
+        if "least" in meta and value < meta["least"]:
+            raise ConfigError(f"{where}: {value!r} must be >= {meta['least']}")
+        if "above" in meta and value <= meta["above"]:
+            raise ConfigError(f"{where}: {value!r} must be > {meta['above']}")
+        if "most" in meta and value > meta["most"]:
+            raise ConfigError(f"{where}: {value!r} must be <= {meta['most']}")
 
 
 def finite_float(raw: str) -> float:
@@ -85,6 +103,7 @@ def from_args(cls: type[T], args: argparse.Namespace | None = None, **overrides:
         elif env and env in os.environ:
             values[f.name] = _convert(os.environ[env], hints[f.name], where)
     obj = cls(**values)
+    _check_bounds(obj)
     validate = getattr(obj, "validate", None)
     if callable(validate):
         validate()
