@@ -127,6 +127,10 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path:
     assert err.count("\n") == 0 and "--systems" in err
     assert main(["simulate", "--cost", "nonsense", "--out", str(tmp_path)]) == 1
     assert "--cost" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["simulate", "--out", str(tmp_path / "file" / "out"), "--quiet"]) == 1  # was a traceback
+    err = capsys.readouterr().err
+    assert err == f"unicron simulate: --out: cannot create {tmp_path / 'file' / 'out'} (Not a directory); pick another directory\n"
 
 
 def test_workload_and_trace_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,7 +18,7 @@ from sim import workload as workloads
 from sim.costs import CostSettings
 from sim.report import figure, ratios, summary, write_summary
 from sim.run import parse_systems, simulate
-from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.errors import ConfigError, InvalidRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -62,7 +62,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     systems = parse_systems(args.systems)
     workload = load_workload(args.workload)
     trace = load_trace(args.trace, args.seed, workload.n_nodes)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # before the simulation: its hours of model time should not end in a write that cannot happen
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot create {args.out} ({exc.strerror}); pick another directory") from exc
     if args.save_trace:
         traces.write(trace, args.out / "trace.jsonl")
     results = simulate(trace, workload, systems, costs, args.seed, progress=not args.quiet)
