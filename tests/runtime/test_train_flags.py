@@ -7,6 +7,8 @@ import gc
 
 import pytest
 
+from unicron.kernel.errors import ConfigError
+from unicron.runtime.api import configs
 from unicron.runtime.cli import add_arguments, env_name
 from unicron.runtime.gcpolicy import GcPolicy
 
@@ -56,6 +58,21 @@ def test_a_float_flag_must_be_finite(
     with pytest.raises(SystemExit):
         _parser().parse_args([])
     assert "UNICRON_TRAIN_LR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # each was accepted before: a negative --iter-sleep then raised in time.sleep mid-iteration, and
+    # --bucket-elems 0 gave one-element buckets (a bucket, and a reduction, per parameter element)
+    (["--collective-timeout=0"], "--collective-timeout must be > 0, got 0.0"),
+    (["--join-timeout=-1"], "--join-timeout must be > 0, got -1.0"),
+    (["--iter-sleep=-0.5"], "--iter-sleep must be >= 0, got -0.5"),
+    (["--bucket-elems=0"], "--bucket-elems must be >= 1, got 0"),
+    (["--blocks=-2"], "--blocks must be >= 0 (0: the initial data-parallel size), got -2"),
+])
+def test_runtime_settings_out_of_range_are_config_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        configs(_parser().parse_args(argv))
+    assert str(err.value) == message
 
 
 def test_manual_gc_collects_only_at_the_boundaries() -> None:

@@ -157,8 +157,18 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
         raise ConfigError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.collective_timeout <= 0:
+        raise ConfigError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
     if args.regroup_timeout <= args.collective_timeout:
         raise ConfigError("--regroup-timeout must exceed --collective-timeout")
+    if args.join_timeout <= 0:
+        raise ConfigError(f"--join-timeout must be > 0, got {args.join_timeout}")
+    if args.iter_sleep < 0:
+        raise ConfigError(f"--iter-sleep must be >= 0, got {args.iter_sleep}")
+    if args.bucket_elems < 1:
+        raise ConfigError(f"--bucket-elems must be >= 1, got {args.bucket_elems}")
+    if args.blocks < 0:
+        raise ConfigError(f"--blocks must be >= 0 (0: the initial data-parallel size), got {args.blocks}")
     if args.ckpt_every < 0:
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.ckpt not in ("none", "torch-save", "memory"):
