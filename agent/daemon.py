@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Hashable
 
 from agent import launchenv
+from agent.fence import Contact, Fence
 from agent.gpu.api import GpuEvent, GpuHealth
 from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
@@ -145,7 +146,9 @@ class Agent:
         self._retired: dict[str, TaskReconciler] = {}  # task -> its last stopped reconciler
         self._stores: dict[str, StoreAddress] = {}  # task -> its published store address
         self._applied_revision = -1
+        self._assign_lock = threading.Lock()  # the watch and the fence's restore both apply assignments
         self._watches: list[PrefixWatch] = []
+        self.fence: Fence | None = None
         self.iteration_settings = IterationSettings(
             hang_factor=settings.hang_factor, warmup_iterations=settings.warmup_iterations,
             warmup_hang_s=settings.warmup_hang_s,
@@ -218,6 +221,8 @@ class Agent:
                                 token=self.link_token, tls_config=self.tls_config,
                                 on_sent=self.metrics.heartbeat_interval.observe).start()
         self._start_watches()
+        self.fence = Fence(self.settings.fence_s, self._contact, self._fence_kill, self._fence_restored,
+                           self.stop_event).start()
         self.ready.set()
         log.info("agent running", node=self.node, gpus=self.backend.device_count(), backend=self.backend.name,
                  socket=self.socket_path, advertise_host=self.advertise_host)
@@ -565,24 +570,50 @@ class Agent:
             rec.offer_store(addr)
 
     def _on_assignment_event(self, ev: WatchEvent) -> None:
-        desired: list[TaskAssignment] = []
-        isolated = False
-        revision = self._applied_revision + 1
-        if ev.kind == "put":
-            try:
-                assignment = NodeAssignment.from_json(ev.value)
-                desired, isolated = assignment.task_assignments(), assignment.isolated
-            except InvalidRecord as exc:
-                log.error("ignoring malformed assignment", key=ev.key, error=str(exc))
-                return
-            if assignment.revision <= self._applied_revision:
-                log.info("ignoring stale assignment", revision=assignment.revision, applied=self._applied_revision)
-                return
-            revision = assignment.revision
-        outcomes = self.reconcile(desired, isolated)
-        self._applied_revision = revision
+        self._apply_assignment(ev.key, ev.value if ev.kind == "put" else None)
+
+    def _apply_assignment(self, key: str, value: bytes | None, again: bool = False) -> None:
+        """Reconcile to the record ``value`` of ``key`` (None: deleted). ``again``: the record this node
+        last applied is applied once more (after a fence killed what it runs)."""
+        with self._assign_lock:
+            desired: list[TaskAssignment] = []
+            isolated = False
+            revision = self._applied_revision + 1
+            if value is not None:
+                try:
+                    assignment = NodeAssignment.from_json(value)
+                    desired, isolated = assignment.task_assignments(), assignment.isolated
+                except InvalidRecord as exc:
+                    log.error("ignoring malformed assignment", key=key, error=str(exc))
+                    return
+                if assignment.revision < self._applied_revision + (0 if again else 1):
+                    log.info("ignoring stale assignment", revision=assignment.revision,
+                             applied=self._applied_revision)
+                    return
+                revision = assignment.revision
+            outcomes = self.reconcile(desired, isolated)
+            self._applied_revision = revision
         threading.Thread(target=self._report_result, args=(revision, outcomes), name=f"result-{revision}",
                          daemon=True).start()
+
+    # --- the fence (agent/fence.py) ----------------------------------------------------------
+
+    def _contact(self) -> Contact:
+        lease, link_client = self.lease, self._link
+        return Contact(lease_renewed_at=lease.renewed_at if lease is not None else None,
+                       link_down_since=link_client.down_since if link_client is not None else None)
+
+    def _fence_kill(self, cut_off_s: float) -> None:
+        """Cut off: kill every rank here (as on an isolated node), and keep the assignment to apply
+        again when contact returns."""
+        with self._assign_lock:
+            self.reconcile([], isolated=True)
+
+    def _fence_restored(self) -> None:
+        assert self.store is not None
+        key = self.keys.assignment(self.node)
+        kv = self.store.get(key)  # StoreUnavailable is temporary: the fence retries
+        self._apply_assignment(key, kv.value if kv is not None else None, again=True)
 
     def _report_result(self, revision: int, outcomes: list[Outcome]) -> None:
         """Write ``results/<node>`` once every task applied ``revision``, or at once when one failed."""

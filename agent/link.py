@@ -21,6 +21,10 @@ CONNECT_TIMEOUT_S = 2.0
 WELCOME_TIMEOUT_S = 5.0
 #: how long a goodbye waits for the coordinator to take it (it closes the connection when it has)
 GOODBYE_WAIT_S = 2.0
+#: TCP_USER_TIMEOUT of the link: heartbeats unacknowledged this long break it. Without it a partition
+#: left the link "connected" (heartbeats queue in the send buffer) for as long as TCP retransmits, and
+#: the agent could not tell that the coordinator no longer heard it (its fence needs to know).
+UNACKED_TIMEOUT_S = 2.0
 
 
 class LinkClient:
@@ -39,6 +43,8 @@ class LinkClient:
         self._stop = threading.Event()
         self._goodbye: str | None = None
         self.connected = threading.Event()  # set while the coordinator has welcomed this connection
+        #: time.monotonic() since when the link has been down (not welcomed); None while it is up
+        self.down_since: float | None = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="link-client", daemon=True)
         self.log = ulog.get(__name__, node=node)
 
@@ -71,6 +77,7 @@ class LinkClient:
             self.log.info("cannot reach the coordinator", address=addr, error=str(exc))
             return None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(UNACKED_TIMEOUT_S * 1000))
         conn = wire.LineSocket(sock)
         try:
             conn.send(link.LinkHello(node=self.node, token=self.token).to_wire())
@@ -101,6 +108,7 @@ class LinkClient:
                 continue
             backoff = 0.05
             self.connected.set()
+            self.down_since = None
             try:
                 last = time.monotonic()
                 while not self._stop.wait(self.heartbeat_s):
@@ -112,6 +120,7 @@ class LinkClient:
             except OSError as exc:
                 self.log.warning("link to the coordinator broke; reconnecting", error=str(exc))
                 self.connected.clear()
+                self.down_since = time.monotonic()
                 conn.close()
                 conn = None
         if conn is not None:

@@ -54,3 +54,8 @@ def test_a_number_outside_its_bounds_is_one_line_naming_the_flag(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.rstrip("\n").endswith(message), err
+
+
+def test_a_fence_below_the_lease_ttl_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert agent_main(["--node", "n1", "--fence-s", "2", "--lease-ttl-s", "3"]) == 2
+    assert "--fence-s / UNICRON_FENCE: 2.0 is below the lease TTL (3 s)" in capsys.readouterr().err

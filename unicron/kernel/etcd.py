@@ -30,6 +30,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -333,6 +334,9 @@ class Lease:
         with self.store.converted("lease grant"):
             self._lease = store.client.lease(ttl_s)
         self.lease_id: int = int(self._lease.id)
+        #: time.monotonic() of etcd's last answer granting or renewing the lease: how long ago this
+        #: process last knew the cluster could see it (the agent's fence reads it)
+        self.renewed_at = time.monotonic()
         self._stop = threading.Event()
         self.lost = threading.Event()
         self._thread = threading.Thread(target=self._keepalive, name=f"lease-{self.lease_id:x}", daemon=True)
@@ -356,6 +360,7 @@ class Lease:
             if not responses or int(responses[0].TTL) <= 0:
                 self._mark_lost()
                 return
+            self.renewed_at = time.monotonic()
 
     def _mark_lost(self) -> None:
         if self.lost.is_set():

@@ -1,0 +1,121 @@
+"""How long a partitioned node's ranks outlive their relaunch elsewhere, with the fence and without.
+
+A namespace cluster (3 agents x 2 GPUs, 1 etcd, 1 coordinator, the production settings but the
+fence) runs one task of 2 ranks (the chaos bench's torch-free stepper, through the agent socket). Each
+repetition cuts the node that runs it off the network for ``--partition-s``, and reads every process
+on the machine from /proc (environment ``UNICRON_TASK``, ``RANK``) every 0.1 s: the **overlap** is how
+long two live processes held one rank identity (the old ones on the cut-off node, the relaunched ones
+elsewhere), from the first scan that saw two to the first that saw one. Then the node is healed and
+undrained, and the next repetition cuts whichever node runs the task now.
+
+Baseline: the same cluster with ``UNICRON_FENCE=0`` (no fence), the same repetitions, in the same run.
+Without the fence the overlap lasts until the partition heals, so it measures ``--partition-s``;
+with it, the fence's delay after the relaunch. Both are read from /proc, not from the daemons' logs.
+
+    flock /tmp/unicron-heavy.lock .venv/bin/python bench/fence.py [--quick] [--reps N] [--partition-s S]
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import chaos  # type: ignore[import-not-found,unused-ignore]  # bench/chaos.py: the stepper, /proc reader
+
+from unicron.cli.main import main as cli
+from unicron.cluster.localcluster import LocalCluster
+from unicron.cluster.netns import unavailable_reason
+
+
+def _overlap(c: LocalCluster, node: str, partition_s: float) -> float:
+    """Cut ``node`` off for ``partition_s``; seconds two processes held one rank identity."""
+    first: float | None = None
+    last_double: float | None = None
+    t0 = time.monotonic()
+    c.partition(node)
+    try:
+        while time.monotonic() - t0 < partition_s:
+            now = time.monotonic()
+            if any(len(p) > 1 for p in chaos.rank_processes().values()):
+                first = now if first is None else first
+                last_double = now
+            elif first is not None and last_double is not None:
+                return now - first
+            time.sleep(0.1)
+    finally:
+        c.heal(node)
+    return time.monotonic() - first if first is not None else 0.0  # still two at the heal
+
+
+def _rep(c: LocalCluster, partition_s: float) -> float:
+    c.wait_for(lambda: len(c.running_ranks("alpha")) == 2, 90.0, "alpha running on 2 ranks", poll_s=0.2)
+    node = str(c.running_ranks("alpha")[0]["node"])
+    overlap = _overlap(c, node, partition_s)
+    c.wait_registered(node)
+    c.wait_for(lambda: c.node_state(node) == "isolated", 30.0, f"{node} isolated")
+    c.wait_for(lambda: not any(len(p) > 1 for p in chaos.rank_processes().values()), 30.0, "one process per rank")
+    with redirect_stdout(io.StringIO()):
+        assert cli(["undrain", node]) == 0
+    return overlap
+
+
+def measure(fence_s: float, reps: int, partition_s: float) -> list[float]:
+    work = Path(tempfile.mkdtemp(prefix="unicron-fence-"))
+    steps = work / "steps"
+    steps.mkdir()
+    c = LocalCluster(agents=3, gpus_per_agent=2, netns=True,
+                     extra_env={"UNICRON_FENCE": str(fence_s), "UNICRON_WARMUP_ITERATIONS": "3", "UNICRON_PREFORK": ""})
+    with c:
+        os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+        spec = work / "alpha.json"
+        spec.write_text(json.dumps({"name": "alpha", "command": [sys.executable, "-c", chaos.STEPPER, str(steps)],
+                                    "min_gpus": 2, "max_gpus": 2}))
+        with redirect_stdout(io.StringIO()):
+            assert cli(["submit", str(spec)]) == 0
+        out = []
+        for i in range(reps):
+            out.append(round(_rep(c, partition_s), 2))
+            print(f"fence_s={fence_s:g} rep {i + 1}/{reps}: overlap {out[-1]:.2f} s", file=sys.stderr, flush=True)
+        return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="1 repetition each and a 7 s partition")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--partition-s", type=float, default=15.0)
+    p.add_argument("--fence-s", type=float, default=6.0, help="the fence under test (the agent's default)")
+    args = p.parse_args()
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"fence: the namespace cluster is unavailable: {reason}")
+    reps, partition_s = (1, 7.0) if args.quick else (args.reps, args.partition_s)
+    t0 = time.monotonic()
+    fenced = measure(args.fence_s, reps, partition_s)
+    unfenced = measure(0.0, reps, partition_s)
+    result = {
+        "bench": "fence", "quick": args.quick, "reps": reps, "partition_s": partition_s, "fence_s": args.fence_s,
+        "overlap_fenced_s": fenced, "overlap_unfenced_s": unfenced,
+        "overlap_fenced_p50_s": statistics.median(fenced), "overlap_unfenced_p50_s": statistics.median(unfenced),
+        # the fence must end the duplicates before the partition does, with room to spare
+        "target_met": max(fenced) < min(partition_s - 2.0, min(unfenced) / 2),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The agent's fence (agent/fence.py): when it kills a node's ranks, and when it must not."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agent.fence import Contact, Fence, cut_off_for
+from unicron.kernel.errors import StoreUnavailable
+
+
+def test_either_contact_vetoes_the_cut_off() -> None:
+    assert cut_off_for(Contact(lease_renewed_at=0.0, link_down_since=1.0), now=10.0) == 10.0
+    assert cut_off_for(Contact(lease_renewed_at=0.0, link_down_since=None), now=10.0) == 0.0  # etcd outage
+    assert cut_off_for(Contact(lease_renewed_at=9.9, link_down_since=1.0), now=10.0) == pytest.approx(0.1)
+    assert cut_off_for(Contact(lease_renewed_at=None, link_down_since=1.0), now=10.0) == 0.0  # never registered
+
+
+class World:
+    """The contact the fence reads, and what it did."""
+
+    def __init__(self) -> None:
+        self.contact = Contact(lease_renewed_at=0.0, link_down_since=None)
+        self.kills: list[float] = []
+        self.restores = 0
+        self.restore_fails = 0
+
+    def restored(self) -> None:
+        if self.restore_fails:
+            self.restore_fails -= 1
+            raise StoreUnavailable("etcd read timed out")
+        self.restores += 1
+
+    def fence(self) -> Fence:
+        return Fence(6.0, lambda: self.contact, self.kills.append, self.restored, threading.Event())
+
+
+def test_cut_off_past_fence_s_on_two_checks_in_a_row_kills_once_and_restores_when_contact_returns() -> None:
+    w = World()
+    f = w.fence()
+    w.contact = Contact(lease_renewed_at=0.0, link_down_since=2.0)
+    f.check(5.0)
+    f.check(6.2)  # past 6 s once: not yet
+    assert w.kills == [] and not f.fenced.is_set()
+    f.check(6.4)
+    assert w.kills == [6.4] and f.fenced.is_set()
+    f.check(9.0)
+    assert w.kills == [6.4]  # killed once
+    w.contact = Contact(lease_renewed_at=20.0, link_down_since=2.0)  # re-registered: etcd answers again
+    w.restore_fails = 1
+    f.check(20.1)
+    assert f.fenced.is_set() and w.restores == 0  # the assignment could not be read: retried
+    f.check(20.4)
+    assert not f.fenced.is_set() and w.restores == 1
+
+
+def test_a_late_check_judges_nothing() -> None:
+    """A starved agent's threads are all late: its own silence is not the cluster's."""
+    w = World()
+    f = w.fence()
+    w.contact = Contact(lease_renewed_at=0.0, link_down_since=0.5)
+    f.check(7.0, late=True)
+    f.check(7.2)
+    assert w.kills == []  # one on-time check past fence_s, the late one did not count
+    f.check(7.4)
+    assert w.kills == [7.4]
+
+
+def test_the_link_up_or_a_renewed_lease_never_fences() -> None:
+    w = World()
+    f = w.fence()
+    w.contact = Contact(lease_renewed_at=0.0, link_down_since=None)  # a whole-etcd outage
+    for t in range(7, 60):
+        f.check(float(t))
+    w.contact = Contact(lease_renewed_at=59.0, link_down_since=1.0)  # a coordinator failover
+    for t in range(60, 65):
+        f.check(float(t))
+    assert w.kills == [] and not f.fenced.is_set()
+
+
+def test_fence_s_zero_never_starts_the_thread() -> None:
+    w = World()
+    f = Fence(0.0, lambda: w.contact, w.kills.append, w.restored, threading.Event()).start()
+    assert not f._thread.is_alive()
