@@ -67,7 +67,7 @@ def test_a_float_flag_must_be_finite(
     (["--join-timeout=-1"], "--join-timeout must be > 0, got -1.0"),
     (["--iter-sleep=-0.5"], "--iter-sleep must be >= 0, got -0.5"),
     (["--bucket-elems=0"], "--bucket-elems must be >= 1, got 0"),
-    (["--blocks=-2"], "--blocks must be >= 0 (0: the initial data-parallel size), got -2"),
+    (["--blocks=-2"], "--blocks must be >= 0, got -2"),
 ])
 def test_runtime_settings_out_of_range_are_config_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -151,30 +151,20 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
             f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
             f"--micro-batch-size {args.micro_batch_size}"
         )
-    if args.iterations < 0:
-        raise ConfigError(f"--iterations must be >= 0, got {args.iterations}")
-    if args.manual_gc_interval < 0:
-        raise ConfigError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
-    if args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-    if args.collective_timeout <= 0:
-        raise ConfigError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
+    least = {"--iterations": 0, "--manual-gc-interval": 0, "--threads": 1, "--iter-sleep": 0, "--bucket-elems": 1,
+             "--blocks": 0, "--ckpt-every": 0, "--ckpt-persist-every": 0}
+    for flag, low in least.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    for flag in ("--collective-timeout", "--join-timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value <= 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
     if args.regroup_timeout <= args.collective_timeout:
         raise ConfigError("--regroup-timeout must exceed --collective-timeout")
-    if args.join_timeout <= 0:
-        raise ConfigError(f"--join-timeout must be > 0, got {args.join_timeout}")
-    if args.iter_sleep < 0:
-        raise ConfigError(f"--iter-sleep must be >= 0, got {args.iter_sleep}")
-    if args.bucket_elems < 1:
-        raise ConfigError(f"--bucket-elems must be >= 1, got {args.bucket_elems}")
-    if args.blocks < 0:
-        raise ConfigError(f"--blocks must be >= 0 (0: the initial data-parallel size), got {args.blocks}")
-    if args.ckpt_every < 0:
-        raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.ckpt not in ("none", "torch-save", "memory"):
         raise ConfigError(f"--ckpt {args.ckpt!r}: choose none, torch-save or memory")
-    if args.ckpt_persist_every < 0:
-        raise ConfigError(f"--ckpt-persist-every must be >= 0, got {args.ckpt_persist_every}")
     if args.stop_snapshot not in ("on", "off"):
         raise ConfigError(f"--stop-snapshot {args.stop_snapshot!r}: choose on or off")
     if not 0 < args.heartbeat_interval < args.heartbeat_window:
