@@ -606,6 +606,7 @@ class Agent:
     def _fence_kill(self, cut_off_s: float) -> None:
         """Cut off: kill every rank here (as on an isolated node), and keep the assignment to apply
         again when contact returns."""
+        self.metrics.fences.inc()
         with self._assign_lock:
             self.reconcile([], isolated=True)
 

@@ -41,6 +41,8 @@ class AgentMetrics:
                                             buckets=HEARTBEAT_BUCKETS, registry=r)
         self.gpu_events = Counter("unicron_agent_gpu_events", "GPU health events (XID, ECC, NVLink) by kind",
                                   ["kind"], registry=r)
+        self.fences = Counter("unicron_agent_fences", "times this agent killed its ranks, cut off from etcd and "
+                              "the coordinator (agent/fence.py)", registry=r)
 
     def sample(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """Register a gauge read at scrape time."""

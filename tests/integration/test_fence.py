@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration import test_detection as det
 from tests.integration.hosts import require_netns
+from tests.integration.test_metrics import scrape, value
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.procs import pid_alive
 
@@ -24,7 +25,7 @@ FENCE_S = 3.0
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
     require_netns()
-    c = LocalCluster(agents=2, gpus_per_agent=2, netns=True,
+    c = LocalCluster(agents=2, gpus_per_agent=2, netns=True, metrics=True,
                      extra_env={"UNICRON_FENCE": str(FENCE_S), "UNICRON_STATUS_INTERVAL": "0.2",
                                 "UNICRON_WARMUP_ITERATIONS": "3"})
     c.start()
@@ -63,3 +64,5 @@ def test_a_partitioned_node_kills_its_ranks_and_reapplies_its_assignment_when_he
                                  for r in cluster.agent_log(node, since=t0)), 30.0, "the fence to lift")
     cluster.wait_for(lambda: cluster.node_state(node) == "isolated", 30.0, f"{node} isolated")
     cluster.wait_for(lambda: _pids(cluster, node) == [], 10.0, f"{node}'s status to list no running rank")
+    assert value(scrape(cluster, node), "unicron_agent_fences_total") == 1.0
+    assert value(scrape(cluster, "node0"), "unicron_agent_fences_total") == 0.0
