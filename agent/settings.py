@@ -62,12 +62,12 @@ class AgentSettings:
     """A training rank uses it to reach the iteration boundary, save an on-demand snapshot and exit 0
     (unicron/runtime/preempt.py): give it an iteration plus a snapshot's save. Every stop of a running
     task (cancel, preemption, a relaunching reconfigure) waits at most this long per rank."""
-    fence_s: float = setting(6.0, "UNICRON_FENCE", "seconds cut off from both etcd and the coordinator after which the agent kills its ranks (0: never)", least=0)
-    """By then the coordinator has declared the node lost (heartbeat timeout, 1 s) and relaunched its
-    ranks elsewhere (about 2.5 s after the cut on the dev cluster): the old ranks die instead of running
-    on as duplicates for the whole partition. Either contact alone prevents it (agent/fence.py). Keep
-    it above the lease TTL: an etcd stall while the link is down (a coordinator failover) kills ranks
-    that nobody replaced; they relaunch when contact returns."""
+    fence_s: float = setting(4.0, "UNICRON_FENCE", "seconds without a word from etcd or the coordinator (since the later of the two) after which the agent kills its ranks (0: never)", least=0)
+    """A partition breaks the link 2 s after the cut (its TCP_USER_TIMEOUT); the coordinator has
+    declared the node lost and relaunched its ranks elsewhere by about 2.5 s, so the old ranks die
+    about 4 s after that instead of running on as duplicates for the whole partition. Either contact
+    alone prevents it (agent/fence.py). At least the lease TTL. Too short a fence kills ranks nobody
+    replaced when etcd is out while the coordinator fails over (they relaunch when contact returns)."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call", above=0)
     """Calls that exceed it count as etcd being unavailable and are retried."""
     metrics_port: int = setting(0, "UNICRON_METRICS_PORT", "TCP port serving Prometheus metrics at /metrics (0: off)", least=0, most=65535)

@@ -10,11 +10,24 @@ from agent.fence import Contact, Fence, cut_off_for
 from unicron.kernel.errors import StoreUnavailable
 
 
-def test_either_contact_vetoes_the_cut_off() -> None:
-    assert cut_off_for(Contact(lease_renewed_at=0.0, link_down_since=1.0), now=10.0) == 10.0
+def test_the_cut_off_counts_from_the_later_contact() -> None:
+    assert cut_off_for(Contact(lease_renewed_at=0.0, link_down_since=1.0), now=10.0) == 9.0
     assert cut_off_for(Contact(lease_renewed_at=0.0, link_down_since=None), now=10.0) == 0.0  # etcd outage
     assert cut_off_for(Contact(lease_renewed_at=9.9, link_down_since=1.0), now=10.0) == pytest.approx(0.1)
     assert cut_off_for(Contact(lease_renewed_at=None, link_down_since=1.0), now=10.0) == 0.0  # never registered
+
+
+def test_the_end_of_a_whole_etcd_outage_does_not_fence() -> None:
+    """Chaos seed 83: etcd down 8 s with the link up; as etcd came back the deposed leader's link broke,
+    0.3 s before the agent's next lease renewal. Counting from the lease alone (9.5 s) fenced the node."""
+    w = World()
+    f = w.fence()
+    w.contact = Contact(lease_renewed_at=0.0, link_down_since=9.2)
+    f.check(9.5)
+    f.check(9.75)
+    w.contact = Contact(lease_renewed_at=10.0, link_down_since=9.2)  # the renewal that came next
+    f.check(10.0)
+    assert w.kills == [] and not f.fenced.is_set()
 
 
 class World:
@@ -39,7 +52,7 @@ class World:
 def test_cut_off_past_fence_s_on_two_checks_in_a_row_kills_once_and_restores_when_contact_returns() -> None:
     w = World()
     f = w.fence()
-    w.contact = Contact(lease_renewed_at=0.0, link_down_since=2.0)
+    w.contact = Contact(lease_renewed_at=0.0, link_down_since=0.0)  # the link broke with the last renewal
     f.check(5.0)
     f.check(6.2)  # past 6 s once: not yet
     assert w.kills == [] and not f.fenced.is_set()
@@ -47,7 +60,7 @@ def test_cut_off_past_fence_s_on_two_checks_in_a_row_kills_once_and_restores_whe
     assert w.kills == [6.4] and f.fenced.is_set()
     f.check(9.0)
     assert w.kills == [6.4]  # killed once
-    w.contact = Contact(lease_renewed_at=20.0, link_down_since=2.0)  # re-registered: etcd answers again
+    w.contact = Contact(lease_renewed_at=20.0, link_down_since=0.0)  # re-registered: etcd answers again
     w.restore_fails = 1
     f.check(20.1)
     assert f.fenced.is_set() and w.restores == 0  # the assignment could not be read: retried
@@ -59,7 +72,7 @@ def test_a_late_check_judges_nothing() -> None:
     """A starved agent's threads are all late: its own silence is not the cluster's."""
     w = World()
     f = w.fence()
-    w.contact = Contact(lease_renewed_at=0.0, link_down_since=0.5)
+    w.contact = Contact(lease_renewed_at=0.0, link_down_since=0.0)
     f.check(7.0, late=True)
     f.check(7.2)
     assert w.kills == []  # one on-time check past fence_s, the late one did not count
