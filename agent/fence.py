@@ -82,7 +82,10 @@ class Fence:
             now = time.monotonic()
             late = now - last > LATE_CHECKS * CHECK_INTERVAL_S
             last = now
-            self.check(now, late)
+            try:
+                self.check(now, late)
+            except Exception:  # a bug must not end the fence's watch for the agent's lifetime
+                log.exception("fence check failed; checking again")
 
     def check(self, now: float, late: bool = False) -> None:
         contact = self.read()
