@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from unicron.kernel import tls
+from unicron.kernel.config import out_of_bounds
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
@@ -35,8 +36,9 @@ def at_least(cast: Callable[[str], N], minimum: N, *, above: bool = False) -> Ca
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number") from None
-        if value < minimum or (above and value == minimum):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {'>' if above else '>='} {minimum}")
+        why = out_of_bounds(value, above=minimum) if above else out_of_bounds(value, least=minimum)
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"{text!r} {why}")
         return value
 
     return parse

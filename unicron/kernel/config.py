@@ -30,16 +30,25 @@ def setting(default: Any, env: str, help: str, *, least: float | None = None, ab
                                                         **{k: v for k, v in bounds.items() if v is not None}})
 
 
+def out_of_bounds(value: float, *, least: float | None = None, above: float | None = None,
+                  most: float | None = None) -> str | None:
+    """Why ``value`` is outside the bounds (``"must be >= 0"``), None when inside: the one wording of
+    a range error for the daemons' settings, the runtime's flags and the CLI's."""
+    if least is not None and value < least:
+        return f"must be >= {least}"
+    if above is not None and value <= above:
+        return f"must be > {above}"
+    if most is not None and value > most:
+        return f"must be <= {most}"
+    return None
+
+
 def _check_bounds(obj: object) -> None:
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value, meta = getattr(obj, f.name), f.metadata
-        where = f"{_flag(f.name)} / {meta.get('env')}"
-        if "least" in meta and value < meta["least"]:
-            raise ConfigError(f"{where}: {value!r} must be >= {meta['least']}")
-        if "above" in meta and value <= meta["above"]:
-            raise ConfigError(f"{where}: {value!r} must be > {meta['above']}")
-        if "most" in meta and value > meta["most"]:
-            raise ConfigError(f"{where}: {value!r} must be <= {meta['most']}")
+        why = out_of_bounds(value, least=meta.get("least"), above=meta.get("above"), most=meta.get("most"))
+        if why is not None:
+            raise ConfigError(f"{_flag(f.name)} / {meta.get('env')}: {value!r} {why}")
 
 
 def finite_float(raw: str) -> float:

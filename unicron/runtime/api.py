@@ -27,6 +27,7 @@ import torch
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
 from unicron.kernel.client import AgentClient
+from unicron.kernel.config import out_of_bounds
 from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.runtime import membership
 from unicron.runtime import store as keys
@@ -151,16 +152,17 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
             f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
             f"--micro-batch-size {args.micro_batch_size}"
         )
-    least = {"--iterations": 0, "--manual-gc-interval": 0, "--threads": 1, "--iter-sleep": 0, "--bucket-elems": 1,
-             "--blocks": 0, "--ckpt-every": 0, "--ckpt-persist-every": 0}
-    for flag, low in least.items():
+    bounds: dict[str, dict[str, float]] = {
+        "--iterations": {"least": 0}, "--manual-gc-interval": {"least": 0}, "--threads": {"least": 1},
+        "--iter-sleep": {"least": 0}, "--bucket-elems": {"least": 1}, "--blocks": {"least": 0},
+        "--ckpt-every": {"least": 0}, "--ckpt-persist-every": {"least": 0},
+        "--collective-timeout": {"above": 0}, "--join-timeout": {"above": 0},
+    }
+    for flag, bound in bounds.items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value < low:
-            raise ConfigError(f"{flag} must be >= {low}, got {value}")
-    for flag in ("--collective-timeout", "--join-timeout"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value <= 0:
-            raise ConfigError(f"{flag} must be > 0, got {value}")
+        why = out_of_bounds(value, **bound)
+        if why is not None:
+            raise ConfigError(f"{flag} {why}, got {value}")
     if args.regroup_timeout <= args.collective_timeout:
         raise ConfigError("--regroup-timeout must exceed --collective-timeout")
     if args.ckpt not in ("none", "torch-save", "memory"):
