@@ -357,11 +357,12 @@ class Agent:
     def report(self, method: DetectionMethod, kind: ErrorKind, message: str, *, task: str | None = None,
                rank: int | None = None, gpu: int | None = None, step: int | None = None,
                source_ts: float | None = None, handled: bool = False, generation: int | None = None) -> Report:
-        if task is not None and generation is None:
-            rec = self._task(task)
-            generation = rec.latest.generation if rec else None
+        rec = self._task(task) if task is not None else None
+        if rec is not None and generation is None:
+            generation = rec.latest.generation
         report = Report(method=method, kind=kind, node=self.node, message=message[:2000], task=task, gpu=gpu,
                         rank=rank, step=step, generation=generation, handled=handled,
+                        restart_epoch=rec.launch_epoch(rank) if rec is not None and rank is not None else None,
                         source_ts=source_ts or time.time())
         log.warning("report", node=self.node, task=task, rank=rank, gpu=gpu, step=step, kind=kind.value,
                     method=method.value, message=message[:200])

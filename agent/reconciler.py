@@ -264,6 +264,11 @@ class TaskReconciler:
         with self._lock:
             return rank in self._ranks
 
+    def launch_epoch(self, rank: int) -> int | None:
+        """The restart epoch the rank's newest process was launched under; None before its first launch."""
+        with self._lock:
+            return self.launched_epoch.get(rank)
+
     def rank_state(self, rank: int) -> RankState | None:
         with self._lock:
             return self._ranks.get(rank)

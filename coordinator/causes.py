@@ -71,11 +71,11 @@ def classify(report: Report, detected_ts: float, incident_id: str) -> Incident:
     )
 
 
-def raised(inc: Incident, generation: int | None) -> d.IncidentRaised | None:
+def raised(inc: Incident, generation: int | None, restart_epoch: int | None = None) -> d.IncidentRaised | None:
     """The core event for an incident; None when the runtime already handled it in place."""
     if inc.handled:
         return None
-    return d.IncidentRaised(ts=inc.detected_ts, incident=inc, generation=generation)
+    return d.IncidentRaised(ts=inc.detected_ts, incident=inc, generation=generation, restart_epoch=restart_epoch)
 
 
 def _pending_restart(entry: d.TaskEntry) -> int | None:

@@ -487,7 +487,7 @@ class Coordinator:
         puts = {key: incident.to_json()}
         deletes = ([report_key] if report_key else []) + expired
         if event is None:
-            event = causes.raised(incident, report.generation)
+            event = causes.raised(incident, report.generation, report.restart_epoch)
         if event is None:
             self.leadership.write(puts=puts, deletes=deletes)
         else:

@@ -516,7 +516,9 @@ class _Run:
             trigger = SEVERITY_TRIGGER[inc.severity]
             if trigger is _T.SEV3 and _echo_of_resize(entry, inc):
                 trigger = _T.RESIZE_ECHO
-            if entry.spec.restarts_whole:
+            if _restart_died(entry, inc, event):
+                trigger = _T.RESTART_DIED
+            elif entry.spec.restarts_whole:
                 trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it
             elif trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
                 trigger = _T.PEER_DIED
@@ -784,6 +786,14 @@ def _launching(entry: TaskEntry, generation: int | None) -> bool:
     """Whether a process of the task's current generation reports while its Assign is not confirmed."""
     o = entry.outstanding
     return generation == entry.generation and o is not None and o.kind is ActionKind.ASSIGN
+
+
+def _restart_died(entry: TaskEntry, inc: Incident, event: IncidentRaised) -> bool:
+    """Whether a process that the restart under way launched has died."""
+    o = entry.outstanding
+    return (o is not None and o.kind is ActionKind.RESTART and inc.kind is ErrorKind.EXITED_ABNORMALLY
+            and event.generation == entry.generation
+            and event.restart_epoch is not None and event.restart_epoch >= entry.restart_epoch)
 
 
 def _relaunched(entry: TaskEntry, inc: Incident) -> bool:

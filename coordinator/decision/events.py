@@ -18,6 +18,9 @@ class IncidentRaised:
     generation: int | None = None
     """The task generation the reporting process ran under (``Report.generation``); an incident from an
     older generation than the task's current one is a leftover of a replaced configuration and ignored."""
+    restart_epoch: int | None = None
+    """The restart epoch the reporting process was launched under (``Report.restart_epoch``): a process
+    of the pending restart's epoch that dies shows the restart failed."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,8 @@ class Trigger(enum.StrEnum):
     PEER_DIED = "peer_died"  # during a restart: a rank's process died that the restart does not relaunch
     # a sev2 from a process of an Assign not yet confirmed: the launch failed there, no consequence of it
     LAUNCH_FAULT = "launch_fault"
+    # during a restart: a process the restart launched died (it is no consequence of the fault it recovers)
+    RESTART_DIED = "restart_died"
     TASK_FAULT = "task_fault"  # a sev2 / sev3 incident on a task whose recovery is "restart" (all ranks)
     SEV1 = "sev1"  # a node the task has ranks on was isolated or lost
     ACTION_OK = "action_ok"  # the task's outstanding action was confirmed
@@ -117,6 +119,9 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RESTARTING, _T.PEER_DIED): (_P.RESTARTING, _R.RESTART),
         # every rank is relaunched already: the peers' crashes are the first failure's consequence
         (_P.RESTARTING, _T.TASK_FAULT): (_P.RESTARTING, _R.MERGE),
+        # the restart failed, as at its deadline but without waiting for it: merged, a restarted task
+        # whose other ranks went on making steps confirmed it with this rank dead and never relaunched it
+        (_P.RESTARTING, _T.RESTART_DIED): (_P.RECONFIGURING, _R.ESCALATE),
         (_P.RESTARTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RESTARTING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),
         (_P.RESTARTING, _T.ACTION_OK): (_P.RUNNING, _R.RECOVERED),

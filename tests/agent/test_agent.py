@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,10 +25,12 @@ from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
     AssignmentResult,
+    ErrorKind,
     NodeAssignment,
     NodeStatus,
     RankSpec,
     RankStatus,
+    Report,
     StoreAddress,
     TaskAssignment,
 )
@@ -199,6 +202,17 @@ def test_a_rank_process_is_advanced_once_it_completed_an_iteration_and_a_relaunc
     assert again.pid != began.pid
     time.sleep(0.5)
     assert at_40(1, advanced=True) is None
+    # its death is reported with the epoch it was launched under: the coordinator tells a failed
+    # restart from a consequence of the fault it recovers by that
+    os.kill(again.pid, signal.SIGKILL)
+
+    def died() -> Report | None:
+        kvs, _ = store.get_prefix(KEYS.reports())
+        return next((r for r in (Report.from_json(kv.value) for kv in kvs)
+                     if r.task == "redo" and r.kind is ErrorKind.EXITED_ABNORMALLY), None)
+
+    report = wait_for(died, 30, "the relaunched process's exit report")
+    assert (report.rank, report.restart_epoch, report.generation) == (0, 1, t.generation)
 
 
 @pytest.mark.parametrize("argv, reason", [

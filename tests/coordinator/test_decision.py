@@ -109,6 +109,7 @@ class Sim:
         rank: int | None = None,
         generation: int | None = None,
         step: int | None = None,
+        restart_epoch: int | None = None,
     ) -> list[Action]:
         self.incidents += 1
         ts = self.ts()
@@ -116,7 +117,7 @@ class Sim:
             method=kind[0], kind=kind[1], node=node, task=task, rank=rank, source_ts=ts, agent_ts=ts, step=step
         )
         incident = classify(report, detected_ts=ts, incident_id=f"i{self.incidents}")
-        return self.feed(IncidentRaised(ts=ts, incident=incident, generation=generation))
+        return self.feed(IncidentRaised(ts=ts, incident=incident, generation=generation, restart_epoch=restart_epoch))
 
     def progress(self, task: str, step: int, current_generation: bool = True) -> list[Action]:
         gen = self.state.tasks[task].generation if current_generation else None

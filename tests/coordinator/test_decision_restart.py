@@ -71,6 +71,46 @@ def test_the_peers_crashes_are_merged_and_no_node_is_isolated() -> None:
     assert sim.phase(JOB) is d.TaskPhase.RUNNING and sim.state.tasks[JOB].restarts == 0
 
 
+def test_a_process_the_restart_launched_that_dies_fails_the_restart_at_once() -> None:
+    """Before, its death was merged like a peer's crash, and another relaunched rank's step confirmed
+    the restart: the dead rank was never relaunched (seen in bench/fence.py, where ranks step without
+    each other)."""
+    sim = running()
+    act = only_restart(sim.incident("n2", SEV2_KIND, task=JOB, rank=8))
+    gen = sim.state.tasks[JOB].generation
+    # the old attempt's processes dying is the restart's own doing: still merged
+    assert sim.incident("n1", SEV2_KIND, task=JOB, rank=0, generation=gen, restart_epoch=act.restart_epoch - 1) == []
+    assert sim.phase(JOB) is d.TaskPhase.RESTARTING
+    # a process of the new attempt dies: the restart failed, sev1 on its node, without its deadline
+    acts = sim.incident("n1", SEV2_KIND, task=JOB, rank=0, generation=gen, restart_epoch=act.restart_epoch)
+    assert escalated(sim)
+    assert any(isinstance(a, d.IsolateNode) and a.node == "n1" for a in acts)
+    assert sim.state.nodes["n1"].status is d.NodeState.ISOLATED
+    # the other new ranks' steps no longer confirm an attempt that lost a rank (8 GPUs left: it waits)
+    assert any(isinstance(a, d.StopTask) for a in acts)
+    sim.feed(d.ProgressMade(ts=sim.ts(), task=JOB, step=6, generation=gen, restart_epoch=act.restart_epoch))
+    assert sim.phase(JOB) is d.TaskPhase.PENDING
+
+
+def test_a_relaunched_rank_that_dies_fails_a_rank_restart_at_once() -> None:
+    sim = Sim()
+    sim.join("n1")
+    sim.join("n2")
+    sim.submit(JOB, min_gpus=16)
+    sim.feed(d.ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
+    sim.progress(JOB, 5)
+    (act,) = [a for a in sim.incident("n2", SEV2_KIND, task=JOB, rank=8) if isinstance(a, d.RestartRanks)]
+    gen = sim.state.tasks[JOB].generation
+    acts = sim.incident("n2", SEV2_KIND, task=JOB, rank=8, generation=gen, restart_epoch=act.restart_epoch)
+    assert escalated(sim)
+    assert any(isinstance(a, d.IsolateNode) and a.node == "n2" for a in acts)
+
+
+def escalated(sim: Sim) -> bool:
+    return any((t.phase, t.trigger, t.response) == (d.TaskPhase.RESTARTING, d.Trigger.RESTART_DIED, d.Response.ESCALATE)
+               for t in sim.transitions)
+
+
 def test_a_restart_that_redoes_steps_from_the_jobs_checkpoint_is_confirmed_by_its_first_iteration() -> None:
     """The job resumes from its own checkpoint, behind the step it had reached. Before, only a step
     past the fault confirmed the restart: a redo longer than the restart deadline (120 s) expired it,

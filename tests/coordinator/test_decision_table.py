@@ -121,6 +121,10 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return lambda sim: sim.incident("n2", SEV2_KIND, task=JOB, rank=sim.state.tasks[JOB].ranks_on("n2")[0])
     if trigger is T.PEER_DIED:  # the restart is on n1; a rank on n2 dies
         return lambda sim: sim.incident("n2", SEV2_KIND, task=JOB, rank=sim.state.tasks[JOB].ranks_on("n2")[0])
+    if trigger is T.RESTART_DIED:  # the process the restart launched on n1 dies
+        return lambda sim: sim.incident("n1", SEV2_KIND, task=JOB, rank=sim.state.tasks[JOB].relaunching["n1"][0],
+                                        generation=sim.state.tasks[JOB].generation,
+                                        restart_epoch=sim.state.tasks[JOB].restart_epoch)
     if trigger is T.LAUNCH_FAULT:  # a rank of the Assign not yet confirmed dies
         return lambda sim: sim.incident("n1", SEV2_KIND, task=JOB, rank=sim.state.tasks[JOB].ranks_on("n1")[0],
                                         generation=sim.state.tasks[JOB].generation)

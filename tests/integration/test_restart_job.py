@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from coordinator.statestore import read_state
 from tests.integration.hosts import require_netns
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
@@ -145,5 +146,48 @@ def test_a_restart_that_redoes_steps_from_an_older_checkpoint_is_confirmed_by_it
             assert acts == ["RestartTask"], acts  # no escalation: no IsolateNode, no re-Assign
             assert task("stock")["phase"] == "running"
             assert all(c.node_state(n) == "up" for n in c.node_names())
+        finally:
+            os.environ.pop("UNICRON_ETCD", None)
+
+
+def test_a_relaunched_process_that_dies_fails_the_restart_at_once(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's process of the first restart exits 3 as it starts. Before, its death was merged like a
+    peer's crash: the restart waited out its deadline (60 s here) with rank 1 blocked in the rendezvous,
+    and a job whose ranks step without each other confirmed the restart with rank 0 dead. Now the
+    restart fails at once: rank 0's node is isolated and the task re-planned (it waits: 1 GPU left)."""
+    monkeypatch.chdir(ROOT)
+    env = {"UNICRON_STATUS_INTERVAL": "0.2", "UNICRON_RESTART_DEADLINE": "60"}
+    with LocalCluster(agents=2, gpus_per_agent=1, extra_env=env) as c:
+        os.environ["UNICRON_ETCD"] = c.etcd.endpoint
+        try:
+            spec, _ = documented_spec(tmp_path / "ckpt")
+            argv: list[str] = spec["command"]
+            argv[argv.index("--steps") + 1] = "1000"
+            spec["command"] = ["sh", "-c", 'if [ "$RANK" = 0 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 1 ]; '
+                               'then exit 3; fi; exec "$@"', "sh", *argv]
+            spec_file = tmp_path / "stock.json"
+            spec_file.write_text(json.dumps(spec))
+            assert cli(["submit", str(spec_file)]) == 0
+            c.wait_for(lambda: min(len(steps(c, 0)), len(steps(c, 1))) >= 2, 60.0, "two steps on both ranks",
+                       poll_s=0.1)
+            (victim, _, _), = starts(c, 1)
+            assert c.store is not None
+            state, _ = read_state(c.store, c.keys)
+            assert state is not None
+            rank0_node = next(n for n, ranks in state.tasks["stock"].placement.items() if 0 in ranks)
+            t0 = time.time()
+            os.kill(victim, signal.SIGKILL)
+
+            def failed() -> dict[str, Any] | None:
+                return next((r for r in c.coordinator_log(t0) if r.get("event") == "transition"
+                             and "restarting --restart_died--> reconfiguring" in str(r.get("edge"))), None)
+
+            c.wait_for(failed, 20.0, "the restart failed by rank 0's new process", poll_s=0.2)
+            assert time.time() - t0 < 20.0  # far inside the restart's 60 s deadline
+            c.wait_for(lambda: c.node_state(rank0_node) == "isolated", 10.0, "rank 0's node isolated")
+            acts = [str(a["action"]) for a in c.actions(t0)]
+            assert acts[:2] == ["RestartTask", "IsolateNode"], acts
+            c.wait_for(lambda: task("stock")["phase"] == "pending", 10.0, "the task waiting for GPUs")
         finally:
             os.environ.pop("UNICRON_ETCD", None)

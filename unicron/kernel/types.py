@@ -286,6 +286,9 @@ class Report(Record):
     rank: int | None = None
     step: int | None = None
     generation: int | None = None
+    #: the restart epoch the reporting rank's process was launched under (the agent's launch record):
+    #: a process a pending restart launched that fails shows the restart failed, not its consequence
+    restart_epoch: int | None = None
     #: the rank already recovered in place (the runtime's own sev3 reattempt): record, do not act
     handled: bool = False
     #: wall-clock time the fault was observed at its source (process exit, exception raised, ...)
