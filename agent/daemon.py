@@ -147,6 +147,9 @@ class Agent:
         self._stores: dict[str, StoreAddress] = {}  # task -> its published store address
         self._applied_revision = -1
         self._assign_lock = threading.Lock()  # the watch and the fence's restore both apply assignments
+        #: task -> the generation whose ranks the fence killed here: never launched again (see _fence_kill)
+        self._fenced: dict[str, int] = {}
+        self._fenced_for = 0.0  # seconds the node had been cut off when the fence killed its ranks
         self._watches: list[PrefixWatch] = []
         self.fence: Fence | None = None
         self.iteration_settings = IterationSettings(
@@ -592,6 +595,7 @@ class Agent:
                              applied=self._applied_revision)
                     return
                 revision = assignment.revision
+                desired = [a for a in desired if a.generation > self._fenced.get(a.task, -1)]
             outcomes = self.reconcile(desired, isolated)
             self._applied_revision = revision
         threading.Thread(target=self._report_result, args=(revision, outcomes), name=f"result-{revision}",
@@ -605,16 +609,34 @@ class Agent:
                        link_down_since=link_client.down_since if link_client is not None else None)
 
     def _fence_kill(self, cut_off_s: float) -> None:
-        """Cut off: kill every rank here (as on an isolated node), and keep the assignment to apply
-        again when contact returns."""
+        """Cut off: kill every rank here (as on an isolated node). Their generation is not launched here
+        again: its store and its peers on other nodes are gone or fenced too, and relaunched into it the
+        ranks waited on a dead store (seen: the coordinator and etcd down at once, every node fenced,
+        the task stuck until the hang timeout). When contact returns the coordinator is told, and
+        relaunches the task as a new generation (``_fence_restored``)."""
         self.metrics.fences.inc()
         with self._assign_lock:
+            with self._tasks_lock:
+                self._fenced.update({name: rec.latest.generation for name, rec in self._tasks.items()})
             self.reconcile([], isolated=True)
+        self._fenced_for = cut_off_s
 
     def _fence_restored(self) -> None:
         assert self.store is not None
         key = self.keys.assignment(self.node)
         kv = self.store.get(key)  # StoreUnavailable is temporary: the fence retries
+        # Still assigned here at the fenced generation: the coordinator never declared this node lost
+        # (it could not: it was down or cut off itself). Nothing else tells it these ranks are gone.
+        try:
+            assigned = NodeAssignment.from_json(kv.value).task_assignments() if kv is not None else []
+        except InvalidRecord:
+            assigned = []  # applying it logs why
+        for a in assigned:
+            if self._fenced.get(a.task) == a.generation:
+                self.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.FENCED,
+                            f"the node's ranks of task {a.task} were killed by its fence, after "
+                            f"{self._fenced_for:.1f} s cut off from etcd and the coordinator", task=a.task,
+                            generation=a.generation)
         self._apply_assignment(key, kv.value if kv is not None else None, again=True)
 
     def _report_result(self, revision: int, outcomes: list[Outcome]) -> None:

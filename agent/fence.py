@@ -10,7 +10,8 @@ its last lease renewal and since its link broke, whichever came later.
 Either contact alone vetoes the fence: a whole-etcd outage leaves the link up (nothing was declared
 lost: etcd took no writes), a coordinator failover leaves the lease renewing. Only both at once
 fences: a partition, or the double fault of an etcd outage during a coordinator failover (then the
-ranks are relaunched when contact returns: see :meth:`Fence.restored`).
+agent reports the fenced task when contact returns, and the coordinator relaunches it as a new
+generation: ``Agent._fence_restored``).
 
 A process starved of the CPU (the agent's threads all late) must not read its own silence as the
 cluster's: a check that comes late by more than a few intervals judges nothing, and the fence needs

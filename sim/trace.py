@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from unicron.kernel.errors import InvalidRecord
-from unicron.kernel.types import ErrorKind
+from unicron.kernel.types import FAULT_KINDS, ErrorKind
 
 DAY_S = 86_400.0
 WEEK_S = 7 * DAY_S
@@ -76,12 +76,9 @@ class Failure:
             raise InvalidRecord(f"{where}.gpu: expected a GPU index >= 0, got {gpu!r}")
         if severity not in (1, 2, 3) or isinstance(severity, bool):
             raise InvalidRecord(f"{where}.severity: expected 1, 2 or 3, got {severity!r}")
-        if kind not in {k.value for k in ErrorKind} or kind == ErrorKind.DEGRADATION.value:
-            raise InvalidRecord(f"{where}.kind: {kind!r} is not a failure kind; known: {sorted(k.value for k in KINDS_ALL)}")
+        if kind not in {k.value for k in FAULT_KINDS}:
+            raise InvalidRecord(f"{where}.kind: {kind!r} is not a failure kind; known: {sorted(k.value for k in FAULT_KINDS)}")
         return Failure(float(time_s), node, gpu, int(severity), str(kind), float(repair_s))
-
-
-KINDS_ALL = tuple(k for k in ErrorKind if k is not ErrorKind.DEGRADATION)
 
 
 @dataclass(frozen=True)

@@ -390,7 +390,7 @@ class _Run:
         relaunch spends the restart budget, so a task stopped again and again without a step fails."""
         self._count_restart(entry)
         self._do_relaunch_updated(name, entry, fault)
-        self._alert(f"task {name}: {fault.reason}; relaunching it from its on-demand snapshot", task=name)
+        self._alert(f"task {name}: {fault.reason}; relaunching it as a new generation", task=name)
 
     def _do_relaunch_updated(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         """A new generation wherever the re-plan puts the task, never in place (none of its running
@@ -516,7 +516,9 @@ class _Run:
             trigger = SEVERITY_TRIGGER[inc.severity]
             if trigger is _T.SEV3 and _echo_of_resize(entry, inc):
                 trigger = _T.RESIZE_ECHO
-            if _restart_died(entry, inc, event):
+            if inc.kind is ErrorKind.FENCED:
+                trigger = _T.STOPPED
+            elif _restart_died(entry, inc, event):
                 trigger = _T.RESTART_DIED
             elif entry.spec.restarts_whole:
                 trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it

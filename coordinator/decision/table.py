@@ -37,7 +37,9 @@ class Trigger(enum.StrEnum):
     RESIZED_IN_PLACE = "resized_in_place"
     UNPLACED = "unplaced"  # a reconfiguration gave the task no GPUs
     FINISHED = "finished"
-    STOPPED = "stopped"  # every rank stopped before the task's end, unasked: nothing runs any more
+    # every rank stopped before the task's end, unasked, or a node's fence killed its ranks: the generation
+    # cannot go on (a fenced node's peers were fenced too, or wait on its dead ranks and store)
+    STOPPED = "stopped"
     CANCELLED = "cancelled"
     # the user replaced the task's spec with one its running ranks cannot take (command, env, layout)
     UPDATED = "updated"

@@ -562,3 +562,12 @@ def test_cli_status_shows_each_ranks_own_generation(
     code, out, err = unicron("status", "--etcd", etcd_server.endpoint, "--prefix", prefix, "--json")
     assert code == 0, err
     assert [(r["rank"], r["generation"]) for r in json.loads(out)] == [(0, 3), (1, 5)]
+
+
+@pytest.mark.parametrize("kind", ["fenced", "degradation", "no_such_kind"])
+def test_cli_inject_raise_takes_only_a_fault_kind(unicron: Any, kind: str) -> None:
+    """``fenced`` and ``degradation`` are the agent's own findings: a rank raising one would be taken for them."""
+    code, out, err = unicron("inject", "raise", kind, "--node", "n1", "--etcd", f"127.0.0.1:{free_port()}")
+    assert code == 1 and out == ""
+    assert err.startswith("unicron inject: raise needs an error kind, one of: lost_connection,") and err.count("\n") == 1
+    assert "fenced" not in err and "degradation" not in err

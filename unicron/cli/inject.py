@@ -22,7 +22,7 @@ from unicron.kernel.errors import PermanentError
 from unicron.kernel.etcd import Store
 from unicron.kernel.inject import Fault, Injection, request
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import ErrorKind
+from unicron.kernel.types import FAULT_KINDS, ErrorKind
 
 AGENT_FAULTS = tuple(f.value for f in Fault)
 LOCAL_FAULTS = ("kill-node", "silence-node")
@@ -75,7 +75,7 @@ def build_request(args: argparse.Namespace) -> Injection:
     fault = Fault(args.fault)
     req = Injection(fault=fault, task=args.task or None, rank=args.rank)
     if fault is Fault.RAISE:
-        kinds = [k.value for k in ErrorKind if k is not ErrorKind.DEGRADATION]
+        kinds = [k.value for k in FAULT_KINDS]
         if args.arg not in kinds:
             raise PermanentError(f"raise needs an error kind, one of: {', '.join(kinds)}")
         return replace(req, kind=ErrorKind(args.arg))
@@ -89,14 +89,14 @@ def build_request(args: argparse.Namespace) -> Injection:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
+    req = None if args.fault in LOCAL_FAULTS else build_request(args)  # a bad request is refused before etcd is dialled
     store, keys = open_store(args)
     try:
-        if args.fault in LOCAL_FAULTS:
+        if req is None:
             sig = signal.SIGKILL if args.fault == "kill-node" else (signal.SIGCONT if args.resume else signal.SIGSTOP)
             pid, ts = signal_agent(store, keys, args.node, sig)
             print(f"{_stamp(ts)} {args.fault}: sent {sig.name} to agent pid {pid} of node {args.node}")
             return 0
-        req = build_request(args)
         node_record(store, keys, args.node)
         answer = request(store, keys, args.node, req)
         stamp = _stamp(answer.executed_ts or 0.0)

@@ -49,7 +49,9 @@ class DetectionMethod(enum.StrEnum):
 
 
 class ErrorKind(enum.StrEnum):
-    """Error statuses of paper Table 1, plus DEGRADATION (a slow but completed iteration: recorded, not acted on)."""
+    """Error statuses of paper Table 1, plus DEGRADATION (a slow but completed iteration: recorded, not
+    acted on) and FENCED (no fault of the rank: its agent killed it, the node cut off from the control
+    plane, ``agent/fence.py``)."""
 
     LOST_CONNECTION = "lost_connection"
     EXITED_ABNORMALLY = "exited_abnormally"
@@ -66,6 +68,11 @@ class ErrorKind(enum.StrEnum):
     LINK_FLAPPING = "link_flapping"
     TASK_HANG = "task_hang"
     DEGRADATION = "degradation"
+    FENCED = "fenced"
+
+
+#: The kinds a rank, a trace or an operator's injection can raise: Table 1's statuses, not the agent's own.
+FAULT_KINDS: tuple[ErrorKind, ...] = tuple(k for k in ErrorKind if k not in (ErrorKind.DEGRADATION, ErrorKind.FENCED))
 
 
 @functools.cache
