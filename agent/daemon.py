@@ -53,6 +53,7 @@ from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import interface_of, route_address
 from unicron.kernel.procs import pid_alive
 from unicron.kernel.types import (
+    FAULT_KINDS,
     AssignmentResult,
     DetectionMethod,
     ErrorKind,
@@ -525,11 +526,8 @@ class Agent:
 
     @staticmethod
     def _exception_kind(msg: protocol.ExceptionReport) -> ErrorKind:
-        if msg.kind:
-            try:
-                return ErrorKind(msg.kind)
-            except ValueError:
-                pass
+        if msg.kind in FAULT_KINDS:  # a rank cannot claim the agent's own findings (degradation, fenced)
+            return ErrorKind(msg.kind)
         return patterns.classify_text(f"{msg.message}\n{msg.traceback}")
 
     # --- status ------------------------------------------------------------------------------

@@ -6,8 +6,11 @@ import threading
 
 import pytest
 
+from agent.daemon import Agent
 from agent.fence import Contact, Fence, cut_off_for
+from unicron.kernel import protocol
 from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.types import ErrorKind
 
 
 def test_the_cut_off_counts_from_the_later_contact() -> None:
@@ -96,3 +99,14 @@ def test_fence_s_zero_never_starts_the_thread() -> None:
     w = World()
     f = Fence(0.0, lambda: w.contact, w.kills.append, w.restored, threading.Event()).start()
     assert not f._thread.is_alive()
+
+
+@pytest.mark.parametrize(("claimed", "kind"), [
+    ("cuda_error", ErrorKind.CUDA_ERROR),
+    ("fenced", ErrorKind.OTHER_SOFTWARE_ERROR),  # the agent's own finding: a rank's claim is not taken
+    ("degradation", ErrorKind.OTHER_SOFTWARE_ERROR),
+    ("no_such_kind", ErrorKind.OTHER_SOFTWARE_ERROR),
+])
+def test_a_rank_cannot_report_its_agents_own_findings(claimed: str, kind: ErrorKind) -> None:
+    msg = protocol.ExceptionReport(message="boom", traceback="", kind=claimed, fatal=True, step=1, ts=0.0)
+    assert Agent._exception_kind(msg) is kind
