@@ -60,6 +60,16 @@ def documented_spec(ckpt: Path) -> tuple[dict[str, Any], int]:
     return spec, int(argv[argv.index("--steps") + 1])
 
 
+def submit(spec: dict[str, Any], tmp: Path) -> None:
+    spec_file = tmp / "stock.json"
+    spec_file.write_text(json.dumps(spec))
+    assert cli(["submit", str(spec_file)]) == 0
+
+
+def both_stepped(c: LocalCluster, n: int) -> None:
+    c.wait_for(lambda: min(len(steps(c, 0)), len(steps(c, 1))) >= n, 60.0, f"{n} steps on both ranks", poll_s=0.1)
+
+
 def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     require_netns()  # two hosts: MASTER_ADDR and the ranks' gloo traffic cross the network
@@ -70,11 +80,8 @@ def test_a_killed_rank_restarts_the_whole_job_from_its_checkpoint(tmp_path: Path
         try:
             spec, steps_total = documented_spec(tmp_path / "ckpt")
             assert spec["name"] == "stock" and spec["recovery"] == "restart" and spec["min_gpus"] == 2
-            spec_file = tmp_path / "stock.json"
-            spec_file.write_text(json.dumps(spec))
-            assert cli(["submit", str(spec_file)]) == 0
-            c.wait_for(lambda: min(len(steps(c, 0)), len(steps(c, 1))) >= 3, 60.0, "three steps on both ranks",
-                       poll_s=0.1)
+            submit(spec, tmp_path)
+            both_stepped(c, 3)
             (victim, _, _), = starts(c, 1)
             (survivor, _, _), = starts(c, 0)
             os.kill(victim, signal.SIGKILL)
@@ -118,9 +125,7 @@ def test_a_restart_that_redoes_steps_from_an_older_checkpoint_is_confirmed_by_it
             argv[argv.index("--steps") + 1] = "1000"
             argv[argv.index("--step-time") + 1] = "0.4"
             argv += ["--ckpt-interval", "35"]
-            spec_file = tmp_path / "stock.json"
-            spec_file.write_text(json.dumps(spec))
-            assert cli(["submit", str(spec_file)]) == 0
+            submit(spec, tmp_path)
             c.wait_for(lambda: max(steps(c, 1) or [0]) >= 60, 120.0,
                        "step 60 on rank 1", poll_s=0.1)
             (victim, _, _), = starts(c, 1)
@@ -166,11 +171,8 @@ def test_a_relaunched_process_that_dies_fails_the_restart_at_once(tmp_path: Path
             argv[argv.index("--steps") + 1] = "1000"
             spec["command"] = ["sh", "-c", 'if [ "$RANK" = 0 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 1 ]; '
                                'then exit 3; fi; exec "$@"', "sh", *argv]
-            spec_file = tmp_path / "stock.json"
-            spec_file.write_text(json.dumps(spec))
-            assert cli(["submit", str(spec_file)]) == 0
-            c.wait_for(lambda: min(len(steps(c, 0)), len(steps(c, 1))) >= 2, 60.0, "two steps on both ranks",
-                       poll_s=0.1)
+            submit(spec, tmp_path)
+            both_stepped(c, 2)
             (victim, _, _), = starts(c, 1)
             assert c.store is not None
             state, _ = read_state(c.store, c.keys)
