@@ -593,6 +593,8 @@ class Agent:
                              applied=self._applied_revision)
                     return
                 revision = assignment.revision
+                if again:
+                    self._report_fenced(desired)
                 desired = [a for a in desired if a.generation > self._fenced.get(a.task, -1)]
             outcomes = self.reconcile(desired, isolated)
             self._applied_revision = revision
@@ -623,19 +625,17 @@ class Agent:
         assert self.store is not None
         key = self.keys.assignment(self.node)
         kv = self.store.get(key)  # StoreUnavailable is temporary: the fence retries
-        # Still assigned here at the fenced generation: the coordinator never declared this node lost
-        # (it could not: it was down or cut off itself). Nothing else tells it these ranks are gone.
-        try:
-            assigned = NodeAssignment.from_json(kv.value).task_assignments() if kv is not None else []
-        except InvalidRecord:
-            assigned = []  # applying it logs why
+        self._apply_assignment(key, kv.value if kv is not None else None, again=True)
+
+    def _report_fenced(self, assigned: list[TaskAssignment]) -> None:
+        """Still assigned here at the fenced generation: the coordinator never declared this node lost
+        (it could not: it was down or cut off itself). Nothing else tells it these ranks are gone."""
         for a in assigned:
             if self._fenced.get(a.task) == a.generation:
                 self.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.FENCED,
                             f"the node's ranks of task {a.task} were killed by its fence, after "
                             f"{self._fenced_for:.1f} s cut off from etcd and the coordinator", task=a.task,
                             generation=a.generation)
-        self._apply_assignment(key, kv.value if kv is not None else None, again=True)
 
     def _report_result(self, revision: int, outcomes: list[Outcome]) -> None:
         """Write ``results/<node>`` once every task applied ``revision``, or at once when one failed."""
