@@ -175,7 +175,7 @@ def gpu_snapshots(demo: Demo, shm: Path, reps: int, fig: dict[str, Any]) -> None
         m.wait()
         src = torch.ones(first.nbytes, dtype=torch.uint8, device=demo.device)
         dst = torch.zeros(first.nbytes, dtype=torch.uint8).pin_memory()
-        blocking, done, plain, publish = [], [], [], []
+        blocking, done, plain, publish, parts = [], [], [], [], []
         for _ in range(reps):
             demo.sync()
             t0 = time.perf_counter()
@@ -189,14 +189,19 @@ def gpu_snapshots(demo: Demo, shm: Path, reps: int, fig: dict[str, Any]) -> None
             demo.sync()
             done.append(time.perf_counter() - t0)
             blocking.append(t.blocking_s)
+            parts.append((t.encode_s, t.wait_s, t.copy_s))
             publish.append(dict(t.result().stage_s)["publish"])
         del src, dst
     copy_figures(fig, first.nbytes, blocking, done, plain, publish)
+    for name, seconds in zip(("save_encode_s", "save_slot_wait_s", "save_issue_s"), zip(*parts, strict=True), strict=True):
+        fig[name] = round(statistics.median(seconds), 5)  # where save()'s blocking time goes (medians)
     say(f"snapshot x{reps} of GPU state: save() blocked median {fig['snapshot_blocking_s']} s, "
         f"min {fig['snapshot_blocking_min_s']} s")
     say(f"  to the copies' end {fig['copy_gbps']} GB/s best, {fig['copy_median_gbps']} median; plain "
         f"device-to-host copy_ into page-locked memory {fig['memcpy_gbps']} GB/s best, "
         f"{fig['memcpy_median_gbps']} median")
+    say(f"  of save(): encode {fig['save_encode_s']} s, waiting for a slot {fig['save_slot_wait_s']} s, "
+        f"issuing the copies {fig['save_issue_s']} s (medians)")
     say(f"  background checksum + publish: {fig['publish_s']} s ({fig['checksum_gbps']} GB/s)")
 
 

@@ -134,12 +134,16 @@ class CheckpointConfig:
 class SaveTicket:
     """Returned by :meth:`CheckpointManager.save`: the stall it caused, and the background outcome."""
 
-    def __init__(self, iteration: int, nbytes: int, blocking_s: float, wait_s: float, copy_s: float) -> None:
+    def __init__(
+        self, iteration: int, nbytes: int, blocking_s: float, encode_s: float, wait_s: float, copy_s: float
+    ) -> None:
         self.iteration = iteration
         #: bytes of the snapshot (metadata + tensor data)
         self.nbytes = nbytes
         #: seconds save() held the training thread, all included
         self.blocking_s = blocking_s
+        #: of which pickling the state's structure and laying out its tensors
+        self.encode_s = encode_s
         #: of which waiting for a free slot (background work of earlier snapshots still running)
         self.wait_s = wait_s
         #: of which copying the tensor bytes into the slot (GPU: queueing the copies)
@@ -222,7 +226,9 @@ class CheckpointManager(Checkpointer):
         self._copy_pool = ThreadPoolExecutor(self._copy_workers, thread_name_prefix="ckpt-copy")
         self._cv = threading.Condition()
         self._busy = [False] * config.slots
-        self._dests = [codec.Destinations() for _ in range(config.slots)]  # GPU copies' views of each slot
+        self._gpu_stage = codec.Stage()  # one GPU staging buffer: every slot's copies run on one stream
+        self._stage_refusal_logged = False
+        self._dests = [codec.Destinations(self._gpu_stage) for _ in range(config.slots)]  # each slot's GPU copies
         self._inflight: list[SaveTicket] = []
         self._last: int | None = None
         self._count = 0
@@ -260,6 +266,7 @@ class CheckpointManager(Checkpointer):
             self._log.warning("discarded local snapshots newer than the first save", discarded=gone)
         t0 = time.perf_counter()
         enc = codec.encode(state)
+        t_enc = time.perf_counter()
         slot = self._acquire_slot()
         t1 = time.perf_counter()
         background = self.config.overlap and not enc.on_cuda
@@ -272,11 +279,18 @@ class CheckpointManager(Checkpointer):
                 event = codec.copy_into(
                     enc, data, stream, self._copy_pool, self._copy_workers, self._dests[slot]
                 )
+                if self._gpu_stage.refused and not self._stage_refusal_logged:
+                    self._stage_refusal_logged = True
+                    self._log.warning(
+                        "no GPU memory for the snapshot staging buffer: GPU tensors are copied one by one "
+                        "(more host time in save())",
+                        stage_bytes=self._gpu_stage.nbytes,
+                    )
         except BaseException:
             self._release(slot)
             raise
         t3 = time.perf_counter()
-        ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), t3 - t0, t1 - t0, t3 - t2)
+        ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), t3 - t0, t_enc - t0, t1 - t_enc, t3 - t2)
         self._last = iteration
         self._count += 1
         due = self.storage is not None and (
@@ -383,7 +397,9 @@ class CheckpointManager(Checkpointer):
         if job.enc is not None:  # CPU overlap: the copy happens here, off the training thread
             try:
                 slot_data = self._store.data_view(job.slot, job.data_len)
-                codec.copy_into(job.enc, slot_data, None, self._copy_pool, self._copy_workers)
+                codec.copy_into(
+                    job.enc, slot_data, None, self._copy_pool, self._copy_workers, self._dests[job.slot]
+                )
                 torn = _changed(job)
             finally:
                 job.enc = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import os
 import pickle
@@ -20,6 +21,9 @@ from ckpt.codec import (
     _META_HEAD,
     _META_MAGIC,
     Destinations,
+    Encoded,
+    Stage,
+    _tensor_ref,
     copy_into,
     decode,
     encode,
@@ -171,19 +175,164 @@ def test_parallel_raw_copy_matches_values_including_lazy_views() -> None:
         assert torch.equal(out[k], v.resolve_conj().resolve_neg()), k
 
 
-def test_destination_views_are_kept_while_buffer_and_layout_stay_and_rebuilt_when_either_changes() -> None:
-    dests = Destinations()
-    a, b = torch.zeros(256, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)
-    layout = encode({"w": torch.ones(4, 3), "i": torch.arange(5)}).entries
-    first = dests.views(a, layout)
-    assert [(v.dtype, tuple(v.shape)) for v in first] == [(torch.float32, (4, 3)), (torch.int64, (5,))]
-    assert first[0].data_ptr() == a.data_ptr() and first[1].data_ptr() == a.data_ptr() + layout[1].offset
-    again = dests.views(a, encode({"w": torch.full((4, 3), 2.0), "i": torch.arange(5) + 1}).entries)
-    assert all(x is y for x, y in zip(again, first, strict=True))  # same layout, same buffer: kept
-    moved = dests.views(b, layout)
-    assert [v.data_ptr() for v in moved] == [b.data_ptr(), b.data_ptr() + layout[1].offset]
-    grown = dests.views(b, encode({"w": torch.ones(4, 3), "i": torch.arange(9)}).entries)
-    assert tuple(grown[1].shape) == (9,) and grown[0] is not moved[0]
+def _as_if_on_gpu(enc: Encoded) -> Encoded:
+    """The plan's logic does not depend on the device: CPU tensors taken as the GPU ones (all CPU, they are
+    laid out in index order, as GPU tensors are) exercise it here; the GPU tests run it on a GPU."""
+    return dataclasses.replace(enc, gpu=list(range(len(enc.tensors))), cpu=[])
+
+
+def _mixed_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "small": [torch.randn(int(n), generator=g) for n in torch.randint(1, 40, (25,), generator=g)],
+        "steps": [torch.tensor(float(i)) for i in range(5)],
+        "half": torch.randn(33, generator=g).half(),
+        "mask": torch.rand(50, generator=g) > 0.5,
+        "big": torch.randn(600, generator=g),  # 2400 bytes: larger than the stage, copied straight
+        "ids": torch.arange(70),
+        "t": torch.randn(6, 5, generator=g).t(),  # not contiguous: the slow path of its dtype's group
+        "last": torch.randn(3, generator=g),
+    }
+
+
+def test_a_plan_gathers_runs_of_tensors_through_the_stage_and_copies_big_ones_directly() -> None:
+    stage = Stage(nbytes=512)
+    dests = Destinations(stage)
+    state = _mixed_state()
+    enc = _as_if_on_gpu(encode(state))
+    data = torch.zeros(enc.data_len, dtype=torch.uint8)
+    plan = dests.plan(data, enc)
+    big = next(i for i, t in enumerate(enc.tensors) if t is state["big"])
+    assert big in plan.direct and len(plan.batches) > 2
+    covered = sorted([*plan.direct, *(i for b in plan.batches for idx, _ in b.groups for i in idx)])
+    assert covered == list(range(len(enc.tensors)))  # every tensor copied, once
+    for b in plan.batches:
+        assert b.slot.numel() == b.stage.numel() <= 512
+        assert len({enc.entries[i].dtype for i in b.groups[0][0]}) == 1  # a group is one dtype
+    plan.run_gpu(enc.tensors)
+    assert_same(state, decode(enc.meta, data, private=True))
+
+
+def test_small_cpu_tensors_are_copied_together_and_large_ones_as_raw_bytes() -> None:
+    z = torch.randn(8, dtype=torch.complex64)
+    state: dict[str, Any] = {
+        "steps": [torch.tensor(float(i)) for i in range(20)],
+        "conj": z.conj(),
+        "large": torch.randn(1024),  # 4 KiB: at the threshold, moved as raw bytes
+        "large_t": torch.randn(64, 32).t(),  # large and not contiguous: copy_
+    }
+    enc = encode(state)
+    data = torch.zeros(enc.data_len, dtype=torch.uint8)
+    plan = Destinations(small_cpu_bytes=4096).plan(data, enc)
+    large = {i for i, t in enumerate(enc.tensors) if t is state["large"] or t is state["large_t"]}
+    assert set(plan.large_cpu) == large and len(plan.small_cpu) == len(enc.tensors) - 2
+    with ThreadPoolExecutor(2) as pool:
+        assert copy_into(enc, data, None, pool, 2, Destinations(small_cpu_bytes=4096)) is None
+    out = decode(enc.meta, data, private=True)
+    assert torch.equal(out["conj"], z.conj().resolve_conj()) and torch.equal(out["large_t"], state["large_t"])
+    assert all(torch.equal(a, b) for a, b in zip(out["steps"], state["steps"], strict=True))
+    assert torch.equal(out["large"], state["large"])
+
+
+def test_a_plan_is_kept_while_buffer_and_layout_stay_and_rebuilt_when_either_changes() -> None:
+    dests = Destinations(Stage(nbytes=512))
+    a, b = torch.zeros(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8)
+    first = dests.plan(a, _as_if_on_gpu(encode(_mixed_state())))
+    again = _as_if_on_gpu(encode(_mixed_state()))
+    assert dests.plan(a, again) is first  # same layout, same buffer: kept
+    moved = dests.plan(b, again)
+    assert moved is not first and moved.direct_views[0].data_ptr() >= b.data_ptr()
+    grown = _mixed_state()
+    grown["ids"] = torch.arange(90)
+    assert dests.plan(b, _as_if_on_gpu(encode(grown))) is not moved
+    moved.run_gpu(again.tensors)
+    assert_same(_mixed_state(), decode(again.meta, b, private=True))
+
+
+def test_without_memory_for_the_stage_every_tensor_is_copied_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    stage = Stage(nbytes=512)
+    monkeypatch.setattr(torch, "zeros", no_memory)
+    state = _mixed_state()
+    enc = _as_if_on_gpu(encode(state))
+    data = torch.empty(enc.data_len, dtype=torch.uint8)
+    plan = Destinations(stage).plan(data, enc)
+    monkeypatch.undo()
+    assert stage.refused and not plan.batches and plan.direct == list(range(len(enc.tensors)))
+    plan.run_gpu(enc.tensors)
+    assert_same(state, decode(enc.meta, data, private=True))
+
+
+def test_snapshots_of_the_first_metadata_format_still_decode() -> None:
+    """Before the tensors were named by ``_tensor_ref`` calls, they were pickle persistent ids
+    (``UCKM``): a snapshot taken then, on a peer or in storage, must still restore."""
+    state: dict[str, Any] = {"w": torch.arange(6.0).view(2, 3), "same": None, "n": 3}
+    state["same"] = state["w"]
+    tensors: list[torch.Tensor] = []
+
+    class _FirstFormat(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                if not any(obj is t for t in tensors):
+                    tensors.append(obj)
+                return ("t", next(i for i, t in enumerate(tensors) if t is obj))
+            return None
+
+    body = io.BytesIO()
+    _FirstFormat(body, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
+    table = b'[["float32", [2, 3], 0, 24]]'
+    meta = _META_HEAD.pack(b"UCKM", len(table)) + table + body.getvalue()
+    data = torch.zeros(64, dtype=torch.uint8)
+    data[:24] = state["w"].view(-1).view(torch.uint8)
+    out = decode(meta, data, private=True)
+    assert torch.equal(out["w"], state["w"]) and out["same"] is out["w"] and out["n"] == 3
+    assert encode(state).meta[:4] == _META_MAGIC == b"UCK2"
+
+
+def test_a_forged_tensor_reference_is_corrupt_not_a_crash() -> None:
+    class _Forged(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            return (_tensor_ref, ("zero",)) if isinstance(obj, torch.Tensor) else NotImplemented
+
+    body = io.BytesIO()
+    _Forged(body, protocol=pickle.HIGHEST_PROTOCOL).dump({"w": torch.ones(1)})
+    table = b'[["float32", [1], 0, 4]]'
+    meta = _META_HEAD.pack(_META_MAGIC, len(table)) + table + body.getvalue()
+    with pytest.raises(CheckpointCorrupt, match="not by its index"):
+        decode(meta, torch.zeros(64, dtype=torch.uint8), private=True)
+
+
+@pytest.mark.gpu
+def test_a_mixed_cuda_state_is_laid_out_gpu_first_and_copied_through_the_stage() -> None:
+    """Small CUDA tensors of several dtypes gathered through the stage (several batches), big ones
+    copied directly, CPU tensors in between them in the state: the bytes decode to the state."""
+    cpu_state = _mixed_state()
+    state: dict[str, Any] = {
+        "gpu": {
+            k: v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] for k, v in cpu_state.items()
+        },
+        "cpu": [torch.arange(3), torch.tensor(2.5)],
+        "after": torch.randn(9, device="cuda").conj(),
+    }
+    enc = encode(state)
+    assert all(enc.tensors[i].is_cuda for i in enc.gpu)
+    assert enc.cpu and not any(enc.tensors[i].is_cuda for i in enc.cpu)
+    last_gpu = max(enc.entries[i].offset for i in enc.gpu)
+    assert all(enc.entries[i].offset > last_gpu for i in enc.cpu)  # GPU tensors first: one range of the data
+    data = torch.zeros(enc.data_len, dtype=torch.uint8).pin_memory()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    dests = Destinations(Stage(nbytes=512))
+    for _ in range(2):
+        event = copy_into(enc, data, stream, dests=dests)
+        assert event is not None and len(dests.plan(data, enc).batches) > 2
+        event.synchronize()
+        out = decode(enc.meta, data, private=False)
+        expected = {"gpu": cpu_state, "cpu": state["cpu"], "after": state["after"].resolve_conj().cpu()}
+        assert_same(expected, out)
+        state["gpu"]["last"].add_(1)
+        cpu_state["last"].add_(1)
 
 
 @pytest.mark.gpu
