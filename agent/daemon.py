@@ -33,7 +33,7 @@ from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
 from agent.gpu.simulated import SimulatedBackend
 from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings
-from agent.link import LinkClient
+from agent.link import Coordinators, LinkClient
 from agent.marker import FailureMarker
 from agent.metrics import AgentMetrics
 from agent.prefork import Prefork, with_torchrun_threads
@@ -46,7 +46,7 @@ from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
 from unicron.kernel import parentdeath, patterns, protocol, severity, tls
-from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreClosed, StoreUnavailable
+from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreUnavailable
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry, parse_endpoints
 from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.keyspace import Keyspace
@@ -116,6 +116,15 @@ class NodeNameTaken(ConfigError):
     """Another live agent holds this node's registration."""
 
 
+def _link_address(record: bytes) -> str | None:
+    """The link address in a coordinator's address record (the leader key, ``coordinators/``)."""
+    try:
+        link = json.loads(record)["link"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return link if isinstance(link, str) and link else None
+
+
 def default_advertise_host(etcd: str) -> str:
     """This host's address on its route to etcd: the network the other nodes share with it. (Not the
     hostname's address: /etc/hosts often maps it to loopback, 127.0.1.1 on a stock Debian, 127.0.0.1
@@ -171,6 +180,7 @@ class Agent:
         # Bound only once this agent holds the node's registration: a duplicate must not take it over.
         self.rank_server: RankServer | None = None
         self._link: LinkClient | None = None
+        self.coordinators = Coordinators(self._read_leader_link)  # where the link looks for the leader
         self.link_token = secrets.token_hex(16)  # proves on the link that this process registered the node
         self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
@@ -330,18 +340,20 @@ class Agent:
         for rec in hosted:  # their addresses went with the old lease
             rec.republish()
 
-    def _resolve_coordinator(self) -> str | None:
+    def _read_leader_link(self) -> str | None:
+        """The leader key's link address; raises StoreUnavailable/StoreClosed when etcd cannot say."""
         assert self.store is not None
-        try:
-            kv = self.store.get(self.keys.leader())
-            return str(json.loads(kv.value)["link"]) if kv is not None else None
-        except (StoreUnavailable, StoreClosed, ValueError, KeyError, TypeError):
-            return None
+        kv = self.store.get(self.keys.leader())
+        return _link_address(kv.value) if kv is not None else None
+
+    def _resolve_coordinator(self) -> list[str]:
+        return self.coordinators.candidates()
 
     def _start_watches(self) -> None:
         assert self.store is not None
         # Stores first: an assignment found at start may need an address that is already published.
         for prefix, handler in (
+            (self.keys.coordinators(), self._on_coordinator_event),
             (self.keys.stores(), self._on_store_event),
             (self.keys.assignment(self.node), self._on_assignment_event),
             (self.keys.injections(self.node), self._on_injection_event),
@@ -556,6 +568,9 @@ class Agent:
             log.error("status write refused", error=str(exc))
 
     # --- desired state -------------------------------------------------------------------------
+
+    def _on_coordinator_event(self, ev: WatchEvent) -> None:
+        self.coordinators.announced(ev.key, _link_address(ev.value) if ev.kind == "put" else None)
 
     def _on_store_event(self, ev: WatchEvent) -> None:
         if ev.kind == "delete":

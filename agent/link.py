@@ -1,7 +1,7 @@
 """The agent's end of its persistent connection to the leading coordinator (paper §4.1, node health
-monitoring): connect, say hello with the registration's token, heartbeat; reconnect when it breaks;
-say goodbye when the agent stops on purpose. The server is :mod:`coordinator.link`; the messages are
-:mod:`unicron.kernel.link`."""
+monitoring): find the leader (:class:`Coordinators`), connect, say hello with the registration's token,
+heartbeat; reconnect when it breaks; say goodbye when the agent stops on purpose. The server is
+:mod:`coordinator.link`; the messages are :mod:`unicron.kernel.link`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from unicron.kernel import link, tls, wire
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord, StoreClosed, StoreUnavailable
 
 log = ulog.get(__name__)
 
@@ -27,16 +27,57 @@ GOODBYE_WAIT_S = 2.0
 UNACKED_TIMEOUT_S = 2.0
 
 
+class Coordinators:
+    """Where the agent looks for the leading coordinator.
+
+    While etcd answers: the leader key's address (none while nobody leads). While it does not: every
+    coordinator that announced itself under ``coordinators/`` (:meth:`announced`, fed by a watch), the
+    last leader first. A standby that took over just before etcd went down is then found without etcd
+    (chaos seed 97: the agents' links broke with the killed leader, etcd went down 0.4 s after the
+    standby's election, and every node fenced and relaunched its ranks although a leader was alive);
+    a coordinator that does not lead refuses the hello, so only the leader's welcome counts as contact.
+    """
+
+    def __init__(self, read_leader: Callable[[], str | None]) -> None:
+        #: the leader key's link address, None without a (well-formed) key; raises StoreUnavailable
+        #: or StoreClosed when etcd cannot be read
+        self._read_leader = read_leader
+        self._lock = threading.Lock()
+        self._announced: dict[str, str] = {}  # coordinators/ key -> link address
+        self._last_leader: str | None = None
+
+    def announced(self, key: str, address: str | None) -> None:
+        """A coordinator's announcement appeared (``address``) or was withdrawn (None)."""
+        with self._lock:
+            if address is None:
+                self._announced.pop(key, None)
+            else:
+                self._announced[key] = address
+
+    def candidates(self) -> list[str]:
+        """The addresses to try, in order."""
+        try:
+            leader = self._read_leader()
+        except (StoreUnavailable, StoreClosed):
+            with self._lock:
+                last = self._last_leader
+                return ([last] if last else []) + sorted(set(self._announced.values()) - {last})
+        if leader:
+            with self._lock:
+                self._last_leader = leader
+        return [leader] if leader else []
+
+
 class LinkClient:
     """The agent's end: connect to the leader, say hello, heartbeat; reconnect when it breaks."""
 
-    def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], str | None], token: str,
+    def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], Sequence[str]], token: str,
                  tls_config: tls.TLSConfig | None = None, on_sent: Callable[[float], None] | None = None) -> None:
         self.node = node
         #: with TLS the agent presents its node certificate and checks the coordinator's against the CA
         self._ssl = tls_config.client_context() if tls_config is not None else None
         self.heartbeat_s = heartbeat_s
-        self.resolve = resolve  # returns the current leader's "host:port", or None
+        self.resolve = resolve  # the "host:port"s where the leader may be, in the order to try them
         self.token = token
         #: on_sent(seconds since the previous heartbeat on this connection), after each heartbeat (metrics)
         self.on_sent = on_sent
@@ -60,9 +101,13 @@ class LinkClient:
         self._thread.join(timeout=GOODBYE_WAIT_S + 0.5)
 
     def _connect(self) -> wire.LineSocket | None:
-        addr = self.resolve()
-        if not addr:
-            return None
+        for addr in self.resolve():
+            conn = self._connect_to(addr)
+            if conn is not None:
+                return conn
+        return None
+
+    def _connect_to(self, addr: str) -> wire.LineSocket | None:
         host, _, port = addr.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
@@ -90,8 +135,8 @@ class LinkClient:
             conn.close()
             return None
         if not isinstance(reply, link.Welcome):
-            # The coordinator closes a hello it cannot match to this node's registration; it may
-            # not have seen that registration yet, so this is retried.
+            # The coordinator closes a hello it cannot match to this node's registration (it may not
+            # have seen that registration yet, so this is retried), and every hello while it does not lead.
             self.log.warning("coordinator refused the link hello", address=addr)
             conn.close()
             return None

@@ -167,6 +167,8 @@ class Coordinator:
         self._inbox: queue.Queue[Input] = queue.Queue()
         self._watches: list[PrefixWatch] = []
         self._nodes: dict[str, NodeInfo] = {}
+        #: each registered node's link token, read by the link threads (_verify_link)
+        self._link_tokens: dict[str, str] = {}
         self._lost_nodes: set[str] = set()
         self._statuses: dict[str, NodeStatus] = {}
         self._status_reader = StatusReader()  # reads a status that changed only in time and steps cheaply
@@ -175,6 +177,8 @@ class Coordinator:
         self._incident_keys: collections.deque[str] = collections.deque()
         self._incident_set: set[str] = set()
         self.deposed = False
+        self._leading = False  # campaign won: the link takes hellos from now on
+        self._announced: str | None = None  # this coordinator's coordinators/ key
         # plans for a node lost or joined are solved ahead, in a background thread (coordinator.lookup)
         self.lookup = PlanLookup(background=True)
         self.allocator = WafAllocator(settings.gpu_type, lookup=self.lookup)
@@ -221,6 +225,7 @@ class Coordinator:
             on_lost=self._on_link_lost, on_connected=self._on_link_connected,
             verify=self._verify_link, on_goodbye=self._on_link_goodbye,
             on_heartbeat=self.metrics.heartbeat_gap.observe, tls_config=self.tls_config,
+            accepting=lambda: self._leading and not self.deposed,
         ).start()
         self.metrics.watch_heartbeats(self.link.heartbeat_ages)
         advertise = advertise_host(self.settings)
@@ -228,11 +233,14 @@ class Coordinator:
                                                     tls_config=self.tls_config, advertise_host=advertise)
         link_address = api.join_host_port(advertise, int(self.link.address.rpartition(":")[2]))
         address = json.dumps({"link": link_address, "api": api_address, "pid": os.getpid()})
+        self._announce(link_address, address)
         self.leadership = Leadership(self.store, self.keys, address, self.settings.leader_ttl_s,
                                      on_deposed=self._on_deposed,
                                      on_reelected=lambda: self._inbox.put(Reelected()))
         if not self.leadership.campaign(self.stop_event):
+            self._withdraw()
             return 0
+        self._leading = True
         self._load_state()
         self.lookup.start()
         self._start_watches()
@@ -274,8 +282,29 @@ class Coordinator:
             self.link.stop()
         if self.leadership is not None:
             self.leadership.resign()
+        self._withdraw()
         if self.store is not None:
             self.store.close()
+
+    def _announce(self, link_address: str, address: str) -> None:
+        """Say where this coordinator is, leader or standby: agents that cannot read the leader key
+        try every announced coordinator, and only the leader welcomes them (agent.link.Coordinators).
+        No lease: a crashed coordinator's entry stays until it starts again at the same address, and
+        an agent trying it is refused or finds nobody listening."""
+        assert self.store is not None
+        self._announced = self.keys.coordinator(link_address)
+        try:
+            self.store.put(self._announced, address)
+        except (StoreUnavailable, StoreClosed) as exc:
+            log.warning("could not announce this coordinator's address", error=str(exc))
+
+    def _withdraw(self) -> None:
+        if self.store is None or self._announced is None:
+            return
+        try:
+            self.store.delete(self._announced)
+        except (StoreUnavailable, StoreClosed) as exc:
+            log.warning("could not withdraw this coordinator's address", error=str(exc))
 
     def _start_watches(self) -> None:
         assert self.store is not None
@@ -367,11 +396,11 @@ class Coordinator:
 
     def _verify_link(self, node: str, token: str) -> bool:
         """On a link thread: a hello must carry the token of ``nodes/<node>`` (until the link has TLS)."""
-        info = self._nodes.get(node)
-        if info is None or info.link_token != token:
+        known = self._link_tokens.get(node)
+        if known != token:
             info = self._read_node(node)  # the watch may not have delivered a fresh registration yet
-        return info is not None and bool(info.link_token) and hmac.compare_digest(
-            info.link_token.encode(), token.encode())
+            known = info.link_token if info is not None else None
+        return bool(known) and known is not None and hmac.compare_digest(known.encode(), token.encode())
 
     def _read_node(self, node: str) -> NodeInfo | None:
         try:
@@ -420,12 +449,16 @@ class Coordinator:
             elif node not in self._lost_nodes:
                 log.info("node lease expired while its link is alive: not a node loss", node=node)
             self._nodes.pop(node, None)
+            self._link_tokens.pop(node, None)
             return
         try:
             info = NodeInfo.from_json(ev.value)
         except InvalidRecord as exc:
             log.warning("ignoring garbage node record", key=ev.key, error=str(exc))
             return
+        # Before any decision: one that cannot be written (etcd down) retries this input, and until then
+        # the node's link must still be verifiable without etcd (a new leader's first inputs, chaos seed 97).
+        self._link_tokens[node] = info.link_token
         previous = self._nodes.get(node)
         if previous is None or previous.agent_pid != info.agent_pid or previous.started_ts != info.started_ts:
             log.info("node registered", node=node, gpus=info.gpus, backend=info.gpu_backend)

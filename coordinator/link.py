@@ -50,6 +50,8 @@ ConnectedCallback = Callable[[str, float], None]
 GoodbyeCallback = Callable[[str, str, float], None]
 #: verify(node, token): whether ``token`` is the one of ``node``'s current registration
 VerifyCallback = Callable[[str, str], bool]
+#: accepting(): whether this coordinator takes links at all (it leads); a standby refuses every hello
+AcceptingCallback = Callable[[], bool]
 #: on_heartbeat(gap_s): seconds since the node's previous heartbeat (metrics); called on its reader thread
 HeartbeatCallback = Callable[[float], None]
 
@@ -97,8 +99,10 @@ class LinkServer:
         on_goodbye: GoodbyeCallback | None = None,
         on_heartbeat: HeartbeatCallback | None = None,
         tls_config: tls.TLSConfig | None = None,
+        accepting: AcceptingCallback = lambda: True,
     ) -> None:
         self.timeout_s = timeout_s
+        self.accepting = accepting
         self._ssl = tls_config.server_context() if tls_config is not None else None
         self.on_heartbeat = on_heartbeat
         self.on_lost = on_lost
@@ -199,6 +203,11 @@ class LinkServer:
             except tls.Unauthorized as exc:
                 log.warning("link hello refused; closing", node=hello.node, peer=peer_addr, error=str(exc))
                 return None
+        if not self.accepting():
+            # an agent that cannot read the leader key tries every coordinator it knows: only the
+            # leader's welcome may count as contact with the control plane (agent.link.Coordinators)
+            log.info("link hello refused: this coordinator does not lead; closing", node=hello.node, peer=peer_addr)
+            return None
         if not self.verify(hello.node, hello.token):
             log.warning("link hello refused: its token is not the node's registration; closing",
                         node=hello.node, peer=peer_addr)

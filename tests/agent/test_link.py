@@ -14,8 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.link import LinkClient
+from agent.link import Coordinators, LinkClient
 from coordinator.link import LinkServer
+from unicron.kernel.errors import StoreUnavailable
 
 TIMEOUT_S = 0.5
 HEARTBEAT_S = 0.05
@@ -64,7 +65,7 @@ def server(events: Events) -> Iterator[LinkServer]:
 
 
 def client(server: LinkServer, node: str, token: str) -> LinkClient:
-    return LinkClient(node, HEARTBEAT_S, lambda: server.address, token=token).start()
+    return LinkClient(node, HEARTBEAT_S, lambda: [server.address], token=token).start()
 
 
 def test_goodbye_on_a_planned_stop_is_not_a_loss(server: LinkServer, events: Events) -> None:
@@ -127,10 +128,55 @@ def test_each_heartbeat_reports_the_real_interval_since_the_previous_one(server:
         if len(seen) == 6:
             done.set()
 
-    c = LinkClient("node1", HEARTBEAT_S, lambda: server.address, token="token-of-node1", on_sent=on_sent).start()
+    c = LinkClient("node1", HEARTBEAT_S, lambda: [server.address], token="token-of-node1", on_sent=on_sent).start()
     try:
         assert done.wait(5.0)
     finally:
         c.stop(goodbye="test over")
     assert all(s >= HEARTBEAT_S * 0.9 for s in seen), seen
     assert seen[3] >= 0.3 + HEARTBEAT_S * 0.9, seen  # the held-up one
+
+
+def _unreachable_address() -> str:
+    with socket.socket() as s:  # a port nothing listens on once this socket is closed
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_without_etcd_the_client_tries_every_announced_coordinator_and_links_only_to_the_leader(
+        events: Events) -> None:
+    """The double fault of chaos seed 97: the leader died (the link broke with it), a standby took
+    over, and etcd went down before the agent read the new leader key. The agent tries the coordinators
+    it saw announced: the dead one, and a standby that does not lead refuse or do not answer; the one that
+    leads welcomes it. Before, the agent had no address without etcd and fenced its ranks."""
+    others = Events()
+    standby = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=others.on_lost, on_connected=others.on_connected,
+                         verify=lambda node, token: True, accepting=lambda: False).start()
+    leader = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=events.on_lost, on_connected=events.on_connected,
+                        verify=lambda node, token: token == f"token-of-{node}").start()
+    etcd_up = True
+    dead = _unreachable_address()
+
+    def read_leader() -> str | None:
+        if not etcd_up:
+            raise StoreUnavailable("etcd: no endpoint answers")
+        return dead  # the killed leader's key, not yet expired
+
+    coordinators = Coordinators(read_leader)
+    for address in (dead, standby.address, leader.address):
+        coordinators.announced(f"/unicron/coordinators/{address}", address)
+    assert coordinators.candidates() == [dead]  # etcd answers: the leader key alone
+    etcd_up = False
+    assert coordinators.candidates()[0] == dead  # the last leader first, then every other one
+    assert sorted(coordinators.candidates()) == sorted([dead, standby.address, leader.address])
+    c = LinkClient("node1", HEARTBEAT_S, coordinators.candidates, token="token-of-node1").start()
+    try:
+        assert c.connected.wait(5.0)
+        events.wait("the leader's welcome", lambda: events.connected == ["node1"])
+        assert others.connected == [] and standby.connected_nodes() == []
+    finally:
+        c.stop(goodbye="done")
+        standby.stop()
+        leader.stop()
+    coordinators.announced(f"/unicron/coordinators/{standby.address}", None)  # its clean stop withdrew it
+    assert standby.address not in coordinators.candidates()

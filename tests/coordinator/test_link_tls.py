@@ -57,7 +57,7 @@ def test_link_takes_only_a_node_certificate_for_its_own_node(
 
 
 def test_agent_client_connects_over_tls(server: LinkServer, cert_dir: Path) -> None:
-    client = LinkClient("node2", 0.05, lambda: server.address, TOKENS["node2"],
+    client = LinkClient("node2", 0.05, lambda: [server.address], TOKENS["node2"],
                         tls_config=tls.TLSConfig.from_dir(cert_dir, "node2")).start()
     try:
         assert client.connected.wait(5.0)

@@ -19,10 +19,12 @@ from coordinator.daemon import EXIT_DEPOSED
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 from unicron.cluster.netns import unavailable_reason
+from unicron.kernel.procs import pid_alive
 from unicron.kernel.types import ErrorKind
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 LEADER_TTL_S = 3
+FENCE_S = 4.0  # the agent's default (UNICRON_FENCE)
 
 
 @pytest.fixture(scope="module", params=["loopback", "netns"])
@@ -130,3 +132,36 @@ def test_a_partitioned_leader_is_fenced_and_exits(cluster: LocalCluster) -> None
     assert pids(cluster) == before
     cluster.restart_coordinator(old)
 
+
+
+def test_an_etcd_outage_right_after_a_takeover_fences_nothing(cluster: LocalCluster) -> None:
+    """Chaos seed 97's double fault: the leader is killed (every agent's link breaks with it), the
+    standby takes over, and the whole of etcd goes down just after. Agents that had not read the new
+    leader key yet found no coordinator without etcd: every node fenced its ranks after ``fence_s`` and
+    the task was relaunched. Now they try every coordinator they saw announced, and the new leader (the
+    only one that welcomes them) is found without etcd: no rank dies."""
+    before = pids(cluster)
+    old = cluster.leader_index()
+    standby = 1 - old
+    os.kill(cluster.coordinators[old].pid, signal.SIGKILL)
+    t_kill = time.time()
+    cluster.wait_for(lambda: any(r.get("event") == "coordinator leading"
+                                 for r in cluster.coordinator_log(t_kill, standby)),
+                     LEADER_TTL_S + 10.0, "the standby to lead", poll_s=0.02)
+    cluster.etcd.kill()
+    t_down = time.time()
+    try:
+        # past the fence (counted from the agents' last lease renewal) and its two checks
+        while time.time() < t_down + FENCE_S + 3.0 and all(pid_alive(p) for p in before.values()):
+            time.sleep(0.1)
+        alive = {r: pid_alive(p) for r, p in before.items()}
+    finally:
+        cluster.etcd.start()
+    fenced = [r for n in cluster.node_names() for r in cluster.agent_log(n, t_kill) if r.get("logger") == "agent.fence"]
+    assert all(alive.values()) and fenced == [], (alive, fenced)
+    linked = {r["node"] for r in cluster.coordinator_log(t_kill, standby) if r.get("event") == "link connected"}
+    assert linked == set(cluster.node_names()), linked  # whether before or after etcd went down
+    cluster.wait_for(lambda: settled(cluster), 60.0, "the task's records readable again")
+    cluster.restart_coordinator(old)
+    assert pids(cluster) == before
+    assert [i for i in cluster.incidents() if i.detected_ts >= t_down] == []
