@@ -231,7 +231,7 @@ class Agent:
             self.prefork.start()
         self.gpu_monitor.start()
         self.hang_watcher.start()
-        self._link = LinkClient(self.node, self.settings.heartbeat_s, self._resolve_coordinator,
+        self._link = LinkClient(self.node, self.settings.heartbeat_s, self.coordinators.candidates,
                                 token=self.link_token, tls_config=self.tls_config,
                                 on_sent=self.metrics.heartbeat_interval.observe).start()
         self._start_watches()
@@ -345,9 +345,6 @@ class Agent:
         assert self.store is not None
         kv = self.store.get(self.keys.leader())
         return _link_address(kv.value) if kv is not None else None
-
-    def _resolve_coordinator(self) -> list[str]:
-        return self.coordinators.candidates()
 
     def _start_watches(self) -> None:
         assert self.store is not None

@@ -400,7 +400,9 @@ class Coordinator:
         if known != token:
             info = self._read_node(node)  # the watch may not have delivered a fresh registration yet
             known = info.link_token if info is not None else None
-        return bool(known) and known is not None and hmac.compare_digest(known.encode(), token.encode())
+        if not known:
+            return False
+        return hmac.compare_digest(known.encode(), token.encode())
 
     def _read_node(self, node: str) -> NodeInfo | None:
         try:

@@ -140,7 +140,7 @@ class HollowAgent(Agent):
         self.store = store
         self.iter_s = iter_s
         # the real client, used for its hello; the fleet sends the heartbeats
-        self.link_client = LinkClient(self.node, settings.heartbeat_s, self._resolve_coordinator,
+        self.link_client = LinkClient(self.node, settings.heartbeat_s, self.coordinators.candidates,
                                       token=self.link_token)
         self.alive = True
 
