@@ -46,7 +46,7 @@ from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
 from unicron.kernel import tls
 from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreClosed, StoreUnavailable
-from unicron.kernel.etcd import KeyValue, PrefixWatch, Store, WatchEvent, connect_with_retry
+from unicron.kernel.etcd import KeyValue, Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
     AssignmentResult,
@@ -178,7 +178,8 @@ class Coordinator:
         self._incident_set: set[str] = set()
         self.deposed = False
         self._leading = False  # campaign won: the link takes hellos from now on
-        self._announced: str | None = None  # this coordinator's coordinators/ key
+        self._announcement: tuple[str, str] | None = None  # this coordinator's coordinators/ key and record
+        self._announce_lease: Lease | None = None
         # plans for a node lost or joined are solved ahead, in a background thread (coordinator.lookup)
         self.lookup = PlanLookup(background=True)
         self.allocator = WafAllocator(settings.gpu_type, lookup=self.lookup)
@@ -287,24 +288,37 @@ class Coordinator:
             self.store.close()
 
     def _announce(self, link_address: str, address: str) -> None:
-        """Say where this coordinator is, leader or standby: agents that cannot read the leader key
-        try every announced coordinator, and only the leader welcomes them (agent.link.Coordinators).
-        No lease: a crashed coordinator's entry stays until it starts again at the same address, and
-        an agent trying it is refused or finds nobody listening."""
-        assert self.store is not None
-        self._announced = self.keys.coordinator(link_address)
-        try:
-            self.store.put(self._announced, address)
-        except (StoreUnavailable, StoreClosed) as exc:
-            log.warning("could not announce this coordinator's address", error=str(exc))
+        """Say where this coordinator is, leader or standby: agents that cannot read the leader key try
+        every announced coordinator, and only the leader welcomes them (agent.link.Coordinators). Under a
+        lease of its own: a crashed coordinator's entry goes with the TTL, while a whole-etcd outage does
+        not end it (etcd renews its leases when it comes back), and the agents keep their copy meanwhile."""
+        self._announcement = (self.keys.coordinator(link_address), address)
+        threading.Thread(target=self._keep_announced, name="announce", daemon=True).start()
+
+    def _keep_announced(self) -> None:
+        """Announce, and again under a new lease whenever etcd reports the last one expired (this process
+        was stopped or cut off for longer than the TTL)."""
+        assert self.store is not None and self._announcement is not None
+        key, address = self._announcement
+        while not self.stop_event.is_set():
+            lease: Lease | None = None
+            try:
+                lease = self.store.lease(self.settings.leader_ttl_s, on_lost=None)
+                self.store.put(key, address, lease=lease)
+            except (StoreUnavailable, StoreClosed) as exc:
+                if lease is not None:
+                    lease.stop()  # granted, but nothing under it: let it expire
+                log.warning("could not announce this coordinator's address; retrying", error=str(exc))
+                self.stop_event.wait(1.0)
+                continue
+            self._announce_lease = lease
+            while not lease.lost.is_set() and not self.stop_event.wait(0.5):
+                pass
 
     def _withdraw(self) -> None:
-        if self.store is None or self._announced is None:
-            return
-        try:
-            self.store.delete(self._announced)
-        except (StoreUnavailable, StoreClosed) as exc:
-            log.warning("could not withdraw this coordinator's address", error=str(exc))
+        lease = self._announce_lease
+        if lease is not None:
+            lease.revoke()  # deletes the entry with it
 
     def _start_watches(self) -> None:
         assert self.store is not None

@@ -75,13 +75,29 @@ def kill_leader(c: LocalCluster) -> tuple[int, float]:
     return standby, ts - t_kill
 
 
+def announced(c: LocalCluster) -> set[str]:
+    """The link addresses under coordinators/ (where agents look for the leader while etcd is down)."""
+    assert c.store is not None
+    kvs, _ = c.store.get_prefix(c.keys.coordinators())
+    return {json.loads(kv.value)["link"] for kv in kvs}
+
+
 def test_a_standby_takes_over_from_a_killed_leader_with_ranks_undisturbed(cluster: LocalCluster) -> None:
     before = pids(cluster)
+    assert cluster.store is not None
+    leader_key = cluster.store.get(cluster.keys.leader())
+    assert leader_key is not None
+    killed = json.loads(leader_key.value)["link"]
+    cluster.wait_for(lambda: len(announced(cluster)) == 2 and killed in announced(cluster), 10.0,
+                     "both coordinators announced")
     t0 = time.time()
     kill_leader(cluster)
     time.sleep(2.0)  # the agents re-link to the new leader meanwhile
     assert pids(cluster) == before
     assert [i for i in cluster.incidents() if i.detected_ts >= t0] == []
+    # the killed one's entry went with its lease; the restarted one (at another port) announced itself
+    cluster.wait_for(lambda: killed not in announced(cluster) and len(announced(cluster)) == 2,
+                     LEADER_TTL_S + 10.0, "the killed coordinator's announcement to expire")
 
 
 def test_an_action_pending_at_the_leaders_death_is_carried_out_once(cluster: LocalCluster) -> None:

@@ -9,9 +9,9 @@ reports/<node>/<id>        agent        Report JSON (no lease: survives the agen
                                         deleted by the coordinator once recorded
 incidents/<id>             coordinator  Incident JSON
 leader                     coordinator  leader's address, under its lease (fencing guard)
-coordinators/<link addr>   coordinator  every coordinator's address, leader or standby, written at
-                                        its start, deleted at its clean stop: where agents look
-                                        for the leader while etcd is down (agent/link.py)
+coordinators/<link addr>   coordinator  every coordinator's address, leader or standby, under a
+                                        lease of its own: where agents look for the leader while
+                                        etcd is down (agent/link.py)
 tasks/<task>               coordinator  TaskSpec JSON (the task set)
 state                      coordinator  decision-core state JSON (survives restarts)
 assign/<node>              coordinator  NodeAssignment JSON (desired state, with generation)
