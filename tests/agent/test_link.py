@@ -17,6 +17,7 @@ import pytest
 from agent.link import Coordinators, LinkClient
 from coordinator.link import LinkServer
 from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.net import free_port
 
 TIMEOUT_S = 0.5
 HEARTBEAT_S = 0.05
@@ -137,12 +138,6 @@ def test_each_heartbeat_reports_the_real_interval_since_the_previous_one(server:
     assert seen[3] >= 0.3 + HEARTBEAT_S * 0.9, seen  # the held-up one
 
 
-def _unreachable_address() -> str:
-    with socket.socket() as s:  # a port nothing listens on once this socket is closed
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def test_without_etcd_the_client_tries_every_announced_coordinator_and_links_only_to_the_leader(
         events: Events) -> None:
     """The double fault of chaos seed 97: the leader died (the link broke with it), a standby took
@@ -155,7 +150,7 @@ def test_without_etcd_the_client_tries_every_announced_coordinator_and_links_onl
     leader = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=events.on_lost, on_connected=events.on_connected,
                         verify=lambda node, token: token == f"token-of-{node}").start()
     etcd_up = True
-    dead = _unreachable_address()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
 
     def read_leader() -> str | None:
         if not etcd_up:
