@@ -185,7 +185,8 @@ class Agent:
         self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
         self.prefork = (Prefork(modules, os.path.join(settings.run_dir, f"{settings.node}.pf"),
-                                preexec=parentdeath.preexec(signal.SIGKILL)) if modules else None)
+                                preexec=parentdeath.preexec(signal.SIGKILL), warm_wait_s=settings.prefork_wait_s)
+                        if modules else None)
         # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
         self.replicas: ReplicaServer | None = None
         self.metrics = AgentMetrics()

@@ -139,7 +139,7 @@ class Prefork:
 
     def __init__(self, modules: Sequence[str], socket_path: str, python: str = sys.executable,
                  preexec: Callable[[], None] | None = None, env: Mapping[str, str] | None = None,
-                 restart_backoff_s: float = 60.0) -> None:
+                 restart_backoff_s: float = 60.0, warm_wait_s: float = 0.0) -> None:
         self.modules = tuple(m for m in modules if m)
         self.socket_path = socket_path
         self.python = python
@@ -147,6 +147,8 @@ class Prefork:
         self._proc: subprocess.Popen[bytes] | None = None
         self._env = with_torchrun_threads(os.environ if env is None else env)
         self._backoff = restart_backoff_s
+        self._warm_wait = warm_wait_s
+        self._warm_until = -math.inf  # see await_warm
         self._started_at = -math.inf
         # PDEATHSIG fires when the *thread* that forked the spawner exits: start it from one thread
         # that lives as long as this handle, whichever thread asks.
@@ -155,6 +157,7 @@ class Prefork:
 
     def start(self) -> Prefork:
         self._starter.submit(self._launch).result()
+        self._warm_until = self._started_at + self._warm_wait
         return self
 
     def _launch(self) -> None:
@@ -170,6 +173,8 @@ class Prefork:
         """A spawner that died is started again (in the background, at most once per backoff); ranks
         are exec'd meanwhile."""
         dead = self._proc is not None and self._proc.poll() is not None
+        if dead:
+            self._warm_until = -math.inf  # see await_warm
         if dead and not self._closed and time.monotonic() - self._started_at >= self._backoff:
             log.warning("the rank spawner is gone; starting it again")
             self._started_at = time.monotonic()
@@ -177,6 +182,20 @@ class Prefork:
 
     def ready(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and os.path.exists(self.socket_path)
+
+    def importing(self) -> bool:
+        """Started and alive, its imports not done yet."""
+        return self._proc is not None and self._proc.poll() is None and not os.path.exists(self.socket_path)
+
+    def await_warm(self) -> None:
+        """A rank asked for while the spawner does its first imports waits for them, up to
+        ``warm_wait_s`` after :meth:`start`: the spawner is ahead of a new process's own import, and both
+        on one node's cores slow each other (6 ranks started cold beside 3 importing spawners took 17 s
+        to their first step on 2 cores). A spawner that dies or overruns the bound leaves the rank to
+        start cold, and so does one restarted after dying: it may be one that cannot serve at all (on
+        a GPU node, docs/agent-detection.md), and then each wait would only delay a rank."""
+        while self.importing() and time.monotonic() < self._warm_until:
+            time.sleep(0.05)
 
     def wait_ready(self, timeout_s: float = 120.0) -> Prefork:
         """Block until the spawner serves (its imports done); :class:`PreforkUnavailable` if it died."""

@@ -54,6 +54,10 @@ class AgentSettings:
                            "modules a warm spawner imports once to fork ranks from (comma-separated; empty: off)")
     """Ranks started as ``<agent's python> -m MODULE`` for these modules are forked, already imported
     (milliseconds instead of seconds for torch + Megatron); costs one idle process holding the imports."""
+    prefork_wait_s: float = setting(30.0, "UNICRON_PREFORK_WAIT_S",
+                                    "seconds after the spawner started that a rank waits for its imports", least=0.0)
+    """A rank assigned while the spawner still imports is forked once it is ready, not started cold beside it;
+    past this bound (a stuck import) ranks start as new processes. 0: never wait."""
     progress_regex: str = setting("", "UNICRON_PROGRESS_REGEX",
                                   "regex of an uninstrumented job's progress lines, with a (?P<iteration>...) group "
                                   "and optionally (?P<elapsed_ms>...) or (?P<elapsed_s>...); a task's env overrides it")

@@ -193,6 +193,8 @@ class Supervisor:
             old = self._procs.get(rank)
             if old is not None and old.state != EXITED:
                 raise PermanentError(f"rank {rank} is already running as pid {old.pid}; kill it first")
+        if self._prefork is not None and self._prefork.eligible(argv, env, cwd):
+            self._prefork.await_warm()
         proc = self._spawner.submit(self._spawn, rank, list(argv), env, cwd, stdout_path).result()
         with self._lock:
             self._procs[rank] = proc

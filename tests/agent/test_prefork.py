@@ -137,3 +137,48 @@ def test_a_script_runs_forked_as_python_script_would_run_it(prefork: Prefork, tm
         proc = prefork.spawn(argv, None, str(work), out.fileno(), out.fileno())
     assert proc.wait() == 3
     assert (tmp_path / "out.log").read_text().strip() == "['train.py', '--steps', '5'] train.py __main__ True 42"
+
+
+def _slow_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    (tmp_path / "slow_mod.py").write_text(body)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.mark.parametrize("warm_wait_s", [30.0, 0.5])
+def test_a_rank_waits_for_an_importing_spawner_up_to_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               warm_wait_s: float) -> None:
+    _slow_module(tmp_path, monkeypatch, "import time\ntime.sleep(2)\n")
+    p = Prefork(["slow_mod"], str(tmp_path / "s"), warm_wait_s=warm_wait_s).start()
+    try:
+        assert p.importing() and not p.ready()
+        t0 = time.monotonic()
+        p.await_warm()
+        waited = time.monotonic() - t0
+        if warm_wait_s > 2:
+            assert p.ready() and not p.importing(), "returned before the spawner served"
+        else:  # bounded: the rank goes on as a new process while the spawner still imports
+            assert p.importing() and waited < 1.5, waited
+    finally:
+        p.close()
+
+
+def test_a_spawner_that_fails_its_imports_is_not_waited_for_and_its_restart_never(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _slow_module(tmp_path, monkeypatch, "import time\ntime.sleep(1.5)\nraise ImportError('no such thing')\n")
+    p = Prefork(["slow_mod"], str(tmp_path / "s"), warm_wait_s=60.0, restart_backoff_s=0.0).start()
+    try:
+        t0 = time.monotonic()
+        p.await_warm()
+        assert not p.ready() and not p.importing() and time.monotonic() - t0 < 30
+        with pytest.raises(PreforkUnavailable, match="not running"):
+            p.spawn([PY, "-c", "pass"], None, None, None)  # starts it again, in the background
+        deadline = time.monotonic() + 10
+        while not p.importing():
+            assert time.monotonic() < deadline, "the spawner was not restarted"
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        p.await_warm()  # a restarted spawner may be one that never serves: no wait
+        assert time.monotonic() - t0 < 0.5 and p.importing()
+    finally:
+        p.close()
