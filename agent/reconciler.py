@@ -194,8 +194,9 @@ class TaskReconciler:
         self._cannot_start = ""  # why the task's command could not be executed here: the task's fault
         self._store: StoreAddress | None = None
         self._sidecar: StoreSidecar | None = None
-        #: a ``restart`` task's next attempt's store, started ahead (a sidecar takes seconds to start:
-        #: it imports torch), so a whole-task restart does not wait for one
+        #: a store started ahead (a sidecar takes seconds to start: it imports torch): a ``restart``
+        #: task's next attempt's on its store's node, so a whole-task restart does not wait for one; an
+        #: in-place task's on its ``spare_store_node``, so a store moving there does not
         self._spare: StoreSidecar | None = None
         #: the spare while it still starts, with the outcome of its start ("" once it listens): a
         #: restart that comes first awaits it rather than start another from nothing
@@ -417,6 +418,9 @@ class TaskReconciler:
             with self._lock:
                 self._launch_error = errors[0]
             return False, "; ".join(errors)
+        if self._holds_spare_for_a_move(a):
+            with self._lock:  # once the ranks run (their first step), not beside their start
+                self._spare_due = time.monotonic() + SPARE_DELAY_S
         log.info("task started", task=a.task, generation=a.generation, ranks=[s.rank for s in a.ranks],
                  store=f"{store.host}:{store.port}")
         return True, "started"
@@ -514,15 +518,39 @@ class TaskReconciler:
             msg = protocol.Regroup(epoch=a.regroup_epoch, members=list(a.regroup_members), failed=a.regroup_failed)
             for spec in a.ranks:
                 self.host.send_to_rank(a.task, spec.rank, msg)
+        self._follow_spare_role(a)
         with self._lock:
             self.applied = a
         return (False, "; ".join(errors)) if errors else (True, "applied")
+
+    def _holds_spare_for_a_move(self, a: TaskAssignment) -> bool:
+        return a.recovery != RECOVERY_RESTART and a.spare_store_node == self.host.node and bool(a.ranks)
+
+    def _follow_spare_role(self, a: TaskAssignment) -> None:
+        """An in-place resize may name another node for the spare store (the store moved here, or the
+        ranks shifted): start one now if this node became it, stop this node's if it no longer is."""
+        if a.recovery == RECOVERY_RESTART:
+            return  # its spare follows the store (see _host_store)
+        keep = self._holds_spare_for_a_move(a)
+        with self._lock:
+            if keep and self._spare is None and self._pending is None:
+                self._spare_due = 0.0
+                self._wake.notify_all()
+                return
+            if keep:
+                return
+            spare, pending, self._spare, self._pending, self._spare_due = self._spare, self._pending, None, None, None
+        if spare is not None:
+            spare.stop()
+        if pending is not None:
+            pending[0].stop()
 
     def _move_store(self, a: TaskAssignment) -> StoreAddress | None:
         """The store went with its lost node and this resize names another: that node's agent starts a
         sidecar and publishes it; every agent hands the address to its running ranks (``StoreMoved``),
         before any of them is asked to leave or any joiner starts (both need the new store)."""
-        store = self._host_store(a) if a.store_node == self.host.node else self._await_store(a)
+        spare = self._take_spare() if a.store_node == self.host.node else None
+        store = self._host_store(a, spare) if a.store_node == self.host.node else self._await_store(a)
         if store is None:
             return None  # stopped meanwhile
         msg = protocol.StoreMoved(store_epoch=store.store_epoch, host=store.host, port=store.port, lost=list(a.lost))
@@ -530,7 +558,7 @@ class TaskReconciler:
         for r in running:
             self.host.send_to_rank(a.task, r, msg)
         log.info("store moved", task=a.task, store_epoch=store.store_epoch, node=store.node,
-                 store=f"{store.host}:{store.port}", told=running)
+                 store=f"{store.host}:{store.port}", told=running, spare=spare is not None)
         return store
 
     def _resize(self, a: TaskAssignment, applied: TaskAssignment, specs: dict[int, RankSpec],
@@ -617,21 +645,31 @@ class TaskReconciler:
                  delay_s=a.restart_delay_s, store=f"{store.host}:{store.port}")
         return errors
 
-    def _fresh_store(self, a: TaskAssignment) -> StoreAddress | None:
-        """The store of attempt ``a.restart_epoch``: the hosting node replaces its sidecar, the others
-        wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
+    def _take_spare(self) -> StoreSidecar | None:
+        """The spare store, awaited if it still starts (the rest of its start is shorter than a whole
+        one); None when there is none or it did not start."""
         with self._lock:
-            old, spare, pending = self._sidecar, self._spare, self._pending
-            self._sidecar = self._spare = self._pending = None
-        if old is None:
-            return self._await_store(a)
-        if spare is None and pending is not None:  # the spare still starts: the rest of its start is shorter
+            spare, pending = self._spare, self._pending
+            self._spare = self._pending = None
+        if spare is None and pending is not None:
             sidecar, started = pending
             try:
                 spare = sidecar if started.result(START_TIMEOUT_S + 5.0) == "" else None
             except TimeoutError:  # its start hangs: stop it, and start one from nothing
                 sidecar.stop()
                 spare = None
+        if spare is not None and spare.proc.poll() is not None:
+            return None  # it died idle: a store that does not listen would hang the ranks
+        return spare
+
+    def _fresh_store(self, a: TaskAssignment) -> StoreAddress | None:
+        """The store of attempt ``a.restart_epoch``: the hosting node replaces its sidecar, the others
+        wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
+        with self._lock:
+            old, self._sidecar = self._sidecar, None
+        if old is None:
+            return self._await_store(a)
+        spare = self._take_spare()
         # Off the restart's path: the old attempt's store serves no rank any more, and its exit (up to
         # the stop's grace) would delay the relaunch.
         threading.Thread(target=old.stop, name=f"old-store-{a.task}", daemon=True).start()

@@ -119,7 +119,11 @@ START = time.monotonic()
 
 
 def progress(msg: str) -> None:
-    print(f"{time.monotonic() - START:7.1f}s {msg}", file=sys.stderr, flush=True)
+    """With the UTC wall clock too: the daemons' logs are stamped with it, and a fault is matched to what
+    they logged by it."""
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
+    print(f"{time.monotonic() - START:7.1f}s {stamp} {msg}", file=sys.stderr, flush=True)
 
 
 # --- /proc: who claims which rank identity -------------------------------------------------------

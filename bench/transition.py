@@ -15,7 +15,11 @@ configuration's data-parallel size:
 * ``restart`` (sev2): a rank is SIGKILLed; the clock stops when the *restarted* rank has rejoined
   and completed an iteration;
 * ``reconfigure`` (sev1, shrink): a node's agent is SIGKILLed (its ranks die with it); the task goes on
-  on the other node (DP 2);
+  on the other node (DP 2). The node is one that does not host the task's store;
+* ``reconfigure_store``: the same, for the node that hosts the store (its sidecar dies with the agent):
+  the store moves to the survivor's node, which had kept a spare sidecar listening
+  (``UNICRON_SPARE_STORES``; ``--no-spare-stores`` turns that off, so the move starts a sidecar);
+  ``store_move_ratio`` is its median over ``reconfigure``'s, both from the same run;
 * ``grow`` (node join): the agent comes back and is undrained (a node isolated after a sev1 stays
   out until an operator undrains it); clock from the undrain's answer until the first iteration
   completed at DP 4;
@@ -35,7 +39,7 @@ completed before the fault and were computed again (last completed + 1 - the fir
 after recovery). ``projected_*``: a separate, labelled projection adding the recompute a 30-minute
 checkpoint interval costs on average (15 min) to the baseline; never mixed into measured figures.
 
-    .venv/bin/python bench/transition.py [--quick] [--reps N] [--no-in-place]
+    .venv/bin/python bench/transition.py [--quick] [--reps N] [--no-in-place] [--no-spare-stores]
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import itertools
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.inject import Injection, request
+from unicron.kernel.types import StoreAddress
 
 TASK, BASE = "bench", "base"
 #: where inside an iteration a fault lands: this fraction of the mean iteration time after the
@@ -228,11 +233,23 @@ class Bench:
         pid = self.c.wait_for(relaunched, 120.0, "the rank's relaunch", poll_s=0.05)
         return self.measure(TASK, t0, 4, new_pids={pid})
 
-    def reconfigure(self) -> tuple[dict[str, float], str]:
-        ranks = self.ranks(TASK)
-        # not rank 0's node (whose agent hosts the task's store in this placement, as the old bench chose)
-        node = next(str(r["node"]) for _, r in sorted(ranks.items(), reverse=True)
-                    if str(r["node"]) != str(ranks[0]["node"]))
+    def store_node(self) -> str:
+        assert self.c.store is not None
+        kv = self.c.store.get(self.c.keys.store(TASK))
+        assert kv is not None
+        return StoreAddress.from_json(kv.value).node
+
+    def spare_listening(self, node: str, since: float) -> None:
+        """Wait for ``node``'s spare store sidecar (a torch import), started once the task's ranks
+        stepped after a grow named the node: a fault in production comes long after that, the bench's
+        next one within seconds (it would meet the import, or a spare still starting)."""
+        self.c.wait_for(lambda: any(r.get("event") == "store sidecar listening" for r in self.c.agent_log(node, since)),
+                        60.0, f"{node}'s spare store", poll_s=0.1)
+
+    def reconfigure(self, store: bool = False) -> tuple[dict[str, float], str]:
+        """Kill a node's agent: the store's node with ``store``, else another."""
+        hosting = self.store_node()
+        node = hosting if store else min({str(r["node"]) for r in self.ranks(TASK).values()} - {hosting})
         self.at_offset(TASK)
         t0 = time.time()
         os.kill(self.c.agents[node].pid, signal.SIGKILL)
@@ -281,30 +298,42 @@ def main() -> int:
     ap.add_argument("--no-in-place", action="store_true",
                     help="turn off the coordinator's in-place resize (UNICRON_IN_PLACE_RESIZE=0): every move is "
                          "a new generation, for comparison")
+    ap.add_argument("--no-spare-stores", action="store_true",
+                    help="no spare store sidecars (UNICRON_SPARE_STORES=0): a moved store starts one, for comparison")
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 5)
     window = 5 if args.quick else 16
-    kinds = ("reattempt", "restart", "reconfigure", "grow", "baseline_restart")
+    kinds = ("reattempt", "restart", "reconfigure", "reconfigure_store", "grow", "baseline_restart")
     res: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     env = {"UNICRON_STATUS_INTERVAL": "0.1", "UNICRON_WARMUP_ITERATIONS": "5",
-           "UNICRON_IN_PLACE_RESIZE": "0" if args.no_in_place else "1"}
+           "UNICRON_IN_PLACE_RESIZE": "0" if args.no_in_place else "1",
+           "UNICRON_SPARE_STORES": "0" if args.no_spare_stores else "1"}
+    spares = not args.no_in_place and not args.no_spare_stores
     started = time.time()
     with LocalCluster(agents=2, gpus_per_agent=2, extra_env=env) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         b = Bench(c, tempfile.mkdtemp(prefix="unicron-transition-"), window)
+        since = time.time()
         b.submit(TASK)
         b.settle(TASK, 4)
+        if spares:
+            b.spare_listening(min({str(r["node"]) for r in b.ranks(TASK).values()} - {b.store_node()}), since)
         progress("unicron task training")
         for i in range(reps):
             res["reattempt"].append(b.reattempt())
             b.settle(TASK, 4)
             res["restart"].append(b.restart())
             b.settle(TASK, 4)
-            r, node = b.reconfigure()
-            res["reconfigure"].append(r)
-            b.settle(TASK, 2)
-            res["grow"].append(b.grow(node))
-            if i + 1 < reps:  # the grow's window already ran at DP 4 on these processes
+            for store in (False, True):
+                r, node = b.reconfigure(store)
+                res["reconfigure_store" if store else "reconfigure"].append(r)
+                b.settle(TASK, 2)
+                since = time.time()
+                res["grow"].append(b.grow(node))  # the node comes back as the store's successor
+                if spares:
+                    b.spare_listening(node, since)
+                if store and i + 1 == reps:
+                    break  # the grow's window already ran at DP 4 on these processes
                 b.settle(TASK, 4)
             progress(f"rep {i}: " + ", ".join(f"{k} {v[-1]['s']:.3f}" for k, v in res.items() if v))
         assert cli(["cancel", TASK]) == 0
@@ -332,6 +361,8 @@ def main() -> int:
         out[f"{k}_range_s"] = [summary([x["s"] for x in res[k]])["min"], summary([x["s"] for x in res[k]])["max"]]
     out["baseline_caught_up_s"] = round(statistics.median(caught), 3)
     out["reconfigure_speedup"] = round(base / med["reconfigure"], 2)
+    out["spare_stores"] = spares
+    out["store_move_ratio"] = round(med["reconfigure_store"] / med["reconfigure"], 2)
     out["restart_speedup"] = round(base / med["restart"], 2)
     out["grow_speedup"] = round(base / med["grow"], 2)
     out["iterations_redone"] = {k: statistics.median(x["redone"] for x in res[k]) for k in kinds}

@@ -195,7 +195,8 @@ class Coordinator:
         #: the state as etcd holds it (coordinator.statestore): a decision writes what differs from it
         self._written_state: d.CoreState | None = None
         self.executor = Executor(self.keys, self._spec, self._node_gpus,
-                                 max_restarts=self.core.settings.max_restarts_without_progress)
+                                 max_restarts=self.core.settings.max_restarts_without_progress,
+                                 spare_stores=settings.spare_stores and settings.in_place_resize)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
         self._api_server: grpc.Server | None = None

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from coordinator import decision as d
-from coordinator.decision.resize import launch_store_node
+from coordinator.decision.resize import launch_store_node, successor_store_node
 from coordinator.tasks import Recovery, TaskSpec
 from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.keyspace import Keyspace
@@ -26,11 +26,13 @@ from unicron.kernel.types import NodeAssignment, RankSet, RankSpec, TaskAssignme
 
 class Executor:
     def __init__(self, keys: Keyspace, specs: Callable[[str], TaskSpec | None],
-                 node_gpus: Callable[[str], int], max_restarts: int = 0) -> None:
+                 node_gpus: Callable[[str], int], max_restarts: int = 0, spare_stores: bool = False) -> None:
         self.keys = keys
         self.specs = specs
         self.node_gpus = node_gpus
         self.max_restarts = max_restarts  # only passed on to ranks (TORCHELASTIC_MAX_RESTARTS)
+        #: name each in-place task's successor store node (TaskAssignment.spare_store_node)
+        self.spare_stores = spare_stores
         self.desired: dict[str, dict[str, TaskAssignment]] = {}
         self.isolated: set[str] = set()  # nodes whose records say so (NodeAssignment.isolated)
         self.revision = 0
@@ -122,6 +124,8 @@ class Executor:
             return changed
         # The rendezvous store is the agent's sidecar, never rank 0 (which may die).
         store_node = launch_store_node(placement)
+        recovery = spec.recovery or Recovery.INPROCESS
+        spare = self._spare_store_node(recovery.value, placement, store_node)
         # torchrun numbers nodes (GROUP_RANK) so that lower ranks sit on lower-numbered nodes.
         nodes = sorted(placement, key=lambda n: placement[n][0])
         for node, ranks in sorted(placement.items()):
@@ -132,7 +136,7 @@ class Executor:
                 env={**spec.env, "UNICRON_EXTERNAL_STORE": "1"},
                 world_size=action.world_size, ranks=specs, store_node=store_node,
                 group_rank=nodes.index(node), group_world_size=len(nodes), max_restarts=self.max_restarts,
-                recovery=(spec.recovery or Recovery.INPROCESS).value, restart_epoch=action.restart_epoch,
+                recovery=recovery.value, restart_epoch=action.restart_epoch, spare_store_node=spare,
             )
             changed.add(node)
         return changed
@@ -168,6 +172,7 @@ class Executor:
         moved = bool(action.store_node) and action.store_node != template.store_node
         store_node, store_epoch = ((action.store_node, action.membership_epoch) if moved
                                    else (template.store_node, template.store_epoch))
+        spare = self._spare_store_node(template.recovery, placement, store_node)
         members = RankSet.of(action.members)  # once: a sort of every rank per node was O(nodes^2)
         changed = set()
         for node in sorted(set(current) | set(placement)):
@@ -182,10 +187,17 @@ class Executor:
                 base, ranks=specs.get(node, []), membership_epoch=action.membership_epoch,
                 members=members, joiners=list(action.joiners), lost=list(action.lost),
                 group_rank=nodes.index(node) if node in nodes else 0, group_world_size=len(nodes),
-                store_node=store_node, store_epoch=store_epoch,
+                store_node=store_node, store_epoch=store_epoch, spare_store_node=spare,
             )
             changed.add(node)
         return changed
+
+    def _spare_store_node(self, recovery: str, placement: dict[str, list[int]], store_node: str) -> str:
+        """Where an in-place task keeps a spare store (a ``restart`` task keeps its own on its store's
+        node: a whole-task restart replaces the store there)."""
+        if not self.spare_stores or recovery != Recovery.INPROCESS.value:
+            return ""
+        return successor_store_node(placement, store_node)
 
     def _update(self, task: str, nodes: list[str], **fields: object) -> set[str]:
         changed = set()

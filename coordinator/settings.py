@@ -36,6 +36,9 @@ class CoordinatorSettings:
     """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
     in_place_resize: bool = setting(True, "UNICRON_IN_PLACE_RESIZE", "resize a task in place (survivors keep running) when a new allocation keeps its layout; 0 makes every move a new generation")
     """See DecisionSettings.in_place_resize."""
+    spare_stores: bool = setting(True, "UNICRON_SPARE_STORES", "with in-place resize, each task's successor store node keeps a spare store sidecar listening; 0: a moved store starts from nothing")
+    """The store moves when its node is lost; a sidecar starting then imports torch (1 s here) while
+    every survivor waits. The spare is one idle process per in-place task, on one node."""
     regroup_grace_s: float = setting(10.0, "UNICRON_REGROUP_GRACE", "seconds after a rank's in-place recovery during which the task's hang reports are its consequence", least=0)
     """Peers wait in a collective while the ranks regroup; their hang detectors may fire meanwhile."""
     gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")

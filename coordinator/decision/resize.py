@@ -94,6 +94,12 @@ def plan_in_place(
     return InPlace(final, joiners, leaving, lost, store_node)
 
 
+def successor_store_node(placement: Mapping[str, Sequence[int]], store_node: str) -> str:
+    """The node that hosts the store if ``store_node`` alone is lost: the lowest survivor's, as
+    :func:`plan` picks it then; "" when no other node holds ranks."""
+    return launch_store_node({n: ranks for n, ranks in placement.items() if n != store_node})
+
+
 def launch_store_node(placement: Mapping[str, Sequence[int]]) -> str:
     """The node that hosts a launch's store: the one holding its lowest rank (rank 0's; the store is
     the agent's sidecar, never a rank, which may die); "" for no placement."""

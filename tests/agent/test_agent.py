@@ -19,6 +19,7 @@ import pytest
 
 from agent.daemon import Agent
 from agent.settings import AgentSettings
+from agent.sidecar import StoreSidecar
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import protocol, wire
 from unicron.kernel.etcd import Store
@@ -28,6 +29,7 @@ from unicron.kernel.types import (
     ErrorKind,
     NodeAssignment,
     NodeStatus,
+    RankSet,
     RankSpec,
     RankStatus,
     Report,
@@ -306,3 +308,52 @@ def test_an_isolated_nodes_ranks_are_killed_before_its_store_sidecars_are_stoppe
                                                     isolated=True).to_json())
     wait_for(lambda: spare.running_at_stop is not None or None, 30, "the spare's stop")
     assert spare.running_at_stop == [], spare.running_at_stop
+
+
+# A rank that completes one iteration (its agent then counts the task's ranks as running) and idles.
+STEPS_ONCE = [sys.executable, "-c", (
+    "import time; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "with c.iteration(1): pass\n"
+    "time.sleep(1000)\n"
+)]
+
+
+def test_an_in_place_tasks_spare_store_node_keeps_a_listening_sidecar_and_a_store_move_takes_it(
+        agents: dict[str, Agent], store: Store) -> None:
+    """The store moves when its node is lost, and a sidecar started then takes a torch import (~1 s
+    here) while every survivor waits: the node the coordinator names to take it keeps one ready."""
+    base = task("t", STEPS_ONCE, [0], 2, store_node="a0")
+    assign(store, "a0", base)
+    a1 = dataclasses.replace(base, ranks=[RankSpec(rank=1, local_rank=0, gpu=0)], spare_store_node="a1")
+    assign(store, "a1", a1)
+    rec = wait_for(lambda: agents["a1"]._tasks.get("t"), 30, "a1's reconciler of the task")
+
+    def spare() -> StoreSidecar | None:
+        with rec._lock:
+            return rec._spare
+
+    first = wait_for(spare, 60, "a1's spare store (once its rank stepped)")
+    # the role moves to a0 (a resize reordered the nodes, say): a1's spare goes
+    moved_away = dataclasses.replace(a1, membership_epoch=1, spare_store_node="a0")
+    assign(store, "a1", moved_away)
+    wait_for(lambda: first.proc.poll() is not None, 30, "the spare's stop when the role moved away")
+    assert spare() is None
+    # back to a1: a spare starts at once (the ranks run already)
+    assign(store, "a1", dataclasses.replace(moved_away, membership_epoch=2, spare_store_node="a1"))
+    second = wait_for(spare, 60, "a spare again")
+    # a0 is lost with the store: a1 hosts the next one, in the spare it holds
+    assign(store, "a0")
+    lost = dataclasses.replace(moved_away, membership_epoch=3, members=RankSet.of([1]), lost=[0],
+                               store_node="a1", store_epoch=3, spare_store_node="")
+    rev = assign(store, "a1", lost)
+    assert wait_for(lambda: result(store, "a1", rev), 30, "a1's result").ok
+
+    def published() -> StoreAddress | None:
+        kv = store.get(KEYS.store("t"))
+        addr = StoreAddress.from_json(kv.value) if kv else None
+        return addr if addr is not None and addr.store_epoch == 3 else None
+
+    addr = wait_for(published, 30, "the moved store's address")
+    assert (addr.node, addr.port) == ("a1", second.port) and second.proc.poll() is None
+    assert spare() is None  # taken, and no other is kept: a1 is the store's node now

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from coordinator import decision as d
+from coordinator.decision.resize import plan_in_place
 from coordinator.executor import Executor
-from coordinator.tasks import TaskSpec
+from coordinator.tasks import Recovery, TaskSpec
 from unicron.kernel.errors import PermanentError
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeAssignment
@@ -139,3 +140,33 @@ def test_an_isolated_nodes_record_says_so_until_it_is_placed_on_again() -> None:
     assert successor.isolated == {"n1"}
     successor.apply(assign("t", {"n0": (0,), "n1": (1,)}, generation=2))  # returned to service
     assert not NodeAssignment.from_json(successor.record("n1")[1]).isolated
+
+
+def spare_store_nodes(ex: Executor) -> set[str]:
+    return {t["t"].spare_store_node for t in ex.desired.values() if "t" in t}
+
+
+def test_an_in_place_task_names_the_node_its_store_would_move_to_and_follows_the_move() -> None:
+    ex = Executor(Keyspace("/x"), lambda task: SPEC, lambda node: 2, spare_stores=True)
+    ex.apply(assign("t", {"n0": (4, 5), "n1": (0, 1), "n2": (2, 3)}))
+    # the store on rank 0's node (n1); if n1 alone is lost, the resize puts it on the lowest survivor's
+    assert {t["t"].store_node for t in ex.desired.values()} == {"n1"}
+    assert spare_store_nodes(ex) == {"n2"}
+    plan = plan_in_place({"n0": [4, 5], "n1": [0, 1], "n2": [2, 3]}, {"n0": 2, "n2": 2}, world_size=6, unit=2,
+                           tp=1, gone={"n1"}, store_node="n1")
+    assert plan is not None and plan.store_node == "n2"  # what the executor named, the planner picks
+    ex.apply(dataclasses.replace(resize({"n0": (4, 5), "n2": (2, 3)}, 1, lost=(0, 1)), store_node="n2"))
+    assert {t["t"].store_node for t in ex.desired.values() if "t" in t} == {"n2"}
+    assert spare_store_nodes(ex) == {"n0"}  # the next one
+    ex.apply(resize({"n2": (2, 3)}, 2, leaving=(4, 5)))
+    assert spare_store_nodes(ex) == {""}  # no other node holds ranks
+
+
+def test_a_restart_task_or_spares_off_names_no_spare_store_node() -> None:
+    restart = dataclasses.replace(SPEC, recovery=Recovery.RESTART)
+    ex = Executor(Keyspace("/x"), lambda task: restart, lambda node: 2, spare_stores=True)
+    ex.apply(assign("t", {"n0": (0, 1), "n1": (2, 3)}))
+    assert spare_store_nodes(ex) == {""}  # its spare stays with its store (a restart replaces it there)
+    off = Executor(Keyspace("/x"), lambda task: SPEC, lambda node: 2)
+    off.apply(assign("t", {"n0": (0, 1), "n1": (2, 3)}))
+    assert spare_store_nodes(off) == {""}

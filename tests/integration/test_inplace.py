@@ -152,6 +152,8 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolati
     acts = actions_since(c, t0)
     assert "ResizeInPlace" in acts and "Assign" not in acts, acts
     assert store_node(c) == first[1]["node"]  # the lowest survivor's node hosts the moved store
+    moves = [r for r in c.agent_log(first[1]["node"], t0) if r.get("event") == "store moved"]
+    assert [r.get("spare") for r in moves] == [True], moves  # the sidecar kept ready there, no start
 
     t1 = time.time()
     c.start_agent(victim)  # repaired; a node lost by a sev1 stays isolated until an operator returns it

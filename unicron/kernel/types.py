@@ -547,6 +547,10 @@ class TaskAssignment(Record):
     #: resize after the store's node was lost names a new ``store_node`` and bumps this; agents then
     #: hand the new address to their running ranks (``StoreMoved``), which re-seed it and go on there
     store_epoch: int = 0
+    #: an in-place task's node that would host the store if ``store_node`` alone were lost (the
+    #: lowest-ranked other node, as the resize picks it): its agent keeps a spare sidecar listening, so
+    #: that move does not wait seconds for one to import torch ("": none kept)
+    spare_store_node: str = ""
 
     def rank_specs(self) -> list[RankSpec]:
         return list(self.ranks)
