@@ -96,7 +96,7 @@ def plan_in_place(
 
 def successor_store_node(placement: Mapping[str, Sequence[int]], store_node: str) -> str:
     """The node that hosts the store if ``store_node`` alone is lost: the lowest survivor's, as
-    :func:`plan` picks it then; "" when no other node holds ranks."""
+    :func:`plan_in_place` picks it then; "" when no other node holds ranks."""
     return launch_store_node({n: ranks for n, ranks in placement.items() if n != store_node})
 
 
