@@ -180,12 +180,15 @@ class Prefork:
             self._started_at = time.monotonic()
             self._starter.submit(self._launch)
 
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def ready(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None and os.path.exists(self.socket_path)
+        return self._alive() and os.path.exists(self.socket_path)
 
     def importing(self) -> bool:
         """Started and alive, its imports not done yet."""
-        return self._proc is not None and self._proc.poll() is None and not os.path.exists(self.socket_path)
+        return self._alive() and not os.path.exists(self.socket_path)
 
     def await_warm(self) -> None:
         """A rank asked for while the spawner does its first imports waits for them, up to

@@ -193,9 +193,10 @@ class Supervisor:
             old = self._procs.get(rank)
             if old is not None and old.state != EXITED:
                 raise PermanentError(f"rank {rank} is already running as pid {old.pid}; kill it first")
-        if self._prefork is not None and self._prefork.eligible(argv, env, cwd):
-            self._prefork.await_warm()
-        proc = self._spawner.submit(self._spawn, rank, list(argv), env, cwd, stdout_path).result()
+        prefork = self._prefork if self._prefork is not None and self._prefork.eligible(argv, env, cwd) else None
+        if prefork is not None:
+            prefork.await_warm()
+        proc = self._spawner.submit(self._spawn, rank, list(argv), env, cwd, stdout_path, prefork).result()
         with self._lock:
             self._procs[rank] = proc
         proc.reader = threading.Thread(
@@ -220,7 +221,9 @@ class Supervisor:
         env: Mapping[str, str] | None,
         cwd: str | None,
         stdout_path: str | None,
+        prefork: Prefork | None,
     ) -> RankProcess:
+        """``prefork``: the spawner, when it can run ``argv`` (else None: a new process)."""
         pipe_read: IO[bytes] | None = None
         try:
             with contextlib.ExitStack() as stack:
@@ -232,9 +235,9 @@ class Supervisor:
                 else:
                     out_fd = stack.enter_context(open(stdout_path, "ab")).fileno() if stdout_path else None
                 popen: subprocess.Popen[bytes] | PreforkedProcess | None = None
-                if self._prefork is not None and self._prefork.eligible(argv, env, cwd):
+                if prefork is not None:
                     try:
-                        popen = self._prefork.spawn(argv, env, cwd, out_fd)
+                        popen = prefork.spawn(argv, env, cwd, out_fd)
                     except PreforkUnavailable as exc:
                         log.info("rank starts as a new process", rank=rank, reason=str(exc))
                 if popen is None:

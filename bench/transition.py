@@ -246,10 +246,14 @@ class Bench:
         self.c.wait_for(lambda: any(r.get("event") == "store sidecar listening" for r in self.c.agent_log(node, since)),
                         60.0, f"{node}'s spare store", poll_s=0.1)
 
+    def other_node(self, than: str) -> str:
+        """A node running ranks of the task other than ``than`` (2 nodes here: the other one)."""
+        return min({str(r["node"]) for r in self.ranks(TASK).values()} - {than})
+
     def reconfigure(self, store: bool = False) -> tuple[dict[str, float], str]:
         """Kill a node's agent: the store's node with ``store``, else another."""
         hosting = self.store_node()
-        node = hosting if store else min({str(r["node"]) for r in self.ranks(TASK).values()} - {hosting})
+        node = hosting if store else self.other_node(hosting)
         self.at_offset(TASK)
         t0 = time.time()
         os.kill(self.c.agents[node].pid, signal.SIGKILL)
@@ -317,7 +321,7 @@ def main() -> int:
         b.submit(TASK)
         b.settle(TASK, 4)
         if spares:
-            b.spare_listening(min({str(r["node"]) for r in b.ranks(TASK).values()} - {b.store_node()}), since)
+            b.spare_listening(b.other_node(b.store_node()), since)
         progress("unicron task training")
         for i in range(reps):
             res["reattempt"].append(b.reattempt())
