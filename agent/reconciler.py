@@ -494,6 +494,8 @@ class TaskReconciler:
         specs = {s.rank: s for s in a.ranks}
         errors: list[str] = []
         if a.store_epoch > applied.store_epoch:
+            if a.store_node != self.host.node:
+                self._give_up_store()
             store = self._move_store(a)
         if a.membership_epoch > applied.membership_epoch and store is not None:
             errors += self._resize(a, applied, specs, store)
@@ -546,9 +548,10 @@ class TaskReconciler:
             pending[0].stop()
 
     def _move_store(self, a: TaskAssignment) -> StoreAddress | None:
-        """The store went with its lost node and this resize names another: that node's agent starts a
-        sidecar and publishes it; every agent hands the address to its running ranks (``StoreMoved``),
-        before any of them is asked to leave or any joiner starts (both need the new store)."""
+        """The store left its node (lost, isolated or drained) and this resize names another: that
+        node's agent starts a sidecar (or takes its spare) and publishes it; every agent hands the
+        address to its running ranks (``StoreMoved``), before any of them is asked to leave or any
+        joiner starts (both need the new store)."""
         spare = self._take_spare() if a.store_node == self.host.node else None
         store = self._host_store(a, spare) if a.store_node == self.host.node else self._await_store(a)
         if store is None:
@@ -560,6 +563,27 @@ class TaskReconciler:
         log.info("store moved", task=a.task, store_epoch=store.store_epoch, node=store.node,
                  store=f"{store.host}:{store.port}", told=running, spare=spare is not None)
         return store
+
+    def _give_up_store(self) -> None:
+        """The store moved off this node while it still serves (drained: its ranks leave, they are not
+        lost). Stop it before anything else, as the loss of the node would: a rank that has not yet
+        heard of the move fails on it and waits for ``StoreMoved`` instead of agreeing an epoch on a
+        store its peers have left."""
+        with self._lock:
+            sidecar, store, revision = self._sidecar, self._store, self._published_revision
+            self._sidecar, self._published_revision = None, 0
+        if sidecar is not None:
+            self._retire_store(sidecar, store, revision)
+            log.info("store handed over", task=self.task)
+
+    def _retire_store(self, sidecar: StoreSidecar, store: StoreAddress | None, revision: int) -> None:
+        """Stop the hosted sidecar and withdraw its address (only our record: a newer one may be up)."""
+        sidecar.stop()
+        if store is not None and revision:
+            try:
+                self.host.withdraw_store(store, revision)
+            except (StoreUnavailable, StoreClosed) as exc:  # under our lease: it goes with the agent anyway
+                log.warning("could not withdraw the store address", task=self.task, error=str(exc))
 
     def _resize(self, a: TaskAssignment, applied: TaskAssignment, specs: dict[int, RankSpec],
                 store: StoreAddress) -> list[str]:
@@ -722,12 +746,7 @@ class TaskReconciler:
         if pending is not None:
             pending[0].stop()
         if sidecar is not None:
-            sidecar.stop()
-            if store is not None and revision:
-                try:
-                    self.host.withdraw_store(store, revision)
-                except (StoreUnavailable, StoreClosed) as exc:  # under our lease: it goes with the agent anyway
-                    log.warning("could not withdraw the store address", task=self.task, error=str(exc))
+            self._retire_store(sidecar, store, revision)
         with self._lock:
             for r, st in self._ranks.items():
                 if st is RankState.STOPPING:

@@ -4,15 +4,15 @@ A task keeps its launch's rank ids (``world_size`` stays); a replica is ``unit =
 consecutive ranks and every node holds whole tensor-parallel groups. The new allocation (GPU count per
 node) is reached in place when
 
-* it is no larger than the launch (growing past it needs more rank ids: a new generation),
-* the node hosting the task's rendezvous store (its agent runs the sidecar; rank 0's node at launch)
-  keeps the task or is gone, and
+* it is no larger than the launch (growing past it needs more rank ids: a new generation), and
 * at least one complete replica survives on the nodes that keep the task.
 
-A gone store node takes the store with it: the new membership names a new store node, the member
-node holding the lowest surviving rank (its agent starts a fresh sidecar; the survivors re-seed it
-from what they hold, see :mod:`unicron.runtime.membership`). A store node still in service that
-keeps no rank would have to hand the store over while its sidecar still serves: a new generation.
+A store node that keeps no rank (gone, or drained: still in service) gives the store up: the new
+membership names a new store node, the member node holding the lowest surviving rank (its agent
+starts a fresh sidecar or takes its spare; the survivors re-seed it from what they hold, see
+:mod:`unicron.runtime.membership`). A drained one's agent stops its own sidecar first, so no rank
+agrees anything on a store the others have left: to every rank, the hand-over is the loss of the
+store's node, whose ranks leave instead of dying.
 
 Survivors: on each node that keeps the task, its lowest ranks up to the node's new count, then only
 those in complete replicas. Joiners: the lowest missing replicas, whole tensor-parallel groups placed
@@ -60,8 +60,8 @@ def plan_in_place(
     if not old or world_size <= 0 or total == 0 or total > world_size or total % unit:
         return None
     store_node = store_node or launch_store_node(old)
-    if not store_node or (store_node not in gone and not new.get(store_node)):
-        return None  # in service but keeping no rank: its sidecar would have to hand the store over
+    if not store_node:
+        return None
     kept = {n: sorted(old[n])[: new[n]] for n in old if new.get(n)}
     alive = {r for ranks in kept.values() for r in ranks}
     replicas = {r // unit for r in alive if all(x in alive for x in range(r // unit * unit, (r // unit + 1) * unit))}
@@ -88,7 +88,7 @@ def plan_in_place(
     if not joiners and not leaving and not lost:
         return None  # nothing changes: a forced re-plan of the same membership is a new generation
     final = {n: sorted(r) for n, r in sorted(placement.items()) if r}
-    if store_node in gone:  # the store went with its node: the lowest survivor's node hosts the next one
+    if not final.get(store_node):  # the store goes with its node: the lowest survivor's node hosts the next one
         store_node = next(n for n, ranks in sorted(final.items(), key=lambda kv: min(kv[1]))
                           if set(ranks) & survivors)
     return InPlace(final, joiners, leaving, lost, store_node)

@@ -357,3 +357,39 @@ def test_an_in_place_tasks_spare_store_node_keeps_a_listening_sidecar_and_a_stor
     addr = wait_for(published, 30, "the moved store's address")
     assert (addr.node, addr.port) == ("a1", second.port) and second.proc.poll() is None
     assert spare() is None  # taken, and no other is kept: a1 is the store's node now
+
+
+# A rank that steps once, then exits 0 when its agent asks it to leave (as the runtime's ranks do at
+# their next iteration boundary).
+LEAVES_WHEN_ASKED = [sys.executable, "-c", (
+    "import sys, time; from unicron.kernel import protocol; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "with c.iteration(1): pass\n"
+    "while not isinstance(c.next_instruction(), protocol.Leave): time.sleep(0.05)\n"
+)]
+
+
+def test_a_drained_store_node_stops_its_sidecar_when_the_store_moves_off_it(
+        agents: dict[str, Agent], store: Store) -> None:
+    """A drain of an in-place task's store node hands the store over: the node keeps the task (its ranks
+    leave) but stops its own sidecar first, so no rank agrees anything on a store the others have left."""
+    base = task("d", LEAVES_WHEN_ASKED, [0], 2, store_node="a0")
+    assign(store, "a0", base)
+    a1 = dataclasses.replace(base, ranks=[RankSpec(rank=1, local_rank=0, gpu=0)])
+    assign(store, "a1", a1)
+    old = StoreAddress.from_json(wait_for(lambda: store.get(KEYS.store("d")), 60, "the store").value)
+    rec = wait_for(lambda: agents["a0"]._tasks.get("d"), 30, "a0's reconciler")
+    with rec._lock:
+        sidecar = rec._sidecar
+    assert sidecar is not None and old.node == "a0"
+    def moved(a: TaskAssignment, ranks: list[RankSpec]) -> TaskAssignment:
+        return dataclasses.replace(a, ranks=ranks, membership_epoch=1, members=RankSet.of([1]), store_node="a1",
+                                   store_epoch=1)
+
+    rev0 = assign(store, "a0", moved(base, []))  # its rank leaves
+    rev1 = assign(store, "a1", moved(a1, a1.ranks))
+    assert wait_for(lambda: result(store, "a1", rev1), 60, "a1's result").ok
+    assert wait_for(lambda: result(store, "a0", rev0), 60, "a0's result").ok
+    assert sidecar.proc.poll() is not None and not rec.hosts_store()
+    now = StoreAddress.from_json(wait_for(lambda: store.get(KEYS.store("d")), 30, "the new store").value)
+    assert (now.node, now.store_epoch) == ("a1", 1)

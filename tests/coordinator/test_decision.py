@@ -318,8 +318,8 @@ def test_a_new_weight_or_gpu_bound_only_re_plans() -> None:
     acts = updated(sim, "a", weight=2.0)
     assert acts == [] and sim.state.tasks["a"].spec.weight == 2.0 and sim.phase("a") is TaskPhase.RUNNING
     acts = updated(sim, "a", max_gpus=8)  # a smaller bound: the planner shrinks it, like any re-plan
-    assert [t.trigger for t in sim.transitions] == [Trigger.RESIZED]
-    assert one(acts, Assign, "a").generation == gen + 1 and sum(sim.gpus("a").values()) == 8
+    assert [t.trigger for t in sim.transitions] == [Trigger.RESIZED_IN_PLACE]  # even off the store's node
+    assert one(acts, ResizeInPlace, "a").generation == gen and sum(sim.gpus("a").values()) == 8
 
 
 def test_an_update_of_a_pending_task_replaces_its_spec_and_one_of_an_unknown_task_alerts() -> None:
@@ -471,14 +471,17 @@ def test_sev1_on_an_idle_node_isolates_it_until_undrained() -> None:
 
 def test_drained_node_moves_tasks_without_a_fault_and_survives_agent_restarts() -> None:
     sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
-    acts = sim.feed(NodeDrained(ts=sim.ts(), node="n1"))
-    assert one(acts, Assign).placement.keys() == {"n2"}
-    assert not only(acts, IsolateNode)
-    sim.confirm_all(acts)
-    assert sim.state.tasks["job"].restarts == 0
+    gen = sim.state.tasks["job"].generation
+    acts = sim.feed(NodeDrained(ts=sim.ts(), node="n1"))  # the store's node: the store moves, in place
+    shrink = one(acts, ResizeInPlace)
+    assert shrink.placement.keys() == {"n2"} and shrink.store_node == "n2" and shrink.leaving == tuple(range(8))
+    assert not only(acts, IsolateNode) and not only(acts, Assign)
+    sim.progress("job", 50)
+    assert sim.state.tasks["job"].restarts == 0 and sim.phase("job") is TaskPhase.RUNNING
     assert sim.join("n1") == []  # still drained
     acts = sim.feed(NodeUndrained(ts=sim.ts(), node="n1"))
-    assert one(acts, Assign).world_size == 16
+    grow = one(acts, ResizeInPlace)
+    assert grow.generation == gen and len(grow.members) == 16 and grow.joiners == tuple(range(8))
 
 
 def test_cancel_stops_the_task_and_frees_its_gpus() -> None:

@@ -103,4 +103,4 @@ def test_the_decision_core_answers_a_node_loss_from_the_table() -> None:
     out = [c.handle(s, d.NodeLost(ts=2.0, node=victim, reason="lease expired")) for c, s in zip(cores, states, strict=True)]
     assert lookup.hits == hits + 1
     assert [d.to_dict(a) for a in out[0][1]] == [d.to_dict(a) for a in out[1][1]]
-    assert any(isinstance(a, d.Assign) for a in out[0][1])
+    assert any(isinstance(a, (d.Assign, d.ResizeInPlace)) for a in out[0][1])  # the loss moved tasks

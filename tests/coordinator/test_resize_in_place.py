@@ -6,13 +6,14 @@ from coordinator.decision import (
     ActionSucceeded,
     Assign,
     DecisionSettings,
+    NodeDrained,
     NodeJoined,
     NodeLost,
     Reattempt,
     ResizeInPlace,
     TaskPhase,
 )
-from coordinator.decision.resize import plan_in_place
+from coordinator.decision.resize import plan_in_place, successor_store_node
 from coordinator.decision.table import Trigger
 from tests.coordinator.test_decision import SEV3_KIND, Sim, one, only, running_cluster
 
@@ -60,9 +61,7 @@ def test_a_partial_replica_leaves_and_is_rehosted_whole() -> None:
 
 def test_what_cannot_be_done_in_place() -> None:
     old = {"a": [0, 1], "b": [2, 3]}
-    # rank 0's node (the store's) in service but keeping no rank; beyond the launch size; no change at
-    # all; a count off the unit
-    assert plan_in_place(old, {"b": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
+    # beyond the launch size; no change at all; a count off the unit
     assert plan_in_place(old, {"a": 2, "b": 2, "c": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
     assert plan_in_place(old, {"a": 2, "b": 2}, world_size=4, unit=1, tp=1, gone=set()) is None
     assert plan_in_place(old, {"a": 2, "b": 1}, world_size=4, unit=2, tp=2, gone=set()) is None
@@ -173,8 +172,27 @@ def test_a_gone_store_node_moves_the_store_to_the_lowest_survivors_node() -> Non
     # a node whose only ranks are joiners never hosts the moved store (its agent holds no survivor)
     grow = plan_in_place(old, {"b": 2, "d": 2}, world_size=6, unit=2, tp=1, gone={"a", "c"})
     assert grow is not None and grow.store_node == "b" and grow.joiners == (0, 1)
-    # the store's node in service but keeping no rank: its sidecar would have to hand over
-    assert plan_in_place(old, {"b": 2, "c": 2}, world_size=6, unit=1, tp=1, gone=set()) is None
+
+
+
+def test_a_drained_store_node_hands_the_store_to_the_lowest_survivors_node_and_its_ranks_leave() -> None:
+    old = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    got = plan_in_place(old, {"b": 2, "c": 2}, world_size=6, unit=1, tp=1, gone=set())
+    assert got is not None and got.store_node == "b" and got.leaving == (0, 1) and got.lost == ()
+    assert got.store_node == successor_store_node(old, "a")  # where the spare waits
+    # draining another node leaves the store where it is
+    kept = plan_in_place(old, {"a": 2, "c": 2}, world_size=6, unit=1, tp=1, gone=set())
+    assert kept is not None and kept.store_node == "a" and kept.leaving == (2, 3)
+
+
+def test_draining_the_store_node_shrinks_in_place_and_names_the_new_store_node() -> None:
+    sim = _three_nodes()
+    gen = sim.state.tasks[JOB].generation
+    acts = sim.feed(NodeDrained(ts=sim.ts(), node="n1"))
+    assert not only(acts, Assign)
+    shrink = one(acts, ResizeInPlace, JOB)
+    assert shrink.generation == gen and shrink.leaving == (0, 1) and shrink.lost == () and shrink.store_node == "n2"
+    assert sim.state.tasks[JOB].store_node == "n2"
 
 
 def test_losing_the_store_node_shrinks_in_place_and_names_the_new_store_node() -> None:

@@ -6,7 +6,8 @@ and the parameters after the run equal a failure-free run's within 1e-12 relativ
 back: the task grows back in place, the re-hosted rank joins from a healthy replica, and still no
 survivor restarts; then the node is drained: its rank leaves at a boundary (the agent's ``Leave``)
 and the rest go on; then a sev1 (XID 79) isolates a node whose agent stays up: its rank is killed
-as a lost node's would be, and the last one trains on. The same shrink with TP=2 (a node other than the store's lost).
+as a lost node's would be, and the last one trains on. The same shrink with TP=2 (a node other than the store's lost),
+then a drain of the store's node: the store is handed over in place and that replica leaves.
 
 The runs train until the test sets the task store's stop key (every rank stops at one agreed commit
 and writes its outputs), so no figure depends on how fast this machine is.
@@ -229,7 +230,19 @@ def test_a_tp2_task_loses_a_node_in_place(cluster: LocalCluster, tmp_path: Path)
     assert {r: shrunk[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
     acts = actions_since(c, t0)
     assert "ResizeInPlace" in acts and "Assign" not in acts, acts
+    # the store's node is drained: it hands the store over (in place; it was a new generation) and its
+    # replica leaves
+    hosting = store_node(c)
+    assert hosting == first[0]["node"] != shrunk[2]["node"]
+    t1 = time.time()
+    assert cli(["drain", hosting]) == 0
+    kept = {r: survivors[r] for r in (2, 3)}
+    drained = stepping(c, {2, 3}, max(r["step"] for r in shrunk.values()) + 2)
+    assert {r: drained[r]["pid"] for r in kept} == kept, "a survivor was restarted"
+    assert "Assign" not in actions_since(c, t1)
+    assert store_node(c) == shrunk[2]["node"]
+    assert [r.get("event") for r in c.agent_log(hosting, t1) if r.get("event") == "store handed over"]
     stop_training(c)
-    dps = check_exact(out, tmp_path, tp=2, blocks=3)
-    assert dps[0] == 3 and dps[-1] == 2, dps
+    dps = check_exact(out, tmp_path, tp=2, blocks=3, rank=2)
+    assert dps[0] == 3 and 2 in dps and dps[-1] == 1, dps
 
