@@ -425,8 +425,8 @@ class Agent:
         with self._progress_lock:
             self._progress.pop((task, rank), None)
 
-    def mark_failed(self, store: StoreAddress, rank: int) -> None:
-        self.marker.mark(store.host, store.port, rank)
+    def mark_failed(self, store: StoreAddress, rank: int, wait_s: float = 0.0) -> bool:
+        return self.marker.mark(store.host, store.port, rank, wait_s)
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, line, task=task,

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import IO
 
@@ -18,12 +19,14 @@ log = ulog.get(__name__)
 
 
 class FailureMarker:
-    """Owns the marker process; :meth:`mark` never blocks the caller and never raises."""
+    """Owns the marker process; :meth:`mark` never raises, and blocks only when asked to wait."""
 
     def __init__(self, preexec: Callable[[], object] | None = None) -> None:
         self._preexec = preexec
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
+        #: one per request sent and not yet answered, in order (the helper answers in order)
+        self._unanswered: deque[threading.Event] = deque()
 
     def start(self) -> FailureMarker:
         with self._lock:
@@ -31,6 +34,7 @@ class FailureMarker:
         return self
 
     def _spawn(self) -> None:
+        self._release_waiters()  # a dead helper answers nothing more
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "unicron.runtime.membership", "--marker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, bufsize=1, preexec_fn=self._preexec,
@@ -45,12 +49,24 @@ class FailureMarker:
                 answer = json.loads(line)
             except ValueError:
                 continue
+            if answer.get("ready"):
+                continue
+            with self._lock:
+                if self._unanswered:
+                    self._unanswered.popleft().set()
             if answer.get("ok") is False:
                 log.info("could not mark a rank failed in its store", error=str(answer.get("error")))
 
-    def mark(self, host: str, port: int, rank: int) -> None:
-        """The rank's newest process is gone (:func:`unicron.runtime.membership.mark_failed`)."""
+    def _release_waiters(self) -> None:
+        """Under the lock."""
+        while self._unanswered:
+            self._unanswered.popleft().set()
+
+    def mark(self, host: str, port: int, rank: int, wait_s: float = 0.0) -> bool:
+        """The rank's newest process is gone (:func:`unicron.runtime.membership.mark_failed`). With
+        ``wait_s``, wait that long for the helper's answer: False if none came (or it failed to send)."""
         request = json.dumps({"host": host, "port": port, "rank": rank}) + "\n"
+        answered = threading.Event()
         with self._lock:
             try:
                 if self._proc is None or self._proc.poll() is not None:
@@ -58,8 +74,11 @@ class FailureMarker:
                 assert self._proc is not None and self._proc.stdin is not None
                 self._proc.stdin.write(request)
                 self._proc.stdin.flush()
+                self._unanswered.append(answered)
             except OSError as exc:  # survivors still find out by heartbeat staleness
                 log.warning("failure marker unavailable", error=str(exc))
+                return False
+        return wait_s <= 0 or answered.wait(wait_s)
 
     def stop(self) -> None:
         with self._lock:
@@ -71,3 +90,4 @@ class FailureMarker:
                 self._proc.kill()
                 self._proc.wait()
                 self._proc = None
+            self._release_waiters()

@@ -70,6 +70,9 @@ log = ulog.get(__name__)
 STOP_GRACE_S = 10.0
 #: how long a restart waits for a SIGKILLed rank to be reaped before giving up on it
 RESTART_WAIT_S = 10.0
+#: how long a restart waits for the failure marker to write a killed rank's death (one store write by
+#: a warm helper: milliseconds; a helper restarted meanwhile imports torch first)
+MARK_WAIT_S = 10.0
 #: after a restart, the next attempt's spare store starts once a relaunched rank made a step, or after
 #: this long: started at once, its torch import competed for the CPU with the relaunched ranks' own
 #: (measured: 0.9 s of a 6 s cold relaunch on 2 cores, bench/jobs.py)
@@ -126,9 +129,10 @@ class TaskHost(Protocol):
                rank: int | None = None, gpu: int | None = None, step: int | None = None,
                source_ts: float | None = None, handled: bool = False, generation: int | None = None) -> Report: ...
 
-    def mark_failed(self, store: StoreAddress, rank: int) -> None:
+    def mark_failed(self, store: StoreAddress, rank: int, wait_s: float = 0.0) -> bool:
         """Write ``failed/<rank>`` into the task's store (raised to the rank's newest process), so its
-        peers stop waiting for the rank at once."""
+        peers stop waiting for the rank at once. ``wait_s``: block until it was written, that long at
+        most (False: not known to be written)."""
 
     def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
         """The rank's process is gone: stop judging its iteration timings (``monitor``: the one this
@@ -507,11 +511,13 @@ class TaskReconciler:
                 for r in restart:
                     self._ranks[r] = RankState.RESTARTING
             for r in restart:
-                if r in self.supervisor.status():
+                if (st := self.supervisor.status().get(r)) is not None:
                     self.supervisor.kill(r, signal.SIGKILL)
                     if self.supervisor.wait(r, timeout_s=RESTART_WAIT_S) is None:
                         errors.append(f"rank {r} did not exit within {RESTART_WAIT_S:.0f} s of SIGKILL")
                         continue
+                    if st.returncode is None:
+                        self._mark_killed(a, store, r)
                 if err := self._launch(a, specs[r], store, restart=True):
                     errors.append(err)
                 else:
@@ -563,6 +569,16 @@ class TaskReconciler:
         log.info("store moved", task=a.task, store_epoch=store.store_epoch, node=store.node,
                  store=f"{store.host}:{store.port}", told=running, spare=spare is not None)
         return store
+
+    def _mark_killed(self, a: TaskAssignment, store: StoreAddress, rank: int) -> None:
+        """A rank killed here to restart it (a hang: it never exited on its own, so no exit marked it).
+        Its peers must know this incarnation is dead before its successor counts itself in: mark it
+        and wait. Unmarked, the new process beats the rank's heartbeat, and the survivors waited for
+        the dead one at their barrier until the regroup timeout (bench/resize_soak.py, SIGSTOP)."""
+        if a.recovery == RECOVERY_RESTART:
+            return  # every rank restarts on a fresh store: nobody waits for this one
+        if not self.host.mark_failed(store, rank, wait_s=MARK_WAIT_S):
+            log.warning("rank relaunched before its death was marked", task=a.task, rank=rank, waited_s=MARK_WAIT_S)
 
     def _give_up_store(self) -> None:
         """The store moved off this node while it still serves (drained: its ranks leave, they are not

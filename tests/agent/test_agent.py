@@ -36,6 +36,8 @@ from unicron.kernel.types import (
     StoreAddress,
     TaskAssignment,
 )
+from unicron.runtime import store as keys
+from unicron.runtime.membership import failed_key
 
 T = TypeVar("T")
 PREFIX = "/agent-test"
@@ -357,6 +359,33 @@ def test_an_in_place_tasks_spare_store_node_keeps_a_listening_sidecar_and_a_stor
     addr = wait_for(published, 30, "the moved store's address")
     assert (addr.node, addr.port) == ("a1", second.port) and second.proc.poll() is None
     assert spare() is None  # taken, and no other is kept: a1 is the store's node now
+
+
+# A rank that counts itself in (``started/<rank>``, as the runtime's ranks do) and then hangs.
+COUNTS_IN_AND_HANGS = [sys.executable, "-c", (
+    "import os, time, datetime; from torch.distributed import TCPStore\n"
+    "s = TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), None, False,"
+    " datetime.timedelta(seconds=60), wait_for_workers=False)\n"
+    "s.add('started/' + os.environ['RANK'], 1)\n"
+    "time.sleep(1000)\n"
+)]
+
+
+def test_a_rank_killed_to_restart_it_is_marked_dead_before_its_successor_counts_itself_in(
+        agents: dict[str, Agent], store: Store) -> None:
+    """A hung rank never exits on its own: the agent kills it for the restart, so no exit marks it.
+    Unmarked, its successor took over its heartbeat and the survivors waited for the dead process at
+    their barrier until the regroup timeout (bench/resize_soak.py, SIGSTOP). Marked after the
+    successor counted itself in, the successor would look dead."""
+    base = task("h", COUNTS_IN_AND_HANGS, [0], 1, store_node="a0")
+    assign(store, "a0", base)
+    addr = StoreAddress.from_json(wait_for(lambda: store.get(KEYS.store("h")), 60, "the store").value)
+    client = keys.connect(addr.host, addr.port)
+    wait_for(lambda: keys.counter(client, keys.started_key(0)) == 1, 60, "the rank to count itself in")
+    rev = assign(store, "a0", dataclasses.replace(base, restart_epoch=1, restart_ranks=[0]))
+    assert wait_for(lambda: result(store, "a0", rev), 60, "the restart's result").ok
+    wait_for(lambda: keys.counter(client, keys.started_key(0)) == 2, 60, "the successor to count itself in")
+    assert keys.counter(client, failed_key(0)) == 1  # the killed incarnation, not its successor
 
 
 # A rank that steps once, then exits 0 when its agent asks it to leave (as the runtime's ranks do at

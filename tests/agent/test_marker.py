@@ -54,3 +54,18 @@ def test_a_mark_raises_failed_to_started_and_never_beyond() -> None:
     finally:
         marker.stop()
         sidecar.stop()
+
+
+def test_a_mark_that_waits_returns_once_the_death_is_written() -> None:
+    """A rank the agent kills to restart it (a hang) is marked before its successor starts: the mark
+    must be in the store when ``mark`` returns, not some time later."""
+    sidecar = StoreSidecar.start("127.0.0.1", "t")
+    marker = FailureMarker().start()
+    try:
+        client = keys.connect(sidecar.host, sidecar.port)
+        client.add(keys.started_key(1), 1)
+        assert marker.mark(sidecar.host, sidecar.port, 1, wait_s=60.0)  # the helper imports torch first
+        assert keys.counter(client, failed_key(1)) == 1
+    finally:
+        marker.stop()
+        sidecar.stop()
