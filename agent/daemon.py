@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 from agent import launchenv
 from agent.fence import Contact, Fence
@@ -137,6 +137,14 @@ def default_advertise_host(etcd: str) -> str:
                           "set --advertise-host / UNICRON_ADVERTISE_HOST") from exc
 
 
+def fenced_placement(a: TaskAssignment, fenced: Mapping[str, tuple[int, int]]) -> bool:
+    """``a`` places ranks here no later than the fence killed them (``fenced``: task -> generation
+    and membership epoch they ran at). A newer generation, or a newer membership of the same one (an
+    in-place task resized around this node once it was taken for lost, and placed on it again: its
+    ranks join the running ones), is a placement made since."""
+    return (a.generation, a.membership_epoch) <= fenced.get(a.task, (-1, -1))
+
+
 class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
@@ -158,7 +166,8 @@ class Agent:
         self._applied_revision = -1
         self._assign_lock = threading.Lock()  # the watch and the fence's restore both apply assignments
         #: task -> the generation whose ranks the fence killed here: never launched again (see _fence_kill)
-        self._fenced: dict[str, int] = {}
+        #: task -> (generation, membership epoch) its ranks here ran at when the fence killed them
+        self._fenced: dict[str, tuple[int, int]] = {}
         self._fenced_for = 0.0  # seconds the node had been cut off when the fence killed its ranks
         self._watches: list[PrefixWatch] = []
         self.fence: Fence | None = None
@@ -608,7 +617,7 @@ class Agent:
                 revision = assignment.revision
                 if again:
                     self._report_fenced(desired)
-                desired = [a for a in desired if a.generation > self._fenced.get(a.task, -1)]
+                desired = [a for a in desired if not fenced_placement(a, self._fenced)]
             outcomes = self.reconcile(desired, isolated)
             self._applied_revision = revision
         threading.Thread(target=self._report_result, args=(revision, outcomes), name=f"result-{revision}",
@@ -630,7 +639,8 @@ class Agent:
         self.metrics.fences.inc()
         with self._assign_lock:
             with self._tasks_lock:
-                self._fenced.update({name: rec.latest.generation for name, rec in self._tasks.items()})
+                self._fenced.update({name: (rec.latest.generation, rec.latest.membership_epoch)
+                                     for name, rec in self._tasks.items()})
             self.reconcile([], isolated=True)
         self._fenced_for = cut_off_s
 
@@ -641,10 +651,10 @@ class Agent:
         self._apply_assignment(key, kv.value if kv is not None else None, again=True)
 
     def _report_fenced(self, assigned: list[TaskAssignment]) -> None:
-        """Still assigned here at the fenced generation: the coordinator never declared this node lost
-        (it could not: it was down or cut off itself). Nothing else tells it these ranks are gone."""
+        """Still assigned here as when fenced: the coordinator never declared this node lost (it could
+        not: it was down or cut off itself). Nothing else tells it these ranks are gone."""
         for a in assigned:
-            if self._fenced.get(a.task) == a.generation:
+            if fenced_placement(a, self._fenced):
                 self.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.FENCED,
                             f"the node's ranks of task {a.task} were killed by its fence, after "
                             f"{self._fenced_for:.1f} s cut off from etcd and the coordinator", task=a.task,

@@ -6,11 +6,28 @@ import threading
 
 import pytest
 
-from agent.daemon import Agent
+from agent.daemon import Agent, fenced_placement
 from agent.fence import Contact, Fence, cut_off_for
 from unicron.kernel import protocol
 from unicron.kernel.errors import StoreUnavailable
-from unicron.kernel.types import ErrorKind
+from unicron.kernel.types import ErrorKind, RankSpec, TaskAssignment
+
+
+def test_a_fenced_placement_is_not_launched_again_but_a_later_membership_of_it_is() -> None:
+    """An in-place task keeps its generation: once resized around the lost node and placed on it again
+    (a higher membership epoch), its ranks join the running ones. The returned node had refused them
+    (bench/resize_soak.py: the task one rank short for good)."""
+    def placed(generation: int, membership_epoch: int, task: str = "t") -> TaskAssignment:
+        return TaskAssignment(task=task, generation=generation, argv=["python", "train.py"], env={}, world_size=4,
+                              ranks=[RankSpec(rank=3, local_rank=0, gpu=0)], store_node="n0",
+                              membership_epoch=membership_epoch)
+
+    fenced = {"t": (2, 5)}
+    assert fenced_placement(placed(2, 5), fenced)  # as it ran when the fence killed it
+    assert fenced_placement(placed(1, 9), fenced)  # an older generation
+    assert not fenced_placement(placed(2, 6), fenced)  # re-placed here after the resize around the node
+    assert not fenced_placement(placed(3, 0), fenced)  # relaunched as a new generation
+    assert not fenced_placement(placed(1, 0, task="other"), fenced)  # never fenced
 
 
 def test_the_cut_off_counts_from_the_later_contact() -> None:
