@@ -438,8 +438,12 @@ class Agent:
         return self.marker.mark(store.host, store.port, rank, wait_s)
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+        # the rank's last step: a line says none, and without one the coordinator cannot tell the echo
+        # of an in-place resize (a survivor's broken call to the old store) from a new fault
+        rec = self._task(task)
         self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, line, task=task,
-                    rank=rank, gpu=self._gpu_of(task, rank), source_ts=ts)
+                    rank=rank, gpu=self._gpu_of(task, rank), step=rec.step_of(rank) if rec is not None else None,
+                    source_ts=ts)
 
     def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float) -> None:
         rec = self._task(task)

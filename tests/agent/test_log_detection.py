@@ -84,3 +84,19 @@ def test_an_nccl_watchdog_timeout_in_stderr_is_sev3(agent: Agent, store: Store) 
     found = wait_for(lambda: next((r for r in reports(store) if r.task == "nccl"), None), 30, "the stderr report")
     assert (found.kind, found.method) == (ErrorKind.NCCL_TIMEOUT, DetectionMethod.STATISTICAL_MONITORING)
     assert severity_of(found.method, found.kind) is Severity.SEV3  # Table 1; it was sev2 before
+
+
+def test_a_stderr_report_carries_the_ranks_last_step(agent: Agent, store: Store) -> None:
+    """A line says no step, but the coordinator needs one to tell a survivor's broken call to a moved
+    store (the echo of an in-place resize) from a new fault: the rank's last reported step goes with it
+    (without it a drain of the store's node raised a reattempt in the resize soak)."""
+    code = ("import sys, time\nfrom unicron.kernel.client import AgentClient\n"
+            "c = AgentClient.from_env().connect()\n"
+            "with c.iteration(41): pass\n"
+            "time.sleep(0.5)\n"
+            "print('[W1127 14:39:08.576720330 TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=4): "
+            "Broken pipe', file=sys.stderr, flush=True)\n"
+            "time.sleep(30)\n")
+    assign(store, "a0", task("echo", [sys.executable, "-c", code], [0], 1, store_node="a0"))
+    found = wait_for(lambda: next((r for r in reports(store) if r.task == "echo"), None), 30, "the stderr report")
+    assert found.kind is ErrorKind.OTHER_NETWORK_ERROR and found.step == 41
