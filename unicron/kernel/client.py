@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import traceback as tb
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 from unicron.kernel import log as ulog
@@ -57,6 +57,9 @@ class AgentClient:
         self.generation = generation
         self.socket_path = socket_path if socket_path is not None else os.environ.get(protocol.ENV_SOCKET)
         self.instructions: queue.Queue[protocol.Message] = queue.Queue()
+        #: called on the reader thread with a ``StoreMoved`` before it is queued: the training thread
+        #: may be blocked on the old store's host and read the queue only once that call returns
+        self.on_store_moved: Callable[[protocol.StoreMoved], None] | None = None
         self._conn: wire.LineSocket | None = None
         self._reader: threading.Thread | None = None
         self._pending_slow: list[protocol.InjectSlow] = []
@@ -149,6 +152,8 @@ class AgentClient:
             elif isinstance(msg, protocol.StopNoted):
                 self._stop_noted.set()
             else:
+                if isinstance(msg, protocol.StoreMoved) and self.on_store_moved is not None:
+                    self.on_store_moved(msg)
                 self.instructions.put(msg)
 
     def next_instruction(self, timeout: float | None = 0.0) -> protocol.Message | None:

@@ -241,7 +241,7 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         sched=sched, comm=comm, client=client,
         faults=FaultScript.from_env(rank, incarnation, store), checkpointer=checkpointer,
         ckpt_every=args.ckpt_every, resume=args.resume, watcher=heartbeat,
-        preemption=Preemption(snapshot=args.stop_snapshot == "on"),
+        preemption=Preemption(snapshot=args.stop_snapshot == "on"), store_host=host,
     )
     trainer.store_epoch = store_epoch
     return Rank(trainer, heartbeat, client)

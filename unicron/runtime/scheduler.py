@@ -103,6 +103,7 @@ from unicron.runtime.recovery import (
     top_iteration,
 )
 from unicron.runtime.reshard import TpLayout, restore_resharded
+from unicron.runtime.sever import sever
 from unicron.runtime.state import (
     CheckpointSource,
     OptimConfig,
@@ -267,12 +268,15 @@ class Trainer(Generic[BatchT]):
         resume: bool = False,
         watcher: Heartbeat | None = None,
         preemption: Preemption | None = None,
+        store_host: str = "",
     ) -> None:
         if sched.recovery not in RECOVERY_MODES:
             raise ConfigError(f"--recovery {sched.recovery!r}: choose one of {RECOVERY_MODES}")
         self.rank, self.topo, self.store, self.incarnation = rank, topo, store, incarnation
         self.job, self.optim_cfg, self.sched, self.comm = job, optim_cfg, sched, comm
         self.client, self.faults = client, faults
+        self.store_host = store_host  # the host of the store this rank uses (cut off if the store moves)
+        client.on_store_moved = self._sever_old_store
         #: where the model, its gradients and every collective's tensors live (``CommSettings.device``)
         self.device = torch.device(comm.device)
         if self.device.type == "cuda":  # pragma: no cover - GPU only
@@ -517,12 +521,25 @@ class Trainer(Generic[BatchT]):
         records = list(self._epochs.values()) or ([self._groups.record] if self._groups is not None else [])
         membership.reseed(store, self.rank, self.incarnation, records, msg.lost, self.leaving)
         self.store, self.store_epoch, self.faults.store = store, msg.store_epoch, store
+        self.store_host = msg.host
         self.membership.use(store)
         if self.watcher is not None:
             self.watcher.move(msg.host, msg.port)
         self._event("store_moved", store_epoch=msg.store_epoch, lost=list(msg.lost), waited_s=t0 - t_wait,
                     seconds=time.time() - t0, error=str(exc).splitlines()[0] if exc is not None else "")
         self.log.info("store moved", store_epoch=msg.store_epoch, host=msg.host, port=msg.port, lost=list(msg.lost))
+
+    def _sever_old_store(self, msg: protocol.StoreMoved) -> None:
+        """On the agent client's reader thread, as ``StoreMoved`` arrives: the store left its host, and
+        that host may be cut off the network (a partition answers nothing). Cut this process's
+        connections to it, so that a collective with its ranks or a call to the old store fails now
+        rather than at its timeout (30 s each; a partitioned store node held the survivors for over
+        two minutes in the resize soak). Recovery then starts from that failure as from any other."""
+        host = self.store_host
+        if msg.store_epoch > self.store_epoch and host and host != msg.host:
+            cut = sever(host)
+            self.log.info("cut the old store host's connections", host=host, connections=cut,
+                          store_epoch=msg.store_epoch)
 
     def _on_injected(self, fault: InjectedFault) -> None:
         sev = severity_of_kind(fault.kind)

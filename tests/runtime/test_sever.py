@@ -1,0 +1,80 @@
+"""Cutting a process's TCP connections to one host (unicron/runtime/sever.py): a call blocked on one
+fails at once, connections to other hosts are untouched, and loopback is never cut."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from unicron.runtime.sever import sever
+
+
+def local_address() -> str:
+    """A non-loopback address of this host (the one a UDP socket would send from)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent
+        addr = str(probe.getsockname()[0])
+    except OSError:
+        addr = ""
+    finally:
+        probe.close()
+    if not addr or addr.startswith("127."):
+        pytest.skip("no non-loopback address on this host")
+    return addr
+
+
+@pytest.fixture
+def server() -> Iterator[socket.socket]:
+    srv = socket.socket()
+    srv.bind(("0.0.0.0", 0))
+    srv.listen()
+    yield srv
+    srv.close()
+
+
+def blocked_recv(sock: socket.socket) -> tuple[threading.Thread, list[bytes | Exception]]:
+    got: list[bytes | Exception] = []
+
+    def run() -> None:
+        try:
+            got.append(sock.recv(1))
+        except OSError as exc:
+            got.append(exc)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, got
+
+
+def test_a_call_blocked_on_a_connection_to_the_host_returns_at_once_and_others_stay(server: socket.socket) -> None:
+    host = local_address()
+    port = server.getsockname()[1]
+    far = socket.create_connection((host, port))
+    near = socket.create_connection(("127.0.0.1", port))
+    accepted = [server.accept(), server.accept()]
+    peers = [conn for conn, _ in accepted]
+    near_peer = next(conn for conn, (_, port_) in accepted if port_ == near.getsockname()[1])
+    try:
+        th, got = blocked_recv(far)
+        time.sleep(0.2)
+        assert th.is_alive()  # blocked: the peer sends nothing
+        t0 = time.monotonic()
+        assert sever(host) >= 1  # far, and its accepted end (also to this host's address)
+        th.join(5.0)
+        assert not th.is_alive() and time.monotonic() - t0 < 2.0
+        assert got == [b""] or isinstance(got[0], OSError)
+        assert sever("127.0.0.1") == 0  # loopback names no other host
+        near_peer.sendall(b"x")
+        assert near.recv(1) == b"x"  # the loopback connection still works
+    finally:
+        for s in (far, near, *peers):
+            s.close()
+
+
+def test_an_unknown_host_cuts_nothing() -> None:
+    assert sever("no-such-host.invalid") == 0
