@@ -22,7 +22,7 @@ from unicron.runtime.comm import broken_group, ensure_torch_distributed, solo_gr
 from unicron.runtime.data import FileTokens, SyntheticTokens, make_source
 from unicron.runtime.faults import Fault, parse
 from unicron.runtime.model import ModelConfig, build_gpt, lm_loss, rebind_groups
-from unicron.runtime.scheduler import is_comm_error
+from unicron.runtime.scheduler import is_comm_error, starts_the_job
 from unicron.runtime.state import OptimConfig, ReplicaState
 
 SMALL = ModelConfig(layers=2, hidden=64, heads=4, seq=32, vocab=128, dtype="float64")
@@ -144,3 +144,11 @@ def test_cli_registers_train_and_reports_bad_settings_by_name(capsys: pytest.Cap
             err = capsys.readouterr().err
             assert "--device cuda: LOCAL_RANK=0 but this rank sees 0 GPU(s)" in err, err
             assert len(err.strip().splitlines()) == 1
+
+
+def test_only_a_first_process_on_the_launchs_store_starts_the_job() -> None:
+    assert starts_the_job(incarnation=1, store_epoch=0)
+    assert not starts_the_job(incarnation=2, store_epoch=0)  # a restarted process joins
+    # a moved store lacks the counters of ranks its re-seeders no longer held: incarnation 1 there is a
+    # returning rank of a running job
+    assert not starts_the_job(incarnation=1, store_epoch=6)

@@ -238,6 +238,15 @@ def is_comm_error(exc: BaseException) -> bool:
     return False
 
 
+def starts_the_job(incarnation: int, store_epoch: int) -> bool:
+    """Whether a rank's process starts the job (epoch 0) rather than joins it. Only a first process on
+    the launch's store starts: a store that moved (``store_epoch`` > 0) belongs to a running job, and
+    its counters of a rank the survivors no longer held are not re-seeded, so a returning rank can
+    count itself in as incarnation 1 there (resize soak: it started the job alone, proposed epochs
+    nobody else entered and waited 90 s at their barrier)."""
+    return incarnation == 1 and store_epoch == 0
+
+
 def severity_of_kind(kind: ErrorKind) -> Severity:
     """Table 1 severity of an exception a rank raises (the table is ``unicron.kernel.severity``)."""
     from unicron.kernel.severity import severity_of
@@ -441,7 +450,7 @@ class Trainer(Generic[BatchT]):
     def begin(self) -> None:
         """Enter the job: epoch 0 on a first start (restoring the checkpoint with ``resume``), else
         wait to be admitted and take the state from a replica."""
-        if self.incarnation != 1:
+        if not starts_the_job(self.incarnation, self.store_epoch):
             self._rejoin()
             return
         t0 = time.time()
