@@ -428,6 +428,7 @@ class _Run:
         entry.membership_epoch += 1
         entry.store_node = plan.store_node
         entry.recovery_step = entry.resized_step = entry.last_step
+        entry.resized_at = self.state.now
         entry.reason = fault.reason
         action = ResizeInPlace(
             action_id=self._id(),
@@ -514,7 +515,7 @@ class _Run:
             on_node = entry.ranks_on(inc.node)
             ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
             trigger = SEVERITY_TRIGGER[inc.severity]
-            if trigger is _T.SEV3 and _echo_of_resize(entry, inc):
+            if trigger is _T.SEV3 and _echo_of_resize(entry, inc, self.state.now, self.settings.resize_echo_s):
                 trigger = _T.RESIZE_ECHO
             if inc.kind is ErrorKind.FENCED:
                 trigger = _T.STOPPED
@@ -774,11 +775,14 @@ def _waiting_reason(min_gpus: int, usable: int, counts: Mapping[str, int]) -> st
     return f"waiting for GPUs: no placement of {min_gpus} fits the usable nodes (tp_size, batch split)"
 
 
-def _echo_of_resize(entry: TaskEntry, inc: Incident) -> bool:
+def _echo_of_resize(entry: TaskEntry, inc: Incident, now: float, window_s: float) -> bool:
     """Whether a sev3 incident is a survivor's view of the in-place resize of its task: the broken
-    collective of the iteration in flight when peers were lost or left. In the transition benchmark
-    these reports arrived after the resize was confirmed and raised a reattempt of a task that had
-    already recovered."""
+    collective of the iteration in flight when peers were lost or left (its step at most one past the
+    resize's), or anything within ``window_s`` of it (a call to a store that moved, see
+    ``DecisionSettings.resize_echo_s``). In the transition benchmark these reports arrived after the
+    resize was confirmed and raised a reattempt of a task that had already recovered."""
+    if entry.resized_at is not None and now - entry.resized_at <= window_s:
+        return True
     if entry.resized_step is None or inc.step is None:
         return False
     return inc.step <= entry.resized_step + 1

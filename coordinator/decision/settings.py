@@ -31,6 +31,10 @@ class DecisionSettings:
     """Seconds for an assignment (launch or reconfiguration) to be confirmed before it counts as failed."""
     resize_deadline_s: float = 120.0
     """Seconds for an in-place resize to be confirmed (a step completed after it) before it counts as failed."""
+    resize_echo_s: float = 5.0
+    """A sev3 of a task detected this long after its in-place resize at most is that resize's echo,
+    whatever its step: a call to the store that moved breaks only once its old node's agent stops it,
+    and fast iterations (0.1 s in the resize soak) run several steps past the resize by then."""
     in_place_resize: bool = True
     """Reach a new allocation that keeps the layout by an in-place resize (survivors keep running)
     instead of a new generation. Off: every move is a new generation (stop, snapshot, relaunch)."""

@@ -89,6 +89,8 @@ class TaskEntry:
     resized_step: int | None = None
     """Last step known at the latest in-place resize: the survivors' sev3 reports of the peers it removed
     (their collective of the next iteration broke) belong to it, not to a new reattempt."""
+    resized_at: float | None = None
+    """When the latest in-place resize was decided (the core's clock): see ``resize_echo_s``."""
     restarts: int = 0  # restarts without progress
     no_progress_since: int | None = None  # last step known at the first of those restarts
     reason: str = ""  # why pending / failed / what the last recovery was for

@@ -151,12 +151,23 @@ def test_survivors_sev3_of_the_iteration_in_flight_at_a_shrink_is_merged_not_rea
         assert not only(sim.incident("n1", SEV3_KIND, task=JOB, rank=0, step=step), Reattempt)
         assert sim.phase(JOB) is TaskPhase.RUNNING
         assert [t.trigger for t in sim.transitions] == [Trigger.RESIZE_ECHO]
+    sim.ts(IN_PLACE.resize_echo_s)  # past the window in which anything is the resize's echo
     assert one(sim.incident("n1", SEV3_KIND, task=JOB, rank=0, step=7), Reattempt, JOB)
     # before it: the same report during the resize is merged as any sev3 during a reconfiguration
     sim = _three_nodes()
     sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="link closed"))
     assert not only(sim.incident("n1", SEV3_KIND, task=JOB, rank=0, step=6), Reattempt)
     assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+
+
+def test_a_sev3_soon_after_a_resize_is_its_echo_whatever_its_step() -> None:
+    """A drained store node's agent stops the old store once it applies the resize; in the resize soak
+    (0.1 s iterations) the survivors' broken calls to it came 4 steps later and raised reattempts."""
+    sim = _three_nodes()
+    one(sim.feed(NodeDrained(ts=sim.ts(), node="n1")), ResizeInPlace, JOB)
+    sim.progress(JOB, 12)
+    assert not only(sim.incident("n2", SEV3_KIND, task=JOB, rank=2, step=12), Reattempt)
+    assert [t.trigger for t in sim.transitions][-1] is Trigger.RESIZE_ECHO
 
 
 def test_a_gone_store_node_moves_the_store_to_the_lowest_survivors_node() -> None:
