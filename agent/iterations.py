@@ -106,6 +106,11 @@ class IterationSettings:
     gc_wait_factor: float = 10.0
     """A full garbage collection (the ``gc`` phase) longer than this times the baseline is a hang (a
     finalizer blocked for good); shorter ones stop the hang clock like a data wait."""
+    hang_repeat_s: float = 60.0
+    """A hang still there this long after its report is reported again. The first one may be lost in
+    another's recovery: a frozen rank's peers wait in its collective and are found hung with it, and
+    when the coordinator restarted a peer (whose report came first), the frozen rank stayed in the task
+    for good (resize soak, SIGSTOP; its peers trained on without it)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -125,6 +130,7 @@ class IterationSettings:
             ("data_wait_factor", self.data_wait_factor >= 1.0, ">= 1"),
             ("gc_wait_factor", self.gc_wait_factor >= 1.0, ">= 1"),
             ("warmup_hang_s", self.warmup_hang_s >= 0.0, ">= 0"),
+            ("hang_repeat_s", self.hang_repeat_s > 0.0, "> 0"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -168,6 +174,7 @@ class IterationMonitor:
             self._waited = 0.0  # waits of the running iteration, ended ones
             self._tainted = False  # the open iteration spanned a non-train phase
             self._hang_reported = False
+            self._again_at: float | None = None  # when a reported hang is reported again
             self._completed = 0  # train iterations completed, warm-up included
             self._baseline: deque[float] = deque(maxlen=self.settings.baseline_window)
             self._sum = 0.0
@@ -288,7 +295,7 @@ class IterationMonitor:
     def _deadline(self) -> float | None:
         mean = self._mean()
         if self._hang_reported:
-            return None
+            return self._again_at if self._phase in _JUDGED else None
         if mean is None:
             return self._warmup_deadline()
         if self._phase in _WAITS and self._wait_since is not None:
@@ -313,13 +320,15 @@ class IterationMonitor:
 
     def deadline(self) -> float | None:
         """When the running iteration (or wait for data) becomes a hang; before a baseline, when the
-        rank's silence does (``warmup_hang_s`` after its launch or latest report). None: no iteration
-        open, in a checkpoint/eval/regroup phase, or its hang was already reported."""
+        rank's silence does (``warmup_hang_s`` after its launch or latest report); once reported, when it
+        is reported again (``hang_repeat_s``). None: no iteration open, or in a checkpoint/eval/regroup
+        phase."""
         with self._lock:
             return self._deadline()
 
     def check(self, now: float) -> list[Finding]:
-        """Findings due at ``now``: pending degradations, and at most one TASK_HANG per iteration."""
+        """Findings due at ``now``: pending degradations, and a TASK_HANG once per iteration, again every
+        ``hang_repeat_s`` while it lasts."""
         with self._lock:
             out, self._pending = self._pending, []
             deadline = self._deadline()
@@ -338,6 +347,8 @@ class IterationMonitor:
                     f"longest recent {self._tail.max() or 0.0:.3f} s)",
                     deadline, start,
                 ))
+            if any(f.kind is ErrorKind.TASK_HANG for f in out):
+                self._again_at = now + self.settings.hang_repeat_s
             return out
 
     def _warmup_hang(self, now: float, deadline: float) -> Finding:

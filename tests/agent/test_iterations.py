@@ -58,9 +58,25 @@ def test_hang_at_three_times_the_mean_reported_once() -> None:
     assert mon.check(100.299) == []
     (f,) = mon.check(100.3)
     assert (f.kind, f.step, f.onset_ts) == (HANG, 50, 100.0) and f.ts == pytest.approx(100.3)
-    assert mon.check(101.0) == [] and mon.deadline() is None  # at most one per iteration
+    assert mon.check(101.0) == []  # once
+    assert mon.deadline() == pytest.approx(100.3 + IterationSettings().hang_repeat_s)  # unless it lasts
     mon.iter_start(51, 200.0)  # the next iteration is judged afresh
     assert [f.kind for f in mon.check(200.31)] == [HANG]
+
+
+def test_a_hang_that_lasts_is_reported_again_every_repeat_interval() -> None:
+    """A frozen rank's peers wait in its collective and are found hung with it; the coordinator
+    restarted the peer whose report came first and the frozen rank stayed in the task (resize soak):
+    it must be reported again."""
+    mon = IterationMonitor(IterationSettings(warmup_iterations=3, min_samples=2, warmup_hang_s=10.0,
+                                             hang_repeat_s=60.0))
+    mon.launched(0.0)
+    assert [f.kind for f in mon.check(10.0)] == [HANG]
+    assert mon.check(69.9) == []
+    assert [f.kind for f in mon.check(70.0)] == [HANG]
+    assert [f.kind for f in mon.check(130.0)] == [HANG]
+    mon.iter_start(1, 131.0)  # it reports again: judged afresh
+    assert mon.check(131.5) == []
 
 
 def test_no_deadline_during_warmup_or_without_an_open_iteration() -> None:
@@ -118,7 +134,8 @@ def test_a_data_wait_past_its_bound_is_one_hang() -> None:
     assert mon.check(51.01) == []
     (f,) = mon.check(51.02)
     assert (f.kind, f.step, f.onset_ts) == (HANG, 20, 50.02) and "data" in f.message
-    assert mon.check(60.0) == [] and mon.deadline() is None  # once per iteration
+    assert mon.check(60.0) == []  # once, until hang_repeat_s later
+    assert mon.deadline() == pytest.approx(51.02 + IterationSettings().hang_repeat_s)
     mon.phase("train", 60.0)
     mon.iter_end(20, 10.0, 60.01)  # a hang that ended: no sample, no widening
     assert mon.baseline() == pytest.approx(0.1) and mon.stats()["completed"] == 10
@@ -159,7 +176,7 @@ def test_a_rank_silent_since_its_launch_or_in_warm_up_is_a_hang_after_the_warmup
     assert mon.deadline() == pytest.approx(110.0) and mon.check(109.9) == []
     (f,) = mon.check(110.0)
     assert (f.kind, f.step, f.onset_ts) == (HANG, None, 100.0) and "baseline" in f.message
-    assert mon.check(200.0) == []  # once
+    assert mon.check(169.9) == []  # once, until hang_repeat_s (60 s) later
     mon.iter_start(0, 200.0)  # it reports after all (a slow start): judged afresh
     assert mon.deadline() == pytest.approx(210.0)
     mon.phase("checkpoint", 201.0)
