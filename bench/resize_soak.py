@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import redirect_stdout, suppress
 from dataclasses import dataclass, field
@@ -65,6 +65,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from chaos import Tally as ChaosTally  # type: ignore[import-not-found,unused-ignore]
 from chaos import progress  # type: ignore[import-not-found,unused-ignore]
 from transition import Done, IterLog  # type: ignore[import-not-found,unused-ignore]
 
@@ -107,17 +108,12 @@ class Move:
 
 
 @dataclass
-class Tally:
-    moves: Counter[str] = field(default_factory=Counter)
-    heal_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    violations: list[str] = field(default_factory=list)
+class Tally(ChaosTally):  # type: ignore[misc,unused-ignore]  # bench/chaos.py, imported by path
+    """The chaos bench's tally (``injected`` counts the moves here) and what this soak adds."""
+
     dp_sizes: list[int] = field(default_factory=list)
     store_moves: int = 0
     survivors_checked: int = 0
-
-    def violate(self, what: str) -> None:
-        progress(f"VIOLATION: {what}")
-        self.violations.append(what)
 
 
 def alive(pid: int) -> bool:
@@ -204,42 +200,43 @@ class Soak:
         if self.store_node() == node:
             self.tally.store_moves += 1
 
-    def m_node_kill(self) -> Move:
+    def _take_out(self, kind: str, how: str, act: Callable[[str, set[int]], None],
+                  error: ErrorKind | None) -> Move:
+        """Take a node in service out (``act`` on it and its rank processes): a sev1 ``error`` on it
+        is the incident it must become (None: no fault at all)."""
         node, pids = self._node()
         self._note_store(node)
-        os.killpg(self.c.agents[node].pid, signal.SIGKILL)
-        for pid in pids:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.out[node] = "killed"
-        return Move("node_kill", time.time(), pids, node, severity=Severity.SEV1,
-                    expect=lambda i: i.kind is ErrorKind.LOST_CONNECTION and i.node == node)
+        act(node, pids)
+        self.out[node] = how
+        if error is None:
+            return Move(kind, time.time(), pids, node)
+        return Move(kind, time.time(), pids, node, severity=Severity.SEV1,
+                    expect=lambda i: i.kind is error and i.node == node)
+
+    def m_node_kill(self) -> Move:
+        def kill(node: str, pids: set[int]) -> None:
+            os.killpg(self.c.agents[node].pid, signal.SIGKILL)
+            for pid in pids:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return self._take_out("node_kill", "killed", kill, ErrorKind.LOST_CONNECTION)
 
     def m_partition(self) -> Move:
-        node, pids = self._node()
-        self._note_store(node)
-        self.c.partition(node)
-        self.out[node] = "partitioned"
-        return Move("partition", time.time(), pids, node, severity=Severity.SEV1,
-                    expect=lambda i: i.kind is ErrorKind.LOST_CONNECTION and i.node == node)
+        return self._take_out("partition", "partitioned", lambda node, _: self.c.partition(node),
+                              ErrorKind.LOST_CONNECTION)
 
     def m_xid(self) -> Move:
-        node, pids = self._node()
-        self._note_store(node)
-        assert self.c.store is not None
-        request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "xid", "code": 79, "gpu": 0}),
-                timeout_s=20.0)
-        self.out[node] = "isolated"
-        return Move("xid", time.time(), pids, node, severity=Severity.SEV1,
-                    expect=lambda i: i.kind is ErrorKind.GPU_DRIVER_ERROR and i.node == node)
+        def xid(node: str, _: set[int]) -> None:
+            assert self.c.store is not None
+            request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "xid", "code": 79, "gpu": 0}),
+                    timeout_s=20.0)
+        return self._take_out("xid", "isolated", xid, ErrorKind.GPU_DRIVER_ERROR)
 
     def m_drain(self) -> Move:
-        node, pids = self._node()
-        self._note_store(node)
-        with redirect_stdout(io.StringIO()):
-            assert cli(["drain", node]) == 0
-        self.out[node] = "drained"
-        return Move("drain", time.time(), pids, node)
+        def drain(node: str, _: set[int]) -> None:
+            with redirect_stdout(io.StringIO()):
+                assert cli(["drain", node]) == 0
+        return self._take_out("drain", "drained", drain, None)
 
     def m_repair(self) -> Move:
         node = self.rng.choice(sorted(self.out))
@@ -277,8 +274,8 @@ class Soak:
         before = self.live()
         past = max(int(r.get("step") or 0) for r in before.values())
         m = getattr(self, f"m_{kind}")()
-        n = sum(self.tally.moves.values()) + 1
-        self.tally.moves[m.kind] += 1
+        n = sum(self.tally.injected.values()) + 1
+        self.tally.injected[m.kind] += 1
         progress(f"move {n}: {m.kind} {m.node or ''} {'' if m.rank is None else f'rank {m.rank}'} "
                  f"(in service {len(self.in_service())})")
         self.check_incident(m)
@@ -423,7 +420,7 @@ def run(seed: int, moves: int, agents: int, heal_timeout_s: float) -> dict[str, 
         round_: list[str] = []
         completed = True
         try:
-            while sum(soak.tally.moves.values()) < moves:
+            while sum(soak.tally.injected.values()) < moves:
                 soak.move(soak.next_kind(round_))
             while soak.out:  # every node back before the end: the stop needs no node out of service
                 soak.move("repair")
@@ -439,8 +436,8 @@ def run(seed: int, moves: int, agents: int, heal_timeout_s: float) -> dict[str, 
     t = soak.tally
     heal = {k: {"n": len(v), "p50_s": round(statistics.median(v), 2), "min_s": round(min(v), 2),
                 "max_s": round(max(v), 2)} for k, v in sorted(t.heal_s.items())}
-    return {"seed": seed, "netns": netns, "agents": agents, "moves": sum(t.moves.values()),
-            "per_kind": dict(sorted(t.moves.items())), "invariant_violations": len(t.violations),
+    return {"seed": seed, "netns": netns, "agents": agents, "moves": sum(t.injected.values()),
+            "per_kind": dict(sorted(t.injected.items())), "invariant_violations": len(t.violations),
             "violations": t.violations[:20], "store_moves": t.store_moves,
             "survivor_processes_checked": t.survivors_checked, "dp_sizes_visited": sorted(set(t.dp_sizes)),
             "exact": exact, "heal": heal, "wall_s": round(time.monotonic() - started, 1)}
