@@ -165,8 +165,8 @@ class Agent:
         self._stores: dict[str, StoreAddress] = {}  # task -> its published store address
         self._applied_revision = -1
         self._assign_lock = threading.Lock()  # the watch and the fence's restore both apply assignments
-        #: task -> the generation whose ranks the fence killed here: never launched again (see _fence_kill)
-        #: task -> (generation, membership epoch) its ranks here ran at when the fence killed them
+        #: task -> (generation, membership epoch) its ranks here ran at when the fence killed them: that
+        #: placement is never launched again (see _fence_kill, fenced_placement)
         self._fenced: dict[str, tuple[int, int]] = {}
         self._fenced_for = 0.0  # seconds the node had been cut off when the fence killed its ranks
         self._watches: list[PrefixWatch] = []

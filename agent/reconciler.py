@@ -575,8 +575,6 @@ class TaskReconciler:
         Its peers must know this incarnation is dead before its successor counts itself in: mark it
         and wait. Unmarked, the new process beats the rank's heartbeat, and the survivors waited for
         the dead one at their barrier until the regroup timeout (bench/resize_soak.py, SIGSTOP)."""
-        if a.recovery == RECOVERY_RESTART:
-            return  # every rank restarts on a fresh store: nobody waits for this one
         if not self.host.mark_failed(store, rank, wait_s=MARK_WAIT_S):
             log.warning("rank relaunched before its death was marked", task=a.task, rank=rank, waited_s=MARK_WAIT_S)
 

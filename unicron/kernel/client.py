@@ -153,7 +153,10 @@ class AgentClient:
                 self._stop_noted.set()
             else:
                 if isinstance(msg, protocol.StoreMoved) and self.on_store_moved is not None:
-                    self.on_store_moved(msg)
+                    try:
+                        self.on_store_moved(msg)
+                    except Exception:  # the reader must live on: the move itself still reaches the queue
+                        log.exception("store-moved hook failed")
                 self.instructions.put(msg)
 
     def next_instruction(self, timeout: float | None = 0.0) -> protocol.Message | None:

@@ -63,7 +63,10 @@ def resolve(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     out: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
     for info in infos:
         ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        out.add(ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            out.add(ip.ipv4_mapped)
+        else:
+            out.add(ip)
     return out
 
 
@@ -74,8 +77,12 @@ def sever(host: str) -> int:
     if not ips:
         return 0
     inodes = _inodes_to(ips)
+    try:
+        descriptors = list(Path("/proc/self/fd").iterdir())
+    except OSError:  # no /proc: nothing can be found to cut
+        return 0
     cut = 0
-    for fd_path in Path("/proc/self/fd").iterdir():
+    for fd_path in descriptors:
         try:
             target = os.readlink(fd_path)
         except OSError:
