@@ -129,6 +129,15 @@ def progress(msg: str) -> None:
 # --- /proc: who claims which rank identity -------------------------------------------------------
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie), read from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def rank_processes() -> dict[tuple[str, int], list[int]]:
     """(task, rank) -> live PIDs whose environment names them (zombies left out), read from /proc."""
     out: dict[tuple[str, int], list[int]] = defaultdict(list)
@@ -137,12 +146,9 @@ def rank_processes() -> dict[tuple[str, int], list[int]]:
             continue
         try:
             env = Path(entry.path, "environ").read_bytes()
-            if b"UNICRON_TASK=" not in env:
-                continue
-            stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
-        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+        if b"UNICRON_TASK=" not in env or not alive(int(entry.name)):
             continue
         fields = dict(kv.split(b"=", 1) for kv in env.split(b"\0") if b"=" in kv)
         task, rank = fields.get(b"UNICRON_TASK"), fields.get(b"RANK")

@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from chaos import Tally as ChaosTally  # type: ignore[import-not-found,unused-ignore]
-from chaos import progress  # type: ignore[import-not-found,unused-ignore]
+from chaos import alive, progress  # type: ignore[import-not-found,unused-ignore]
 from transition import Done, IterLog  # type: ignore[import-not-found,unused-ignore]
 
 from unicron.cli.main import main as cli
@@ -114,14 +114,6 @@ class Tally(ChaosTally):  # type: ignore[misc,unused-ignore]  # bench/chaos.py, 
     dp_sizes: list[int] = field(default_factory=list)
     store_moves: int = 0
     survivors_checked: int = 0
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 class Soak:
