@@ -37,6 +37,7 @@ from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
 from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath, patterns
 from unicron.kernel.errors import ConfigError, PermanentError
+from unicron.kernel.procs import STOPPED_STATES, proc_state
 from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
@@ -81,7 +82,7 @@ class ProcStatus:
     pid: int
     """Its process id."""
     state: str
-    """"running", "stopped" (SIGSTOP) or "exited"."""
+    """"running", "stopped" (SIGSTOP, whoever sent it: the kernel's view) or "exited"."""
     returncode: int | None
     """Exit status once exited."""
     requested: bool
@@ -139,7 +140,16 @@ class RankProcess:
 
     def status(self) -> ProcStatus:
         rc = self.exit.returncode if self.exit else None
-        return ProcStatus(self.rank, self.pid, self.state, rc, self.requested)
+        return ProcStatus(self.rank, self.pid, self._observed_state(), rc, self.requested)
+
+    def _observed_state(self) -> str:
+        """The kernel's word over ours: anyone may stop a rank (a SIGSTOP from outside, a debugger), not
+        only :meth:`Supervisor.stop`, and the coordinator looks for the stopped rank behind a hang."""
+        if self.state == EXITED:
+            return EXITED
+        kernel = proc_state(self.pid)
+        # not stopped yet: our own stop() may not have taken effect (a SIGSTOP lands asynchronously)
+        return STOPPED if kernel in STOPPED_STATES else self.state
 
 
 class Supervisor:

@@ -66,6 +66,7 @@ from unicron.cluster.etcd_server import EtcdCluster
 from unicron.cluster.localcluster import LocalCluster
 from unicron.cluster.netns import unavailable_reason
 from unicron.kernel.inject import Injection, request
+from unicron.kernel.procs import DEAD_STATES, proc_state
 from unicron.kernel.types import ErrorKind, Incident, Severity
 
 TASKS = ("alpha", "beta")
@@ -131,11 +132,8 @@ def progress(msg: str) -> None:
 
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (not gone, not a zombie), read from /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    state = proc_state(pid)
+    return state is not None and state not in DEAD_STATES
 
 
 def rank_processes() -> dict[tuple[str, int], list[int]]:

@@ -5,7 +5,9 @@ this module which :data:`coordinator.decision.Event` values it means, given the 
 state. Each rule here is one arrow of the contract in ``docs/decision.md``:
 
 * a report                               -> an incident (:func:`incident`, severity by paper Table 1,
-                                            :mod:`unicron.kernel.severity`) -> ``IncidentRaised``
+                                            :mod:`unicron.kernel.severity`) -> ``IncidentRaised``;
+                                            a hang, the stopped rank's where a status shows one
+                                            (:func:`hang_culprit`)
 * ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
 * ``results/<node>``                     -> ``ActionSucceeded`` / ``ActionFailed`` (:func:`outcomes`)
 * every rank of a task exited 0          -> ``TaskFinished``, or ``TaskStopped`` when a rank said it
@@ -15,6 +17,7 @@ state. Each rule here is one arrow of the contract in ``docs/decision.md``:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 
 from coordinator import decision as d
@@ -69,6 +72,30 @@ def classify(report: Report, detected_ts: float, incident_id: str) -> Incident:
         handled=report.handled,
         detection_s=detected_ts - report.source_ts,
     )
+
+
+def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:
+    """The report of a hang, pointed at the rank that causes it where the agents' statuses show one.
+
+    A rank that stops (a SIGSTOP, a debugger) holds every peer in its next collective, so every agent
+    finds its ranks hung at about the same time, and the first report is often a healthy peer's:
+    restarting that peer leaves the task waiting for the stopped rank. So a hang reported for a rank
+    whose process runs is the stopped rank's (the lowest, if several), as its agent last saw it.
+    Anything else (no stopped rank, or the reporter's own rank stopped) is the report as it came."""
+    if report.kind is not ErrorKind.TASK_HANG or report.task is None or report.handled:
+        return report
+    stopped = sorted(
+        (r.rank, node, r.restart_epoch) for node, st in statuses.items() for r in st.ranks
+        if r.task == report.task and r.state == "stopped"
+        and (report.generation is None or r.generation == report.generation)
+    )
+    if not stopped or any((rank, node) == (report.rank, report.node) for rank, node, _ in stopped):
+        return report
+    rank, node, epoch = stopped[0]
+    return dataclasses.replace(
+        report, node=node, rank=rank, gpu=None, restart_epoch=epoch,
+        message=f"{report.message} (reported on {report.node} for rank {report.rank}; rank {rank}'s "
+                f"process is stopped)")
 
 
 def raised(inc: Incident, generation: int | None, restart_epoch: int | None = None) -> d.IncidentRaised | None:

@@ -524,6 +524,8 @@ class Coordinator:
             self._last_handled[report.task] = max(report.source_ts, self._last_handled.get(report.task, 0.0))
         elif self._is_regroup_consequence(report):
             report = dataclasses.replace(report, handled=True, message=f"{report.message} (during an in-place regroup)")
+        else:
+            report = causes.hang_culprit(report, self._statuses)
         incident = causes.incident(report, detected_ts=time.time())
         key = self.keys.incident(incident.incident_id)
         assert self.leadership is not None

@@ -18,6 +18,7 @@ import pytest
 from agent.prefork import Prefork, PreforkedProcess
 from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, Supervisor
 from unicron.kernel.errors import PermanentError
+from unicron.kernel.procs import proc_state
 from unicron.kernel.types import ErrorKind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,13 +228,14 @@ def test_a_sigterm_reaches_a_rank_stopped_by_someone_else_without_the_grace(
     proc = sup.launch(0, py(f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(30)"))
     while not ready.exists():
         time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGSTOP)  # not through sup.stop(): the supervisor thinks it is running
+    assert sup.status()[0].state == RUNNING
+    os.kill(proc.pid, signal.SIGSTOP)  # not through sup.stop(): the supervisor never asked for it
     # a SIGTERM that lands before the stop takes effect would kill it anyway: wait for state T
     deadline = time.monotonic() + 5.0
-    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+    while proc_state(proc.pid) != "T":
         assert time.monotonic() < deadline, "the rank did not stop"
         time.sleep(0.005)
-    assert sup.status()[0].state == RUNNING
+    assert sup.status()[0].state == STOPPED  # the kernel's view: what the coordinator needs behind a hang
     t0 = time.time()
     sup.kill(0, signal.SIGTERM, grace_s=5.0)
     ((exit, seen),) = ev.exits(1)

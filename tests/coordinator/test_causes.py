@@ -5,6 +5,8 @@ States come from the real decision core driven by events, so the tests follow it
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator import causes
@@ -259,3 +261,33 @@ def test_a_command_the_os_refused_to_execute_is_the_tasks_fault() -> None:
     assert state.tasks["t"].phase is d.TaskPhase.FAILED
     assert "cannot start" in state.tasks["t"].reason
     assert not [a for a in actions if isinstance(a, d.IsolateNode)]
+
+
+def hang(node: str, rank_: int, generation: int = 1) -> Report:
+    return Report(method=DetectionMethod.STATISTICAL_MONITORING, kind=ErrorKind.TASK_HANG, node=node, task="t",
+                  gpu=0, rank=rank_, step=7, generation=generation, restart_epoch=0, message="no iteration")
+
+
+def test_a_hang_reported_by_a_waiting_peer_is_the_stopped_ranks() -> None:
+    statuses = {"n0": status("n0", rank([0], 1)), "n1": status("n1", rank([1], 1, state="stopped", restart_epoch=2)),
+                "n2": status("n2", rank([2], 1, state="stopped"))}
+    report = hang("n0", 0)
+    culprit = causes.hang_culprit(report, statuses)
+    assert (culprit.node, culprit.rank, culprit.gpu, culprit.restart_epoch) == ("n1", 1, None, 2)  # the lowest
+    assert "rank 1's process is stopped" in culprit.message and "reported on n0 for rank 0" in culprit.message
+    assert culprit.report_id == report.report_id  # still one incident per report
+    # the stopped rank's own report, and a stopped rank of another generation or task, change nothing
+    own = hang("n2", 2)
+    assert causes.hang_culprit(own, statuses) is own
+    old = {"n1": status("n1", rank([1], 0, state="stopped"))}
+    assert causes.hang_culprit(hang("n0", 0), old).node == "n0"
+    other = {"n1": status("n1", [RankStatus(task="u", generation=1, rank=1, pid=1, state="stopped")])}
+    assert causes.hang_culprit(hang("n0", 0), other).node == "n0"
+
+
+def test_only_an_unhandled_hang_is_pointed_elsewhere() -> None:
+    statuses = {"n1": status("n1", rank([1], 1, state="stopped"))}
+    crash = dataclasses.replace(hang("n0", 0), kind=ErrorKind.CUDA_ERROR)
+    handled = dataclasses.replace(hang("n0", 0), handled=True)
+    assert causes.hang_culprit(crash, statuses) is crash and causes.hang_culprit(handled, statuses) is handled
+    assert causes.hang_culprit(hang("n0", 0), {"n1": status("n1", rank([1], 1))}).node == "n0"  # none stopped

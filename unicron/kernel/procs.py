@@ -1,5 +1,5 @@
-"""Process liveness by PID, for records that name a process (an agent's registration, a harness's
-namespace network): is its owner still running on this host?"""
+"""Processes by PID, for records that name a process (an agent's registration, a harness's namespace
+network, a supervised rank): is its owner still running on this host, and is it stopped?"""
 
 from __future__ import annotations
 
@@ -15,3 +15,20 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # it exists, owned by another user
     return True
+
+
+#: kernel states of a process that runs no code until something continues it (a SIGSTOP, a debugger)
+STOPPED_STATES = frozenset({"T", "t"})
+#: kernel states of a process that has ended and awaits (or is being) reaped
+DEAD_STATES = frozenset({"Z", "X"})
+
+
+def proc_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``R``, ``S``, ``D``, ``T`` stopped, ``t`` traced,
+    ``Z`` zombie, ...) from ``/proc/<pid>/stat``; None where there is no such process, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            # the command name, in parentheses, may itself hold spaces and parentheses: split after it
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

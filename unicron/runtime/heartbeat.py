@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from unicron.kernel import log as ulog
 from unicron.kernel.parentdeath import die_with_parent
+from unicron.kernel.procs import DEAD_STATES, STOPPED_STATES, proc_state
 from unicron.runtime import store as keys
 from unicron.runtime.comm import RendezvousStore
 
@@ -167,12 +168,8 @@ class Heartbeat:
 
 def _running(pid: int) -> bool:
     """False while ``pid`` is stopped (SIGSTOP) or a zombie: a frozen rank must not look alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("T", "t", "Z")
+    state = proc_state(pid)
+    return state is None or state not in STOPPED_STATES | DEAD_STATES
 
 
 class StalenessJudge:
