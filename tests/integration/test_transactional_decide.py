@@ -15,14 +15,23 @@ from concurrent.futures import Future
 import pytest
 
 from coordinator import decision as d
-from coordinator.daemon import Call, Coordinator, CoreEvent, Input, NodeChanged, ReportSeen
+from coordinator.daemon import Call, Coordinator, CoreEvent, Input, NodeChanged, ReportSeen, StatusChanged
 from coordinator.leader import Leadership
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import parse_task_spec
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Lease, Store, WatchEvent
-from unicron.kernel.types import DetectionMethod, ErrorKind, NodeAssignment, NodeInfo, Report, Severity
+from unicron.kernel.types import (
+    DetectionMethod,
+    ErrorKind,
+    NodeAssignment,
+    NodeInfo,
+    NodeStatus,
+    RankStatus,
+    Report,
+    Severity,
+)
 
 
 class FlakyStore(Store):
@@ -85,11 +94,11 @@ def report_input(c: Coordinator, report: Report) -> ReportSeen:
     return ReportSeen(WatchEvent("put", key, value.encode(), 0), time.time())
 
 
-def running(c: Coordinator) -> None:
+def running(c: Coordinator, recovery: str = "restart") -> None:
     """Two nodes, one task on both, confirmed by progress."""
     register(c, "n0", 1)
     register(c, "n1", 2)
-    spec = parse_task_spec({"name": "t", "command": ["python", "x.py"], "min_gpus": 2}, None)
+    spec = parse_task_spec({"name": "t", "command": ["python", "x.py"], "min_gpus": 2, "recovery": recovery}, None)
     feed(c, CoreEvent(d.TaskSubmitted(ts=time.time(), spec=spec)))
     settle(c)
     gen = c.state.tasks["t"].generation
@@ -188,3 +197,24 @@ def test_a_node_whose_lease_is_gone_while_no_link_runs_is_a_recorded_sev1(
     assert (inc.node, inc.kind, inc.severity) == (node, ErrorKind.LOST_CONNECTION, Severity.SEV1), inc
     assert c.state.nodes[node].status is d.NodeState.LOST
     assert c.state.tasks["t"].phase is not d.TaskPhase.RUNNING  # its task moves off the node
+
+
+def test_a_hang_reported_for_a_waiting_peer_restarts_the_stopped_rank(coord: tuple[Coordinator, FlakyStore]) -> None:
+    """A stopped rank holds its peers in its collective; a peer's hang report, read first, must not
+    restart the peer (bench/resize_soak.py, seed 11) but the rank its node's status shows stopped."""
+    c, _ = coord
+    running(c, recovery="inprocess")
+    gen = c.state.tasks["t"].generation
+    (waiting, waiting_rank), (frozen, frozen_rank) = sorted((n, r[0]) for n, r in c.state.tasks["t"].placement.items())
+    for node, rank, state in ((waiting, waiting_rank, "running"), (frozen, frozen_rank, "stopped")):
+        st = NodeStatus(node=node, ts=time.time(), generation=gen, task="t", gpu_health=[],
+                        ranks=[RankStatus(task="t", generation=gen, rank=rank, pid=1, state=state, step=1)])
+        feed(c, StatusChanged(WatchEvent("put", c.keys.status(node), st.to_json().encode(), 0), time.time()))
+    hang = Report(method=DetectionMethod.STATISTICAL_MONITORING, kind=ErrorKind.TASK_HANG, node=waiting, task="t",
+                  rank=waiting_rank, step=1, generation=gen, source_ts=time.time())
+    feed(c, report_input(c, hang))
+    settle(c)
+    inc = c.recent_incidents[-1]
+    assert (inc.node, inc.rank, inc.severity) == (frozen, frozen_rank, Severity.SEV2), inc
+    assert assignment(c, frozen).tasks[0].restart_epoch == 1  # only the stopped rank relaunches
+    assert assignment(c, waiting).tasks[0].restart_epoch == 0
