@@ -605,6 +605,7 @@ class TaskReconciler:
         are marked failed (by the store's node), joiners start; survivors go on untouched."""
         running = {r for r, st in self.supervisor.status().items() if st.returncode is None}
         leaving = sorted(r for r in running if r not in specs or r in a.joiners)
+        self._tell_lost(a, applied, sorted(running - set(leaving)))
         errors = self._leave(a, leaving)
         with self._lock:
             hosts_store = self._sidecar is not None
@@ -623,6 +624,17 @@ class TaskReconciler:
         log.info("resized in place", task=a.task, membership_epoch=a.membership_epoch, left=leaving,
                  joined=joiners, lost=list(a.lost), members=list(a.members))
         return errors
+
+    def _tell_lost(self, a: TaskAssignment, applied: TaskAssignment, survivors: list[int]) -> None:
+        """Name the ranks this resize gave up to the survivors here, first: a lost node that answers
+        nothing (a partition) holds every collective with its ranks until the collective's timeout,
+        unless the survivors cut their connections to it (``PeersLost``, :mod:`unicron.runtime.hostloss`)."""
+        lost = sorted(set(a.lost) - set(applied.lost))
+        if not lost:
+            return
+        msg = protocol.PeersLost(membership_epoch=a.membership_epoch, lost=lost)
+        for r in survivors:
+            self.host.send_to_rank(a.task, r, msg)
 
     def _leave(self, a: TaskAssignment, ranks: list[int]) -> list[str]:
         """Tell ``ranks`` to leave at their next iteration boundary; stop those that do not in time."""

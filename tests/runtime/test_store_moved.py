@@ -49,5 +49,6 @@ def test_every_rank_moves_to_the_new_store_and_trains_on_exactly(
     new = moved[1]
     assert new.check([SEEDED_KEY, "finished"]), "the ranks did not go on on the new store"
     assert all(keys.counter(new, keys.started_key(r)) == 1 for r in range(4))  # incarnations re-seeded, not bumped
+    assert all(new.get(keys.host_key(r, 1)) == b"127.0.0.1" for r in range(4))  # where each is, for PeersLost
     diff = max_rel_diff(done.params(0), runner.reference(args))
     assert diff <= 1e-12, f"max rel diff {diff:.3e}"

@@ -57,9 +57,9 @@ class AgentClient:
         self.generation = generation
         self.socket_path = socket_path if socket_path is not None else os.environ.get(protocol.ENV_SOCKET)
         self.instructions: queue.Queue[protocol.Message] = queue.Queue()
-        #: called on the reader thread with a ``StoreMoved`` before it is queued: the training thread
-        #: may be blocked on the old store's host and read the queue only once that call returns
-        self.on_store_moved: Callable[[protocol.StoreMoved], None] | None = None
+        #: called on the reader thread with a ``StoreMoved`` or ``PeersLost`` before it is queued: the
+        #: training thread may be blocked on a lost host and read the queue only once that call returns
+        self.on_host_lost: Callable[[protocol.StoreMoved | protocol.PeersLost], None] | None = None
         self._conn: wire.LineSocket | None = None
         self._reader: threading.Thread | None = None
         self._pending_slow: list[protocol.InjectSlow] = []
@@ -152,11 +152,11 @@ class AgentClient:
             elif isinstance(msg, protocol.StopNoted):
                 self._stop_noted.set()
             else:
-                if isinstance(msg, protocol.StoreMoved) and self.on_store_moved is not None:
+                if isinstance(msg, protocol.StoreMoved | protocol.PeersLost) and self.on_host_lost is not None:
                     try:
-                        self.on_store_moved(msg)
-                    except Exception:  # the reader must live on: the move itself still reaches the queue
-                        log.exception("store-moved hook failed")
+                        self.on_host_lost(msg)
+                    except Exception:  # the reader must live on: the message itself still reaches the queue
+                        log.exception("host-lost hook failed", message=msg.TYPE)
                 self.instructions.put(msg)
 
     def next_instruction(self, timeout: float | None = 0.0) -> protocol.Message | None:

@@ -173,6 +173,18 @@ class StoreMoved(Message):
 
 
 @dataclass(frozen=True)
+class PeersLost(Message):
+    """An in-place resize at ``membership_epoch`` gave up ``lost`` ranks, whose nodes left service (lost,
+    partitioned, isolated). A survivor cuts its connections to their hosts: a host cut off the network
+    answers nothing, and a collective with its ranks would wait out its timeout
+    (:mod:`unicron.runtime.sever`)."""
+
+    TYPE: ClassVar[str] = "peers_lost"
+    membership_epoch: int
+    lost: list[int]
+
+
+@dataclass(frozen=True)
 class Stop(Message):
     TYPE: ClassVar[str] = "stop"
     reason: str = ""
@@ -208,7 +220,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, IterStart, IterEnd, MicrobatchDone, Phase, ExceptionReport, RegroupDone, Stopped,
-        Regroup, Leave, StoreMoved, Stop, StopNoted, InjectRaise, InjectSlow,
+        Regroup, Leave, StoreMoved, PeersLost, Stop, StopNoted, InjectRaise, InjectSlow,
     )
 }
 

@@ -231,6 +231,7 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
             raise TemporaryError(f"the task's store moved (store epoch {store_epoch}) and no survivor re-seeded "
                                  f"it within {comm.regroup_timeout_s:.0f}s")
         incarnation = int(store.add(keys.started_key(rank), 1))  # after the re-seed: it counts earlier ones
+        address = keys.publish_host(store, rank, incarnation, host, port)
     except BaseException:
         heartbeat.stop()
         raise
@@ -241,9 +242,9 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         sched=sched, comm=comm, client=client,
         faults=FaultScript.from_env(rank, incarnation, store), checkpointer=checkpointer,
         ckpt_every=args.ckpt_every, resume=args.resume, watcher=heartbeat,
-        preemption=Preemption(snapshot=args.stop_snapshot == "on"), store_host=host,
+        preemption=Preemption(snapshot=args.stop_snapshot == "on"), store_addr=(host, port), store_epoch=store_epoch,
+        address=address,
     )
-    trainer.store_epoch = store_epoch
     return Rank(trainer, heartbeat, client)
 
 

@@ -177,9 +177,12 @@ def raise_counter(store: RendezvousStore, key: str, value: int) -> None:
 
 
 def reseed(store: RendezvousStore, rank: int, incarnation: int, records: Iterable[EpochRecord],
-           lost: Iterable[int], leaving: bool) -> None:
-    """Seed a moved (empty) store with what this rank holds (module docstring, "A moved store")."""
+           lost: Iterable[int], leaving: bool, address: str = "") -> None:
+    """Seed a moved (empty) store with what this rank holds (module docstring, "A moved store");
+    ``address``: where this rank's node is reached (``host/<rank>/<incarnation>``), if it knows."""
     raise_counter(store, keys.started_key(rank), incarnation)
+    if address:
+        store.set(keys.host_key(rank, incarnation), address)
     held = sorted(records, key=lambda rec: rec.epoch)
     for rec in held:
         for r, inc in sorted(rec.incarnations.items()):

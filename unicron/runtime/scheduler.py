@@ -82,6 +82,7 @@ from unicron.runtime.grads import (
     reduce_sum,
 )
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat
+from unicron.runtime.hostloss import HostLoss
 from unicron.runtime.job import BatchT, Job, grad_dtype
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
 from unicron.runtime.model import rebind_groups
@@ -103,7 +104,6 @@ from unicron.runtime.recovery import (
     top_iteration,
 )
 from unicron.runtime.reshard import TpLayout, restore_resharded
-from unicron.runtime.sever import sever
 from unicron.runtime.state import (
     CheckpointSource,
     OptimConfig,
@@ -277,15 +277,17 @@ class Trainer(Generic[BatchT]):
         resume: bool = False,
         watcher: Heartbeat | None = None,
         preemption: Preemption | None = None,
-        store_host: str = "",
+        store_addr: tuple[str, int] = ("", 0),
+        store_epoch: int = 0,
+        address: str = "",
     ) -> None:
         if sched.recovery not in RECOVERY_MODES:
             raise ConfigError(f"--recovery {sched.recovery!r}: choose one of {RECOVERY_MODES}")
         self.rank, self.topo, self.store, self.incarnation = rank, topo, store, incarnation
         self.job, self.optim_cfg, self.sched, self.comm = job, optim_cfg, sched, comm
         self.client, self.faults = client, faults
-        self.store_host = store_host  # the host of the store this rank uses (cut off if the store moves)
-        client.on_store_moved = self._sever_old_store
+        #: where this rank's node is reached (``host/<rank>/<incarnation>``; re-published on a moved store)
+        self.address = address
         #: where the model, its gradients and every collective's tensors live (``CommSettings.device``)
         self.device = torch.device(comm.device)
         if self.device.type == "cuda":  # pragma: no cover - GPU only
@@ -308,6 +310,10 @@ class Trainer(Generic[BatchT]):
         self.leaving = False  # the agent's Leave: raise the membership flag until an epoch leaves us out
         self.due: RegroupDue | None = None  # a regroup to run before the next attempt at the iteration
         self._groups: Groups | None = None  # set once admitted to an epoch
+        #: lost hosts' connections are cut on the agent client's reader thread (the training thread may
+        #: be blocked on them)
+        self.host_loss = HostLoss(rank, *store_addr, store_epoch, address, self._member_incarnations)
+        client.on_host_lost = self.host_loss.on_message
         self._held: Held | None = None  # built once, with the first groups
         self.model_tp: CommGroup = broken_group()  # the tensor-parallel group the model is bound to
         self.plan: Plan = {}
@@ -320,7 +326,7 @@ class Trainer(Generic[BatchT]):
         self.losses: deque[float] = deque(maxlen=EVENT_LOG_LIMIT)
         self.gc = GcPolicy(sched.manual_gc_interval)
         self._plans: dict[int, tuple[int, Plan]] = {}  # epoch -> (live replicas, failure-free plan)
-        self.store_epoch = 0  # the store this rank uses: 0 = its launch's (or the one it was launched on)
+        self.store_epoch = store_epoch  # the store this rank uses: 0 = its launch's (or the one it was launched on)
         self.moved: protocol.StoreMoved | None = None  # the agent's word that the store moved, not yet acted on
         self._epochs: dict[int, EpochRecord] = {}  # records of the epochs this rank was in (a moved store lacks them)
 
@@ -528,9 +534,8 @@ class Trainer(Generic[BatchT]):
         t0 = time.time()
         store = connect_store(msg.host, msg.port)
         records = list(self._epochs.values()) or ([self._groups.record] if self._groups is not None else [])
-        membership.reseed(store, self.rank, self.incarnation, records, msg.lost, self.leaving)
+        membership.reseed(store, self.rank, self.incarnation, records, msg.lost, self.leaving, self.address)
         self.store, self.store_epoch, self.faults.store = store, msg.store_epoch, store
-        self.store_host = msg.host
         self.membership.use(store)
         if self.watcher is not None:
             self.watcher.move(msg.host, msg.port)
@@ -538,17 +543,10 @@ class Trainer(Generic[BatchT]):
                     seconds=time.time() - t0, error=str(exc).splitlines()[0] if exc is not None else "")
         self.log.info("store moved", store_epoch=msg.store_epoch, host=msg.host, port=msg.port, lost=list(msg.lost))
 
-    def _sever_old_store(self, msg: protocol.StoreMoved) -> None:
-        """On the agent client's reader thread, as ``StoreMoved`` arrives: the store left its host, and
-        that host may be cut off the network (a partition answers nothing). Cut this process's
-        connections to it, so that a collective with its ranks or a call to the old store fails now
-        rather than at its timeout (30 s each; a partitioned store node held the survivors for over
-        two minutes in the resize soak). Recovery then starts from that failure as from any other."""
-        host = self.store_host
-        if msg.store_epoch > self.store_epoch and host and host != msg.host:
-            cut = sever(host)
-            self.log.info("cut the old store host's connections", host=host, connections=cut,
-                          store_epoch=msg.store_epoch)
+    def _member_incarnations(self) -> dict[int, int]:
+        """The members of the current epoch and their incarnations (read on the agent client's reader thread)."""
+        groups = self._groups
+        return dict(groups.record.incarnations) if groups is not None else {}
 
     def _on_injected(self, fault: InjectedFault) -> None:
         sev = severity_of_kind(fault.kind)

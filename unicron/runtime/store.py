@@ -15,6 +15,10 @@ Keys (all small ASCII values):
   protocol and live in :mod:`unicron.runtime.membership`.
 * ``hb/<rank>``: counter a rank's heartbeat thread bumps every ~50 ms.
 * ``join/<rank>``: the incarnation of a live process of ``rank`` asking to (re)join.
+* ``host/<rank>/<incarnation>``: the address that process's node is reached at (its route's source
+  address to the store), for survivors that must cut their connections to it once its node is lost
+  (``PeersLost``, :mod:`unicron.runtime.sever`). Per incarnation: a rank id re-hosted elsewhere
+  publishes its new host without covering the lost one's.
 * ``epoch/latest`` and ``epoch/<g>``: the agreed membership of each process-group epoch
   (see :mod:`unicron.runtime.membership`).
 """
@@ -32,6 +36,7 @@ import time
 import torch.distributed as dist
 
 from unicron.kernel.errors import ConfigError, TemporaryError
+from unicron.kernel.net import route_address
 from unicron.runtime.comm import RendezvousStore, TCPStore
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -54,6 +59,22 @@ def hb_key(rank: int) -> str:
 
 def join_key(rank: int) -> str:
     return f"join/{rank}"
+
+
+def host_key(rank: int, incarnation: int) -> str:
+    return f"host/{rank}/{incarnation}"
+
+
+def publish_host(store: RendezvousStore, rank: int, incarnation: int, store_host: str, store_port: int) -> str:
+    """Publish the address this process's node is reached at (``host/<rank>/<incarnation>``); returns it,
+    or "" where this host has no route to the store's address (then nobody can cut it: peers wait for
+    their collective timeout instead)."""
+    try:
+        address = route_address(store_host, store_port)
+    except OSError:
+        return ""
+    store.set(host_key(rank, incarnation), address)
+    return address
 
 
 def _check_addr(host: str, port: int) -> None:
