@@ -15,7 +15,9 @@ thread is the one blocked:
 The blocked call then fails at once and the rank's recovery starts from that failure, as from a
 dead peer's reset connection. The coordinator gives up whole nodes only (a rank's own fault is
 restarted, not lost), so a lost rank's host runs no member of the task any more; this rank's own
-host is never cut, nor loopback (:func:`unicron.runtime.sever.sever`).
+host is never cut, nor loopback (:func:`unicron.runtime.sever.sever`). Only TCP connections are cut:
+gloo's, and NCCL's socket transport; NCCL over InfiniBand or NVLink would need its communicator
+aborted from here (``ncclCommAbort``), which is not built (no multi-GPU machine to test it on).
 """
 
 from __future__ import annotations
