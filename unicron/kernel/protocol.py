@@ -177,7 +177,7 @@ class PeersLost(Message):
     """An in-place resize at ``membership_epoch`` gave up ``lost`` ranks, whose nodes left service (lost,
     partitioned, isolated). A survivor cuts its connections to their hosts: a host cut off the network
     answers nothing, and a collective with its ranks would wait out its timeout
-    (:mod:`unicron.runtime.sever`)."""
+    (:mod:`unicron.runtime.hostloss`)."""
 
     TYPE: ClassVar[str] = "peers_lost"
     membership_epoch: int

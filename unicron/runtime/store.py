@@ -17,7 +17,7 @@ Keys (all small ASCII values):
 * ``join/<rank>``: the incarnation of a live process of ``rank`` asking to (re)join.
 * ``host/<rank>/<incarnation>``: the address that process's node is reached at (its route's source
   address to the store), for survivors that must cut their connections to it once its node is lost
-  (``PeersLost``, :mod:`unicron.runtime.sever`). Per incarnation: a rank id re-hosted elsewhere
+  (``PeersLost``, :mod:`unicron.runtime.hostloss`). Per incarnation: a rank id re-hosted elsewhere
   publishes its new host without covering the lost one's.
 * ``epoch/latest`` and ``epoch/<g>``: the agreed membership of each process-group epoch
   (see :mod:`unicron.runtime.membership`).
