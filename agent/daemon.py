@@ -533,6 +533,7 @@ class Agent:
             rec.record_step(rank, msg.step, completed=True)
         elif isinstance(msg, protocol.Phase):
             mon.phase(msg.name, msg.ts)
+            rec.record_phase(rank, msg.name)
         elif isinstance(msg, protocol.RegroupDone):
             # A new membership changes each rank's share of micro-batches, so its iteration time.
             mon.reset()

@@ -38,7 +38,8 @@ dead filesystem). Full garbage collections (``PHASE_GC``, reported by the rank c
 ``gc.callbacks`` while it trains) are waits of the same kind, bounded by ``gc_wait_factor``: a 2-3 s
 gen-2 pause in a 1 s iteration was the soak's one remaining cause of false alarms. The other phases
 (checkpoint, eval, regroup) have no bound here: the runtime's own timeouts end a stuck regroup, and
-Megatron's checkpoint lines give no rank-side timer to trust.
+Megatron's checkpoint lines give no rank-side timer to trust. ``PHASE_COLLECTIVE`` (waiting for the
+peers inside the iteration) is training time to the monitor; it matters to the coordinator.
 
 :class:`IterationMonitor` is pure logic with time passed in (one per rank). :class:`HangWatcher` is
 the thread that sleeps until the earliest deadline of all monitors and reports findings.
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
-from unicron.kernel.protocol import PHASE_DATA, PHASE_GC, PHASE_TRAIN
+from unicron.kernel.protocol import PHASE_COLLECTIVE, PHASE_DATA, PHASE_GC, PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
@@ -216,6 +217,8 @@ class IterationMonitor:
         self._changed()
 
     def phase(self, name: str, ts: float) -> None:
+        if name == PHASE_COLLECTIVE:
+            name = PHASE_TRAIN  # waiting for peers is iteration time: its hang clock runs on
         with self._lock:
             self._last_input = ts
             was_waiting = self._phase in _WAITS

@@ -213,6 +213,8 @@ class TaskReconciler:
         self.advanced: set[int] = set()
         #: rank -> the iteration it said it stopped at before its end (``protocol.Stopped``)
         self.stopped_at: dict[int, int] = {}
+        #: rank -> the phase its current process last reported (``protocol.PHASES``; ``RankStatus.phase``)
+        self.phases: dict[int, str] = {}
         self.launched_epoch: dict[int, int] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
@@ -332,7 +334,7 @@ class TaskReconciler:
             return [RankStatus(task=self.task, generation=gen, rank=st.rank, pid=st.pid, state=st.state,
                                returncode=st.returncode, requested=st.requested, step=self.steps.get(r),
                                restart_epoch=self.launched_epoch.get(r, 0), advanced=r in self.advanced,
-                               stopped_at=self.stopped_at.get(r))
+                               stopped_at=self.stopped_at.get(r), phase=self.phases.get(r))
                     for r, st in procs.items()]
 
     def monitor(self, rank: int, make: Callable[[], IterationMonitor]) -> tuple[IterationMonitor | None, bool]:
@@ -360,6 +362,17 @@ class TaskReconciler:
             if self._spare_due is not None:  # the relaunched attempt runs: its spare may start now
                 self._spare_due = 0.0
                 self._wake.notify_all()
+
+    def record_phase(self, rank: int, phase: str) -> None:
+        with self._lock:
+            self.phases[rank] = phase
+
+    def _forget_progress(self, rank: int) -> None:
+        """What the rank's process reported (step, phase, early stop): gone with the process. Under the lock."""
+        self.steps.pop(rank, None)
+        self.advanced.discard(rank)
+        self.stopped_at.pop(rank, None)
+        self.phases.pop(rank, None)
 
     def step_of(self, rank: int) -> int | None:
         with self._lock:
@@ -474,9 +487,7 @@ class TaskReconciler:
             self.monitors.pop(spec.rank, None)
             # A new process has made no step yet: its predecessor's last step, published with the
             # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
-            self.steps.pop(spec.rank, None)
-            self.advanced.discard(spec.rank)
-            self.stopped_at.pop(spec.rank, None)
+            self._forget_progress(spec.rank)
         try:
             self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
                                    stdout_path=self.host.rank_log_path(a.task, spec.rank))
@@ -657,9 +668,7 @@ class TaskReconciler:
             self.supervisor.forget(r)
             with self._lock:
                 self._ranks.pop(r, None)
-                self.steps.pop(r, None)
-                self.advanced.discard(r)
-                self.stopped_at.pop(r, None)
+                self._forget_progress(r)
                 self.launched_epoch.pop(r, None)
                 mon = self.monitors.pop(r, None)
             self.host.forget_rank(a.task, r, mon)

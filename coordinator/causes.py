@@ -6,8 +6,8 @@ state. Each rule here is one arrow of the contract in ``docs/decision.md``:
 
 * a report                               -> an incident (:func:`incident`, severity by paper Table 1,
                                             :mod:`unicron.kernel.severity`) -> ``IncidentRaised``;
-                                            a hang, the stopped rank's where a status shows one
-                                            (:func:`hang_culprit`)
+                                            a hang, the rank the others wait for where the
+                                            statuses show one (:func:`hang_culprit`)
 * ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
 * ``results/<node>``                     -> ``ActionSucceeded`` / ``ActionFailed`` (:func:`outcomes`)
 * every rank of a task exited 0          -> ``TaskFinished``, or ``TaskStopped`` when a rank said it
@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from coordinator import decision as d
+from unicron.kernel.protocol import PHASE_COLLECTIVE, PHASE_REGROUP, PHASES
 from unicron.kernel.severity import severity_of
 from unicron.kernel.types import (
     AssignmentResult,
@@ -77,25 +78,61 @@ def classify(report: Report, detected_ts: float, incident_id: str) -> Incident:
 def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:
     """The report of a hang, pointed at the rank that causes it where the agents' statuses show one.
 
-    A rank that stops (a SIGSTOP, a debugger) holds every peer in its next collective, so every agent
-    finds its ranks hung at about the same time, and the first report is often a healthy peer's:
-    restarting that peer leaves the task waiting for the stopped rank. So a hang reported for a rank
-    whose process runs is the stopped rank's (the lowest, if several), as its agent last saw it.
-    Anything else (no stopped rank, or the reporter's own rank stopped) is the report as it came."""
+    A rank that hangs holds every peer in its next collective, so every agent finds its ranks hung at
+    about the same time, and the first report is often a healthy peer's: restarting that peer leaves
+    the task waiting for the hung rank. So a hang reported for a rank that waits goes to the rank it
+    waits for, as the agents last saw them: a stopped process (a SIGSTOP, a debugger) first; else,
+    when the reporter's rank waits in the iteration's collective (``PHASE_COLLECTIVE``), a running
+    rank of the task still inside the iteration outside it, at or before the reporter's step (a GPU
+    hang, a stuck loader). If several, the lowest stopped rank, or the rank furthest behind (then the
+lowest). Anything else is the report as it came.
+
+    It trusts statuses at most one status interval old to show where a rank is: for iterations shorter
+    than the status interval the pick may be a rank that has since joined the collective."""
     if report.kind is not ErrorKind.TASK_HANG or report.task is None or report.handled:
         return report
-    stopped = sorted(
-        (r.rank, node, r.restart_epoch) for node, st in statuses.items() for r in st.ranks
-        if r.task == report.task and r.state == "stopped"
-        and (report.generation is None or r.generation == report.generation)
-    )
-    if not stopped or any((rank, node) == (report.rank, report.node) for rank, node, _ in stopped):
+    ranks = [(node, r) for node, st in statuses.items() for r in st.ranks
+             if r.task == report.task and (report.generation is None or r.generation == report.generation)]
+    found = _stopped_rank(report, ranks) or _rank_outside_collective(report, ranks)
+    if found is None:
         return report
-    rank, node, epoch = stopped[0]
+    node, culprit, why = found
     return dataclasses.replace(
-        report, node=node, rank=rank, gpu=None, restart_epoch=epoch,
-        message=f"{report.message} (reported on {report.node} for rank {report.rank}; rank {rank}'s "
-                f"process is stopped)")
+        report, node=node, rank=culprit.rank, gpu=None, restart_epoch=culprit.restart_epoch,
+        message=f"{report.message} (reported on {report.node} for rank {report.rank}; rank {culprit.rank}'s "
+                f"process {why})")
+
+
+_Culprit = tuple[str, RankStatus, str]
+"""(node, the rank's status, why it is the one waited for)"""
+
+#: phases inside an iteration but outside its collective: a rank there for a hang's length holds the others
+_BEHIND = tuple(p for p in PHASES if p not in (PHASE_COLLECTIVE, PHASE_REGROUP))
+
+
+def _is_reporter(report: Report, node: str, r: RankStatus) -> bool:
+    return (node, r.rank) == (report.node, report.rank)
+
+
+def _stopped_rank(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culprit | None:
+    stopped = sorted(((r.rank, node), r) for node, r in ranks if r.state == "stopped")
+    if not stopped or any(_is_reporter(report, node, r) for (_, node), r in stopped):
+        return None
+    (_, node), r = stopped[0]
+    return node, r, "is stopped"
+
+
+def _rank_outside_collective(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culprit | None:
+    reporter = next((r for node, r in ranks if _is_reporter(report, node, r)), None)
+    if reporter is None or reporter.phase != PHASE_COLLECTIVE:
+        return None
+    behind = sorted(((r.step if r.step is not None else -1, r.rank, node), r) for node, r in ranks
+                    if r.state == "running" and r.phase in _BEHIND
+                    and (report.step is None or r.step is None or r.step <= report.step))
+    if not behind:
+        return None
+    (_, _, node), r = behind[0]
+    return node, r, f"has not joined the collective (phase {r.phase}, step {r.step})"
 
 
 def raised(inc: Incident, generation: int | None, restart_epoch: int | None = None) -> d.IncidentRaised | None:

@@ -110,6 +110,22 @@ def test_non_train_phase_suspends_hang_detection_and_restarts_the_clock() -> Non
     assert mon.baseline() == pytest.approx(0.1)
 
 
+def test_waiting_in_the_collective_is_iteration_time_judged_like_training() -> None:
+    """The peers of a hung rank wait in the collective: their hang must still be found (the coordinator
+    then points it at the rank they wait for), and a normal collective is part of the sample."""
+    mon = steady(0.1)
+    mon.iter_start(20, 50.0)
+    mon.phase("collective", 50.05)
+    assert mon.deadline() == pytest.approx(50.3)  # the iteration's clock, not restarted
+    mon.phase("train", 50.08)
+    mon.iter_end(20, 0.1, 50.1)
+    assert mon.stats()["completed"] == 11 and mon.baseline() == pytest.approx(0.1)  # a training sample
+    mon.iter_start(21, 60.0)
+    mon.phase("collective", 60.05)
+    (f,) = mon.check(60.3)
+    assert (f.kind, f.step) == (HANG, 21)
+
+
 def test_a_data_wait_stops_the_hang_clock_and_is_not_iteration_time() -> None:
     mon = steady(0.1)  # deadline 3x = 0.3 s of compute
     mon.iter_start(20, 50.0)

@@ -13,6 +13,7 @@ from coordinator import causes
 from coordinator import decision as d
 from coordinator.tasks import parse_task_spec
 from tests.kernel.test_severity import PAPER_TABLE1
+from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_COLLECTIVE, PHASE_DATA, PHASE_REGROUP, PHASE_TRAIN
 from unicron.kernel.types import (
     AssignmentResult,
     DetectionMethod,
@@ -291,3 +292,47 @@ def test_only_an_unhandled_hang_is_pointed_elsewhere() -> None:
     handled = dataclasses.replace(hang("n0", 0), handled=True)
     assert causes.hang_culprit(crash, statuses) is crash and causes.hang_culprit(handled, statuses) is handled
     assert causes.hang_culprit(hang("n0", 0), {"n1": status("n1", rank([1], 1))}).node == "n0"  # none stopped
+
+
+def waiting(ranks: list[int], step: int = 7, phase: str | None = PHASE_COLLECTIVE, **fields: object) -> list[RankStatus]:
+    return rank(ranks, 1, step=step, phase=phase, **fields)
+
+
+def test_a_hang_reported_by_a_rank_in_the_collective_is_the_ranks_outside_it() -> None:
+    """A GPU hang (the process runs: no SIGSTOP to see) holds the peers in the gradient reduction;
+    the rank still computing at the reporter's step is the one they wait for."""
+    statuses = {"n0": status("n0", waiting([0, 1])),
+                "n1": status("n1", waiting([2]) + waiting([3], phase=PHASE_TRAIN, restart_epoch=4))}
+    report = hang("n0", 1)
+    culprit = causes.hang_culprit(report, statuses)
+    assert (culprit.node, culprit.rank, culprit.gpu, culprit.restart_epoch) == ("n1", 3, None, 4)
+    assert "has not joined the collective (phase train, step 7)" in culprit.message
+    assert culprit.report_id == report.report_id
+    # the culprit's own report stays its own
+    own = hang("n1", 3)
+    assert causes.hang_culprit(own, statuses) is own
+    # a data wait or a checkpoint holds the peers as well; the one furthest behind goes first
+    stuck = {"n0": status("n0", waiting([0]) + waiting([1], phase=PHASE_CHECKPOINT, step=7)),
+             "n1": status("n1", waiting([2], phase=PHASE_DATA, step=6))}
+    assert causes.hang_culprit(hang("n0", 0), stuck).rank == 2
+
+
+def test_a_rank_outside_the_collective_is_blamed_only_when_it_can_hold_the_reporter() -> None:
+    report = hang("n0", 0)
+    # the reporter is not in the collective (it computes, or reports no phases: a stock job)
+    for phase in (PHASE_TRAIN, None):
+        computing = {"n0": status("n0", waiting([0], phase=phase)),
+                     "n1": status("n1", waiting([1], phase=PHASE_TRAIN))}
+        assert causes.hang_culprit(report, computing) is report
+    # everyone waits in the collective (a network fault, a dead peer): nobody else is to blame
+    assert causes.hang_culprit(report, {"n0": status("n0", waiting([0, 1]))}) is report
+    # a rank past the reporter's step, one regrouping (a joiner), one exited, one without a phase,
+    # one of another generation: none of them holds a collective at step 7
+    others = (waiting([1], step=8, phase=PHASE_TRAIN) + waiting([2], phase=PHASE_REGROUP)
+              + waiting([3], phase=PHASE_TRAIN, state="exited", returncode=1) + waiting([4], phase=None)
+              + rank([5], 0, step=7, phase=PHASE_TRAIN))
+    assert causes.hang_culprit(report, {"n0": status("n0", waiting([0])), "n1": status("n1", others)}) is report
+    # a stopped rank is the culprit before a computing one
+    both = {"n0": status("n0", waiting([0])),
+            "n1": status("n1", waiting([1], phase=PHASE_TRAIN) + waiting([2], phase=PHASE_TRAIN, state="stopped"))}
+    assert causes.hang_culprit(report, both).rank == 2

@@ -99,6 +99,35 @@ def test_stall_is_a_task_hang(cluster: LocalCluster) -> None:
     assert inc.task == "t1"
 
 
+def test_a_rank_hung_in_compute_is_blamed_not_the_peers_waiting_for_it(cluster: LocalCluster) -> None:
+    """A GPU hang: the process runs (no SIGSTOP for its agent to see) but never reaches the all-reduce,
+    and every agent finds its ranks hung. Each peer's report must name the hung rank, which the
+    statuses show outside the collective, and not the peer (coordinator.causes.hang_culprit)."""
+    # 0.5 s iterations: the hang threshold (3x) leaves the statuses (every 0.2 s) time to show the
+    # peers in the collective before their reports arrive, as 1 s statuses do for real iterations
+    run_workload(cluster, ["node0", "node1"], [*WORKLOAD[:3], "--iter-time", "0.5", "--jitter", "0.1"])
+    t0 = inject(cluster, "node1", fault="slow", rank=3, delay_s=600.0, iterations=1)
+
+    def phases() -> dict[int, str | None]:
+        st = [cluster.agent_status(n) for n in ("node0", "node1")]
+        return {r["rank"]: r.get("phase") for s in st if s and s.get("generation") == _generation[0]
+                for r in s["ranks"]}
+
+    cluster.wait_for(lambda: phases() == {0: "collective", 1: "collective", 2: "collective", 3: "train"}, 20.0,
+                     "the statuses to show rank 3 computing and its peers in the all-reduce")
+
+    def hangs() -> list[Incident]:
+        return [i for i in cluster.incidents() if i.detected_ts >= t0 and i.kind is ErrorKind.TASK_HANG
+                and i.task == "t1"]
+
+    # one report per rank: rank 3's own and its three peers'
+    cluster.wait_for(lambda: len(hangs()) >= 4, 30.0, "every rank's hang report")
+    assert {(i.node, i.rank) for i in hangs()} == {("node1", 3)}, hangs()
+    peers = [i for i in hangs() if "has not joined the collective (phase train" in i.message]
+    assert {m.split("reported on ")[1].split(";")[0] for m in (i.message for i in peers)} == {
+        "node0 for rank 0", "node0 for rank 1", "node1 for rank 2"}
+
+
 def test_simulated_xid_is_sev1(cluster: LocalCluster) -> None:
     run_workload(cluster, ["node0", "node1"])
     t0 = inject(cluster, "node1", fault="xid", code=79, gpu=1)

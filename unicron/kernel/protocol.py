@@ -36,7 +36,11 @@ own bound (``IterationSettings.data_wait_factor``) so a loader stuck for good is
 PHASE_GC = "gc"
 """A full (generation 2) garbage collection inside a training iteration, reported from ``gc.callbacks``:
 like a data wait, not iteration time, with its own bound (``IterationSettings.gc_wait_factor``)."""
-PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_REGROUP, PHASE_DATA, PHASE_GC)
+PHASE_COLLECTIVE = "collective"
+"""Inside the iteration's collective with the rank's peers (the gradient reduction and the commit check):
+iteration time like ``train``, but it says the rank waits for whoever has not joined. When every agent
+finds its ranks hung, the rank not in it is the one they wait for (``coordinator.causes.hang_culprit``)."""
+PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_REGROUP, PHASE_DATA, PHASE_GC, PHASE_COLLECTIVE)
 
 
 class Message(Record):

@@ -428,6 +428,9 @@ class RankStatus(Record):
     #: the iteration at which the rank said it stopped before its end (a work-conserving stop on a
     #: SIGTERM, ``protocol.Stopped``): its exit 0 does not finish the task. None: it said no such thing
     stopped_at: int | None = None
+    #: the phase the process last reported (``protocol.PHASES``): ``collective`` while it waits for its
+    #: peers inside an iteration, which tells a hung rank from the peers it holds. None: it reports none
+    phase: str | None = None
 
 
 @dataclass(frozen=True)

@@ -506,8 +506,11 @@ class Trainer(Generic[BatchT]):
                     self._regroup(due)
                     continue
                 self._compute()
-                self._reduce()
-                join, stop = self._commit_check()
+                # Said to the agent: when the task hangs, the rank outside the collective is the one
+                # its peers wait for (coordinator/causes.py: hang_culprit).
+                with self.client.phase(protocol.PHASE_COLLECTIVE):
+                    self._reduce()
+                    join, stop = self._commit_check()
                 self._commit(join, stop)
             except CommFailure:
                 self.due = RegroupDue(RegroupReason.FAILURE, assume_same=False)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from unicron.kernel import protocol
 from unicron.kernel.client import AgentClient
 
 
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     while args.iterations == 0 or step < args.iterations:
         with client.iteration(step):
             time.sleep(args.iter_time * (1 + rng.uniform(-args.jitter, args.jitter)))
-            dist.all_reduce(x)
+            with client.phase(protocol.PHASE_COLLECTIVE):
+                dist.all_reduce(x)
             x.div_(dist.get_world_size())
         step += 1
     dist.destroy_process_group()
