@@ -17,16 +17,17 @@ from unicron.kernel.types import ErrorKind
 
 
 def _phases_and_regroups(sock: FakeAgentSocket, rank: int, waits: bool = False) -> list[tuple[str, str]]:
-    """(kind, detail) of the rank's Hello, Phase and RegroupDone messages, in order; the waits (a data
-    phase per micro-batch fetched, a gc phase per full collection while training) and their return to
-    train only with ``waits``."""
+    """(kind, detail) of the rank's Hello, Phase and RegroupDone messages, in order; the phases inside
+    an iteration (a data phase per micro-batch fetched, a gc phase per full collection while training,
+    a collective phase per gradient reduction) and their return to train only with ``waits``."""
     out: list[tuple[str, str]] = []
     in_wait = False
     with sock.lock:
         for r, m in sock.messages:
             if r != rank:
                 continue
-            wait = isinstance(m, protocol.Phase) and m.name in (protocol.PHASE_DATA, protocol.PHASE_GC)
+            wait = isinstance(m, protocol.Phase) and m.name in (protocol.PHASE_DATA, protocol.PHASE_GC,
+                                                                protocol.PHASE_COLLECTIVE)
             if not waits and isinstance(m, protocol.Phase) and (wait or in_wait):
                 in_wait = wait  # a wait and its return to train
                 continue
@@ -67,6 +68,11 @@ def test_survivor_and_joiner_report_the_regroup_phase_around_a_rejoin(
     # train right after: the rank client reports each one while training.
     collections = [i for i, p in enumerate(with_waits) if p == ("phase", "gc")]
     assert collections and all(with_waits[i + 1] == ("phase", "train") for i in collections), with_waits
+    # Every iteration reduces inside the collective phase (the coordinator's hang culprit reads it),
+    # back to train before the iteration ends.
+    reductions = [i for i, p in enumerate(with_waits) if p == ("phase", "collective")]
+    assert len(reductions) >= len(agent_socket.of(0, protocol.IterEnd)) > 0
+    assert all(with_waits[i + 1] == ("phase", "train") for i in reductions), with_waits
     # start; the failure regroup; the admission of the restarted rank: each pause inside the phase.
     assert survivor == [
         ("hello", ""), ("done", "start"),
