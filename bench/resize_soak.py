@@ -5,7 +5,9 @@ service), with the promises of in-place reconfiguration checked after every move
 
 Moves, one at a time, each waited out until the task trains again on every node in service:
 
-* rank faults: SIGKILL, SIGSTOP (a hang), a raised sev2 (CUDA error) or sev3 (connection reset);
+* rank faults: SIGKILL, SIGSTOP (a hang), a hang whose process runs (a GPU hang: an injected sleep
+  before its next iteration's compute, so its peers wait in the reduction), a raised sev2 (CUDA error)
+  or sev3 (connection reset);
 * node faults (taken only while 2 nodes or more are in service): the node dies (its agent, spawner,
   store sidecar and ranks SIGKILLed; the node hosting the task's store whenever the pick falls on
   it), its link goes down (``ip link``), an XID 79 isolates it (its agent stays up), an operator
@@ -90,7 +92,9 @@ ARGS = ["--iter-sleep", "0.1", "--layers", "2", "--hidden", "32", "--heads", "4"
 TOLERANCE = 0.0
 #: whole-task relaunches: an in-place task must never need one
 RELAUNCHES = ("Assign", "RestartTask")
-RANK_FAULTS = ("rank_kill", "rank_stop", "raise_sev2", "raise_sev3")
+RANK_FAULTS = ("rank_kill", "rank_stop", "rank_hang", "raise_sev2", "raise_sev3")
+#: how long a hung rank sleeps: for good, as far as the soak goes
+HANG_S = 3600.0
 NODE_FAULTS = ("node_kill", "partition", "xid", "drain")
 
 
@@ -167,15 +171,24 @@ class Soak:
         return Move("rank_stop", time.time(), {int(info["pid"])}, str(info["node"]), r, severity=Severity.SEV2,
                     expect=lambda i: i.kind is ErrorKind.TASK_HANG)
 
-    def _raise(self, name: str, kind: ErrorKind, sev: Severity, ending: bool) -> Move:
+    def m_rank_hang(self) -> Move:
+        """Only the hung rank may end: restarting a peer that waits for it is a violation, and its
+        peers' hang reports must name it (``coordinator.causes.hang_culprit``)."""
+        r, info, ts = self._inject({"fault": "slow", "delay_s": HANG_S, "iterations": 1})
+        return Move("rank_hang", ts, {int(info["pid"])}, str(info["node"]), r, severity=Severity.SEV2,
+                    expect=lambda i: i.kind is ErrorKind.TASK_HANG and i.rank == r)
+
+    def _inject(self, fault: dict[str, object]) -> tuple[int, dict[str, Any], float]:
+        """Inject ``fault`` into a random rank through its agent: (rank, its status, when it was done)."""
         r, info = self.pick()
         assert self.c.store is not None
-        node = str(info["node"])
-        ans = request(self.c.store, self.c.keys, node,
-                      Injection.from_dict({"fault": "raise", "kind": kind.value, "task": TASK, "rank": r}),
-                      timeout_s=20.0)
-        ts = float(ans.executed_ts or time.time())
-        return Move(name, ts, {int(info["pid"])} if ending else set(), node, r, severity=sev,
+        ans = request(self.c.store, self.c.keys, str(info["node"]),
+                      Injection.from_dict({**fault, "task": TASK, "rank": r}), timeout_s=20.0)
+        return r, info, float(ans.executed_ts or time.time())
+
+    def _raise(self, name: str, kind: ErrorKind, sev: Severity, ending: bool) -> Move:
+        r, info, ts = self._inject({"fault": "raise", "kind": kind.value})
+        return Move(name, ts, {int(info["pid"])} if ending else set(), str(info["node"]), r, severity=sev,
                     expect=lambda i: i.kind is kind and i.rank == r)
 
     def m_raise_sev2(self) -> Move:
