@@ -6,6 +6,8 @@ state. Each rule here is one arrow of the contract in ``docs/decision.md``:
 
 * a report                               -> an incident (:func:`incident`, severity by paper Table 1,
                                             :mod:`unicron.kernel.severity`) -> ``IncidentRaised``;
+                                            a hang that echoes an in-place recovery, handled
+                                            (:func:`regroup_echo`);
                                             a hang, the rank the others wait for where the
                                             statuses show one (:func:`hang_culprit`)
 * ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
@@ -73,6 +75,34 @@ def classify(report: Report, detected_ts: float, incident_id: str) -> Incident:
         handled=report.handled,
         detection_s=detected_ts - report.source_ts,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlaceRecovery:
+    """The latest report of a task's rank that recovered in place (``Report.handled``)."""
+
+    ts: float
+    """When its fault was observed (the latest such report's ``source_ts``)."""
+    step: int | None
+    """The highest iteration such a report named (None: none named one)."""
+
+    def after(self, report: Report) -> InPlaceRecovery:
+        """This record, moved on by another handled report of the task."""
+        steps = [s for s in (self.step, report.step) if s is not None]
+        return InPlaceRecovery(max(self.ts, report.source_ts), max(steps) if steps else None)
+
+
+def regroup_echo(report: Report, last: InPlaceRecovery | None, grace_s: float) -> bool:
+    """Whether a hang report is the echo of a rank's in-place recovery: the peers sat in the broken
+    iteration's collective while the ranks regrouped, and their detectors may fire meanwhile. Only a
+    hang within ``grace_s`` of the recovery, in the iteration it broke or the next: a hang of a later
+    iteration is a new fault (the detectors reset at the regroup), which before this step condition
+    waited out ``hang_repeat_s`` (60 s) whenever it came within the grace (resize soak, ``rank_hang``)."""
+    if report.kind is not ErrorKind.TASK_HANG or report.task is None or last is None:
+        return False
+    if report.source_ts - last.ts > grace_s:
+        return False
+    return report.step is None or last.step is None or report.step <= last.step + 1
 
 
 def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:

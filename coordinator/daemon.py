@@ -50,7 +50,6 @@ from unicron.kernel.etcd import KeyValue, Lease, PrefixWatch, Store, WatchEvent,
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
     AssignmentResult,
-    ErrorKind,
     Incident,
     NodeInfo,
     NodeStatus,
@@ -198,7 +197,7 @@ class Coordinator:
                                  max_restarts=self.core.settings.max_restarts_without_progress,
                                  spare_stores=settings.spare_stores and settings.in_place_resize)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
-        self._last_handled: dict[str, float] = {}  # task -> when a rank last recovered in place
+        self._last_handled: dict[str, causes.InPlaceRecovery] = {}  # task -> a rank's latest in-place recovery
         self._api_server: grpc.Server | None = None
         self.metrics = CoordinatorMetrics()
         self._metrics_server: umetrics.MetricsServer | None = None
@@ -509,20 +508,13 @@ class Coordinator:
             return
         self._record(report, report_key=ev.key)
 
-    def _is_regroup_consequence(self, report: Report) -> bool:
-        """A hang reported shortly after a rank of the same task recovered in place: its peers sat in
-        a collective while the ranks regrouped."""
-        if report.kind is not ErrorKind.TASK_HANG or report.task is None:
-            return False
-        since = self._last_handled.get(report.task)
-        return since is not None and report.source_ts - since <= self.settings.regroup_grace_s
-
     def _record(self, report: Report, report_key: str | None, event: d.Event | None = None) -> None:
         """Record the report's incident and decide on it, in one fenced write. ``event``: what the core
         decides on instead of the incident itself (a lease gone is a ``NodeLost``)."""
+        last = self._last_handled.get(report.task) if report.task is not None else None
         if report.handled and report.task is not None:
-            self._last_handled[report.task] = max(report.source_ts, self._last_handled.get(report.task, 0.0))
-        elif self._is_regroup_consequence(report):
+            self._last_handled[report.task] = (last or causes.InPlaceRecovery(report.source_ts, report.step)).after(report)
+        elif causes.regroup_echo(report, last, self.settings.regroup_grace_s):
             report = dataclasses.replace(report, handled=True, message=f"{report.message} (during an in-place regroup)")
         else:
             report = causes.hang_culprit(report, self._statuses)

@@ -336,3 +336,20 @@ def test_a_rank_outside_the_collective_is_blamed_only_when_it_can_hold_the_repor
     both = {"n0": status("n0", waiting([0])),
             "n1": status("n1", waiting([1], phase=PHASE_TRAIN) + waiting([2], phase=PHASE_TRAIN, state="stopped"))}
     assert causes.hang_culprit(report, both).rank == 2
+
+
+def test_a_hang_echoes_an_in_place_recovery_only_in_the_iteration_it_broke_and_within_the_grace() -> None:
+    sev3 = dataclasses.replace(hang("n1", 1), kind=ErrorKind.CONNECTION_REFUSED_RESET, handled=True,
+                               step=7, source_ts=100.0)
+    last = causes.InPlaceRecovery(100.0, 7)
+    for step, ts, echo in ((7, 101.0, True), (8, 105.0, True), (None, 105.0, True),  # the broken iteration
+                           (9, 101.0, False),  # a later iteration: a new hang (the detectors reset at the regroup)
+                           (7, 110.5, False)):  # past the grace
+        report = dataclasses.replace(hang("n0", 0), step=step, source_ts=ts)
+        assert causes.regroup_echo(report, last, grace_s=10.0) is echo, (step, ts)
+    assert not causes.regroup_echo(hang("n0", 0), None, grace_s=10.0)  # no recovery in place yet
+    crash = dataclasses.replace(hang("n0", 0), kind=ErrorKind.CUDA_ERROR, source_ts=101.0)
+    assert not causes.regroup_echo(crash, last, grace_s=10.0)  # only hangs echo
+    # later handled reports move the record on: the latest time, the highest step
+    moved = last.after(dataclasses.replace(sev3, step=5, source_ts=103.0)).after(dataclasses.replace(sev3, step=None))
+    assert moved == causes.InPlaceRecovery(103.0, 7)

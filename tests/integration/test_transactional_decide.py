@@ -218,3 +218,27 @@ def test_a_hang_reported_for_a_waiting_peer_restarts_the_stopped_rank(coord: tup
     assert (inc.node, inc.rank, inc.severity) == (frozen, frozen_rank, Severity.SEV2), inc
     assert assignment(c, frozen).tasks[0].restart_epoch == 1  # only the stopped rank relaunches
     assert assignment(c, waiting).tasks[0].restart_epoch == 0
+
+
+def test_a_hang_after_an_in_place_recovery_is_acted_on_once_it_is_a_later_iterations(
+        coord: tuple[Coordinator, FlakyStore]) -> None:
+    """Hangs reported in the iteration a rank's in-place recovery broke are its echo (handled); a
+    hang of a later iteration within the grace is a new fault and restarts its rank at once (before,
+    the soak's rank_hang waited 60 s for the hang to be reported again)."""
+    c, _ = coord
+    running(c, recovery="inprocess")
+    gen = c.state.tasks["t"].generation
+    node, rank = sorted((n, r[0]) for n, r in c.state.tasks["t"].placement.items())[0]
+    now = time.time()
+    feed(c, report_input(c, Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.CONNECTION_REFUSED_RESET,
+                                   node=node, task="t", rank=rank, step=5, generation=gen, handled=True,
+                                   source_ts=now)))
+    for step in (5, 9):
+        feed(c, report_input(c, Report(method=DetectionMethod.STATISTICAL_MONITORING, kind=ErrorKind.TASK_HANG,
+                                       node=node, task="t", rank=rank, step=step, generation=gen,
+                                       source_ts=now + 1.0)))
+        settle(c)
+    echo, new = list(c.recent_incidents)[-2:]
+    assert (echo.step, echo.handled) == (5, True) and "during an in-place regroup" in echo.message
+    assert (new.step, new.handled, new.severity) == (9, False, Severity.SEV2), new
+    assert assignment(c, node).tasks[0].restart_epoch == 1
