@@ -95,6 +95,13 @@ RELAUNCHES = ("Assign", "RestartTask")
 RANK_FAULTS = ("rank_kill", "rank_stop", "rank_hang", "raise_sev2", "raise_sev3")
 #: how long a hung rank sleeps: for good, as far as the soak goes
 HANG_S = 3600.0
+#: iterations after a regroup by which every hang monitor has a baseline (UNICRON_WARMUP_ITERATIONS 3
+#: + IterationSettings.min_samples 5), with margin
+STEADY_ITERATIONS = 10
+#: moves taken in steady state, as a GPU hang mostly comes: there the hung rank's report and its peers'
+#: race. Right after a move the warm-up bound finds the hung rank first (its last message is older
+#: than its peers'), and the soak would not tell who the coordinator blames
+STEADY_KINDS = ("rank_hang",)
 NODE_FAULTS = ("node_kill", "partition", "xid", "drain")
 
 
@@ -173,7 +180,8 @@ class Soak:
 
     def m_rank_hang(self) -> Move:
         """Only the hung rank may end: restarting a peer that waits for it is a violation, and its
-        peers' hang reports must name it (``coordinator.causes.hang_culprit``)."""
+        peers' hang reports must name it (``coordinator.causes.hang_culprit``). Taken in steady state
+        (``STEADY_KINDS``)."""
         r, info, ts = self._inject({"fault": "slow", "delay_s": HANG_S, "iterations": 1})
         return Move("rank_hang", ts, {int(info["pid"])}, str(info["node"]), r, severity=Severity.SEV2,
                     expect=lambda i: i.kind is ErrorKind.TASK_HANG and i.rank == r)
@@ -275,7 +283,15 @@ class Soak:
             round_.extend(self.rng.sample(kinds, len(kinds)))
         return round_.pop()
 
+    def wait_steady(self) -> None:
+        """Until every hang monitor is past its warm-up (every regroup resets them)."""
+        steady = max(int(r.get("step") or 0) for r in self.live().values()) + STEADY_ITERATIONS
+        self.c.wait_for(lambda: self.healed(steady), self.heal_timeout_s, "the monitors past their warm-up",
+                        poll_s=0.1)
+
     def move(self, kind: str) -> None:
+        if kind in STEADY_KINDS:
+            self.wait_steady()
         before = self.live()
         past = max(int(r.get("step") or 0) for r in before.values())
         m = getattr(self, f"m_{kind}")()
