@@ -1,6 +1,7 @@
 """A survivor cuts its connections to lost hosts as its agent names them (unicron/runtime/hostloss.py):
-``PeersLost`` looks the lost processes' hosts up in the task's store (per incarnation), ``StoreMoved``
-cuts the store's old host, and this rank's own host is never cut. Real sockets, a real task store."""
+``PeersLost`` cuts the lost ranks' hosts as the rank learned them at its epoch's barrier
+(``Membership.hosts``), ``StoreMoved`` cuts the store's old host, and this rank's own host is never cut.
+Real sockets; the members' hosts are read from a real task store."""
 
 from __future__ import annotations
 
@@ -13,36 +14,39 @@ import pytest
 from tests.runtime.test_sever import blocked_recv, local_address, server  # noqa: F401 (fixture)
 from unicron.kernel import protocol
 from unicron.kernel.net import free_port
-from unicron.runtime import hostloss
 from unicron.runtime import store as keys
 from unicron.runtime.comm import TCPStore
+from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.hostloss import HostLoss
+from unicron.runtime.membership import CommSettings, Membership
+from unicron.runtime.plan import Topology
 
 
 @pytest.fixture
-def task_store() -> Iterator[tuple[TCPStore, int]]:
+def task_store() -> Iterator[TCPStore]:
     port = free_port()
     srv = keys.serve_store("127.0.0.1", port)
-    yield keys.connect("127.0.0.1", port), port
+    yield keys.connect("127.0.0.1", port)
     del srv
 
 
-def test_peers_lost_cuts_the_lost_incarnations_hosts_only(task_store: tuple[TCPStore, int],
-                                                         server: socket.socket) -> None:  # noqa: F811
-    store, port = task_store
+def connected(far_host: str, srv: socket.socket) -> tuple[socket.socket, socket.socket]:
+    far = socket.create_connection((far_host, srv.getsockname()[1]))
+    peer, _ = srv.accept()
+    return far, peer
+
+
+def test_peers_lost_cuts_the_lost_ranks_hosts_only(server: socket.socket) -> None:  # noqa: F811
     far_host = local_address()
-    store.set(keys.host_key(1, 2), far_host)  # rank 1's live process (incarnation 2) is on the far host
-    store.set(keys.host_key(2, 1), "127.0.0.1")
-    store.set(keys.host_key(3, 1), far_host)  # an incarnation the epoch no longer has: not looked at
-    members = {0: 1, 1: 2, 2: 1, 3: 2}
-    loss = HostLoss(0, "127.0.0.1", port, 0, own_address="10.255.255.1", incarnations=lambda: members)
-    far = socket.create_connection((far_host, server.getsockname()[1]))
-    peer, _ = server.accept()
+    hosts = {0: "10.255.255.1", 1: far_host, 2: "127.0.0.1", 4: ""}
+    loss = HostLoss(0, "127.0.0.1", 0, own_address="10.255.255.1", hosts=lambda: hosts)
+    far, peer = connected(far_host, server)
     try:
         th, got = blocked_recv(far)
-        loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[3]))  # rank 3 at incarnation 2: no key
+        # rank 3 is no member the rank knows of, rank 4 published no host: nothing to cut
+        loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[3, 4]))
         th.join(0.3)
-        assert th.is_alive(), "a host was cut that no lost process of the epoch was on"
+        assert th.is_alive(), "a host was cut that no lost member was on"
         t0 = time.monotonic()
         loss.on_message(protocol.PeersLost(membership_epoch=2, lost=[1, 2]))
         th.join(5.0)
@@ -53,16 +57,14 @@ def test_peers_lost_cuts_the_lost_incarnations_hosts_only(task_store: tuple[TCPS
         peer.close()
 
 
-def test_the_own_host_is_never_cut(task_store: tuple[TCPStore, int], server: socket.socket) -> None:  # noqa: F811
-    store, port = task_store
+def test_the_own_host_is_never_cut(server: socket.socket) -> None:  # noqa: F811
     here = local_address()
-    store.set(keys.host_key(1, 1), here)  # a lost rank said it was on this rank's own host
-    loss = HostLoss(0, "127.0.0.1", port, 0, own_address=here, incarnations=lambda: {0: 1, 1: 1})
-    far = socket.create_connection((here, server.getsockname()[1]))
-    peer, _ = server.accept()
+    # a lost rank said it was on this rank's own host (its own key, or a stale one)
+    loss = HostLoss(0, "127.0.0.1", 0, own_address=here, hosts=lambda: {0: here, 1: here})
+    far, peer = connected(here, server)
     try:
         th, _ = blocked_recv(far)
-        loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[1]))
+        loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[0, 1]))
         th.join(0.3)
         assert th.is_alive()
     finally:
@@ -70,39 +72,61 @@ def test_the_own_host_is_never_cut(task_store: tuple[TCPStore, int], server: soc
         peer.close()
 
 
-def test_store_moved_cuts_the_old_store_host_once_and_later_lookups_use_the_new_store(
-        task_store: tuple[TCPStore, int], server: socket.socket) -> None:  # noqa: F811
-    new_store, new_port = task_store
+def test_store_moved_cuts_the_old_store_host_once(server: socket.socket) -> None:  # noqa: F811
     far_host = local_address()
-    loss = HostLoss(0, far_host, 1, 0, own_address="10.255.255.1", incarnations=lambda: {0: 1, 1: 1})
-    far = socket.create_connection((far_host, server.getsockname()[1]))
-    peer, _ = server.accept()
+    loss = HostLoss(0, far_host, 0, own_address="10.255.255.1", hosts=lambda: {})
+    far, peer = connected(far_host, server)
     try:
         th, _ = blocked_recv(far)
-        loss.on_message(protocol.StoreMoved(store_epoch=1, host="127.0.0.1", port=new_port, lost=[]))
+        loss.on_message(protocol.StoreMoved(store_epoch=1, host="127.0.0.1", port=9, lost=[]))
         th.join(5.0)
         assert not th.is_alive(), "the old store's host was not cut"
     finally:
         far.close()
         peer.close()
-    # the lookups go to the new store now: a lost rank's host published there is found and cut
-    new_store.set(keys.host_key(1, 1), far_host)
-    again = socket.create_connection((far_host, server.getsockname()[1]))
-    peer, _ = server.accept()
+    again, peer = connected(far_host, server)
     try:
         th, _ = blocked_recv(again)
-        loss.on_message(protocol.StoreMoved(store_epoch=1, host="127.0.0.1", port=new_port, lost=[]))  # told twice
+        loss.on_message(protocol.StoreMoved(store_epoch=1, host="127.0.0.1", port=9, lost=[]))  # told twice
         th.join(0.3)
         assert th.is_alive(), "a second StoreMoved of the same epoch cut again"
-        loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[1]))
-        th.join(5.0)
-        assert not th.is_alive(), "the lost rank's host, read from the new store, was not cut"
     finally:
         again.close()
         peer.close()
 
 
-def test_an_unreachable_store_cuts_nothing_and_raises_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hostloss, "READ_TIMEOUT_S", 0.5)
-    loss = HostLoss(0, "127.0.0.1", free_port(), 0, own_address="", incarnations=lambda: {0: 1, 1: 1})
-    loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[1]))  # logged: collectives time out instead
+def test_a_node_lost_with_the_store_is_cut_without_asking_any_store(server: socket.socket) -> None:  # noqa: F811
+    """The store's node and another node lost in one resize: the moved store never had the other node's
+    ranks (here it does not even answer), so their hosts come from the rank's epoch, learned at its
+    barrier. Before, they were read from the moved store, and the survivors waited out their timeout."""
+    far_host = local_address()
+    loss = HostLoss(0, "10.255.255.2", 0, own_address="10.255.255.1",
+                    hosts=lambda: {0: "10.255.255.1", 1: "10.255.255.2", 2: far_host})
+    far, peer = connected(far_host, server)
+    try:
+        collective, _ = blocked_recv(far)
+        loss.on_message(protocol.StoreMoved(store_epoch=1, host="192.0.2.1", port=9, lost=[1, 2]))
+        collective.join(0.3)
+        assert collective.is_alive(), "a store move cut a host that only ran lost ranks"
+        t0 = time.monotonic()
+        loss.on_message(protocol.PeersLost(membership_epoch=3, lost=[1, 2]))
+        collective.join(5.0)
+        assert not collective.is_alive() and time.monotonic() - t0 < 1.0, "the other lost node's host was not cut"
+    finally:
+        far.close()
+        peer.close()
+
+
+def test_a_member_learns_every_members_host_at_its_epochs_barrier(task_store: TCPStore) -> None:
+    """One call for all members where each published its host; key by key where one did not."""
+    address = keys.publish_host(task_store, 0, 1, "127.0.0.1", 9)  # as a rank does: its route to the store
+    m = Membership(task_store, 0, Topology(world_size=1, tp=1), 1, CommSettings(regroup_timeout_s=10))
+    m.start()
+    assert m.hosts == {0: address} and address.startswith("127.")
+    for r, host in ((0, "10.0.0.1"), (1, "10.0.0.2"), (2, "")):
+        task_store.set(keys.host_key(r, 1), host)
+    task_store.set(keys.host_key(3, 2), "10.0.0.4")  # rank 3's second process
+    rec = EpochRecord(5, (0, 1, 2, 3), {0: 1, 1: 1, 2: 1, 3: 2})
+    assert m._hosts_of(rec) == {0: "10.0.0.1", 1: "10.0.0.2", 2: "", 3: "10.0.0.4"}
+    # a member that published no host (a runtime before hosts were published): the others still count
+    assert m._hosts_of(EpochRecord(6, (0, 1, 3), {0: 1, 1: 1, 3: 3})) == {0: "10.0.0.1", 1: "10.0.0.2"}

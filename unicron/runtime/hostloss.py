@@ -8,9 +8,11 @@ such hosts, and both are acted on here, on the agent client's reader thread, bec
 thread is the one blocked:
 
 * ``StoreMoved``: the store left its host: cut that host (the store's address was always known);
-* ``PeersLost``: an in-place resize gave up ranks of lost nodes: cut their hosts, read from the task's
-  store (``host/<rank>/<incarnation>``, which every rank publishes when it starts and again when it
-  re-seeds a moved store, :func:`unicron.runtime.store.publish_host`).
+* ``PeersLost``: an in-place resize gave up ranks of lost nodes: cut their hosts, as this rank learned
+  them when it entered its current epoch (``Membership.hosts``: every rank publishes
+  ``host/<rank>/<incarnation>`` in the task's store when it starts and again when it re-seeds a moved
+  store, :func:`unicron.runtime.store.publish_host`). Read then, not now: when the store's node and
+  another node are lost together, the moved store never had the other node's ranks.
 
 The blocked call then fails at once and the rank's recovery starts from that failure, as from a
 dead peer's reset connection. The coordinator gives up whole nodes only (a rank's own fault is
@@ -26,15 +28,9 @@ from collections.abc import Callable, Mapping
 
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
-from unicron.kernel.errors import TemporaryError
-from unicron.runtime import store as keys
 from unicron.runtime.sever import sever
 
 log = ulog.get(__name__)
-
-#: how long the reader thread waits for the task's store when it looks up lost ranks' hosts: the store
-#: answers in milliseconds, and a store that does not is itself lost (``StoreMoved`` cuts its host)
-READ_TIMEOUT_S = 5.0
 
 HostLost = protocol.StoreMoved | protocol.PeersLost
 
@@ -42,16 +38,15 @@ HostLost = protocol.StoreMoved | protocol.PeersLost
 class HostLoss:
     """Tracks the task store's address (``StoreMoved`` updates it) and cuts the hosts the agent names.
 
-    ``incarnations``: the members of this rank's current epoch, with their incarnations (the lost
-    processes' host keys are per incarnation)."""
+    ``hosts``: where each member of this rank's current epoch runs (``Membership.hosts``)."""
 
-    def __init__(self, rank: int, store_host: str, store_port: int, store_epoch: int, own_address: str,
-                 incarnations: Callable[[], Mapping[int, int]]) -> None:
+    def __init__(self, rank: int, store_host: str, store_epoch: int, own_address: str,
+                 hosts: Callable[[], Mapping[int, str]]) -> None:
         self.rank = rank
         self.own_address = own_address
-        self._store = (store_host, store_port)
+        self._store_host = store_host
         self._store_epoch = store_epoch
-        self._incarnations = incarnations
+        self._hosts = hosts
 
     def on_message(self, msg: HostLost) -> None:
         if isinstance(msg, protocol.StoreMoved):
@@ -62,23 +57,14 @@ class HostLoss:
     def _store_moved(self, msg: protocol.StoreMoved) -> None:
         if msg.store_epoch <= self._store_epoch:
             return  # told twice (or a stale move): the host was cut the first time
-        old, self._store, self._store_epoch = self._store[0], (msg.host, msg.port), msg.store_epoch
+        old, self._store_host, self._store_epoch = self._store_host, msg.host, msg.store_epoch
         if old and old != msg.host:
             self._cut(old, f"the store left it (store epoch {msg.store_epoch})")
 
     def _peers_lost(self, msg: protocol.PeersLost) -> None:
-        incarnations = self._incarnations()
-        wanted = [keys.host_key(r, incarnations[r]) for r in msg.lost if r in incarnations and r != self.rank]
-        if not wanted:
-            return
-        try:
-            store = keys.connect(*self._store, timeout_s=READ_TIMEOUT_S)
-            hosts = {store.get(k).decode() for k in wanted if store.check([k])}
-        except (TemporaryError, *keys.STORE_ERRORS) as exc:
-            log.warning("cannot read the lost ranks' hosts: their collectives will time out", rank=self.rank,
-                        lost=msg.lost, error=str(exc).splitlines()[0])
-            return
-        for host in sorted(hosts - {"", self.own_address}):
+        hosts = self._hosts()
+        lost = {hosts[r] for r in msg.lost if r in hosts and r != self.rank}
+        for host in sorted(lost - {"", self.own_address}):
             self._cut(host, f"ranks {msg.lost} lost (membership epoch {msg.membership_epoch})")
 
     def _cut(self, host: str, why: str) -> None:

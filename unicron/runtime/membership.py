@@ -49,7 +49,7 @@ import json
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -179,10 +179,9 @@ def raise_counter(store: RendezvousStore, key: str, value: int) -> None:
 def reseed(store: RendezvousStore, rank: int, incarnation: int, records: Iterable[EpochRecord],
            lost: Iterable[int], leaving: bool, address: str = "") -> None:
     """Seed a moved (empty) store with what this rank holds (module docstring, "A moved store");
-    ``address``: where this rank's node is reached (``host/<rank>/<incarnation>``), if it knows."""
+    ``address``: where this rank's node is reached (``host/<rank>/<incarnation>``; "": it does not know)."""
     raise_counter(store, keys.started_key(rank), incarnation)
-    if address:
-        store.set(keys.host_key(rank, incarnation), address)
+    store.set(keys.host_key(rank, incarnation), address)
     held = sorted(records, key=lambda rec: rec.epoch)
     for rec in held:
         for r, inc in sorted(rec.incarnations.items()):
@@ -235,6 +234,10 @@ class Membership:
         #: seconds spent in the phases of the last regroup (for logs and benchmarks)
         self.timing: dict[str, float] = {}
         self._poll = poll or (lambda: None)
+        #: where each member of the epoch last entered runs (``host/<rank>/<incarnation>``; "": unknown),
+        #: read once at its barrier: a survivor told that ranks were lost cuts their hosts from here,
+        #: without a store call (the store may have been lost with them; :mod:`unicron.runtime.hostloss`)
+        self.hosts: Mapping[int, str] = {}
 
     def use(self, store: RendezvousStore) -> None:
         """Go on with a moved store (its heartbeat counters start anew: so does their judge)."""
@@ -408,9 +411,18 @@ class Membership:
         t0 = time.monotonic()
         self._barrier(rec, deadline)
         t1 = time.monotonic()
+        self.hosts = self._hosts_of(rec)
         groups = self._build(rec)
         self.timing.update(barrier_s=t1 - t0, build_s=time.monotonic() - t1)
         return groups
+
+    def _hosts_of(self, rec: EpochRecord) -> dict[int, str]:
+        """The members' hosts, in one store call where each published one (a member always does
+        before its barrier, :func:`unicron.runtime.store.publish_host`), else key by key."""
+        wanted = {r: keys.host_key(r, rec.incarnations[r]) for r in rec.members}
+        if self.store.check(list(wanted.values())):
+            return {r: v.decode() for r, v in zip(wanted, self.store.multi_get(list(wanted.values())), strict=True)}
+        return {r: self.store.get(k).decode() for r, k in wanted.items() if self.store.check([k])}
 
     def _barrier(self, rec: EpochRecord, deadline: float) -> None:
         self.store.set(_ready_key(rec.epoch, self.rank), str(self.incarnation))

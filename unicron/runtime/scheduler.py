@@ -312,7 +312,7 @@ class Trainer(Generic[BatchT]):
         self._groups: Groups | None = None  # set once admitted to an epoch
         #: lost hosts' connections are cut on the agent client's reader thread (the training thread may
         #: be blocked on them)
-        self.host_loss = HostLoss(rank, *store_addr, store_epoch, address, self._member_incarnations)
+        self.host_loss = HostLoss(rank, store_addr[0], store_epoch, address, lambda: self.membership.hosts)
         client.on_host_lost = self.host_loss.on_message
         self._held: Held | None = None  # built once, with the first groups
         self.model_tp: CommGroup = broken_group()  # the tensor-parallel group the model is bound to
@@ -545,11 +545,6 @@ class Trainer(Generic[BatchT]):
         self._event("store_moved", store_epoch=msg.store_epoch, lost=list(msg.lost), waited_s=t0 - t_wait,
                     seconds=time.time() - t0, error=str(exc).splitlines()[0] if exc is not None else "")
         self.log.info("store moved", store_epoch=msg.store_epoch, host=msg.host, port=msg.port, lost=list(msg.lost))
-
-    def _member_incarnations(self) -> dict[int, int]:
-        """The members of the current epoch and their incarnations (read on the agent client's reader thread)."""
-        groups = self._groups
-        return dict(groups.record.incarnations) if groups is not None else {}
 
     def _on_injected(self, fault: InjectedFault) -> None:
         sev = severity_of_kind(fault.kind)

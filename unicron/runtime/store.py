@@ -16,9 +16,9 @@ Keys (all small ASCII values):
 * ``hb/<rank>``: counter a rank's heartbeat thread bumps every ~50 ms.
 * ``join/<rank>``: the incarnation of a live process of ``rank`` asking to (re)join.
 * ``host/<rank>/<incarnation>``: the address that process's node is reached at (its route's source
-  address to the store), for survivors that must cut their connections to it once its node is lost
-  (``PeersLost``, :mod:`unicron.runtime.hostloss`). Per incarnation: a rank id re-hosted elsewhere
-  publishes its new host without covering the lost one's.
+  address to the store; "" where it has none), read by every member at each epoch's barrier
+  (``Membership.hosts``) for when its node is lost (``PeersLost``, :mod:`unicron.runtime.hostloss`).
+  Per incarnation: a rank id re-hosted elsewhere publishes its new host without covering the lost one's.
 * ``epoch/latest`` and ``epoch/<g>``: the agreed membership of each process-group epoch
   (see :mod:`unicron.runtime.membership`).
 """
@@ -68,11 +68,12 @@ def host_key(rank: int, incarnation: int) -> str:
 def publish_host(store: RendezvousStore, rank: int, incarnation: int, store_host: str, store_port: int) -> str:
     """Publish the address this process's node is reached at (``host/<rank>/<incarnation>``); returns it,
     or "" where this host has no route to the store's address (then nobody can cut it: peers wait for
-    their collective timeout instead)."""
+    their collective timeout instead). Published either way: every member has the key, so the members'
+    hosts are read in one call (``Membership.hosts``)."""
     try:
         address = route_address(store_host, store_port)
     except OSError:
-        return ""
+        address = ""
     store.set(host_key(rank, incarnation), address)
     return address
 
