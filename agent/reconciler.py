@@ -178,6 +178,19 @@ class _Command:
     kill: bool = False  # a stop by SIGKILL, no grace (the node is isolated)
 
 
+def _gone_with_the_store(a: TaskAssignment) -> list[int]:
+    """The ranks a moved store must learn are dead: every rank outside the new membership, not only
+    those this resize lost. The old store's node marked the ranks of earlier resizes there, unless it
+    was itself cut off by then (a partition of it and another node, found as two resizes): then
+    survivors still holding those ranks' epoch waited for them on the new store, where nothing
+    marked them (``tests/integration/test_inplace_partition.py``). This resize's lost ranks stay in
+    even when re-hosted as joiners: what is marked is the incarnation the survivors hold, the lost
+    process's. Survivors mark only ranks of the newest epoch they hold, so ranks long gone change
+    nothing; a leaving rank marked is one leaving."""
+    members = set(a.members) if len(a.members) else set(range(a.world_size))
+    return sorted((set(range(a.world_size)) - members) | set(a.lost))
+
+
 class TaskReconciler:
     def __init__(self, assignment: TaskAssignment, host: TaskHost, prefork: Prefork | None,
                  previous: TaskReconciler | None = None, stop_grace_s: float = STOP_GRACE_S) -> None:
@@ -573,7 +586,8 @@ class TaskReconciler:
         store = self._host_store(a, spare) if a.store_node == self.host.node else self._await_store(a)
         if store is None:
             return None  # stopped meanwhile
-        msg = protocol.StoreMoved(store_epoch=store.store_epoch, host=store.host, port=store.port, lost=list(a.lost))
+        msg = protocol.StoreMoved(store_epoch=store.store_epoch, host=store.host, port=store.port,
+                                  lost=_gone_with_the_store(a))
         running = sorted(r for r, st in self.supervisor.status().items() if st.returncode is None)
         for r in running:
             self.host.send_to_rank(a.task, r, msg)

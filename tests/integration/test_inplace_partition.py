@@ -39,10 +39,8 @@ def cluster() -> Iterator[LocalCluster]:
             os.environ.pop("UNICRON_ETCD", None)
 
 
-@pytest.mark.slow
-def test_survivors_cut_a_partitioned_peer_off_instead_of_waiting_for_their_collective_timeout(
-        cluster: LocalCluster, tmp_path: Path) -> None:
-    c = cluster
+def submit(c: LocalCluster, tmp_path: Path) -> dict[int, dict[str, object]]:
+    """The in-place task on every node, its ranks with the long collective timeout; once they step."""
     command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", *ARGS,
                "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), "--regroup-timeout", str(2 * COLLECTIVE_TIMEOUT_S),
                "--out-dir", str(tmp_path / "out")]
@@ -50,22 +48,46 @@ def test_survivors_cut_a_partitioned_peer_off_instead_of_waiting_for_their_colle
     spec.write_text(json.dumps({"name": "job", "command": command, "min_gpus": 1,
                                 "env": {"UNICRON_LOG_LEVEL": "INFO"}}))  # the ranks' cut lines, in their agents' logs
     assert cli(["submit", str(spec)]) == 0
-    before = stepping(c, {0, 1, 2}, 3, timeout=120.0)
-    victim = next(n for n in c.node_names() if n != store_node(c))
-    lost = next(r for r, v in before.items() if v["node"] == victim)
-    survivors = {r: v for r, v in before.items() if r != lost}
+    return stepping(c, {0, 1, 2}, 3, timeout=120.0)
+
+
+def partition_and_expect_the_survivors_to_go_on(c: LocalCluster, victims: list[str],
+                                                before: dict[int, dict[str, object]]) -> None:
+    survivors = {r: v for r, v in before.items() if v["node"] not in victims}
     t0 = time.time()
-    c.partition(victim)
+    for victim in victims:
+        c.partition(victim)
     try:
-        past = max(int(v.get("step") or 0) for v in c.running_ranks("job").values())  # in lockstep with the victim
+        past = max(int(v.get("step") or 0) for v in c.running_ranks("job").values())  # in lockstep with the victims
         after = stepping(c, set(survivors), past + 3, timeout=90.0)
     finally:
-        c.heal(victim)
+        for victim in victims:
+            c.heal(victim)
     assert {r: v["pid"] for r, v in after.items()} == {r: v["pid"] for r, v in survivors.items()}, "a survivor restarted"
     actions = [str(a["action"]) for a in c.actions(t0)]
     assert "ResizeInPlace" in actions and not {"Assign", "RestartTask"} & set(actions), actions
-    victim_ip = c.host_ip(victim)
     for node in {v["node"] for v in survivors.values()}:
         text = (Path(c.run_dir) / f"agent-{node}.log").read_text(errors="replace")
         cuts = [line for line in text.splitlines() if "cut the connections to a lost host" in line]
-        assert any(victim_ip in line for line in cuts), f"{node}'s rank did not cut {victim_ip}: {cuts}"
+        for victim in victims:
+            assert any(c.host_ip(victim) in line for line in cuts), f"{node}'s rank did not cut {victim}: {cuts}"
+
+
+@pytest.mark.slow
+def test_survivors_cut_a_partitioned_peer_off_instead_of_waiting_for_their_collective_timeout(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    before = submit(cluster, tmp_path)
+    victim = next(n for n in cluster.node_names() if n != store_node(cluster))
+    partition_and_expect_the_survivors_to_go_on(cluster, [victim], before)
+
+
+@pytest.mark.slow
+def test_a_survivor_cuts_off_the_store_node_and_another_node_partitioned_together(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """The moved store never had the other node's ranks: the survivor cuts them from the hosts it read
+    at its epoch's barrier (before, it looked them up in the moved store, found none and waited out
+    its collective timeout)."""
+    before = submit(cluster, tmp_path)
+    stored = store_node(cluster)
+    other = next(n for n in cluster.node_names() if n != stored)
+    partition_and_expect_the_survivors_to_go_on(cluster, [stored, other], before)
