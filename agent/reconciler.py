@@ -484,14 +484,24 @@ class TaskReconciler:
             self._published_revision = revision
         return addr
 
-    def _await_store(self, a: TaskAssignment) -> StoreAddress | None:
+    def _await_store(self, a: TaskAssignment, moved: bool = False) -> StoreAddress | None:
+        """The store ``a`` names, once published; None if a stop comes first, or (``moved``) a newer
+        move of the store: the node named may have been lost too before its store came up (a partition
+        of the store's node and another, found as two resizes), and only the newer one has a store."""
         with self._wake:
-            if self._store is None:
+            if self._store is None or moved:
                 log.info("waiting for the task's store", task=a.task, generation=a.generation, store_node=a.store_node)
             epoch = _store_epoch(a)
             self._wake.wait_for(lambda: (self._store is not None and self._store.restart_epoch >= epoch
-                                         and self._store.store_epoch >= a.store_epoch) or self._stop_pending())
-            return self._store if not self._stop_pending() else None
+                                         and self._store.store_epoch >= a.store_epoch) or self._stop_pending()
+                                or (moved and self._moved_again(a)))
+            ready = self._store is not None and self._store.store_epoch >= a.store_epoch
+            return self._store if ready and not self._stop_pending() else None
+
+    def _moved_again(self, a: TaskAssignment) -> bool:
+        """A queued assignment moves the store past ``a``'s (under the lock)."""
+        return any(c.assignment is not None and c.assignment.generation == a.generation
+                   and c.assignment.store_epoch > a.store_epoch for c in self._commands)
 
     def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, restart: bool = False) -> str:
         """Start one rank; "" on success, else why it could not start (the rank is then FAILED)."""
@@ -525,6 +535,14 @@ class TaskReconciler:
             if a.store_node != self.host.node:
                 self._give_up_store()
             store = self._move_store(a)
+            with self._wake:
+                superseded = store is None and not self._stop_pending()
+            if superseded:
+                # A newer move comes next and applies this one's membership too; its survivors must
+                # still hear now of the ranks lost (their collective waits on them), not at its turn.
+                running = {r for r, st in self.supervisor.status().items() if st.returncode is None}
+                self._tell_lost(a, applied, sorted(r for r in running if r in specs))
+                return True, "superseded by a newer move of the store"
         if a.membership_epoch > applied.membership_epoch and store is not None:
             errors += self._resize(a, applied, specs, store)
         if a.restart_epoch > applied.restart_epoch and a.recovery == RECOVERY_RESTART:
@@ -583,7 +601,7 @@ class TaskReconciler:
         address to its running ranks (``StoreMoved``), before any of them is asked to leave or any
         joiner starts (both need the new store)."""
         spare = self._take_spare() if a.store_node == self.host.node else None
-        store = self._host_store(a, spare) if a.store_node == self.host.node else self._await_store(a)
+        store = self._host_store(a, spare) if a.store_node == self.host.node else self._await_store(a, moved=True)
         if store is None:
             return None  # stopped meanwhile
         msg = protocol.StoreMoved(store_epoch=store.store_epoch, host=store.host, port=store.port,

@@ -422,3 +422,57 @@ def test_a_drained_store_node_stops_its_sidecar_when_the_store_moves_off_it(
     assert sidecar.proc.poll() is not None and not rec.hosts_store()
     now = StoreAddress.from_json(wait_for(lambda: store.get(KEYS.store("d")), 30, "the new store").value)
     assert (now.node, now.store_epoch) == ("a1", 1)
+
+
+# A rank that steps once, then writes every instruction its agent sends it to the file named by its
+# first argument, one JSON object a line.
+RECORDS_INSTRUCTIONS = [sys.executable, "-c", (
+    "import json, sys; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "with c.iteration(1): pass\n"
+    "out = open(sys.argv[1], 'a')\n"
+    "while True:\n"
+    "    m = c.next_instruction(timeout=1.0)\n"
+    "    if m is not None: out.write(json.dumps({'type': m.TYPE, **m.to_dict()}) + '\\n'); out.flush()\n"
+)]
+
+
+def test_a_store_move_to_a_node_lost_before_its_store_came_up_gives_way_to_the_next_move(
+        agents: dict[str, Agent], store: Store, tmp_path: Path) -> None:
+    """The store's node and another are partitioned together, found as two resizes: the first names
+    as the store's new node the other one, which never starts it. The survivor's agent must not wait
+    for that store for good: the next move (to its own node) comes, the ranks lost in both are named
+    to its rank (``PeersLost``: its collective waits on them) and all are in ``StoreMoved.lost``, so
+    the re-seeded store knows them dead (the old store's node never marked the first ones)."""
+    log = tmp_path / "instructions.jsonl"
+    argv = [*RECORDS_INSTRUCTIONS, str(log)]
+    base = task("m", argv, [0], 3, store_node="a0")
+    assign(store, "a0", base)
+    survivor = dataclasses.replace(base, ranks=[RankSpec(rank=1, local_rank=0, gpu=0)])
+    assign(store, "a1", survivor)
+    wait_for(lambda: ((s := status(store, "a1")) is not None and any(r.advanced for r in s.ranks)) or None, 60,
+             "a1's rank to step")
+    # a0 is lost: the store is to move to "px", which runs rank 2 and is cut off too (no agent here)
+    assign(store, "a0")
+    first = dataclasses.replace(survivor, membership_epoch=1, members=RankSet.of([1, 2]), lost=[0],
+                                store_node="px", store_epoch=1)
+    rev1 = assign(store, "a1", first)
+    time.sleep(1.0)  # a1 waits for px's store
+    second = dataclasses.replace(first, membership_epoch=2, members=RankSet.of([1]), lost=[2],
+                                 store_node="a1", store_epoch=2)
+    rev2 = assign(store, "a1", second)
+    assert wait_for(lambda: result(store, "a1", rev2), 60, "a1's result of the second move").ok
+
+    def told() -> list[dict[str, object]] | None:
+        lines = log.read_text().splitlines() if log.exists() else []
+        got = [json.loads(line) for line in lines]
+        return got if sum(m["type"] == "store_moved" for m in got) and len(got) >= 3 else None
+
+    messages = wait_for(told, 30, "the rank to be told")
+    assert rev1 < rev2
+    lost = [m["lost"] for m in messages if m["type"] == "peers_lost"]
+    assert lost == [[0], [2]], messages
+    [moved] = [m for m in messages if m["type"] == "store_moved"]
+    assert (moved["store_epoch"], moved["lost"]) == (2, [0, 2]), moved
+    addr = StoreAddress.from_json(wait_for(lambda: store.get(KEYS.store("m")), 30, "the moved store").value)
+    assert (addr.node, addr.store_epoch) == ("a1", 2)
