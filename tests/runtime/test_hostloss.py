@@ -6,6 +6,7 @@ Real sockets; the members' hosts are read from a real task store."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from unicron.kernel.net import free_port
 from unicron.runtime import store as keys
 from unicron.runtime.comm import TCPStore
 from unicron.runtime.epoch import EpochRecord
-from unicron.runtime.hostloss import HostLoss
+from unicron.runtime.hostloss import HostLoss, HostLost
 from unicron.runtime.membership import CommSettings, Membership
 from unicron.runtime.plan import Topology
 
@@ -36,6 +37,13 @@ def connected(far_host: str, srv: socket.socket) -> tuple[socket.socket, socket.
     return far, peer
 
 
+def cuts(loss: HostLoss, msg: HostLost, blocked: threading.Thread, wait_s: float) -> bool:
+    """Whether ``msg`` makes ``loss`` end the ``blocked`` call (on a connection) within ``wait_s``."""
+    loss.on_message(msg)
+    blocked.join(wait_s)
+    return not blocked.is_alive()
+
+
 def test_peers_lost_cuts_the_lost_ranks_hosts_only(server: socket.socket) -> None:  # noqa: F811
     far_host = local_address()
     hosts = {0: "10.255.255.1", 1: far_host, 2: "127.0.0.1", 4: ""}
@@ -44,13 +52,12 @@ def test_peers_lost_cuts_the_lost_ranks_hosts_only(server: socket.socket) -> Non
     try:
         th, got = blocked_recv(far)
         # rank 3 is no member the rank knows of, rank 4 published no host: nothing to cut
-        loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[3, 4]))
-        th.join(0.3)
-        assert th.is_alive(), "a host was cut that no lost member was on"
+        assert not cuts(loss, protocol.PeersLost(membership_epoch=1, lost=[3, 4]), th, 0.3), \
+            "a host was cut that no lost member was on"
         t0 = time.monotonic()
-        loss.on_message(protocol.PeersLost(membership_epoch=2, lost=[1, 2]))
-        th.join(5.0)
-        assert not th.is_alive() and time.monotonic() - t0 < 2.0, "the call on the lost host stayed blocked"
+        assert cuts(loss, protocol.PeersLost(membership_epoch=2, lost=[1, 2]), th, 5.0), \
+            "the call on the lost host stayed blocked"
+        assert time.monotonic() - t0 < 2.0
         assert got == [b""] or isinstance(got[0], OSError)
     finally:
         far.close()
@@ -64,9 +71,7 @@ def test_the_own_host_is_never_cut(server: socket.socket) -> None:  # noqa: F811
     far, peer = connected(here, server)
     try:
         th, _ = blocked_recv(far)
-        loss.on_message(protocol.PeersLost(membership_epoch=1, lost=[0, 1]))
-        th.join(0.3)
-        assert th.is_alive()
+        assert not cuts(loss, protocol.PeersLost(membership_epoch=1, lost=[0, 1]), th, 0.3)
     finally:
         far.close()
         peer.close()
@@ -78,18 +83,15 @@ def test_store_moved_cuts_the_old_store_host_once(server: socket.socket) -> None
     far, peer = connected(far_host, server)
     try:
         th, _ = blocked_recv(far)
-        loss.on_message(protocol.StoreMoved(store_epoch=1, host="127.0.0.1", port=9, lost=[]))
-        th.join(5.0)
-        assert not th.is_alive(), "the old store's host was not cut"
+        moved = protocol.StoreMoved(store_epoch=1, host="127.0.0.1", port=9, lost=[])
+        assert cuts(loss, moved, th, 5.0), "the old store's host was not cut"
     finally:
         far.close()
         peer.close()
     again, peer = connected(far_host, server)
     try:
         th, _ = blocked_recv(again)
-        loss.on_message(protocol.StoreMoved(store_epoch=1, host="127.0.0.1", port=9, lost=[]))  # told twice
-        th.join(0.3)
-        assert th.is_alive(), "a second StoreMoved of the same epoch cut again"
+        assert not cuts(loss, moved, th, 0.3), "a second StoreMoved of the same epoch cut again"
     finally:
         again.close()
         peer.close()
@@ -105,13 +107,12 @@ def test_a_node_lost_with_the_store_is_cut_without_asking_any_store(server: sock
     far, peer = connected(far_host, server)
     try:
         collective, _ = blocked_recv(far)
-        loss.on_message(protocol.StoreMoved(store_epoch=1, host="192.0.2.1", port=9, lost=[1, 2]))
-        collective.join(0.3)
-        assert collective.is_alive(), "a store move cut a host that only ran lost ranks"
+        assert not cuts(loss, protocol.StoreMoved(store_epoch=1, host="192.0.2.1", port=9, lost=[1, 2]), collective,
+                        0.3), "a store move cut a host that only ran lost ranks"
         t0 = time.monotonic()
-        loss.on_message(protocol.PeersLost(membership_epoch=3, lost=[1, 2]))
-        collective.join(5.0)
-        assert not collective.is_alive() and time.monotonic() - t0 < 1.0, "the other lost node's host was not cut"
+        assert cuts(loss, protocol.PeersLost(membership_epoch=3, lost=[1, 2]), collective, 5.0), \
+            "the other lost node's host was not cut"
+        assert time.monotonic() - t0 < 1.0
     finally:
         far.close()
         peer.close()
