@@ -115,7 +115,7 @@ def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:
     when the reporter's rank waits in the iteration's collective (``PHASE_COLLECTIVE``), a running
     rank of the task still inside the iteration outside it, at or before the reporter's step (a GPU
     hang, a stuck loader). If several, the lowest stopped rank, or the rank furthest behind (then the
-lowest). Anything else is the report as it came.
+    lowest). Anything else is the report as it came.
 
     It trusts statuses at most one status interval old to show where a rank is: for iterations shorter
     than the status interval the pick may be a rank that has since joined the collective."""
@@ -145,10 +145,10 @@ def _is_reporter(report: Report, node: str, r: RankStatus) -> bool:
 
 
 def _stopped_rank(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culprit | None:
-    stopped = sorted(((r.rank, node), r) for node, r in ranks if r.state == "stopped")
-    if not stopped or any(_is_reporter(report, node, r) for (_, node), r in stopped):
+    stopped = [(node, r) for node, r in ranks if r.state == "stopped"]
+    if not stopped or any(_is_reporter(report, node, r) for node, r in stopped):
         return None
-    (_, node), r = stopped[0]
+    node, r = min(stopped, key=lambda nr: (nr[1].rank, nr[0]))
     return node, r, "is stopped"
 
 
@@ -156,12 +156,11 @@ def _rank_outside_collective(report: Report, ranks: list[tuple[str, RankStatus]]
     reporter = next((r for node, r in ranks if _is_reporter(report, node, r)), None)
     if reporter is None or reporter.phase != PHASE_COLLECTIVE:
         return None
-    behind = sorted(((r.step if r.step is not None else -1, r.rank, node), r) for node, r in ranks
-                    if r.state == "running" and r.phase in _BEHIND
-                    and (report.step is None or r.step is None or r.step <= report.step))
+    behind = [(node, r) for node, r in ranks if r.state == "running" and r.phase in _BEHIND
+              and (report.step is None or r.step is None or r.step <= report.step)]
     if not behind:
         return None
-    (_, _, node), r = behind[0]
+    node, r = min(behind, key=lambda nr: (nr[1].step if nr[1].step is not None else -1, nr[1].rank, nr[0]))
     return node, r, f"has not joined the collective (phase {r.phase}, step {r.step})"
 
 
