@@ -242,7 +242,7 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         sched=sched, comm=comm, client=client,
         faults=FaultScript.from_env(rank, incarnation, store), checkpointer=checkpointer,
         ckpt_every=args.ckpt_every, resume=args.resume, watcher=heartbeat,
-        preemption=Preemption(snapshot=args.stop_snapshot == "on"), store_addr=(host, port), store_epoch=store_epoch,
+        preemption=Preemption(snapshot=args.stop_snapshot == "on"), store_host=host, store_epoch=store_epoch,
         address=address,
     )
     return Rank(trainer, heartbeat, client)

@@ -277,7 +277,7 @@ class Trainer(Generic[BatchT]):
         resume: bool = False,
         watcher: Heartbeat | None = None,
         preemption: Preemption | None = None,
-        store_addr: tuple[str, int] = ("", 0),
+        store_host: str = "",
         store_epoch: int = 0,
         address: str = "",
     ) -> None:
@@ -312,7 +312,7 @@ class Trainer(Generic[BatchT]):
         self._groups: Groups | None = None  # set once admitted to an epoch
         #: lost hosts' connections are cut on the agent client's reader thread (the training thread may
         #: be blocked on them)
-        self.host_loss = HostLoss(rank, store_addr[0], store_epoch, address, lambda: self.membership.hosts)
+        self.host_loss = HostLoss(rank, store_host, store_epoch, address, lambda: self.membership.hosts)
         client.on_host_lost = self.host_loss.on_message
         self._held: Held | None = None  # built once, with the first groups
         self.model_tp: CommGroup = broken_group()  # the tensor-parallel group the model is bound to
