@@ -228,7 +228,9 @@ class TaskReconciler:
         self.stopped_at: dict[int, int] = {}
         #: rank -> the phase its current process last reported (``protocol.PHASES``; ``RankStatus.phase``)
         self.phases: dict[int, str] = {}
+        #: rank -> the restart epoch and the membership epoch its current process was launched at
         self.launched_epoch: dict[int, int] = {}
+        self.launched_membership: dict[int, int] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
         self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
@@ -346,7 +348,8 @@ class TaskReconciler:
             gen = self.applied.generation
             return [RankStatus(task=self.task, generation=gen, rank=st.rank, pid=st.pid, state=st.state,
                                returncode=st.returncode, requested=st.requested, step=self.steps.get(r),
-                               restart_epoch=self.launched_epoch.get(r, 0), advanced=r in self.advanced,
+                               restart_epoch=self.launched_epoch.get(r, 0),
+                               membership_epoch=self.launched_membership.get(r, 0), advanced=r in self.advanced,
                                stopped_at=self.stopped_at.get(r), phase=self.phases.get(r))
                     for r, st in procs.items()]
 
@@ -507,6 +510,7 @@ class TaskReconciler:
         """Start one rank; "" on success, else why it could not start (the rank is then FAILED)."""
         with self._lock:
             self.launched_epoch[spec.rank] = a.restart_epoch
+            self.launched_membership[spec.rank] = a.membership_epoch
             self.monitors.pop(spec.rank, None)
             # A new process has made no step yet: its predecessor's last step, published with the
             # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
@@ -702,6 +706,7 @@ class TaskReconciler:
                 self._ranks.pop(r, None)
                 self._forget_progress(r)
                 self.launched_epoch.pop(r, None)
+                self.launched_membership.pop(r, None)
                 mon = self.monitors.pop(r, None)
             self.host.forget_rank(a.task, r, mon)
         return errors

@@ -177,14 +177,23 @@ def _pending_restart(entry: d.TaskEntry) -> int | None:
     return entry.restart_epoch if o is not None and o.kind is d.ActionKind.RESTART else None
 
 
+def _pending_joiners(entry: d.TaskEntry) -> set[int]:
+    """The joiners an in-place resize under way still waits for (none outside one)."""
+    o = entry.outstanding
+    return set(entry.joiners) if o is not None and o.kind is d.ActionKind.RESIZE else set()
+
+
 def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> list[d.ProgressMade]:
     """New steps completed by a task's ranks at its current generation (and, while a restart is
     pending, by processes that restart launched: a survivor's or the dead process's step says nothing
     about it). Such a process that has completed an iteration proves the restart whatever its step:
     a job that resumed from its checkpoint redoes steps the coordinator saw before the failure, and
-    waiting for it to pass them would let the restart's deadline expire on a healthy node."""
+    waiting for it to pass them would let the restart's deadline expire on a healthy node. Likewise,
+    while an in-place grow is pending, its joiners' processes that completed an iteration are named
+    (``joined``): the survivors' steps, which go on without them, do not prove it."""
     best: dict[str, int] = {}
     proven: set[str] = set()  # tasks with a process of the pending restart that completed an iteration
+    joined: dict[str, list[int]] = {}
     for r in status.ranks:
         entry = state.tasks.get(r.task)
         if entry is None or r.step is None or r.generation != entry.generation:
@@ -195,14 +204,17 @@ def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> l
         best[r.task] = max(r.step, best.get(r.task, -1))
         if epoch is not None and r.advanced:
             proven.add(r.task)
+        if r.advanced and r.membership_epoch >= entry.joining_since and r.rank in _pending_joiners(entry):
+            joined.setdefault(r.task, []).append(r.rank)
     out = []
     for task, step in sorted(best.items()):
         entry = state.tasks[task]
         if task in proven:
             out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation,
                                       restart_epoch=entry.restart_epoch))
-        elif step > seen.get((task, entry.generation), -1):
-            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation))
+        elif task in joined or step > seen.get((task, entry.generation), -1):
+            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation,
+                                      joined=tuple(sorted(joined.get(task, ())))))
     return out
 
 

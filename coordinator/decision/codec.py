@@ -100,7 +100,7 @@ def from_dict(data: object) -> Event | Action:
             raw["placement"] = {n: tuple(r) for n, r in raw["placement"].items()}
         if "cause" in raw:
             raw["cause"] = FailureCause(raw["cause"])
-        for key in ("members", "failed_ranks", "ranks", "joiners", "leaving", "lost"):
+        for key in ("members", "failed_ranks", "ranks", "joiners", "leaving", "lost", "joined"):
             if key in raw:
                 raw[key] = tuple(raw[key])
         result: Event | Action = cls(**raw)

@@ -133,6 +133,7 @@ def _copy_task(e: TaskEntry) -> TaskEntry:
         e,
         placement={n: list(r) for n, r in e.placement.items()},
         failed_ranks=list(e.failed_ranks),
+        joiners=list(e.joiners),
         relaunching={n: list(r) for n, r in e.relaunching.items()},
         outstanding=None if o is None else dataclasses.replace(o, waiting=list(o.waiting)),
     )
@@ -429,6 +430,7 @@ class _Run:
         entry.store_node = plan.store_node
         entry.recovery_step = entry.resized_step = entry.last_step
         entry.resized_at = self.state.now
+        self._add_joiners(entry, plan)
         entry.reason = fault.reason
         action = ResizeInPlace(
             action_id=self._id(),
@@ -445,8 +447,12 @@ class _Run:
             store_node=plan.store_node,
         )
         self.actions.append(action)
-        # confirmed by a step completed after it (the generation stays: older steps say nothing)
-        self._track(entry, action.action_id, ActionKind.RESIZE, None, list(entry.placement))
+        # confirmed by a step completed after it (the generation stays: older steps say nothing), where
+        # it has joiners by an iteration of each; if that does not come in time, their node (when they
+        # share one) is the one to isolate, as a failed restart's is
+        hosts = {n for n, r in plan.placement.items() if set(r) & set(entry.joiners)}
+        node = next(iter(hosts)) if len(hosts) == 1 else None
+        self._track(entry, action.action_id, ActionKind.RESIZE, node, list(entry.placement))
 
     def _clear(self, entry: TaskEntry, reason: str) -> None:
         entry.placement = {}
@@ -525,7 +531,7 @@ class _Run:
                 trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it
             elif trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
                 trigger = _T.PEER_DIED
-            elif trigger is _T.SEV2 and _launching(entry, event.generation):
+            elif trigger is _T.SEV2 and _launching(entry, inc, event.generation):
                 trigger = _T.LAUNCH_FAULT
             self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
 
@@ -659,11 +665,34 @@ class _Run:
         relaunched = (entry.phase is TaskPhase.RESTARTING and event.restart_epoch is not None
                       and event.restart_epoch >= entry.restart_epoch)
         resizing = entry.outstanding is not None and entry.outstanding.kind is ActionKind.RESIZE
+        if resizing and entry.joiners:
+            if not self._joined(entry, event.task, event.joined):
+                return  # the survivors step on without joiners until they are admitted: no proof of a grow
+            by = " once every joiner completed an iteration"
+        elif relaunched:
+            by = f" by a process of restart epoch {event.restart_epoch}"
+        else:
+            by = ""
         same_config = resizing or entry.phase in (TaskPhase.REATTEMPTING, TaskPhase.RESTARTING)
         if same_config and not relaunched and entry.recovery_step is not None and event.step <= entry.recovery_step:
             return
-        by = f" by a process of restart epoch {event.restart_epoch}" if relaunched else ""
         self._fire(event.task, _T.PROGRESS, _Fault(f"step {event.step} completed{by}"))
+
+    def _joined(self, entry: TaskEntry, name: str, joined: tuple[int, ...]) -> bool:
+        """Takes ``joined`` off the task's pending joiners; whether none is left."""
+        if set(joined) & set(entry.joiners):
+            entry = self._task(name)
+            entry.joiners = sorted(set(entry.joiners) - set(joined))
+        return not entry.joiners
+
+    def _add_joiners(self, entry: TaskEntry, plan: InPlace) -> None:
+        """The resize's joiners, plus those of an unconfirmed resize it supersedes that stay members: a
+        shrink decided while a grow's joiners are still joining must not be confirmed without them."""
+        o = entry.outstanding
+        pending = set(entry.joiners) & set(plan.members) if o is not None and o.kind is ActionKind.RESIZE else set()
+        if not pending:
+            entry.joining_since = entry.membership_epoch
+        entry.joiners = sorted(pending | set(plan.joiners))
 
     # -- reconfiguration ----------------------------------------------------------------------------
 
@@ -788,10 +817,14 @@ def _echo_of_resize(entry: TaskEntry, inc: Incident, now: float, window_s: float
     return inc.step <= entry.resized_step + 1
 
 
-def _launching(entry: TaskEntry, generation: int | None) -> bool:
-    """Whether a process of the task's current generation reports while its Assign is not confirmed."""
+def _launching(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:
+    """Whether a process of the task's current generation reports while its Assign is not confirmed,
+    or died while an in-place resize is (a resize stops no process unasked: a joiner that crashed at its
+    start, or a survivor, must be relaunched; merged, the survivors' steps confirmed the resize without it)."""
     o = entry.outstanding
-    return generation == entry.generation and o is not None and o.kind is ActionKind.ASSIGN
+    if generation != entry.generation or o is None:
+        return False
+    return o.kind is ActionKind.ASSIGN or (o.kind is ActionKind.RESIZE and inc.kind is ErrorKind.EXITED_ABNORMALLY)
 
 
 def _restart_died(entry: TaskEntry, inc: Incident, event: IncidentRaised) -> bool:

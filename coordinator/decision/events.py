@@ -150,6 +150,10 @@ class ProgressMade:
     #: iteration: proof that restart worked even at a step the task had passed before it (a job that
     #: resumed from an older checkpoint redoes steps)
     restart_epoch: int | None = None
+    #: the pending joiners of an in-place grow (``TaskEntry.joiners``) whose process, launched by it, has
+    #: completed an iteration: only they prove the grow, since the survivors step on without joiners
+    #: until they are admitted
+    joined: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

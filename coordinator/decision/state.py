@@ -91,6 +91,12 @@ class TaskEntry:
     (their collective of the next iteration broke) belong to it, not to a new reattempt."""
     resized_at: float | None = None
     """When the latest in-place resize was decided (the core's clock): see ``resize_echo_s``."""
+    joiners: list[int] = field(default_factory=list)
+    """Ranks launched by in-place resizes not yet confirmed (a grow's joiners): the resize is confirmed
+    once each of them has completed an iteration (``ProgressMade.joined``), not by the survivors' steps."""
+    joining_since: int = 0
+    """The membership epoch of the oldest of those resizes: a process of a joiner's rank launched before
+    it (on a node the rank left) proves nothing."""
     restarts: int = 0  # restarts without progress
     no_progress_since: int | None = None  # last step known at the first of those restarts
     reason: str = ""  # why pending / failed / what the last recovery was for
@@ -147,6 +153,7 @@ def _task_to_dict(e: TaskEntry) -> dict[str, object]:
     out["phase"] = e.phase.value
     out["placement"] = {n: list(r) for n, r in e.placement.items()}
     out["failed_ranks"] = list(e.failed_ranks)
+    out["joiners"] = list(e.joiners)
     o = e.outstanding
     out["outstanding"] = (
         None

@@ -20,7 +20,8 @@ class Trigger(enum.StrEnum):
     RESIZE_ECHO = "resize_echo"
     SEV2 = "sev2"
     PEER_DIED = "peer_died"  # during a restart: a rank's process died that the restart does not relaunch
-    # a sev2 from a process of an Assign not yet confirmed: the launch failed there, no consequence of it
+    # a sev2 from a process of an Assign not yet confirmed (the launch failed there), or a process that
+    # died during an in-place resize: no consequence of it, relaunched
     LAUNCH_FAULT = "launch_fault"
     # during a restart: a process the restart launched died (it is no consequence of the fault it recovers)
     RESTART_DIED = "restart_died"
@@ -140,7 +141,8 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.RESIZE_ECHO): (_P.RECONFIGURING, _R.MERGE),  # part of the resize already done
         (_P.RECONFIGURING, _T.SEV3): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.SEV2): (_P.RECONFIGURING, _R.MERGE),
-        # merged, it waited out the Assign's deadline (300 s) with the rank dead
+        # merged, it waited out the Assign's deadline (300 s) with the rank dead; a resize's was confirmed
+        # by the survivors' steps and its rank never relaunched
         (_P.RECONFIGURING, _T.LAUNCH_FAULT): (_P.RESTARTING, _R.RESTART),
         (_P.RECONFIGURING, _T.TASK_FAULT): (_P.RECONFIGURING, _R.MERGE),
         (_P.RECONFIGURING, _T.SEV1): (_P.RECONFIGURING, _R.RECONFIGURE),

@@ -181,6 +181,30 @@ RESUMES = [sys.executable, "-c", (
 )]
 
 
+def test_a_joiner_reports_the_membership_epoch_it_was_launched_at(
+        agents: dict[str, Agent], store: Store, tmp_path: Path) -> None:
+    """The coordinator confirms an in-place grow only by an iteration completed by a process the grow
+    launched (the survivors step on without joiners): the agent says which processes those are."""
+    go = tmp_path / "go"
+    go.touch()
+    base = dataclasses.replace(task("grow", [*RESUMES, str(go)], [0], 2, store_node="a0"), members=RankSet.of([0]))
+    assign(store, "a0", base)
+
+    def advanced(rank: int) -> RankStatus | None:
+        st = status(store, "a0")
+        return next((r for r in st.ranks if r.task == "grow" and r.rank == rank and r.advanced), None) if st else None
+
+    survivor = wait_for(lambda: advanced(0), 60, "rank 0's first iteration")
+    assert survivor.membership_epoch == 0
+    assign(store, "a0", dataclasses.replace(base, ranks=[RankSpec(rank=0, local_rank=0, gpu=0),
+                                                         RankSpec(rank=1, local_rank=1, gpu=1)],
+                                            membership_epoch=1, members=RankSet.of([0, 1]), joiners=[1]))
+    joiner = wait_for(lambda: advanced(1), 60, "the joiner's first iteration")
+    assert joiner.membership_epoch == 1
+    again = advanced(0)
+    assert again is not None and again.pid == survivor.pid and again.membership_epoch == 0
+
+
 def test_a_rank_process_is_advanced_once_it_completed_an_iteration_and_a_relaunch_starts_over(
         agents: dict[str, Agent], store: Store, tmp_path: Path) -> None:
     go = tmp_path / "go"

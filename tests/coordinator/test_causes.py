@@ -353,3 +353,30 @@ def test_a_hang_echoes_an_in_place_recovery_only_in_the_iteration_it_broke_and_w
     # later handled reports move the record on: the latest time, the highest step
     moved = last.after(dataclasses.replace(sev3, step=5, source_ts=103.0)).after(dataclasses.replace(sev3, step=None))
     assert moved == causes.InPlaceRecovery(103.0, 7)
+
+
+def test_a_pending_grows_joiners_are_named_once_their_own_process_completed_an_iteration() -> None:
+    from tests.coordinator.test_resize_in_place import JOB, _grown_back
+
+    sim, grow = _grown_back()
+    state, gen, epoch = sim.state, grow.generation, grow.membership_epoch
+    assert state.tasks[JOB].joining_since == epoch
+
+    def joiner(rank: int, **fields: object) -> RankStatus:
+        return RankStatus.from_dict({"task": JOB, "generation": gen, "rank": rank, "state": "running", "pid": 1,
+                                     "step": 9, **fields})
+
+    seen = {(JOB, gen): 9}
+    # launched by the grow but not admitted yet; or an older process of the rank (before it left n3)
+    for st in (joiner(4, membership_epoch=epoch), joiner(4, membership_epoch=0, advanced=True)):
+        assert causes.progress(status("n3", [st]), state, seen, ts=5.0) == []
+    # a survivor's completed iteration names no joiner
+    survivor = RankStatus.from_dict({"task": JOB, "generation": gen, "rank": 0, "state": "running", "pid": 1,
+                                     "step": 10, "advanced": True})
+    [made] = causes.progress(status("n1", [survivor]), state, seen, ts=5.0)
+    assert made.joined == ()
+    both = [joiner(4, membership_epoch=epoch, advanced=True), joiner(5, membership_epoch=epoch, advanced=True)]
+    [made] = causes.progress(status("n3", both), state, seen, ts=5.0)
+    assert made.joined == (4, 5)
+    state, _ = CORE.handle(state, made)
+    assert state.tasks[JOB].phase is d.TaskPhase.RUNNING

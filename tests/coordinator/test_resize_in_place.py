@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from coordinator.decision import (
+    Action,
     ActionSucceeded,
     Assign,
     DecisionSettings,
+    IsolateNode,
     NodeDrained,
     NodeJoined,
     NodeLost,
+    ProgressMade,
     Reattempt,
     ResizeInPlace,
+    RestartRanks,
     TaskPhase,
+    Tick,
 )
 from coordinator.decision.resize import plan_in_place, successor_store_node
 from coordinator.decision.table import Trigger
 from tests.coordinator.test_decision import SEV3_KIND, Sim, one, only, running_cluster
+from unicron.kernel.types import DetectionMethod, ErrorKind
 
 JOB = "job"
 
@@ -218,3 +224,72 @@ def test_losing_the_store_node_shrinks_in_place_and_names_the_new_store_node() -
     # the store is n2's now: losing n2 moves it again (to n3), losing rank 0's old node says nothing
     again = one(sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="link closed")), ResizeInPlace, JOB)
     assert again.store_node == "n3" and again.members == (4, 5)
+
+
+def _grown_back() -> tuple[Sim, ResizeInPlace]:
+    """n3 lost (shrink confirmed), then back: the grow re-hosts ranks 4 and 5 there as joiners."""
+    sim = _three_nodes()
+    sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="link closed"))
+    sim.progress(JOB, 6)
+    grow = one(sim.feed(NodeJoined(ts=sim.ts(), node="n3", gpus=2)), ResizeInPlace, JOB)
+    assert grow.joiners == (4, 5) and sim.phase(JOB) is TaskPhase.RECONFIGURING
+    return sim, grow
+
+
+def _step(sim: Sim, step: int, joined: tuple[int, ...] = ()) -> list[Action]:
+    gen = sim.state.tasks[JOB].generation
+    return sim.feed(ProgressMade(ts=sim.ts(), task=JOB, step=step, generation=gen, joined=joined))
+
+
+def test_a_grow_is_confirmed_by_an_iteration_of_each_joiner_not_by_the_survivors_steps() -> None:
+    """The survivors step on without the joiners until they are admitted: before, their steps confirmed
+    a grow whose joiner never ran, and the task was RUNNING one replica short with its GPUs held."""
+    sim, _ = _grown_back()
+    for step in (7, 8, 9):
+        _step(sim, step)
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+    _step(sim, 10, joined=(4,))
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING and sim.state.tasks[JOB].joiners == [5]
+    _step(sim, 11, joined=(5,))
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+    assert "once every joiner completed an iteration" in sim.transitions[-1].reason
+
+
+def test_a_joiner_that_dies_at_its_start_is_relaunched() -> None:
+    """Before, its death was merged into the resize and the survivors' steps confirmed it: rank 4 stayed
+    dead for good."""
+    sim, grow = _grown_back()
+    acts = sim.incident("n3", (DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY), task=JOB,
+                        rank=4, generation=grow.generation, step=6)
+    restart = one(acts, RestartRanks, JOB)
+    assert (restart.node, restart.ranks) == ("n3", (4,)) and sim.phase(JOB) is TaskPhase.RESTARTING
+    # a hang report during a resize is still its consequence (peers waiting for removed ranks): merged
+    sim, grow = _grown_back()
+    assert not sim.incident("n1", (DetectionMethod.STATISTICAL_MONITORING, ErrorKind.TASK_HANG), task=JOB, rank=0,
+                            generation=grow.generation, step=6)
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+
+
+def test_a_grow_whose_joiners_never_join_isolates_their_node_at_its_deadline() -> None:
+    sim, _ = _grown_back()
+    _step(sim, 7)
+    acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.resize_deadline_s + 1)))
+    assert one(acts, IsolateNode).node == "n3"
+    shrink = one(acts, ResizeInPlace, JOB)
+    assert shrink.lost == (4, 5) and "n3" not in shrink.placement and sim.state.tasks[JOB].joiners == []
+
+
+def test_a_resize_decided_while_a_grows_joiners_join_waits_for_them() -> None:
+    sim, _ = _grown_back()
+    drain = one(sim.feed(NodeDrained(ts=sim.ts(), node="n2")), ResizeInPlace, JOB)
+    assert drain.leaving == (2, 3) and drain.joiners == () and sim.state.tasks[JOB].joiners == [4, 5]
+    _step(sim, 8)
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+    _step(sim, 9, joined=(4, 5))
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+    # a joiner whose node leaves before it joined is waited for no longer
+    sim, _ = _grown_back()
+    one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="link closed")), ResizeInPlace, JOB)
+    assert sim.state.tasks[JOB].joiners == []
+    _step(sim, 8)
+    assert sim.phase(JOB) is TaskPhase.RUNNING

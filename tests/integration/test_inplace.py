@@ -3,8 +3,8 @@ and real ``unicron train`` ranks (float64). The node hosting the task's store (r
 store sidecar and ranks SIGKILLed): the task shrinks in place (``ResizeInPlace``, same generation), the
 store moves to a surviving node, the survivors keep their processes, no completed iteration is redone,
 and the parameters after the run equal a failure-free run's within 1e-12 relative. The node comes
-back: the task grows back in place, the re-hosted rank joins from a healthy replica, and still no
-survivor restarts; then the node is drained: its rank leaves at a boundary (the agent's ``Leave``)
+back: the task grows back in place, the re-hosted rank crashes as it starts and is relaunched alone,
+joins from a healthy replica, and still no survivor restarts; then the node is drained: its rank leaves at a boundary (the agent's ``Leave``)
 and the rest go on; then a sev1 (XID 79) isolates a node whose agent stays up: its rank is killed
 as a lost node's would be, and the last one trains on. The same shrink with TP=2 (a node other than the store's lost),
 then a drain of the store's node: the store is handed over in place and that replica leaves.
@@ -35,8 +35,11 @@ from unicron.runtime import store as keys
 from unicron.runtime.compare import load_params, max_rel_diff
 from unicron.runtime.heartbeat import STOP_KEY
 
-ARGS = ["--iter-sleep", "0.1", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "64",
-        "--dtype", "float64", "--global-batch-size", "24", "--micro-batch-size", "4", "--heartbeat-window", "3"]
+#: the model and data, the same in the cluster's run and the failure-free reference
+MODEL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "64",
+         "--dtype", "float64", "--global-batch-size", "24", "--micro-batch-size", "4", "--heartbeat-window", "3"]
+#: the cluster's runs: a pause per iteration paces them against the moves
+ARGS = ["--iter-sleep", "0.1", *MODEL]
 TOLERANCE = 1e-12
 
 
@@ -52,9 +55,14 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
             os.environ.pop("UNICRON_ETCD", None)
 
 
-def submit(c: LocalCluster, tmp: Path, out: Path, tp: int) -> None:
+def submit(c: LocalCluster, tmp: Path, out: Path, tp: int, crash: tuple[int, Path] | None = None) -> None:
+    """``crash``: (rank, trigger file): a process of that rank started while the file exists removes it
+    and exits 3 at once, before it runs anything (a crash at start)."""
     command = [sys.executable, "-m", "unicron.runtime.train", "--iterations", "0", "--tp", str(tp), *ARGS,
                "--out-dir", str(out)]
+    if crash is not None:
+        command = ["sh", "-c", f'if [ "$RANK" = {crash[0]} ] && rm "{crash[1]}" 2>/dev/null; then exit 3; fi; '
+                   'exec "$@"', "sh", *command]
     spec = tmp / "job.json"
     spec.write_text(json.dumps({"name": "job", "command": command, "min_gpus": tp, "tp_size": tp}))
     assert cli(["submit", str(spec)]) == 0
@@ -114,7 +122,8 @@ def result(out: Path, rank: int) -> dict[str, Any]:
 
 def reference(tmp: Path, iterations: int, tp: int, blocks: int) -> Path:
     """A failure-free run of the same iterations on one replica, with the same reduction blocks."""
-    job = LocalJob(tp, ["--iterations", str(iterations), "--tp", str(tp), *ARGS, "--blocks", str(blocks)],
+    # without the cluster run's pause per iteration: it paces the moves, not the numbers
+    job = LocalJob(tp, ["--iterations", str(iterations), "--tp", str(tp), *MODEL, "--blocks", str(blocks)],
                    str(tmp / "reference"))
     with job:
         codes = job.wait(120.0)
@@ -138,7 +147,8 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolati
         cluster: LocalCluster, tmp_path: Path) -> None:
     """One cluster for the three moves (each test's cluster start and reference run cost ~30 s)."""
     c, out = cluster, tmp_path / "out"
-    submit(c, tmp_path, out, tp=1)
+    trigger = tmp_path / "crash-rank-0"
+    submit(c, tmp_path, out, tp=1, crash=(0, trigger))
     first = stepping(c, {0, 1, 2}, 2, timeout=120.0)
     gen = {r["generation"] for r in first.values()}
     victim = first[0]["node"]
@@ -159,8 +169,18 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolati
     t1 = time.time()
     c.start_agent(victim)  # repaired; a node lost by a sev1 stays isolated until an operator returns it
     c.wait_registered(victim)
-    assert cli(["undrain", victim]) == 0  # back in service (④): rank 0 is re-hosted there as a joiner
+    # back in service (④): rank 0 is re-hosted there as a joiner, which crashes as it starts: it is
+    # relaunched alone (before, its death was merged into the grow, the survivors' steps confirmed it,
+    # and rank 0 stayed dead with its GPU held)
+    trigger.touch()
+    assert cli(["undrain", victim]) == 0
     grown = stepping(c, {0, 1, 2}, max(r["step"] for r in shrunk.values()) + 2)
+    assert not trigger.exists()  # it did crash
+    acts = actions_since(c, t1)
+    assert "ResizeInPlace" in acts and "RestartRanks" in acts[acts.index("ResizeInPlace"):], acts
+    # confirmed by the relaunched joiner's progress (while a restart is pending, only the statuses of
+    # processes it launched count: the survivors' steps cannot)
+    confirmed(c, t1, "restarting", "completed")
     grow_s = time.time() - t1
     assert {r: grown[r]["pid"] for r in survivors} == survivors, "a survivor was restarted"
     assert grown[0]["node"] == victim and grown[0]["pid"] != first[0]["pid"]
@@ -180,6 +200,13 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolati
     assert not (out / "rank2.json").exists(), result(out, 2)
     print(f"shrink (kill -> survivors 2 steps on) {shrink_s:.1f} s; grow (agent start -> joiner steps) "
           f"{grow_s:.1f} s; drain {drained:.1f} s; isolation {isolated:.1f} s; dp per iteration {dps}")
+
+
+def confirmed(c: LocalCluster, since: float, phase: str, by: str) -> None:
+    """Waits for the coordinator's ``phase --progress--> running`` transition whose reason has ``by``."""
+    c.wait_for(lambda: any(f"{phase} --progress--> running" in str(r.get("edge")) and by in str(r.get("edge"))
+                           for r in c.coordinator_log(since) if r.get("event") == "transition"),
+               10.0, f"{phase} confirmed {by}")
 
 
 def drain_leaves(c: LocalCluster, before: dict[int, dict[str, Any]], survivors: dict[int, Any],

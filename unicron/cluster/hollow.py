@@ -61,6 +61,7 @@ class SimulatedTask:
         self.iter_s = iter_s
         now = time.time()
         self._launched = {r.rank: now for r in a.ranks}
+        self._membership = {r.rank: a.membership_epoch for r in a.ranks}
         self.started = self._done(f"started {len(a.ranks)} simulated rank(s)")
 
     def _done(self, detail: str) -> Outcome:
@@ -71,9 +72,13 @@ class SimulatedTask:
     def apply(self, a: TaskAssignment) -> Outcome:
         restarted = a.restart_epoch != self.applied.restart_epoch
         now = time.time()
+        for gone in set(self._membership) - {r.rank for r in a.ranks}:  # it left (an in-place shrink)
+            del self._membership[gone]
         for r in a.ranks:
-            if restarted and (not a.restart_ranks or r.rank in a.restart_ranks):
+            joiner = r.rank not in self._membership  # an in-place grow re-hosted it here
+            if joiner or (restarted and (not a.restart_ranks or r.rank in a.restart_ranks)):
                 self._launched[r.rank] = now
+                self._membership[r.rank] = a.membership_epoch
         self.latest = self.applied = a
         return self._done("applied")
 
@@ -83,9 +88,11 @@ class SimulatedTask:
     def rank_statuses(self) -> list[RankStatus]:
         now = time.time()
         a = self.applied
+        steps = {r.rank: int((now - self._launched.get(r.rank, now)) / self.iter_s) for r in a.ranks}
         return [RankStatus(task=a.task, generation=a.generation, rank=r.rank, pid=0, state="running",
-                           step=int((now - self._launched.get(r.rank, now)) / self.iter_s),
-                           restart_epoch=a.restart_epoch) for r in a.ranks]
+                           step=steps[r.rank], restart_epoch=a.restart_epoch,
+                           membership_epoch=self._membership.get(r.rank, 0), advanced=steps[r.rank] > 0)
+                for r in a.ranks]
 
     def processes(self) -> dict[int, ProcStatus]:
         return {r.rank: ProcStatus(rank=r.rank, pid=0, state="running", returncode=None, requested=False)

@@ -421,6 +421,9 @@ class RankStatus(Record):
     #: the task's restart epoch when this process was launched: progress confirms a sev2 restart only
     #: when it comes from a process launched at (or after) the restart's epoch
     restart_epoch: int = 0
+    #: the task's membership epoch when this process was launched: a joiner of an in-place grow has the
+    #: grow's, and only its completed iteration confirms the grow (the survivors step on without it)
+    membership_epoch: int = 0
     #: this process completed an iteration since it was launched (an ``IterEnd``, or a progress line of
     #: its output): its ``step`` is then its own work, not just the checkpoint it resumed from, and it
     #: confirms a restart even below the step the task had reached (a stock job redoes from its checkpoint)
