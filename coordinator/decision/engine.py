@@ -502,7 +502,7 @@ class _Run:
             o = entry.outstanding
             if o is not None and o.deadline <= self.state.now:
                 reason = f"{o.kind.value} {o.action_id} not confirmed within its deadline"
-                self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=o.node))
+                self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=_to_blame(entry, o)))
 
     def _on_incident(self, event: IncidentRaised) -> None:
         inc = event.incident
@@ -815,6 +815,16 @@ def _echo_of_resize(entry: TaskEntry, inc: Incident, now: float, window_s: float
     if entry.resized_step is None or inc.step is None:
         return False
     return inc.step <= entry.resized_step + 1
+
+
+def _to_blame(entry: TaskEntry, o: Outstanding) -> str | None:
+    """The node an action that missed its deadline isolates. A grow's joiners' node only while the
+    survivors stepped on past the resize: if nothing moved, the task stalled (a survivor hung, say)
+    and the joiners are not the cause."""
+    if o.kind is ActionKind.RESIZE and (entry.last_step is None or entry.resized_step is None
+                                        or entry.last_step <= entry.resized_step):
+        return None
+    return o.node
 
 
 def _launching(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:

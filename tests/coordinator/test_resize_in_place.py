@@ -277,6 +277,10 @@ def test_a_grow_whose_joiners_never_join_isolates_their_node_at_its_deadline() -
     assert one(acts, IsolateNode).node == "n3"
     shrink = one(acts, ResizeInPlace, JOB)
     assert shrink.lost == (4, 5) and "n3" not in shrink.placement and sim.state.tasks[JOB].joiners == []
+    # the survivors made no step either: the task stalled, which is not the joiners' doing
+    sim, _ = _grown_back()
+    acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.resize_deadline_s + 1)))
+    assert not only(acts, IsolateNode) and sim.state.nodes["n3"].status.value == "up"
 
 
 def test_a_resize_decided_while_a_grows_joiners_join_waits_for_them() -> None:
