@@ -22,7 +22,10 @@ Checked after each move (each breach one violation):
   is still the same process afterwards; nothing relaunched the task (no ``Assign`` of a new
   generation, no ``RestartTask``), and every rank still runs the first generation;
 * healed within ``--heal-timeout-s``: one live rank per node in service, each past the step the
-  task had reached at the move + 2.
+  task had reached at the move + 2;
+* a grow (a repair that re-hosts rank ids) is confirmed by the coordinator no earlier than its
+  joiners' first committed iteration, on the ranks' own clocks (before the coordinator required it,
+  the survivors' steps confirmed grows whose joiners had not joined yet).
 
 And throughout or at the end:
 
@@ -125,6 +128,8 @@ class Tally(ChaosTally):  # type: ignore[misc,unused-ignore]  # bench/chaos.py, 
     dp_sizes: list[int] = field(default_factory=list)
     store_moves: int = 0
     survivors_checked: int = 0
+    #: in-place grows whose confirmation was checked against their joiners' first committed iteration
+    grows_checked: int = 0
 
 
 class Soak:
@@ -134,6 +139,7 @@ class Soak:
         #: node -> how it left service ("killed", "partitioned", "isolated", "drained")
         self.out: dict[str, str] = {}
         self.generation: int | None = None
+        self.iterations = IterLog(c.run_dir, TASK)
 
     # --- reading the cluster -----------------------------------------------------------------
 
@@ -310,6 +316,7 @@ class Soak:
         progress(f"  healed in {self.tally.heal_s[m.kind][-1]:.2f} s at dp {len(after)}")
         self.tally.dp_sizes.append(len(after))
         self.check_survivors(m, before, after)
+        self.check_grow(m, before, after)
 
     def check_incident(self, m: Move) -> None:
         if m.expect is None:
@@ -348,8 +355,38 @@ class Soak:
                 self.tally.violate(f"{m.kind} on {m.node}: incidents {[i.kind.value for i in faults]}, "
                                    f"actions {[a.get('action') for a in others]}")
 
+    def check_grow(self, m: Move, before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]) -> None:
+        """A grow is confirmed no earlier than its joiners' first committed iteration, on the ranks' own
+        clocks (their ``iteration N done`` lines): the survivors step on without the joiners until they
+        are admitted, so their steps prove nothing about it."""
+        joiners = {r: int(after[r]["pid"]) for r in set(after) - set(before)}
+        resized = next((float(a["ts"]) for a in self.c.actions(m.ts) if a.get("action") == "ResizeInPlace"), None)
+        if not joiners or resized is None:
+            return
+
+        def first_done() -> float | None:  # a joiner's status may show a step it began, not one it committed
+            return min((d.ts for d in self.iterations.after(m.ts) if joiners.get(d.rank) == d.pid), default=None)
+
+        try:
+            at = self.c.wait_for(lambda: confirmed_after(self.c, resized), 10.0, "the grow confirmed", poll_s=0.1)
+            first = self.c.wait_for(first_done, 10.0, "a joiner's committed iteration", poll_s=0.1)
+        except TimeoutError as exc:
+            self.tally.violate(f"{m.kind} on {m.node}: {exc}")
+            return
+        self.tally.grows_checked += 1
+        if at < first:
+            self.tally.violate(f"{m.kind} on {m.node}: the grow was confirmed at {at:.3f}, before joiners "
+                               f"{sorted(joiners)} committed an iteration ({first:.3f})")
+
+
 
 # --- the end ---------------------------------------------------------------------------------
+
+
+def confirmed_after(c: LocalCluster, since: float) -> float | None:
+    """When the coordinator next confirmed a recovery of the task (a ``--progress--> running`` edge)."""
+    return next((float(r["ts"]) for r in c.coordinator_log(since)
+                 if r.get("event") == "transition" and "--progress--> running" in str(r.get("edge"))), None)
 
 
 def iteration_order(log: IterLog) -> list[str]:
@@ -460,7 +497,8 @@ def run(seed: int, moves: int, agents: int, heal_timeout_s: float) -> dict[str, 
     return {"seed": seed, "netns": netns, "agents": agents, "moves": sum(t.injected.values()),
             "per_kind": dict(sorted(t.injected.items())), "invariant_violations": len(t.violations),
             "violations": t.violations[:20], "store_moves": t.store_moves,
-            "survivor_processes_checked": t.survivors_checked, "dp_sizes_visited": sorted(set(t.dp_sizes)),
+            "survivor_processes_checked": t.survivors_checked, "grows_checked": t.grows_checked,
+            "dp_sizes_visited": sorted(set(t.dp_sizes)),
             "exact": exact, "heal": heal, "wall_s": round(time.monotonic() - started, 1)}
 
 
