@@ -115,7 +115,8 @@ def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:
     when the reporter's rank waits in the iteration's collective (``PHASE_COLLECTIVE``), a running
     rank of the task still inside the iteration outside it, at or before the reporter's step (a GPU
     hang, a stuck loader). If several, the lowest stopped rank, or the rank furthest behind (then the
-    lowest). Anything else is the report as it came.
+    lowest), except that ranks of one node tying for furthest behind (TP partners: see below) name the
+    node, not a rank, also in the report of one of them. Anything else is the report as it came.
 
     It trusts statuses at most one status interval old to show where a rank is: for iterations shorter
     than the status interval the pick may be a rank that has since joined the collective."""
@@ -127,14 +128,20 @@ def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:
     if found is None:
         return report
     node, culprit, why = found
+    if isinstance(culprit, list):  # several on one node: the incident names the node, all its ranks restart
+        names = " and ".join(str(r.rank) for r in culprit)
+        return dataclasses.replace(
+            report, node=node, rank=None, gpu=None, restart_epoch=max(r.restart_epoch for r in culprit),
+            message=f"{report.message} (reported on {report.node} for rank {report.rank}; ranks {names}' "
+                    f"processes {why})")
     return dataclasses.replace(
         report, node=node, rank=culprit.rank, gpu=None, restart_epoch=culprit.restart_epoch,
         message=f"{report.message} (reported on {report.node} for rank {report.rank}; rank {culprit.rank}'s "
                 f"process {why})")
 
 
-_Culprit = tuple[str, RankStatus, str]
-"""(node, the rank's status, why it is the one waited for)"""
+_Culprit = tuple[str, RankStatus | list[RankStatus], str]
+"""(node, the rank's status, or those of several ranks of that node any of which it may be, why)"""
 
 #: phases inside an iteration but outside its collective: a rank there for a hang's length holds the others
 _BEHIND = tuple(p for p in PHASES if p not in (PHASE_COLLECTIVE, PHASE_REGROUP))
@@ -153,15 +160,32 @@ def _stopped_rank(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culpr
 
 
 def _rank_outside_collective(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culprit | None:
-    reporter = next((r for node, r in ranks if _is_reporter(report, node, r)), None)
-    if reporter is None or reporter.phase != PHASE_COLLECTIVE:
+    reporter = next(((node, r) for node, r in ranks if _is_reporter(report, node, r)), None)
+    if reporter is None or reporter[1].phase not in (PHASE_COLLECTIVE, *_BEHIND):
         return None
     behind = [(node, r) for node, r in ranks if r.state == "running" and r.phase in _BEHIND
               and (report.step is None or r.step is None or r.step <= report.step)]
-    if not behind:
+    if reporter[1].phase == PHASE_COLLECTIVE:
+        if not behind:
+            return None
+        node, r = min(behind, key=lambda nr: (_step(nr[1]), nr[1].rank, nr[0]))
+    else:
+        node, r = reporter  # its own hang: only a tie (below) changes whom it names
+    # With TP > 1 the hung rank's partners wait inside the model's own collectives, which report no phase:
+    # they look as far behind as it does, and their own reports as much its. They share its node (Megatron
+    # keeps TP groups in one), so the node's ranks restart rather than a guess among them, which
+    # restarted a healthy partner and let the restart deadline isolate the node.
+    tied = sorted((t for n, t in behind if n == node and _step(t) == _step(r)), key=lambda t: t.rank)
+    if len(tied) > 1:
+        phases = ", ".join(sorted({str(t.phase) for t in tied}))
+        return node, tied, f"have not joined the collective (phase {phases}, step {r.step})"
+    if r is reporter[1]:
         return None
-    node, r = min(behind, key=lambda nr: (nr[1].step if nr[1].step is not None else -1, nr[1].rank, nr[0]))
     return node, r, f"has not joined the collective (phase {r.phase}, step {r.step})"
+
+
+def _step(r: RankStatus) -> int:
+    return r.step if r.step is not None else -1
 
 
 def raised(inc: Incident, generation: int | None, restart_epoch: int | None = None) -> d.IncidentRaised | None:

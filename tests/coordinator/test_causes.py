@@ -317,6 +317,28 @@ def test_a_hang_reported_by_a_rank_in_the_collective_is_the_ranks_outside_it() -
     assert causes.hang_culprit(hang("n0", 0), stuck).rank == 2
 
 
+def test_tensor_parallel_partners_outside_the_collective_name_their_node_not_a_guess() -> None:
+    """With TP = 2 the hung rank's partner waits in the model's own all-reduce, which reports no phase:
+    both look equally behind. Picking the lower restarted the healthy partner, the task stayed stuck and
+    the restart deadline isolated the node; now every rank of the task on that node restarts."""
+    statuses = {"n0": status("n0", waiting([0, 1])),
+                "n1": status("n1", waiting([2, 3], phase=PHASE_TRAIN, restart_epoch=1))}
+    culprit = causes.hang_culprit(hang("n0", 0), statuses)
+    assert (culprit.node, culprit.rank, culprit.gpu, culprit.restart_epoch) == ("n1", None, None, 1)
+    assert "ranks 2 and 3' processes have not joined the collective (phase train, step 7)" in culprit.message
+    # their own reports too: each looks as hung as the other
+    own = causes.hang_culprit(hang("n1", 3), statuses)
+    assert (own.node, own.rank) == ("n1", None) and "reported on n1 for rank 3" in own.message
+    # one of them further behind is no tie; nor are ranks of other nodes at the same step
+    ahead = {"n0": status("n0", waiting([0])), "n1": status("n1", waiting([2], phase=PHASE_TRAIN, step=6)
+                                                            + waiting([3], phase=PHASE_TRAIN))}
+    assert causes.hang_culprit(hang("n0", 0), ahead).rank == 2
+    assert causes.hang_culprit(hang("n1", 2), ahead).rank == 2  # its own report, and nobody as far behind
+    apart = {"n0": status("n0", waiting([0])), "n1": status("n1", waiting([1], phase=PHASE_TRAIN)),
+             "n2": status("n2", waiting([2], phase=PHASE_TRAIN))}
+    assert causes.hang_culprit(hang("n0", 0), apart).rank == 1
+
+
 def test_a_rank_outside_the_collective_is_blamed_only_when_it_can_hold_the_reporter() -> None:
     report = hang("n0", 0)
     # the reporter is not in the collective (it computes, or reports no phases: a stock job)

@@ -99,6 +99,12 @@ def test_stall_is_a_task_hang(cluster: LocalCluster) -> None:
     assert inc.task == "t1"
 
 
+def _phases(cluster: LocalCluster) -> dict[int, str | None]:
+    """The last phase of each rank of the current generation of task t1, as node0's and node1's statuses say."""
+    st = [cluster.agent_status(n) for n in ("node0", "node1")]
+    return {r["rank"]: r.get("phase") for s in st if s and s.get("generation") == _generation[0] for r in s["ranks"]}
+
+
 def test_a_rank_hung_in_compute_is_blamed_not_the_peers_waiting_for_it(cluster: LocalCluster) -> None:
     """A GPU hang: the process runs (no SIGSTOP for its agent to see) but never reaches the all-reduce,
     and every agent finds its ranks hung. Each peer's report must name the hung rank, which the
@@ -107,13 +113,7 @@ def test_a_rank_hung_in_compute_is_blamed_not_the_peers_waiting_for_it(cluster: 
     # peers in the collective before their reports arrive, as 1 s statuses do for real iterations
     run_workload(cluster, ["node0", "node1"], [*WORKLOAD[:3], "--iter-time", "0.5", "--jitter", "0.1"])
     t0 = inject(cluster, "node1", fault="slow", rank=3, delay_s=600.0, iterations=1)
-
-    def phases() -> dict[int, str | None]:
-        st = [cluster.agent_status(n) for n in ("node0", "node1")]
-        return {r["rank"]: r.get("phase") for s in st if s and s.get("generation") == _generation[0]
-                for r in s["ranks"]}
-
-    cluster.wait_for(lambda: phases() == {0: "collective", 1: "collective", 2: "collective", 3: "train"}, 20.0,
+    cluster.wait_for(lambda: _phases(cluster) == {0: "collective", 1: "collective", 2: "collective", 3: "train"}, 20.0,
                      "the statuses to show rank 3 computing and its peers in the all-reduce")
 
     def hangs() -> list[Incident]:
@@ -126,6 +126,26 @@ def test_a_rank_hung_in_compute_is_blamed_not_the_peers_waiting_for_it(cluster: 
     peers = [i for i in hangs() if "has not joined the collective (phase train" in i.message]
     assert {m.split("reported on ")[1].split(";")[0] for m in (i.message for i in peers)} == {
         "node0 for rank 0", "node0 for rank 1", "node1 for rank 2"}
+
+
+def test_a_rank_hung_in_compute_with_tensor_parallelism_names_its_node(cluster: LocalCluster) -> None:
+    """The same hang with TP = 2 (ranks 2 and 3 on node1 one group, all-reducing halfway through their
+    compute): rank 3's partner waits in that all-reduce, in the compute phase, and looks as hung as
+    rank 3, in its peers' statuses and in its own report. No report may name the partner alone (it was
+    restarted, the task stayed stuck and the restart deadline isolated the node): each names node1,
+    whose ranks of the task then all restart."""
+    run_workload(cluster, ["node0", "node1"], [*WORKLOAD[:3], "--iter-time", "0.5", "--jitter", "0.1", "--tp", "2"])
+    t0 = inject(cluster, "node1", fault="slow", rank=3, delay_s=600.0, iterations=1)
+    cluster.wait_for(lambda: _phases(cluster) == {0: "collective", 1: "collective", 2: "train", 3: "train"}, 20.0,
+                     "the statuses to show node1's ranks computing and node0's in the all-reduce")
+
+    def hangs() -> list[Incident]:
+        return [i for i in cluster.incidents() if i.detected_ts >= t0 and i.kind is ErrorKind.TASK_HANG
+                and i.task == "t1"]
+
+    cluster.wait_for(lambda: len(hangs()) >= 4, 30.0, "every rank's hang report")
+    assert {(i.node, i.rank) for i in hangs()} == {("node1", None)}, hangs()
+    assert all("ranks 2 and 3' processes have not joined the collective" in i.message for i in hangs())
 
 
 def test_simulated_xid_is_sev1(cluster: LocalCluster) -> None:
