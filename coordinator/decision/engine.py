@@ -431,6 +431,7 @@ class _Run:
         entry.recovery_step = entry.resized_step = entry.last_step
         entry.resized_at = self.state.now
         self._add_joiners(entry, plan)
+        entry.relaunching = {}  # only a restart on a node now gone can be under way (see _in_place)
         entry.reason = fault.reason
         action = ResizeInPlace(
             action_id=self._id(),
@@ -739,9 +740,13 @@ class _Run:
         o = entry.outstanding
         if o is not None and o.kind not in (ActionKind.RESIZE, ActionKind.REATTEMPT):
             return None
-        if entry.relaunching:
-            return None  # a restart under way (its outstanding action cleared by this re-plan) relaunches ranks
         gone = {n for n, e in self.state.nodes.items() if e.status in (NodeState.LOST, NodeState.ISOLATED)}
+        if not set(entry.relaunching) <= gone:
+            # A restart under way (its outstanding action cleared by this re-plan) relaunches ranks. One
+            # for a node now gone relaunches nothing: a peer's hang report named the rank of a node cut
+            # off a moment before its loss was found (resize soak, seed 11), and the loss relaunched the
+            # task as a new generation.
+            return None
         return plan_in_place(entry.placement, new, world_size=entry.world_size, unit=entry.spec.unit,
                              tp=entry.spec.tp_size, gone=gone, store_node=entry.store_node)
 

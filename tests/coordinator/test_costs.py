@@ -6,7 +6,6 @@ from coordinator.costs import CostTracker
 from coordinator.decision import (
     Action,
     ActionFailed,
-    Assign,
     Event,
     IncidentRaised,
     NodeJoined,
@@ -89,9 +88,9 @@ def test_an_escalated_restart_keeps_the_clock_and_names_the_last_action() -> Non
     sim = cluster({"n1": 8, "n2": 8}, {"job": {}})
     restart = one(sim.incident("n1", SEV2_KIND, task="job", rank=2), RestartRanks)
     issued = sim.t
-    assign = one(sim.fail(restart), Assign, "job")  # sev1: isolate n1, reconfigure
+    shrink = one(sim.fail(restart), ResizeInPlace, "job")  # sev1: isolate n1, reconfigure (in place)
     assert sim.last().action == "reconfigure" and sim.last().action_ts == issued
-    sim.ok(assign)
+    sim.ok(shrink)
     assert sim.last().transition_s == sim.t - issued
 
 

@@ -205,11 +205,12 @@ def test_restart_fails_then_node_isolated_and_task_reconfigured() -> None:
     assert restart.node == "n1" and restart.ranks == (2,)  # only the failed process (issue 3.5)
     acts = sim.fail(restart)  # upgraded to sev1
     assert one(acts, IsolateNode).node == "n1"
-    assign = one(acts, Assign, "job")
-    assert set(assign.placement) == {"n2"} and assign.world_size == 8
+    # the survivors on n2 go on in place: the restart under way was on the node now isolated
+    shrink = one(acts, ResizeInPlace, "job")
+    assert set(shrink.placement) == {"n2"} and shrink.lost == tuple(range(8))
     assert sim.state.nodes["n1"].status is NodeState.ISOLATED
     assert sim.phase("job") is TaskPhase.RECONFIGURING
-    sim.ok(assign)
+    sim.progress("job", 6)
     assert sim.phase("job") is TaskPhase.RUNNING
 
 
@@ -397,7 +398,7 @@ def test_unconfirmed_action_expires_on_tick() -> None:
     restart = one(acts, RestartRanks)
     acts = sim.feed(Tick(ts=sim.ts(settings.restart_deadline_s)))
     assert one(acts, IsolateNode).node == "n1"
-    assert one(acts, Assign).placement.keys() == {"n2"}
+    assert one(acts, ResizeInPlace).placement.keys() == {"n2"}
     assert sim.ok(restart) == []  # a late confirmation of a superseded action changes nothing
     assert sim.phase("job") is TaskPhase.RECONFIGURING
 

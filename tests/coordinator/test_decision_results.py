@@ -17,6 +17,7 @@ from coordinator.decision import (
     NodeLost,
     NodeState,
     Reattempt,
+    ResizeInPlace,
     RestartRanks,
     StopTask,
     TaskFinished,
@@ -85,10 +86,11 @@ def test_node_lost_is_a_sev1_every_task_on_it_moves_and_the_node_stays_out_until
     assert sim.state.nodes["n1"].status is NodeState.LOST
     assert one(acts, Alert).node == "n1"
     assert not only(acts, IsolateNode)  # nothing to tell a node that is gone; its status keeps it out
-    assert one(acts, Assign, "job").placement.keys() == {"n2"}
+    # in place: the restart under way was on the node now gone
+    assert one(acts, ResizeInPlace, "job").placement.keys() == {"n2"}
     assert any(t.task == "job" and t.trigger.value == "sev1" for t in sim.transitions)
     assert sim.ok(restart) == []  # superseded by the reconfiguration
-    sim.ok(one(acts, Assign, "job"))
+    sim.ok(one(acts, ResizeInPlace, "job"))
     assert sim.join("n3") and sim.state.nodes["n1"].status is NodeState.LOST  # not back by itself
     sim.join("n1")
     assert sim.state.nodes["n1"].status.value == "up"
@@ -118,7 +120,7 @@ def test_failed_restart_isolates_the_node_at_once_and_reconfigures() -> None:
     restart = one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks)
     acts = sim.feed(ActionFailed(ts=sim.ts(0.1), action_id=restart.action_id, reason="spawn failed"))
     assert one(acts, IsolateNode).node == "n1"
-    assert one(acts, Assign, "job").placement.keys() == {"n2"}
+    assert one(acts, ResizeInPlace, "job").placement.keys() == {"n2"}
 
 
 def test_assign_whose_command_cannot_start_fails_the_task_and_isolates_nothing() -> None:

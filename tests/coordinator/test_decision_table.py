@@ -38,6 +38,8 @@ from coordinator.decision import (
 from coordinator.tasks import TaskSpec
 from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, SEV3_KIND, Sim
 
+#: responses whose re-plan moves the task as it can: in place (the survivors go on) or a new generation
+RESHAPED = {Response.ESCALATE}
 P = TaskPhase
 T = Trigger
 R = Response
@@ -50,7 +52,7 @@ EMITS: dict[Response, set[type[Action]]] = {
     R.RESTART: {RestartRanks},
     R.RESTART_ALL: {RestartTask},
     R.RECONFIGURE: {Assign},
-    R.ESCALATE: {IsolateNode, Assign},
+    R.ESCALATE: {IsolateNode},  # + the re-plan's move (RESHAPED below)
     R.REASSIGN: {Assign},
     R.ASSIGN: {Assign},
     R.RESIZE: {ResizeInPlace},
@@ -217,6 +219,8 @@ def test_edge(edge: tuple[TaskPhase, Trigger], target: tuple[TaskPhase, Response
     )
     emitted = {type(a) for a in actions if getattr(a, "task", None) in (JOB, None)}
     assert EMITS[response] <= emitted, f"{response} should emit {EMITS[response]}, got {actions}"
+    if response in RESHAPED:
+        assert emitted & {Assign, ResizeInPlace}, f"{response} should re-plan the task, got {actions}"
     if response in (R.MERGE, R.RECOVERED, R.RELEASE, R.WITHDRAW):
         assert not [a for a in actions if getattr(a, "task", None) == JOB]
     if len(mine) == 1:  # no later edge in the same event (e.g. the re-plan after RECONFIGURE)

@@ -297,3 +297,22 @@ def test_a_resize_decided_while_a_grows_joiners_join_waits_for_them() -> None:
     assert sim.state.tasks[JOB].joiners == []
     _step(sim, 8)
     assert sim.phase(JOB) is TaskPhase.RUNNING
+
+
+HANG = (DetectionMethod.STATISTICAL_MONITORING, ErrorKind.TASK_HANG)
+
+
+def test_a_node_lost_while_its_rank_is_being_restarted_shrinks_in_place() -> None:
+    """Resize soak, seed 11: a partitioned node's rank looked hung to its peers (its last status showed
+    it computing), so a peer's hang report restarted it half a second before the node's loss was found;
+    the loss then relaunched the whole task as a new generation, as for any restart under way."""
+    sim = _three_nodes()
+    gen = sim.state.tasks[JOB].generation
+    one(sim.incident("n3", HANG, task=JOB, rank=4, generation=gen, step=5), RestartRanks, JOB)
+    acts = sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="heartbeat timeout"))
+    shrink = one(acts, ResizeInPlace, JOB)
+    assert not only(acts, Assign) and shrink.lost == (4, 5) and sim.state.tasks[JOB].relaunching == {}
+    # a restart on a node that stays is still under way: the loss of another node is a new generation
+    sim = _three_nodes()
+    one(sim.incident("n2", HANG, task=JOB, rank=2, generation=gen, step=5), RestartRanks, JOB)
+    assert one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="heartbeat timeout")), Assign, JOB)
