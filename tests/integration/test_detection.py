@@ -105,25 +105,33 @@ def _phases(cluster: LocalCluster) -> dict[int, str | None]:
     return {r["rank"]: r.get("phase") for s in st if s and s.get("generation") == _generation[0] for r in s["ranks"]}
 
 
-def test_a_rank_hung_in_compute_is_blamed_not_the_peers_waiting_for_it(cluster: LocalCluster) -> None:
-    """A GPU hang: the process runs (no SIGSTOP for its agent to see) but never reaches the all-reduce,
-    and every agent finds its ranks hung. Each peer's report must name the hung rank, which the
-    statuses show outside the collective, and not the peer (coordinator.causes.hang_culprit)."""
+def hang_rank_3(cluster: LocalCluster, tp: int, phases: dict[int, str | None]) -> list[Incident]:
+    """Rank 3 (on node1) hangs in its compute with its process running; returns the task's hang
+    incidents once every rank's report arrived, after the statuses showed ``phases``."""
     # 0.5 s iterations: the hang threshold (3x) leaves the statuses (every 0.2 s) time to show the
     # peers in the collective before their reports arrive, as 1 s statuses do for real iterations
-    run_workload(cluster, ["node0", "node1"], [*WORKLOAD[:3], "--iter-time", "0.5", "--jitter", "0.1"])
+    run_workload(cluster, ["node0", "node1"],
+                 [*WORKLOAD[:3], "--iter-time", "0.5", "--jitter", "0.1", "--tp", str(tp)])
     t0 = inject(cluster, "node1", fault="slow", rank=3, delay_s=600.0, iterations=1)
-    cluster.wait_for(lambda: _phases(cluster) == {0: "collective", 1: "collective", 2: "collective", 3: "train"}, 20.0,
-                     "the statuses to show rank 3 computing and its peers in the all-reduce")
+    cluster.wait_for(lambda: _phases(cluster) == phases, 20.0, f"the statuses to show the phases {phases}")
 
     def hangs() -> list[Incident]:
         return [i for i in cluster.incidents() if i.detected_ts >= t0 and i.kind is ErrorKind.TASK_HANG
                 and i.task == "t1"]
 
     # one report per rank: rank 3's own and its three peers'
-    cluster.wait_for(lambda: len(hangs()) >= 4, 30.0, "every rank's hang report")
-    assert {(i.node, i.rank) for i in hangs()} == {("node1", 3)}, hangs()
-    peers = [i for i in hangs() if "has not joined the collective (phase train" in i.message]
+    found: list[Incident] = cluster.wait_for(lambda: len(got := hangs()) >= 4 and got, 30.0,
+                                             "every rank's hang report")
+    return found
+
+
+def test_a_rank_hung_in_compute_is_blamed_not_the_peers_waiting_for_it(cluster: LocalCluster) -> None:
+    """A GPU hang: the process runs (no SIGSTOP for its agent to see) but never reaches the all-reduce,
+    and every agent finds its ranks hung. Each peer's report must name the hung rank, which the
+    statuses show outside the collective, and not the peer (coordinator.causes.hang_culprit)."""
+    hangs = hang_rank_3(cluster, 1, {0: "collective", 1: "collective", 2: "collective", 3: "train"})
+    assert {(i.node, i.rank) for i in hangs} == {("node1", 3)}, hangs
+    peers = [i for i in hangs if "has not joined the collective (phase train" in i.message]
     assert {m.split("reported on ")[1].split(";")[0] for m in (i.message for i in peers)} == {
         "node0 for rank 0", "node0 for rank 1", "node1 for rank 2"}
 
@@ -134,18 +142,9 @@ def test_a_rank_hung_in_compute_with_tensor_parallelism_names_its_node(cluster: 
     rank 3, in its peers' statuses and in its own report. No report may name the partner alone (it was
     restarted, the task stayed stuck and the restart deadline isolated the node): each names node1,
     whose ranks of the task then all restart."""
-    run_workload(cluster, ["node0", "node1"], [*WORKLOAD[:3], "--iter-time", "0.5", "--jitter", "0.1", "--tp", "2"])
-    t0 = inject(cluster, "node1", fault="slow", rank=3, delay_s=600.0, iterations=1)
-    cluster.wait_for(lambda: _phases(cluster) == {0: "collective", 1: "collective", 2: "train", 3: "train"}, 20.0,
-                     "the statuses to show node1's ranks computing and node0's in the all-reduce")
-
-    def hangs() -> list[Incident]:
-        return [i for i in cluster.incidents() if i.detected_ts >= t0 and i.kind is ErrorKind.TASK_HANG
-                and i.task == "t1"]
-
-    cluster.wait_for(lambda: len(hangs()) >= 4, 30.0, "every rank's hang report")
-    assert {(i.node, i.rank) for i in hangs()} == {("node1", None)}, hangs()
-    assert all("ranks 2 and 3' processes have not joined the collective" in i.message for i in hangs())
+    hangs = hang_rank_3(cluster, 2, {0: "collective", 1: "collective", 2: "train", 3: "train"})
+    assert {(i.node, i.rank) for i in hangs} == {("node1", None)}, hangs
+    assert all("ranks 2 and 3' processes have not joined the collective" in i.message for i in hangs)
 
 
 def test_simulated_xid_is_sev1(cluster: LocalCluster) -> None:
