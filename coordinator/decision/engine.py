@@ -471,6 +471,7 @@ class _Run:
         entry.fault_node = None
         entry.failed_ranks = []
         entry.relaunching = {}
+        entry.joiners = []
         entry.reason = ""
 
     def _do_fail(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
