@@ -228,7 +228,7 @@ def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> l
         best[r.task] = max(r.step, best.get(r.task, -1))
         if epoch is not None and r.advanced:
             proven.add(r.task)
-        if r.advanced and r.membership_epoch >= entry.joining_since and r.rank in _pending_joiners(entry):
+        if r.advanced and entry.joiners and r.membership_epoch >= entry.joining_since and r.rank in _pending_joiners(entry):
             joined.setdefault(r.task, []).append(r.rank)
     out = []
     for task, step in sorted(best.items()):
