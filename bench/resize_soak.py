@@ -7,7 +7,8 @@ Moves, one at a time, each waited out until the task trains again on every node 
 
 * rank faults: SIGKILL, SIGSTOP (a hang), a hang whose process runs (a GPU hang: an injected sleep
   before its next iteration's compute, so its peers wait in the reduction), a raised sev2 (CUDA error)
-  or sev3 (connection reset);
+  or sev3 (connection reset), a SIGKILL whose restart fails too (its relaunched process SIGKILLed
+  before it rejoins: the node is isolated and the task shrinks off it);
 * node faults (taken only while 2 nodes or more are in service): the node dies (its agent, spawner,
   store sidecar and ranks SIGKILLed; the node hosting the task's store whenever the pick falls on
   it), its link goes down (``ip link``), an XID 79 isolates it (its agent stays up), an operator
@@ -96,6 +97,9 @@ TOLERANCE = 0.0
 #: whole-task relaunches: an in-place task must never need one
 RELAUNCHES = ("Assign", "RestartTask")
 RANK_FAULTS = ("rank_kill", "rank_stop", "rank_hang", "raise_sev2", "raise_sev3")
+#: moves that may take a node out of service, like the node faults (``restart_dies`` isolates the node
+#: of a restart that failed), so they need another node in service
+NODE_FAULTS_ALSO = ("restart_dies",)
 #: how long a hung rank sleeps: for good, as far as the soak goes
 HANG_S = 3600.0
 #: iterations after a regroup by which every hang monitor has a baseline (UNICRON_WARMUP_ITERATIONS 3
@@ -176,6 +180,39 @@ class Soak:
         r, info = self.pick()
         os.kill(int(info["pid"]), signal.SIGKILL)
         return Move("rank_kill", time.time(), {int(info["pid"])}, str(info["node"]), r, severity=Severity.SEV2,
+                    expect=lambda i: i.kind is ErrorKind.EXITED_ABNORMALLY and i.rank == r)
+
+    def m_restart_dies(self) -> Move:
+        """A rank is SIGKILLed, and so is the process its restart launches, as soon as its node's status
+        shows it (before it rejoins): the restart failed (``restart_died``), its node is isolated (sev1)
+        and the task shrinks in place off it, the survivors untouched (the escalation relaunched the
+        whole task before ``bd51333``). Where the relaunch completed an iteration first, the second
+        kill is an ordinary restart: counted apart, as ``restart_dies_late``."""
+        r, info = self.pick()
+        node, first = str(info["node"]), int(info["pid"])
+        hosts_store = self.store_node() == node
+        t = time.time()
+        os.kill(first, signal.SIGKILL)
+
+        def relaunched(not_pid: int) -> dict[str, Any] | None:
+            now = self.c.running_ranks(TASK).get(r)
+            return now if now is not None and int(now["pid"]) != not_pid else None
+
+        second: dict[str, Any] = self.c.wait_for(lambda: relaunched(first), 30.0, f"rank {r}'s relaunch",
+                                                 poll_s=0.02)
+        late = bool(second.get("advanced"))
+        with suppress(ProcessLookupError):
+            os.kill(int(second["pid"]), signal.SIGKILL)
+        outcome = self.c.wait_for(lambda: ("isolated" if self.c.node_state(node) == "isolated" else
+                                           "late" if relaunched(int(second["pid"])) is not None else None),
+                                  60.0, f"{node} isolated or rank {r} relaunched again", poll_s=0.1)
+        if outcome == "isolated" and not late:
+            self.out[node] = "isolated"
+            self.tally.store_moves += hosts_store
+            kind = "restart_dies"
+        else:
+            kind = "restart_dies_late"
+        return Move(kind, t, {first, int(second["pid"])}, node, r, severity=Severity.SEV2,
                     expect=lambda i: i.kind is ErrorKind.EXITED_ABNORMALLY and i.rank == r)
 
     def m_rank_stop(self) -> Move:
@@ -283,7 +320,7 @@ class Soak:
         if len(self.in_service()) <= 1 or (self.out and self.rng.random() < 0.4):
             return "repair"
         if not round_:
-            kinds = [*RANK_FAULTS, *NODE_FAULTS]
+            kinds = [*RANK_FAULTS, *NODE_FAULTS, *NODE_FAULTS_ALSO]
             if self.c.net is None:
                 kinds.remove("partition")
             round_.extend(self.rng.sample(kinds, len(kinds)))
