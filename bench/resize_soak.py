@@ -524,7 +524,7 @@ def run(seed: int, moves: int, agents: int, heal_timeout_s: float) -> dict[str, 
             soak.tally.violate(f"schedule ended: {type(exc).__name__}: {exc}")
             completed = False
         exact = stop_and_compare(c, out, work, soak.tally) if completed else {}
-        order = iteration_order(IterLog(c.run_dir, TASK))
+        order = iteration_order(soak.iterations)  # read on from where the grow checks left off
         for what in order:
             soak.tally.violate(what)
         os.environ.pop("UNICRON_ETCD", None)
