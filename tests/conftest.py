@@ -23,7 +23,13 @@ def _has_cuda() -> bool:
         return False
 
 
+INTEGRATION = Path(__file__).parent / "integration"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
