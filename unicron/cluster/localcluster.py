@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from unicron.kernel import etcdauth, tls
 from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.net import free_port
 from unicron.kernel.types import Incident, NodeAssignment, RankSpec, TaskAssignment
 
 #: A rank without torch for harness tests: reports an iteration every 0.1 s through the agent's
@@ -42,13 +42,6 @@ STEPPER = [sys.executable, "-c",
            "c = AgentClient.from_env().connect()\n"
            "while True:\n"
            "    with c.iteration(int(time.time() * 10)): time.sleep(0.1)\n"]
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (another process may take it before it is used: tests only)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
