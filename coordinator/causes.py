@@ -202,9 +202,11 @@ def _pending_restart(entry: d.TaskEntry) -> int | None:
 
 
 def _pending_joiners(entry: d.TaskEntry) -> set[int]:
-    """The joiners an in-place resize under way still waits for (none outside one)."""
+    """The joiners an in-place grow under way still waits for: during its resize, or during a restart
+    that superseded it (a joiner that died at its start is relaunched; the others still have to join)."""
     o = entry.outstanding
-    return set(entry.joiners) if o is not None and o.kind is d.ActionKind.RESIZE else set()
+    waiting = o is not None and o.kind in (d.ActionKind.RESIZE, d.ActionKind.RESTART)
+    return set(entry.joiners) if waiting else set()
 
 
 def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> list[d.ProgressMade]:
@@ -222,23 +224,26 @@ def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> l
         entry = state.tasks.get(r.task)
         if entry is None or r.step is None or r.generation != entry.generation:
             continue
+        # a joiner launched before a restart that superseded its grow still proves its own joining
+        if (r.advanced and entry.joiners and r.membership_epoch >= entry.joining_since
+                and r.rank in _pending_joiners(entry)):
+            joined.setdefault(r.task, []).append(r.rank)
+            best[r.task] = max(r.step, best.get(r.task, -1))
         epoch = _pending_restart(entry)
         if epoch is not None and r.restart_epoch < epoch:
             continue
         best[r.task] = max(r.step, best.get(r.task, -1))
         if epoch is not None and r.advanced:
             proven.add(r.task)
-        if r.advanced and entry.joiners and r.membership_epoch >= entry.joining_since and r.rank in _pending_joiners(entry):
-            joined.setdefault(r.task, []).append(r.rank)
     out = []
     for task, step in sorted(best.items()):
         entry = state.tasks[task]
+        ranks = tuple(sorted(joined.get(task, ())))
         if task in proven:
             out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation,
-                                      restart_epoch=entry.restart_epoch))
-        elif task in joined or step > seen.get((task, entry.generation), -1):
-            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation,
-                                      joined=tuple(sorted(joined.get(task, ())))))
+                                      restart_epoch=entry.restart_epoch, joined=ranks))
+        elif ranks or step > seen.get((task, entry.generation), -1):
+            out.append(d.ProgressMade(ts=ts, task=task, step=step, generation=entry.generation, joined=ranks))
     return out
 
 

@@ -406,6 +406,7 @@ class _Run:
         entry.placement = _ranks(entry.placement, fault.placement)
         entry.generation += 1
         entry.store_node = ""  # a new launch's store is on its rank 0's node
+        entry.joiners = []  # every rank of a new generation starts: nobody joins
         entry.world_size = sum(fault.placement.values())
         entry.confirmed = False
         entry.recovery_step = entry.last_step
@@ -451,7 +452,7 @@ class _Run:
         # confirmed by a step completed after it (the generation stays: older steps say nothing), where
         # it has joiners by an iteration of each; if that does not come in time, their node (when they
         # share one) is the one to isolate, as a failed restart's is
-        hosts = {n for n, r in plan.placement.items() if set(r) & set(entry.joiners)}
+        hosts = _joiner_hosts(entry)
         node = next(iter(hosts)) if len(hosts) == 1 else None
         self._track(entry, action.action_id, ActionKind.RESIZE, node, list(entry.placement))
 
@@ -667,14 +668,14 @@ class _Run:
         relaunched = (entry.phase is TaskPhase.RESTARTING and event.restart_epoch is not None
                       and event.restart_epoch >= entry.restart_epoch)
         resizing = entry.outstanding is not None and entry.outstanding.kind is ActionKind.RESIZE
-        if resizing and entry.joiners:
+        if _joining(entry):
             if not self._joined(entry, event.task, event.joined):
                 return  # the survivors step on without joiners until they are admitted: no proof of a grow
             by = " once every joiner completed an iteration"
-        elif relaunched:
-            by = f" by a process of restart epoch {event.restart_epoch}"
         else:
             by = ""
+        if relaunched:
+            by += f" by a process of restart epoch {event.restart_epoch}"
         same_config = resizing or entry.phase in (TaskPhase.REATTEMPTING, TaskPhase.RESTARTING)
         if same_config and not relaunched and entry.recovery_step is not None and event.step <= entry.recovery_step:
             return
@@ -823,14 +824,34 @@ def _echo_of_resize(entry: TaskEntry, inc: Incident, now: float, window_s: float
     return inc.step <= entry.resized_step + 1
 
 
+def _joining(entry: TaskEntry) -> bool:
+    """Whether the recovery under way waits for a grow's joiners: the grow's own resize, or a restart
+    that superseded it (a joiner that died at its start is relaunched; the others still have to join)."""
+    o = entry.outstanding
+    return bool(entry.joiners) and o is not None and o.kind in (ActionKind.RESIZE, ActionKind.RESTART)
+
+
 def _to_blame(entry: TaskEntry, o: Outstanding) -> str | None:
-    """The node an action that missed its deadline isolates. A grow's joiners' node only while the
-    survivors stepped on past the resize: if nothing moved, the task stalled (a survivor hung, say)
-    and the joiners are not the cause."""
-    if o.kind is ActionKind.RESIZE and (entry.last_step is None or entry.resized_step is None
-                                        or entry.last_step <= entry.resized_step):
-        return None
+    """The node an action that missed its deadline isolates. For a grow, the node of its joiners still
+    missing; likewise for a restart that superseded a grow once every rank it relaunched has joined
+    (the restart worked: the other joiners are what is missing)."""
+    relaunched = {r for ranks in entry.relaunching.values() for r in ranks}
+    if o.kind is ActionKind.RESIZE or (_joining(entry) and not set(entry.joiners) & relaunched):
+        return _joiners_node(entry)
     return o.node
+
+
+def _joiners_node(entry: TaskEntry) -> str | None:
+    """The node of the pending joiners when they share one and the survivors stepped on past the
+    resize; else none: if nothing moved, the task stalled (a survivor hung, say), not the joiners."""
+    if entry.last_step is None or entry.resized_step is None or entry.last_step <= entry.resized_step:
+        return None
+    hosts = _joiner_hosts(entry)
+    return next(iter(hosts)) if len(hosts) == 1 else None
+
+
+def _joiner_hosts(entry: TaskEntry) -> set[str]:
+    return {n for n, ranks in entry.placement.items() if set(ranks) & set(entry.joiners)}
 
 
 def _launching(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:

@@ -402,3 +402,30 @@ def test_a_pending_grows_joiners_are_named_once_their_own_process_completed_an_i
     assert made.joined == (4, 5)
     state, _ = CORE.handle(state, made)
     assert state.tasks[JOB].phase is d.TaskPhase.RUNNING
+
+
+def test_a_joiner_still_joining_when_a_restart_supersedes_its_grow_is_named_by_its_own_process() -> None:
+    """Rank 4 of the grow died at its start and is being restarted; rank 5, launched by the grow before
+    the restart (a lower restart epoch), still proves its own joining. Before, the restart's filter
+    dropped its status and, with the relaunched process's proof, the task ran without it checked."""
+    from tests.coordinator.test_resize_in_place import JOB, _grown_back
+
+    sim, grow = _grown_back()
+    sim.incident("n3", (DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY), task=JOB, rank=4,
+                 generation=grow.generation, step=6)
+    state, gen, epoch = sim.state, grow.generation, grow.membership_epoch
+    assert state.tasks[JOB].phase is d.TaskPhase.RESTARTING and state.tasks[JOB].restart_epoch == 1
+
+    def rank(r: int, restart_epoch: int, **fields: object) -> RankStatus:
+        return RankStatus.from_dict({"task": JOB, "generation": gen, "rank": r, "state": "running", "pid": 1,
+                                     "step": 9, "advanced": True, "membership_epoch": epoch,
+                                     "restart_epoch": restart_epoch, **fields})
+
+    seen = {(JOB, gen): 9}
+    [made] = causes.progress(status("n3", [rank(5, 0)]), state, seen, ts=5.0)
+    assert made.joined == (5,) and made.restart_epoch is None
+    # the relaunched rank 4: the restart's proof, and a joiner of its own
+    [made] = causes.progress(status("n3", [rank(4, 1), rank(5, 0)]), state, seen, ts=5.0)
+    assert made.joined == (4, 5) and made.restart_epoch == 1
+    state, _ = CORE.handle(state, made)
+    assert state.tasks[JOB].phase is d.TaskPhase.RUNNING

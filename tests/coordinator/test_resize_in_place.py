@@ -270,6 +270,65 @@ def test_a_joiner_that_dies_at_its_start_is_relaunched() -> None:
     assert sim.phase(JOB) is TaskPhase.RECONFIGURING
 
 
+def _joiner_restarted() -> Sim:
+    """The grow's rank 4 died at its start and is being restarted on n3; rank 5 has not joined yet."""
+    sim, grow = _grown_back()
+    one(sim.incident("n3", (DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY), task=JOB, rank=4,
+                     generation=grow.generation, step=6), RestartRanks, JOB)
+    return sim
+
+
+def _relaunch_step(sim: Sim, step: int, joined: tuple[int, ...]) -> list[Action]:
+    entry = sim.state.tasks[JOB]
+    return sim.feed(ProgressMade(ts=sim.ts(), task=JOB, step=step, generation=entry.generation,
+                                 restart_epoch=entry.restart_epoch, joined=joined))
+
+
+def test_a_restart_of_one_joiner_is_confirmed_once_the_other_joiners_joined_too() -> None:
+    """Before, the relaunched rank 4's iteration confirmed the restart and forgot the grow's joiners:
+    rank 5 was never checked, and a joiner that never joined left the task one replica short."""
+    sim = _joiner_restarted()
+    _relaunch_step(sim, 8, joined=(4,))
+    assert sim.phase(JOB) is TaskPhase.RESTARTING and sim.state.tasks[JOB].joiners == [5]
+    _step(sim, 9, joined=(5,))
+    assert sim.phase(JOB) is TaskPhase.RUNNING and sim.state.tasks[JOB].joiners == []
+    assert "once every joiner completed an iteration" in sim.transitions[-1].reason
+    # the other order: rank 5 first, then the restart's own proof
+    sim = _joiner_restarted()
+    _step(sim, 8, joined=(5,))
+    assert sim.phase(JOB) is TaskPhase.RESTARTING
+    _relaunch_step(sim, 9, joined=(4,))
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+
+
+def test_a_restart_of_a_joiner_whose_peer_joiner_never_joins_isolates_the_missing_joiners_node() -> None:
+    sim = _joiner_restarted()
+    _relaunch_step(sim, 8, joined=(4,))
+    acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.restart_deadline_s + 1)))
+    assert one(acts, IsolateNode).node == "n3"
+    assert one(acts, ResizeInPlace, JOB).lost == (4, 5)
+    # joiners on two nodes (n2 and n3 came back one after the other): n2's restarted joiner joined with
+    # its peer, n3's never did: n3 is isolated, not the restart's node
+    sim = _three_nodes()
+    for node, step in (("n3", 6), ("n2", 7)):
+        sim.feed(NodeLost(ts=sim.ts(), node=node, reason="link closed"))
+        sim.progress(JOB, step)
+    one(sim.feed(NodeJoined(ts=sim.ts(), node="n2", gpus=2)), ResizeInPlace, JOB)
+    one(sim.feed(NodeJoined(ts=sim.ts(), node="n3", gpus=2)), ResizeInPlace, JOB)
+    assert sim.state.tasks[JOB].joiners == [2, 3, 4, 5]
+    one(sim.incident("n2", (DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY), task=JOB, rank=2,
+                     generation=sim.state.tasks[JOB].generation, step=7), RestartRanks, JOB)
+    _relaunch_step(sim, 9, joined=(2, 3))
+    assert sim.phase(JOB) is TaskPhase.RESTARTING
+    acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.restart_deadline_s + 1)))
+    assert one(acts, IsolateNode).node == "n3"
+    # the restart's own process never joined: its node is the one to isolate
+    sim = _joiner_restarted()
+    _step(sim, 8, joined=(5,))
+    acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.restart_deadline_s + 1)))
+    assert one(acts, IsolateNode).node == "n3"
+
+
 def test_a_grow_whose_joiners_never_join_isolates_their_node_at_its_deadline() -> None:
     sim, _ = _grown_back()
     _step(sim, 7)
