@@ -669,6 +669,9 @@ class _Run:
                       and event.restart_epoch >= entry.restart_epoch)
         resizing = entry.outstanding is not None and entry.outstanding.kind is ActionKind.RESIZE
         if _joining(entry):
+            if relaunched and entry.relaunching:  # the restart worked: only the grow's joiners are left
+                entry = self._task(event.task)
+                entry.relaunching = {}
             if not self._joined(entry, event.task, event.joined):
                 return  # the survivors step on without joiners until they are admitted: no proof of a grow
             by = " once every joiner completed an iteration"
@@ -833,10 +836,9 @@ def _joining(entry: TaskEntry) -> bool:
 
 def _to_blame(entry: TaskEntry, o: Outstanding) -> str | None:
     """The node an action that missed its deadline isolates. For a grow, the node of its joiners still
-    missing; likewise for a restart that superseded a grow once every rank it relaunched has joined
-    (the restart worked: the other joiners are what is missing)."""
-    relaunched = {r for ranks in entry.relaunching.values() for r in ranks}
-    if o.kind is ActionKind.RESIZE or (_joining(entry) and not set(entry.joiners) & relaunched):
+    missing; likewise for a restart that superseded a grow once a process it relaunched completed an
+    iteration (the restart worked, ``_on_progress`` emptied ``relaunching``: the joiners are missing)."""
+    if o.kind is ActionKind.RESIZE or (_joining(entry) and not entry.relaunching):
         return _joiners_node(entry)
     return o.node
 

@@ -322,11 +322,19 @@ def test_a_restart_of_a_joiner_whose_peer_joiner_never_joins_isolates_the_missin
     assert sim.phase(JOB) is TaskPhase.RESTARTING
     acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.restart_deadline_s + 1)))
     assert one(acts, IsolateNode).node == "n3"
-    # the restart's own process never joined: its node is the one to isolate
-    sim = _joiner_restarted()
-    _step(sim, 8, joined=(5,))
-    acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.restart_deadline_s + 1)))
-    assert one(acts, IsolateNode).node == "n3"
+    # a survivor restarted during the grow: its node while its relaunch has not completed an
+    # iteration, the joiners' once it has
+    for proven, blamed in ((False, "n1"), (True, "n3")):
+        sim, grow = _grown_back()
+        one(sim.incident("n1", (DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY), task=JOB,
+                         rank=0, generation=grow.generation, step=6), RestartRanks, JOB)
+        if proven:
+            _relaunch_step(sim, 8, joined=())
+        else:
+            _step(sim, 8)
+        assert sim.phase(JOB) is TaskPhase.RESTARTING
+        acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.restart_deadline_s + 1)))
+        assert one(acts, IsolateNode).node == blamed, proven
 
 
 def test_a_grow_whose_joiners_never_join_isolates_their_node_at_its_deadline() -> None:
