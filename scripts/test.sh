@@ -25,6 +25,6 @@ pytest_phase() {
     return "$rc"
 }
 echo "== pytest: unit and component tests, 2 workers"
-pytest_phase -n 2 -m "not integration" "$@"
+UNICRON_TEST_PHASE=unit pytest_phase -n 2 "$@"
 echo "== pytest: integration tests, one at a time"
-pytest_phase -m integration "$@"
+UNICRON_TEST_PHASE=integration pytest_phase "$@"

@@ -26,10 +26,24 @@ def _has_cuda() -> bool:
 INTEGRATION = Path(__file__).parent / "integration"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _select_phase(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """scripts/test.sh runs the suite in two phases (``UNICRON_TEST_PHASE``): ``unit``, everything
+    outside tests/integration, on two workers; then ``integration``, one test at a time. An
+    environment variable rather than ``-m``, so that a ``-m`` the caller passes still applies."""
+    phase = os.environ.get("UNICRON_TEST_PHASE")
+    if phase not in ("unit", "integration"):
+        return
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
-        if INTEGRATION in item.path.parents:
-            item.add_marker(pytest.mark.integration)
+        (keep if (INTEGRATION in item.path.parents) == (phase == "integration") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _select_phase(config, items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
