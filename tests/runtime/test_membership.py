@@ -295,3 +295,29 @@ def test_heartbeat_beats_on_a_moved_store(sidecar: tuple[str, int]) -> None:
     finally:
         beat.stop()
         del server_b
+
+
+def test_a_process_waiting_to_join_stops_waiting_once_it_is_asked_to_leave(sidecar: tuple[str, int]) -> None:
+    """A drain's leaver whose store moved regrouped on the new store after the others had agreed an
+    epoch without it: excluded before it read the agent's Leave, it waited to be admitted (alone, no
+    complete replica: never) until the agent's leave timeout killed it 60 s later (a fresh clone's TP=2
+    in-place test took 120 s). The Leave read while it waits (the poll) now ends the wait."""
+    store = PrefixStore("join-leave-test/", keys.connect(*sidecar))
+    store.set("epoch/0", EpochRecord(0, (0,), {0: 1, 1: 1}, "start").encode())
+    polls: list[float] = []
+    m: Membership
+
+    def poll() -> None:  # the scheduler's: the third poll reads a Leave, which writes leave/<rank>
+        polls.append(time.monotonic())
+        if len(polls) == 3:
+            m.leave()
+
+    m = Membership(store, 1, Topology(world_size=2, tp=1), incarnation=1, settings=CommSettings(), poll=poll)
+    t0 = time.monotonic()
+    assert m.join(timeout_s=30.0) is None
+    assert len(polls) == 3 and time.monotonic() - t0 < 5.0
+    # a leave key of an earlier incarnation is not this process's: it waits (here until its timeout)
+    again = Membership(store, 1, Topology(world_size=2, tp=1), incarnation=2,
+                       settings=CommSettings(poll_s=0.01), poll=lambda: None)
+    with pytest.raises(RegroupFailed, match="not admitted"):
+        again.join(timeout_s=0.5)

@@ -362,14 +362,21 @@ class Membership:
         raise RegroupFailed(f"rank {self.rank}: no epoch after {current.epoch} formed within "
                             f"{self.settings.regroup_timeout_s:.0f}s")
 
-    def join(self, timeout_s: float) -> Groups:
-        """As a restarted or excluded process: ask to join and wait for an epoch that includes us."""
+    def join(self, timeout_s: float) -> Groups | None:
+        """As a restarted or excluded process: ask to join and wait for an epoch that includes us.
+        None once this process is asked to leave (its ``leave/<rank>``, written when the poll reads the
+        agent's Leave): nobody would admit it. A leaver whose store moved regrouped there after the
+        others and found itself excluded before it read the Leave; it waited to be admitted until the
+        agent's leave timeout (60 s) killed it."""
         self.store.set(keys.join_key(self.rank), str(self.incarnation))
         deadline = time.monotonic() + timeout_s
         seen = _int(self.store.get(BASE_KEY)) - 1 if self.store.check([BASE_KEY]) else -1
         while time.monotonic() < deadline:
             if self.store.check([FINISHED_KEY]):
                 raise JobFinished(_int(self.store.get(FINISHED_KEY)))
+            self._poll()
+            if self._asked_to_leave(self.rank, self.incarnation):
+                return None
             rec = self.latest(seen)
             if rec is not None:
                 seen = rec.epoch

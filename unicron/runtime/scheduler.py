@@ -856,6 +856,9 @@ class Trainer(Generic[BatchT]):
                 except STORE_ERRORS as exc:  # the store moved while we waited: ask again there
                     self._move_store(exc)
                     continue
+                if groups is None:  # asked to leave while waiting: nobody admits us
+                    self._left()
+                    return
                 if self._held is None:
                     self._setup(groups)
                 else:
