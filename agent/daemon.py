@@ -243,7 +243,8 @@ class Agent:
         self.hang_watcher.start()
         self._link = LinkClient(self.node, self.settings.heartbeat_s, self.coordinators.candidates,
                                 token=self.link_token, tls_config=self.tls_config,
-                                on_sent=self.metrics.heartbeat_interval.observe).start()
+                                on_sent=self.metrics.heartbeat_interval.observe,
+                                superseded=self.coordinators.superseded).start()
         self._start_watches()
         self.fence = Fence(self.settings.fence_s, self._contact, self._fence_kill, self._fence_restored,
                            self.stop_event).start()
@@ -361,6 +362,7 @@ class Agent:
         # Stores first: an assignment found at start may need an address that is already published.
         for prefix, handler in (
             (self.keys.coordinators(), self._on_coordinator_event),
+            (self.keys.leader(), self._on_leader_event),
             (self.keys.stores(), self._on_store_event),
             (self.keys.assignment(self.node), self._on_assignment_event),
             (self.keys.injections(self.node), self._on_injection_event),
@@ -583,6 +585,10 @@ class Agent:
 
     def _on_coordinator_event(self, ev: WatchEvent) -> None:
         self.coordinators.announced(ev.key, _link_address(ev.value) if ev.kind == "put" else None)
+
+    def _on_leader_event(self, ev: WatchEvent) -> None:
+        if ev.key == self.keys.leader():
+            self.coordinators.elected(_link_address(ev.value) if ev.kind == "put" else None)
 
     def _on_store_event(self, ev: WatchEvent) -> None:
         if ev.kind == "delete":

@@ -45,6 +45,19 @@ class Coordinators:
         self._lock = threading.Lock()
         self._announced: dict[str, str] = {}  # coordinators/ key -> link address
         self._last_leader: str | None = None
+        self._elected: str | None = None  # the leader key's address, as its watch last saw it
+
+    def elected(self, address: str | None) -> None:
+        """The leader key changed (fed by a watch): ``address`` leads now; None: nobody does."""
+        with self._lock:
+            self._elected = address
+
+    def superseded(self, address: str) -> bool:
+        """Whether another coordinator was elected since the link to ``address`` was made: a leader
+        that stopped without dying (SIGSTOP, a hung host) leaves the link up, since its kernel
+        still acknowledges every heartbeat, and the agent would never link to its successor."""
+        with self._lock:
+            return self._elected is not None and self._elected != address
 
     def announced(self, key: str, address: str | None) -> None:
         """A coordinator's announcement appeared (``address``) or was withdrawn (None)."""
@@ -72,12 +85,16 @@ class LinkClient:
     """The agent's end: connect to the leader, say hello, heartbeat; reconnect when it breaks."""
 
     def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], Sequence[str]], token: str,
-                 tls_config: tls.TLSConfig | None = None, on_sent: Callable[[float], None] | None = None) -> None:
+                 tls_config: tls.TLSConfig | None = None, on_sent: Callable[[float], None] | None = None,
+                 superseded: Callable[[str], bool] = lambda address: False) -> None:
         self.node = node
         #: with TLS the agent presents its node certificate and checks the coordinator's against the CA
         self._ssl = tls_config.client_context() if tls_config is not None else None
         self.heartbeat_s = heartbeat_s
         self.resolve = resolve  # the "host:port"s where the leader may be, in the order to try them
+        #: superseded(address): whether another coordinator leads now; the link to ``address`` is
+        #: then closed and made again (checked before each heartbeat)
+        self.superseded = superseded
         self.token = token
         #: on_sent(seconds since the previous heartbeat on this connection), after each heartbeat (metrics)
         self.on_sent = on_sent
@@ -100,11 +117,11 @@ class LinkClient:
         self._stop.set()
         self._thread.join(timeout=GOODBYE_WAIT_S + 0.5)
 
-    def _connect(self) -> wire.LineSocket | None:
+    def _connect(self) -> tuple[str, wire.LineSocket] | None:
         for addr in self.resolve():
             conn = self._connect_to(addr)
             if conn is not None:
-                return conn
+                return addr, conn
         return None
 
     def _connect_to(self, addr: str) -> wire.LineSocket | None:
@@ -146,28 +163,26 @@ class LinkClient:
         backoff = 0.05
         conn: wire.LineSocket | None = None
         while not self._stop.is_set():
-            conn = self._connect()
-            if conn is None:
+            found = self._connect()
+            if found is None:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
+            addr, conn = found
             backoff = 0.05
             self.connected.set()
             self.down_since = None
             try:
-                last = time.monotonic()
-                while not self._stop.wait(self.heartbeat_s):
-                    conn.send(link.Heartbeat().to_wire())
-                    now = time.monotonic()
-                    if self.on_sent is not None:
-                        self.on_sent(now - last)
-                    last = now
+                self._heartbeat(addr, conn)
+                if self._stop.is_set():
+                    break
+                self.log.warning("another coordinator leads now; linking to it", address=addr)
             except OSError as exc:
                 self.log.warning("link to the coordinator broke; reconnecting", error=str(exc))
-                self.connected.clear()
-                self.down_since = time.monotonic()
-                conn.close()
-                conn = None
+            self.connected.clear()
+            self.down_since = time.monotonic()
+            conn.close()
+            conn = None
         if conn is not None:
             if self._goodbye is not None:
                 self._say_goodbye(conn, self._goodbye)
@@ -175,6 +190,18 @@ class LinkClient:
             conn.close()
         elif self._goodbye is not None:
             self.log.warning("stopping with the link down: the coordinator will see this node as lost")
+
+    def _heartbeat(self, addr: str, conn: wire.LineSocket) -> None:
+        """Heartbeats until the agent stops or another coordinator leads; raises OSError if the link breaks."""
+        last = time.monotonic()
+        while not self._stop.wait(self.heartbeat_s):
+            if self.superseded(addr):
+                return
+            conn.send(link.Heartbeat().to_wire())
+            now = time.monotonic()
+            if self.on_sent is not None:
+                self.on_sent(now - last)
+            last = now
 
     def _say_goodbye(self, conn: wire.LineSocket, reason: str) -> None:
         try:

@@ -175,3 +175,33 @@ def test_without_etcd_the_client_tries_every_announced_coordinator_and_links_onl
         leader.stop()
     coordinators.announced(f"/unicron/coordinators/{standby.address}", None)  # its clean stop withdrew it
     assert standby.address not in coordinators.candidates()
+
+
+def test_a_new_leader_takes_the_link_from_one_that_stopped_without_dying(server: LinkServer, events: Events) -> None:
+    """A leader SIGSTOPped (or on a hung host) keeps its links up: its kernel acknowledges every
+    heartbeat, so no send fails. Here it is a live server that keeps taking them. Once the leader key's
+    watch names another coordinator, the agent closes the old link and makes one to the new leader;
+    before, it heartbeated the old one for as long as it stayed stopped."""
+    others = Events()
+    successor = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=others.on_lost, on_connected=others.on_connected,
+                           verify=lambda node, token: token == f"token-of-{node}").start()
+    leader = server.address
+    coordinators = Coordinators(lambda: leader)
+    c = LinkClient("node1", HEARTBEAT_S, coordinators.candidates, token="token-of-node1",
+                   superseded=coordinators.superseded).start()
+    try:
+        events.wait("the first leader's welcome", lambda: events.connected == ["node1"])
+        coordinators.elected(server.address)  # the watch sees the key it linked by: nothing to do
+        time.sleep(HEARTBEAT_S * 4)
+        assert server.connected_nodes() == ["node1"] and others.connected == []
+        leader = successor.address
+        coordinators.elected(successor.address)
+        others.wait("the successor's welcome", lambda: others.connected == ["node1"])
+        assert c.connected.wait(1.0)
+        events.wait("the old link closed", lambda: events.lost == [("node1", "connection closed")])
+        coordinators.elected(None)  # the key gone (the successor's lease lapsed): the link stays
+        time.sleep(HEARTBEAT_S * 4)
+        assert successor.connected_nodes() == ["node1"] and others.lost == []
+    finally:
+        c.stop(goodbye="done")
+        successor.stop()

@@ -149,6 +149,32 @@ def test_a_partitioned_leader_is_fenced_and_exits(cluster: LocalCluster) -> None
     cluster.restart_coordinator(old)
 
 
+def test_a_stopped_leader_loses_its_links_to_the_standby_that_takes_over(cluster: LocalCluster) -> None:
+    """A leader SIGSTOPped (a hung host) keeps its links up: its kernel acknowledges every heartbeat. The
+    standby takes over when the leadership lease lapses, and the agents, watching the leader key, link
+    to it. Before, they heartbeated the stopped leader until it came back, and the new leader had no
+    link to see a node die by. Continued, the old leader finds itself deposed and exits."""
+    if cluster.net is None:
+        pytest.skip("one run is enough: a stop is a process fault, the namespace cluster is the real network")
+    before = pids(cluster)
+    old = cluster.leader_index()
+    standby = 1 - old
+    stopped = cluster.coordinators[old].pid
+    t0 = time.time()
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        cluster.wait_for(lambda: cluster.elected_at(standby, t0), LEADER_TTL_S + 10.0, "the standby to lead")
+
+        def linked() -> set[str]:
+            return {r["node"] for r in cluster.coordinator_log(t0, standby) if r.get("event") == "link connected"}
+        cluster.wait_for(lambda: linked() == set(cluster.node_names()), 10.0, "every agent linked to the new leader")
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    assert cluster.coordinators[old].wait(timeout=30.0) == EXIT_DEPOSED
+    assert pids(cluster) == before
+    assert [i for i in cluster.incidents() if i.detected_ts >= t0] == []
+    cluster.restart_coordinator(old)
+
 
 def test_an_etcd_outage_right_after_a_takeover_fences_nothing(cluster: LocalCluster) -> None:
     """Chaos seed 97's double fault: the leader is killed (every agent's link breaks with it), the
