@@ -24,8 +24,8 @@ Checked after each move (each breach one violation):
   generation, no ``RestartTask``), and every rank still runs the first generation;
 * healed within ``--heal-timeout-s``: one live rank per node in service, each past the step the
   task had reached at the move + 2;
-* a grow (a repair that re-hosts rank ids) is confirmed by the coordinator no earlier than its
-  joiners' first committed iteration, on the ranks' own clocks (before the coordinator required it,
+* a grow (a repair that re-hosts rank ids) is confirmed by the coordinator no earlier than each of
+  its joiners' first committed iteration, on the ranks' own clocks (before the coordinator required it,
   the survivors' steps confirmed grows whose joiners had not joined yet).
 
 And throughout or at the end:
@@ -401,8 +401,14 @@ class Soak:
         if not joiners or resized is None:
             return
 
-        def first_done() -> float | None:  # a joiner's status may show a step it began, not one it committed
-            return min((d.ts for d in self.iterations.after(m.ts) if joiners.get(d.rank) == d.pid), default=None)
+        def first_done() -> float | None:
+            """When the last joiner committed its first iteration (a joiner's status may show a step it
+            began, not one it committed)."""
+            firsts: dict[int, float] = {}
+            for d in self.iterations.after(m.ts):
+                if joiners.get(d.rank) == d.pid:
+                    firsts[d.rank] = min(d.ts, firsts.get(d.rank, d.ts))
+            return max(firsts.values()) if set(firsts) == set(joiners) else None
 
         try:
             at = self.c.wait_for(lambda: confirmed_after(self.c, resized), 10.0, "the grow confirmed", poll_s=0.1)
