@@ -258,7 +258,9 @@ def test_survivors_reseed_a_moved_store_and_a_later_joiner_counts_itself_past_th
         assert await_seeded(new, 30)
         incarnation = int(new.add(keys.started_key(2), 1))
         results["incarnation"] = incarnation
-        groups = used(Membership(new, 2, topo, incarnation, settings).join(30))
+        joined = Membership(new, 2, topo, incarnation, settings).join(30)
+        assert joined is not None
+        groups = used(joined)
         results[(2, "grown")] = (groups.record.epoch, list(groups.record.members))
 
     try:

@@ -306,9 +306,10 @@ class HollowFleet:
 
     def _connect(self, names: Iterable[str]) -> None:
         def one(node: str) -> None:
-            conn = self.agents[node].link_client._connect()
-            if conn is None:
+            found = self.agents[node].link_client._connect()
+            if found is None:
                 return
+            _, conn = found
             with self._lock:
                 if self.agents[node].alive and node not in self._conns:
                     self._conns[node] = conn
