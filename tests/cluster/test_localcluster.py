@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Store
+from unicron.kernel.procs import STOPPED_STATES, proc_state
 
 
 def test_wait_for_rides_out_an_etcd_that_stalls_and_names_it_when_it_never_answers(
@@ -34,15 +36,27 @@ def test_wait_for_rides_out_an_etcd_that_stalls_and_names_it_when_it_never_answe
 
     assert etcd_server.proc is not None
     pgid = etcd_server.proc.pid
+
+    def stop_etcd() -> None:
+        """SIGSTOP, and wait until the kernel shows it stopped (delivery is not instant)."""
+        os.killpg(pgid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        while proc_state(pgid) not in STOPPED_STATES:
+            assert time.monotonic() < deadline, f"etcd not stopped: state {proc_state(pgid)}"
+            time.sleep(0.01)
+
     harness = LocalCluster(run_dir=str(tmp_path))
-    os.killpg(pgid, signal.SIGSTOP)
+    stop_etcd()
     resume = threading.Timer(3 * store.timeout_s, os.killpg, (pgid, signal.SIGCONT))
     resume.start()
     try:
         assert harness.wait_for(read, 60.0, "the key") == b"v"
         assert stalls, "etcd answered while stopped: the stall was never ridden out"
         assert harness.temporary_errors == len(stalls)
-        os.killpg(pgid, signal.SIGSTOP)
+        # the timer's SIGCONT must not land in the second stall (a fresh clone's run on two pytest
+        # workers: the second wait read the key)
+        resume.join()
+        stop_etcd()
         with pytest.raises(TimeoutError, match=r"waiting for the key \(last error: etcd get /k failed"):
             harness.wait_for(read, 2.5 * store.timeout_s, "the key")
     finally:
