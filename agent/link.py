@@ -44,20 +44,21 @@ class Coordinators:
         self._read_leader = read_leader
         self._lock = threading.Lock()
         self._announced: dict[str, str] = {}  # coordinators/ key -> link address
-        self._last_leader: str | None = None
-        self._elected: str | None = None  # the leader key's address, as its watch last saw it
+        self._last_leader: str | None = None  # the leader key's address as last read or watched
 
     def elected(self, address: str | None) -> None:
-        """The leader key changed (fed by a watch): ``address`` leads now; None: nobody does."""
-        with self._lock:
-            self._elected = address
+        """The leader key changed (fed by a watch): ``address`` leads now; None: nobody does (the
+        last leader is kept: it is still the first to try while etcd is down)."""
+        if address:
+            with self._lock:
+                self._last_leader = address
 
     def superseded(self, address: str) -> bool:
         """Whether another coordinator was elected since the link to ``address`` was made: a leader
         that stopped without dying (SIGSTOP, a hung host) leaves the link up, since its kernel
         still acknowledges every heartbeat, and the agent would never link to its successor."""
         with self._lock:
-            return self._elected is not None and self._elected != address
+            return self._last_leader is not None and self._last_leader != address
 
     def announced(self, key: str, address: str | None) -> None:
         """A coordinator's announcement appeared (``address``) or was withdrawn (None)."""
