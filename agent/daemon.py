@@ -244,7 +244,8 @@ class Agent:
         self._link = LinkClient(self.node, self.settings.heartbeat_s, self.coordinators.candidates,
                                 token=self.link_token, tls_config=self.tls_config,
                                 on_sent=self.metrics.heartbeat_interval.observe,
-                                superseded=self.coordinators.superseded).start()
+                                superseded=self.coordinators.superseded,
+                                on_linked=self.coordinators.linked).start()
         self._start_watches()
         self.fence = Fence(self.settings.fence_s, self._contact, self._fence_kill, self._fence_restored,
                            self.stop_event).start()

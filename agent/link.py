@@ -53,6 +53,11 @@ class Coordinators:
             with self._lock:
                 self._last_leader = address
 
+    def linked(self, address: str) -> None:
+        """The coordinator at ``address`` welcomed the link: it leads (a standby refuses), also where
+        etcd, down, could not say so (the key may still name a dead leader)."""
+        self.elected(address)
+
     def superseded(self, address: str) -> bool:
         """Whether another coordinator was elected since the link to ``address`` was made: a leader
         that stopped without dying (SIGSTOP, a hung host) leaves the link up, since its kernel
@@ -87,7 +92,8 @@ class LinkClient:
 
     def __init__(self, node: str, heartbeat_s: float, resolve: Callable[[], Sequence[str]], token: str,
                  tls_config: tls.TLSConfig | None = None, on_sent: Callable[[float], None] | None = None,
-                 superseded: Callable[[str], bool] = lambda address: False) -> None:
+                 superseded: Callable[[str], bool] = lambda address: False,
+                 on_linked: Callable[[str], None] = lambda address: None) -> None:
         self.node = node
         #: with TLS the agent presents its node certificate and checks the coordinator's against the CA
         self._ssl = tls_config.client_context() if tls_config is not None else None
@@ -96,6 +102,8 @@ class LinkClient:
         #: superseded(address): whether another coordinator leads now; the link to ``address`` is
         #: then closed and made again (checked before each heartbeat)
         self.superseded = superseded
+        #: on_linked(address): the coordinator there welcomed this link
+        self.on_linked = on_linked
         self.token = token
         #: on_sent(seconds since the previous heartbeat on this connection), after each heartbeat (metrics)
         self.on_sent = on_sent
@@ -170,6 +178,7 @@ class LinkClient:
                 backoff = min(backoff * 2, 1.0)
                 continue
             addr, conn = found
+            self.on_linked(addr)
             backoff = 0.05
             self.connected.set()
             self.down_since = None

@@ -164,11 +164,15 @@ def test_without_etcd_the_client_tries_every_announced_coordinator_and_links_onl
     etcd_up = False
     assert coordinators.candidates()[0] == dead  # the last leader first, then every other one
     assert sorted(coordinators.candidates()) == sorted([dead, standby.address, leader.address])
-    c = LinkClient("node1", HEARTBEAT_S, coordinators.candidates, token="token-of-node1").start()
+    c = LinkClient("node1", HEARTBEAT_S, coordinators.candidates, token="token-of-node1",
+                   superseded=coordinators.superseded, on_linked=coordinators.linked).start()
     try:
         assert c.connected.wait(5.0)
         events.wait("the leader's welcome", lambda: events.connected == ["node1"])
         assert others.connected == [] and standby.connected_nodes() == []
+        # the leader it found is not the one the key last named: still no reason to leave it
+        time.sleep(HEARTBEAT_S * 6)
+        assert events.connected == ["node1"] and events.lost == []
     finally:
         c.stop(goodbye="done")
         standby.stop()
