@@ -252,6 +252,7 @@ class CheckpointManager(Checkpointer):
         """Snapshot ``state`` after ``iteration`` (strictly increasing); see :class:`SaveTicket`.
         ``persist``: also write this one to storage (when there is one) whatever ``persist_every``
         says, e.g. the on-demand snapshot a stopping task takes before its processes exit."""
+        t0 = time.perf_counter()
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointManager")
         if not isinstance(iteration, int) or iteration < 0:
@@ -264,7 +265,7 @@ class CheckpointManager(Checkpointer):
         # reaches them (a push/persist of a rank replaces whatever newer one they had).
         if self._last is None and (gone := self._store.withdraw_newer(iteration - 1)):
             self._log.warning("discarded local snapshots newer than the first save", discarded=gone)
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         enc = codec.encode(state)
         t_enc = time.perf_counter()
         slot = self._acquire_slot()
@@ -290,7 +291,8 @@ class CheckpointManager(Checkpointer):
             self._release(slot)
             raise
         t3 = time.perf_counter()
-        ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), t3 - t0, t_enc - t0, t1 - t_enc, t3 - t2)
+        # blocking_s is set at the return: what save() cost its caller, bookkeeping included
+        ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), 0.0, t_enc - t_start, t1 - t_enc, t3 - t2)
         self._last = iteration
         self._count += 1
         due = self.storage is not None and (
@@ -308,6 +310,7 @@ class CheckpointManager(Checkpointer):
         with self._cv:
             self._inflight.append(ticket)
         self._queues[0].put(job)
+        ticket.blocking_s = time.perf_counter() - t0
         return ticket
 
     def fence(self) -> None:

@@ -43,10 +43,13 @@ def test_restored_state_equals_saved_rng_streams_included(make_config: Make) -> 
     state, _, _ = train_state()
     expected = _draws()  # what the streams yield right after the captured point
     with CheckpointManager(make_config()) as m:
+        t0 = time.perf_counter()
         ticket = m.save(state, 7)
+        call_s = time.perf_counter() - t0
         outcome = ticket.result(30)
         assert outcome.published and not outcome.errors
-        assert 0 < ticket.blocking_s < 5
+        # what save() cost its caller: its parts and its bookkeeping, within the call's own time
+        assert 0 < ticket.encode_s + ticket.wait_s + ticket.copy_s <= ticket.blocking_s <= call_s
     torch.manual_seed(123)  # move every stream away from the captured point
     random.seed(123)
     np.random.seed(123)
