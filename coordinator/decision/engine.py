@@ -319,6 +319,7 @@ class _Run:
         if not widening:  # a widened restart is the same recovery: one burst of deaths spends one restart
             self._count_restart(entry)
             entry.relaunching = {}
+            entry.relaunch_epoch = entry.restart_epoch + 1
         entry.fault_node = node
         entry.recovery_step = entry.last_step
         entry.restart_epoch += 1
@@ -345,6 +346,7 @@ class _Run:
         entry.fault_node = node
         entry.recovery_step = entry.last_step
         entry.restart_epoch += 1  # one counter for the task: the same TORCHELASTIC_RESTART_COUNT everywhere
+        entry.relaunch_epoch = entry.restart_epoch
         entry.reason = fault.reason
         entry.relaunching = {n: list(r) for n, r in sorted(entry.placement.items())}
         action = RestartTask(
@@ -674,6 +676,8 @@ class _Run:
                 entry.relaunching = {}
             if not self._joined(entry, event.task, event.joined):
                 return  # the survivors step on without joiners until they are admitted: no proof of a grow
+            if entry.relaunching:
+                return  # the joiners joined, but no process the restart launched has shown it worked
             by = " once every joiner completed an iteration"
         else:
             by = ""
@@ -692,10 +696,11 @@ class _Run:
         return not entry.joiners
 
     def _add_joiners(self, entry: TaskEntry, plan: InPlace) -> None:
-        """The resize's joiners, plus those of an unconfirmed resize it supersedes that stay members: a
-        shrink decided while a grow's joiners are still joining must not be confirmed without them."""
-        o = entry.outstanding
-        pending = set(entry.joiners) & set(plan.members) if o is not None and o.kind is ActionKind.RESIZE else set()
+        """The resize's joiners, plus those of an unconfirmed grow that stay members: a shrink decided
+        while a grow's joiners are still joining must not be confirmed without them. That holds whatever
+        the resize supersedes: the grow itself, or a restart or re-plan (a node lost, which clears the
+        outstanding action first) decided meanwhile; only a confirmation or a new generation clears them."""
+        pending = set(entry.joiners) & set(plan.members)
         if not pending:
             entry.joining_since = entry.membership_epoch
         entry.joiners = sorted(pending | set(plan.joiners))
@@ -867,11 +872,13 @@ def _launching(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:
 
 
 def _restart_died(entry: TaskEntry, inc: Incident, event: IncidentRaised) -> bool:
-    """Whether a process that the restart under way launched has died."""
+    """Whether a process that the restart under way launched has died: one launched at its first epoch
+    or later (a widened restart relaunches each node at its own epoch; merged, the first node's relaunch
+    dying was never relaunched and the deadline isolated the node widened to last)."""
     o = entry.outstanding
     return (o is not None and o.kind is ActionKind.RESTART and inc.kind is ErrorKind.EXITED_ABNORMALLY
             and event.generation == entry.generation
-            and event.restart_epoch is not None and event.restart_epoch >= entry.restart_epoch)
+            and event.restart_epoch is not None and event.restart_epoch >= entry.relaunch_epoch)
 
 
 def _relaunched(entry: TaskEntry, inc: Incident) -> bool:

@@ -85,6 +85,9 @@ class TaskEntry:
     failed_ranks: list[int] = field(default_factory=list)
     relaunching: dict[str, list[int]] = field(default_factory=dict)
     """node -> ranks the restart under way relaunches (a restart widened by a dead peer has several)."""
+    relaunch_epoch: int = 0
+    """The restart epoch of the restart under way's first relaunch: processes launched at it or later
+    are that restart's (widened, it relaunches each node at a higher epoch)."""
     recovery_step: int | None = None  # last step known when the current recovery began
     resized_step: int | None = None
     """Last step known at the latest in-place resize: the survivors' sev3 reports of the peers it removed
@@ -215,6 +218,8 @@ _PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding"}
 def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw = dict(d)
     raw.setdefault("relaunching", {})  # absent in states written before it existed
+    # likewise; the restart epoch is what a restart under way was judged by before
+    raw.setdefault("relaunch_epoch", raw.get("restart_epoch", 0))
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):
         _typed(raw[key], hints[key], _path("tasks", name, key))

@@ -669,3 +669,19 @@ def test_a_peer_dying_during_a_restart_widens_it_and_the_restarted_rank_dying_ag
     assert [a for a in sim.incident("n2", SEV2_KIND, task="job", rank=r1) if isinstance(a, RestartRanks)] == []
     sim.progress("job", 9)
     assert sim.phase("job") is TaskPhase.RUNNING and sim.state.tasks["job"].relaunching == {}
+
+
+def test_the_first_relaunch_of_a_widened_restart_dying_fails_the_restart_on_its_node() -> None:
+    """Rank 0 (n1) is restarted at epoch 1, then rank 2 (n2) dies and widens the restart to epoch 2;
+    the executor rewrites only n2's record, so rank 0's new process runs at epoch 1. When it died at its
+    start, it was neither the widened epoch's nor a peer's: merged, nothing relaunched it, and at the
+    deadline the restart isolated n2, whose relaunch was fine."""
+    sim = running_cluster({"n1": 2, "n2": 2}, {"job": {"min_gpus": 2}}, Sim())
+    sim.progress("job", 5)
+    gen = sim.state.tasks["job"].generation
+    one(sim.incident("n1", SEV2_KIND, task="job", rank=0, generation=gen, step=5), RestartRanks, "job")
+    one(sim.incident("n2", SEV2_KIND, task="job", rank=2, generation=gen, step=5), RestartRanks, "job")
+    assert sim.state.tasks["job"].restart_epoch == 2
+    acts = sim.incident("n1", SEV2_KIND, task="job", rank=0, generation=gen, step=5, restart_epoch=1)
+    assert one(acts, IsolateNode).node == "n1"
+    assert sim.transitions[0].trigger is Trigger.RESTART_DIED

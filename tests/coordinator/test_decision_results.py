@@ -206,3 +206,8 @@ def test_new_fields_round_trip_and_old_states_still_load() -> None:
     old = CoreState.from_dict(data)
     o = old.tasks["job"].outstanding
     assert o is not None and o.waiting == []
+    # written before a restart's first epoch was kept: a restart under way is judged by its latest epoch,
+    # as then (a default of 0 would take every peer's death for the restart's own)
+    data["tasks"]["job"]["restart_epoch"] = 3
+    del data["tasks"]["job"]["relaunch_epoch"]
+    assert CoreState.from_dict(data).tasks["job"].relaunch_epoch == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from coordinator import causes
 from coordinator.decision import (
     Action,
     ActionSucceeded,
@@ -20,10 +21,12 @@ from coordinator.decision import (
 )
 from coordinator.decision.resize import plan_in_place, successor_store_node
 from coordinator.decision.table import Trigger
+from tests.coordinator.test_causes import status
 from tests.coordinator.test_decision import SEV3_KIND, Sim, one, only, running_cluster
-from unicron.kernel.types import DetectionMethod, ErrorKind
+from unicron.kernel.types import DetectionMethod, ErrorKind, RankStatus
 
 JOB = "job"
+DIED = (DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY)
 
 
 def test_shrink_keeps_survivors_and_names_the_lost_ranks() -> None:
@@ -337,6 +340,27 @@ def test_a_restart_of_a_joiner_whose_peer_joiner_never_joins_isolates_the_missin
         assert one(acts, IsolateNode).node == blamed, proven
 
 
+def test_a_survivor_restarted_during_a_grow_is_not_confirmed_by_the_joiners_alone() -> None:
+    """Rank 0 dies during the grow and is restarted on n1. The joiners' processes (launched by the grow,
+    restart epoch 0) then complete an iteration. Before, their step confirmed the restart although rank
+    0's relaunch had shown nothing: its outstanding action and deadline were gone, the budget reset."""
+    sim, grow = _grown_back()
+    one(sim.incident("n1", DIED, task=JOB, rank=0, generation=grow.generation, step=6), RestartRanks, JOB)
+
+    def joiner(rank: int) -> RankStatus:
+        return RankStatus.from_dict({
+            "task": JOB, "generation": grow.generation, "rank": rank, "state": "running", "pid": 1,
+            "step": 7, "advanced": True, "membership_epoch": grow.membership_epoch, "restart_epoch": 0})
+
+    for made in causes.progress(status("n3", [joiner(4), joiner(5)]), sim.state, {(JOB, grow.generation): 6},
+                                ts=sim.ts()):
+        sim.feed(made)
+    entry = sim.state.tasks[JOB]
+    assert sim.phase(JOB) is TaskPhase.RESTARTING and entry.joiners == [] and entry.relaunching == {"n1": [0]}
+    _relaunch_step(sim, 8, joined=())
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+
+
 def test_a_grow_whose_joiners_never_join_isolates_their_node_at_its_deadline() -> None:
     sim, _ = _grown_back()
     _step(sim, 7)
@@ -354,6 +378,15 @@ def test_a_resize_decided_while_a_grows_joiners_join_waits_for_them() -> None:
     sim, _ = _grown_back()
     drain = one(sim.feed(NodeDrained(ts=sim.ts(), node="n2")), ResizeInPlace, JOB)
     assert drain.leaving == (2, 3) and drain.joiners == () and sim.state.tasks[JOB].joiners == [4, 5]
+    _step(sim, 8)
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+    _step(sim, 9, joined=(4, 5))
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+    # another node lost meanwhile: its sev1 clears the outstanding grow before the re-plan, which used
+    # to drop the joiners, and the survivors' steps confirmed a task that ran one replica short
+    sim, _ = _grown_back()
+    shrink = one(sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="link closed")), ResizeInPlace, JOB)
+    assert shrink.lost == (2, 3) and sim.state.tasks[JOB].joiners == [4, 5]
     _step(sim, 8)
     assert sim.phase(JOB) is TaskPhase.RECONFIGURING
     _step(sim, 9, joined=(4, 5))
