@@ -507,7 +507,10 @@ def decode(
     views = {id(v): v for v in cache.values()}
     with torch.no_grad():
         if into is not None:
-            state = _fill_template(state, into, views)
+            filled = _Filled()
+            state = filled.fill(state, into, views)
+            # a view every holder of which got a template needs no copy of its own
+            views = {k: v for k, v in views.items() if k not in filled.placed or k in filled.raw}
         if not private:
             for v in views.values():
                 c = v.clone()
@@ -517,26 +520,46 @@ def decode(
     return state
 
 
-def _fill_template(state: Any, template: Any, views: dict[int, torch.Tensor]) -> Any:
-    """Walk dicts/lists/tuples of ``state`` and ``template`` together; copy matching tensors into place."""
-    if isinstance(state, torch.Tensor):
-        if id(state) in views and _is_template_match(template, state):
+class _Filled:
+    """Walks dicts/lists/tuples of a decoded state and a template together, copying matching tensors
+    into the template's. A tensor the state holds twice (tied weights) is decoded as one view: each
+    holder gets a template (the first one that matched, where its own template does not), so none of
+    them is left a view of the data, which the clone pass would no longer detach."""
+
+    def __init__(self) -> None:
+        self.placed: dict[int, torch.Tensor] = {}  # id of a view -> the template it was copied into
+        self.raw: set[int] = set()  # ids of views returned as they are (to be detached by the caller)
+
+    def fill(self, state: Any, template: Any, views: dict[int, torch.Tensor]) -> Any:
+        if isinstance(state, torch.Tensor):
+            return self._tensor(state, template, views)
+        if isinstance(state, dict) and isinstance(template, dict):
+            for k in list(state):
+                if k in template:
+                    state[k] = self.fill(state[k], template[k], views)
+            return state
+        if isinstance(state, list) and isinstance(template, list | tuple) and len(state) == len(template):
+            for i, v in enumerate(state):
+                state[i] = self.fill(v, template[i], views)
+            return state
+        if type(state) is tuple and isinstance(template, list | tuple) and len(state) == len(template):
+            return tuple(self.fill(v, t, views) for v, t in zip(state, template, strict=True))
+        return state
+
+    def _tensor(self, state: torch.Tensor, template: Any, views: dict[int, torch.Tensor]) -> torch.Tensor:
+        key = id(state)
+        if key not in views:
+            return state
+        match = _is_template_match(template, state)
+        first = self.placed.get(key)
+        if match and template is not first:
             template.copy_(state)
-            views.pop(id(state))
-            return template
+            self.placed.setdefault(key, template)
+            return template  # type: ignore[no-any-return]
+        if first is not None:
+            return first
+        self.raw.add(key)
         return state
-    if isinstance(state, dict) and isinstance(template, dict):
-        for k in list(state):
-            if k in template:
-                state[k] = _fill_template(state[k], template[k], views)
-        return state
-    if isinstance(state, list) and isinstance(template, list | tuple) and len(state) == len(template):
-        for i, v in enumerate(state):
-            state[i] = _fill_template(v, template[i], views)
-        return state
-    if type(state) is tuple and isinstance(template, list | tuple) and len(state) == len(template):
-        return tuple(_fill_template(v, t, views) for v, t in zip(state, template, strict=True))
-    return state
 
 
 # --------------------------------------------------------------------------------------------- checksums

@@ -76,6 +76,25 @@ def test_restore_into_live_model_and_optimizer(make_config: Make) -> None:
     assert_same(state, r.state)
 
 
+def test_restore_into_a_state_with_a_tensor_held_twice_leaves_no_view_of_the_slot(make_config: Make) -> None:
+    """Tied weights: one tensor under two keys, stored once. Once the first key took the value into
+    its template, the second key was handed the raw view of the shared-memory slot, which the next
+    snapshots written into that slot changed under the caller. Likewise when only the second key's
+    template matched."""
+    for templates in ("both", "second only"):
+        with CheckpointManager(make_config(slots=2)) as m:
+            tied = torch.full((1024,), 1.0)
+            m.save({"a": tied, "b": tied}, 1).result(30)
+            first = torch.zeros(1024) if templates == "both" else None
+            template = {"a": first, "b": torch.zeros(1024)}
+            r = m.restore(1, into=template)
+            held = (r.state["a"], r.state["b"])
+            for it in (2, 3, 4):  # through both slots: the one iteration 1 was restored from is written again
+                m.save({"a": torch.full((1024,), float(it)), "b": torch.zeros(1)}, it).result(30)
+            assert [t[0].item() for t in held] == [1.0, 1.0], templates
+            assert r.state["b"] is template["b"]
+
+
 def test_double_buffering_keeps_newest_and_previous(make_config: Make) -> None:
     with CheckpointManager(make_config()) as m:
         for it in (1, 2, 3):
