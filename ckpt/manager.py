@@ -175,6 +175,8 @@ class _Job:
     event: Any
     persist_due: bool
     info: SnapshotInfo | None = None
+    #: the local tier holds it (its slot is in the pointer)
+    published: bool = False
     replicas: list[str] = field(default_factory=list)
     persisted: bool | None = None
     errors: list[str] = field(default_factory=list)
@@ -331,7 +333,8 @@ class CheckpointManager(Checkpointer):
             job.copied.wait()
 
     def wait(self, timeout: float | None = None) -> list[SaveOutcome]:
-        """Wait for every snapshot's background work; returns their outcomes, oldest first."""
+        """Wait for the background work of every snapshot still in flight; returns their outcomes,
+        oldest first (a finished one's is its ticket's ``result()``)."""
         with self._cv:
             tickets = list(self._inflight)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -339,8 +342,6 @@ class CheckpointManager(Checkpointer):
         for t in tickets:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             out.append(t.result(left))
-        with self._cv:
-            self._inflight = [t for t in self._inflight if not t.done()]
         return out
 
     def _copy_stream(self) -> Any:
@@ -422,6 +423,7 @@ class CheckpointManager(Checkpointer):
             )
         data = codec.byte_view(self._store.data_view(job.slot, job.data_len))
         crcs = codec.chunk_crcs(data, self.config.chunk_bytes, self._pool)
+        # the checksummed snapshot, also what peers and storage get when the local publish fails
         job.info = SnapshotInfo(
             job=self.config.job,
             rank=self.config.rank,
@@ -433,7 +435,13 @@ class CheckpointManager(Checkpointer):
             chunk_crcs=crcs,
             created=time.time(),
         )
-        self._store.publish(job.slot, job.info, job.meta)
+        try:
+            self._store.publish(job.slot, job.info, job.meta)
+            job.published = True
+        except OSError as exc:  # a full or failing local disk: the bytes are good, so the other tiers still get them
+            job.errors.append(f"publish: {type(exc).__name__}: {exc}")
+            self._log.warning("local publish failed; peers and storage still get the snapshot",
+                              iteration=job.iteration, error=str(exc))
         with self._cv:
             self._cv.notify_all()  # the newest published slot changed: another slot may be free now
         return bool(self.peers) or job.persist_due
@@ -468,10 +476,13 @@ class CheckpointManager(Checkpointer):
         if job.persist_due and job.persisted is None:
             job.persisted = False
         self._release(job.slot)
+        with self._cv:  # a finished ticket is the caller's alone (periodic saves never call wait())
+            if job.ticket in self._inflight:
+                self._inflight.remove(job.ticket)
         job.ticket._finish(
             SaveOutcome(
                 iteration=job.iteration,
-                published=job.info is not None,
+                published=job.published,
                 replicas=tuple(job.replicas),
                 persisted=job.persisted if job.persist_due else None,
                 errors=tuple(job.errors),

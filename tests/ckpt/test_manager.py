@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import shutil
@@ -130,6 +131,28 @@ def test_node_lost_restores_from_peer(make_config: Make, replica_server: Replica
     assert (r.tier, r.source, r.iteration) == (Tier.PEER, replica_server.address, 5)
     assert [a.reason for a in r.skipped] == ["holds nothing"]
     assert_same(state, r.state)
+
+
+def test_a_failed_local_publish_is_no_published_snapshot_and_still_reaches_peers_and_storage(
+    make_config: Make, replica_server: ReplicaServer, tmp_path: Path
+) -> None:
+    """The local disk refuses the metadata (ENOSPC). Before, the outcome said published, and the
+    snapshot, whose bytes were good, went to neither the peer nor storage."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    peer = ReplicaClient(replica_server.address)
+    state = filled_state(4, nbytes=5 * 4096)
+    with CheckpointManager(make_config(persist_every=1), peers=[peer], storage=storage) as m:
+
+        def full_disk(slot: int, info: object, meta: bytes) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        m._store.publish = full_disk  # type: ignore[method-assign]
+        out = m.save(state, 4).result(30)
+        assert not out.published and "No space left on device" in out.errors[0]
+        assert out.replicas == (replica_server.address,) and out.persisted
+        held = {tier: its for tier, _, its in m.available()}
+        assert held == {"local": [], "peer": [4], "remote": [4]}, held
+        assert m._inflight == []  # a finished ticket is not kept
 
 
 def test_flipped_byte_skips_tier_and_names_reason(
