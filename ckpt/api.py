@@ -249,6 +249,12 @@ class Checkpointer(ABC):
         in the background.
         """
 
+    def fence(self) -> None:
+        """Call after ``save()`` and before the saved tensors are next modified in place (the optimizer
+        step): an implementation still copying them (on a side stream, in a background thread) orders
+        or waits for that copy here. One that copies inside ``save()`` has nothing to do."""
+        return None  # deliberately concrete: a checkpointer that copies synchronously needs no override
+
     @abstractmethod
     def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
         """The state of ``iteration`` (default: the newest valid one) from the nearest valid tier.

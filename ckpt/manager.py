@@ -319,8 +319,10 @@ class CheckpointManager(Checkpointer):
         """Call after save() and before the state is next modified (the optimizer step).
 
         GPU: makes the current CUDA stream wait for the snapshot's copies (no host stall). CPU with
-        ``overlap``: waits for the background copy. CPU without: nothing to do. A snapshot whose tensors
-        were modified before its copy completed is discarded as torn, never published.
+        ``overlap``: waits for the background copy. CPU without: nothing to do. Without it, a snapshot
+        whose tensors were modified before its copy completed is discarded as torn, as far as their
+        version counters show: an in-place CPU operation still running when the copy ends has not
+        counted yet (PyTorch counts it on return), so only this call makes an overlap snapshot safe.
         """
         job, self._fence_job = self._fence_job, None
         if job is None:

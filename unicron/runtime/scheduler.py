@@ -737,6 +737,10 @@ class Trainer(Generic[BatchT]):
             self.flat.bind(grads)  # the optimizer reads the reduced buffer in place
         else:
             self.prog.copy_grads_into(self.flat.buf)  # parts spread over both buffers after a recovery
+        if self.checkpointer is not None:
+            # a snapshot's copies still running (a GPU side stream, a CPU overlap thread) end before the
+            # step changes the tensors: without it they were judged only by version counters afterwards
+            self.checkpointer.fence()
         self.state.optimizer.step()
         loss = float(self.prog.tail()[TAIL_LOSS]) / b
         self.losses.append(loss)
