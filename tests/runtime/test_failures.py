@@ -98,6 +98,21 @@ def test_inplace_reattempt_then_failure_and_rejoin(runner: Runner) -> None:
     assert bitwise_equal(done.params(2, incarnation=2), done.params(0)), "a rejoined replica must equal the others"
 
 
+def test_a_joiner_waiting_during_a_failure_regroup_is_admitted_only_at_the_boundary(runner: Runner) -> None:
+    """Iteration 2: rank 3 dies before bucket 2 (buckets 0 and 1 final everywhere) and is restarted at
+    once; rank 1 stalls there 6 s, then dies. The survivors' failure regroup used to admit the waiting
+    rank 3: it reduced from bucket 0 against the others' bucket 2, so the gradient was wrong (3.1e-3
+    relative) and survivor rank 2 aborted in gloo on the last bucket's size mismatch. Now the failure
+    regroup keeps to the survivors, and rank 3 is admitted at the next boundary."""
+    args = train_args(4, "float64", False)
+    faults = {3: "die@2:bucket2", 1: "stall@2:bucket2:6,die@2:bucket2"}
+    done = runner.run(4, args, faults=faults, restart={3: 0.2}, timeout=150)
+    assert (done.codes[0], done.codes[2]) == (0, 0), done.job.logs()[-2000:]
+    for e in failure_regroups(done, 0):
+        assert 3 not in e["members"] or e["it"] != 2, e  # no joiner in a failure regroup of iteration 2
+    assert_exact(done.params(0), runner.reference(args), False, "float64")
+
+
 def test_tp2_dp2_losing_a_data_parallel_rank(runner: Runner) -> None:
     """TP=2 x DP=2: rank 2 dies, so replica {2, 3} is lost; replica {0, 1} finishes every iteration
     with all micro-batches and rank 3 waits as a standby until the job ends."""

@@ -249,7 +249,7 @@ def test_survivors_reseed_a_moved_store_and_a_later_joiner_counts_itself_past_th
         deadline = time.monotonic() + 30
         while not m.joiners(after.record.members) and time.monotonic() < deadline:
             time.sleep(0.02)
-        grown = used(m.regroup(after.record, "admission", assume_same=True))
+        grown = used(m.regroup(after.record, "admission", assume_same=True, admit=True))
         results[(r, "grown")] = (grown.record.epoch, list(grown.record.members))
 
     def joiner() -> None:
@@ -323,3 +323,51 @@ def test_a_process_waiting_to_join_stops_waiting_once_it_is_asked_to_leave(sidec
                        settings=CommSettings(poll_s=0.01), poll=lambda: None)
     with pytest.raises(RegroupFailed, match="not admitted"):
         again.join(timeout_s=0.5)
+
+
+def test_a_joiner_is_admitted_after_a_moved_store_was_seeded_with_epochs_that_have_a_gap() -> None:
+    """A survivor remembers the epochs it formed: epoch 4 was abandoned at its barrier (a second death),
+    so it holds 3, 5, 6, 7. Seeded with all four, the moved store's gap left the relaunched rank looking
+    at epoch 3 for ever (the newest is found over contiguous epochs): it was never admitted, and the
+    survivor's admission timed out. Only the run from the last gap is seeded now."""
+    port = free_port()
+    server = keys.serve_store("127.0.0.1", port)
+    topo = Topology(world_size=2, tp=1)
+    settings = CommSettings(collective_timeout_s=10, regroup_timeout_s=8, heartbeat_window_s=2)
+    both = {0: 1, 1: 1}
+    # Rank 0's remembered epochs (Trainer._epochs, the last 4 it was in): epoch 4 was proposed and
+    # abandoned at its barrier (a second death), so nobody holds its record.
+    held = [EpochRecord(e, (0, 1), both, "failure") for e in (3, 5, 6, 7)]
+    results: dict[Any, Any] = {}
+
+    def survivor() -> None:
+        new = keys.connect("127.0.0.1", port)
+        reseed(new, 0, 1, held, lost=[1], leaving=False)  # rank 1 was lost with the store's node
+        m = Membership(new, 0, topo, incarnation=1, settings=settings)
+        after = m.regroup(held[-1], "failure")
+        results["shrunk"] = list(after.record.members)
+        deadline = time.monotonic() + 10
+        while not m.joiners(after.record.members) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            grown = m.regroup(after.record, "admission", assume_same=True, admit=True)
+            results[0] = (grown.record.epoch, list(grown.record.members))
+        except Exception as exc:
+            results[0] = repr(exc)
+
+    def joiner() -> None:
+        new = keys.connect("127.0.0.1", port)
+        assert await_seeded(new, 10)
+        inc = int(new.add(keys.started_key(1), 1))
+        try:
+            g = Membership(new, 1, topo, inc, settings).join(10)
+            results[1] = (g.record.epoch, list(g.record.members)) if g is not None else None
+        except Exception as exc:
+            results[1] = repr(exc)
+
+    try:
+        run_ranks(2, lambda i: survivor() if i == 0 else joiner(), timeout_s=60)
+    finally:
+        del server
+    assert results["shrunk"] == [0]
+    assert results[0] == results[1] == (9, [0, 1]), results

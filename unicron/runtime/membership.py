@@ -19,7 +19,8 @@ After a failure (or to admit joiners) the survivors move to the next epoch:
 A rank asked to leave (``leave/<rank>``, an in-place shrink) is left out of the next proposal; it gets
 :class:`Excluded` and exits. Any other rank left out of an agreed epoch (its replica lost a rank, or it
 was presumed dead) gets :class:`Excluded` and rejoins later like a restarted process: it writes ``join/<rank>`` and waits for
-an epoch that includes it. Survivors admit complete replicas of joiners at an iteration boundary.
+an epoch that includes it. Survivors admit complete replicas of joiners at an iteration boundary, never
+in a failure regroup mid-iteration (the joiner holds none of the iteration's reduced buckets).
 
 **Failure marks** (``failed/<rank>``): the agent learns of a rank's death first (it is the parent) and
 the survivors regroup faster when told at once than when they wait for a heartbeat to go stale. The
@@ -35,8 +36,9 @@ one JSON line per request on stdin, ``{"host", "port", "rank"}``; one JSON line 
 survives, an in-place resize names another node, whose agent starts an empty store, and every agent
 sends its ranks ``StoreMoved``. Each survivor re-seeds the new store with what it holds (:func:`reseed`):
 its own ``started/<rank>`` and those of its epochs' members (raised, never lowered: several survivors
-seed at once), ``failed/<rank>`` of the lost ranks up to their incarnation, its epoch records
-(first writer wins; ``epoch/base``, the oldest, is where a joiner starts looking), its ``leave/`` and
+seed at once), ``failed/<rank>`` of the lost ranks up to their incarnation, its epoch records from the
+last gap on (first writer wins; ``epoch/base``, the oldest, is where a joiner starts looking, and the
+epochs after it must be contiguous for the joiner to find the newest), its ``leave/`` and
 finally ``seeded``. A rank launched on a moved store waits for ``seeded`` before it counts itself in,
 so its incarnation follows its rank's earlier ones. Old epochs below ``epoch/base`` are not there:
 a rank reads the records of its own epochs from memory.
@@ -176,6 +178,16 @@ def raise_counter(store: RendezvousStore, key: str, value: int) -> None:
             return
 
 
+def _newest_run(records: list[EpochRecord]) -> list[EpochRecord]:
+    """The records, sorted by epoch, from the last gap on: an epoch abandoned at its barrier is held by
+    nobody, and a joiner finds the newest epoch by doubling and bisecting over contiguous ones (from
+    ``epoch/base``; across a gap it settled on the older side and was never admitted)."""
+    start = len(records) - 1
+    while start > 0 and records[start - 1].epoch == records[start].epoch - 1:
+        start -= 1
+    return records[max(start, 0):]
+
+
 def reseed(store: RendezvousStore, rank: int, incarnation: int, records: Iterable[EpochRecord],
            lost: Iterable[int], leaving: bool, address: str = "") -> None:
     """Seed a moved (empty) store with what this rank holds (module docstring, "A moved store");
@@ -186,6 +198,8 @@ def reseed(store: RendezvousStore, rank: int, incarnation: int, records: Iterabl
     for rec in held:
         for r, inc in sorted(rec.incarnations.items()):
             raise_counter(store, keys.started_key(r), inc)
+    held = _newest_run(held)
+    for rec in held:
         store.compare_set(f"epoch/{rec.epoch}", "", rec.encode())
     if held:
         newest = held[-1]
@@ -333,13 +347,16 @@ class Membership:
         try:
             return self._enter(rec, deadline=time.monotonic() + self.settings.regroup_timeout_s)
         except _MovedOn as moved:  # a rank died before epoch 0 formed
-            return self.regroup(moved.record, "start", assume_same=True)
+            return self.regroup(moved.record, "start", assume_same=True, admit=True)
 
-    def regroup(self, current: EpochRecord, reason: str, assume_same: bool = False) -> Groups:
+    def regroup(self, current: EpochRecord, reason: str, assume_same: bool = False, admit: bool = False) -> Groups:
         """Move to the next agreed epoch after ``current``.
 
         ``assume_same``: propose at once without waiting for failure knowledge (this rank knows the
-        error was its own and transient, or the regroup is only to admit joiners).
+        error was its own and transient, or the regroup is only to admit joiners). ``admit``: this
+        rank's proposal takes in the joiners waiting. Only where no member has part of an iteration
+        done (at start, at an iteration boundary): admitted mid-iteration, a joiner reduced from bucket
+        0 against the others' bucket k (a wrong gradient, or gloo aborting on the size mismatch).
         """
         deadline = time.monotonic() + self.settings.regroup_timeout_s
         base = current
@@ -352,7 +369,7 @@ class Membership:
                 self.timing["knowledge_s"] = time.monotonic() - t0
                 if dead is None:
                     continue  # someone else proposed: adopt theirs
-                nxt = self._proposal(base, dead, reason)
+                nxt = self._proposal(base, dead, reason, admit)
             self.timing["agreed_s"] = time.monotonic() - t0
             try:
                 return self._enter(nxt, deadline)
@@ -388,12 +405,13 @@ class Membership:
             time.sleep(self.settings.poll_s * 4)
         raise RegroupFailed(f"rank {self.rank}: not admitted to the job within {timeout_s:.0f}s")
 
-    def _proposal(self, base: EpochRecord, dead: set[int], reason: str) -> EpochRecord:
+    def _proposal(self, base: EpochRecord, dead: set[int], reason: str, admit: bool) -> EpochRecord:
         leaving = self.leaving(base)
         alive = [r for r in base.members if r not in dead and r not in leaving]
         members = self.topo.full_replica_members(alive)
         incs = {r: base.incarnations[r] for r in members}
-        incs.update(self.joiners(members))
+        if admit:
+            incs.update(self.joiners(members))
         everyone = tuple(sorted(incs))
         rec = EpochRecord(base.epoch + 1, everyone, incs, reason)
         return self._propose(rec)

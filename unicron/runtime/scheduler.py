@@ -827,7 +827,8 @@ class Trainer(Generic[BatchT]):
         self.mode = RankMode.RECOVERING
         with self.client.phase(protocol.PHASE_REGROUP):
             self._break(None)
-            groups = self.membership.regroup(self.groups.record, due.reason.value, due.assume_same)
+            groups = self.membership.regroup(self.groups.record, due.reason.value, due.assume_same,
+                                             admit=due.reason is RegroupReason.ADMISSION)
             t1 = time.time()
             self._adopt(groups)
             self._agree()
