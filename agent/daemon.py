@@ -46,7 +46,7 @@ from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
 from unicron.kernel import parentdeath, patterns, protocol, severity, tls
-from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreUnavailable
+from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreUnavailable, UnicronError
 from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry, parse_endpoints
 from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.keyspace import Keyspace
@@ -790,7 +790,7 @@ class Agent:
             return
         try:
             answer = req.answered(ok=True, detail=self.inject(req))
-        except (KeyError, ValueError, LookupError) as exc:
+        except (KeyError, ValueError, LookupError, OSError, UnicronError) as exc:  # answered, never left pending
             answer = req.answered(ok=False, detail=f"{type(exc).__name__}: {exc}")
         assert self.store is not None
         with contextlib.suppress(StoreUnavailable):
@@ -815,6 +815,9 @@ class Agent:
         rank = ranks[0] if req.rank is None else req.rank
         if rank not in ranks:
             raise LookupError(f"rank {rank} of task {task} is not on node {self.node} (has {ranks})")
+        proc = rec.processes().get(rank)
+        if proc is None or proc.state == "exited":  # its pid may belong to another process by now
+            raise LookupError(f"rank {rank} of task {task} has no running process on node {self.node}")
         return rec, rank
 
     def _inject_xid(self, req: Injection) -> str:

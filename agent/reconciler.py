@@ -412,22 +412,38 @@ class TaskReconciler:
             if cmd is None:
                 self._start_spare(self.task)  # on this thread: the sidecar's PDEATHSIG follows it
                 continue
+            if cmd.assignment is None:
+                self._stop(cmd)
+                return
             try:
-                if cmd.assignment is None:
-                    self._do_stop(cmd.reason, cmd.kill)
-                    cmd.outcome.set(True, f"stopped: {cmd.reason}")
-                    self._drain(f"task {self.task} stopped")
-                    return
                 if cmd.reason == "assigned":
                     cmd.outcome.set(*self._do_start(cmd.assignment))
                 else:
                     cmd.outcome.set(*self._do_update(cmd.assignment))
-            except UnicronError as exc:
-                log.error("reconcile step failed", task=self.task, error=str(exc))
+            except Exception as exc:  # the thread must live on: a dead one left the task unmanaged
+                # (an OSError starting the store or making a log directory killed it: no result written,
+                # a later stop never carried out, the ranks leaked, the next generation waiting for ever)
+                if isinstance(exc, UnicronError):
+                    log.error("reconcile step failed", task=self.task, error=str(exc))
+                else:
+                    log.exception("reconcile step failed", task=self.task, error=str(exc))
                 if cmd.reason == "assigned":
                     with self._lock:
                         self._launch_error = str(exc)
                 cmd.outcome.set(False, f"{type(exc).__name__}: {exc}")
+
+    def _stop(self, cmd: _Command) -> None:
+        """The last command: whatever goes wrong stopping, the task counts as stopped once it is over
+        (the next generation's reconciler waits for that before it launches)."""
+        try:
+            self._do_stop(cmd.reason, cmd.kill)
+            cmd.outcome.set(True, f"stopped: {cmd.reason}")
+        except Exception as exc:  # reported, and the stop is still over
+            log.exception("stopping the task failed", task=self.task, error=str(exc))
+            cmd.outcome.set(False, f"stop failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.stopped.set()
+            self._drain(f"task {self.task} stopped")
 
     def _drain(self, detail: str) -> None:
         with self._wake:
@@ -518,16 +534,30 @@ class TaskReconciler:
         try:
             self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
                                    stdout_path=self.host.rank_log_path(a.task, spec.rank))
-        except UnicronError as exc:
+        except UnicronError as exc:  # the command cannot run: the task's failure
             log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
             with self._lock:
                 self._ranks[spec.rank] = RankState.FAILED
                 self._cannot_start = str(exc)
             return str(exc)
+        except OSError as exc:  # this node's (its log directory on a full disk, say): not the task's
+            log.error("rank could not start on this node", task=a.task, rank=spec.rank, error=str(exc))
+            with self._lock:
+                self._ranks[spec.rank] = RankState.FAILED
+            return f"rank {spec.rank}: {type(exc).__name__}: {exc}"
         with self._lock:
-            if self._ranks.get(spec.rank) in (RankState.INIT, RankState.RESTARTING, RankState.FAILED):
+            # Under the lock, so that _on_exit runs wholly before or after: a process that already
+            # exited was left in INIT/RESTARTING by it (reported, not counted) and must not turn healthy
+            # (it did, and got an iteration monitor that judged the dead process hung).
+            st = self.supervisor.status().get(spec.rank)
+            exited = st is not None and st.returncode is not None
+            if exited and st is not None:
+                self._ranks[spec.rank] = (RankState.SUCCEEDED if st.returncode == 0 else
+                                          RankState.STOPPED if st.requested else RankState.FAILED)
+            elif self._ranks.get(spec.rank) in (RankState.INIT, RankState.RESTARTING, RankState.FAILED):
                 self._ranks[spec.rank] = RankState.HEALTHY
-        self.host.rank_launched(a.task, spec.rank, restart)  # healthy: the host starts watching it
+        if not exited:
+            self.host.rank_launched(a.task, spec.rank, restart)  # healthy: the host starts watching it
         return ""
 
     def _do_update(self, a: TaskAssignment) -> tuple[bool, str]:

@@ -1,0 +1,183 @@
+"""One task's reconciler against a recording host and real rank processes: what goes wrong on its own
+thread (an OSError, a rank that dies before it was counted healthy) must never leave the task unmanaged."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from agent import supervisor as sup
+from agent.daemon import Agent
+from agent.iterations import IterationMonitor, IterationSettings
+from agent.progress import Progress
+from agent.reconciler import RankState, TaskReconciler, TaskState
+from unicron.kernel import protocol
+from unicron.kernel.etcd import WatchEvent
+from unicron.kernel.inject import Fault, Injection
+from unicron.kernel.types import DetectionMethod, ErrorKind, RankSpec, Report, StoreAddress, TaskAssignment
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(1000)"]
+CRASH = [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+
+@dataclass
+class RecordingHost:
+    """What a reconciler needs from its agent (``TaskHost``), recorded; log paths can be made to fail."""
+
+    log_dir: str
+    node: str = "n0"
+    advertise_host: str = "127.0.0.1"
+    progress_regex: str = ""
+    reports: list[Report] = field(default_factory=list)
+    launched: list[int] = field(default_factory=list)
+    full_disk_for: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
+        return {**os.environ, "RANK": str(spec.rank), "MASTER_ADDR": store.host, "MASTER_PORT": str(store.port)}
+
+    def rank_log_path(self, task: str, rank: int) -> str:
+        if rank in self.full_disk_for:
+            raise OSError(28, "No space left on device")  # what os.makedirs raises on a full disk
+        return os.path.join(self.log_dir, f"{task}-{rank}.log")
+
+    def publish_store(self, addr: StoreAddress) -> int:
+        return 1
+
+    def withdraw_store(self, addr: StoreAddress, revision: int) -> None:
+        pass
+
+    def report(self, method: DetectionMethod, kind: ErrorKind, message: str, *, task: str | None = None,
+               rank: int | None = None, gpu: int | None = None, step: int | None = None,
+               source_ts: float | None = None, handled: bool = False, generation: int | None = None) -> Report:
+        r = Report(method=method, kind=kind, node=self.node, message=message, task=task, rank=rank)
+        with self.lock:
+            self.reports.append(r)
+        return r
+
+    def mark_failed(self, store: StoreAddress, rank: int, wait_s: float = 0.0) -> bool:
+        return True
+
+    def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
+        pass
+
+    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+        pass
+
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float) -> None:
+        pass
+
+    def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
+        return False
+
+    def rank_launched(self, task: str, rank: int, restart: bool) -> None:
+        with self.lock:
+            self.launched.append(rank)
+
+
+def assignment(ranks: list[int], argv: list[str] = SLEEPER, store_node: str = "other") -> TaskAssignment:
+    return TaskAssignment(task="t", generation=1, argv=argv, env={}, world_size=len(ranks),
+                          ranks=[RankSpec(rank=r, local_rank=i, gpu=i) for i, r in enumerate(ranks)],
+                          store_node=store_node)
+
+
+def store_of(a: TaskAssignment) -> StoreAddress:
+    return StoreAddress(task=a.task, generation=a.generation, node="other", host="127.0.0.1", port=1)
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def reconcilers() -> Iterator[list[TaskReconciler]]:
+    made: list[TaskReconciler] = []
+    yield made
+    for rec in made:
+        rec.supervisor.terminate_all(0.5)
+
+
+def test_an_oserror_launching_a_rank_fails_the_start_and_a_stop_still_stops_the_others(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Before, the OSError killed the reconciler's thread: no outcome (no ``results/<node>``), the later
+    stop never carried out, rank 0 leaked, and the next generation waited for ``stopped`` for ever."""
+    rec = TaskReconciler(assignment([0, 1]), RecordingHost(str(tmp_path), full_disk_for={1}), None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(rec.latest))
+    assert rec.started.wait(10) and not rec.started.ok and "No space left" in rec.started.detail
+    assert rec.rank_state(1) is RankState.FAILED
+    pids = [p.pid for p in rec.processes().values()]
+    assert rec.stop("no longer assigned").wait(10) and rec.stopped.is_set()
+    assert not any(running(p) for p in pids)
+
+
+def test_a_store_that_cannot_bind_fails_the_start_instead_of_the_thread(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    host = RecordingHost(str(tmp_path), advertise_host="203.0.113.7")  # not this host's: the bind fails
+    rec = TaskReconciler(assignment([0], store_node="n0"), host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    assert rec.started.wait(10) and not rec.started.ok
+    assert rec.stop("end").wait(10) and rec.stopped.is_set()
+
+
+def test_a_rank_that_dies_before_it_is_counted_healthy_stays_failed_and_unwatched(
+        tmp_path: Path, reconcilers: list[TaskReconciler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process exits between its launch and the reconciler taking its lock (here: the launch returns
+    only once the exit was handled). Before, the rank turned HEALTHY afterwards and got an iteration
+    monitor for the dead process, which later judged it hung."""
+    launch = sup.Supervisor.launch
+
+    def launch_then_die(self: sup.Supervisor, rank: int, *args: object, **kw: object) -> sup.RankProcess:
+        proc = launch(self, rank, *args, **kw)  # type: ignore[arg-type]
+        proc.exited.wait(10)
+        assert proc.waiter is not None
+        proc.waiter.join(10)
+        return proc
+
+    monkeypatch.setattr(sup.Supervisor, "launch", launch_then_die)
+    host = RecordingHost(str(tmp_path))
+    rec = TaskReconciler(assignment([0], argv=CRASH), host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(rec.latest))
+    assert rec.started.wait(10)
+    assert [r.kind for r in host.reports] == [ErrorKind.EXITED_ABNORMALLY]
+    assert rec.rank_state(0) is RankState.FAILED and rec.state() is TaskState.FAILED
+    assert host.launched == [] and rec.monitor(0, lambda: IterationMonitor(IterationSettings()))[0] is None
+
+
+class _Answers:
+    def __init__(self) -> None:
+        self.puts: list[tuple[str, str]] = []
+
+    def put(self, key: str, value: str, lease: object = None) -> int:
+        self.puts.append((key, value))
+        return 1
+
+
+def test_a_kill_injected_into_a_rank_that_already_exited_is_refused_not_left_unanswered(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Before, ``os.kill`` of the reaped pid raised ProcessLookupError past the handler: no answer (the
+    requester timed out), and a reused pid would have been killed."""
+    rec = TaskReconciler(assignment([0], argv=[sys.executable, "-c", "pass"]), RecordingHost(str(tmp_path)), None,
+                         stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(rec.latest))
+    assert rec.started.wait(10) and rec.supervisor.wait(0, 10) is not None
+    agent = Agent.__new__(Agent)  # only what the injection handler reads
+    answers = _Answers()
+    agent._tasks_lock, agent._tasks, agent.node, agent.store = threading.Lock(), {"t": rec}, "n0", answers  # type: ignore[assignment]
+    req = Injection(fault=Fault.KILL_RANK, task="t", rank=0)
+    agent._on_injection_event(WatchEvent("put", "inject/n0/1", req.to_json().encode(), 1))
+    (_, value), = answers.puts
+    answer = Injection.from_json(value.encode() if isinstance(value, str) else value)
+    assert answer.ok is False and "no running process" in str(answer.detail)
+    rec.stop("end").wait(10)
