@@ -427,9 +427,12 @@ class TaskReconciler:
                     log.error("reconcile step failed", task=self.task, error=str(exc))
                 else:
                     log.exception("reconcile step failed", task=self.task, error=str(exc))
-                if cmd.reason == "assigned":
-                    with self._lock:
+                with self._lock:
+                    if cmd.reason == "assigned":
                         self._launch_error = str(exc)
+                    else:  # the result names the update that failed: at the old epochs the coordinator
+                        # took it for an older one's, and a restart whose ranks were already stopped hung
+                        self.applied = cmd.assignment
                 cmd.outcome.set(False, f"{type(exc).__name__}: {exc}")
 
     def _stop(self, cmd: _Command) -> None:
@@ -793,13 +796,15 @@ class TaskReconciler:
         wait for its address (the old attempt's keys would hang the new ranks' rendezvous)."""
         with self._lock:
             old, self._sidecar = self._sidecar, None
-        if old is None:
+        if old is not None:
+            # Off the restart's path: the old attempt's store serves no rank any more, and its exit (up
+            # to the stop's grace) would delay the relaunch.
+            threading.Thread(target=old.stop, name=f"old-store-{a.task}", daemon=True).start()
+        # whose store it is, as at the start: not whether one runs here (a restart whose store failed
+        # to start left none, and the next one waited for its own address for ever)
+        if a.store_node != self.host.node:
             return self._await_store(a)
-        spare = self._take_spare()
-        # Off the restart's path: the old attempt's store serves no rank any more, and its exit (up to
-        # the stop's grace) would delay the relaunch.
-        threading.Thread(target=old.stop, name=f"old-store-{a.task}", daemon=True).start()
-        return self._host_store(a, spare)
+        return self._host_store(a, self._take_spare())
 
     def _start_spare(self, task: str) -> None:
         """Start the next attempt's store now; called on this reconciler's (long-lived) thread, which

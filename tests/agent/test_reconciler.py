@@ -3,7 +3,9 @@ thread (an OSError, a rank that dies before it was counted healthy) must never l
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -12,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from agent import reconciler
 from agent import supervisor as sup
 from agent.daemon import Agent
 from agent.iterations import IterationMonitor, IterationSettings
 from agent.progress import Progress
 from agent.reconciler import RankState, TaskReconciler, TaskState
+from agent.sidecar import StoreSidecar
 from unicron.kernel import protocol
+from unicron.kernel.errors import TemporaryError
 from unicron.kernel.etcd import WatchEvent
 from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.types import DetectionMethod, ErrorKind, RankSpec, Report, StoreAddress, TaskAssignment
@@ -81,10 +86,11 @@ class RecordingHost:
             self.launched.append(rank)
 
 
-def assignment(ranks: list[int], argv: list[str] = SLEEPER, store_node: str = "other") -> TaskAssignment:
+def assignment(ranks: list[int], argv: list[str] = SLEEPER, store_node: str = "other",
+               recovery: str = "inprocess") -> TaskAssignment:
     return TaskAssignment(task="t", generation=1, argv=argv, env={}, world_size=len(ranks),
                           ranks=[RankSpec(rank=r, local_rank=i, gpu=i) for i, r in enumerate(ranks)],
-                          store_node=store_node)
+                          store_node=store_node, recovery=recovery)
 
 
 def store_of(a: TaskAssignment) -> StoreAddress:
@@ -181,3 +187,40 @@ def test_a_kill_injected_into_a_rank_that_already_exited_is_refused_not_left_una
     answer = Injection.from_json(value.encode() if isinstance(value, str) else value)
     assert answer.ok is False and "no running process" in str(answer.detail)
     rec.stop("end").wait(10)
+
+
+class _StoresThatFail:
+    """Store sidecars that listen at once except for the starts named in ``failing`` (1 = the first)."""
+
+    def __init__(self, failing: set[int]) -> None:
+        self.failing, self.starts = failing, 0
+
+    def start(self, host: str, task: str, timeout_s: float = 60.0) -> StoreSidecar:
+        self.starts += 1
+        if self.starts in self.failing:
+            raise TemporaryError(f"task {task}: the store sidecar could not listen on {host}")
+        return StoreSidecar(subprocess.Popen(SLEEPER), "127.0.0.1", 40000 + self.starts)
+
+    def spawn(self, host: str) -> StoreSidecar:
+        raise OSError("no spare store in this test")
+
+
+def test_a_restart_whose_store_fails_reports_at_its_own_epoch_and_the_next_one_hosts_the_store(
+        tmp_path: Path, reconcilers: list[TaskReconciler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``restart`` task's first restart stops its ranks, and its fresh store fails to start. Before,
+    the failure was published at the old restart epoch (the coordinator took it for an older action's:
+    no ActionFailed, the stopped ranks never relaunched), and the next restart waited for its own
+    store's address for ever (hosting was judged by a sidecar running, which the failure had cleared)."""
+    stores = _StoresThatFail(failing={2})
+    monkeypatch.setattr(reconciler, "StoreSidecar", stores)
+    a = assignment([0], store_node="n0", recovery="restart")
+    rec = TaskReconciler(a, RecordingHost(str(tmp_path)), None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    assert rec.started.wait(10) and rec.started.ok, rec.started.detail
+    first = rec.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[0]))
+    assert first.wait(20) and not first.ok
+    assert rec.applied.restart_epoch == 1  # what results/<node> says
+    second = rec.apply(dataclasses.replace(a, restart_epoch=2, restart_ranks=[0]))
+    assert second.wait(20) and second.ok, second.detail
+    assert rec.store_address() is not None and rec.store_address().port == 40003  # type: ignore[union-attr]
+    assert rec.stop("end").wait(10)
