@@ -590,13 +590,12 @@ class TaskReconciler:
                 for r in restart:
                     self._ranks[r] = RankState.RESTARTING
             for r in restart:
-                if (st := self.supervisor.status().get(r)) is not None:
+                if r in self.supervisor.status():
                     self.supervisor.kill(r, signal.SIGKILL)
                     if self.supervisor.wait(r, timeout_s=RESTART_WAIT_S) is None:
                         errors.append(f"rank {r} did not exit within {RESTART_WAIT_S:.0f} s of SIGKILL")
                         continue
-                    if st.returncode is None:
-                        self._mark_killed(a, store, r)
+                    self._mark_killed(a, store, r)
                 if err := self._launch(a, specs[r], store, restart=True):
                     errors.append(err)
                 else:
@@ -651,10 +650,13 @@ class TaskReconciler:
         return store
 
     def _mark_killed(self, a: TaskAssignment, store: StoreAddress, rank: int) -> None:
-        """A rank killed here to restart it (a hang: it never exited on its own, so no exit marked it).
-        Its peers must know this incarnation is dead before its successor counts itself in: mark it
-        and wait. Unmarked, the new process beats the rank's heartbeat, and the survivors waited for
-        the dead one at their barrier until the regroup timeout (bench/resize_soak.py, SIGSTOP)."""
+        """A rank about to be relaunched: its peers must know this incarnation is dead before its
+        successor counts itself in, so mark it and wait. A rank killed here (a hang: it never exited on
+        its own, so no exit marked it) was not marked at all: the new process beat the rank's heartbeat,
+        and the survivors waited for the dead one at their barrier until the regroup timeout
+        (bench/resize_soak.py, SIGSTOP). One that crashed was marked at its exit without waiting; the
+        helper answers in order, so this wait also sees that mark written, which, landing after the
+        successor counted itself in, would have raised ``failed`` to the successor's incarnation."""
         if not self.host.mark_failed(store, rank, wait_s=MARK_WAIT_S):
             log.warning("rank relaunched before its death was marked", task=a.task, rank=rank, waited_s=MARK_WAIT_S)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +43,7 @@ class RecordingHost:
     reports: list[Report] = field(default_factory=list)
     launched: list[int] = field(default_factory=list)
     full_disk_for: set[int] = field(default_factory=set)
+    events: list[str] = field(default_factory=list)  # marks and launches, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
@@ -67,6 +69,8 @@ class RecordingHost:
         return r
 
     def mark_failed(self, store: StoreAddress, rank: int, wait_s: float = 0.0) -> bool:
+        with self.lock:
+            self.events.append(f"mark {rank}" + (" and wait" if wait_s > 0 else ""))
         return True
 
     def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
@@ -84,6 +88,7 @@ class RecordingHost:
     def rank_launched(self, task: str, rank: int, restart: bool) -> None:
         with self.lock:
             self.launched.append(rank)
+            self.events.append(f"launch {rank}")
 
 
 def assignment(ranks: list[int], argv: list[str] = SLEEPER, store_node: str = "other",
@@ -223,4 +228,22 @@ def test_a_restart_whose_store_fails_reports_at_its_own_epoch_and_the_next_one_h
     second = rec.apply(dataclasses.replace(a, restart_epoch=2, restart_ranks=[0]))
     assert second.wait(20) and second.ok, second.detail
     assert rec.store_address() is not None and rec.store_address().port == 40003  # type: ignore[union-attr]
+    assert rec.stop("end").wait(10)
+
+
+def test_a_crashed_rank_is_relaunched_only_once_its_death_is_marked(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Its exit queues a mark without waiting; had the marker been slow, the mark would have landed
+    after the successor counted itself in and raised ``failed`` to the successor's incarnation. The
+    restart now waits for a mark of its own, which the helper answers after the queued one."""
+    host = RecordingHost(str(tmp_path))
+    a = assignment([0])
+    rec = TaskReconciler(a, host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(a))
+    assert rec.started.wait(10) and rec.started.ok
+    os.kill(rec.processes()[0].pid, signal.SIGKILL)
+    assert rec.supervisor.wait(0, 10) is not None
+    assert rec.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[0])).wait(20)
+    assert host.events == ["launch 0", "mark 0", "mark 0 and wait", "launch 0"], host.events
     assert rec.stop("end").wait(10)
