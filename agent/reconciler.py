@@ -552,9 +552,9 @@ class TaskReconciler:
             # Under the lock, so that _on_exit runs wholly before or after: a process that already
             # exited was left in INIT/RESTARTING by it (reported, not counted) and must not turn healthy
             # (it did, and got an iteration monitor that judged the dead process hung).
-            st = self.supervisor.status().get(spec.rank)
-            exited = st is not None and st.returncode is not None
-            if exited and st is not None:
+            st = self.supervisor.status()[spec.rank]  # the process launched above
+            exited = st.returncode is not None
+            if exited:
                 self._ranks[spec.rank] = (RankState.SUCCEEDED if st.returncode == 0 else
                                           RankState.STOPPED if st.requested else RankState.FAILED)
             elif self._ranks.get(spec.rank) in (RankState.INIT, RankState.RESTARTING, RankState.FAILED):

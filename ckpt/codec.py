@@ -508,7 +508,7 @@ def decode(
     with torch.no_grad():
         if into is not None:
             filled = _Filled()
-            state = filled.fill(state, into, views)
+            state = filled.fill(state, into)
             # a view every holder of which got a template needs no copy of its own
             views = {k: v for k, v in views.items() if k not in filled.placed or k in filled.raw}
         if not private:
@@ -530,26 +530,24 @@ class _Filled:
         self.placed: dict[int, torch.Tensor] = {}  # id of a view -> the template it was copied into
         self.raw: set[int] = set()  # ids of views returned as they are (to be detached by the caller)
 
-    def fill(self, state: Any, template: Any, views: dict[int, torch.Tensor]) -> Any:
+    def fill(self, state: Any, template: Any) -> Any:
         if isinstance(state, torch.Tensor):
-            return self._tensor(state, template, views)
+            return self._tensor(state, template)
         if isinstance(state, dict) and isinstance(template, dict):
             for k in list(state):
                 if k in template:
-                    state[k] = self.fill(state[k], template[k], views)
+                    state[k] = self.fill(state[k], template[k])
             return state
         if isinstance(state, list) and isinstance(template, list | tuple) and len(state) == len(template):
             for i, v in enumerate(state):
-                state[i] = self.fill(v, template[i], views)
+                state[i] = self.fill(v, template[i])
             return state
         if type(state) is tuple and isinstance(template, list | tuple) and len(state) == len(template):
-            return tuple(self.fill(v, t, views) for v, t in zip(state, template, strict=True))
+            return tuple(self.fill(v, t) for v, t in zip(state, template, strict=True))
         return state
 
-    def _tensor(self, state: torch.Tensor, template: Any, views: dict[int, torch.Tensor]) -> torch.Tensor:
-        key = id(state)
-        if key not in views:
-            return state
+    def _tensor(self, state: torch.Tensor, template: Any) -> torch.Tensor:
+        key = id(state)  # every tensor of a decoded state is one of decode's views
         match = _is_template_match(template, state)
         first = self.placed.get(key)
         if match and template is not first:
