@@ -81,6 +81,27 @@ def test_replica_state_round_trips_through_a_torch_save_checkpoint(gpt: Any, tmp
         make_checkpointer("torch-save", "", "job", 0)
 
 
+def test_the_memory_checkpointer_reads_its_tunables_from_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/ckpt.md's UNICRON_CKPT_* variables reach the manager the runtime builds (they were ignored:
+    ``--ckpt memory`` always ran with the defaults, overlap off); the flags' own values still win."""
+    from ckpt.manager import CheckpointManager
+
+    monkeypatch.setenv("UNICRON_CKPT_SLOTS", "3")
+    monkeypatch.setenv("UNICRON_CKPT_OVERLAP", "1")
+    monkeypatch.setenv("UNICRON_CKPT_PERSIST_EVERY", "7")
+    ck = make_checkpointer("memory", str(tmp_path), "job", 0, persist_every=2)
+    assert isinstance(ck, CheckpointManager)
+    try:
+        assert (ck.config.slots, ck.config.overlap, ck.config.persist_every) == (3, True, 2)
+        assert ck.config.local_dir == str(tmp_path / "rank-0")
+    finally:
+        ck.close()
+    monkeypatch.setenv("UNICRON_CKPT_SLOTS", "three")
+    with pytest.raises(ConfigError, match="UNICRON_CKPT_SLOTS: bad value 'three'"):
+        make_checkpointer("memory", str(tmp_path), "job", 0)
+
+
 def test_data_depends_only_on_iteration_and_micro_batch(tmp_path: Path) -> None:
     gen = make_source(None, vocab=128, seq=16, micro_batch_size=2, seed=3)
     a, b = gen.batch(4, 1), gen.batch(4, 1)

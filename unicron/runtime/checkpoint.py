@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, Tier, TierAttempt
+from unicron.kernel.config import from_args
 from unicron.kernel.errors import ConfigError
 
 KINDS = ("none", "torch-save", "memory")
@@ -148,7 +149,9 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage
             remote = FilesystemStorage(root) if root else None
         except OSError as exc:
             raise ConfigError(f"--ckpt-storage {root!r}: {exc}") from exc
-        config = CheckpointConfig(job=name, rank=rank, local_dir=local,
-                                  persist_every=persist_every if remote is not None else 0)
+        # the flags' values win; every other tunable comes from its UNICRON_CKPT_* variable (docs/ckpt.md)
+        given: dict[str, str | int] = {"local_dir": local} if local else {}
+        config = from_args(CheckpointConfig, None, job=name, rank=rank,
+                           persist_every=persist_every if remote is not None else 0, **given)
         return CheckpointManager(config, peers=peers, storage=remote)
     raise ConfigError(f"--ckpt {kind!r}: choose one of {KINDS}")
