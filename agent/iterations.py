@@ -211,6 +211,8 @@ class IterationMonitor:
             counted = self._phase in _JUDGED and not self._tainted and not self._hang_reported
             if self._open is not None and self._open[0] == step:
                 self._open = None
+            if self._open is None:  # the hang reported is over: no repeat is due (its time had passed: a spin)
+                self._hang_reported = False
             if counted and duration_s >= 0:
                 self._record(step, max(0.0, duration_s - self._waited), ts)
             self._waited = 0.0

@@ -395,3 +395,49 @@ def test_a_hang_factor_above_the_tail_cap_is_accepted_and_rules() -> None:
     mon.iter_start(20, t)
     assert mon.deadline() == pytest.approx(t + 100.0)
     assert "100.0 x mean iteration time 1.000 s" in mon.check(t + 100.0)[0].message
+
+
+def test_a_reported_hang_that_ends_leaves_no_deadline_in_the_past() -> None:
+    """An iteration reported as a hang that then completes: with no iteration open, there is nothing
+    to judge; yet deadline() keeps returning the (past) repeat time, and check() never moves it."""
+    s = IterationSettings(warmup_iterations=0, min_samples=5, hang_repeat_s=60.0)
+    mon = IterationMonitor(s)
+    t = feed(mon, [1.0] * 10)
+    mon.iter_start(10, t)
+    assert [f.kind for f in mon.check(t + 3.0)] == [HANG]
+    mon.iter_end(10, 8.0, t + 8.0)  # the stall ended; the rank now sits between iterations
+    later = t + 200.0
+    assert mon.check(later) == []
+    deadline = mon.deadline()
+    assert deadline is None or deadline > later, f"deadline {deadline} is in the past at {later}"
+
+
+def test_the_watcher_does_not_spin_after_a_reported_hang_ended() -> None:
+    """The same through the watcher thread: it busy-loops (check + deadline at timeout 0) on the agent."""
+    s = IterationSettings(warmup_iterations=0, min_samples=5, hang_repeat_s=0.05)
+    checks = 0
+    found = threading.Event()
+
+    class Counting(IterationMonitor):
+        def check(self, now: float):  # type: ignore[no-untyped-def]
+            nonlocal checks
+            checks += 1
+            return super().check(now)
+
+    mon = Counting(s)
+    now = time.time()
+    feed(mon, [0.01] * 10, t0=now - 1.0)
+    watcher = HangWatcher(lambda key, f: found.set())
+    watcher.start()
+    try:
+        watcher.add("r", mon)
+        mon.iter_start(10, time.time())
+        assert found.wait(2.0)
+        mon.iter_end(10, 0.2, time.time())  # ended after all; no next iteration yet
+        time.sleep(0.1)  # past the repeat time
+        before = checks
+        time.sleep(0.3)
+        spins = checks - before
+    finally:
+        watcher.stop()
+    assert spins < 20, f"the hang watcher called check() {spins} times in 0.3 s with nothing to watch"
