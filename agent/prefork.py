@@ -442,7 +442,13 @@ def serve(socket_path: str, modules: Sequence[str]) -> int:
 
 
 def _accept(listener: socket.socket, ranks: dict[int, socket.socket], own_fds: list[int]) -> None:
-    conn, _ = listener.accept()
+    # an error here costs one request (the agent execs that rank), never the ranks already forked:
+    # leaving serve's loop would SIGKILL them all
+    try:
+        conn, _ = listener.accept()
+    except OSError as exc:  # EMFILE, ECONNABORTED
+        log.warning("cannot accept a spawn request", error=str(exc))
+        return
     conn.settimeout(5.0)
     try:
         request, fds = _receive(conn)
@@ -453,7 +459,15 @@ def _accept(listener: socket.socket, ranks: dict[int, socket.socket], own_fds: l
     keep_closed = [*own_fds, conn.fileno(), *(c.fileno() for c in ranks.values())]
     spawner = os.getpid()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_WHILE_FORKING)
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # EAGAIN (the pids cgroup, RLIMIT_NPROC), ENOMEM: the closed connection
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # tells the agent to exec this rank instead
+        log.warning("cannot fork a rank", error=str(exc))
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return
     if pid == 0:
         _child(request, fds, spawner, keep_closed, mask)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -182,3 +182,35 @@ def test_a_spawner_that_fails_its_imports_is_not_waited_for_and_its_restart_neve
         assert time.monotonic() - t0 < 0.5 and p.importing()
     finally:
         p.close()
+
+
+def test_one_failed_fork_does_not_kill_the_ranks_the_spawner_already_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fork() can fail transiently (EAGAIN: the pids cgroup or RLIMIT_NPROC, ENOMEM). The spawner lets
+    the OSError out of its serve loop, whose ``finally`` SIGKILLs every rank it forked before."""
+    mod = tmp_path / "failing_fork.py"
+    mod.write_text(
+        "import errno, os\n"
+        "_real, _n = os.fork, [0]\n"
+        "def _fork():\n"
+        "    _n[0] += 1\n"
+        "    if _n[0] == 2:\n"
+        "        raise BlockingIOError(errno.EAGAIN, 'Resource temporarily unavailable')\n"
+        "    return _real()\n"
+        "os.fork = _fork\n"
+    )
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = Prefork(["failing_fork"], str(tmp_path / "s")).start().wait_ready(30.0)
+    try:
+        with open(tmp_path / "out.log", "wb") as out:
+            healthy = p.spawn([sys.executable, "-c", "import time; time.sleep(30)"], None, None,
+                              out.fileno(), out.fileno())
+            with pytest.raises(PreforkUnavailable):  # this one is exec'd instead: fine
+                p.spawn([sys.executable, "-c", "pass"], None, None, out.fileno(), out.fileno())
+        assert healthy.poll() is None
+        time.sleep(0.5)
+        assert healthy.poll() is None, f"a healthy forked rank died with code {healthy.returncode}"
+        assert p.ready(), "the spawner died of one failed fork"
+    finally:
+        p.close()
