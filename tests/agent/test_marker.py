@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
+
+import pytest
 
 from agent.marker import FailureMarker
 from agent.sidecar import StoreSidecar
@@ -69,3 +75,46 @@ def test_a_mark_that_waits_returns_once_the_death_is_written() -> None:
     finally:
         marker.stop()
         sidecar.stop()
+
+
+_FAKE_HELPER = r"""
+import json, sys
+mode, log = sys.argv[1], sys.argv[2]
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    if mode == "crash":
+        sys.exit(1)  # dies (OOM killer, a crash) with the request read and never answered
+    with open(log, "a") as f:
+        f.write(line)
+    print(json.dumps({"ok": True, "rank": json.loads(line)["rank"], "failures": 1}), flush=True)
+"""
+
+
+def test_a_mark_the_dead_helper_never_answered_is_neither_reported_written_nor_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "helper.py"
+    script.write_text(_FAKE_HELPER)
+    log = tmp_path / "written.log"
+    modes = iter(["crash", "serve", "serve"])
+    real_popen = subprocess.Popen
+
+    def popen(args, **kw):  # type: ignore[no-untyped-def]
+        return real_popen([sys.executable, str(script), next(modes), str(log)], **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)  # the module the marker calls it through
+    marker = FailureMarker().start()
+    try:
+        first = marker._proc
+        result: list[bool] = []
+        waiter = threading.Thread(target=lambda: result.append(marker.mark("h", 1, 7, wait_s=5.0)))
+        waiter.start()
+        assert first is not None
+        first.wait(5.0)  # the helper died holding rank 7's request
+        assert marker.mark("h", 1, 8, wait_s=5.0)  # the next mark starts a new helper
+        waiter.join(6.0)
+        written = log.read_text() if log.exists() else ""
+        assert result == [False] or '"rank": 7' in written, \
+            f"mark(rank 7) returned {result} ('answered'), though no helper ever wrote it"
+        assert '"rank": 7' in written, f"rank 7's mark was dropped; the new helper got only {written!r}"
+    finally:
+        marker.stop()
