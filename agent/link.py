@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from unicron.kernel import link, tls, wire
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import InvalidRecord, StoreClosed, StoreUnavailable
+from unicron.kernel.errors import InvalidRecord, StoreClosed, StoreRejected, StoreUnavailable
 
 log = ulog.get(__name__)
 
@@ -77,7 +77,9 @@ class Coordinators:
         """The addresses to try, in order."""
         try:
             leader = self._read_leader()
-        except (StoreUnavailable, StoreClosed):
+        except (StoreUnavailable, StoreRejected, StoreClosed) as exc:  # etcd named no leader: try the known ones
+            if isinstance(exc, StoreRejected):  # not an outage (e.g. permission denied): worth a line
+                log.warning("etcd refused the leader key's read", error=str(exc))
             with self._lock:
                 last = self._last_leader
                 return ([last] if last else []) + sorted(set(self._announced.values()) - {last})
@@ -172,7 +174,11 @@ class LinkClient:
         backoff = 0.05
         conn: wire.LineSocket | None = None
         while not self._stop.is_set():
-            found = self._connect()
+            try:
+                found = self._connect()
+            except Exception:  # a bug of ours: logged with its traceback, and the node stays linkable
+                self.log.exception("cannot look for the coordinator")
+                found = None
             if found is None:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 1.0)

@@ -16,7 +16,7 @@ import pytest
 
 from agent.link import Coordinators, LinkClient
 from coordinator.link import LinkServer
-from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.errors import StoreRejected, StoreUnavailable
 from unicron.kernel.net import free_port
 
 TIMEOUT_S = 0.5
@@ -209,3 +209,24 @@ def test_a_new_leader_takes_the_link_from_one_that_stopped_without_dying(server:
     finally:
         c.stop(goodbye="done")
         successor.stop()
+
+
+def test_one_rejected_leader_read_does_not_end_the_link_for_good(server: LinkServer) -> None:
+    """etcd can answer a read with a non-outage error (StoreRejected: PERMISSION_DENIED, a
+    RESOURCE_EXHAUSTED other than "too many requests", ...). Coordinators.candidates lets it out and the
+    link thread dies: the node never links to any coordinator again (its fence then sees the link down
+    for the agent's whole life)."""
+    calls = [0]
+
+    def read_leader() -> str | None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise StoreRejected("etcd get leader failed: PERMISSION_DENIED: etcdserver: permission denied")
+        return server.address
+
+    c = LinkClient("node1", 0.05, Coordinators(read_leader).candidates, token="token-of-node1").start()
+    try:
+        assert c.connected.wait(3.0), \
+            f"never linked (leader read {calls[0]} time(s); link thread alive: {c._thread.is_alive()})"
+    finally:
+        c.stop()
