@@ -109,7 +109,7 @@ def test_gather_reduction_over_gloo_equals_the_single_rank_fold_bit_for_bit() ->
     def body(group: CommGroup, rank: int) -> torch.Tensor:
         acc = contributions(split[rank])
         prog = ReduceProgress(bucket_bounds(ref.numel(), 7), ref.dtype)
-        reduce_gather(group, acc, prog, lambda b: None)
+        reduce_gather(group, acc, prog, lambda b: None, (0, 0))
         assert prog.complete
         return prog.span(0, len(prog.bounds))
 

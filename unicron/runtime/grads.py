@@ -164,6 +164,7 @@ class SafeSum(Accumulator):
             self.done.append(mb)
 
     def reset(self) -> None:
+        self.flat.bind(self.flat.buf)
         self.sum.zero_()
         self.done = []
         self.loss_sum = 0.0
@@ -209,6 +210,7 @@ class Contributions(Accumulator):
         self.done.append(mb)
 
     def reset(self) -> None:
+        self.flat.bind(self.flat.buf)
         self.items = []
         self.done = []
 
@@ -246,6 +248,9 @@ class ReduceProgress:
         self.done = done
         #: deterministic mode: every rank's contribution table, gathered once per group
         self.table: list[list[tuple[int, int]]] | None = None
+        #: deterministic mode: (joiners waiting, stop requested) summed over the group, gathered with the
+        #: table (a rank with no contribution has no vector to carry them in)
+        self.flags = (0, 0)
         self._bufs: list[torch.Tensor | None] = [None, None]
         self._side = [-1] * len(bounds)  # per bucket: the buffer holding its part (-1: never reduced)
 
@@ -337,8 +342,11 @@ def reduce_sum(group: CommGroup, vector: torch.Tensor, prog: ReduceProgress, hoo
         prog.store(b, send)
 
 
-def _encode_table(items: Sequence[Contribution], slots: int, device: torch.device) -> torch.Tensor:
-    t = torch.full((slots, 2), -1, dtype=torch.int64)
+def _encode_table(items: Sequence[Contribution], slots: int, device: torch.device,
+                  flags: tuple[int, int]) -> torch.Tensor:
+    """One row per contribution (start, length; -1 pads), and a last row of the rank's flags."""
+    t = torch.full((slots + 1, 2), -1, dtype=torch.int64)
+    t[slots, 0], t[slots, 1] = flags
     for i, c in enumerate(items):
         t[i, 0], t[i, 1] = c.start, c.length
     return t.to(device)
@@ -349,16 +357,19 @@ def reduce_gather(
     acc: Contributions,
     prog: ReduceProgress,
     hook: BucketHook,
+    flags: tuple[int, int],
 ) -> None:
     """Deterministic reduction: all-gather the contributions bucket by bucket and fold them in the
-    canonical order. A completed bucket holds the final sum and is never recomputed."""
+    canonical order. A completed bucket holds the final sum and is never recomputed. ``flags`` (this
+    rank's join and stop) are summed into the tail of the last bucket, as the sum mode's all-reduce does."""
     layout = acc.layout
     size = group.size()
     if prog.table is None:
-        mine = _encode_table(acc.items, layout.micro_batches, prog.device)
+        mine = _encode_table(acc.items, layout.micro_batches, prog.device, flags)
         tables = [torch.empty_like(mine) for _ in range(size)]
         group.allgather([tables], [mine]).wait()
-        prog.table = [[(int(a), int(b)) for a, b in t.tolist() if a >= 0] for t in tables]
+        prog.flags = (sum(int(t[-1, 0]) for t in tables), sum(int(t[-1, 1]) for t in tables))
+        prog.table = [[(int(a), int(b)) for a, b in t[:-1].tolist() if a >= 0] for t in tables]
     blocks = canonical_order(prog.table, layout)
     slots = max(len(t) for t in prog.table)
     for b in range(prog.done, len(prog.bounds)):
@@ -371,6 +382,8 @@ def reduce_gather(
         out = [torch.empty_like(local) for _ in range(size)]
         group.allgather([out], [local]).wait()
         total = fold([[out[r][i] for r, i in blk] for blk in blocks])
+        if b == len(prog.bounds) - 1:
+            total[-TAIL + TAIL_JOIN], total[-TAIL + TAIL_STOP] = prog.flags
         prog.store(b, prog.stage(b, total))
 
 

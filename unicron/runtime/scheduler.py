@@ -675,11 +675,9 @@ class Trainer(Generic[BatchT]):
         hook = (lambda b: self.faults.at(self.it, f"bucket{b}")) if self.faults.armed else None
         n = self.flat.numel
         if isinstance(self.acc, Contributions):
-            acc = self.acc
-            for i, c in enumerate(acc.items):
-                c.vec[n + TAIL_JOIN] = join if i == 0 else 0.0
-                c.vec[n + TAIL_STOP] = stop if i == 0 else 0.0
-            self._collective("gather", lambda: reduce_gather(self.groups.dp, acc, self.prog, hook))
+            acc = self.acc  # the flags ride in the contribution table: a rank may hold no contribution
+            flags = (int(join), int(stop))
+            self._collective("gather", lambda: reduce_gather(self.groups.dp, acc, self.prog, hook, flags))
         else:
             vector = self.acc.vector  # type: ignore[attr-defined]
             vector[n + TAIL_LOSS : n + TAIL] = torch.tensor([self.acc.loss_sum, join, stop], dtype=vector.dtype)
@@ -737,6 +735,7 @@ class Trainer(Generic[BatchT]):
             self.flat.bind(grads)  # the optimizer reads the reduced buffer in place
         else:
             self.prog.copy_grads_into(self.flat.buf)  # parts spread over both buffers after a recovery
+            self.flat.bind(self.flat.buf)
         if self.checkpointer is not None:
             # a snapshot's copies still running (a GPU side stream, a CPU overlap thread) end before the
             # step changes the tensors: without it they were judged only by version counters afterwards
