@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.runtime.conftest import Runner, train_args, wait_for
 from unicron.cluster.launch import LocalJob
 from unicron.runtime.checkpoint import TorchSaveCheckpointer
-from unicron.runtime.compare import max_rel_diff
+from unicron.runtime.compare import bitwise_equal, max_rel_diff
 
 
 def ckpt_args(directory: Path, every: int = 1) -> list[str]:
@@ -57,3 +57,18 @@ def test_resume_with_fewer_ranks_restores_the_newest_iteration(runner: Runner, t
     assert [e["dp"] for e in second.events(0, "iteration")] == [2, 2]
     diff = max_rel_diff(second.params(1), runner.reference(train_args(5, "float64", False)))
     assert diff <= 1e-12, f"max rel diff {diff:.3e} against the uninterrupted run"
+
+
+def test_replicas_restored_from_a_checkpoint_keep_one_learning_rate(runner: Runner, tmp_path: Path) -> None:
+    """A relaunch with a new --lr (unicron update of the command) restores the snapshot: the group's
+    root loads it with Optimizer.load_state_dict, which also takes the snapshot's param_groups (old lr),
+    while the other rank gets the tensors by broadcast and keeps the flag's lr. The two data-parallel
+    replicas then step differently and diverge (no error)."""
+    ckpt = ["--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1", "--resume"]
+    first = runner.run(2, train_args(2, "float64", False, *ckpt))
+    assert first.codes == {0: 0, 1: 0}, first.job.logs()
+    second = runner.run(2, train_args(4, "float64", False, *ckpt, "--lr", "3e-3"))
+    assert second.codes == {0: 0, 1: 0}, second.job.logs()
+    assert [e["it"] for e in second.events(1, "restored")] == [2]
+    diff = max_rel_diff(second.params(1), second.params(0))
+    assert bitwise_equal(second.params(1), second.params(0)), f"replicas diverged after the relaunch: {diff:.3e}"

@@ -106,7 +106,12 @@ class ReplicaState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"], strict=False)
+        # the optimizer's settings (lr, betas, ...) stay this launch's flags: only a group's root loads a
+        # snapshot, the others receive its tensors, and replicas that stepped with two lr's diverged
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, kept in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(kept)
         self.iteration = int(state["iteration"])
 
 
