@@ -45,7 +45,7 @@ class _Chunk:
         return len(self.puts) + len(self.deletes)
 
     def to_json(self) -> str:
-        return json.dumps({"puts": self.puts, "deletes": self.deletes})
+        return json.dumps({"puts": self.puts, "deletes": self.deletes}, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, raw: bytes) -> _Chunk:
@@ -57,11 +57,21 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _staged_bytes(text: str) -> int:
+    """What ``text`` adds to a staged chunk, in bytes: etcd's limits count UTF-8 bytes, and JSON
+    escapes every quote of a record (counting characters let non-ASCII chunks grow past the limit)."""
+    return len(json.dumps(text, ensure_ascii=False).encode())
+
+
+def _bytes(value: str | bytes) -> int:
+    return len(value.encode()) if isinstance(value, str) else len(value)
+
+
 def chunks(puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> list[_Chunk]:
     """The operations split into chunks of at most ``CHUNK_OPS`` operations and ``CHUNK_BYTES``."""
     out = [_Chunk()]
     for key, value in [*((k, _text(v)) for k, v in puts.items()), *((k, None) for k in deletes)]:
-        size = len(key) + (len(value) if value is not None else 0)
+        size = _staged_bytes(key) + (_staged_bytes(value) if value is not None else 0)
         if out[-1].ops >= CHUNK_OPS or (out[-1].ops and out[-1].size + size > CHUNK_BYTES):
             out.append(_Chunk())
         if value is None:
@@ -90,6 +100,8 @@ class Leadership:
         self._regaining = False
         self._closed = threading.Event()
         self._txn_seq: Iterator[int] = itertools.count()
+        #: wide writes reported failed whose rollback has not landed yet: (txn id, staged chunk keys)
+        self._unresolved: list[tuple[str, list[str]]] = []
 
     def campaign(self, stop: threading.Event, poll_s: float | None = None) -> bool:
         """Block until this coordinator leads (True) or ``stop`` is set (False)."""
@@ -104,12 +116,16 @@ class Leadership:
 
     def _try_once(self) -> bool:
         lease = self.store.lease(self.ttl_s, on_lost=self._lost)
-        if self.store.put_if_absent(self.keys.leader(), self.address, lease=lease):
-            kv = self.store.get(self.keys.leader())
-            if kv is not None and kv.lease == lease.lease_id:
-                self.lease, self.token = lease, kv.create_revision
-                log.info("elected leader", address=self.address, token=self.token)
-                return True
+        try:
+            if self.store.put_if_absent(self.keys.leader(), self.address, lease=lease):
+                kv = self.store.get(self.keys.leader())
+                if kv is not None and kv.lease == lease.lease_id:
+                    self.lease, self.token = lease, kv.create_revision
+                    log.info("elected leader", address=self.address, token=self.token)
+                    return True
+        except BaseException:  # the key may have been created: a lease kept alive by nobody held it for ever
+            lease.revoke()
+            raise
         lease.revoke()
         return False
 
@@ -168,7 +184,9 @@ class Leadership:
         campaign again.
         """
         token = self._token()
-        size = sum(len(k) + len(v) for k, v in puts.items()) + sum(len(k) for k in deletes)
+        if self._unresolved:
+            self._resolve()  # a rolled-back wide write first: its commit may have landed
+        size = sum(_bytes(k) + _bytes(v) for k, v in puts.items()) + sum(_bytes(k) for k in deletes)
         if len(puts) + len(deletes) > MAX_TXN_OPS or size > MAX_TXN_BYTES:
             self._wide(token, puts, deletes)
             return
@@ -219,7 +237,7 @@ class Leadership:
                 commit = {self.keys.txn(txn_id): str(len(parts))} if i == len(parts) - 1 else {}
                 self._guarded(token, {staged[i]: part.to_json(), **commit}, ())
         except StoreUnavailable:
-            self._discard(staged)
+            self._discard(txn_id, staged)
             raise
         for i, part in enumerate(parts):
             last = [self.keys.txn(txn_id)] if i == len(parts) - 1 else []
@@ -236,12 +254,24 @@ class Leadership:
                 log.warning("committed wide write waits for etcd", error=str(exc))
                 self._closed.wait(APPLY_RETRY_S)
 
-    def _discard(self, staged: Sequence[str]) -> None:
-        """Best effort: the staged chunks of a write that did not commit (recover() removes leftovers)."""
+    def _discard(self, txn_id: str, staged: Sequence[str]) -> None:
+        """Roll back a wide write whose staging failed, as its caller was told. Its commit record may
+        have landed with only the answer lost, so it is deleted first; until that succeeds no other
+        write is made (:meth:`write` retries it first), or a later recover() would apply this write
+        over newer ones."""
+        self._unresolved.append((txn_id, list(staged)))
         try:
-            self._guarded(self._token(), {}, list(staged))
+            self._resolve()
         except StoreUnavailable as exc:
-            log.warning("staged chunks left for the next recovery", error=str(exc))
+            log.warning("a failed wide write is rolled back before the next write", txn=txn_id, error=str(exc))
+
+    def _resolve(self) -> None:
+        while self._unresolved:
+            txn_id, staged = self._unresolved[0]
+            self._guarded(self._token(), {}, [self.keys.txn(txn_id)])
+            for i in range(0, len(staged), CHUNK_OPS):
+                self._guarded(self._token(), {}, staged[i:i + CHUNK_OPS])
+            self._unresolved.pop(0)
 
     def recover(self) -> int:
         """Finish what a previous leader's wide write left: apply a committed one's remaining chunks,

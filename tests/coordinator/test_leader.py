@@ -10,8 +10,8 @@ import pytest
 
 from coordinator.leader import Leadership
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.kernel.errors import NotLeader
-from unicron.kernel.etcd import Store
+from unicron.kernel.errors import NotLeader, StoreUnavailable
+from unicron.kernel.etcd import KeyValue, Store
 from unicron.kernel.keyspace import Keyspace
 
 
@@ -98,3 +98,38 @@ def test_leader_steps_down_only_when_another_holds_the_key(store: Store) -> None
         a.write(puts={"/taken/x": "from a"})
     assert deposed.is_set()
     b.resign()
+
+
+class _GetFailsOnce(Store):
+    """A real store whose next ``get`` of ``key`` raises as if etcd blipped (the put before it landed)."""
+
+    def __init__(self, endpoint: str, key: str) -> None:
+        super().__init__(endpoint)
+        self.key = key
+        self.armed = True
+
+    def get(self, key: str) -> KeyValue | None:
+        if self.armed and key == self.key:
+            self.armed = False
+            raise StoreUnavailable("etcd unavailable (injected: the read after the create)")
+        return super().get(key)
+
+
+def test_a_campaign_whose_read_back_fails_does_not_lock_out_every_leader(etcd_server: EtcdServer) -> None:
+    """_try_once creates the leader key under a fresh lease, then reads it back. If that read fails
+    (etcd blip), the lease is neither revoked nor stopped: its keepalive thread renews it forever, so
+    the leader key it holds never expires. This coordinator (and every standby) then campaigns forever
+    against a key held by a lease nobody owns."""
+    keys = Keyspace("/leak")
+    store = _GetFailsOnce(etcd_server.endpoint, keys.leader())
+    lead = Leadership(store, keys, "a", ttl_s=1, on_deposed=lambda: None, poll_s=0.05)
+    stop = threading.Event()
+    timer = threading.Timer(4.0, stop.set)  # four TTLs: a lease that was let go has long expired
+    timer.start()
+    try:
+        won = lead.campaign(stop)
+        assert won, "campaign never won: the leader key is held by a leaked, still renewed lease"
+    finally:
+        timer.cancel()
+        lead.resign()
+        store.close()

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 
 from coordinator.leader import Leadership, chunks
-from unicron.kernel.errors import NotLeader, StoreRejected
+from unicron.kernel.errors import NotLeader, StoreRejected, StoreUnavailable
 from unicron.kernel.etcd import MAX_TXN_OPS, Store
 from unicron.kernel.keyspace import Keyspace
 
@@ -125,3 +125,69 @@ def test_the_next_leader_discards_an_uncommitted_wide_write(store: Store) -> Non
     assert _values(store, keys.assignments()) == {}
     assert _values(store, keys.txns()) == {}
     b.resign()
+
+
+def _wide_records(keys: Keyspace, tag: str, n: int = 300) -> dict[str, str]:
+    return {keys.assignment(f"n{i:04d}"): f'{{"node": "n{i:04d}", "by": "{tag}", "pad": "{"x" * 900}"}}'
+            for i in range(n)}
+
+
+class _CommitAnsweredLate(Leadership):
+    """etcd applies the staging transaction that carries the commit record, but its answer is lost
+    (a deadline exceeded after the server applied it); the discard that follows fails too (etcd is
+    still flapping)."""
+
+    stage = 0  # 0: armed; 1: commit landed, next call fails; 2: done
+
+    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
+        if self.stage == 0 and any(k == self.keys.txn(k.rsplit("/", 1)[-1]) for k in puts):
+            super()._guarded(token, puts, deletes)  # landed ...
+            self.stage = 1
+            raise StoreUnavailable("deadline exceeded (injected: the commit landed, its answer did not)")
+        if self.stage == 1:
+            self.stage = 2
+            raise StoreUnavailable("etcd unavailable (injected: the discard)")
+        super()._guarded(token, puts, deletes)
+
+
+def test_a_wide_write_reported_failed_is_not_replayed_over_newer_writes(store: Store) -> None:
+    """_wide treats a StoreUnavailable from the commit-carrying staging transaction as 'not committed'
+    and raises StoreUnavailable (the daemon keeps its old memory and retries the input). If the commit
+    did land and the best-effort discard fails, the committed chunks stay in txn/. The retried decision
+    writes newer values; the next recover() (a re-election, or the next leader) then applies the stale
+    committed chunks over them."""
+    keys = Keyspace("/late")
+    lead = _CommitAnsweredLate(store, keys, "a", ttl_s=3, on_deposed=lambda: None)
+    assert lead.campaign(threading.Event())
+    old = _wide_records(keys, "first try")
+    with pytest.raises(StoreUnavailable):
+        lead.write(puts=old)  # reported as not landed: the daemon retries the input ...
+    new = _wide_records(keys, "retry")
+    lead.write(puts=new)  # ... and its decision lands
+    lead.recover()  # what _load_state does on Reelected, and every new leader before reading state
+    kvs, _ = store.get_prefix(keys.assignments())
+    got = {kv.key: kv.value.decode() for kv in kvs}
+    stale = sorted(k for k, v in got.items() if v != new[k])
+    assert stale == [], f"{len(stale)} of {len(new)} records reverted to the failed write's values"
+    lead.resign()
+
+
+def test_a_wide_write_of_non_ascii_records_fits_etcds_request_limit(store: Store) -> None:
+    """chunks() sizes a chunk by len() of its str values (characters), at most CHUNK_BYTES = 512 K, and
+    stages it as json.dumps(...) with ensure_ascii: every non-ASCII character becomes a 6-byte \\uXXXX
+    escape. A chunk of records carrying non-ASCII text (a task's env or argv, copied into every node's
+    assignment) is staged as ~3 MB, over etcd's 1.5 MiB request limit: the decision is refused every
+    time it is retried."""
+    keys = Keyspace("/utf")
+    lead = Leadership(store, keys, "a", ttl_s=3, on_deposed=lambda: None)
+    assert lead.campaign(threading.Event())
+    text = "训练任务说明" * 850  # 5,100 characters, 15 kB of UTF-8
+    puts = {keys.assignment(f"n{i:04d}"): f'{{"node": "n{i:04d}", "env": {{"RUN_NOTE": "{text}"}}}}'
+            for i in range(300)}
+    try:
+        lead.write(puts=puts)
+        for key in sorted(puts)[::37]:  # a sample (all 300 together exceed gRPC's 4 MiB answer limit)
+            kv = store.get(key)
+            assert kv is not None and kv.value.decode() == puts[key]
+    finally:
+        lead.resign()
