@@ -39,7 +39,7 @@ from coordinator.link import LinkServer
 from coordinator.lookup import PlanLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings, advertise_host
-from coordinator.statestore import read_state, state_writes
+from coordinator.statestore import read_state, state_writes, stored_entries
 from coordinator.statuses import StatusReader
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
@@ -193,6 +193,8 @@ class Coordinator:
         self.state = self.core.initial_state()
         #: the state as etcd holds it (coordinator.statestore): a decision writes what differs from it
         self._written_state: d.CoreState | None = None
+        #: the state entry keys etcd held at the load, while ``_written_state`` is unknown
+        self._stored_entries: list[str] = []
         self.executor = Executor(self.keys, self._spec, self._node_gpus,
                                  max_restarts=self.core.settings.max_restarts_without_progress,
                                  spare_stores=settings.spare_stores and settings.in_place_resize)
@@ -242,9 +244,11 @@ class Coordinator:
             self._withdraw()
             return 0
         self._leading = True
-        self._load_state()
+        if not (self._until_done("load state", self._load_state)
+                and self._until_done("start watches", self._start_watches)):
+            self._shutdown()
+            return EXIT_DEPOSED if self.deposed else 0
         self.lookup.start()
-        self._start_watches()
         threading.Thread(target=self._ticker, name="ticker", daemon=True).start()
         if self.settings.etcd_history_s > 0:
             compactor = compaction.Compactor(self.store, self.settings.etcd_history_s)
@@ -320,13 +324,26 @@ class Coordinator:
         if lease is not None:
             lease.revoke()  # deletes the entry with it
 
+    def _until_done(self, what: str, step: Callable[[], None]) -> bool:
+        """A new leader's start-up step, retried while etcd is unavailable: an outage just after the
+        election killed the leader while its lease still held the key. False: stopped meanwhile."""
+        while not self.stop_event.is_set():
+            try:
+                step()
+                return True
+            except StoreUnavailable as exc:
+                log.warning("etcd unavailable while taking the lead; will retry", step=what, error=str(exc))
+                self.metrics.etcd.retry(what)
+                self.stop_event.wait(0.5)
+        return False
+
     def _start_watches(self) -> None:
         assert self.store is not None
         kinds: tuple[tuple[str, Callable[[WatchEvent, float], WatchInput]], ...] = (
             (self.keys.nodes(), NodeChanged), (self.keys.reports(), ReportSeen),
             (self.keys.statuses(), StatusChanged), (self.keys.results(), ResultSeen),
         )
-        for prefix, make in kinds:
+        for prefix, make in kinds[len(self._watches):]:  # a retry after an outage starts the rest
             kvs, rev = self.store.get_prefix(prefix)
             self._resync(make, kvs)
             self._watches.append(
@@ -608,6 +625,7 @@ class Coordinator:
                 self._written_state = stored if split else None
         except InvalidRecord as exc:
             log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
+        self._stored_entries = stored_entries(self.store, self.keys) if self._written_state is None else []
         kvs, _ = self.store.get_prefix(self.keys.assignments())
         self.executor.desired.clear()
         self.executor.load({kv.key: kv.value for kv in kvs})
@@ -664,19 +682,20 @@ class Coordinator:
             # only records still kept (not expired, not deleted by this very write)
             if (key in self._incident_set or key in writes) and key not in deletes:
                 writes[key] = inc.to_json()
-        quiet = not edges and not actions and not writes and not deletes and isinstance(event, d.Tick | d.ProgressMade)
+        quiet = (not edges and not actions and not changed and not writes and not deletes
+                 and isinstance(event, d.Tick | d.ProgressMade))
         if not quiet:
             # Clock ticks and plain progress that decided nothing are not worth a write per event:
             # a successor re-observes the clock and the last step.
             writes.update(draft.record(node) for node in sorted(changed))
-            state_puts, state_deletes = state_writes(self.keys, self._written_state, state)
+            state_puts, state_deletes = state_writes(self.keys, self._written_state, state, self._stored_entries)
             writes.update(state_puts)
             deletes = [*deletes, *state_deletes]
             assert self.leadership is not None
             started = time.monotonic()
             self.leadership.write(puts=writes, deletes=deletes)
             self._written(event, len(writes) + len(deletes), time.monotonic() - started)
-            self._written_state = state
+            self._written_state, self._stored_entries = state, []
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
         self.state, self.executor, self.costs = state, draft, costs
         for edge in edges:

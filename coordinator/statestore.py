@@ -12,6 +12,7 @@ first write after loading it writes every entry.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from coordinator import decision as d
@@ -26,8 +27,12 @@ def _changed(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
     return sorted(k for k, e in new.items() if (o := old.get(k)) is not e and o != e)
 
 
-def state_writes(keys: Keyspace, written: d.CoreState | None, new: d.CoreState) -> tuple[dict[str, str], list[str]]:
-    """The puts and deletes that turn the stored state ``written`` (None: unknown, write all) into ``new``."""
+def state_writes(keys: Keyspace, written: d.CoreState | None, new: d.CoreState,
+                 stored: Collection[str] = ()) -> tuple[dict[str, str], list[str]]:
+    """The puts and deletes that turn the stored state ``written`` into ``new``. ``written`` None: what
+    etcd holds is unknown (a new leader, or a state it could not read): every entry is written, and
+    the entry keys ``stored`` there that ``new`` lacks are deleted (an unreadable one left behind made
+    every later leader start afresh again)."""
     nodes = _changed(written.nodes if written else None, new.nodes)
     tasks = _changed(written.tasks if written else None, new.tasks)
     # the existing codec, on a state holding only the changed entries
@@ -42,7 +47,15 @@ def state_writes(keys: Keyspace, written: d.CoreState | None, new: d.CoreState) 
     if written is not None:
         deletes += [keys.state_node(n) for n in sorted(set(written.nodes) - set(new.nodes))]
         deletes += [keys.state_task(t) for t in sorted(set(written.tasks) - set(new.tasks))]
+    else:
+        kept = {keys.state_node(n) for n in new.nodes} | {keys.state_task(t) for t in new.tasks}
+        deletes += sorted(set(stored) - kept)
     return puts, deletes
+
+
+def stored_entries(store: Store, keys: Keyspace) -> list[str]:
+    """The keys of every state entry etcd holds, readable or not."""
+    return [kv.key for prefix in (keys.state_nodes(), keys.state_tasks()) for kv in store.get_prefix(prefix)[0]]
 
 
 def read_state(store: Store, keys: Keyspace) -> tuple[d.CoreState | None, bool]:
