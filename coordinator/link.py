@@ -186,9 +186,8 @@ class LinkServer:
 
     def _hello(self, conn: wire.LineSocket, peer_addr: str, cert: tls.Peer | None = None) -> link.LinkHello | None:
         """The connection's verified hello, or None (logged) when it must be closed."""
-        conn.sock.settimeout(HELLO_TIMEOUT_S)
         try:
-            line = conn.recv_line()
+            line = conn.recv_line(deadline=time.monotonic() + HELLO_TIMEOUT_S)
             hello = link.parse(wire.decode(line)) if line is not None else None
         except (OSError, InvalidRecord) as exc:
             log.warning("link hello unreadable; closing", peer=peer_addr, error=str(exc))

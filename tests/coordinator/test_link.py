@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from coordinator import link as clink
 from coordinator.link import LinkServer
 from unicron.kernel import link, wire
 
@@ -312,3 +313,42 @@ def test_a_stopped_server_leaves_no_thread_in_accept(events: Events) -> None:
     time.sleep(0.1)  # its accept thread is in accept() by now
     s.stop()
     assert not s._acceptor.is_alive()
+
+
+def test_a_hello_trickled_a_byte_at_a_time_is_still_dropped_after_the_hello_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELLO_TIMEOUT_S is meant to bound how long a connection may take to say hello ("a connection
+    that says nothing this long after connecting is dropped"), but it is a per-recv() socket timeout:
+    a client that sends one byte just under it keeps the connection and its thread forever (up to
+    MAX_LINE bytes, ~1M x the timeout). Any number of unauthenticated clients can each hold a thread."""
+
+    monkeypatch.setattr(clink, "HELLO_TIMEOUT_S", 0.5)
+    server = LinkServer("127.0.0.1", 0, 1.0, on_lost=lambda *a: None, verify=lambda n, t: True).start()
+    host, _, port = server.address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=3.0)
+    try:
+        sock.setblocking(False)
+        start = time.monotonic()
+        closed_at = None
+        payload = b'{"type": "hello", "node": "n1", "token": "' + b"x" * 1000
+        i = 0
+        while time.monotonic() - start < 3.0:  # six hello timeouts
+            try:
+                if sock.recv(1) == b"":
+                    closed_at = time.monotonic() - start
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_at = time.monotonic() - start
+                break
+            try:
+                sock.send(payload[i:i + 1])
+            except OSError:
+                closed_at = time.monotonic() - start
+                break
+            i += 1
+            time.sleep(0.2)
+        assert closed_at is not None, "a hello trickled for 3 s (6 hello timeouts) was never dropped"
+    finally:
+        sock.close()
+        server.stop()

@@ -11,6 +11,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from typing import Any
 
 from unicron.kernel.errors import InvalidRecord
@@ -60,8 +61,10 @@ class LineSocket:
             self._send_lock.release()
         return True
 
-    def recv_line(self) -> bytes | None:
-        """Next line without its newline, or None at EOF. Raises InvalidRecord for an over-long line."""
+    def recv_line(self, deadline: float | None = None) -> bytes | None:
+        """Next line without its newline, or None at EOF. Raises InvalidRecord for an over-long line,
+        and TimeoutError once ``deadline`` (``time.monotonic()``) passes: a socket timeout bounds each
+        read only, and a peer sending a byte at a time held the line open for ever."""
         while True:
             nl = self._buf.find(b"\n")
             if nl >= 0:
@@ -71,6 +74,11 @@ class LineSocket:
             if len(self._buf) > MAX_LINE:
                 self._buf.clear()
                 raise InvalidRecord(f"line longer than {MAX_LINE} bytes")
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no complete line before the deadline")
+                self.sock.settimeout(left)
             chunk = self.sock.recv(65536)
             if not chunk:
                 return None
