@@ -627,7 +627,6 @@ class Coordinator:
             log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
         self._stored_entries = stored_entries(self.store, self.keys) if self._written_state is None else []
         kvs, _ = self.store.get_prefix(self.keys.assignments())
-        self.executor.desired.clear()
         self.executor.load({kv.key: kv.value for kv in kvs})
         kvs, _ = self.store.get_prefix(self.keys.incidents())
         kvs.sort(key=lambda kv: kv.create_revision)

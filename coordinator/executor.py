@@ -47,7 +47,10 @@ class Executor:
         return out
 
     def load(self, records: Mapping[str, bytes]) -> None:
-        """Adopt the assignments a previous leader wrote (key -> value)."""
+        """Adopt the assignments a previous leader wrote (key -> value), in place of what this executor
+        held (a leader re-elected after another led must not keep an isolation since lifted)."""
+        self.desired.clear()
+        self.isolated.clear()
         for value in records.values():
             try:
                 na = NodeAssignment.from_json(value)

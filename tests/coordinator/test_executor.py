@@ -140,6 +140,11 @@ def test_an_isolated_nodes_record_says_so_until_it_is_placed_on_again() -> None:
     assert successor.isolated == {"n1"}
     successor.apply(assign("t", {"n0": (0,), "n1": (1,)}, generation=2))  # returned to service
     assert not NodeAssignment.from_json(successor.record("n1")[1]).isolated
+    # a leader re-elected after another led meanwhile and returned n1 to service reads the records anew
+    records = {"n0": successor.record("n0")[1].encode(), "n1": successor.record("n1")[1].encode()}
+    successor.isolated.add("n1")  # what it believed when it lost the lead
+    successor.load(records)
+    assert successor.isolated == set(), "a reload kept an isolation the records no longer say"
 
 
 def spare_store_nodes(ex: Executor) -> set[str]:
