@@ -20,7 +20,7 @@ def test_fewer_replicas_than_blocks_split_the_last_blocks_round_robin() -> None:
     assert initial_plan(layout, [0, 1]) == {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]}
 
 
-def test_orphans_go_round_robin_so_each_survivor_gets_k_over_dp_minus_one() -> None:
+def test_orphans_spread_so_each_survivor_gets_k_over_dp_minus_one() -> None:
     """B = 12, DP = 4, k = 3: losing one replica gives every survivor k' = k + k/(DP-1) = 4."""
     layout = BatchLayout(micro_batches=12, blocks=4)
     plan = initial_plan(layout, [0, 1, 2, 3])
@@ -37,6 +37,15 @@ def test_only_needed_micro_batches_are_reassigned_least_loaded_first() -> None:
     # Survivors 0 and 1 finished; 2 still owes micro-batch 5; 3 died holding 6 and 7.
     after = redistribute(plan, [0, 1, 2], [5, 6, 7])
     assert after == {0: [6], 1: [7], 2: [5]}
+
+
+def test_orphans_even_out_survivors_that_kept_unequal_loads() -> None:
+    """Two replicas of four lost, survivor 0 done with its own and survivor 1 not: each orphan goes to
+    whoever holds fewest at that moment, 3 and 3 (a fixed round-robin order gave 2 and 4)."""
+    plan = initial_plan(BatchLayout(micro_batches=8, blocks=4), [0, 1, 2, 3])
+    after = redistribute(plan, [0, 1], [2, 3, 4, 5, 6, 7])
+    assert {r: len(m) for r, m in after.items()} == {0: 3, 1: 3}
+    assert sorted(mb for mbs in after.values() for mb in mbs) == [2, 3, 4, 5, 6, 7]
 
 
 def test_layout_and_topology_reject_bad_shapes_naming_the_flag() -> None:

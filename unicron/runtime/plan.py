@@ -115,7 +115,7 @@ def initial_plan(layout: BatchLayout, replicas: Sequence[int]) -> Plan:
 
 def redistribute(plan: Plan, alive: Sequence[int], needed: Iterable[int]) -> Plan:
     """Keep ``needed`` micro-batches with their owner where it is alive; hand the orphans of dead
-    replicas out round-robin, least-loaded replica first (paper §6: k' = k + k/(DP-1))."""
+    replicas out one at a time, each to the least-loaded replica (paper §6: k' = k + k/(DP-1))."""
     if not alive:
         raise ConfigError("no live replica to redistribute micro-batches to")
     owner = {mb: r for r, mbs in plan.items() for mb in mbs}
@@ -127,9 +127,8 @@ def redistribute(plan: Plan, alive: Sequence[int], needed: Iterable[int]) -> Pla
             out[r].append(mb)
         else:
             orphans.append(mb)
-    order = sorted(out, key=lambda r: (len(out[r]), r))
-    for i, mb in enumerate(orphans):
-        out[order[i % len(order)]].append(mb)
+    for mb in orphans:  # each to the replica holding fewest now (a fixed round-robin order gave 4 vs 2)
+        out[min(out, key=lambda r: (len(out[r]), r))].append(mb)
     for mbs in out.values():
         mbs.sort()
     return out
