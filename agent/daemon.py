@@ -454,10 +454,13 @@ class Agent:
             return
         if phase is not None:
             # Megatron prints its checkpoint lines on rank 0 and progress on the last rank: the phase
-            # holds for every rank of the task on this node.
+            # holds for every rank of the task on this node, and its status shows it to the coordinator,
+            # which excuses the hang of a last rank on another node that waits for the save
+            # (coordinator.causes.held_by_phase)
             for spec in rec.latest.ranks:
                 if (mon := self._monitor(rec, spec.rank)) is not None:
                     mon.phase(phase, ts)
+                rec.record_phase(spec.rank, phase)
             return
         mon = self._monitor(rec, rank)
         if progress is None or mon is None:

@@ -7,7 +7,8 @@ state. Each rule here is one arrow of the contract in ``docs/decision.md``:
 * a report                               -> an incident (:func:`incident`, severity by paper Table 1,
                                             :mod:`unicron.kernel.severity`) -> ``IncidentRaised``;
                                             a hang that echoes an in-place recovery, handled
-                                            (:func:`regroup_echo`);
+                                            (:func:`regroup_echo`); a log-read rank's hang while
+                                            another node's rank saves, handled (:func:`held_by_phase`);
                                             a hang, the rank the others wait for where the
                                             statuses show one (:func:`hang_culprit`)
 * ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
@@ -23,7 +24,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from coordinator import decision as d
-from unicron.kernel.protocol import PHASE_COLLECTIVE, PHASE_REGROUP, PHASES
+from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_COLLECTIVE, PHASE_EVAL, PHASE_REGROUP, PHASES
 from unicron.kernel.severity import severity_of
 from unicron.kernel.types import (
     AssignmentResult,
@@ -103,6 +104,33 @@ def regroup_echo(report: Report, last: InPlaceRecovery | None, grace_s: float) -
     if report.source_ts - last.ts > grace_s:
         return False
     return report.step is None or last.step is None or report.step <= last.step + 1
+
+
+#: phases the agents' monitors leave unbounded (a save, an evaluation: minutes are normal)
+_UNBOUNDED = (PHASE_CHECKPOINT, PHASE_EVAL)
+
+
+def held_by_phase(report: Report, statuses: Mapping[str, NodeStatus]) -> str | None:
+    """Why a hang report is a wait for another rank's checkpoint or evaluation, or None.
+
+    Only for a rank that reports no phases (a job read from its log): Megatron prints its checkpoint
+    lines on rank 0 and its progress on the last rank, so when they run on different nodes the last
+    rank's monitor never hears of the save and judges the wait for it as a hang. Its own node's
+    monitor would not have judged it (those phases have no bound on any node); a rank that reports
+    its phases is left to :func:`hang_culprit`, which names a rank stuck in them."""
+    if report.kind is not ErrorKind.TASK_HANG or report.task is None or report.handled:
+        return None
+    ranks = [(node, r) for node, st in statuses.items() for r in st.ranks
+             if r.task == report.task and (report.generation is None or r.generation == report.generation)]
+    reporter = next((r for node, r in ranks if _is_reporter(report, node, r)), None)
+    if reporter is None or reporter.phase is not None:
+        return None
+    busy = sorted((r.rank, node, r.phase) for node, r in ranks
+                  if r.state == "running" and r.phase in _UNBOUNDED and not _is_reporter(report, node, r))
+    if not busy:
+        return None
+    rank, node, phase = busy[0]
+    return f"waits for rank {rank}'s {phase} on {node}"
 
 
 def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:

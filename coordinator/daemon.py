@@ -533,6 +533,8 @@ class Coordinator:
             self._last_handled[report.task] = (last or causes.InPlaceRecovery(report.source_ts, report.step)).after(report)
         elif causes.regroup_echo(report, last, self.settings.regroup_grace_s):
             report = dataclasses.replace(report, handled=True, message=f"{report.message} (during an in-place regroup)")
+        elif (held := causes.held_by_phase(report, self._statuses)) is not None:
+            report = dataclasses.replace(report, handled=True, message=f"{report.message} ({held})")
         else:
             report = causes.hang_culprit(report, self._statuses)
         incident = causes.incident(report, detected_ts=time.time())

@@ -500,3 +500,33 @@ def test_a_store_move_to_a_node_lost_before_its_store_came_up_gives_way_to_the_n
     assert (moved["store_epoch"], moved["lost"]) == (2, [0, 2]), moved
     addr = StoreAddress.from_json(wait_for(lambda: store.get(KEYS.store("m")), 30, "the moved store").value)
     assert (addr.node, addr.store_epoch) == ("a1", 2)
+
+
+# Megatron read from its log: rank 0 prints the checkpoint lines (here, a save that starts and ends when
+# the file ``go`` appears), every rank then waits.
+SAVES = [sys.executable, "-c", (
+    "import os, sys, time\n"
+    "if os.environ['RANK'] == '0':\n"
+    "    print(' saving checkpoint at iteration     100 to /ckpt in torch format', flush=True)\n"
+    "    while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+    "    print('  successfully saved checkpoint from iteration     100 to /ckpt [ t 1/1, p 1/1 ]', flush=True)\n"
+    "time.sleep(60)\n"
+)]
+
+
+def test_a_checkpoint_line_shows_every_rank_of_its_node_saving_in_the_status(
+        agents: dict[str, Agent], store: Store, tmp_path: Path) -> None:
+    """The coordinator excuses a log-read last rank's hang on another node while rank 0 saves
+    (coordinator.causes.held_by_phase): it sees the save only in the status."""
+    go = tmp_path / "saved"
+    assign(store, "a0", task("saves", [*SAVES, str(go)], [0, 1], 2, store_node="a0"))
+
+    def phases() -> dict[int, str | None] | None:
+        st = status(store, "a0")
+        got = {r.rank: r.phase for r in st.ranks if r.task == "saves"} if st else {}
+        return got if len(got) == 2 else None
+
+    wait_for(lambda: phases() == {0: protocol.PHASE_CHECKPOINT, 1: protocol.PHASE_CHECKPOINT}, 30,
+             "both ranks shown saving")
+    go.touch()
+    wait_for(lambda: phases() == {0: protocol.PHASE_TRAIN, 1: protocol.PHASE_TRAIN}, 30, "the save's end")

@@ -13,7 +13,14 @@ from coordinator import causes
 from coordinator import decision as d
 from coordinator.tasks import parse_task_spec
 from tests.kernel.test_severity import PAPER_TABLE1
-from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_COLLECTIVE, PHASE_DATA, PHASE_REGROUP, PHASE_TRAIN
+from unicron.kernel.protocol import (
+    PHASE_CHECKPOINT,
+    PHASE_COLLECTIVE,
+    PHASE_DATA,
+    PHASE_EVAL,
+    PHASE_REGROUP,
+    PHASE_TRAIN,
+)
 from unicron.kernel.types import (
     AssignmentResult,
     DetectionMethod,
@@ -358,6 +365,28 @@ def test_a_rank_outside_the_collective_is_blamed_only_when_it_can_hold_the_repor
     both = {"n0": status("n0", waiting([0])),
             "n1": status("n1", waiting([1], phase=PHASE_TRAIN) + waiting([2], phase=PHASE_TRAIN, state="stopped"))}
     assert causes.hang_culprit(report, both).rank == 2
+
+
+def test_a_log_read_ranks_hang_while_another_nodes_rank_saves_is_a_wait_for_the_save() -> None:
+    """Megatron read from its log: rank 0 (n0) prints the checkpoint lines, the last rank (n1) the
+    progress. n1's monitor never hears of the save and judges the wait for it as a hang; the statuses
+    show rank 0 saving, so the report is a wait, not a fault (restarting n1 lost the save)."""
+    saving = {"n0": status("n0", waiting([0, 1], phase=PHASE_CHECKPOINT)), "n1": status("n1", waiting([2, 3], phase=None))}
+    assert causes.held_by_phase(hang("n1", 3), saving) == "waits for rank 0's checkpoint on n0"
+    evaluating = {**saving, "n0": status("n0", waiting([0, 1], phase=PHASE_EVAL))}
+    assert causes.held_by_phase(hang("n1", 3), evaluating) == "waits for rank 0's eval on n0"
+    # the save is over (its end line sets train), a rank exited, another generation: a hang is a hang
+    for others in (waiting([0, 1], phase=PHASE_TRAIN), waiting([0], phase=PHASE_CHECKPOINT, state="exited"),
+                   rank([0], 0, phase=PHASE_CHECKPOINT)):
+        assert causes.held_by_phase(hang("n1", 3), {**saving, "n0": status("n0", others)}) is None
+    # a rank that reports its phases is hang_culprit's: one stuck in a save is named, not excused
+    reporting = {**saving, "n1": status("n1", waiting([2, 3]))}
+    assert causes.held_by_phase(hang("n1", 3), reporting) is None
+    named = causes.hang_culprit(hang("n1", 3), reporting)
+    assert (named.node, named.rank) == ("n0", None)  # ranks 0 and 1 tie: their node
+    # only an unhandled hang, of a rank the statuses know
+    assert causes.held_by_phase(dataclasses.replace(hang("n1", 3), handled=True), saving) is None
+    assert causes.held_by_phase(hang("n2", 9), saving) is None
 
 
 def test_a_hang_echoes_an_in_place_recovery_only_in_the_iteration_it_broke_and_within_the_grace() -> None:
