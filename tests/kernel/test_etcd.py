@@ -17,7 +17,7 @@ from unicron.kernel.errors import (
     StoreUnavailable,
     UnicronError,
 )
-from unicron.kernel.etcd import Store, WatchEvent, parse_endpoints
+from unicron.kernel.etcd import PrefixWatch, Store, WatchEvent, parse_endpoints
 
 
 def _wait(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
@@ -263,3 +263,106 @@ def test_client_reaches_a_restarted_etcd_within_a_second_or_two(etcd_server: Etc
     took = time.monotonic() - ready
     s.close()
     assert took < 1.5, f"the client needed {took:.2f} s to reach a restarted etcd"
+
+
+# --- etcd: a key that is not UTF-8 ------------------------------------------------------------------
+
+
+def test_watch_survives_a_key_that_is_not_utf8(store: Store) -> None:
+    """Any client can write a key of arbitrary bytes under a watched prefix. The watch thread decodes
+    it with ``ev.key.decode()`` outside any handler: the UnicodeDecodeError ends the thread, and every
+    later event under the prefix is silently lost."""
+    seen: list[str] = []
+    watch = store.watch_prefix("/w/", lambda ev: seen.append(ev.key), start_revision=store.revision() + 1)
+    try:
+        store.client.put(b"/w/\xff\xfe", b"garbage")  # raw bytes key through the client itself
+        store.put("/w/good", "1")
+        assert _wait(lambda: "/w/good" in seen, timeout=3.0), f"watch thread alive={watch._thread.is_alive()}"
+    finally:
+        watch.stop()
+
+
+def test_get_prefix_raises_only_the_hierarchy_for_a_key_that_is_not_utf8(store: Store) -> None:
+    """get_prefix decodes every key outside the error conversion: one non-UTF-8 key under the prefix
+    makes it raise a bare UnicodeDecodeError, which no caller catches (a coordinator's start, an
+    agent's watch start)."""
+    store.client.put(b"/p/\xff", b"x")
+    store.put("/p/ok", "1")
+    try:
+        kvs, _ = store.get_prefix("/p/")
+    except UnicronError:
+        return  # converted: acceptable
+    assert [kv.key for kv in kvs if kv.key == "/p/ok"] == ["/p/ok"]
+
+
+# --- etcd: a watch started "from now" ---------------------------------------------------------------
+
+
+def test_watch_from_now_loses_no_event_written_while_it_resubscribes(
+    etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``watch_prefix(start_revision=None)`` (what the agent passes when etcd was down at its start)
+    never learns the revision it started at: until its first event ``next_revision`` stays None, so
+    after an etcd restart it re-watches "from now" and every event written between etcd's return and
+    the re-subscription is lost, against the class's promise ("resuming across etcd restarts
+    without loss"). The re-subscription is held back on an event here so the write lands in that
+    window deterministically (in production: the retry backoff, up to 1 s)."""
+    release = threading.Event()
+    calls, done = [0], [0]
+    original = PrefixWatch._subscribe
+
+    def gated(self: PrefixWatch, deliver):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] > 1:
+            release.wait(20.0)
+        watcher = original(self, deliver)
+        done[0] += 1
+        return watcher
+
+    monkeypatch.setattr(PrefixWatch, "_subscribe", gated)
+    store = Store(etcd_server.endpoint, timeout_s=1.0)
+    seen: list[WatchEvent] = []
+    watch = store.watch_prefix("/w/", seen.append)  # start_revision=None
+    other = None
+    try:
+        assert _wait(lambda: done[0] == 1)
+        etcd_server.stop()
+        etcd_server.start()
+        other = Store(etcd_server.endpoint)
+        other.put("/w/after-restart", "1")  # etcd is back; the watch has not re-subscribed yet
+        release.set()
+        assert _wait(lambda: done[0] == 2, timeout=10.0)  # re-subscribed
+        other.put("/w/later", "2")
+        assert _wait(lambda: any(e.key == "/w/later" for e in seen), timeout=10.0)
+        assert [e.key for e in seen] == ["/w/after-restart", "/w/later"]
+    finally:
+        release.set()
+        watch.stop()
+        if other is not None:
+            other.close()
+        store.close()
+
+
+# --- the rank client --------------------------------------------------------------------------------
+
+
+# --- etcd: a watch resuming from a compacted revision -----------------------------------------------
+
+
+def test_a_watch_without_on_resync_loses_what_changed_before_a_compaction(store: Store) -> None:
+    """A watch whose resume revision was compacted re-lists the prefix, but hands the list only to
+    ``on_resync``; without one (every watch of the agent: agent/daemon.py ``_start_watches``) the list
+    is thrown away and the watch goes on from "now". A node cut off from etcd for longer than the
+    leader's compaction retention (60 s) thus never sees the assignment written meanwhile."""
+    start = store.revision() + 1
+    store.put("/w/assign", "new assignment")  # written while the watcher was away
+    store.put("/elsewhere", "x")
+    store.compact(store.revision())  # the leader's Compactor ran meanwhile: start < compacted revision
+    seen: list[WatchEvent] = []
+    watch = store.watch_prefix("/w/", seen.append, start_revision=start)  # no on_resync
+    try:
+        store.put("/w/later", "x")
+        _wait(lambda: {"/w/assign", "/w/later"} <= {e.key for e in seen}, timeout=5.0)
+        assert {"/w/assign", "/w/later"} <= {e.key for e in seen}, f"delivered: {[e.key for e in seen]}"
+    finally:
+        watch.stop()

@@ -132,6 +132,16 @@ class WatchEvent:
     mod_revision: int
 
 
+def _key(raw: bytes) -> str | None:
+    """A key as text; None (logged) for one that is not UTF-8: no key of ours, and its decode error
+    killed a watch thread and escaped ``get_prefix``."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        log.warning("skipping a key that is not UTF-8", key=repr(raw[:80]))
+        return None
+
+
 def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
     """``"127.0.0.1:2379,127.0.0.1:2381"`` (or a list of ``host:port``) -> [(host, port), ...].
 
@@ -214,8 +224,8 @@ class Store:
         with self.converted(f"get prefix {prefix}"):
             resp = self.client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
         kvs = [
-            KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
-            for kv in resp.kvs
+            KeyValue(key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+            for kv in resp.kvs if (key := _key(kv.key)) is not None
         ]
         return kvs, int(resp.header.revision)
 
@@ -438,6 +448,9 @@ class PrefixWatch:
         self.next_revision = rev + 1
         if self.on_resync is not None:
             self.on_resync(kvs)
+            return
+        for kv in kvs:  # what was put while the history was compacted away, as puts (deletes are lost)
+            self._deliver(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
 
     def _run(self) -> None:
         with contextlib.suppress(StoreClosed):  # the owner closed the store under us: shutting down
@@ -455,6 +468,8 @@ class PrefixWatch:
                     inbox.put(item)
 
             try:
+                if self.next_revision is None:  # "from now": pin now, so a re-watch resumes from it
+                    self.next_revision = self.store.revision() + 1
                 watcher = self._subscribe(deliver)
             except (StoreUnavailable, StoreRejected) as exc:
                 live.clear()
@@ -492,12 +507,17 @@ class PrefixWatch:
                 return
             for ev in item.events:
                 kind = "delete" if isinstance(ev, pyetcd.events.DeleteEvent) else "put"
-                event = WatchEvent(kind, ev.key.decode(), ev.value, int(ev.mod_revision))
-                self.next_revision = event.mod_revision + 1
-                try:
-                    self.on_event(event)
-                except Exception:
-                    log.exception("watch handler failed", prefix=self.prefix, key=event.key)
+                self.next_revision = int(ev.mod_revision) + 1
+                key = _key(ev.key)
+                if key is None:
+                    continue
+                self._deliver(WatchEvent(kind, key, ev.value, int(ev.mod_revision)))
+
+    def _deliver(self, event: WatchEvent) -> None:
+        try:
+            self.on_event(event)
+        except Exception:  # the owner's bug: logged, and the watch goes on
+            log.exception("watch handler failed", prefix=self.prefix, key=event.key)
 
 
 def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str,
