@@ -5,7 +5,10 @@ receives instructions (regroup, stop) and injected faults. Without ``UNICRON_AGE
 outside Unicron) every call is a no-op, so the same training script runs managed or not.
 
 Reporting never raises into training: if the agent goes away, the client logs once and goes quiet;
-the agent's own supervision notices a rank that stops talking.
+the agent's own supervision notices a rank that stops talking. It does not drop messages either: a
+frozen agent (SIGSTOP) leaves a send waiting once the socket's buffer is full (about 45 iterations'
+messages), because an agent that resumed without an iteration's end would judge a healthy rank hung;
+by then the coordinator has lost the node anyway.
 """
 
 from __future__ import annotations
@@ -250,7 +253,7 @@ class AgentClient:
         text = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
         self.send(
             protocol.ExceptionReport(
-                message=f"{type(exc).__name__}: {exc}", kind=kind, traceback=text[-8000:],
+                message=_one_line(exc)[:8000], kind=kind, traceback=text[-8000:],
                 step=self._step, fatal=fatal,
             )
         )
@@ -265,3 +268,12 @@ class AgentClient:
             previous(t, e, trace)
 
         sys.excepthook = hook
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message``, also for an exception whose ``str`` raises (it raised into the caller)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<exception str() failed>"
+    return f"{type(exc).__name__}: {text}"

@@ -41,6 +41,8 @@ class LineSocket:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._buf = bytearray()
+        #: the rest of a line refused as too long is dropped up to its newline, never read as a message
+        self._skipping = False
         self._send_lock = threading.Lock()
 
     def send(self, obj: dict[str, Any]) -> None:
@@ -67,12 +69,18 @@ class LineSocket:
         read only, and a peer sending a byte at a time held the line open for ever."""
         while True:
             nl = self._buf.find(b"\n")
-            if nl >= 0:
+            if self._skipping:
+                del self._buf[: nl + 1 if nl >= 0 else len(self._buf)]
+                self._skipping = nl < 0
+                if nl >= 0:
+                    continue
+            elif nl >= 0:
                 line = bytes(self._buf[:nl])
                 del self._buf[: nl + 1]
                 return line
-            if len(self._buf) > MAX_LINE:
+            elif len(self._buf) > MAX_LINE:
                 self._buf.clear()
+                self._skipping = True
                 raise InvalidRecord(f"line longer than {MAX_LINE} bytes")
             if deadline is not None:
                 left = deadline - time.monotonic()
