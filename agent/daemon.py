@@ -609,6 +609,8 @@ class Agent:
             rec.offer_store(addr)
 
     def _on_assignment_event(self, ev: WatchEvent) -> None:
+        if ev.key != self.keys.assignment(self.node):
+            return  # another node's whose name extends ours: n10's for n1
         self._apply_assignment(ev.key, ev.value if ev.kind == "put" else None)
 
     def _apply_assignment(self, key: str, value: bytes | None, again: bool = False) -> None:

@@ -530,3 +530,25 @@ def test_a_checkpoint_line_shows_every_rank_of_its_node_saving_in_the_status(
              "both ranks shown saving")
     go.touch()
     wait_for(lambda: phases() == {0: protocol.PHASE_TRAIN, 1: protocol.PHASE_TRAIN}, 30, "the save's end")
+
+
+def test_an_agent_ignores_the_assignment_of_a_node_whose_name_extends_its_own(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path) -> None:
+    """``assign/n1`` is a prefix of ``assign/n10``: n1's agent watched n10's record too and ran (or, on
+    its deletion, stopped) n10's tasks as its own (a review's reproduction)."""
+    applied: list[int] = []
+    watch = store.watch_prefix(KEYS.result("n1"), lambda ev: applied.append(AssignmentResult.from_json(ev.value).revision)
+                               if ev.kind == "put" else None)
+    agent = Agent(settings(etcd_server, "n1", tmp_path))
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    try:
+        assert agent.ready.wait(30)
+        other = assign(store, "n10")  # another node's record
+        mine = assign(store, "n1")  # watched after it, in order
+        wait_for(lambda: mine in applied or None, 30, "n1's own assignment applied")
+        assert other not in applied, f"n1's agent applied n10's assignment (revision {other}) as its own"
+    finally:
+        watch.stop()
+        agent.stop()
+        th.join(30)
