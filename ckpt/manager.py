@@ -264,8 +264,11 @@ class CheckpointManager(Checkpointer):
                 f"save: iteration {iteration} is not after the last saved or restored iteration {self._last}"
             )
         # A first save starts a new timeline. Peers and storage enforce it themselves when the snapshot
-        # reaches them (a push/persist of a rank replaces whatever newer one they had).
-        if self._last is None and (gone := self._store.withdraw_newer(iteration - 1)):
+        # reaches them (a push/persist of a rank replaces whatever newer one they had), so it is
+        # persisted whatever persist_every says: storage kept the abandoned future until the next
+        # persisted save, and a node lost meanwhile restored it.
+        first = self._last is None
+        if first and (gone := self._store.withdraw_newer(iteration - 1)):
             self._log.warning("discarded local snapshots newer than the first save", discarded=gone)
         t_start = time.perf_counter()
         enc = codec.encode(state)
@@ -298,7 +301,7 @@ class CheckpointManager(Checkpointer):
         self._last = iteration
         self._count += 1
         due = self.storage is not None and (
-            persist or (self.config.persist_every > 0 and self._count % self.config.persist_every == 0)
+            persist or first or (self.config.persist_every > 0 and self._count % self.config.persist_every == 0)
         )
         job = _Job(
             slot, iteration, enc.meta, enc.data_len, ticket, event, due, enc=enc if background else None

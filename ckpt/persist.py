@@ -2,8 +2,8 @@
 
 Layout under ``<job>/rank-<rank>/``::
 
-    iter-<iteration>/shard-<i>.bin    chunk i of the tensor bytes (the checksummed chunks of SnapshotInfo)
-    iter-<iteration>/meta.bin         the metadata bytes
+    iter-<iteration>/<write>/shard-<i>.bin    chunk i of the tensor bytes (the checksummed chunks of SnapshotInfo)
+    iter-<iteration>/<write>/meta.bin         the metadata bytes (<write>: a random id per write)
     manifest-<iteration>.json         {"format", "crc32", "body": {"info", "meta", "shards": [...]}}
 
 Shards and metadata are written (durably) first, the manifest last: an iteration exists only once its
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from concurrent.futures import Executor
 from typing import Any
 
@@ -48,7 +49,10 @@ def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
     """Write ``snap`` (shards, metadata, then the manifest); then keep only the newest ``keep``."""
     info = snap.info
     discard_newer(storage, info.job, info.rank, info.iteration)  # linear timeline: newer ones were abandoned
-    base = _iter_prefix(info.job, info.rank, info.iteration)
+    # a directory of this write's own: two writers of one iteration (a stopping incarnation still
+    # persisting it, and its relaunch that restored an older one and reached it again) replaced each
+    # other's shards, and the manifest left named bytes the other wrote (both were told "persisted")
+    base = f"{_iter_prefix(info.job, info.rank, info.iteration)}{uuid.uuid4().hex[:12]}/"
     shards = []
     for i, (off, n) in enumerate(info.chunks()):
         key = f"{base}shard-{i:05d}.bin"
@@ -90,8 +94,8 @@ def _read_manifest(
         info = SnapshotInfo.from_dict(body["info"])
         shards = body["shards"]
         meta = body["meta"]
-        if not isinstance(shards, list) or not isinstance(meta, dict):
-            raise CheckpointCorrupt(f"{key}: malformed shard list")
+        if not isinstance(shards, list) or not isinstance(meta, dict) or not isinstance(meta.get("key"), str):
+            raise CheckpointCorrupt(f"{key}: malformed shard list or metadata entry")
     except ObjectMissing as exc:
         raise CheckpointCorrupt(f"manifest {key} vanished") from exc
     except (ValueError, KeyError, TypeError, InvalidRecord) as exc:
@@ -103,6 +107,8 @@ def _read_manifest(
     expect = [(o, n, c) for (o, n), c in zip(info.chunks(), info.chunk_crcs, strict=True)]
     try:
         got = [(int(s["offset"]), int(s["length"]), int(s["crc32"])) for s in shards]
+        if not all(isinstance(s["key"], str) for s in shards):
+            raise TypeError("a shard's key is not a string")
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorrupt(f"{key}: malformed shard entry: {exc}") from exc
     if got != expect:

@@ -30,6 +30,7 @@ import socketserver
 import ssl
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,17 +102,19 @@ class ReplicaMemory(ReplicaStore):
                 raise ReplicaRejected(
                     f"{self.name}: a {n}-byte snapshot exceeds the whole budget of {self.budget}"
                 )
-            while self._used() + n > self.budget:
-                keep = self._newest()
-                victims = sorted(
-                    (k for k in self._held if k not in keep), key=lambda k: (k[2], self._held[k].seq)
+            keep = self._newest()
+            victims = sorted((k for k in self._held if k not in keep), key=lambda k: (k[2], self._held[k].seq))
+            # refused before anything is evicted: a push that cannot fit must not cost the older snapshots
+            evictable = sum(self._held[k].snap.info.nbytes for k in victims)
+            if self._used() - evictable + n > self.budget:
+                raise ReplicaRejected(
+                    f"{self.name}: over budget: need {n} bytes, {self._used()} of {self.budget} in use, "
+                    f"and only {evictable} evictable (a rank's newest snapshot is never evicted)"
                 )
-                if not victims:
-                    raise ReplicaRejected(
-                        f"{self.name}: over budget: need {n} bytes, {self._used()} of {self.budget} in use, "
-                        "and nothing evictable (each held snapshot is the newest of its rank)"
-                    )
-                del self._held[victims[0]]
+            for victim in victims:
+                if self._used() + n <= self.budget:
+                    break
+                del self._held[victim]
             self._reserved += n
         return n
 
@@ -215,13 +218,16 @@ class _Handler(socketserver.BaseRequestHandler):
             return
         try:
             wire.send(sock, {"ok": True})
+            # the reservation is held for the transfer's time at most, however the bytes trickle in
+            deadline = time.monotonic() + transfer_timeout(self.server.io_timeout_s, info.nbytes)
             meta = bytearray(info.meta_len)
-            wire.recv_into(sock, memoryview(meta))
+            wire.recv_into(sock, memoryview(meta), deadline)
             data = _alloc(info.data_len)
-            wire.recv_into(sock, data)
+            wire.recv_into(sock, data, deadline)
         except BaseException:
             mem.release(reserved)  # a partial transfer is never committed
             raise
+        sock.settimeout(self.server.io_timeout_s)
         mem.commit(Snapshot(info, bytes(meta), data), reserved)
         self._reply(sock, {"ok": True})
 

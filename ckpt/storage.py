@@ -3,6 +3,7 @@ and as the simplest example of a non-filesystem backend)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -12,6 +13,8 @@ from pathlib import Path
 from ckpt.api import Buffer, ObjectMissing, Storage, StorageUnavailable
 from unicron.kernel.errors import InvalidRecord
 
+#: leads the name of a write's temporary (hidden from list())
+_TMP_MARK = "."
 _KEY_RX = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$")
 
 
@@ -61,9 +64,10 @@ class FilesystemStorage(Storage):
 
     def write(self, key: str, data: Buffer) -> None:
         path = self._path(key)
+        tmp: Path | None = None
         try:
             self._makedirs(path.parent)
-            tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+            tmp = path.parent / f"{_TMP_MARK}{path.name}.tmp-{uuid.uuid4().hex[:8]}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 view = memoryview(data).cast("B")
@@ -77,6 +81,9 @@ class FilesystemStorage(Storage):
             os.replace(tmp, path)
             _fsync_dir(path.parent)
         except OSError as exc:
+            if tmp is not None:  # its bytes would stay on a full disk: list() and retention skip it
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
             raise StorageUnavailable(f"writing {self.describe()}/{key}: {exc}") from exc
 
     def size(self, key: str) -> int:
@@ -111,7 +118,12 @@ class FilesystemStorage(Storage):
         head = prefix.rpartition("/")[0]
         base = self.root / check_key(head) if head else self.root
         out = []
-        for dirpath, dirnames, filenames in os.walk(base):
+
+        def unreadable(exc: OSError) -> None:  # os.walk skipped it: an I/O error listed as "holds nothing"
+            if not isinstance(exc, FileNotFoundError):
+                raise StorageUnavailable(f"listing {self.describe()}/{prefix}: {exc}") from exc
+
+        for dirpath, dirnames, filenames in os.walk(base, onerror=unreadable):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
@@ -127,11 +139,23 @@ class FilesystemStorage(Storage):
         try:
             path.unlink(missing_ok=True)
             parent = path.parent
-            while parent != self.root and not any(parent.iterdir()):
+            while parent != self.root and _only_abandoned(parent):
                 parent.rmdir()  # leave no empty per-iteration directories behind
                 parent = parent.parent
         except OSError as exc:
             raise StorageUnavailable(f"deleting {self.describe()}/{key}: {exc}") from exc
+
+
+def _only_abandoned(directory: Path) -> bool:
+    """Whether ``directory`` is empty once the temporaries left in it are removed: a writer killed
+    mid-write leaves one, which kept its iteration's directory (and bytes) for ever. Called for a
+    directory whose last object was just deleted, so no write into it is in progress."""
+    entries = list(directory.iterdir())
+    if any(not (e.name.startswith(_TMP_MARK) and ".tmp-" in e.name and e.is_file()) for e in entries):
+        return False
+    for e in entries:
+        e.unlink(missing_ok=True)
+    return True
 
 
 class MemoryStorage(Storage):

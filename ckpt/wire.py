@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +34,17 @@ def send(sock: socket.socket, header: dict[str, Any], payloads: Sequence[Buffer]
             sock.sendall(p)
 
 
-def recv_into(sock: socket.socket, out: memoryview) -> None:
+def recv_into(sock: socket.socket, out: memoryview, deadline: float | None = None) -> None:
+    """Fill ``out``; ``deadline`` (``time.monotonic()``) bounds the whole of it, where the socket's
+    timeout bounds each read: a peer sending a byte now and then held a transfer open for ever."""
     view = out.cast("B") if out.format != "B" else out
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"transfer not done by its deadline: {got} of {len(view)} bytes")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionLost(f"connection closed after {got} of {len(view)} bytes")

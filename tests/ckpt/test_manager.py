@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import random
 import shutil
@@ -18,12 +19,15 @@ import pytest
 import torch
 
 from ckpt.api import CheckpointError, NoValidCheckpoint, Tier
+from ckpt.codec import crc
 from ckpt.manager import CheckpointConfig, CheckpointManager
+from ckpt.persist import _canonical, manifest_key
 from ckpt.persist import iterations as persisted_iterations
 from ckpt.replica import ReplicaClient, ReplicaServer
 from ckpt.rng import restore_rng_state
 from ckpt.storage import FilesystemStorage
 from tests.ckpt.helpers import assert_same, filled_state, train_state
+from tests.ckpt.test_storage import _fail_scandir_under
 
 Make = Callable[..., CheckpointConfig]
 
@@ -173,7 +177,8 @@ def test_flipped_byte_skips_tier_and_names_reason(
     assert_same(state, r.state)
 
     replica_server.memory.drop("job-1")  # now only remote storage holds it, and one shard goes bad
-    _flip_byte(tmp_path / "remote" / "job-1" / "rank-00000" / f"iter-{4:012d}" / "shard-00002.bin", 5)
+    [shard] = (tmp_path / "remote" / "job-1" / "rank-00000" / f"iter-{4:012d}").glob("*/shard-00002.bin")
+    _flip_byte(shard, 5)
     with CheckpointManager(cfg, peers=[peer], storage=storage) as m, pytest.raises(NoValidCheckpoint) as err:
         m.restore()
     text = str(err.value)
@@ -210,7 +215,8 @@ def test_persistence_every_n_and_retention(make_config: Make, tmp_path: Path) ->
     storage = FilesystemStorage(tmp_path / "remote")
     with CheckpointManager(make_config(persist_every=2, keep_remote=2), storage=storage) as m:
         outcomes = [m.save(filled_state(it), it).result(30) for it in range(1, 8)]
-    assert [o.persisted for o in outcomes] == [None, True, None, True, None, True, None]
+    # the first save of a process starts its timeline: persisted whatever persist_every says
+    assert [o.persisted for o in outcomes] == [True, True, None, True, None, True, None]
     assert persisted_iterations(storage, "job-1", 0) == [4, 6]
 
 
@@ -365,3 +371,58 @@ def test_gpu_snapshots_stay_right_when_the_views_of_a_slot_are_reused_and_when_t
                 w.add_(1)
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def test_unreadable_storage_is_not_reported_as_holding_nothing(
+    make_config: Make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank on a new node whose only copy is persisted: an I/O error listing the storage makes the
+    manager say the remote tier 'holds nothing' (a fresh start) instead of 'unreachable'."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    with CheckpointManager(make_config(persist_every=1), storage=storage) as m:
+        assert m.save(filled_state(5), 5).result(30).persisted
+    _fail_scandir_under(monkeypatch, tmp_path / "remote" / "job-1")
+    with CheckpointManager(make_config(node="node-b"), storage=storage) as m:
+        remote = [a for a in m.available() if a[0] == Tier.REMOTE.value]
+        assert remote and remote[0][2] is None, f"unreadable storage reported as {remote}"
+        with pytest.raises(NoValidCheckpoint) as exc:
+            m.restore()
+    reasons = [a.reason for a in exc.value.attempts if a.tier == Tier.REMOTE]
+    assert any("unreachable" in r for r in reasons), reasons
+
+
+def test_a_malformed_manifest_is_skipped_not_a_crash(make_config: Make, tmp_path: Path) -> None:
+    """A manifest whose CRC is right but whose meta entry lacks its key (a writer bug, another version)
+    raises KeyError out of restore() instead of being skipped for the older valid snapshot."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    with CheckpointManager(make_config(persist_every=1, keep_remote=3), storage=storage) as m:
+        for it in (1, 2):
+            assert m.save(filled_state(it), it).result(30).persisted
+    key = manifest_key("job-1", 0, 2)
+    raw = json.loads(storage.read(key))
+    del raw["body"]["meta"]["key"]
+    raw["crc32"] = crc(_canonical(raw["body"]))
+    storage.write(key, _canonical(raw))
+    with CheckpointManager(make_config(node="node-b"), storage=storage) as m:
+        r = m.restore()
+    assert (r.tier, r.iteration) == (Tier.REMOTE, 1)
+    assert_same(filled_state(1), r.state)
+
+
+def test_a_first_save_not_persisted_leaves_no_abandoned_future_in_storage(make_config: Make, tmp_path: Path) -> None:
+    """A process that starts a new timeline at 3 without restore withdraws its newer local snapshots, but
+    storage only drops 5 and 6 when a persisted snapshot reaches it (persist_every=2: the next one): a
+    node lost meanwhile restores the rolled-back future 6."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    with CheckpointManager(make_config(persist_every=1), storage=storage) as m:
+        for it in (5, 6):
+            assert m.save(filled_state(it), it).result(30).persisted
+    with CheckpointManager(make_config(persist_every=2), storage=storage) as m:  # no restore: a new timeline
+        out = m.save(filled_state(3), 3).result(30)
+        assert out.published and out.persisted  # a first save is persisted whatever persist_every says
+    with CheckpointManager(make_config(node="node-c"), storage=storage) as m:  # the node was lost
+        try:
+            r = m.restore()
+        except NoValidCheckpoint:
+            return
+    assert r.iteration <= 3, f"restored iteration {r.iteration} of the abandoned timeline from {r.tier}"

@@ -60,7 +60,7 @@ def test_rejects_when_only_newest_snapshots_are_held() -> None:
     mem = ReplicaMemory(budget_bytes=2 * one)
     mem.put(snap(0, 1))
     mem.put(snap(1, 1))
-    with pytest.raises(ReplicaRejected, match="nothing evictable"):
+    with pytest.raises(ReplicaRejected, match="only 0 evictable"):
         mem.put(snap(2, 1))
     with pytest.raises(ReplicaRejected, match="exceeds the whole budget"):
         mem.put(snap(3, 1, nbytes=3 * one))
@@ -136,3 +136,44 @@ def test_a_push_replaces_newer_snapshots_of_its_rank() -> None:
     mem.put(snap(1, 9))
     mem.put(snap(0, 3))  # rank 0 rolled back to 3: its 5 and 6 belong to an abandoned timeline
     assert held(mem) == [(0, 3), (1, 9)]
+
+
+def test_a_refused_push_evicts_nothing() -> None:
+    """reserve() evicts victims one by one and only then finds the push cannot fit: the older snapshots
+    are destroyed for a push that is refused anyway."""
+    one = snap(0, 1).info.nbytes
+    mem = ReplicaMemory(budget_bytes=4 * one)
+    for it in (1, 2):
+        mem.put(snap(0, it))
+        mem.put(snap(1, it))
+    before = held(mem)
+    big = snap(2, 1, nbytes=3 * one)  # fits the budget, but not beside the two ranks' newest
+    with pytest.raises(ReplicaRejected):
+        mem.put(big)
+    assert held(mem) == before, "a refused push evicted snapshots"
+
+
+# ------------------------------------------------------------------------------------------ replica server
+
+
+def test_a_trickling_put_does_not_hold_its_reservation_forever() -> None:
+    """The server's io timeout is per recv: a sender that trickles a byte now and then keeps its
+    reservation (here the whole budget) far beyond any transfer deadline, refusing every other push."""
+    s = snap(0, 1, nbytes=100_000)
+    server = ReplicaServer("127.0.0.1:0", s.info.nbytes, io_timeout_s=1.0).start()
+    try:
+        with socket.create_connection(wire.parse_addr(server.address)) as sock:
+            wire.send(sock, {"op": "put", "info": s.info.to_dict()})
+            assert wire.recv_header(sock)["ok"]
+            # transfer_timeout(1.0, 100 kB) is ~1 s; trickle for 4 s, a byte every 0.1 s
+            deadline = time.monotonic() + 4.0
+            try:
+                while time.monotonic() < deadline:
+                    sock.sendall(b"x")
+                    time.sleep(0.1)
+            except OSError:
+                pass  # the server cut us off: what a fix does
+            used = server.memory.used_bytes
+        assert used == 0, f"a stalled transfer still holds {used} reserved bytes after 4 s (io timeout 1 s)"
+    finally:
+        server.stop()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from ckpt.api import CheckpointCorrupt, Snapshot, SnapshotInfo, Storage
+from ckpt.api import CheckpointCorrupt, Snapshot, SnapshotInfo, Storage, StorageUnavailable
 from ckpt.codec import byte_view, chunk_crcs, crc
 from ckpt.persist import apply_retention, iterations, load, manifest_key, persist
 from ckpt.storage import FilesystemStorage, MemoryStorage
@@ -90,8 +94,9 @@ def test_retention_keeps_last_r(storage: Storage) -> None:
 )
 def test_every_damage_is_detected(storage: Storage, damage: str, reason: str) -> None:
     persist(storage, _snap(3), keep=2)
-    shard = f"job-1/rank-00002/iter-{3:012d}/shard-00001.bin"
     mkey = manifest_key("job-1", 2, 3)
+    body = json.loads(storage.read(mkey))["body"]
+    shard, meta = body["shards"][1]["key"], body["meta"]["key"]
     if damage == "flip_shard":
         b = bytearray(storage.read(shard))
         b[100] ^= 1
@@ -101,7 +106,7 @@ def test_every_damage_is_detected(storage: Storage, damage: str, reason: str) ->
     elif damage == "drop_shard":
         storage.delete(shard)
     elif damage == "flip_meta":
-        storage.write(f"job-1/rank-00002/iter-{3:012d}/meta.bin", b"meta-4")
+        storage.write(meta, b"meta-4")
     elif damage == "edit_manifest":
         m = json.loads(storage.read(mkey))
         m["body"]["info"]["iteration"] = 4  # a consistent-looking edit still breaks the manifest's CRC
@@ -117,3 +122,106 @@ def test_persisting_an_older_iteration_discards_newer_ones(storage: Storage) -> 
         persist(storage, _snap(it), keep=3)
     persist(storage, _snap(3), keep=3)  # the rank rolled back: 5 and 6 must never be restored
     assert iterations(storage, "job-1", 2) == [3]
+
+
+def _fail_scandir_under(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    real = os.scandir
+
+    def scandir(p: object = ".") -> object:
+        if str(p).startswith(str(path)):
+            raise OSError(errno.EIO, "Input/output error", str(p))
+        return real(p)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_list_reports_an_unreadable_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.walk swallows the I/O error: a failing storage lists as empty instead of raising."""
+    storage = FilesystemStorage(tmp_path / "s")
+    persist(storage, _snap(5), keep=2)
+    assert iterations(storage, "job-1", 2) == [5]
+    _fail_scandir_under(monkeypatch, tmp_path / "s" / "job-1")
+    with pytest.raises(StorageUnavailable):
+        storage.list("job-1/rank-00002/manifest-")
+
+
+def test_a_failed_write_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write() creates .name.tmp-XXXX and never removes it when a write or fsync fails (ENOSPC): list()
+    and retention ignore hidden files, so the partial bytes stay on the (full) disk for good."""
+    root = tmp_path / "s"
+    storage = FilesystemStorage(root)
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.isfile(f"/proc/self/fd/{fd}") and ".tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StorageUnavailable):
+        storage.write("job-1/rank-00000/iter-000000000002/shard-00000.bin", b"x" * 100_000)
+    monkeypatch.undo()
+    left = [p for p in root.rglob("*") if p.is_file()]
+    assert left == [], f"a failed write left {left}"
+
+
+def test_retention_removes_what_a_killed_write_left(tmp_path: Path) -> None:
+    """A writer killed mid-shard leaves iter-N/.shard-K.bin.tmp-XXXX: retention deletes the orphaned
+    iteration through list(), which hides temporaries, so that directory and its bytes are never freed."""
+    root = tmp_path / "s"
+    storage = FilesystemStorage(root)
+    persist(storage, _snap(1), keep=2)
+    iter2 = root / "job-1" / "rank-00002" / f"iter-{2:012d}"
+    storage.write(f"job-1/rank-00002/iter-{2:012d}/shard-00000.bin", b"y" * 4096)
+    (iter2 / ".shard-00001.bin.tmp-0badf00d").write_bytes(b"z" * 2000)  # killed mid-write (SIGKILL)
+    for it in (3, 4, 5):
+        persist(storage, _snap(it), keep=2)
+    assert iterations(storage, "job-1", 2) == [4, 5]
+    assert not iter2.exists(), f"orphan of a killed write never collected: {sorted(os.listdir(iter2))}"
+
+
+class _Gated(FilesystemStorage):
+    """A storage whose writes of one key pause until released (a slow shard upload)."""
+
+    def __init__(self, root: Path, gate: str) -> None:
+        super().__init__(root)
+        self.gate = gate
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def write(self, key: str, data: object) -> None:
+        if key.startswith(self.gate) and key.endswith("/shard-00001.bin"):
+            self.reached.set()
+            assert self.go.wait(10)
+        super().write(key, data)  # type: ignore[arg-type]
+
+
+def test_two_writers_of_one_iteration_never_leave_a_torn_snapshot(tmp_path: Path) -> None:
+    """An old incarnation still persisting its on-demand snapshot of iteration N and the relaunched one
+    persisting its own N write the same shard keys: both persist() calls succeed, and the manifest left
+    names shards the other writer overwrote."""
+    root = tmp_path / "s"
+    base = FilesystemStorage(root)
+    persist(base, _snap(1), keep=2)
+    old_n = _snap(2)  # the old incarnation's iteration 2
+    data = byte_view(torch.full((10_000,), 7, dtype=torch.uint8))  # the relaunched one's, other bytes
+    new_n = Snapshot(dataclasses.replace(old_n.info, chunk_crcs=chunk_crcs(data, 4096)), old_n.meta, data)
+
+    old_storage = _Gated(root, f"job-1/rank-00002/iter-{2:012d}/")
+    errors: list[BaseException] = []
+
+    def old_writer() -> None:
+        try:
+            persist(old_storage, old_n, keep=2)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=old_writer)
+    t.start()
+    assert old_storage.reached.wait(10)  # the old writer has written shard 0 and is slow on shard 1
+    persist(base, new_n, keep=2)  # the new incarnation persists its iteration 2 completely
+    old_storage.go.set()
+    t.join(10)
+    assert not errors
+    # both writers were told their snapshot is persisted; whichever manifest is left must load
+    load(base, "job-1", 2, 2)
