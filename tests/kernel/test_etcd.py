@@ -66,6 +66,27 @@ def test_lease_kept_alive_outlives_ttl(store: Store) -> None:
     assert store.get("/kept") is None
 
 
+def test_a_refused_keepalive_is_retried_not_the_end_of_the_lease(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """etcd refusing one renewal (not an outage: StoreRejected) ended the keepalive thread unseen; the
+    lease then expired with ``lost`` never set, so its owner never registered again."""
+    refresh = store.client.refresh_lease
+    refused = [0]
+
+    def refuse_once(lease_id: int) -> object:
+        if not refused[0]:
+            refused[0] += 1
+            raise StoreRejected("etcd lease keepalive failed: RESOURCE_EXHAUSTED (injected)")
+        return refresh(lease_id)
+
+    monkeypatch.setattr(store.client, "refresh_lease", refuse_once)
+    lease = store.lease(2)
+    store.put("/renewed", "v", lease=lease)
+    time.sleep(3.0)  # past the TTL: only renewals after the refused one keep it
+    assert refused[0] == 1 and store.get("/renewed") is not None and not lease.lost.is_set()
+    lease.revoke()
+
+
 def test_guarded_txn_fences_a_deposed_leader(store: Store) -> None:
     store.put("/leader", "me")
     rev = store.get("/leader").create_revision  # type: ignore[union-attr]

@@ -367,6 +367,10 @@ class Lease:
             except StoreUnavailable as exc:
                 log.warning("lease keepalive failed; will retry", lease=f"{self.lease_id:x}", error=str(exc))
                 continue
+            except Exception:  # refused (StoreRejected) or a bug: this thread ending unseen let the lease
+                # expire with nobody told (no on_lost: its owner never registered again)
+                log.exception("lease keepalive refused; will retry", lease=f"{self.lease_id:x}")
+                continue
             if not responses or int(responses[0].TTL) <= 0:
                 self._mark_lost()
                 return
