@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from agent.ranks import RankServer
+from tests.kernel.test_etcd import _wait
 from unicron.kernel import protocol, wire
 from unicron.kernel.client import AgentClient
 from unicron.kernel.errors import InvalidRecord
-
-
-def _wait(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_an_over_long_line_is_skipped_whole_not_read_as_a_message_from_its_tail() -> None:
