@@ -102,6 +102,29 @@ def test_the_memory_checkpointer_reads_its_tunables_from_the_environment(
         make_checkpointer("memory", str(tmp_path), "job", 0)
 
 
+def test_resume_tells_no_checkpoint_from_a_remote_tier_out_of_reach(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error listing the storage made --resume start afresh, and the fresh run's persisted saves
+    then discarded the real snapshots once the storage answered again."""
+    from ckpt.manager import CheckpointManager
+    from tests.ckpt.test_storage import _fail_scandir_under
+    from unicron.runtime.checkpoint import Presence, checkpoint_presence
+
+    ck = make_checkpointer("memory", str(tmp_path), "job", 0)
+    assert isinstance(ck, CheckpointManager)
+    try:
+        assert checkpoint_presence(ck) is Presence.NONE  # a first launch
+        with monkeypatch.context() as m:
+            _fail_scandir_under(m, tmp_path / "persisted")
+            assert checkpoint_presence(ck) is Presence.UNKNOWN
+        assert ck.save({"w": torch.zeros(4)}, 1).result(30).published
+        with monkeypatch.context() as m:  # a tier holding it is enough, whatever the others say
+            _fail_scandir_under(m, tmp_path / "persisted")
+            assert checkpoint_presence(ck) is Presence.FOUND
+    finally:
+        ck.close()
+
+
 def test_data_depends_only_on_iteration_and_micro_batch(tmp_path: Path) -> None:
     gen = make_source(None, vocab=128, seq=16, micro_batch_size=2, seed=3)
     a, b = gen.batch(4, 1), gen.batch(4, 1)

@@ -118,3 +118,15 @@ def test_storage_root_defaults_under_the_checkpoint_directory() -> None:
     assert storage_root("", "/ck") == "/ck/persisted"
     assert storage_root("/shared/ck", "/ck") == "/shared/ck"
     assert storage_root("none", "/ck") == "" and storage_root("", "") == ""
+
+
+def test_resume_with_the_remote_tier_out_of_reach_does_not_start_afresh(runner: Runner, tmp_path: Path) -> None:
+    """No rank holds a snapshot and the storage cannot be listed (here a file where the job's
+    directory should be: NotADirectoryError, as an I/O error would): every rank ends with one line
+    instead of starting afresh, whose persisted saves would later discard the snapshots out of reach."""
+    ck = tmp_path / "ck"
+    (ck / "persisted").mkdir(parents=True)
+    (ck / "persisted" / "local").write_text("not a directory")
+    done = runner.run(2, train_args(2, "float32", False, *memory_args(ck)))
+    assert done.codes == {0: 1, 1: 1}, done.job.logs()
+    assert done.job.logs().count("the remote tier of rank(s) [0, 1] could not be listed") == 2, done.job.logs()

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import glob
 import os
 import re
@@ -94,14 +95,30 @@ class TorchSaveCheckpointer(Checkpointer):
         return Restored(state, want, Tier.REMOTE, path, seconds=time.perf_counter() - t0)
 
 
-def has_checkpoint(checkpointer: Checkpointer) -> bool:
-    """Whether ``checkpointer`` holds any snapshot this rank can restore (cheap: nothing is loaded)."""
+class Presence(enum.IntEnum):
+    """What a rank's checkpointer holds, as far as it can tell (cheap: nothing is loaded)."""
+
+    NONE = 0
+    FOUND = 1
+    #: nothing found, and the durable (remote) tier could not be listed: a first launch cannot be told
+    #: from a checkpoint out of reach, and starting afresh would later discard it
+    UNKNOWN = 2
+
+
+def checkpoint_presence(checkpointer: Checkpointer) -> Presence:
+    """Whether ``checkpointer`` holds any snapshot this rank can restore. A peer replica out of reach
+    does not make it UNKNOWN: its copies are memory, lost with nodes anyway."""
     if isinstance(checkpointer, TorchSaveCheckpointer):
-        return bool(checkpointer.held())
+        return Presence.FOUND if checkpointer.held() else Presence.NONE
     available = getattr(checkpointer, "available", None)
-    if callable(available):  # CheckpointManager: (tier, source, iterations or None) per source
-        return any(iterations for _, _, iterations in available())
-    return True
+    if not callable(available):
+        return Presence.FOUND
+    entries = available()  # CheckpointManager: (tier, source, iterations or None) per source
+    if any(iterations for _, _, iterations in entries):
+        return Presence.FOUND
+    if any(iterations is None and tier == Tier.REMOTE.value for tier, _, iterations in entries):
+        return Presence.UNKNOWN
+    return Presence.NONE
 
 
 def newest_checkpoint(checkpointer: Checkpointer) -> int | None:

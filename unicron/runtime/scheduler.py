@@ -60,7 +60,7 @@ from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.kernel.patterns import match
 from unicron.kernel.types import ErrorKind, Severity
 from unicron.runtime import membership
-from unicron.runtime.checkpoint import TorchSaveCheckpointer, has_checkpoint
+from unicron.runtime.checkpoint import Presence, TorchSaveCheckpointer, checkpoint_presence
 from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.faults import FaultScript
@@ -204,6 +204,11 @@ class StoreLost(PermanentError):
 
 class _StoreMoved(Exception):
     """The agent said the store moved while this rank regrouped on the old one: move, then regroup."""
+
+
+class CheckpointsOutOfReach(PermanentError):
+    """``--resume`` cannot tell a first launch from checkpoints it cannot reach: this launch ends (a
+    relaunch may find the storage answering)."""
 
 
 class CommFailure(TemporaryError):
@@ -1018,10 +1023,17 @@ class Trainer(Generic[BatchT]):
         """``--resume`` with no checkpoint on any rank (a first launch) starts from scratch, as
         Megatron's ``--load`` does; the ranks decide together so that none restores alone."""
         assert self.checkpointer is not None
-        found = any(self._world_ints("resume", int(has_checkpoint(self.checkpointer))))
-        if not found:
-            self._event("fresh_start", reason="--resume: no checkpoint on any rank")
-        return found
+        seen = self._world_ints("resume", int(checkpoint_presence(self.checkpointer)))
+        if Presence.FOUND in seen:
+            return True
+        if Presence.UNKNOWN in seen:  # every rank decides alike: none starts afresh alone
+            raise CheckpointsOutOfReach(
+                "--resume: no rank found a checkpoint and the remote tier of "
+                f"rank(s) {[r for r, p in enumerate(seen) if p == Presence.UNKNOWN]} could not be listed: "
+                "a first launch cannot be told from checkpoints out of reach (a fresh start would later "
+                "discard them); relaunch once the storage answers, or pass --ckpt-storage none")
+        self._event("fresh_start", reason="--resume: no checkpoint on any rank")
+        return False
 
     def _restored_iterations(self) -> list[int]:
         return sorted(set(self._world_ints("restore", self.it)))
