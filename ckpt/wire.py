@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from ckpt.api import Buffer
+from unicron.kernel import wire as kernel_wire
 from unicron.kernel.errors import InvalidRecord
 
 MAGIC = b"UCR1"
@@ -35,16 +35,12 @@ def send(sock: socket.socket, header: dict[str, Any], payloads: Sequence[Buffer]
 
 
 def recv_into(sock: socket.socket, out: memoryview, deadline: float | None = None) -> None:
-    """Fill ``out``; ``deadline`` (``time.monotonic()``) bounds the whole of it, where the socket's
-    timeout bounds each read: a peer sending a byte now and then held a transfer open for ever."""
+    """Fill ``out``; ``deadline`` bounds the whole of it (:func:`unicron.kernel.wire.wait_until`)."""
     view = out.cast("B") if out.format != "B" else out
     got = 0
     while got < len(view):
         if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"transfer not done by its deadline: {got} of {len(view)} bytes")
-            sock.settimeout(left)
+            kernel_wire.wait_until(sock, deadline, f"whole transfer ({got} of {len(view)} bytes came)")
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionLost(f"connection closed after {got} of {len(view)} bytes")

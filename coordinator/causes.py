@@ -120,8 +120,7 @@ def held_by_phase(report: Report, statuses: Mapping[str, NodeStatus]) -> str | N
     its phases is left to :func:`hang_culprit`, which names a rank stuck in them."""
     if report.kind is not ErrorKind.TASK_HANG or report.task is None or report.handled:
         return None
-    ranks = [(node, r) for node, st in statuses.items() for r in st.ranks
-             if r.task == report.task and (report.generation is None or r.generation == report.generation)]
+    ranks = _task_ranks(report, statuses)
     reporter = next((r for node, r in ranks if _is_reporter(report, node, r)), None)
     if reporter is None or reporter.phase is not None:
         return None
@@ -150,8 +149,7 @@ def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:
     than the status interval the pick may be a rank that has since joined the collective."""
     if report.kind is not ErrorKind.TASK_HANG or report.task is None or report.handled:
         return report
-    ranks = [(node, r) for node, st in statuses.items() for r in st.ranks
-             if r.task == report.task and (report.generation is None or r.generation == report.generation)]
+    ranks = _task_ranks(report, statuses)
     found = _stopped_rank(report, ranks) or _rank_outside_collective(report, ranks)
     if found is None:
         return report
@@ -173,6 +171,12 @@ _Culprit = tuple[str, RankStatus | list[RankStatus], str]
 
 #: phases inside an iteration but outside its collective: a rank there for a hang's length holds the others
 _BEHIND = tuple(p for p in PHASES if p not in (PHASE_COLLECTIVE, PHASE_REGROUP))
+
+
+def _task_ranks(report: Report, statuses: Mapping[str, NodeStatus]) -> list[tuple[str, RankStatus]]:
+    """(node, status) of every rank of the report's task and generation, as the agents last saw them."""
+    return [(node, r) for node, st in statuses.items() for r in st.ranks
+            if r.task == report.task and (report.generation is None or r.generation == report.generation)]
 
 
 def _is_reporter(report: Report, node: str, r: RankStatus) -> bool:

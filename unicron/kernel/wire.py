@@ -65,8 +65,7 @@ class LineSocket:
 
     def recv_line(self, deadline: float | None = None) -> bytes | None:
         """Next line without its newline, or None at EOF. Raises InvalidRecord for an over-long line,
-        and TimeoutError once ``deadline`` (``time.monotonic()``) passes: a socket timeout bounds each
-        read only, and a peer sending a byte at a time held the line open for ever."""
+        and TimeoutError once ``deadline`` passes (:func:`wait_until`)."""
         while True:
             nl = self._buf.find(b"\n")
             if self._skipping:
@@ -83,10 +82,7 @@ class LineSocket:
                 self._skipping = True
                 raise InvalidRecord(f"line longer than {MAX_LINE} bytes")
             if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("no complete line before the deadline")
-                self.sock.settimeout(left)
+                wait_until(self.sock, deadline, "a complete line")
             chunk = self.sock.recv(65536)
             if not chunk:
                 return None
@@ -96,6 +92,16 @@ class LineSocket:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def wait_until(sock: socket.socket, deadline: float, what: str) -> None:
+    """Let ``sock``'s next operation wait until ``deadline`` (``time.monotonic()``) at most; raise
+    TimeoutError once it has passed. A socket timeout bounds each operation only: a peer sending a
+    byte now and then held a read of many operations open for ever."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no {what} before the deadline")
+    sock.settimeout(left)
 
 
 def stop_listening(sock: socket.socket, acceptor: threading.Thread, timeout_s: float = 5.0) -> None:
