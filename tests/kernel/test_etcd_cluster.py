@@ -13,7 +13,7 @@ import pytest
 
 from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.kernel.errors import StoreUnavailable
-from unicron.kernel.etcd import Store, WatchEvent
+from unicron.kernel.etcd import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, Store, WatchEvent
 
 
 @pytest.fixture
@@ -70,3 +70,40 @@ def test_the_client_fails_over_and_keeps_its_watch_and_lease(cluster: EtcdCluste
         lease.revoke()
     finally:
         store.close()
+
+
+def test_a_watch_on_a_member_that_went_silent_moves_to_another(cluster: EtcdCluster) -> None:
+    """The member a watch streams from is stopped (SIGSTOP: its connections stay open and answer
+    nothing, as a member cut off by a partition does). Writes through the other members must still
+    reach the watch, once the connection's keep-alive goes unanswered (10 s + 5 s): before, its stream
+    waited on the silent member for as long as TCP let it (minutes), and an agent watching its
+    assignments never saw another."""
+    store, writer = Store(cluster.endpoint, timeout_s=1.0), Store(cluster.endpoint, timeout_s=1.0)
+    silent = None
+    try:
+        seen: list[WatchEvent] = []
+        got = threading.Event()
+
+        def on_event(ev: WatchEvent) -> None:
+            seen.append(ev)
+            got.set()
+
+        watch = store.watch_prefix("/w/", on_event, start_revision=store.revision() + 1)
+        store.put("/w/0", "0")
+        assert got.wait(5.0)
+        silent = in_use(store, cluster)
+        silent.pause()
+        others = [m.endpoint for m in cluster.members if m is not silent]
+        writer.close()
+        writer = Store(",".join(others), timeout_s=1.0)
+        retry(functools.partial(writer.put, "/w/1", "1"), timeout_s=20.0)
+        deadline = time.monotonic() + KEEPALIVE_TIME_MS / 1000 + KEEPALIVE_TIMEOUT_MS / 1000 + 10.0
+        while "/w/1" not in {ev.key for ev in seen} and time.monotonic() < deadline:
+            got.wait(0.1)
+        assert [ev.key for ev in seen] == ["/w/0", "/w/1"], seen
+        watch.stop()
+    finally:
+        if silent is not None:
+            silent.resume()
+        store.close()
+        writer.close()

@@ -56,6 +56,22 @@ log = ulog.get(__name__)
 #: "1" keeps gRPC's default reconnect backoff (1 s, x1.6 per failure, up to 120 s) instead of ours:
 #: the baseline of ``bench/reconnect.py``, never a production setting.
 GRPC_DEFAULT_BACKOFF_ENV = "UNICRON_ETCD_GRPC_DEFAULT_BACKOFF"
+#: gRPC keep-alive on every connection to etcd: a member that stops answering without closing the
+#: connection (a partition, a stopped process) is noticed within about the sum of the two, and the
+#: watches streaming from it move to another member; without it a watch waited for as long as TCP
+#: let it (minutes). The interval is twice etcd's default ``--grpc-keepalive-min-time`` (5 s): a
+#: client pinging more often is sent away by the server ("too many pings").
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+_KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                      ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                      # gRPC stops pinging after two pings without data by default: an idle watch
+                      # would be checked twice, then never again
+                      ("grpc.http2.max_pings_without_data", 0),
+                      # and waits 5 min between pings when no data came back: an idle stream's pings
+                      # would be too far apart to notice anything
+                      ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
+                      ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
 
 # gRPC codes under which the same request can succeed later: etcd down, restarting, electing a
 # leader, or shedding load. pyetcd converts UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL to its own
@@ -185,6 +201,7 @@ class Store:
                 ("grpc.max_reconnect_backoff_ms", 2 * backoff_ms)]
         if os.environ.get(GRPC_DEFAULT_BACKOFF_ENV) == "1":
             opts = []  # gRPC's own backoff: only bench/reconnect.py's baseline sets this
+        opts += _KEEPALIVE_OPTIONS
         creds = tls_config.grpc_channel_credentials() if tls_config is not None else None
         eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=retry_s, opts=opts)
                for h, p in self.endpoints]
@@ -436,9 +453,12 @@ class PrefixWatch:
             try:
                 watcher.add_callback(self.prefix, deliver, **kwargs)
             except grpc.RpcError as exc:
-                if exc.code() in _ENDPOINT_DOWN:  # as the client's own calls do: fail over next time
-                    with contextlib.suppress(ValueError):
-                        client.endpoint_in_use.fail()
+                if exc.code() in _ENDPOINT_DOWN:
+                    _fail_endpoint(client)
+                watcher.close()
+                raise
+            except etcd_exc.WatchTimedOut:  # the member took the connection and never answered
+                _fail_endpoint(client)
                 watcher.close()
                 raise
             except BaseException:
@@ -505,6 +525,10 @@ class PrefixWatch:
                 with contextlib.suppress(StoreUnavailable):
                     self._resync()
                 return
+            if isinstance(item, grpc.RpcError) and item.code() in _ENDPOINT_DOWN:
+                # the stream broke with its member (its keep-alive unanswered, say): resume elsewhere
+                with contextlib.suppress(StoreClosed):
+                    _fail_endpoint(self.store.client)
             if isinstance(item, BaseException) or item is None:
                 log.info("watch interrupted; resuming", prefix=self.prefix, cause=str(item),
                          revision=self.next_revision)
@@ -522,6 +546,13 @@ class PrefixWatch:
             self.on_event(event)
         except Exception:  # the owner's bug: logged, and the watch goes on
             log.exception("watch handler failed", prefix=self.prefix, key=event.key)
+
+
+def _fail_endpoint(client: Any) -> None:
+    """Mark the member ``client`` uses failed, as the client's own calls do on an outage code: its
+    next call (or watch) goes to another member, if it has one."""
+    with contextlib.suppress(ValueError):  # no member in use right now
+        client.endpoint_in_use.fail()
 
 
 def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, who: str,
