@@ -138,9 +138,13 @@ class FilesystemStorage(Storage):
         path = self._path(key)
         try:
             path.unlink(missing_ok=True)
+            # durable before the caller's next delete: retention deletes a manifest before its shards,
+            # and a manifest back after a crash would name shards that are gone
+            _fsync_dir(path.parent)
             parent = path.parent
             while parent != self.root and _only_abandoned(parent):
                 parent.rmdir()  # leave no empty per-iteration directories behind
+                _fsync_dir(parent.parent)
                 parent = parent.parent
         except OSError as exc:
             raise StorageUnavailable(f"deleting {self.describe()}/{key}: {exc}") from exc

@@ -165,6 +165,27 @@ def test_a_failed_write_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.
     assert left == [], f"a failed write left {left}"
 
 
+def test_a_delete_is_durable_before_the_next_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention deletes an iteration's manifest, then its shards. Before, no delete was fsync'd: after
+    a crash the manifest could be back while its shards were gone. Each delete now syncs its directory
+    (and each emptied directory's parent) before it returns."""
+    storage = FilesystemStorage(tmp_path / "s")
+    key = "job-1/rank-00000/iter-000000000002/shard-00000.bin"
+    storage.write(key, b"x")
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    storage.delete(key)
+    monkeypatch.undo()
+    iteration = tmp_path / "s" / "job-1" / "rank-00000" / "iter-000000000002"
+    assert synced[:2] == [str(iteration), str(iteration.parent)], synced
+
+
 def test_retention_removes_what_a_killed_write_left(tmp_path: Path) -> None:
     """A writer killed mid-shard leaves iter-N/.shard-K.bin.tmp-XXXX: retention deletes the orphaned
     iteration through list(), which hides temporaries, so that directory and its bytes are never freed."""
