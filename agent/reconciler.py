@@ -49,7 +49,7 @@ from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
 from agent.progress import ENV_PROGRESS_REGEX, LineParser, Progress, compile_regex
 from agent.sidecar import START_TIMEOUT_S, StoreSidecar
-from agent.supervisor import ProcStatus, RankExit, Supervisor
+from agent.supervisor import ProcStatus, RankExit, RankStillRunning, Supervisor
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
 from unicron.kernel.errors import ConfigError, StoreClosed, StoreUnavailable, UnicronError
@@ -526,7 +526,8 @@ class TaskReconciler:
                    and c.assignment.store_epoch > a.store_epoch for c in self._commands)
 
     def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, restart: bool = False) -> str:
-        """Start one rank; "" on success, else why it could not start (the rank is then FAILED)."""
+        """Start one rank; "" on success, else why it could not start (the rank is then FAILED, unless
+        its previous process still runs)."""
         with self._lock:
             self.launched_epoch[spec.rank] = a.restart_epoch
             self.launched_membership[spec.rank] = a.membership_epoch
@@ -537,6 +538,9 @@ class TaskReconciler:
         try:
             self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
                                    stdout_path=self.host.rank_log_path(a.task, spec.rank))
+        except RankStillRunning as exc:  # its predecessor would not die: this node's trouble, and it still runs
+            log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
+            return str(exc)
         except UnicronError as exc:  # the command cannot run: the task's failure
             log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
             with self._lock:
@@ -689,6 +693,8 @@ class TaskReconciler:
         leaving = sorted(r for r in running if r not in specs or r in a.joiners)
         self._tell_lost(a, applied, sorted(running - set(leaving)))
         errors = self._leave(a, leaving)
+        # a leaver that would not die (its error says so) still holds its rank: no joiner over it
+        alive = {r for r, st in self.supervisor.status().items() if st.returncode is None}
         with self._lock:
             hosts_store = self._sidecar is not None
         if hosts_store:
@@ -696,7 +702,7 @@ class TaskReconciler:
             # count itself in started/<rank>) before the mark lands and be taken for dead.
             for r in sorted(set(a.lost) - set(a.joiners) - set(applied.lost)):
                 self.host.mark_failed(store, r)
-        joiners = [r for r in sorted(specs) if r not in running or r in leaving]
+        joiners = [r for r in sorted(specs) if (r not in running or r in leaving) and r not in alive]
         with self._lock:
             for r in joiners:
                 self._ranks[r] = RankState.RESTARTING

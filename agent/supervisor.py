@@ -98,6 +98,10 @@ StderrSink = Callable[[int, str], None]
 LineCallback = Callable[[int, str, float], None]
 
 
+class RankStillRunning(PermanentError):
+    """A launch of a rank whose previous process has not exited (the node's trouble, not the command's)."""
+
+
 def _stderr_writer() -> StderrSink:
     lock = threading.Lock()
 
@@ -202,7 +206,7 @@ class Supervisor:
         with self._lock:
             old = self._procs.get(rank)
             if old is not None and old.state != EXITED:
-                raise PermanentError(f"rank {rank} is already running as pid {old.pid}; kill it first")
+                raise RankStillRunning(f"rank {rank} is already running as pid {old.pid}; kill it first")
         prefork = self._prefork if self._prefork is not None and self._prefork.eligible(argv, env, cwd) else None
         if prefork is not None:
             prefork.await_warm()

@@ -247,3 +247,32 @@ def test_a_crashed_rank_is_relaunched_only_once_its_death_is_marked(
     assert rec.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[0])).wait(20)
     assert host.events == ["launch 0", "mark 0", "mark 0 and wait", "launch 0"], host.events
     assert rec.stop("end").wait(10)
+
+
+def test_a_joiner_whose_predecessor_never_left_is_not_relaunched_nor_blamed_on_the_task(
+        tmp_path: Path, reconcilers: list[TaskReconciler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resize re-hosts rank 0 here as a joiner and its old process never dies (stuck in the GPU
+    driver: here the kills are swallowed). Before, the joiner was launched over it anyway, and the
+    supervisor's "already running" was taken for the task's command failing (``cannot_start``: the
+    whole task failed, FailureCause.TASK) with the rank marked FAILED while it ran. Now the resize
+    reports that the rank did not leave and launches nothing over it."""
+    monkeypatch.setattr(reconciler, "LEAVE_WAIT_S", 0.2)
+    monkeypatch.setattr(reconciler, "STOP_GRACE_S", 0.1)
+    monkeypatch.setattr(reconciler, "RESTART_WAIT_S", 0.1)
+    host = RecordingHost(str(tmp_path))
+    a = assignment([0])
+    rec = TaskReconciler(a, host, None, stop_grace_s=0.1)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(a))
+    assert rec.started.wait(10) and rec.started.ok, rec.started.detail
+    old_pid = rec.processes()[0].pid
+    swallowed: list[int] = []
+    monkeypatch.setattr(rec.supervisor, "kill", lambda rank, sig=9, grace_s=10.0: swallowed.append(sig))
+
+    out = rec.apply(dataclasses.replace(a, membership_epoch=1, joiners=[0]))
+    assert out.wait(10) and not out.ok
+    assert swallowed and running(old_pid) and rec.processes()[0].pid == old_pid
+    assert "did not leave" in out.detail and "already running" not in out.detail
+    assert rec.cannot_start() == "" and rec.rank_state(0) is not RankState.FAILED
+    assert host.launched == [0]
+    monkeypatch.undo()  # the fixture's clean-up kills it for real

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.prefork import Prefork, PreforkedProcess
-from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, Supervisor
+from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, RankStillRunning, Supervisor
 from unicron.kernel.errors import PermanentError
 from unicron.kernel.procs import proc_state
 from unicron.kernel.types import ErrorKind
@@ -274,7 +274,7 @@ def test_launch_errors(sup: Supervisor) -> None:
     with pytest.raises(PermanentError, match="cannot start"):
         sup.launch(0, ["/nonexistent/trainer"])
     sup.launch(1, py("import time; time.sleep(30)"))
-    with pytest.raises(PermanentError, match="already running"):
+    with pytest.raises(RankStillRunning, match="already running"):  # not the command's fault
         sup.launch(1, py("pass"))
 
 
