@@ -78,7 +78,7 @@ MARK_WAIT_S = 10.0
 #: (measured: 0.9 s of a 6 s cold relaunch on 2 cores, bench/jobs.py)
 SPARE_DELAY_S = 20.0
 #: how long a rank asked to leave (an in-place shrink) has to finish its iteration and exit before
-#: it is stopped (SIGTERM, then SIGKILL after STOP_GRACE_S)
+#: it is stopped (SIGTERM, then SIGKILL after the stop grace); a stop asked for meanwhile ends the wait
 LEAVE_WAIT_S = 60.0
 #: ``TaskAssignment.recovery`` of a task whose every rank is relaunched together
 RECOVERY_RESTART = "restart"
@@ -458,6 +458,20 @@ class TaskReconciler:
     def _stop_pending(self) -> bool:
         return any(c.assignment is None for c in self._commands)
 
+    def _stop_asked(self) -> bool:
+        """``_stop_pending``, for a caller without the lock."""
+        with self._lock:
+            return self._stop_pending()
+
+    def _wait_exit(self, rank: int, timeout_s: float) -> RankExit | None:
+        """``supervisor.wait``, cut short by a stop asked for meanwhile: the stop ends every rank itself,
+        and an isolated node's SIGKILL must not wait out a leaver's minute first."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and not self._stop_asked():
+            if (ex := self.supervisor.wait(rank, timeout_s=min(left, 0.1))) is not None:
+                return ex
+        return self.supervisor.wait(rank, timeout_s=0)
+
     def _do_start(self, a: TaskAssignment) -> tuple[bool, str]:
         if self._previous is not None:
             self._previous.stopped.wait()  # its ranks hold the GPUs this generation needs
@@ -693,6 +707,8 @@ class TaskReconciler:
         leaving = sorted(r for r in running if r not in specs or r in a.joiners)
         self._tell_lost(a, applied, sorted(running - set(leaving)))
         errors = self._leave(a, leaving)
+        if self._stop_asked():
+            return errors  # no marks, no joiners: the stop comes next
         # a leaver that would not die (its error says so) still holds its rank: no joiner over it
         alive = {r for r, st in self.supervisor.status().items() if st.returncode is None}
         with self._lock:
@@ -733,15 +749,19 @@ class TaskReconciler:
         for r in ranks:
             self.supervisor.expect_exit(r)
             if not self.host.send_to_rank(a.task, r, msg):  # not instrumented (or gone): stop it
-                self.supervisor.kill(r, signal.SIGTERM, grace_s=STOP_GRACE_S)
+                self.supervisor.kill(r, signal.SIGTERM, grace_s=self.stop_grace_s)
         errors = []
         for r in ranks:
-            if self.supervisor.wait(r, timeout_s=LEAVE_WAIT_S) is None:
+            ex = self._wait_exit(r, LEAVE_WAIT_S)
+            if ex is None and not self._stop_asked():
                 log.warning("rank did not leave in time; stopping it", task=a.task, rank=r)
-                self.supervisor.kill(r, signal.SIGTERM, grace_s=STOP_GRACE_S)
-                if self.supervisor.wait(r, timeout_s=STOP_GRACE_S + RESTART_WAIT_S) is None:
-                    errors.append(f"rank {r} did not leave")
-                    continue
+                self.supervisor.kill(r, signal.SIGTERM, grace_s=self.stop_grace_s)
+                ex = self._wait_exit(r, self.stop_grace_s + RESTART_WAIT_S)
+            if ex is None and self._stop_asked():
+                break  # the stop ends it
+            if ex is None:
+                errors.append(f"rank {r} did not leave")
+                continue
             self.supervisor.forget(r)
             with self._lock:
                 self._ranks.pop(r, None)

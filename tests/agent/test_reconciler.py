@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,15 @@ from unicron.kernel import protocol
 from unicron.kernel.errors import TemporaryError
 from unicron.kernel.etcd import WatchEvent
 from unicron.kernel.inject import Fault, Injection
-from unicron.kernel.types import DetectionMethod, ErrorKind, RankSpec, Report, StoreAddress, TaskAssignment
+from unicron.kernel.types import (
+    DetectionMethod,
+    ErrorKind,
+    RankSet,
+    RankSpec,
+    Report,
+    StoreAddress,
+    TaskAssignment,
+)
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(1000)"]
 CRASH = [sys.executable, "-c", "import sys; sys.exit(3)"]
@@ -257,7 +266,6 @@ def test_a_joiner_whose_predecessor_never_left_is_not_relaunched_nor_blamed_on_t
     whole task failed, FailureCause.TASK) with the rank marked FAILED while it ran. Now the resize
     reports that the rank did not leave and launches nothing over it."""
     monkeypatch.setattr(reconciler, "LEAVE_WAIT_S", 0.2)
-    monkeypatch.setattr(reconciler, "STOP_GRACE_S", 0.1)
     monkeypatch.setattr(reconciler, "RESTART_WAIT_S", 0.1)
     host = RecordingHost(str(tmp_path))
     a = assignment([0])
@@ -276,3 +284,31 @@ def test_a_joiner_whose_predecessor_never_left_is_not_relaunched_nor_blamed_on_t
     assert rec.cannot_start() == "" and rec.rank_state(0) is not RankState.FAILED
     assert host.launched == [0]
     monkeypatch.undo()  # the fixture's clean-up kills it for real
+
+
+def test_a_kill_stop_is_not_held_behind_a_resize_waiting_for_a_leaver(
+        tmp_path: Path, reconcilers: list[TaskReconciler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resize asks rank 1 to leave and waits up to LEAVE_WAIT_S (60 s) for it; a rank hung in a
+    collective never reaches an iteration boundary. Before, the isolated node's stop (SIGKILL, so that
+    its ranks do not outlive their relaunch elsewhere) waited behind the whole leave wait and its
+    SIGTERM grace, the survivor running all along; now the wait ends as soon as the stop is asked."""
+    monkeypatch.setattr(reconciler, "LEAVE_WAIT_S", 30.0)
+
+    class Connected(RecordingHost):
+        def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
+            return True  # the Leave is delivered (and ignored by the hung rank)
+
+    a = assignment([0, 1])
+    rec = TaskReconciler(a, Connected(str(tmp_path)), None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(a))
+    assert rec.started.wait(10) and rec.started.ok, rec.started.detail
+    survivor = rec.processes()[0].pid
+    rec.apply(dataclasses.replace(a, ranks=a.ranks[:1], membership_epoch=1, members=RankSet.of([0])))
+    deadline = time.monotonic() + 5
+    while rec.rank_state(1) is not RankState.STOPPING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rec.rank_state(1) is RankState.STOPPING  # the leave is under way
+    t0 = time.monotonic()
+    assert rec.stop("node isolated", kill=True).wait(5), f"the stop still waits after {time.monotonic() - t0:.1f} s"
+    assert not running(survivor)
