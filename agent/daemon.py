@@ -448,9 +448,10 @@ class Agent:
                     rank=rank, gpu=self._gpu_of(task, rank), step=rec.step_of(rank) if rec is not None else None,
                     source_ts=ts)
 
-    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float) -> None:
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,
+                      pid: int) -> None:
         rec = self._task(task)
-        if rec is None or not rec.has_rank(rank):
+        if rec is None or not rec.has_rank(rank, pid):  # a line its relaunched rank's predecessor wrote
             return
         if phase is not None:
             # Megatron prints its checkpoint lines on rank 0 and progress on the last rank: the phase
@@ -470,7 +471,8 @@ class Agent:
             if tracker is None or tracker.monitor is not mon:  # a relaunched rank has a new monitor
                 tracker = self._progress[(task, rank)] = LogProgress(mon)
         tracker.feed(progress, ts)
-        rec.record_step(rank, progress.iteration, completed=True)  # a progress line follows the iterations it counts
+        # a progress line follows the iterations it counts; pid: the rank may have been relaunched since
+        rec.record_step(rank, progress.iteration, completed=True, pid=pid)
 
     def rank_launched(self, task: str, rank: int, restart: bool) -> None:
         self.metrics.rank_launches.labels(task).inc()

@@ -140,8 +140,10 @@ class TaskHost(Protocol):
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None: ...
 
-    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float) -> None:
-        """A progress (or checkpoint phase) line in the rank's output (:mod:`agent.progress`)."""
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,
+                      pid: int) -> None:
+        """A progress (or checkpoint phase) line in the output of the rank's process ``pid``
+        (:mod:`agent.progress`)."""
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool: ...
 
@@ -231,6 +233,9 @@ class TaskReconciler:
         #: rank -> the restart epoch and the membership epoch its current process was launched at
         self.launched_epoch: dict[int, int] = {}
         self.launched_membership: dict[int, int] = {}
+        #: rank -> its current process's pid (absent while it is being launched): a line of its
+        #: predecessor read late is not this process's progress
+        self.launched_pid: dict[int, int] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
         self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
@@ -282,9 +287,10 @@ class TaskReconciler:
 
     # --- observation ------------------------------------------------------------------------------
 
-    def has_rank(self, rank: int) -> bool:
+    def has_rank(self, rank: int, pid: int | None = None) -> bool:
+        """The rank is this task's here (and, with ``pid``, that is its current process)."""
         with self._lock:
-            return rank in self._ranks
+            return rank in self._ranks and (pid is None or self.launched_pid.get(rank) == pid)
 
     def launch_epoch(self, rank: int) -> int | None:
         """The restart epoch the rank's newest process was launched under; None before its first launch."""
@@ -369,9 +375,13 @@ class TaskReconciler:
         with self._lock:
             self.stopped_at[rank] = step
 
-    def record_step(self, rank: int, step: int, completed: bool = False) -> None:
-        """The rank's process is at ``step``; ``completed``: it finished an iteration (not only began one)."""
+    def record_step(self, rank: int, step: int, completed: bool = False, pid: int | None = None) -> None:
+        """The rank's process is at ``step``; ``completed``: it finished an iteration (not only began one).
+        ``pid``: the process that said so; nothing if that is not the rank's current one (a relaunched
+        rank credited with its dead predecessor's step was taken by the coordinator for recovered)."""
         with self._lock:
+            if pid is not None and self.launched_pid.get(rank) != pid:
+                return
             self.steps[rank] = step
             if completed:
                 self.advanced.add(rank)
@@ -545,6 +555,7 @@ class TaskReconciler:
         with self._lock:
             self.launched_epoch[spec.rank] = a.restart_epoch
             self.launched_membership[spec.rank] = a.membership_epoch
+            self.launched_pid.pop(spec.rank, None)
             self.monitors.pop(spec.rank, None)
             # A new process has made no step yet: its predecessor's last step, published with the
             # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
@@ -571,6 +582,7 @@ class TaskReconciler:
             # exited was left in INIT/RESTARTING by it (reported, not counted) and must not turn healthy
             # (it did, and got an iteration monitor that judged the dead process hung).
             st = self.supervisor.status()[spec.rank]  # the process launched above
+            self.launched_pid[spec.rank] = st.pid
             exited = st.returncode is not None
             if exited:
                 self._ranks[spec.rank] = (RankState.SUCCEEDED if st.returncode == 0 else
@@ -768,6 +780,7 @@ class TaskReconciler:
                 self._forget_progress(r)
                 self.launched_epoch.pop(r, None)
                 self.launched_membership.pop(r, None)
+                self.launched_pid.pop(r, None)
                 mon = self.monitors.pop(r, None)
             self.host.forget_rank(a.task, r, mon)
         return errors
@@ -916,8 +929,8 @@ class TaskReconciler:
     def _on_stderr_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.host.stderr_matched(self.task, rank, kind, line, ts)
 
-    def _on_line(self, rank: int, line: str, ts: float) -> None:
+    def _on_line(self, rank: int, pid: int, line: str, ts: float) -> None:
         progress = self.parser.progress(line)
         phase = None if progress is not None else self.parser.phase(line)
         if progress is not None or phase is not None:
-            self.host.rank_progress(self.task, rank, progress, phase, ts)
+            self.host.rank_progress(self.task, rank, progress, phase, ts, pid)

@@ -94,8 +94,9 @@ ExitCallback = Callable[[RankExit], None]
 MatchCallback = Callable[[int, ErrorKind, str, float], None]
 #: stderr_sink(rank, line): where forwarded stderr lines go
 StderrSink = Callable[[int, str], None]
-#: on_line(rank, line, ts): every output line of a rank, stdout and stderr
-LineCallback = Callable[[int, str, float], None]
+#: on_line(rank, pid, line, ts): every output line of a rank, stdout and stderr (``pid``: the process that
+#: wrote it, whose reader may hand its last lines on after the rank's next process was launched)
+LineCallback = Callable[[int, int, str, float], None]
 
 
 class RankStillRunning(PermanentError):
@@ -301,7 +302,7 @@ class Supervisor:
         if self._on_line is None:
             return
         try:
-            self._on_line(proc.rank, line, ts)
+            self._on_line(proc.rank, proc.pid, line, ts)
         except Exception:
             log.exception("on_line callback failed", rank=proc.rank)
 

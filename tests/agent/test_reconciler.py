@@ -19,7 +19,7 @@ import pytest
 from agent import reconciler
 from agent import supervisor as sup
 from agent.daemon import Agent
-from agent.iterations import IterationMonitor, IterationSettings
+from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
 from agent.progress import Progress
 from agent.reconciler import RankState, TaskReconciler, TaskState
 from agent.sidecar import StoreSidecar
@@ -88,7 +88,8 @@ class RecordingHost:
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         pass
 
-    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float) -> None:
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,
+                      pid: int) -> None:
         pass
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
@@ -312,3 +313,56 @@ def test_a_kill_stop_is_not_held_behind_a_resize_waiting_for_a_leaver(
     t0 = time.monotonic()
     assert rec.stop("node isolated", kill=True).wait(5), f"the stop still waits after {time.monotonic() - t0:.1f} s"
     assert not running(survivor)
+
+
+def test_a_dead_process_progress_line_does_not_count_for_its_relaunched_successor(
+        tmp_path: Path, reconcilers: list[TaskReconciler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An uninstrumented rank printed a progress line, hung, and was relaunched in place; its stdout
+    reader (joined by nothing) handed the line on only after the relaunch (held here, as on a busy
+    agent). Before, the line was recorded as the successor's step, ``advanced`` at the new restart
+    epoch, which the coordinator takes as proof the restart worked (``coordinator.causes.progress``);
+    now a line carries its process's pid and one of a predecessor is dropped."""
+    got_line, release, handled = threading.Event(), threading.Event(), threading.Event()
+    line_of = sup.Supervisor._line
+
+    def slow_reader(self: sup.Supervisor, proc: sup.RankProcess, line: str, ts: float) -> None:
+        if "iteration" not in line or got_line.is_set():
+            return line_of(self, proc, line, ts)
+        got_line.set()
+        release.wait(10)
+        try:
+            line_of(self, proc, line, ts)
+        finally:
+            handled.set()
+
+    monkeypatch.setattr(sup.Supervisor, "_line", slow_reader)
+    agent = Agent.__new__(Agent)  # only what its rank_progress reads
+
+    class ToTheAgent(RecordingHost):
+        def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,
+                          pid: int) -> None:
+            agent.rank_progress(task, rank, progress, phase, ts, pid)
+
+    line = "iteration       10/     100 | consumed samples:  640 | elapsed time per iteration (ms): 1234.5 |"
+    flag = tmp_path / "printed"  # only the first process prints: its successor makes no step
+    argv = [sys.executable, "-c", f"import os, time\nif not os.path.exists({str(flag)!r}):\n"
+            f"    open({str(flag)!r}, 'w').close(); print({line!r}, flush=True)\ntime.sleep(1000)"]
+    a = assignment([0], argv=argv)
+    rec = TaskReconciler(a, ToTheAgent(str(tmp_path)), None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    agent._tasks_lock, agent._tasks, agent._progress_lock, agent._progress = threading.Lock(), {"t": rec}, threading.Lock(), {}
+    agent.iteration_settings, agent.hang_watcher = IterationSettings(), HangWatcher(lambda key, finding: None)
+    rec.offer_store(store_of(a))
+    assert rec.started.wait(10) and rec.started.ok, rec.started.detail
+    assert got_line.wait(10)  # the old process's line was read, and is on its way
+    old_pid = rec.processes()[0].pid
+
+    assert rec.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[0])).wait(20)
+    assert rec.launch_epoch(0) == 1 and rec.rank_state(0) is RankState.HEALTHY
+    release.set()
+    assert handled.wait(10)
+    (st,) = rec.rank_statuses()
+    assert st.restart_epoch == 1
+    assert not st.advanced and st.step is None, f"successor credited with the dead process's step {st.step}"
+    rec.record_step(0, 11, completed=True, pid=old_pid)  # one that passed the agent's check before the relaunch
+    assert not rec.rank_statuses()[0].advanced
