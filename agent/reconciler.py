@@ -488,7 +488,7 @@ class TaskReconciler:
             self._previous = None
         store = self._host_store(a) if a.store_node == self.host.node else self._await_store(a)
         if store is None:
-            return True, "stopped before its store was available"
+            return True, "stopped or superseded before its store was available"
         errors = [err for spec in a.ranks if (err := self._launch(a, spec, store))]
         if errors:
             with self._lock:
@@ -531,18 +531,26 @@ class TaskReconciler:
         return addr
 
     def _await_store(self, a: TaskAssignment, moved: bool = False) -> StoreAddress | None:
-        """The store ``a`` names, once published; None if a stop comes first, or (``moved``) a newer
-        move of the store: the node named may have been lost too before its store came up (a partition
-        of the store's node and another, found as two resizes), and only the newer one has a store."""
+        """The store ``a`` names, once published; None if a stop comes first, or a newer attempt of a
+        ``restart`` task (its store, which may come instead of ``a``'s, is not ``a``'s ranks' to use),
+        or (``moved``) a newer move of the store: the node named may have been lost too before its store
+        came up (a partition of the store's node and another, found as two resizes), and only the newer
+        one has a store."""
         with self._wake:
             if self._store is None or moved:
                 log.info("waiting for the task's store", task=a.task, generation=a.generation, store_node=a.store_node)
             epoch = _store_epoch(a)
             self._wake.wait_for(lambda: (self._store is not None and self._store.restart_epoch >= epoch
                                          and self._store.store_epoch >= a.store_epoch) or self._stop_pending()
-                                or (moved and self._moved_again(a)))
+                                or (moved and self._moved_again(a)) or self._restarted_again(a))
             ready = self._store is not None and self._store.store_epoch >= a.store_epoch
-            return self._store if ready and not self._stop_pending() else None
+            return self._store if ready and not self._stop_pending() and not self._restarted_again(a) else None
+
+    def _restarted_again(self, a: TaskAssignment) -> bool:
+        """A queued assignment is a newer attempt of ``a``'s ``restart`` task (under the lock)."""
+        return a.recovery == RECOVERY_RESTART and any(
+            c.assignment is not None and c.assignment.generation == a.generation
+            and c.assignment.restart_epoch > a.restart_epoch for c in self._commands)
 
     def _moved_again(self, a: TaskAssignment) -> bool:
         """A queued assignment moves the store past ``a``'s (under the lock)."""
@@ -803,10 +811,10 @@ class TaskReconciler:
             return errors
         store = self._fresh_store(a)
         if store is None:
-            return []  # stopped meanwhile
+            return []  # stopped, or superseded by a newer attempt, meanwhile
         with self._wake:
-            self._wake.wait_for(self._stop_pending, a.restart_delay_s)
-            if self._stop_pending():
+            self._wake.wait_for(lambda: self._stop_pending() or self._restarted_again(a), a.restart_delay_s)
+            if self._stop_pending() or self._restarted_again(a):
                 return []
         for r in ranks:
             if err := self._launch(a, specs[r], store, restart=True):

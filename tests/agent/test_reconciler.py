@@ -366,3 +366,30 @@ def test_a_dead_process_progress_line_does_not_count_for_its_relaunched_successo
     assert not st.advanced and st.step is None, f"successor credited with the dead process's step {st.step}"
     rec.record_step(0, 11, completed=True, pid=old_pid)  # one that passed the agent's check before the relaunch
     assert not rec.rank_statuses()[0].advanced
+
+
+def test_a_restart_superseded_before_its_store_came_does_not_launch_its_ranks_on_the_next_attempts_store(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """A ``restart`` task on a node without its store: attempt 1 stops the ranks and waits for its
+    store, which never comes (its start failed on the store's node), and attempt 2 is ordered. Before,
+    attempt 2's store woke attempt 1, which launched its ranks on it; attempt 2 then killed them and
+    relaunched on the store their rendezvous keys now polluted (what a fresh store per attempt is
+    for). Now a queued newer attempt ends the older one's wait, and only attempt 2 launches."""
+    launches: list[tuple[int, int]] = []  # (the assignment's restart epoch, its store's)
+
+    class Host(RecordingHost):
+        def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
+            launches.append((a.restart_epoch, store.restart_epoch))
+            return super().rank_env(a, spec, store)
+
+    a = assignment([0], recovery="restart")
+    rec = TaskReconciler(a, Host(str(tmp_path)), None, stop_grace_s=0.5)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(a))
+    assert rec.started.wait(10) and rec.started.ok, rec.started.detail
+    first = rec.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[0]))
+    assert rec.supervisor.wait(0, 10) is not None  # attempt 1 stopped the rank: it waits for its store
+    second = rec.apply(dataclasses.replace(a, restart_epoch=2, restart_ranks=[0]))
+    rec.offer_store(dataclasses.replace(store_of(a), port=2, restart_epoch=2))
+    assert first.wait(10) and second.wait(20) and second.ok, second.detail
+    assert launches == [(0, 0), (2, 2)]
