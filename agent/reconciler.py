@@ -618,6 +618,13 @@ class TaskReconciler:
                 running = {r for r, st in self.supervisor.status().items() if st.returncode is None}
                 self._tell_lost(a, applied, sorted(r for r in running if r in specs))
                 return True, "superseded by a newer move of the store"
+        resize = a.membership_epoch > applied.membership_epoch and bool(specs)
+        relaunch = (a.restart_epoch > applied.restart_epoch and a.recovery != RECOVERY_RESTART
+                    and any(r in specs for r in a.restart_ranks))  # a restart task's attempt brings its own store
+        if store is None and (resize or relaunch) and not self._stop_asked():
+            # the task's start found no store here (it failed to start): nothing can be launched, and
+            # "applied" would claim ranks that do not run
+            errors.append("no store to launch the ranks onto (the task's start had none)")
         if a.membership_epoch > applied.membership_epoch and store is not None:
             errors += self._resize(a, applied, specs, store)
         if a.restart_epoch > applied.restart_epoch and a.recovery == RECOVERY_RESTART:

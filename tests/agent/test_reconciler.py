@@ -393,3 +393,21 @@ def test_a_restart_superseded_before_its_store_came_does_not_launch_its_ranks_on
     rec.offer_store(dataclasses.replace(store_of(a), port=2, restart_epoch=2))
     assert first.wait(10) and second.wait(20) and second.ok, second.detail
     assert launches == [(0, 0), (2, 2)]
+
+
+def test_an_inprocess_restart_or_resize_without_a_store_is_not_reported_applied(
+        tmp_path: Path, reconcilers: list[TaskReconciler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store of an ``inprocess`` task could not start here (its start failed: no rank runs). Before,
+    a later restart (or resize) skipped its launches for want of a store, said nothing, and reported
+    "applied": results/<node> claimed ranks that did not run. Now it fails, saying why."""
+    monkeypatch.setattr(reconciler, "StoreSidecar", _StoresThatFail(failing={1}))
+    a = assignment([0], store_node="n0")
+    rec = TaskReconciler(a, RecordingHost(str(tmp_path)), None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    assert rec.started.wait(10) and not rec.started.ok
+    restart = dataclasses.replace(a, restart_epoch=1, restart_ranks=[0])
+    out = rec.apply(restart)
+    assert out.wait(10) and not out.ok and "no store" in out.detail, out.detail
+    out = rec.apply(dataclasses.replace(restart, membership_epoch=1, joiners=[0]))
+    assert out.wait(10) and not out.ok and "no store" in out.detail, out.detail
+    assert rec.processes() == {}
