@@ -489,7 +489,9 @@ class TaskReconciler:
         store = self._host_store(a) if a.store_node == self.host.node else self._await_store(a)
         if store is None:
             return True, "stopped or superseded before its store was available"
-        errors = [err for spec in a.ranks if (err := self._launch(a, spec, store))]
+        errors = self._launch_all(a, a.ranks, store)
+        if self._stop_asked():
+            return True, "stopped while its ranks were launched"
         if errors:
             with self._lock:
                 self._launch_error = errors[0]
@@ -556,6 +558,18 @@ class TaskReconciler:
         """A queued assignment moves the store past ``a``'s (under the lock)."""
         return any(c.assignment is not None and c.assignment.generation == a.generation
                    and c.assignment.store_epoch > a.store_epoch for c in self._commands)
+
+    def _launch_all(self, a: TaskAssignment, specs: list[RankSpec], store: StoreAddress,
+                    restart: bool = False) -> list[str]:
+        """Launch ``specs`` in turn; why those that failed did. A stop asked for meanwhile ends it: a
+        rank launched then is only killed again, and the next generation waits for its GPUs."""
+        errors = []
+        for spec in specs:
+            if self._stop_asked():
+                break
+            if err := self._launch(a, spec, store, restart):
+                errors.append(err)
+        return errors
 
     def _launch(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, restart: bool = False) -> str:
         """Start one rank; "" on success, else why it could not start (the rank is then FAILED, unless
@@ -635,12 +649,16 @@ class TaskReconciler:
                 for r in restart:
                     self._ranks[r] = RankState.RESTARTING
             for r in restart:
+                if self._stop_asked():
+                    break  # the stop kills them all: a relaunch first only delays it
                 if r in self.supervisor.status():
                     self.supervisor.kill(r, signal.SIGKILL)
                     if self.supervisor.wait(r, timeout_s=RESTART_WAIT_S) is None:
                         errors.append(f"rank {r} did not exit within {RESTART_WAIT_S:.0f} s of SIGKILL")
                         continue
                     self._mark_killed(a, store, r)
+                    if self._stop_asked():
+                        break
                 if err := self._launch(a, specs[r], store, restart=True):
                     errors.append(err)
                 else:
@@ -749,9 +767,7 @@ class TaskReconciler:
         with self._lock:
             for r in joiners:
                 self._ranks[r] = RankState.RESTARTING
-        for r in joiners:
-            if err := self._launch(a, specs[r], store, restart=True):
-                errors.append(err)
+        errors += self._launch_all(a, [specs[r] for r in joiners], store, restart=True)
         log.info("resized in place", task=a.task, membership_epoch=a.membership_epoch, left=leaving,
                  joined=joiners, lost=list(a.lost), members=list(a.members))
         return errors
@@ -823,9 +839,7 @@ class TaskReconciler:
             self._wake.wait_for(lambda: self._stop_pending() or self._restarted_again(a), a.restart_delay_s)
             if self._stop_pending() or self._restarted_again(a):
                 return []
-        for r in ranks:
-            if err := self._launch(a, specs[r], store, restart=True):
-                errors.append(err)
+        errors = self._launch_all(a, [specs[r] for r in ranks], store, restart=True)
         log.info("task restarted", task=a.task, ranks=ranks, restart_epoch=a.restart_epoch,
                  delay_s=a.restart_delay_s, store=f"{store.host}:{store.port}")
         return errors

@@ -411,3 +411,32 @@ def test_an_inprocess_restart_or_resize_without_a_store_is_not_reported_applied(
     out = rec.apply(dataclasses.replace(restart, membership_epoch=1, joiners=[0]))
     assert out.wait(10) and not out.ok and "no store" in out.detail, out.detail
     assert rec.processes() == {}
+
+
+def test_a_stop_that_comes_during_an_inprocess_restart_is_not_preceded_by_the_relaunch(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """A new generation (or the node's isolation) stops the task while an in-place restart of its ranks
+    waits for the marker to write rank 0's death. Before, the restart went on: it relaunched rank 0,
+    killed, marked and relaunched rank 1, and only then did the stop kill what it had just launched,
+    the next generation waiting for their GPUs. Now the restart ends there, and the stop follows."""
+    in_mark, release = threading.Event(), threading.Event()
+
+    class SlowMarker(RecordingHost):
+        def mark_failed(self, store: StoreAddress, rank: int, wait_s: float = 0.0) -> bool:
+            if wait_s > 0 and not in_mark.is_set():
+                in_mark.set()
+                release.wait(10)
+            return super().mark_failed(store, rank, wait_s)
+
+    host = SlowMarker(str(tmp_path))
+    a = assignment([0, 1])
+    rec = TaskReconciler(a, host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(a))
+    assert rec.started.wait(10) and rec.started.ok, rec.started.detail
+    rec.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[0, 1]))
+    assert in_mark.wait(10)
+    stop = rec.stop("reconfigured to generation 2")
+    release.set()
+    assert stop.wait(20)
+    assert host.launched == [0, 1], f"launched after the stop was asked for: {host.launched[2:]}"
