@@ -22,6 +22,7 @@ never from whichever (possibly short-lived) thread called :meth:`Supervisor.laun
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -43,6 +44,10 @@ from unicron.kernel.types import ErrorKind
 log = ulog.get(__name__)
 
 RUNNING, STOPPED, EXITED = "running", "stopped", "exited"
+
+#: why a start fails that is this node's passing state (no memory, no process or descriptor slots, a
+#: full disk for the log), not the command's: raised as the OSError, which names no fault of the task
+NODE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
 
 
 @dataclass(frozen=True)
@@ -200,7 +205,9 @@ class Supervisor:
         stdout_path: str | None = None,
     ) -> RankProcess:
         """Start ``argv`` as ``rank``. ``env`` is the child's whole environment (None: the agent's);
-        ``stdout_path``: append stdout there (None: inherit the agent's stdout). stderr is piped."""
+        ``stdout_path``: append stdout there (None: inherit the agent's stdout). stderr is piped.
+        Raises PermanentError when the command cannot be executed, RankStillRunning when the rank's
+        previous process lives on, OSError when this node cannot start a process now (NODE_ERRNOS)."""
         if not argv:
             raise ConfigError(f"rank {rank}: empty command line")
         _check_exec_args(rank, argv, env)
@@ -263,6 +270,8 @@ class Supervisor:
         except (OSError, subprocess.SubprocessError) as exc:  # no such file, not executable, exec failed
             if pipe_read is not None:
                 pipe_read.close()
+            if isinstance(exc, OSError) and exc.errno in NODE_ERRNOS:
+                raise
             raise PermanentError(f"rank {rank}: cannot start {argv[0]!r}: {exc}") from exc
         proc = RankProcess(rank, popen)
         proc.stdout, proc.stdout_file = pipe_read, stdout_path

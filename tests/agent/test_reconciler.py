@@ -4,6 +4,7 @@ thread (an OSError, a rank that dies before it was counted healthy) must never l
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 import subprocess
@@ -440,3 +441,20 @@ def test_a_stop_that_comes_during_an_inprocess_restart_is_not_preceded_by_the_re
     release.set()
     assert stop.wait(20)
     assert host.launched == [0, 1], f"launched after the stop was asked for: {host.launched[2:]}"
+
+
+def test_a_fork_refused_for_want_of_process_slots_is_not_blamed_on_the_task(
+        tmp_path: Path, reconcilers: list[TaskReconciler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork that fails with EAGAIN (the node's process limit, for the moment) was reported as the
+    task's command that cannot be executed (``cannot_start``: the coordinator fails the whole task at
+    once, FailureCause.TASK). Now it fails the start as this node's trouble, like a full disk."""
+
+    def no_slots(*args: object, **kw: object) -> subprocess.Popen[bytes]:
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", no_slots)
+    rec = TaskReconciler(assignment([0]), RecordingHost(str(tmp_path)), None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(rec.latest))
+    assert rec.started.wait(10) and not rec.started.ok and "Resource temporarily unavailable" in rec.started.detail
+    assert rec.cannot_start() == "" and rec.rank_state(0) is RankState.FAILED
