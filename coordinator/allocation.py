@@ -64,17 +64,6 @@ def _next_count(task: TaskSpec, count: int, limit: int) -> int | None:
     return None
 
 
-def _capped(task: TaskSpec, count: int) -> int:
-    """``count`` lowered to the task's largest valid count within its ``max_gpus`` (the planner does
-    not model the cap; the GPUs it frees stay idle until the next plan)."""
-    if task.max_gpus is None or count <= task.max_gpus:
-        return count
-    candidate = task.max_gpus // task.unit * task.unit
-    while candidate >= task.min_gpus and not task.valid_count(candidate):
-        candidate -= task.unit
-    return candidate if candidate >= task.min_gpus else 0
-
-
 class EvenAllocator:
     """PLACEHOLDER until ``plans.WafPlanner`` is adapted to :class:`Allocator` (the lead writes that adapter).
 
@@ -132,11 +121,12 @@ def task_demand(
     """``transition_s``: the task's measured D_transition (None: the planner's default);
     ``calibration``: its achieved FLOP/s (``coordinator.grounding``)."""
     assert task.model is not None
-    # The task was launched with a fixed TP x PP and micro-batch: only its data-parallel size is elastic.
+    # The task was launched with a fixed TP x PP and micro-batch: only its data-parallel size is elastic,
+    # up to max_gpus (modelled, so the GPUs above a capped task's cap go to the others).
     demand = TaskDemand(name=task.name, model=model_spec(task), weight=task.weight, min_gpus=task.min_gpus,
                         current_gpus=current.get(task.name, 0), faulted=task.name in faulted,
                         tp=task.tp_size, pp=task.pp_size, micro_batch=task.model.micro_batch_size,
-                        calibration=calibration)
+                        calibration=calibration, max_gpus=task.max_gpus)
     return demand if transition_s is None else replace(demand, transition_s=transition_s)
 
 
@@ -220,7 +210,7 @@ class WafAllocator:
         result = self.lookup.answer(cluster, demands, self.planner) if self.lookup is not None else None
         if result is None:
             result = self.planner.plan(cluster, demands)
-        counts = {t.name: _capped(t, result.allocation.get(t.name, 0)) for t in tasks}
+        counts = {t.name: result.allocation.get(t.name, 0) for t in tasks}
         bad = [t.name for t in tasks if not t.valid_count(counts[t.name])]
         if bad or sum(counts.values()) > healthy_gpus:
             log.warning("planner answer not runnable: allocating evenly", tasks=bad, planned=counts, usable=healthy_gpus)

@@ -64,6 +64,8 @@ class TaskDemand:
     """Pin pipeline parallelism; None: searched. With ``tp`` pinned too only DP is elastic."""
     micro_batch: int | None = None
     """Pin the micro-batch size; None: searched."""
+    max_gpus: int | None = None
+    """The most GPUs the task can use (T = 0 above it); None: no limit."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -76,6 +78,8 @@ class TaskDemand:
         for field in ("tp", "pp", "micro_batch"):
             if getattr(self, field) is not None:
                 _count(owner, field, getattr(self, field), 1)
+        if self.max_gpus is not None:
+            _count(owner, "max_gpus", self.max_gpus, max(self.min_gpus, 1))
         if not isinstance(self.transition_s, int | float) or not 0 <= self.transition_s < math.inf:
             raise InvalidRecord(
                 f"{owner}.transition_s: must be a finite number >= 0, got {self.transition_s!r}"
@@ -91,11 +95,16 @@ def check_names(tasks: Sequence[TaskDemand]) -> None:
 
 
 def task_curve(task: TaskDemand, cluster: ClusterSpec, cost: CostModel) -> ThroughputCurve:
-    """T(t, ·) on this cluster's GPU type, calibrated by the task's measurements."""
+    """T(t, ·) on this cluster's GPU type, calibrated by the task's measurements, up to ``max_gpus``."""
     curve = model_curve(
         task.model, cluster.gpu_type, cluster.gpus_per_node, cost, task.tp, task.pp, task.micro_batch
     )
-    return calibrate(curve, task.calibration)
+    curve = calibrate(curve, task.calibration)
+    if task.max_gpus is None or not curve.gpus or curve.gpus[-1] <= task.max_gpus:
+        return curve
+    # cut after calibrating: a measurement above the cap still scales the model's points below it
+    n = sum(1 for x in curve.gpus if x <= task.max_gpus)
+    return ThroughputCurve(curve.gpus[:n], curve.flops[:n], curve.configs[:n])
 
 
 def waf_at(task: TaskDemand, curve: ThroughputCurve, gpus: int) -> float:

@@ -96,6 +96,7 @@ _TASK_FIELDS = {
     "tp",
     "pp",
     "micro_batch",
+    "max_gpus",
 }
 
 

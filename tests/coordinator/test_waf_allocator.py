@@ -13,8 +13,9 @@ GPT = {
 }
 
 
-def spec(name: str, size: str, weight: float = 1.0, tp: int = 1, model: bool = True) -> TaskSpec:
-    data: dict[str, object] = {"name": name, "command": ["train"], "weight": weight, "tp_size": tp, "min_gpus": tp}
+def spec(name: str, size: str, weight: float = 1.0, tp: int = 1, model: bool = True, **extra: object) -> TaskSpec:
+    data: dict[str, object] = {"name": name, "command": ["train"], "weight": weight, "tp_size": tp, "min_gpus": tp,
+                               **extra}
     if model:
         data["model"] = {**GPT[size], "seq_length": 2048, "vocab_size": 51200, "global_batch_size": 512,
                          "micro_batch_size": 1}
@@ -50,6 +51,16 @@ def test_current_allocation_is_kept_when_nothing_changed() -> None:
     tasks = [spec("a", "1p3b"), spec("b", "7b", tp=2)]
     first = WafAllocator("A800").allocate(tasks, 32, 8, {}, set())
     assert WafAllocator("A800").allocate(tasks, 32, 8, first, set()) == first
+
+
+def test_gpus_above_a_tasks_max_gpus_go_to_another_task() -> None:
+    """The planner did not know max_gpus: it gave "capped" 16, the cap cut it to 8 and those 8 GPUs
+    stayed idle in every plan. Now the planner models the cap and gives them to "elastic"."""
+    capped = spec("capped", "1p3b", recovery="inprocess", max_gpus=8)
+    elastic = spec("elastic", "1p3b", recovery="inprocess")
+    assert elastic.valid_count(16)  # 8 + 16 = 24: every GPU busy is a runnable plan
+    counts = WafAllocator("A800").allocate([capped, elastic], 24, 8, {}, set())
+    assert counts == {"capped": 8, "elastic": 16}
 
 
 def test_tasks_without_a_model_fall_back_to_even() -> None:

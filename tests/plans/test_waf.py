@@ -39,6 +39,16 @@ def test_planner_never_gives_a_task_fewer_gpus_than_its_minimum() -> None:
     assert waf_at(tasks[1], curve, 64) == curve.at(64)
 
 
+def test_a_task_never_gets_more_than_its_max_gpus_and_the_rest_goes_to_the_others() -> None:
+    tasks = [TaskDemand("capped", GPT3["7B"], max_gpus=8), TaskDemand("other", GPT3["7B"])]
+    curve = task_curve(tasks[0], ClusterSpec(A800, 24), CostModel())
+    assert curve.gpus and max(curve.gpus) == 8
+    # uncapped the two would split 16 + 8
+    assert WafPlanner().plan(ClusterSpec(A800, 24), tasks).allocation == {"capped": 8, "other": 16}
+    with pytest.raises(InvalidRecord, match="max_gpus"):
+        TaskDemand("bad", GPT3["7B"], min_gpus=8, max_gpus=4)
+
+
 def _single(transition_s: float, gain: float, faulted: bool = False) -> dict[str, int]:
     """A 7B task running healthy on 16 GPUs when 16 more appear; calibrated so that 32 GPUs give
     exactly ``gain`` times more throughput than 16."""
