@@ -29,15 +29,35 @@ TRANSITION_WINDOW = 5
 CALIBRATION_TOLERANCE = 0.1
 
 
-def transition_times(incidents: Iterable[Incident], window: int = TRANSITION_WINDOW) -> dict[str, float]:
-    """task -> median transition seconds of its last ``window`` confirmed reconfigurations."""
-    per_task: dict[str, list[tuple[float, float]]] = {}
+#: task -> incident id -> (action time, transition seconds) of its kept reconfigurations
+Transitions = dict[str, dict[str, tuple[float, float]]]
+
+
+def add_transitions(kept: Transitions, incidents: Iterable[Incident], window: int = TRANSITION_WINDOW) -> None:
+    """Fold the confirmed reconfigurations among ``incidents`` into ``kept``, each task's latest ``window``.
+
+    Keyed by incident: the cost tracker reports an incident again when a later term of it is known
+    (its sub-healthy time), and that must not count its transition twice."""
     for inc in incidents:
         if inc.action != "reconfigure" or inc.transition_s is None or inc.action_ts is None:
             continue
         for task in inc.tasks:
-            per_task.setdefault(task, []).append((inc.action_ts, inc.transition_s))
-    return {t: statistics.median(s for _, s in sorted(v)[-window:]) for t, v in sorted(per_task.items())}
+            per_incident = kept.setdefault(task, {})
+            per_incident[inc.incident_id] = (inc.action_ts, inc.transition_s)
+            if len(per_incident) > window:
+                del per_incident[min(per_incident, key=per_incident.__getitem__)]
+
+
+def medians(kept: Transitions) -> dict[str, float]:
+    """task -> median transition seconds of its kept reconfigurations."""
+    return {t: statistics.median(s for _, s in v.values()) for t, v in sorted(kept.items()) if v}
+
+
+def transition_times(incidents: Iterable[Incident], window: int = TRANSITION_WINDOW) -> dict[str, float]:
+    """task -> median transition seconds of its last ``window`` confirmed reconfigurations."""
+    kept: Transitions = {}
+    add_transitions(kept, incidents, window)
+    return medians(kept)
 
 
 def failures(incidents: Iterable[Incident]) -> int:
@@ -129,11 +149,11 @@ class Grounding:
         self._reliability = prior
         self.rates: dict[str, StepRate] = {}
         self.measured: dict[str, Measured] = {}
-        self._transitions: dict[str, list[tuple[float, float]]] = {}
+        self._transitions: Transitions = {}
 
     @property
     def transition_s(self) -> dict[str, float]:
-        return {t: statistics.median(s for _, s in v) for t, v in sorted(self._transitions.items()) if v}
+        return medians(self._transitions)
 
     def achieved_flops(self, task: str) -> float | None:
         """The task's last achieved FLOP/s at the GPUs it holds now (None until measured)."""
@@ -143,12 +163,8 @@ class Grounding:
 
     def seed(self, incidents: Iterable[Incident]) -> None:
         """Transitions recorded before this process led (a new leader reads the incident records)."""
-        per_task: dict[str, list[tuple[float, float]]] = {}
-        for inc in incidents:
-            if inc.action == "reconfigure" and inc.transition_s is not None and inc.action_ts is not None:
-                for task in inc.tasks:
-                    per_task.setdefault(task, []).append((inc.action_ts, inc.transition_s))
-        self._transitions = {t: sorted(v)[-self.window:] for t, v in per_task.items()}
+        self._transitions = {}
+        add_transitions(self._transitions, incidents, self.window)
 
     def reliability(self) -> ReliabilityModel:
         """The failure model as of the last failure observed."""
@@ -164,11 +180,7 @@ class Grounding:
         if raised is not None and raised.severity is not None:
             self.failed += 1
             self._reliability = reliability(self.prior, self.failed, self.exposure)
-        for task, seconds in transition_times(costed).items():
-            ts = max(i.action_ts or 0.0 for i in costed if task in i.tasks)
-            kept = self._transitions.setdefault(task, [])
-            kept.append((ts, seconds))
-            del kept[:-self.window]
+        add_transitions(self._transitions, costed, self.window)
         if self.throughput and isinstance(event, d.ProgressMade):
             self._progress(state, event)
         for gone in [t for t in self.rates if t not in state.tasks]:

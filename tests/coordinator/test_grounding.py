@@ -8,6 +8,7 @@ import pytest
 
 from coordinator import decision as d
 from coordinator.allocation import WafAllocator, model_spec
+from coordinator.costs import CostTracker
 from coordinator.grounding import (
     Exposure,
     Grounding,
@@ -20,7 +21,27 @@ from coordinator.grounding import (
 )
 from plans.api import ReliabilityModel
 from sim.workload import gpt3_task
+from tests.coordinator.test_decision import SEV1_KIND, Sim, one, running_cluster
 from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, Severity
+
+
+class Grounded(Sim):
+    """A Sim that feeds a CostTracker and a Grounding as coordinator/daemon.py does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracker = CostTracker()
+        self.grounding = Grounding(ReliabilityModel())
+        self.records: dict[str, Incident] = {}  # what the daemon writes back to etcd, by id
+
+    def feed(self, event: d.Event) -> list[d.Action]:
+        before = self.state
+        actions = super().feed(event)
+        raised = event.incident if isinstance(event, d.IncidentRaised) else None
+        self.tracker, costed = self.tracker.step(before, self.state, event.ts, raised)
+        self.records.update((i.incident_id, i) for i in costed)
+        self.grounding.decided(self.state, event, raised, costed)
+        return actions
 
 
 def _incident(i: int, action: str | None, transition: float | None, tasks: list[str],
@@ -92,3 +113,27 @@ def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None
     assert alloc.calibration["a"].measured == {8: pytest.approx(expected)}
     assert alloc.planner.reliability == g.reliability() == reliability(g.prior, 1, g.exposure)
     assert not g.apply(alloc)  # nothing new
+
+
+def test_a_sub_healthy_reconfiguration_counts_once_in_d_transition() -> None:
+    """The cost tracker reports an incident again when its sub-healthy time is known: the live leader
+    counted its transition twice (median(1, 1, 19) = 1 where a new leader seeding from the records
+    got 10). Now each incident counts once, and both agree."""
+    sim = Grounded()
+    running_cluster({"n1": 8, "n2": 8}, {"job": {}}, sim)
+    # 1st reconfiguration: n2 fails, the job shrinks onto n1 (1 s), n2 comes back and it grows again
+    shrink = one(sim.incident("n2", SEV1_KIND, task="job"), d.ResizeInPlace, "job")
+    sim.ok(shrink)
+    sim.t += 30.0
+    grow = one(sim.feed(d.NodeJoined(ts=sim.ts(), node="n2", gpus=8)), d.ResizeInPlace, "job")
+    sim.ok(grow)  # back to 16 GPUs: the incident's sub-healthy time is set (its record is re-costed)
+    # 2nd reconfiguration: the same, but it takes 19 s
+    shrink = one(sim.incident("n2", SEV1_KIND, task="job"), d.ResizeInPlace, "job")
+    sim.t += 18.0
+    sim.ok(shrink)
+    seconds = sorted(i.transition_s for i in sim.records.values() if i.transition_s is not None)
+    assert seconds == [1.0, 19.0]
+    fresh = Grounding(ReliabilityModel())
+    fresh.seed(sim.records.values())
+    assert fresh.transition_s == {"job": 10.0}
+    assert sim.grounding.transition_s == fresh.transition_s
