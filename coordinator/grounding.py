@@ -183,10 +183,19 @@ class Grounding:
         add_transitions(self._transitions, costed, self.window)
         if self.throughput and isinstance(event, d.ProgressMade):
             self._progress(state, event)
-        for gone in [t for t in self.rates if t not in state.tasks]:
-            self.rates.pop(gone)
-            self.measured.pop(gone, None)
-            self._transitions.pop(gone, None)
+        for task in set(self.rates) | set(self.measured) | set(self._transitions):
+            entry = state.tasks.get(task)
+            # a new run under an old name (a refused duplicate of a task that ran keeps its last step)
+            # has a model and a layout of its own: nothing measured of the old run applies to it
+            renewed = isinstance(event, d.TaskSubmitted) and event.spec.name == task
+            if entry is None or (renewed and entry.last_step is None):
+                self.rates.pop(task, None)
+                self.measured.pop(task, None)
+                self._transitions.pop(task, None)
+            elif entry.phase is not d.TaskPhase.RUNNING or entry.outstanding is not None:
+                # a step rate spans uninterrupted training only: a pause to recover (a reattempt keeps
+                # the generation and the GPUs) is the failure's cost, D_transition, not a slower T(t, x)
+                self.rates.pop(task, None)
 
     def _progress(self, state: d.CoreState, event: d.ProgressMade) -> None:
         entry = state.tasks.get(event.task)

@@ -21,7 +21,7 @@ from coordinator.grounding import (
 )
 from plans.api import ReliabilityModel
 from sim.workload import gpt3_task
-from tests.coordinator.test_decision import SEV1_KIND, Sim, one, running_cluster
+from tests.coordinator.test_decision import SEV1_KIND, SEV3_KIND, Sim, one, running_cluster
 from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, Severity
 
 
@@ -137,3 +137,58 @@ def test_a_sub_healthy_reconfiguration_counts_once_in_d_transition() -> None:
     fresh.seed(sim.records.values())
     assert fresh.transition_s == {"job": 10.0}
     assert sim.grounding.transition_s == fresh.transition_s
+
+
+def test_a_resubmitted_task_starts_without_the_old_runs_measurements() -> None:
+    """A cancelled task's data was dropped only once it left the state, and a cancelled task stays:
+    a different model resubmitted under its name was planned with the old model's FLOP/s. Now an
+    accepted submission starts the name afresh."""
+    core = d.DecisionCore()
+    g = Grounding(ReliabilityModel())
+    state = core.initial_state()
+
+    def feed(event: d.Event) -> list[d.Action]:
+        nonlocal state
+        state, actions = core.handle(state, event)
+        g.decided(state, event, None, [])
+        return actions
+
+    feed(d.NodeJoined(ts=0.0, node="n1", gpus=8))
+    acts = feed(d.TaskSubmitted(ts=0.0, spec=gpt3_task("a", "1.3B", 1.0)))
+    feed(d.ActionSucceeded(ts=1.0, action_id=acts[0].action_id))
+    gen = state.tasks["a"].generation
+    for i, step in enumerate(range(1, 6)):
+        feed(d.ProgressMade(ts=10.0 + 2 * i, task="a", step=step, generation=gen))
+    assert g.achieved_flops("a") is not None
+    feed(d.TaskSubmitted(ts=20.0, spec=gpt3_task("a", "13B", 1.0)))  # refused: "a" is running
+    assert g.achieved_flops("a") is not None
+    feed(d.TaskCancelled(ts=30.0, task="a"))
+    feed(d.TaskSubmitted(ts=40.0, spec=gpt3_task("a", "13B", 1.0)))
+    alloc = WafAllocator("A800")
+    g.apply(alloc)
+    assert "a" not in alloc.calibration and "a" not in g.measured
+
+
+def test_a_reattempt_pause_is_not_measured_as_slower_training() -> None:
+    """A reattempt keeps the generation and the GPUs, so the step rate kept its first sample across
+    the outage and a 100 s pause made T(t, 8) ten times lower. Now a rate spans uninterrupted
+    training only (the pause is D_transition's)."""
+    sim = Grounded()
+    sim.join("n1")
+    spec = gpt3_task("job", "1.3B", 1.0)
+    sim.confirm_all(sim.feed(d.TaskSubmitted(ts=sim.ts(), spec=spec)))
+    per_step = model_spec(spec).flops_per_iteration / 2.0  # one step every 2 s at 8 GPUs
+    step = 0
+    for _ in range(5):
+        step += 1
+        sim.progress("job", step)  # the Sim's clock advances 1 s per event
+        sim.t += 1.0
+    assert sim.grounding.achieved_flops("job") == pytest.approx(per_step, rel=0.01)
+    r = one(sim.incident("n1", SEV3_KIND, task="job", rank=3), d.Reattempt)
+    sim.t += 100.0  # the in-place reattempt takes 100 s (same generation, same 8 GPUs)
+    sim.ok(r)
+    for _ in range(5):
+        step += 1
+        sim.progress("job", step)
+        sim.t += 1.0
+    assert sim.grounding.achieved_flops("job") == pytest.approx(per_step, rel=0.1)
