@@ -6,8 +6,9 @@ Each task's share of a node is a multiple of its tensor-parallel size, so no TP 
 
 How (see docs/decision.md for the argument):
 
-1. *Keep*: start from what each task holds on the usable nodes; a task that shrinks drops blocks
-   (one TP group each) from the nodes where it holds least.
+1. *Keep*: start from what each task holds on the usable nodes; a node that shrank below that drops
+   blocks (one TP group each), a shrinking task's first; then a task that shrinks drops blocks from
+   the nodes where it holds least.
 2. *Check*: with the TP sizes forming a divisibility chain (1, 2, 4, 8, ...), placing the new blocks
    largest first always succeeds when it can succeed at all, and that is decided by a closed form per
    block size s: ``sum_n foot_s(K_n) <= capacity - demand(tp >= s)``, where K_n is what the tasks with
@@ -132,18 +133,21 @@ def _drop(keep: Keep, task: str, node: str, size: int) -> None:
 
 def _greedy_keep(p: _Problem) -> Keep:
     keep: Keep = {t: dict(p.cur[t]) for t in p.tasks}
+    # A node that shrank below what it holds gives up blocks first, of a task that holds more than its
+    # count (free: it lets go of them anyway), then its smallest. Before the shrinks below: a shrink
+    # that let go elsewhere first left this node to lose blocks the task then had to place again.
+    load = p.load(keep)
+    for n in p.nodes:
+        row = load.get(n, {})
+        while sum(keep[t].get(n, 0) for t in row) > p.cap[n]:
+            t = min((t for t in row if keep[t].get(n, 0)),
+                    key=lambda t: (sum(keep[t].values()) <= p.count[t], p.tp[t], t))
+            _drop(keep, t, n, p.tp[t])
     # a shrinking task lets go where it holds least: those nodes free up soonest
     for t in p.tasks:
         while sum(keep[t].values()) > p.count[t]:
             node = min(keep[t], key=lambda n: (keep[t][n], n))
             _drop(keep, t, node, p.tp[t])
-    # a node that shrank below what it holds gives up its smallest blocks first
-    load = p.load(keep)
-    for n in p.nodes:
-        row = load.get(n, {})
-        while sum(keep[t].get(n, 0) for t in row) > p.cap[n]:
-            t = min((t for t in row if keep[t].get(n, 0)), key=lambda t: (p.tp[t], t))
-            _drop(keep, t, n, p.tp[t])
     while (s := p.violated(keep)) is not None:
         if not _repair_step(p, keep, s):
             raise PermanentError(

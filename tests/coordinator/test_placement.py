@@ -128,6 +128,19 @@ def test_keeps_existing_workers_and_keeps_tp_groups_whole() -> None:
     assert moved_workers(out, current) == 8  # exactly the workers that were on n2
 
 
+def test_a_shrinking_task_on_a_node_that_shrank_lets_go_there_first() -> None:
+    """The task shrink ran before the node's capacity cut: "a" let go of n3's 4 GPUs, then n1's cut
+    took 4 more, and 4 workers moved to make up the count. Now the cut runs first (taking a shrinking
+    task's blocks), and nobody moves."""
+    current = {"a": {"n0": 8, "n1": 8, "n3": 4}}
+    out = place({"a": 16}, {"n0": 8, "n1": 6, "n2": 8, "n3": 8}, current, {"a": 4})
+    assert out == {"a": {"n0": 8, "n1": 4, "n3": 4}}
+    # two tasks on the shrunk node: the one that shrinks anyway gives way there, the other stays
+    current = {"a": {"n0": 4, "n1": 4}, "b": {"n1": 4}}
+    out = place({"a": 4, "b": 4}, {"n0": 8, "n1": 4}, current, {"a": 4, "b": 1})
+    assert out == {"a": {"n0": 4}, "b": {"n1": 4}}
+
+
 def test_fragmentation_forces_a_move_of_a_healthy_task() -> None:
     # a (tp 1) sits on both nodes; b needs a whole 8-GPU node: a must consolidate
     out = place({"a": 8, "b": 8}, {"n1": 8, "n2": 8}, {"a": {"n1": 4, "n2": 4}}, {"a": 1, "b": 8})
