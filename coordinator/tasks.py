@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from plans.models import MODEL_LIMITS
 from unicron.kernel.errors import InvalidRecord
 
 #: a task name must be one etcd key segment and one file name (no '/', NUL, '.', '..'), and a DNS label
@@ -179,6 +180,16 @@ class TaskSpec:
 
 _SPEC_FIELDS = {f.name for f in fields(TaskSpec)}
 _MODEL_FIELDS = {f.name for f in fields(ModelDescription)}
+#: each model field's largest value: the planner's (``plans.models.MODEL_LIMITS``)
+_MODEL_LIMITS = {
+    "num_layers": MODEL_LIMITS["layers"],
+    "hidden_size": MODEL_LIMITS["hidden"],
+    "num_attention_heads": MODEL_LIMITS["heads"],
+    "seq_length": MODEL_LIMITS["seq_len"],
+    "vocab_size": MODEL_LIMITS["vocab"],
+    "global_batch_size": MODEL_LIMITS["global_batch"],
+    "micro_batch_size": MODEL_LIMITS["global_batch"],
+}
 
 
 def _show(value: Any) -> str:
@@ -336,6 +347,9 @@ def parse_model(data: Any) -> ModelDescription:
     for f in fields(ModelDescription):
         if f.name in data:
             values[f.name] = _positive_int(data[f.name], f"task.model.{f.name}")
+            limit = _MODEL_LIMITS[f.name]
+            if values[f.name] > limit:
+                raise InvalidRecord(f"task.model.{f.name}: must be at most {limit} (far above any real model)")
         elif f.name != "micro_batch_size":
             raise InvalidRecord(f"task.model.{f.name}: missing; the throughput model needs it")
     model = ModelDescription(**values)

@@ -10,10 +10,24 @@ from dataclasses import dataclass
 
 from unicron.kernel.errors import InvalidRecord
 
+#: The largest value of each field, far above any model trained (GPT-3 175B: 96 layers, hidden 12288,
+#: 96 heads, 2048 tokens, 1536 sequences a step). They bound the throughput model's enumeration over
+#: divisors (a global batch of 10**20 hung the coordinator's decision loop) and keep its arithmetic finite.
+MODEL_LIMITS: dict[str, int] = {
+    "layers": 4096,
+    "hidden": 2**20,
+    "heads": 2**20,
+    "seq_len": 2**24,
+    "vocab": 2**24,
+    "global_batch": 2**20,
+}
 
-def _positive_int(owner: str, field: str, value: object) -> None:
+
+def _check_field(owner: str, field: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidRecord(f"{owner}.{field}: expected a positive integer, got {value!r}")
+    if value > MODEL_LIMITS[field]:
+        raise InvalidRecord(f"{owner}.{field}: must be at most {MODEL_LIMITS[field]} (far above any real model)")
 
 
 @dataclass(frozen=True)
@@ -37,7 +51,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "seq_len", "vocab", "global_batch"):
-            _positive_int("model", field, getattr(self, field))
+            _check_field("model", field, getattr(self, field))
         if self.hidden % self.heads:
             raise InvalidRecord(f"model.heads: {self.heads} does not divide hidden={self.hidden}")
 

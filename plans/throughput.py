@@ -147,15 +147,16 @@ def _enumerate(
     ``tp``/``pp``/``mb`` not None pin that dimension (a task launched with a fixed layout)."""
     rows = []
     tps = [t for t in _divisors(gpus_per_node) if model.heads % t == 0 and tp in (None, t)]
+    # DP and the micro-batch both divide the global batch: its divisors once, not once per DP size
+    batches = _divisors(model.global_batch)
+    micro = [mb] if mb is not None else [b for b in batches if b <= cost.max_micro_batch]
     for t in tps:
         for p in _divisors(model.layers):
             if pp not in (None, p):
                 continue
-            for dp in _divisors(model.global_batch):
-                for b in _divisors(model.global_batch // dp):
-                    if b > cost.max_micro_batch and mb is None:
-                        break
-                    if mb in (None, b):
+            for dp in batches:
+                for b in micro:
+                    if model.global_batch // dp % b == 0:
                         rows.append((t, p, dp, b, 0))
                         rows.append((t, p, dp, b, 1))
     return np.array(rows, dtype=np.int64).reshape(-1, 5)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from coordinator.allocation import WafAllocator
 from coordinator.tasks import (
     MAX_LAUNCH_BYTES,
     MAX_SPEC_BYTES,
@@ -107,6 +108,22 @@ def test_bad_specs_name_the_field(
 ) -> None:
     with pytest.raises(InvalidRecord, match=message):
         parse_task_spec(task(**fields), cluster, per_node)
+
+
+def test_model_fields_are_bounded_so_planning_stays_quick() -> None:
+    """A global batch of 10**20 was accepted and hung the leader's decision loop in the planner's
+    divisor enumeration; a hidden size of 10**400 overflowed a float in it. Now each model field has a
+    bound far above any real model, and a spec at every bound is planned at once."""
+    for name, value in (("global_batch_size", 10**20), ("hidden_size", 10**400), ("num_layers", 4097)):
+        with pytest.raises(InvalidRecord, match=rf"task\.model\.{name}: must be at most \d+ \(far above"):
+            parse_task_spec(task(model={**MODEL, name: value}), None)
+    # the largest of each, with a global batch of many divisors (720720 = 2^4 3^2 5 7 11 13)
+    limits = {"num_layers": 4096, "hidden_size": 2**20, "num_attention_heads": 2**20, "seq_length": 2**24,
+              "vocab_size": 2**24, "global_batch_size": 720720, "micro_batch_size": 1}
+    spec = parse_task_spec(task(model=limits, recovery="inprocess"), None, 8)
+    assert WafAllocator("A800").allocate([spec], 64, 8, {}, set()) == {"gpt-1": 0}  # fits nowhere
+    spec = parse_task_spec(task(model={**MODEL, "global_batch_size": 720720}, recovery="inprocess"), None, 8)
+    assert WafAllocator("A800").allocate([spec], 64, 8, {}, set())["gpt-1"] > 0
 
 
 def test_missing_fields_and_non_objects() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from plans.hardware import GPU_TYPES, gpu_type
-from plans.models import GPT3, gpt3
+from plans.models import GPT3, MODEL_LIMITS, ModelSpec, gpt3
 from plans.throughput import Calibration, CostModel, calibrate, estimate, model_curve
 from unicron.kernel.errors import InvalidRecord
 
@@ -104,6 +106,17 @@ def test_bad_model_or_gpu_names_are_rejected_with_the_field() -> None:
     assert gpt3("gpt3-7b") is GPT3["7B"]
     with pytest.raises(InvalidRecord, match="calibration"):
         Calibration({0: 1.0})
+
+
+def test_model_fields_are_bounded() -> None:
+    """A global batch of 10**20 took the divisor enumeration hours; now every field has a bound."""
+    with pytest.raises(InvalidRecord, match=r"model\.global_batch: must be at most 1048576"):
+        ModelSpec(24, 2048, 16, 2048, 51200, 10**20)
+    with pytest.raises(InvalidRecord, match=r"model\.hidden: must be at most"):
+        ModelSpec(24, 10**400, 16, 2048, 51200, 512)
+    lim = MODEL_LIMITS  # the largest of each is accepted
+    big = ModelSpec(lim["layers"], lim["hidden"], lim["heads"], lim["seq_len"], lim["vocab"], lim["global_batch"])
+    assert math.isfinite(big.flops_per_iteration)
 
 
 def test_a_pinned_layout_leaves_only_data_parallelism_elastic() -> None:
