@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -48,6 +49,8 @@ class WafPlanner(Planner):
 
     name = "unicron"
 
+    # extreme inputs overflow to inf or NaN: refused below with one line, not warned about on the way
+    @np.errstate(over="ignore", invalid="ignore")
     def problem(
         self, cluster: ClusterSpec, tasks: Sequence[TaskDemand], prune: bool = True
     ) -> list[dp.Choices]:
@@ -74,7 +77,15 @@ class WafPlanner(Planner):
             f = waf_table(throughput, task.weight, -(-task.min_gpus // unit), units)
             waf_now = waf_at(task, curve, task.current_gpus)
             g, chg = gain_table(f, current, task.faulted, waf_now, d_running, task.transition_s, units)
+            # the programme compares and sums rewards: one that overflowed would be NaN there
+            if not np.isfinite(g).all():
+                raise InvalidRecord(
+                    f"task[{task.name}]: its reward G overflows a float (weight={task.weight:g}, "
+                    f"transition_s={task.transition_s:g}, D_running={d_running:g} s); use realistic values"
+                )
             out.append(choices(g, chg, units) if prune else all_choices(g, chg))
+        if not math.isfinite(dp.epsilon([c.gains for c in out])):
+            raise InvalidRecord("tasks: their rewards G together overflow a float; use realistic weights and rates")
         return out
 
     def plan(self, cluster: ClusterSpec, tasks: Sequence[TaskDemand]) -> PlanResult:

@@ -86,7 +86,8 @@ def gain_table(
     changes = np.ones(len(waf), dtype=np.int64)
     if current is not None and not faulted:
         changes[_index(len(waf), units) == current] = 0
-    gains = waf * d_running - waf_now * d_transition * changes
+    # where, not a product: inf * 0 would be NaN at the no-change entry
+    gains = waf * d_running - np.where(changes > 0, waf_now * d_transition, 0.0)
     return gains, changes
 
 

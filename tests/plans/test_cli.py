@@ -83,6 +83,30 @@ def test_invalid_input_gets_a_clear_error(
     assert re.search(message, captured.err), captured.err
 
 
+@pytest.mark.parametrize(
+    ("a", "b", "reliability", "message"),
+    [
+        ({"current_gpus": 8, "transition_s": 1e300}, {}, {}, r"task\[a\]: its reward G overflows a float"),
+        ({"weight": 1e300}, {}, {}, r"task\[a\]: its reward G overflows"),
+        ({}, {}, {"gpu_failure_rate_per_hour": 1e-320}, r"task\[a\]: .*D_running=inf s"),
+        # two rewards that each fit in a float, but not their sum
+        ({"weight": 3e286, "model": "1.3B"}, {"weight": 3e286}, {}, "tasks: their rewards G together overflow"),
+    ],
+    ids=["huge-transition", "huge-weight", "tiny-failure-rate", "huge-sum"],
+)
+def test_numbers_that_overflow_the_reward_get_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], a: Any, b: Any, reliability: Any, message: str
+) -> None:
+    """Finite inputs the spec accepts made a reward inf (or inf * 0 = NaN), and the programme's traceback
+    failed with an IndexError. Now the planner refuses them with one line."""
+    doc = {**_doc(**a), "reliability": reliability}
+    doc["tasks"][1].update(b)
+    assert main(["plan", "--input", _write(tmp_path, doc)]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert re.search(message, captured.err), captured.err
+
+
 def test_unmet_minimums_can_be_planned_anyway(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, _doc(min_gpus=56))
     assert main(["plan", "--input", path, "--allow-unmet", "--json"]) == 0
