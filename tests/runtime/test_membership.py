@@ -31,6 +31,7 @@ from unicron.runtime.membership import (
     await_seeded,
     failed_key,
     mark_failed,
+    mark_request,
     raise_counter,
     reseed,
 )
@@ -109,6 +110,15 @@ def test_marker_process_marks_failed_and_survives_bad_requests(sidecar: tuple[st
     finally:
         proc.stdin.close()
         assert proc.wait(30) == 0
+
+
+def test_the_failure_marker_answers_a_request_with_a_non_finite_number() -> None:
+    """JSON's ``Infinity`` in ``port`` or ``rank`` raised OverflowError out of ``int()`` and ended the
+    agent's marker process (every later mark was lost); it is answered as a bad request now."""
+    for line in ('{"host": "127.0.0.1", "port": 1, "rank": Infinity}',
+                 '{"host": "127.0.0.1", "port": 1e999, "rank": 1}'):
+        answer = mark_request(line, {})
+        assert answer["ok"] is False and "bad request" in answer["error"]
 
 
 def test_sidecar_rejects_a_bad_port_with_a_message() -> None:

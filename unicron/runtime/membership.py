@@ -523,7 +523,7 @@ def mark_request(line: str, stores: dict[tuple[str, int], RendezvousStore]) -> d
     try:
         req = json.loads(line)
         host, port, rank = str(req["host"]), int(req["port"]), int(req["rank"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:  # OverflowError: int() of JSON's Infinity
         return {"ok": False, "error": f"bad request {line.strip()[:80]!r}: {exc}"}
     try:
         store = stores.get((host, port))
