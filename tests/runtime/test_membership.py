@@ -81,6 +81,43 @@ def test_sidecar_serves_clients_and_mark_failed_counts(sidecar: tuple[str, int])
     assert keys.counter(client, failed_key(3)) == 2
 
 
+class _PauseAfterFailedRead:
+    """A store client that, right after its first read of ``failed/<rank>`` (``add(key, 0)``), waits
+    until the other marker read it too: two markers of one death at once (the rank's own agent and an
+    in-place shrink's marker of a lost node's ranks)."""
+
+    def __init__(self, store: PrefixStore, both_read: threading.Barrier) -> None:
+        self._store = store
+        self._both_read: threading.Barrier | None = both_read
+
+    def add(self, key: str, value: int) -> int:
+        out = int(self._store.add(key, value))
+        if key.startswith("failed/") and value == 0 and self._both_read is not None:
+            self._both_read.wait(5)
+            self._both_read = None
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_two_marks_of_one_death_at_once_count_it_once(sidecar: tuple[str, int]) -> None:
+    """Both markers read failed=0 < started=1 and both added 1: failed=2, and the rank's next process
+    (incarnation 2) was dead on arrival for every survivor. ``failed`` is raised to ``started`` now."""
+    host, port = sidecar
+    ns = "mark-race/"
+    client = PrefixStore(ns, keys.connect(host, port))
+    client.add(keys.started_key(1), 1)  # incarnation 1 of rank 1 counted itself in, then died
+    both_read = threading.Barrier(2)
+
+    def marker(_: int) -> int:
+        s = _PauseAfterFailedRead(PrefixStore(ns, keys.connect(host, port)), both_read)
+        return mark_failed(host, port, 1, store=s)  # type: ignore[arg-type]
+
+    assert run_ranks(2, marker, timeout_s=20) == [1, 1]
+    assert keys.counter(client, failed_key(1)) == 1
+
+
 def test_marker_process_marks_failed_and_survives_bad_requests(sidecar: tuple[str, int]) -> None:
     """``python -m unicron.runtime.membership --marker`` as the agent runs it: JSON lines in, answers out."""
     host, port = sidecar

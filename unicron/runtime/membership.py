@@ -166,16 +166,20 @@ def mark_failed(host: str, port: int, rank: int, store: RendezvousStore | None =
     heartbeat to go stale. Pass ``store`` to reuse a connection.
     """
     s = store if store is not None else keys.connect(host, port, timeout_s=5.0)
-    behind = keys.counter(s, keys.started_key(rank)) - keys.counter(s, failed_key(rank))
-    return int(s.add(failed_key(rank), max(behind, 0)))
+    # compare-and-set, not read-then-add: two markers of one death at once counted it twice
+    return raise_counter(s, failed_key(rank), keys.counter(s, keys.started_key(rank)))
 
 
-def raise_counter(store: RendezvousStore, key: str, value: int) -> None:
-    """Raise counter ``key`` to at least ``value``, never lower it (survivors re-seed one store at once)."""
+def raise_counter(store: RendezvousStore, key: str, value: int) -> int:
+    """Raise counter ``key`` to at least ``value``, never lower it (survivors re-seed one store at once,
+    two markers may mark one death at once); returns the counter's value then."""
     while True:
         current = keys.counter(store, key)
-        if current >= value or int(store.compare_set(key, str(current), str(value))) >= value:
-            return
+        if current >= value:
+            return current
+        now = int(store.compare_set(key, str(current), str(value)))
+        if now >= value:
+            return now
 
 
 def _newest_run(records: list[EpochRecord]) -> list[EpochRecord]:
