@@ -4,10 +4,12 @@ of ranks (threads here, each with its own store connection and gloo groups) afte
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,7 @@ from tests.runtime.threads import run_ranks
 from unicron.cluster.launch import base_env
 from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.net import free_port
+from unicron.runtime import heartbeat
 from unicron.runtime import store as keys
 from unicron.runtime.comm import PrefixStore
 from unicron.runtime.epoch import EpochRecord
@@ -341,6 +344,59 @@ def test_heartbeat_beats_on_a_moved_store(sidecar: tuple[str, int]) -> None:
         while keys.counter(moved, keys.hb_key(11)) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert keys.counter(moved, keys.hb_key(11)) >= 3
+    finally:
+        beat.stop()
+        del server_b
+
+
+class _GoneStore:
+    """The old store's connection once its node is lost: every call fails at once."""
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*_: Any, **__: Any) -> Any:
+            raise RuntimeError("Connection reset by peer")
+        return fail
+
+
+@pytest.fixture()
+def gone_store_port(monkeypatch: pytest.MonkeyPatch) -> int:
+    """A port whose store is lost (a connection to it fails every call), patched before the beater
+    forks; the beater's sleeps are cut to 5 ms, so more than a minute of beats at 0.5 s pass in 0.3 s."""
+    real_sleep, real_connect = time.sleep, keys.connect
+    port = free_port()
+    monkeypatch.setattr(heartbeat, "time", types.SimpleNamespace(
+        sleep=lambda s: real_sleep(min(s, 0.005)), monotonic=time.monotonic, time=time.time))
+
+    def connect(host: str, at: int, timeout_s: float = keys.DEFAULT_TIMEOUT_S) -> Any:
+        return _GoneStore() if at == port else real_connect(host, at, timeout_s)
+
+    monkeypatch.setattr(keys, "connect", connect)  # the module heartbeat connects through
+    return port
+
+
+def test_the_heartbeat_beats_on_a_moved_store_after_a_long_outage(gone_store_port: int) -> None:
+    """A rank waits up to its regroup timeout (90 s) for the agent's StoreMoved. The beater gave up for
+    good after 30 s of failed beats and never read the move: the rank had no heartbeat, and nobody saw
+    join requests or the stop key for it. It keeps trying until the move now (it dies with its rank)."""
+    port_b = free_port()
+    server_b = keys.serve_store("127.0.0.1", port_b)
+    beat = Heartbeat("127.0.0.1", gone_store_port, rank=3, interval_s=0.5, world=8).start()
+    beat.outside = (5,)
+    pid = beat._pid
+
+    def exited() -> bool:
+        return os.waitpid(pid, os.WNOHANG) != (0, 0)
+
+    try:
+        time.sleep(2.0)  # "over 2 minutes" of failed beats
+        assert not exited(), "the beater gave up"
+        beat.move("127.0.0.1", port_b)
+        moved = keys.connect("127.0.0.1", port_b)
+        moved.set(keys.join_key(5), "2")  # a joiner asks to be admitted on the moved store
+        deadline = time.monotonic() + 10
+        while not (keys.counter(moved, keys.hb_key(3)) >= 3 and beat.join_seen) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert keys.counter(moved, keys.hb_key(3)) >= 3 and beat.join_seen
     finally:
         beat.stop()
         del server_b

@@ -152,10 +152,10 @@ class Heartbeat:
                 failures = 0
             except Exception as exc:
                 failures += 1
+                # Logged once, and tried for as long as the rank lives: its StoreMoved may come any time
+                # within its regroup timeout (90 s); a beater that gave up never read the move.
                 if failures == 1:
                     log.warning("heartbeat store access failed", rank=self._rank, error=str(exc).splitlines()[0])
-                if failures * self._interval > 30:
-                    return  # the store is gone for good: stop beating, the rank will notice too
             time.sleep(self._interval)
 
     def _watch(self, conn: RendezvousStore) -> None:
