@@ -323,6 +323,23 @@ def test_survivors_reseed_a_moved_store_and_a_later_joiner_counts_itself_past_th
         del server_b
 
 
+def test_a_restart_whose_mark_was_lost_with_the_store_is_taken_for_dead(sidecar: tuple[str, int]) -> None:
+    """Rank 1's process died (marked ``failed/1`` = 1 on the old store) and was relaunched as
+    incarnation 2 just before the store's node was lost. On the moved store the mark is gone and rank 1
+    is not in ``lost``: the survivor waited at the barrier for incarnation 1 until RegroupFailed.
+    ``started/1`` = 2 past the record's incarnation is a death too now."""
+    new = PrefixStore("moved-restart/", keys.connect(*sidecar))
+    settings = CommSettings(collective_timeout_s=5, regroup_timeout_s=3, heartbeat_window_s=0.3, poll_s=0.005)
+    rec = EpochRecord(3, (0, 1), {0: 1, 1: 1}, "failure")
+    reseed(new, 0, 1, [rec], lost=[], leaving=False)  # the survivor, rank 0
+    reseed(new, 1, 2, [], lost=[], leaving=False)  # rank 1's relaunched process (it holds no epoch)
+    m = Membership(new, 0, Topology(world_size=2, tp=1), incarnation=1, settings=settings)
+    t0 = time.monotonic()
+    groups = m.regroup(rec, "failure", assume_same=True)  # as after a StoreMoved
+    assert list(groups.record.members) == [0], groups.record
+    assert time.monotonic() - t0 < 2.0
+
+
 def test_raise_counter_never_lowers(sidecar: tuple[str, int]) -> None:
     store = PrefixStore("raise-test/", keys.connect(*sidecar))
     raise_counter(store, "c", 3)

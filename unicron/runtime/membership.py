@@ -24,9 +24,10 @@ in a failure regroup mid-iteration (the joiner holds none of the iteration's red
 
 **Failure marks** (``failed/<rank>``): the agent learns of a rank's death first (it is the parent) and
 the survivors regroup faster when told at once than when they wait for a heartbeat to go stale. The
-key, its incarnation rule (incarnation ``i`` is dead once ``failed >= i``), the writer
-(:func:`mark_failed`) and the reader (:meth:`Membership.dead`) are one protocol, so they live here
-together. Writing to a store needs torch's TCPStore client, and importing torch inside the agent holds
+key, its incarnation rule (incarnation ``i`` is dead once ``failed >= i``, or once ``started/<rank>``
+passed ``i``: a later process counted itself in, whose predecessor's mark a moved store may lack), the
+writer (:func:`mark_failed`) and the reader (:meth:`Membership.dead`) are one protocol, so they live
+here together. Writing to a store needs torch's TCPStore client, and importing torch inside the agent holds
 the GIL long enough to starve its heartbeat thread (seen: a false node loss), so the agent
 (:mod:`agent.marker`) keeps a small helper process, ``python -m unicron.runtime.membership --marker``:
 one JSON line per request on stdin, ``{"host", "port", "rank"}``; one JSON line per answer on stdout
@@ -300,10 +301,17 @@ class Membership:
     def dead(self, rec: EpochRecord, ranks: Iterable[int]) -> set[int]:
         """Members of ``rec`` among ``ranks`` known or presumed dead right now."""
         others = [r for r in ranks if r != self.rank]
-        out = {r for r in others if keys.counter(self.store, failed_key(r)) >= rec.incarnations.get(r, 1)}
+        out = {r for r in others if self._gone(r, rec.incarnations.get(r, 1))}
         out |= self.judge.stale(r for r in others if r not in out)
         self._poll()
         return out
+
+    def _gone(self, rank: int, incarnation: int) -> bool:
+        """Whether process ``incarnation`` of ``rank`` is known dead: marked failed, or a later process
+        of its rank counted itself in (a relaunch just before the store moved: its mark was lost with
+        the old store, and its rank was not among the lost ones a re-seed marks)."""
+        return (keys.counter(self.store, failed_key(rank)) >= incarnation
+                or keys.counter(self.store, keys.started_key(rank)) > incarnation)
 
     def leaving(self, rec: EpochRecord) -> set[int]:
         """Members of ``rec`` whose incarnation there was asked to leave (``leave/<rank>``)."""
