@@ -491,3 +491,49 @@ def test_a_joiner_is_admitted_after_a_moved_store_was_seeded_with_epochs_that_ha
         del server
     assert results["shrunk"] == [0]
     assert results[0] == results[1] == (9, [0, 1]), results
+
+
+def test_an_excluded_rank_that_reseeds_a_moved_store_first_is_admitted_to_the_newest_epoch(
+    sidecar: tuple[str, int],
+) -> None:
+    """Rank 1 was excluded at epoch 4 and waits to join, holding the records of epochs 0-3; rank 0 went
+    on alone and holds 8-11. The store's node is lost; rank 1 re-seeds the moved store first (base 0,
+    epochs 0-3) and finds epoch 3, where it is a member, and waits at its barrier; then rank 0 re-seeds
+    8-11. The first ``epoch/base`` stayed (first writer won), so rank 1 waited at epoch 3's barrier
+    and rank 0's admission epoch waited for rank 1: both ended in RegroupFailed. The base is the
+    newest of the re-seeders' now, and a joiner at an epoch below it moves on to the newest."""
+    host, port = sidecar
+    ns = "excluded-reseed/"
+    topo = Topology(world_size=2, tp=1)
+    settings = CommSettings(collective_timeout_s=5, regroup_timeout_s=3, heartbeat_window_s=0.5)
+    old = [EpochRecord(e, (0, 1), {0: 1, 1: 1}, "start" if e == 0 else "failure") for e in range(4)]
+    recent = [EpochRecord(e, (0,), {0: 1}, "failure") for e in range(8, 12)]
+    results: dict[Any, Any] = {}
+
+    def survivor() -> None:
+        new = PrefixStore(ns, keys.connect(host, port))
+        deadline = time.monotonic() + 5
+        while not new.check(["epoch/3/ready/1"]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until rank 1 waits at epoch 3's barrier
+        reseed(new, 0, 1, recent, lost=[], leaving=False)
+        m = Membership(new, 0, topo, incarnation=1, settings=settings)
+        while not m.joiners(recent[-1].members) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            g = m.regroup(recent[-1], "admission", assume_same=True, admit=True)
+            results[0] = (g.record.epoch, list(g.record.members))
+        except RegroupFailed as exc:
+            results[0] = repr(exc)
+
+    def joiner() -> None:
+        new = PrefixStore(ns, keys.connect(host, port))
+        reseed(new, 1, 1, old, lost=[], leaving=False)
+        try:
+            g = Membership(new, 1, topo, incarnation=1, settings=settings).join(timeout_s=5)
+            results[1] = (g.record.epoch, list(g.record.members)) if g is not None else None
+        except RegroupFailed as exc:
+            results[1] = repr(exc)
+
+    run_ranks(2, lambda i: survivor() if i == 0 else joiner(), timeout_s=30)
+    assert results[0] == results[1] == (12, [0, 1]), results
+    assert PrefixStore(ns, keys.connect(host, port)).get(BASE_KEY) == b"8"

@@ -38,11 +38,12 @@ survives, an in-place resize names another node, whose agent starts an empty sto
 sends its ranks ``StoreMoved``. Each survivor re-seeds the new store with what it holds (:func:`reseed`):
 its own ``started/<rank>`` and those of its epochs' members (raised, never lowered: several survivors
 seed at once), ``failed/<rank>`` of the lost ranks up to their incarnation, its epoch records from the
-last gap on (first writer wins; ``epoch/base``, the oldest, is where a joiner starts looking, and the
-epochs after it must be contiguous for the joiner to find the newest), its ``leave/`` and
+last gap on (first writer wins), ``epoch/base`` (the start of that run, raised, never lowered: an
+excluded rank re-seeds older epochs than a survivor's; every rank looks for the newest epoch from
+there, and the epochs after it must be contiguous for it to be found), its ``leave/`` and
 finally ``seeded``. A rank launched on a moved store waits for ``seeded`` before it counts itself in,
-so its incarnation follows its rank's earlier ones. Old epochs below ``epoch/base`` are not there:
-a rank reads the records of its own epochs from memory.
+so its incarnation follows its rank's earlier ones. Epochs below ``epoch/base`` may be missing (or
+an excluded rank's old ones): a rank reads the records of its own epochs from memory.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ FINISHED_KEY = "finished"
 SEEDED_KEY = "seeded"
 """Written by a survivor once it re-seeded a moved store (module docstring, "A moved store")."""
 BASE_KEY = "epoch/base"
-"""The oldest epoch a moved store holds: joiners look for the newest epoch from there."""
+"""The start of the newest run of epochs a moved store was seeded with: the newest is looked for from
+there (an epoch below it is no longer the newest)."""
 
 
 class Excluded(Exception):
@@ -211,7 +213,8 @@ def reseed(store: RendezvousStore, rank: int, incarnation: int, records: Iterabl
         for r in lost:
             if r in newest.incarnations and r != rank:
                 raise_counter(store, failed_key(r), newest.incarnations[r])
-        store.compare_set(BASE_KEY, "", str(held[0].epoch))
+        # The newest run's start, not the first re-seeder's: an excluded rank holds older epochs
+        raise_counter(store, BASE_KEY, held[0].epoch)
     if leaving:
         store.set(keys.leave_key(rank), str(incarnation))
     if held:  # a joiner that holds no epoch has nothing others need: it does not open the store to them
@@ -280,8 +283,11 @@ class Membership:
 
         Epochs are contiguous (each is proposed as its base + 1), so the newest is found by doubling
         the step past ``after`` and then bisecting: O(log n) store reads, where a scan one by one from
-        0 (a joiner knows no epoch) made a grow wait for tens of thousands of reads.
+        0 (a joiner knows no epoch) made a grow wait for tens of thousands of reads. On a moved store
+        the search starts at ``epoch/base`` at the earliest: epochs below it need not be contiguous
+        with the newest.
         """
+        after = max(after, self._base() - 1)
         if not self._exists(after + 1):
             return None
         lo, step = after + 1, 1  # lo exists
@@ -295,6 +301,15 @@ class Membership:
 
     def _exists(self, epoch: int) -> bool:
         return self.store.check([f"epoch/{epoch}"])
+
+    def _base(self) -> int:
+        """``epoch/base``: the oldest epoch of a moved store's newest run (0 on the first store)."""
+        return keys.counter(self.store, BASE_KEY)
+
+    def _newer_exists(self, epoch: int) -> bool:
+        """Whether an epoch after ``epoch`` was agreed: the next one, or a moved store's base past it (an
+        excluded rank that re-seeded first found its own old epoch and waited at its barrier)."""
+        return self._exists(epoch + 1) or self._base() > epoch
 
     # --- knowledge -------------------------------------------------------------------------------
 
@@ -399,7 +414,7 @@ class Membership:
         agent's leave timeout (60 s) killed it."""
         self.store.set(keys.join_key(self.rank), str(self.incarnation))
         deadline = time.monotonic() + timeout_s
-        seen = _int(self.store.get(BASE_KEY)) - 1 if self.store.check([BASE_KEY]) else -1
+        seen = -1
         while time.monotonic() < deadline:
             if self.store.check([FINISHED_KEY]):
                 raise JobFinished(_int(self.store.get(FINISHED_KEY)))
@@ -432,7 +447,7 @@ class Membership:
         """Dead members of ``base`` once known; None when another rank's proposal already exists."""
         t0 = time.monotonic()
         while time.monotonic() < deadline:
-            if self._read(base.epoch + 1) is not None:
+            if self._newer_exists(base.epoch):
                 return None
             dead = self.dead(base, base.members)
             if dead or assume_same:
@@ -467,8 +482,7 @@ class Membership:
         while time.monotonic() < deadline:
             if self.store.check(want):
                 return
-            newer = self._read(rec.epoch + 1)
-            if newer is not None:
+            if self._newer_exists(rec.epoch):
                 raise _MovedOn(rec)
             if self.dead(rec, self._absent(rec)):
                 raise _MovedOn(rec)
