@@ -23,6 +23,7 @@ import pytest
 
 from coordinator.api import AlreadyExists, ControlPlane, NotFound, serve, stop
 from coordinator.tasks import MAX_SPEC_BYTES, TaskSpec
+from unicron.cli import inject as inject_cli
 from unicron.cli import main as cli
 from unicron.cli.tasks import error_from_status
 from unicron.cluster.etcd_server import EtcdServer
@@ -512,10 +513,10 @@ class StatePlane(FakeControlPlane):
         return [{"node": n, "gpus": 2, "state": s, "reason": r} for n, (s, r) in self.states.items()]
 
 
-def _register(store: Store, keys: Keyspace, node: str) -> None:
+def _register(store: Store, keys: Keyspace, node: str, **fields: Any) -> None:
     info = {"node": node, "host": "h", "gpus": 2, "gpu_backend": "simulated", "agent_pid": 4242,
             "started_ts": 1.0, "replica_addr": ""}
-    store.put(keys.node(node), json.dumps(info))
+    store.put(keys.node(node), json.dumps({**info, **fields}))
 
 
 def test_cli_nodes_shows_isolation_and_drain_from_the_coordinator(
@@ -571,3 +572,58 @@ def test_cli_inject_raise_takes_only_a_fault_kind(unicron: Any, kind: str) -> No
     assert code == 1 and out == ""
     assert err.startswith("unicron inject: raise needs an error kind, one of: lost_connection,") and err.count("\n") == 1
     assert "fenced" not in err and "degradation" not in err
+
+
+def _one_line(code: int, err: str, cmd: str) -> None:
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith(f"unicron {cmd}: ") and err.count("\n") == 1, err
+
+
+class _FakeOs:
+    """Stands in for ``os`` in unicron.cli.inject only (the test's own etcd must still be stoppable)."""
+
+    def __init__(self, kill: Callable[[int, int], None]) -> None:
+        self.kill = kill
+
+
+@pytest.mark.parametrize("pid", [0, -1, 1, True])
+def test_cli_inject_kill_node_signals_only_a_pid_that_can_be_one_agent(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch, pid: Any,
+) -> None:
+    """Before: any int passed, so a record's agent_pid 0 SIGKILLed the operator's own process group, -1 every
+    process it may signal, 1 init (True is 1). Now: refused with one line naming the node, nothing sent."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(inject_cli, "os", _FakeOs(lambda p, s: sent.append((p, s))))
+    _register(store, Keyspace(prefix), "n1", agent_pid=pid)
+    code, _, err = unicron("inject", "kill-node", "--node", "n1", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    assert sent == []
+    _one_line(code, err, "inject")
+    assert "node 'n1' has no agent pid" in err
+
+
+def test_cli_inject_on_an_agent_of_another_user_is_one_line(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the PermissionError of a non-root operator signalling a root agent (systemd) was a
+    traceback. Now: one line saying it is not permitted."""
+
+    def kill(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(inject_cli, "os", _FakeOs(kill))
+    _register(store, Keyspace(prefix), "n1")
+    code, _, err = unicron("inject", "silence-node", "--node", "n1", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    _one_line(code, err, "inject")
+    assert "agent pid 4242 of node n1: not permitted" in err
+
+
+@pytest.mark.parametrize("value", ["[]", "7", "not json"], ids=["list", "number", "garbage"])
+def test_cli_inject_on_a_node_record_that_is_not_an_object_is_one_line(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch, value: str,
+) -> None:
+    """Before: json.loads(...).get raised AttributeError or JSONDecodeError (a traceback). Now: one line."""
+    monkeypatch.setattr(inject_cli, "os", _FakeOs(lambda p, s: None))
+    store.put(Keyspace(prefix).node("n1"), value)
+    code, _, err = unicron("inject", "kill-node", "--node", "n1", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    _one_line(code, err, "inject")
+    assert "node 'n1': its registration is not a JSON object" in err

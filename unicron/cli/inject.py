@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 
 from unicron.cli.common import add_cluster_flags, at_least, open_store
 from unicron.kernel.config import finite_float
-from unicron.kernel.errors import PermanentError
+from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.etcd import Store
 from unicron.kernel.inject import Fault, Injection, request
 from unicron.kernel.keyspace import Keyspace
@@ -56,9 +56,17 @@ def node_record(store: Store, keys: Keyspace, node: str) -> bytes:
 
 
 def agent_pid(store: Store, keys: Keyspace, node: str) -> int:
-    pid = json.loads(node_record(store, keys, node)).get("agent_pid")
-    if not isinstance(pid, int):
-        raise PermanentError(f"node {node!r} has no agent pid in its record")
+    try:
+        record = json.loads(node_record(store, keys, node))
+    except ValueError:  # UnicodeDecodeError included
+        record = None
+    if not isinstance(record, dict):
+        raise InvalidRecord(f"node {node!r}: its registration is not a JSON object")
+    pid = record.get("agent_pid")
+    # os.kill(0) signals the operator's own process group, -1 every process it may signal, 1 is init;
+    # True is an int to isinstance
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+        raise PermanentError(f"node {node!r} has no agent pid in its record (agent_pid {pid!r})")
     return pid
 
 
@@ -68,6 +76,9 @@ def signal_agent(store: Store, keys: Keyspace, node: str, sig: signal.Signals) -
         os.kill(pid, sig)
     except ProcessLookupError as exc:
         raise PermanentError(f"agent pid {pid} of node {node} is not on this machine (or already dead)") from exc
+    except PermissionError as exc:  # e.g. a root agent (systemd) and a non-root operator
+        raise PermanentError(f"agent pid {pid} of node {node}: not permitted to signal it "
+                             "(it runs as another user; run as that user or root)") from exc
     return pid, time.time()
 
 
