@@ -565,6 +565,34 @@ def test_cli_status_shows_each_ranks_own_generation(
     assert [(r["rank"], r["generation"]) for r in json.loads(out)] == [(0, 3), (1, 5)]
 
 
+@pytest.mark.parametrize("cmd", ["nodes", "status", "incidents"])
+def test_cli_records_that_are_not_objects_do_not_crash_nodes_status_or_incidents(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, cmd: str,
+) -> None:
+    """Before: a status record of valid JSON that is not an object ([] or 7), or a field of the wrong type,
+    was a traceback (``.get`` on a list, ``len`` of a number, a string timestamp compared with a number).
+    Now: such a record shows as no ranks, no health and no time; the rest of the table still answers."""
+    keys = Keyspace(prefix)
+    _register(store, keys, "n1")
+    _register(store, keys, "n2")
+    store.put(keys.status("n1"), "[]")
+    store.put(keys.status("n2"), json.dumps({"node": "n2", "ranks": [7, {"task": "a", "rank": 0}], "gpu_health": 5}))
+    store.put(keys.status("n3"), json.dumps({"node": "n3", "ranks": 7}))
+    store.put(keys.incident("i1"), "[]")
+    store.put(keys.incident("i2"), json.dumps({"kind": "hang", "detected_ts": "yesterday"}))
+    store.put(keys.incident("i3"), json.dumps({"kind": "xid", "detected_ts": 5.0}))
+    extra = ("--api", "127.0.0.1:1", "--timeout", "0.5") if cmd == "nodes" else ()
+    code, out, err = unicron(cmd, "--etcd", etcd_server.endpoint, "--prefix", prefix, "--json", *extra)
+    assert code == 0 and "Traceback" not in err, err
+    rows = json.loads(out)
+    if cmd == "nodes":
+        assert {r["node"]: r["ranks"] for r in rows} == {"n1": 0, "n2": 1}
+    elif cmd == "status":
+        assert [(r["node"], r["task"]) for r in rows] == [("n2", "a")]
+    else:
+        assert [r.get("kind") for r in rows] == [None, "hang", "xid"]
+
+
 @pytest.mark.parametrize("kind", ["fenced", "degradation", "no_such_kind"])
 def test_cli_inject_raise_takes_only_a_fault_kind(unicron: Any, kind: str) -> None:
     """``fenced`` and ``degradation`` are the agent's own findings: a rank raising one would be taken for them."""

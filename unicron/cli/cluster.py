@@ -94,13 +94,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         else:
             # not (yet) seen by the coordinator, or no coordinator to ask
             state, reason = ("drained" if node in drained else "unknown"), ""
-        health = st.get("gpu_health") or []
-        bad = [h.get("gpu") for h in health if isinstance(h, dict) and not h.get("ok", True)]
+        bad = [h.get("gpu") for h in _entries(st.get("gpu_health")) if not h.get("ok", True)]
         rows.append({
             "node": node, "state": state, "reason": reason, "registered": node in registered,
             "gpus": info.get("gpus", coord.get("gpus") if coord else None), "backend": info.get("gpu_backend"),
             "agent_pid": info.get("agent_pid"), "unhealthy_gpus": ",".join(map(str, bad)) or "-",
-            "ranks": len(st.get("ranks") or []),
+            "ranks": len(_entries(st.get("ranks"))),
             "status_age_s": round(time.time() - st["ts"], 1) if isinstance(st.get("ts"), int | float) else None,
         })
     return emit(args, rows, NODE_COLUMNS)
@@ -108,25 +107,30 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     store, keys = open_store(args)
+    try:
+        statuses = read_json_prefix(store, keys.statuses())
+    finally:
+        store.close()
     rows = []
-    for _, st in read_json_prefix(store, keys.statuses()):
-        for r in st.get("ranks") or []:
+    for _, st in statuses:
+        for r in _entries(st.get("ranks")):
             if args.task and r.get("task") != args.task:
                 continue
             rows.append({"node": st.get("node"), "task": r.get("task"), "rank": r.get("rank"),
                          "pid": r.get("pid"), "state": r.get("state"), "step": r.get("step"),
                          # the rank's own: a node runs ranks of several tasks and generations
                          "generation": r.get("generation")})
-    store.close()
     rows.sort(key=lambda r: (str(r["task"]), r["rank"] if isinstance(r["rank"], int) else -1))
     return emit(args, rows, ["task", "rank", "node", "pid", "state", "step", "generation"])
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
     store, keys = open_store(args)
-    items = [v for _, v in read_json_prefix(store, keys.incidents()) if isinstance(v, dict)]
-    store.close()
-    items.sort(key=lambda i: i.get("detected_ts") or 0)
+    try:
+        items = [v for _, v in read_json_prefix(store, keys.incidents())]
+    finally:
+        store.close()
+    items.sort(key=lambda i: i["detected_ts"] if isinstance(i.get("detected_ts"), int | float) else 0)
     items = items[-args.limit:] if args.limit > 0 else items
     if args.json:
         return emit(args, items, [])
@@ -142,6 +146,11 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     } for i in items]
     return emit(args, rows, ["detected", "severity", "kind", "node", "task", "rank", "gpu", "latency_ms", "action",
                              "transition_s", "sub_healthy_s", "message"])
+
+
+def _entries(value: Any) -> list[dict[str, Any]]:
+    """The objects in a record's list field; anything else (a damaged or foreign record) as no entries."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
 def _seconds(value: Any) -> float | str:

@@ -72,15 +72,18 @@ def open_store(args: argparse.Namespace) -> tuple[Store, Keyspace]:
     return store, Keyspace(args.prefix)
 
 
-def read_json_prefix(store: Store, prefix: str) -> list[tuple[str, Any]]:
-    """(key, parsed value) under ``prefix``; unparsable values come back as {"error": ...}."""
+def read_json_prefix(store: Store, prefix: str) -> list[tuple[str, dict[str, Any]]]:
+    """(key, parsed record) under ``prefix``; a value that is not a JSON object comes back as {"error": ...}
+    (a caller's ``.get`` on a list or a number was a traceback)."""
     kvs, _ = store.get_prefix(prefix)
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str, dict[str, Any]]] = []
     for kv in kvs:
         try:
-            out.append((kv.key, json.loads(kv.value)))
+            value = json.loads(kv.value)
         except ValueError:
             out.append((kv.key, {"error": f"unparsable value {kv.value[:60]!r}"}))
+            continue
+        out.append((kv.key, value if isinstance(value, dict) else {"error": "not a JSON object"}))
     return out
 
 
