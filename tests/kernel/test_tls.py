@@ -44,6 +44,30 @@ def test_certs_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert "cannot write certificates there" in err and err.count("\n") == 1
 
 
+def _one_line(code: int, err: str) -> None:
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith("unicron certs: ") and err.count("\n") == 1, err
+
+
+def test_certs_issue_refuses_a_name_or_host_no_certificate_can_carry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: a name over 64 characters (the CN's limit) or a non-ASCII one, and a non-ASCII --host, were
+    cryptography's ValueError tracebacks. Now: one line naming the name or the --host."""
+    tls.init_ca(tmp_path)
+    for name in ("a" * 65, "bücher"):
+        code = cli.main(["certs", "issue", "--role", "operator", name, "--dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        _one_line(code, err)
+        assert "certificate name" in err and "1 to 64 ASCII characters" in err
+    assert cli.main(["certs", "issue", "--role", "operator", "a" * 64, "--dir", str(tmp_path)]) == 0
+    code = cli.main(["certs", "issue", "--role", "node", "n1", "--dir", str(tmp_path), "--host", "bücher.example"])
+    err = capsys.readouterr().err
+    _one_line(code, err)
+    assert "--host 'bücher.example'" in err and "IDNA" in err
+    assert not (tmp_path / "n1.crt").exists()
+
+
 def test_load_checks_files_and_role(cert_dir: Path, tmp_path: Path) -> None:
     assert tls.load("", "x") is None
     cfg = tls.load(str(cert_dir), "node1", tls.Role.NODE)

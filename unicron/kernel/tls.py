@@ -43,6 +43,8 @@ CA_DAYS = 3650
 LEAF_DAYS = 825
 #: the hosts every leaf certificate serves besides its own name (the local demo and tests dial loopback)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: the longest CN X.509 allows (ub-common-name, RFC 5280); a certificate name is its CN
+MAX_NAME_CHARS = 64
 
 
 class Role(StrEnum):
@@ -113,15 +115,19 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
+            if not h.isascii():  # x509 takes a DNS name only in its IDNA (A-label) form
+                raise ConfigError(f"--host {h!r}: not an IP address or an ASCII DNS name; give an "
+                                  "internationalised name in its IDNA form (xn--...)") from None
             names.append(x509.DNSName(h))
     return x509.SubjectAlternativeName(names)
 
 
 def check_name(name: str) -> str:
-    """A certificate name must be usable as a file name and an etcd user name."""
+    """A certificate name must be usable as a file name, an etcd user name, a CN and a DNS SAN."""
     if not name or name in (".", "..") or "/" in name or name.startswith("-") or name == "ca" \
-            or any(c.isspace() for c in name):
-        raise ConfigError(f"certificate name {name!r}: must be non-empty, not 'ca', with no '/', spaces or leading '-'")
+            or any(c.isspace() for c in name) or len(name) > MAX_NAME_CHARS or not name.isascii():
+        raise ConfigError(f"certificate name {name!r}: must be 1 to {MAX_NAME_CHARS} ASCII characters, not 'ca', "
+                          "with no '/', spaces or leading '-'")
     return name
 
 
