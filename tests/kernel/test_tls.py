@@ -68,6 +68,40 @@ def test_certs_issue_refuses_a_name_or_host_no_certificate_can_carry(
     assert not (tmp_path / "n1.crt").exists()
 
 
+@pytest.mark.parametrize("damaged", [tls.CA_KEY, tls.CA_CERT])
+def test_certs_issue_with_a_damaged_ca_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damaged: str,
+) -> None:
+    """Before: a ca.key or ca.crt that is not PEM was cryptography's ValueError traceback. Now: one line
+    naming the file and 'unicron certs init'."""
+    tls.init_ca(tmp_path)
+    (tmp_path / damaged).write_text("not PEM\n")
+    code = cli.main(["certs", "issue", "--role", "node", "n1", "--dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    _one_line(code, err)
+    assert f"{tmp_path / damaged}: not a PEM" in err and "unicron certs init" in err
+
+
+def test_certs_etcd_auth_names_a_stray_crt_in_the_dir(
+    tmp_path: Path, foreign_cert_dir: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: any *.crt in --dir that was not a certificate (notes, a backup) was a ValueError traceback.
+    Now: one line naming the file, before etcd is dialled; so is a certificate with no role of ours."""
+    tls.init_ca(tmp_path)
+    tls.issue(tmp_path, tls.Role.ETCD, "root")
+    argv = ["certs", "etcd-auth", "--dir", str(tmp_path), "--etcd", "127.0.0.1:1"]
+    (tmp_path / "notes.crt").write_text("not a certificate\n")
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    _one_line(code, err)
+    assert f"{tmp_path / 'notes.crt'}: not a PEM certificate" in err and "move it out of --dir" in err
+    (tmp_path / "notes.crt").write_bytes((foreign_cert_dir / tls.CA_CERT).read_bytes())  # a CA: no OU
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    _one_line(code, err)
+    assert f"{tmp_path / 'notes.crt'}: certificate" in err and "move it out of --dir" in err
+
+
 def test_load_checks_files_and_role(cert_dir: Path, tmp_path: Path) -> None:
     assert tls.load("", "x") is None
     cfg = tls.load(str(cert_dir), "node1", tls.Role.NODE)

@@ -73,11 +73,15 @@ def cmd_issue(args: argparse.Namespace) -> int:
 
 def holders(directory: Path) -> list[tls.Peer]:
     """The Unicron certificates issued into ``directory`` (not the CA's, etcd's or root's)."""
+    stray = "every *.crt in --dir but ca.crt must be one from 'unicron certs issue'; move it out of --dir"
     peers = []
     for crt in sorted(directory.glob("*.crt")):
         if crt.name == tls.CA_CERT:
             continue
-        peer = tls.peer_from_pem(crt.read_bytes())
+        try:
+            peer = tls.peer_of(tls.read_certificate(crt, stray))
+        except tls.Unauthorized as exc:  # a certificate, but not one of this cluster's roles
+            raise ConfigError(f"{crt}: {exc}; {stray}") from exc
         if peer.role is not tls.Role.ETCD:
             peers.append(peer)
     return peers

@@ -29,6 +29,7 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from unicron.kernel.errors import ConfigError, PermanentError
@@ -131,14 +132,31 @@ def check_name(name: str) -> str:
     return name
 
 
+def read_certificate(path: Path, remedy: str) -> x509.Certificate:
+    """The PEM certificate in ``path``; :class:`ConfigError` naming the file (and ``remedy``) if it is not one."""
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except ValueError:
+        raise ConfigError(f"TLS: {path}: not a PEM certificate; {remedy}") from None
+
+
+def read_private_key(path: Path, remedy: str) -> PrivateKeyTypes:
+    """The unencrypted PEM private key in ``path``; :class:`ConfigError` naming the file if it is not one."""
+    try:
+        return serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError):  # TypeError: a key with a passphrase
+        raise ConfigError(f"TLS: {path}: not a PEM private key without a passphrase; {remedy}") from None
+
+
 def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None,
           days: int = LEAF_DAYS) -> tuple[Path, Path]:
     """Issue ``NAME.crt`` / ``NAME.key`` signed by the CA in ``directory``: CN=name, OU=role, with
     SANs for ``name``, loopback and ``hosts`` (where the holder serves: replica server, API, etcd)."""
     check_name(name)
+    remedy = f"restore it, or create a new CA with 'unicron certs init --force {directory}' (and reissue every certificate)"
     try:
-        ca_cert = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
-        ca_key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), password=None)
+        ca_cert = read_certificate(directory / CA_CERT, remedy)
+        ca_key = read_private_key(directory / CA_KEY, remedy)
     except FileNotFoundError as exc:
         raise ConfigError(f"{exc.filename}: no CA there; run 'unicron certs init {directory}' first") from exc
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
