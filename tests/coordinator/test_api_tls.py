@@ -81,3 +81,18 @@ def test_cli_over_tls_and_its_refusal_is_one_line(
     assert cli.main(["submit", str(EXAMPLE), *base]) == 0  # --tls-name defaults to "operator"
     assert cli.main(["tasks", *base, "--json"]) == 0
     assert [t["name"] for t in json.loads(capsys.readouterr().out.split("\n", 1)[1])] == ["gpt-1p3b"]
+
+
+def test_cli_tls_dir_of_files_that_are_not_pem_names_the_file(
+    api: str, plane: FakeControlPlane, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: --tls-dir files that exist but are not PEM went to gRPC unparsed, and the handshake that
+    could not start was reported as the coordinator being unavailable. Now: one line naming the file."""
+    bad = tmp_path / "certs"
+    bad.mkdir()
+    for name in (tls.CA_CERT, "operator.crt", "operator.key"):
+        (bad / name).write_text("garbage\n")
+    assert cli.main(["tasks", "--api", api, "--tls-dir", str(bad), "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"unicron tasks: TLS: {bad / tls.CA_CERT}: not a PEM certificate; create it with "
+                   f"'unicron certs init {bad}' / 'unicron certs issue --role ROLE operator --dir {bad}'\n")

@@ -245,15 +245,17 @@ class TLSConfig:
 
     @classmethod
     def from_dir(cls, directory: str | Path, name: str) -> TLSConfig:
-        """``DIR/ca.crt``, ``DIR/NAME.crt``, ``DIR/NAME.key``; :class:`ConfigError` naming a missing file."""
+        """``DIR/ca.crt``, ``DIR/NAME.crt``, ``DIR/NAME.key``; :class:`ConfigError` naming a file missing or not PEM."""
         d = Path(directory)
         cfg = cls(d / CA_CERT, d / f"{name}.crt", d / f"{name}.key")
+        remedy = f"create it with 'unicron certs init {d}' / 'unicron certs issue --role ROLE {name} --dir {d}'"
         for path in (cfg.ca, cfg.cert, cfg.key):
             if not path.is_file():
-                raise ConfigError(
-                    f"TLS: {path} missing; create it with 'unicron certs init {d}' / "
-                    f"'unicron certs issue --role ROLE {name} --dir {d}'"
-                )
+                raise ConfigError(f"TLS: {path} missing; {remedy}")
+        # parsed here, so a damaged file is named now, not taken later for a peer refusing the handshake
+        read_certificate(cfg.ca, remedy)
+        read_certificate(cfg.cert, remedy)
+        read_private_key(cfg.key, remedy)
         return cfg
 
     def peer(self) -> Peer:
