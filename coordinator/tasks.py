@@ -15,7 +15,6 @@ task that cannot start, and an oversize spec would be refused by etcd after the 
 from __future__ import annotations
 
 import enum
-import json
 import math
 import re
 import shlex
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from plans.models import MODEL_LIMITS
+from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
 
 #: a task name must be one etcd key segment and one file name (no '/', NUL, '.', '..'), and a DNS label
@@ -307,33 +307,7 @@ def load_spec_json(text: str, where: str = "task") -> Any:
             f"{where}: the spec is {size} bytes; the limit is {MAX_SPEC_BYTES} (MAX_SPEC_BYTES); "
             "pass large inputs to the command in a file instead"
         )
-    depth = _max_depth(text)
-    if depth > MAX_SPEC_DEPTH:
-        raise InvalidRecord(f"{where}: nested deeper than {MAX_SPEC_DEPTH} levels ({depth}); a spec nests 2")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRecord(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
-    except ValueError as exc:  # an integer literal of more than 4300 digits (Python's int limit)
-        raise InvalidRecord(f"{where}: not a usable JSON number: {str(exc).split(';')[0]}") from exc
-    except RecursionError as exc:  # _max_depth bounds it; this keeps a miss an input error, not a crash
-        raise InvalidRecord(f"{where}: nested too deep to parse; a spec nests {MAX_SPEC_DEPTH} levels at most") from exc
-
-
-#: a JSON string literal (escapes included), whose brackets are not nesting
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-
-
-def _max_depth(text: str) -> int:
-    """The deepest nesting of ``[``/``{`` outside strings (an upper bound for malformed text)."""
-    depth = deepest = 0
-    for ch in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text)):
-        if ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
+    return jsontext.loads(text, where, MAX_SPEC_DEPTH)
 
 
 def parse_model(data: Any) -> ModelDescription:

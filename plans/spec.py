@@ -5,7 +5,6 @@ Every problem raises :class:`unicron.kernel.errors.InvalidRecord` naming the off
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -16,9 +15,13 @@ from plans.models import ModelSpec, gpt3
 from plans.problem import ClusterSpec, TaskDemand, check_names
 from plans.throughput import Calibration
 from plans.waf import ReliabilityModel
+from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
 
 _MODEL_FIELDS = {f.name for f in fields(ModelSpec)}
+#: JSON nesting: an input nests 3 levels (input -> tasks -> task -> model); deeper is not an input, and
+#: Python's parser would recurse once per level
+MAX_INPUT_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -137,11 +140,8 @@ def parse(data: Any) -> PlanInput:
 def load(path: str | Path) -> PlanInput:
     """Read and validate an input file."""
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise InvalidRecord(f"--input: cannot read {path}: {exc.strerror}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRecord(f"--input: {path} is not JSON: {exc}") from exc
-    return parse(data)
+    where = f"--input {path}"
+    return parse(jsontext.loads(jsontext.decode(raw, where), where, MAX_INPUT_DEPTH))

@@ -121,6 +121,31 @@ def test_missing_file_and_missing_arguments(capsys: pytest.CaptureFixture[str]) 
     assert "--input FILE or --plot-throughput" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"cluster": {"gpu_type": "A800", "n_gpus": 8}, "tasks": [{"name": "caf\xe9", "model": "1.3B"}]}'
+         .encode("latin-1"), "not UTF-8 text .byte 0xe9"),
+        (b"[" * 100_000, "nested deeper than 8 levels"),
+        (b'{"cluster": {"gpu_type": "A800", "n_gpus": ' + b"9" * 5000 + b'}, "tasks": []}',
+         "not a usable JSON number"),
+        (b'{"cluster": ', "not valid JSON: Expecting value at line 1 column 13"),
+    ],
+    ids=["latin1", "deep", "bigint", "truncated"],
+)
+def test_a_file_that_is_not_json_text_gets_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    """Before: a file that was not UTF-8, nested 100,000 deep or held an integer over 4300 digits was a
+    traceback (UnicodeDecodeError, RecursionError, ValueError). Now: one line naming the file."""
+    path = tmp_path / "in.json"
+    path.write_bytes(content)
+    assert main(["plan", "--input", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"unicron plan: error: --input {path}: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
 def test_plot_throughput_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "fig4.png"
     assert main(["plan", "--plot-throughput", str(out)]) == 0

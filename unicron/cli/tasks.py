@@ -22,7 +22,7 @@ import grpc
 
 from coordinator.tasks import MAX_SPEC_BYTES, load_spec_json
 from unicron.cli.common import add_cluster_flags, at_least, emit, one_line, open_store, tls_config
-from unicron.kernel import tls
+from unicron.kernel import jsontext, tls
 from unicron.kernel.config import finite_float
 from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError, UnicronError
 from unicron.kernel.etcd import Store
@@ -190,12 +190,7 @@ def read_spec(path: str) -> str:
     if len(raw) > MAX_SPEC_BYTES:
         raise InvalidRecord(f"{where}: the spec is over the limit of {MAX_SPEC_BYTES} bytes (MAX_SPEC_BYTES); "
                             "pass large inputs to the command in a file instead")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRecord(
-            f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); save the spec as UTF-8"
-        ) from exc
+    text = jsontext.decode(raw, where)
     load_spec_json(text, where)
     return text
 

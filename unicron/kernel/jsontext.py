@@ -1,0 +1,53 @@
+"""JSON text from outside (a spec file, an RPC's spec, the planner's input), decoded and parsed with
+bounds: every problem is one :class:`InvalidRecord` line naming where the text came from, never a
+traceback (a byte that is not UTF-8, an integer over Python's 4300 digits, a nesting that would recurse
+once per level in the parser).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from unicron.kernel.errors import InvalidRecord
+
+#: a JSON string literal (escapes included), whose brackets are not nesting
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def decode(raw: bytes, where: str) -> str:
+    """``raw`` as UTF-8 text; :class:`InvalidRecord` naming the first bad byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRecord(
+            f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); save it as UTF-8"
+        ) from exc
+
+
+def max_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` outside strings (an upper bound for malformed text)."""
+    depth = deepest = 0
+    for ch in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text)):
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def loads(text: str, where: str, depth_limit: int) -> Any:
+    """``json.loads(text)``, refusing nesting deeper than ``depth_limit`` before parsing."""
+    depth = max_depth(text)
+    if depth > depth_limit:
+        raise InvalidRecord(f"{where}: nested deeper than {depth_limit} levels ({depth})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRecord(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except ValueError as exc:  # an integer literal of more than 4300 digits (Python's int limit)
+        raise InvalidRecord(f"{where}: not a usable JSON number: {str(exc).split(';')[0]}") from exc
+    except RecursionError as exc:  # max_depth bounds it; this keeps a miss an input error, not a crash
+        raise InvalidRecord(f"{where}: nested too deep to parse ({depth_limit} levels at most)") from exc
