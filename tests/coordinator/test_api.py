@@ -489,6 +489,25 @@ def test_cli_bad_etcd_endpoint_is_one_line(unicron: Any) -> None:
     assert err.startswith("unicron tasks: --etcd / UNICRON_ETCD: bad endpoint 'bad:port:x'") and err.count("\n") == 1
 
 
+def test_cli_api_port_out_of_range_is_refused_not_wrapped_onto_another_port(
+    unicron: Any, api: str, plane: FakeControlPlane, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    """Before: gRPC dialled a port over 65535 modulo 65536, so a typo'd --api (or leader key) reached
+    whatever listened there, here the coordinator on port - 65536. Now: refused with one line."""
+    host, port = api.rsplit(":", 1)
+    wrapped = f"{host}:{int(port) + 65536}"
+    code, out, err = unicron("submit", str(EXAMPLE), "--api", wrapped, "--timeout", "2")
+    assert code == 1 and out == "" and plane.specs == {}
+    assert err == (f"unicron submit: --api / UNICRON_API: bad address {wrapped!r}: expected host:port with a "
+                   "port in 1-65535\n")
+    keys = Keyspace(prefix)
+    store.put(keys.leader(), json.dumps({"pid": 1, "api": wrapped}))
+    code, out, err = unicron("submit", str(EXAMPLE), "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    assert code == 1 and out == "" and plane.specs == {}
+    assert err == f"unicron submit: leader key {keys.leader()}: its API address {wrapped!r} is not host:port " \
+                  "(port 1-65535)\n"
+
+
 def test_cli_inject_on_an_unknown_node_is_refused_at_once(
     unicron: Any, etcd_server: EtcdServer, prefix: str,
 ) -> None:

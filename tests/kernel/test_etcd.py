@@ -31,7 +31,8 @@ def _wait(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
 
 def test_parse_endpoints_rejects_garbage() -> None:
     assert parse_endpoints("127.0.0.1:1,http://h:2") == [("127.0.0.1", 1), ("h", 2)]
-    for bad in ("nonsense", "bad:port:x", ":", "h:0", "h:65536"):
+    # "²" passes isdigit() but not int(); 5000 digits are over int()'s limit: both were tracebacks
+    for bad in ("nonsense", "bad:port:x", ":", "h:0", "h:65536", "h:²", "h:" + "9" * 5000):
         with pytest.raises(ConfigError, match=r"--etcd / UNICRON_ETCD: bad endpoint .*host:port"):
             parse_endpoints(bad)
     with pytest.raises(ConfigError, match="no endpoint given"):

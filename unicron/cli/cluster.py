@@ -23,7 +23,7 @@ from unicron.cli.common import (
     read_json_prefix,
     tls_config,
 )
-from unicron.cli.tasks import ApiClient, leader_api
+from unicron.cli.tasks import ApiClient, api_flag, leader_api
 from unicron.kernel.config import finite_float
 from unicron.kernel.errors import UnicronError
 from unicron.kernel.etcd import Store
@@ -60,7 +60,8 @@ def _when(ts: Any) -> str:
 
 def coordinator_nodes(args: argparse.Namespace, store: Store, keys: Keyspace) -> dict[str, dict[str, Any]]:
     """The coordinator's view of each node (state, reason, gpus), by name. Raises UnicronError."""
-    resolve = (lambda: str(args.api)) if args.api else (lambda: leader_api(store, keys))
+    api = api_flag(args)
+    resolve = (lambda: api) if api is not None else (lambda: leader_api(store, keys))
     reply = ApiClient(resolve, args.timeout, follow=False, tls_config=tls_config(args)).call(
         "ListNodes", pb.ListNodesRequest())
     nodes = (json.loads(n) for n in reply.node_json)

@@ -24,9 +24,10 @@ from coordinator.tasks import MAX_SPEC_BYTES, load_spec_json
 from unicron.cli.common import add_cluster_flags, at_least, emit, one_line, open_store, tls_config
 from unicron.kernel import jsontext, tls
 from unicron.kernel.config import finite_float
-from unicron.kernel.errors import InvalidRecord, PermanentError, TemporaryError, UnicronError
+from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, TemporaryError, UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.net import host_port
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -159,13 +160,24 @@ def leader_api(store: Store, keys: Keyspace) -> str:
             f"leader key {keys.leader()}: the leading coordinator publishes no API address ('api' field); "
             "it is too old or was started without its API"
         )
+    if host_port(api) is None:
+        raise InvalidRecord(f"leader key {keys.leader()}: its API address {api!r} is not host:port (port 1-65535)")
     return api
+
+
+def api_flag(args: argparse.Namespace) -> str | None:
+    """``--api`` / UNICRON_API (None: not given), refused unless host:port with a port in 1-65535."""
+    if args.api and host_port(str(args.api)) is None:
+        raise ConfigError(f"--api / UNICRON_API: bad address {args.api!r}: expected host:port with a port in "
+                          "1-65535")
+    return str(args.api) if args.api else None
 
 
 def call(args: argparse.Namespace, rpc: str, request: Any) -> Any:
     """Call ``rpc`` on the coordinator chosen by ``--api`` or the leader key."""
-    if args.api:
-        return ApiClient(lambda: str(args.api), args.timeout, follow=False, tls_config=tls_config(args)).call(rpc, request)
+    api = api_flag(args)
+    if api is not None:
+        return ApiClient(lambda: api, args.timeout, follow=False, tls_config=tls_config(args)).call(rpc, request)
     store, keys = open_store(args)
     try:
         return ApiClient(lambda: leader_api(store, keys), args.timeout, follow=True,

@@ -49,6 +49,7 @@ from unicron.kernel.errors import (
     StoreUnavailable,
     UnicronError,
 )
+from unicron.kernel.net import host_port
 from unicron.kernel.tls import TLSConfig
 
 log = ulog.get(__name__)
@@ -169,11 +170,11 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
         if not item:
             continue
         item = item.removeprefix("http://")
-        host, sep, port = item.rpartition(":")
-        if not sep or not port.isdigit() or not host or not 0 < int(port) < 65536:
+        endpoint = host_port(item)
+        if endpoint is None:
             raise ConfigError(f"--etcd / UNICRON_ETCD: bad endpoint {item!r}: expected host:port with a port "
                               "in 1-65535, e.g. 127.0.0.1:2379")
-        out.append((host, int(port)))
+        out.append(endpoint)
     if not out:
         raise ConfigError("--etcd / UNICRON_ETCD: no endpoint given: expected host:port[,host:port...]")
     return out

@@ -10,6 +10,16 @@ import psutil
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
+def host_port(address: str) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port`` too, brackets kept) -> (host, port) with a port in 1-65535; None for
+    anything else. gRPC would dial a port over 65535 modulo 65536: another port, maybe another server's."""
+    host, sep, port = address.rpartition(":")
+    # isascii: int() refuses some characters isdigit() accepts ("²"); 5 digits: no 4300-digit int()
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
 def route_address(host: str, port: int) -> str:
     """This host's own address on its route to ``host:port``: the source address the kernel picks to
     reach it, so a peer on that network can reach this host back at it. (A UDP ``connect`` only
