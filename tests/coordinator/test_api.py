@@ -460,6 +460,17 @@ def test_cli_submit_of_a_file_that_is_not_a_spec_is_one_line(
     assert plane.specs == {}
 
 
+def test_cli_submit_from_a_closed_standard_input_is_one_line(
+    unicron: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: ``unicron submit - <&-`` (cron, systemd) was an AttributeError traceback: Python sets
+    sys.stdin to None when fd 0 is closed. Now: one line, before the API is dialled."""
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = unicron("submit", "-", "--api", f"127.0.0.1:{free_port()}")
+    assert code == 1 and out == ""
+    assert err == "unicron submit: standard input: closed, so there is no spec to read; give the spec as FILE\n"
+
+
 @pytest.mark.parametrize(("argv", "flag"), [
     (("submit", "-", "--timeout", "nan"), "--timeout"),  # a NaN deadline used to retry forever
     (("submit", "-", "--timeout", "0"), "--timeout"),

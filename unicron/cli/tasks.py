@@ -193,6 +193,8 @@ def read_spec(path: str) -> str:
     """The spec file's text, checked to be a JSON spec's size, depth and syntax, so that a problem
     names the file (and line) before anything is sent."""
     where = "standard input" if path == "-" else path
+    if path == "-" and sys.stdin is None:  # started with fd 0 closed (cron, systemd, '<&-')
+        raise PermanentError("standard input: closed, so there is no spec to read; give the spec as FILE")
     try:
         # one byte over the limit is enough to say it is too big; a huge file is not read whole
         with (open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")) as f:
