@@ -15,11 +15,19 @@ from unicron.kernel.errors import InvalidRecord
 DEFAULT_TRANSITION_S = 300.0
 
 
-def _count(owner: str, field: str, value: object, minimum: int) -> None:
+#: the most GPUs a cluster may have, far above any real one: the planner's tables are sized by it, and
+#: 10**100 GPUs was a numpy "dimension exceeded" traceback (a task's counts need no bound: the cluster's
+#: size caps what it is planned)
+MAX_CLUSTER_GPUS = 2**24
+
+
+def _count(owner: str, field: str, value: object, minimum: int, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRecord(f"{owner}.{field}: expected an integer, got {value!r}")
     if value < minimum:
         raise InvalidRecord(f"{owner}.{field}: must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidRecord(f"{owner}.{field}: must be at most {maximum}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -34,8 +42,8 @@ class ClusterSpec:
     """GPUs per node: TP stays inside a node and node units are this many GPUs."""
 
     def __post_init__(self) -> None:
-        _count("cluster", "n_gpus", self.n_gpus, 0)
-        _count("cluster", "gpus_per_node", self.gpus_per_node, 1)
+        _count("cluster", "n_gpus", self.n_gpus, 0, MAX_CLUSTER_GPUS)
+        _count("cluster", "gpus_per_node", self.gpus_per_node, 1, MAX_CLUSTER_GPUS)
 
 
 @dataclass(frozen=True)

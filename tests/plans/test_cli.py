@@ -60,6 +60,8 @@ def test_json_output_is_complete_and_consistent(capsys: pytest.CaptureFixture[st
             "cluster.n_gpus: expected an integer",
         ),
         ({"cluster": {"gpu_type": "V100", "n_gpus": 8}, "tasks": []}, "unknown GPU type 'V100'"),
+        # a numpy "Maximum allowed dimension exceeded" traceback before
+        ({"cluster": {"gpu_type": "A800", "n_gpus": 10**100}, "tasks": []}, "cluster.n_gpus: must be at most"),
         (_doc(min_gpus=-1), r"task\[a\].min_gpus: must be >= 0"),
         (_doc(current_gpus="8"), r"task\[a\].current_gpus: expected an integer"),
         (_doc(weight=0), r"task\[a\].weight: must be a finite number > 0"),
