@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 
-from agent import launchenv
+from agent import launchenv, marker, sidecar
 from agent.fence import Contact, Fence
 from agent.gpu.api import GpuEvent, GpuHealth
 from agent.gpu.factory import open_backend
@@ -69,6 +69,9 @@ from unicron.kernel.types import (
 )
 
 log = ulog.get(__name__)
+
+#: the agent's own torch-using helpers, forked from its warm spawner too
+HELPER_MODULES = (sidecar.MODULE, marker.MODULE)
 
 
 class ReportPublisher:
@@ -191,11 +194,12 @@ class Agent:
         self._link: LinkClient | None = None
         self.coordinators = Coordinators(self._read_leader_link)  # where the link looks for the leader
         self.link_token = secrets.token_hex(16)  # proves on the link that this process registered the node
-        self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL))
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
-        self.prefork = (Prefork(modules, os.path.join(settings.run_dir, f"{settings.node}.pf"),
+        helpers = [m for m in HELPER_MODULES if m not in modules]
+        self.prefork = (Prefork([*modules, *helpers], os.path.join(settings.run_dir, f"{settings.node}.pf"),
                                 preexec=parentdeath.preexec(signal.SIGKILL), warm_wait_s=settings.prefork_wait_s)
                         if modules else None)
+        self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL), prefork=self.prefork)
         # Peers' in-memory checkpoint replicas (GEMINI-style): ranks elsewhere push their snapshots here.
         self.replicas: ReplicaServer | None = None
         self.metrics = AgentMetrics()

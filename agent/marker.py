@@ -1,23 +1,30 @@
 """Tells a task's surviving ranks, through its rendezvous store, that a rank died: adds 1 to
 ``failed/<rank>`` there. The write needs torch's store client, which the agent must not import, so it
 is done by a helper process, ``python -m unicron.runtime.membership --marker`` (the protocol, its key and
-its reader are described in :mod:`unicron.runtime.membership`)."""
+its reader are described in :mod:`unicron.runtime.membership`).
+
+With the node's warm spawner the helper is forked from it (milliseconds) when the first death is
+marked; without one it is started with the agent, as a new process that imports torch (seconds, and
+as much CPU as a rank's start), so that a death is never marked behind that import."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import subprocess
-import sys
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import IO
 
+from agent.prefork import Child, Prefork, start_helper
 from unicron.kernel import log as ulog
 
 log = ulog.get(__name__)
 
+#: the helper's module, run as ``python -m MODULE --marker``
+MODULE = "unicron.runtime.membership"
 #: how often a waiting mark looks whether its helper died
 _POLL_S = 0.1
 
@@ -25,9 +32,12 @@ _POLL_S = 0.1
 class FailureMarker:
     """Owns the marker process; :meth:`mark` never raises, and blocks only when asked to wait."""
 
-    def __init__(self, preexec: Callable[[], object] | None = None) -> None:
+    def __init__(self, preexec: Callable[[], None] | None = None, prefork: Prefork | None = None) -> None:
         self._preexec = preexec
-        self._proc: subprocess.Popen[str] | None = None
+        self._prefork = prefork
+        self._proc: Child | None = None
+        self._requests: IO[str] | None = None  # the helper's stdin
+        self._answers: IO[str] | None = None  # its stdout
         self._lock = threading.Lock()
         #: each request sent and not yet answered with its waiter, in order (the helper answers in
         #: order); a new helper is sent them again: a mark raises ``failed`` to the dead process's
@@ -35,36 +45,58 @@ class FailureMarker:
         self._unanswered: deque[tuple[str, threading.Event]] = deque()
 
     def start(self) -> FailureMarker:
-        with self._lock:
-            self._spawn()
+        if self._prefork is None:
+            with self._lock:
+                self._spawn()
         return self
 
     def _spawn(self) -> None:
         """Under the lock: a new helper, sent what the dead one never answered."""
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "unicron.runtime.membership", "--marker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, bufsize=1, preexec_fn=self._preexec,
-        )
-        assert self._proc.stdout is not None and self._proc.stdin is not None
-        threading.Thread(target=self._read_answers, args=(self._proc.stdout,), name="marker-answers",
-                         daemon=True).start()
+        self._close_pipes()
+        requests_r, requests_w = os.pipe()
+        answers_r, answers_w = os.pipe()
+        try:
+            self._proc = start_helper(self._prefork, MODULE, ["--marker"], stdout=answers_w,
+                                      stdin=requests_r, preexec=self._preexec)
+        except OSError:
+            os.close(requests_w)
+            os.close(answers_r)
+            raise
+        finally:
+            os.close(requests_r)
+            os.close(answers_w)
+        self._requests = os.fdopen(requests_w, "w", buffering=1)
+        self._answers = answers = os.fdopen(answers_r, "r", errors="replace")
+        threading.Thread(target=self._read_answers, args=(answers,), name="marker-answers", daemon=True).start()
         if self._unanswered:
-            self._proc.stdin.write("".join(request for request, _ in self._unanswered))
-            self._proc.stdin.flush()
+            self._requests.write("".join(request for request, _ in self._unanswered))
+            self._requests.flush()
+
+    def _close_pipes(self) -> None:
+        """Under the lock. The answers are closed by their reader, at the end of file the helper's exit
+        leaves (closed here, under a reader blocked in them, the close would wait for that reader)."""
+        if self._requests is not None:
+            with contextlib.suppress(OSError):
+                self._requests.close()
+        self._requests = self._answers = None
 
     def _read_answers(self, out: IO[str]) -> None:
-        for line in out:
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                continue
-            if answer.get("ready"):
-                continue
-            with self._lock:  # a dead helper's late answers are not the new one's
-                if self._unanswered and self._proc is not None and self._proc.stdout is out:
-                    self._unanswered.popleft()[1].set()
-            if answer.get("ok") is False:
-                log.info("could not mark a rank failed in its store", error=str(answer.get("error")))
+        with out:
+            for line in out:
+                self._answered(out, line)
+
+    def _answered(self, out: IO[str], line: str) -> None:
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(answer, dict) or answer.get("ready"):
+            return
+        with self._lock:  # a dead helper's late answers are not the new one's
+            if self._unanswered and self._answers is out:
+                self._unanswered.popleft()[1].set()
+        if answer.get("ok") is False:
+            log.info("could not mark a rank failed in its store", error=str(answer.get("error")))
 
     def _release_waiters(self) -> None:
         """Under the lock."""
@@ -80,10 +112,10 @@ class FailureMarker:
             try:
                 if self._proc is None or self._proc.poll() is not None:
                     self._spawn()
-                assert self._proc is not None and self._proc.stdin is not None
+                assert self._requests is not None
                 self._unanswered.append((request, answered))
-                self._proc.stdin.write(request)
-                self._proc.stdin.flush()
+                self._requests.write(request)
+                self._requests.flush()
             except OSError as exc:  # survivors still find out by heartbeat staleness
                 log.warning("failure marker unavailable", error=str(exc))
                 return False
@@ -107,11 +139,10 @@ class FailureMarker:
     def stop(self) -> None:
         with self._lock:
             if self._proc is not None:
-                if self._proc.stdin is not None:
-                    self._proc.stdin.close()
                 # It holds nothing to save, and left to exit on EOF it spent 0.4-1.5 s in torch's teardown
                 # (longer while still importing it): every agent stop waited for that.
                 self._proc.kill()
                 self._proc.wait()
                 self._proc = None
+            self._close_pipes()
             self._release_waiters()

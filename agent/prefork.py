@@ -47,7 +47,7 @@ import traceback
 import types
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import TemporaryError
@@ -60,7 +60,22 @@ _MAX_REQUEST = 1 << 24
 _BLOCKED_WHILE_FORKING = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+class Child(Protocol):
+    """What the agent does with a process it started, exec'd (``Popen``) or forked by the spawner
+    (:class:`PreforkedProcess`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def stop_process(proc: Child, grace_s: float = 5.0) -> None:
     """SIGTERM a child, SIGKILL it if it has not exited after ``grace_s``, and reap it."""
     if proc.poll() is not None:
         return
@@ -103,24 +118,44 @@ class PreforkedProcess:
         self.returncode: int | None = None
         self._conn, self._reader = conn, reader
         self._waiter: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one waiter thread
+        self._read_lock = threading.Lock()  # one reader of the report, however many threads wait
 
     def poll(self) -> int | None:
         """The exit code, or None while running (a thread waits for the report: no polling cost)."""
-        if self._waiter is None:
-            self._waiter = threading.Thread(target=self.wait, name=f"prefork-wait-{self.pid}", daemon=True)
-            self._waiter.start()
+        with self._lock:
+            if self._waiter is None:
+                self._waiter = threading.Thread(target=self._read_exit, name=f"prefork-wait-{self.pid}",
+                                                daemon=True)
+                self._waiter.start()
         return self.returncode
 
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
     def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: signal.Signals) -> None:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, sig)
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the spawner reports the exit (``subprocess.TimeoutExpired`` after ``timeout``)."""
+        if timeout is None:
+            return self._read_exit()
+        self.poll()
+        assert self._waiter is not None
+        self._waiter.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        return self.returncode
+
+    def _read_exit(self) -> int:
         """Block until the spawner reports the exit. Its connection closing without a report means
         the spawner died, and its ranks with it (PDEATHSIG): reported as SIGKILL."""
-        with self._lock:  # one reader of the report, however many threads wait
+        with self._read_lock:
             if self.returncode is None:
                 line = self._reader.readline()
                 try:
@@ -222,11 +257,16 @@ class Prefork:
             return os.path.isfile(os.path.join(cwd or os.getcwd(), argv[1]))
         return len(argv) >= 3 and (argv[1] == "-c" or (argv[1] == "-m" and argv[2] in self.modules))
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the spawner runs with: a process forked with it runs as exec'd."""
+        return dict(self._env)
+
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
-              stdout: int | None, stderr: int | None = None) -> PreforkedProcess:
+              stdout: int | None, stderr: int | None = None, stdin: int | None = None) -> PreforkedProcess:
         """Fork ``argv`` from the spawner; stdout goes to ``stdout`` (a descriptor; None: ours), stderr
-        to ``stderr``, or when None to a pipe read through the result's ``stderr``. Raises
-        :class:`PreforkUnavailable` when it cannot."""
+        to ``stderr``, or when None to a pipe read through the result's ``stderr``; stdin comes from
+        ``stdin`` (None: /dev/null). Raises :class:`PreforkUnavailable` when it cannot."""
         if not self.ready():
             self._restart_if_dead()
             raise PreforkUnavailable("the rank spawner is not running (yet)")
@@ -239,7 +279,8 @@ class Prefork:
             conn.settimeout(10.0)
             conn.connect(self.socket_path)
             out = sys.stdout.fileno() if stdout is None else stdout
-            socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [out, write_end])
+            fds = [out, write_end] if stdin is None else [out, write_end, stdin]
+            socket.send_fds(conn, [_HEADER.pack(len(request)) + request], fds)
             answer = json.loads(reader.readline() or b"{}")
             pid = int(answer["pid"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -263,11 +304,40 @@ class Prefork:
             os.unlink(self.socket_path)
 
 
+def start_helper(prefork: Prefork | None, module: str, args: Sequence[str], stdout: int, stdin: int | None = None,
+                 preexec: Callable[[], None] | None = None) -> Child:
+    """Start one of the agent's own helpers, ``python -m MODULE ARGS`` (the store sidecar, the failure
+    marker): forked by the spawner when it serves and preloaded ``module`` (milliseconds: torch is
+    imported already), else a new process in a session of its own, which spends seconds importing it.
+    Either way it dies with the agent (PDEATHSIG: through ``preexec``, or through the spawner), and its
+    stderr is the agent's. Raises OSError when no process can be started."""
+    if prefork is not None:
+        argv = [prefork.python, "-m", module, *args]
+        if prefork.eligible(argv, prefork.env):
+            try:
+                return prefork.spawn(argv, prefork.env, None, stdout, stderr=2, stdin=stdin)
+            except (PreforkUnavailable, OSError) as exc:
+                log.info("helper starts as a new process", module=module, reason=str(exc))
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL if stdin is None else stdin,
+        stdout=stdout, start_new_session=True, preexec_fn=preexec,
+    )
+
+
 # ---------------------------------------------------------------------------------- spawner's side
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    data, fds, _, _ = socket.recv_fds(conn, 65536, 2)
+    data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+    try:
+        return _read_request(conn, data, len(fds)), fds
+    except (OSError, ValueError):
+        for fd in fds:  # a refused request must not leave the spawner holding its descriptors
+            os.close(fd)
+        raise
+
+
+def _read_request(conn: socket.socket, data: bytes, n_fds: int) -> dict[str, Any]:
     while len(data) < _HEADER.size:
         chunk = conn.recv(65536)
         if not chunk:
@@ -282,9 +352,10 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if not chunk:
             raise ValueError("truncated request")
         body += chunk
-    if len(fds) != 2:
-        raise ValueError(f"expected stdout and stderr descriptors, got {len(fds)}")
-    return json.loads(body), fds
+    if n_fds not in (2, 3):
+        raise ValueError(f"expected stdout, stderr and maybe stdin descriptors, got {n_fds}")
+    request: dict[str, Any] = json.loads(body)
+    return request
 
 
 def _exit_code(value: object) -> int:
@@ -376,11 +447,11 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
             with contextlib.suppress(OSError):
                 os.close(fd)
         die_with_parent(spawner)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
+        stdin = fds[2] if len(fds) == 3 else os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
-        for fd in (devnull, *fds):
+        for fd in {stdin, *fds}:
             if fd > 2:
                 os.close(fd)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout

@@ -200,6 +200,7 @@ class TaskReconciler:
         self.stop_grace_s = stop_grace_s
         self.host = host
         self._previous = previous
+        self._prefork = prefork  # also forks the store sidecars this node hosts
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._commands: collections.deque[_Command] = collections.deque()
@@ -510,7 +511,7 @@ class TaskReconciler:
             with self._lock:
                 self._spare_due = time.monotonic() + SPARE_DELAY_S
         if sidecar is None:
-            sidecar = StoreSidecar.start(self.host.advertise_host, a.task)
+            sidecar = StoreSidecar.start(self.host.advertise_host, a.task, prefork=self._prefork)
         addr = StoreAddress(task=a.task, generation=a.generation, node=self.host.node, host=sidecar.host,
                             port=sidecar.port, restart_epoch=_store_epoch(a), store_epoch=a.store_epoch)
         with self._lock:
@@ -883,7 +884,7 @@ class TaskReconciler:
             if self._pending is not None or self._spare is not None:
                 return  # one is there already
         try:
-            started = StoreSidecar.spawn(self.host.advertise_host)
+            started = StoreSidecar.spawn(self.host.advertise_host, self._prefork)
         except OSError as exc:  # the restart will start its own
             log.warning("spare store sidecar did not start", task=task, error=str(exc))
             return

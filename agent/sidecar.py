@@ -2,7 +2,9 @@
 
 The agent of an assignment's ``store_node`` picks a free port on its own advertised address,
 starts the sidecar there and, once it says it listens, publishes the address (``stores/<task>``).
-The sidecar dies with the agent (PDEATHSIG): an orphan would hold the port.
+The sidecar is forked by the node's warm spawner when it serves (torch imported already: the store
+listens in milliseconds, not seconds), else started as a new process. It dies with the agent
+(PDEATHSIG, directly or through the spawner): an orphan would hold the port.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
-import sys
 import time
+from typing import IO
 
-from agent.prefork import stop_process
+from agent.prefork import Child, Prefork, start_helper, stop_process
 from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath
 from unicron.kernel.errors import TemporaryError
@@ -24,6 +25,8 @@ log = ulog.get(__name__)
 
 #: the sidecar imports torch before it listens: allow for a slow, loaded machine
 START_TIMEOUT_S = 60.0
+#: the sidecar's module, run as ``python -m``
+MODULE = "unicron.runtime.store"
 #: another process may take the free port between our probe and the sidecar's bind
 START_ATTEMPTS = 3
 
@@ -31,38 +34,46 @@ START_ATTEMPTS = 3
 class StoreSidecar:
     """One running sidecar: its process and the address it listens on."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], host: str, port: int) -> None:
+    def __init__(self, proc: Child, host: str, port: int, stdout: IO[bytes] | None = None) -> None:
         self.proc = proc
         self.host = host
         self.port = port
+        #: the read end of its stdout, where it says it listens; held open while it runs (closed, a later
+        #: print of the sidecar's would fail)
+        self._stdout = stdout
 
     @classmethod
-    def start(cls, host: str, task: str, timeout_s: float = START_TIMEOUT_S) -> StoreSidecar:
+    def start(cls, host: str, task: str, timeout_s: float = START_TIMEOUT_S,
+              prefork: Prefork | None = None) -> StoreSidecar:
         """Start a sidecar on a free port of ``host``; returns once it listens. Raises TemporaryError."""
         error = ""
         for _ in range(START_ATTEMPTS):
-            sidecar = cls.spawn(host)
+            sidecar = cls.spawn(host, prefork)
             error = sidecar.ready(task, timeout_s)
             if not error:
                 return sidecar
         raise TemporaryError(f"task {task}: the store sidecar could not listen on {host}: {error}")
 
     @classmethod
-    def spawn(cls, host: str) -> StoreSidecar:
+    def spawn(cls, host: str, prefork: Prefork | None = None) -> StoreSidecar:
         """Start a sidecar process on a free port of ``host`` without waiting: :meth:`ready` may then
-        be awaited on any thread, but the calling thread must outlive the sidecar (PDEATHSIG follows
-        the thread that forked it)."""
+        be awaited on any thread, but the calling thread must outlive a sidecar started as a new process
+        (PDEATHSIG follows the thread that forked it)."""
         port = free_port(host)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "unicron.runtime.store", "--host", host, "--port", str(port)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
-            preexec_fn=parentdeath.preexec(signal.SIGKILL),
-        )
-        return cls(proc, host, port)
+        read_end, write_end = os.pipe()
+        try:
+            proc = start_helper(prefork, MODULE, ["--host", host, "--port", str(port)],
+                                stdout=write_end, preexec=parentdeath.preexec(signal.SIGKILL))
+        except OSError:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return cls(proc, host, port, os.fdopen(read_end, "rb"))
 
     def ready(self, task: str, timeout_s: float = START_TIMEOUT_S) -> str:
         """"" once the sidecar listens; else why not, and it is stopped."""
-        error = _await_listening(self.proc, timeout_s)
+        error = _await_listening(self.proc, self._stdout, timeout_s)
         if not error:
             log.info("store sidecar listening", task=task, host=self.host, port=self.port, pid=self.proc.pid)
             return ""
@@ -72,12 +83,15 @@ class StoreSidecar:
 
     def stop(self) -> None:
         stop_process(self.proc, grace_s=1.0)
+        if self._stdout is not None:
+            self._stdout.close()
 
 
-def _await_listening(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
-    """"" once ``proc`` printed its listening line, else why not."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
+def _await_listening(proc: Child, stdout: IO[bytes] | None, timeout_s: float) -> str:
+    """"" once ``proc`` printed its listening line on ``stdout``, else why not."""
+    if stdout is None:
+        return "its output is not read"
+    fd = stdout.fileno()
     deadline = time.monotonic() + timeout_s
     seen = b""
     while b"\n" not in seen:

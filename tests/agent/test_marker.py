@@ -6,11 +6,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from agent import marker, sidecar
 from agent.marker import FailureMarker
+from agent.prefork import Prefork, PreforkedProcess
 from agent.sidecar import StoreSidecar
 from unicron.runtime import store as keys
 from unicron.runtime.comm import RendezvousStore
@@ -118,3 +121,55 @@ def test_a_mark_the_dead_helper_never_answered_is_neither_reported_written_nor_l
         assert '"rank": 7' in written, f"rank 7's mark was dropped; the new helper got only {written!r}"
     finally:
         marker.stop()
+
+
+@pytest.fixture
+def spawner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Prefork]:
+    """A warm spawner preloading the agent's helper modules, as the agent starts it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    p = Prefork([sidecar.MODULE, marker.MODULE], str(tmp_path / "pf")).start().wait_ready(120.0)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_with_a_warm_spawner_the_store_and_the_marker_are_forked_and_the_marker_only_when_needed(
+        spawner: Prefork) -> None:
+    """Both helpers import torch: started as new processes they cost seconds of CPU each (a store on
+    every task start, a marker with every agent). Forked from the spawner they listen and answer at
+    once, and an agent whose ranks never die never starts a marker."""
+    store = StoreSidecar.start("127.0.0.1", "t", prefork=spawner)
+    failure_marker = FailureMarker(prefork=spawner).start()
+    try:
+        assert isinstance(store.proc, PreforkedProcess)
+        assert failure_marker._proc is None  # nothing died yet
+        client = keys.connect(store.host, store.port)
+        client.add(keys.started_key(1), 1)
+        assert failure_marker.mark(store.host, store.port, 1, wait_s=30.0)
+        assert isinstance(failure_marker._proc, PreforkedProcess)
+        assert keys.counter(client, failed_key(1)) == 1
+    finally:
+        failure_marker.stop()
+        store.stop()
+    assert store.proc.poll() is not None
+
+
+def test_a_forked_marker_that_died_with_its_spawner_is_replaced_by_a_new_process(spawner: Prefork) -> None:
+    store = StoreSidecar.start("127.0.0.1", "t")  # a new process: it outlives the spawner
+    failure_marker = FailureMarker(prefork=spawner).start()
+    try:
+        client = keys.connect(store.host, store.port)
+        client.add(keys.started_key(2), 1)
+        assert failure_marker.mark(store.host, store.port, 2, wait_s=30.0)
+        forked = failure_marker._proc
+        assert isinstance(forked, PreforkedProcess)
+        spawner.close()  # its children die with it (PDEATHSIG)
+        assert forked.wait(10.0) < 0
+        client.add(keys.started_key(2), 1)
+        assert failure_marker.mark(store.host, store.port, 2, wait_s=60.0)  # a new process imports torch
+        assert isinstance(failure_marker._proc, subprocess.Popen)
+        assert keys.counter(client, failed_key(2)) == 2
+    finally:
+        failure_marker.stop()
+        store.stop()

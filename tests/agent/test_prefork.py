@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -214,3 +215,26 @@ def test_one_failed_fork_does_not_kill_the_ranks_the_spawner_already_runs(
         assert p.ready(), "the spawner died of one failed fork"
     finally:
         p.close()
+
+
+def test_a_rank_reads_the_stdin_it_was_given(prefork: Prefork, tmp_path: Path) -> None:
+    """The agent's failure marker is forked too, and takes its requests on stdin."""
+    requests_r, requests_w = os.pipe()
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = prefork.spawn([PY, "-c", "import sys; print(sys.stdin.readline().strip()[::-1])"], None, None,
+                             out.fileno(), out.fileno(), stdin=requests_r)
+    os.close(requests_r)
+    with os.fdopen(requests_w, "w") as requests:
+        requests.write("spawned\n")
+    assert proc.wait() == 0
+    assert (tmp_path / "out.log").read_text() == "denwaps\n"
+
+
+def test_wait_with_a_timeout_and_terminate_follow_popen(prefork: Prefork, tmp_path: Path) -> None:
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = prefork.spawn([PY, "-c", "import time; time.sleep(60)"], None, None, out.fileno(), out.fileno())
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.2)
+    proc.terminate()
+    assert proc.wait(10.0) == -15
+    assert proc.poll() == -15

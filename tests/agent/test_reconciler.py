@@ -21,6 +21,7 @@ from agent import reconciler
 from agent import supervisor as sup
 from agent.daemon import Agent
 from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
+from agent.prefork import Prefork
 from agent.progress import Progress
 from agent.reconciler import RankState, TaskReconciler, TaskState
 from agent.sidecar import StoreSidecar
@@ -211,13 +212,13 @@ class _StoresThatFail:
     def __init__(self, failing: set[int]) -> None:
         self.failing, self.starts = failing, 0
 
-    def start(self, host: str, task: str, timeout_s: float = 60.0) -> StoreSidecar:
+    def start(self, host: str, task: str, timeout_s: float = 60.0, prefork: Prefork | None = None) -> StoreSidecar:
         self.starts += 1
         if self.starts in self.failing:
             raise TemporaryError(f"task {task}: the store sidecar could not listen on {host}")
         return StoreSidecar(subprocess.Popen(SLEEPER), "127.0.0.1", 40000 + self.starts)
 
-    def spawn(self, host: str) -> StoreSidecar:
+    def spawn(self, host: str, prefork: Prefork | None = None) -> StoreSidecar:
         raise OSError("no spare store in this test")
 
 
