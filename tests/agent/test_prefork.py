@@ -53,6 +53,35 @@ def test_bad_requests_are_refused_and_the_spawner_keeps_serving(prefork: Prefork
     assert _exit_code(prefork, "raise SystemExit(7)", tmp_path) == 7
 
 
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_refused_request_leaves_the_spawner_none_of_its_descriptors(prefork: Prefork, tmp_path: Path) -> None:
+    """A request refused after its stdout and stderr descriptors arrived (not JSON, say) left the spawner
+    holding both: at 1024 its select() failed and serve()'s finally SIGKILLed every forked rank. They are
+    closed with the refused connection (since f463310; a review's reproduction)."""
+    assert prefork._proc is not None
+    before = _open_fds(prefork._proc.pid)
+    for _ in range(20):
+        r, w = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(10.0)
+                conn.connect(prefork.socket_path)
+                socket.send_fds(conn, [struct.pack(">I", 7) + b"{broken"], [w, w])
+                conn.shutdown(socket.SHUT_WR)
+                assert conn.recv(100) == b""  # refused: closed without an answer
+        finally:
+            os.close(r)
+            os.close(w)
+    assert _exit_code(prefork, "pass", tmp_path) == 0  # served after the refused ones (one loop, in order)
+    deadline = time.monotonic() + 2.0  # (it closes the good request's connection right after the report)
+    while (after := _open_fds(prefork._proc.pid)) > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert after == before, f"the spawner holds {after - before} more descriptors after 20 refused requests"
+
+
 def test_exit_codes_follow_popen_conventions(prefork: Prefork, tmp_path: Path) -> None:
     assert _exit_code(prefork, "pass", tmp_path) == 0
     assert _exit_code(prefork, "raise SystemExit('bad config')", tmp_path) == 1
