@@ -47,7 +47,7 @@ import traceback
 import types
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, Protocol
+from typing import IO, Any, NoReturn, Protocol
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import TemporaryError
@@ -358,11 +358,17 @@ def _read_request(conn: socket.socket, data: bytes, n_fds: int) -> dict[str, Any
     return request
 
 
+#: CPython converts an exit code to a C long; past that range it exits as with -1
+_C_LONG_LIMIT = 1 << (8 * struct.calcsize("l") - 1)
+
+
 def _exit_code(value: object) -> int:
+    """The status ``python`` exits with after ``SystemExit(value)``: an int's low byte (the kernel keeps no
+    more), 255 for an int beyond a C long; anything else is printed and exits 1."""
     if value is None:
         return 0
     if isinstance(value, int):
-        return value
+        return value & 0xFF if -_C_LONG_LIMIT <= value < _C_LONG_LIMIT else 0xFF
     print(value, file=sys.stderr)
     return 1
 
@@ -432,7 +438,9 @@ def _run_rank(request: dict[str, Any]) -> int:
 
 
 def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: list[int],
-           mask: set[int | signal.Signals]) -> None:
+           mask: set[int | signal.Signals]) -> NoReturn:
+    """The forked process: becomes the rank and exits. It never returns nor raises: back in the spawner's
+    loop, its copy of serve()'s finally would SIGKILL every rank the spawner forked and unlink its socket."""
     code = 1
     try:
         os.setpgid(0, 0)  # its own process group, as the supervisor signals ranks by group
@@ -458,10 +466,12 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         code = _run_rank(request)
     finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        try:
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
+        finally:  # even when a signal's KeyboardInterrupt lands outside the suppress
+            os._exit(code)
 
 
 def serve(socket_path: str, modules: Sequence[str]) -> int:

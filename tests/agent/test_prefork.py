@@ -91,6 +91,21 @@ def test_exit_codes_follow_popen_conventions(prefork: Prefork, tmp_path: Path) -
     assert _exit_code(prefork, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", tmp_path) == -9
 
 
+def test_an_out_of_range_exit_status_is_cpythons_and_spares_the_other_ranks(prefork: Prefork, tmp_path: Path) -> None:
+    """``sys.exit(2**31)`` made the forked rank's os._exit raise OverflowError, which climbed back into
+    the child's copy of the spawner's loop: its finally SIGKILLed every rank the spawner had forked
+    and unlinked its socket. The rank now exits with the status python would (the low byte; 255 past
+    a C long), and nothing in the child can return to that loop (a review's reproduction)."""
+    with open(tmp_path / "other.log", "wb") as out:
+        other = prefork.spawn([PY, "-c", "import time; time.sleep(60)"], None, None, out.fileno(), out.fileno())
+    for value in ["2**31", "2**31 + 3", "-1", "2**63", "-2**63", "2**70"]:
+        code = f"import sys; sys.exit({value})"
+        assert _exit_code(prefork, code, tmp_path) == subprocess.run([PY, "-c", code]).returncode, value
+    with pytest.raises(subprocess.TimeoutExpired):  # the other rank still runs
+        other.wait(0.3)
+    assert prefork.ready(), "the spawner's socket is gone"
+
+
 def test_poll_does_not_block_and_sees_the_exit(prefork: Prefork, tmp_path: Path) -> None:
     with open(tmp_path / "out.log", "wb") as out:
         proc = prefork.spawn([PY, "-c", "import time; time.sleep(0.5)"], None, None, out.fileno(), out.fileno())
