@@ -394,7 +394,8 @@ def _run_script(path: str, args: list[str]) -> None:
 
 
 def _run_rank(request: dict[str, Any]) -> int:
-    """In the forked child: become what ``python ARGV...`` would have been, and run it."""
+    """In the forked child: become what ``python ARGV...`` would have been, and run it. Returns its exit
+    status, or minus the signal it is to end by."""
     argv: list[str] = request["argv"]
     sys.orig_argv = list(argv)
     os.environ.clear()
@@ -426,7 +427,8 @@ def _run_rank(request: dict[str, Any]) -> int:
             sys.excepthook(type(exc), exc, exc.__traceback__)
         except BaseException:
             traceback.print_exception(exc)
-        code = 1
+        # python ends an unhandled ^C by SIGINT (so that its parent sees the ^C), once it has shut down
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     # What the interpreter does at exit, in its order: threading's exit hooks (they stop executor
     # workers) and joining non-daemon threads, then atexit.
     shutdown = getattr(threading, "_shutdown", None)
@@ -470,8 +472,11 @@ def _child(request: dict[str, Any], fds: list[int], spawner: int, keep_closed: l
             with contextlib.suppress(BaseException):
                 sys.stdout.flush()
                 sys.stderr.flush()
+                if code < 0:  # by the signal's default action, as python does
+                    signal.signal(-code, signal.SIG_DFL)
+                    os.kill(os.getpid(), -code)
         finally:  # even when a signal's KeyboardInterrupt lands outside the suppress
-            os._exit(code)
+            os._exit(code if code >= 0 else 128 - code)  # (the signal blocked: python's status then)
 
 
 def serve(socket_path: str, modules: Sequence[str]) -> int:

@@ -201,6 +201,22 @@ def test_an_uncaught_exception_goes_through_sys_excepthook(sup: Supervisor, ev: 
     assert (0, "hooked ValueError boom") in ev.lines
 
 
+def test_a_rank_ended_by_an_uncaught_keyboard_interrupt_dies_of_sigint(sup: Supervisor, ev: Events) -> None:
+    """Python (3.8+) ends a process whose KeyboardInterrupt went unhandled by SIGINT, after its traceback
+    and atexit: an exec'd rank reports -2. A forked one reported 1; now -2 too (a review's reproduction)."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "atexit.register(lambda: print('atexit ran', file=sys.stderr))\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(10)\n")
+    sup.launch(0, py(code))
+    ((exit, _),) = ev.exits(1)
+    assert exit.returncode == -signal.SIGINT
+    deadline = time.monotonic() + 2.0
+    while (0, "atexit ran") not in ev.lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (0, "KeyboardInterrupt") in ev.lines and (0, "atexit ran") in ev.lines
+
+
 def test_stop_and_cont(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
     ticks = tmp_path / "ticks"
     loop = f"import time\nwhile True:\n open({str(ticks)!r}, 'a').write('.')\n time.sleep(0.01)"
