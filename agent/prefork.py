@@ -378,12 +378,20 @@ def _is_script(arg: str) -> bool:
     return arg.endswith(".py") and not arg.startswith("-")
 
 
+def _set_path0(entry: str) -> None:
+    """Put ``entry`` first on sys.path, as python does for the rank's command, in place of the spawner's
+    own (``-m``: the directory it started in). Under safe_path (PYTHONSAFEPATH, a startup variable the
+    rank shares with the spawner) python puts nothing there, nor did it for the spawner."""
+    if not sys.flags.safe_path:
+        sys.path[0] = entry
+
+
 def _run_script(path: str, args: list[str]) -> None:
-    """What ``python PATH ARGS`` does: argv as given, ``__file__`` absolute, the script's directory first
-    on sys.path (in place of the spawner's), and a fresh ``__main__`` module that the code runs in."""
+    """What ``python PATH ARGS`` does: argv as given, ``__file__`` absolute, the script's real directory
+    (links resolved) first on sys.path, and a fresh ``__main__`` module that the code runs in."""
     full = os.path.abspath(path)
     sys.argv = [path, *args]
-    sys.path[0] = os.path.dirname(full)
+    _set_path0(os.path.dirname(os.path.realpath(full)))
     with open(full, "rb") as f:
         code = compile(f.read(), full, "exec")
     main = types.ModuleType("__main__")
@@ -408,12 +416,14 @@ def _run_rank(request: dict[str, Any]) -> int:
     try:
         if argv[1] == "-c":
             sys.argv = ["-c", *argv[3:]]
+            _set_path0("")  # the working directory, whichever it is when an import looks
             namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
             exec(compile(argv[2], "<string>", "exec"), namespace)
         elif _is_script(argv[1]):
             _run_script(argv[1], argv[2:])
         else:
             sys.argv = [argv[2], *argv[3:]]
+            _set_path0(os.getcwd())
             # As under ``python -m``, the module runs as __main__ only (what it imports stays loaded).
             sys.modules.pop(argv[2], None)
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)

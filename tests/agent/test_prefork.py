@@ -184,6 +184,34 @@ def test_a_script_runs_forked_as_python_script_would_run_it(prefork: Prefork, tm
     assert (tmp_path / "out.log").read_text().strip() == "['train.py', '--steps', '5'] train.py __main__ True 42"
 
 
+@pytest.mark.parametrize("safe_path", [False, True])
+def test_a_rank_gets_the_sys_path_python_would_give_its_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                safe_path: bool) -> None:
+    """A forked rank kept the spawner's sys.path[0] (the agent's directory), so a ``-c`` rank could not
+    import a module from its working directory; and a script's directory replaced an entry python had put
+    there under PYTHONSAFEPATH. Now sys.path[0] is python's: '' for -c, the working directory for -m, the
+    script's real directory, nothing under safe_path (a review's reproduction)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    work, real = tmp_path / "job", tmp_path / "real"
+    if safe_path:  # what -m and the spawner import then is found on PYTHONPATH only
+        monkeypatch.setenv("PYTHONSAFEPATH", "1")
+        monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).resolve().parents[2]}{os.pathsep}{real}")
+    work.mkdir()
+    real.mkdir()
+    show = "import sys; print(sys.path)"
+    (real / "show_path.py").write_text(show + "\n")
+    (work / "show_path.py").symlink_to(real / "show_path.py")
+    p = Prefork([], str(tmp_path / "s")).start().wait_ready(30.0)
+    try:
+        for args in (["-c", show], ["-m", "show_path"], ["show_path.py"]):
+            exec_out = subprocess.run([PY, *args], cwd=work, capture_output=True, text=True, check=True).stdout
+            with open(tmp_path / "out.log", "wb") as out:
+                assert p.spawn([PY, *args], None, str(work), out.fileno(), out.fileno()).wait() == 0
+            assert (tmp_path / "out.log").read_text() == exec_out, args
+    finally:
+        p.close()
+
+
 def _slow_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
     (tmp_path / "slow_mod.py").write_text(body)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

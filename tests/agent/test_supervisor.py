@@ -217,6 +217,17 @@ def test_a_rank_ended_by_an_uncaught_keyboard_interrupt_dies_of_sigint(sup: Supe
     assert (0, "KeyboardInterrupt") in ev.lines and (0, "atexit ran") in ev.lines
 
 
+def test_a_c_rank_imports_a_module_from_its_working_directory(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
+    """``python -c`` puts '' (the working directory) first on sys.path; a forked rank had the spawner's
+    directory there instead, and a module beside it did not import (a review's reproduction; sys.path in
+    every form: tests/agent/test_prefork.py)."""
+    (tmp_path / "beside_the_rank.py").write_text("VALUE = 42\n")
+    sup.launch(0, py("import sys, beside_the_rank; print(beside_the_rank.VALUE, file=sys.stderr)"), cwd=str(tmp_path))
+    ((exit, _),) = ev.exits(1)
+    assert exit.returncode == 0, ev.lines[-2:]
+    assert ev.lines == [(0, "42")]
+
+
 def test_stop_and_cont(sup: Supervisor, ev: Events, tmp_path: Path) -> None:
     ticks = tmp_path / "ticks"
     loop = f"import time\nwhile True:\n open({str(ticks)!r}, 'a').write('.')\n time.sleep(0.01)"
