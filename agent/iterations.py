@@ -408,6 +408,12 @@ class SlidingMax:
 
 FindingCallback = Callable[[Hashable, Finding], None]
 
+#: the watcher's longest sleep: a far deadline (UNICRON_WARMUP_HANG_S=1e10, a rank's far-future timestamp)
+#: is looked at again then, as Condition.wait refuses a timeout past threading.TIMEOUT_MAX (OverflowError)
+_LONGEST_WAIT_S = 3600.0
+#: after a scan that failed, the watcher scans again this much later (not at every monitor input)
+_RETRY_S = 1.0
+
 
 class HangWatcher:
     """One thread for all monitors of the node: it sleeps until the earliest deadline (a condition
@@ -469,13 +475,19 @@ class HangWatcher:
                 monitors = list(self._monitors.items())
             # Monitors are consulted without the watcher's lock: a monitor input calls rearm()
             # while holding nothing, and the watcher never waits on a monitor while holding its own.
-            earliest = self._scan(monitors)
+            try:
+                earliest = self._scan(monitors)
+            except Exception:  # one bad scan must not end the node's hang detection for good
+                log.exception("hang watcher: a scan failed; scanning again", retry_s=_RETRY_S)
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopped, _RETRY_S)
+                continue
             with self._cond:
                 if self._stopped:
                     return
                 if self._generation != generation:
                     continue  # something changed while scanning: scan again
-                timeout = None if earliest is None else max(0.0, earliest - self._clock())
+                timeout = None if earliest is None else min(max(0.0, earliest - self._clock()), _LONGEST_WAIT_S)
                 self._cond.wait(timeout)
 
     def _scan(self, monitors: list[tuple[Hashable, IterationMonitor]]) -> float | None:

@@ -9,6 +9,7 @@ from collections.abc import Hashable, Iterator
 
 import pytest
 
+from agent import iterations
 from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings, SlidingMax
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.types import ErrorKind
@@ -385,6 +386,43 @@ def test_an_old_process_leaving_does_not_unwatch_the_new_process_of_its_rank(
     new.iter_start(1, time.time())
     ((key, _, _),) = sink.wait(1)  # its hang is still found
     assert key == "r"
+
+
+class FailsOnce(IterationMonitor):
+    """A monitor whose first check raises (a bug in one rank's statistics)."""
+
+    failed = False
+
+    def check(self, now: float) -> list[Finding]:
+        if not self.failed:
+            self.failed = True
+            raise ZeroDivisionError("one bad scan")
+        return super().check(now)
+
+
+@pytest.mark.parametrize("odd", ["far setting", "far message", "failing check"])
+def test_the_watcher_survives_a_far_future_deadline_or_a_failing_scan(
+        watched: tuple[HangWatcher, Sink, CountingClock], monkeypatch: pytest.MonkeyPatch, odd: str) -> None:
+    """A deadline ~1e10 s away (UNICRON_WARMUP_HANG_S=1e10, which settings accept, or a rank's far but
+    finite timestamp) made Condition.wait raise OverflowError, and the node's hang-watcher thread died
+    for good, as it did of any exception in a scan. The wait is bounded now, and a failed scan is logged
+    and retried (a review's reproduction)."""
+    monkeypatch.setattr(iterations, "_RETRY_S", 0.05)
+    watcher, sink, _ = watched
+    if odd == "far setting":
+        watcher.add("odd", mon := IterationMonitor(IterationSettings(warmup_hang_s=1e10)))
+        mon.launched(time.time())
+    elif odd == "far message":
+        watcher.add("odd", mon := IterationMonitor(IterationSettings(warmup_hang_s=1800.0)))
+        mon.launched(1e11)
+    else:
+        watcher.add("odd", FailsOnce(IterationSettings(warmup_hang_s=1800.0)))
+    time.sleep(0.2)
+    silent = IterationMonitor(IterationSettings(warmup_hang_s=0.2))  # another rank, silent past its bound
+    watcher.add("silent", silent)
+    silent.launched(time.time())
+    ((key, finding, _),) = sink.wait(1, timeout_s=5.0)
+    assert key == "silent" and finding.kind is HANG
 
 
 def test_a_hang_factor_above_the_tail_cap_is_accepted_and_rules() -> None:
