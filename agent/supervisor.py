@@ -145,7 +145,7 @@ class RankProcess:
         self.last_report: dict[ErrorKind, float] = {}
         self.reader: threading.Thread | None = None
         self.stdout: IO[bytes] | None = None  # read end of the stdout pipe (with ``on_line``)
-        self.stdout_file: str | None = None  # where the stdout reader appends
+        self.stdout_file: IO[bytes] | None = None  # the log the stdout reader appends to
         self.waiter: threading.Thread | None = None
 
     def status(self) -> ProcStatus:
@@ -207,7 +207,8 @@ class Supervisor:
         """Start ``argv`` as ``rank``. ``env`` is the child's whole environment (None: the agent's);
         ``stdout_path``: append stdout there (None: inherit the agent's stdout). stderr is piped.
         Raises PermanentError when the command cannot be executed, RankStillRunning when the rank's
-        previous process lives on, OSError when this node cannot start a process now (NODE_ERRNOS)."""
+        previous process lives on, OSError when this node cannot start a process now (NODE_ERRNOS) or
+        open ``stdout_path``."""
         if not argv:
             raise ConfigError(f"rank {rank}: empty command line")
         _check_exec_args(rank, argv, env)
@@ -246,16 +247,19 @@ class Supervisor:
         prefork: Prefork | None,
     ) -> RankProcess:
         """``prefork``: the spawner, when it can run ``argv`` (else None: a new process)."""
+        # Opened here, also for a reader thread: a log that cannot be opened fails the launch (the log is
+        # the agent's file, so as an OSError, the node's trouble), not the rank at its first print.
+        log_file = open(stdout_path, "ab", buffering=0) if stdout_path else None  # noqa: SIM115
         pipe_read: IO[bytes] | None = None
         try:
             with contextlib.ExitStack() as stack:
-                if self._on_line is not None and stdout_path:
-                    # stdout through a pipe: its reader parses each line, then appends it to the file
+                if self._on_line is not None and log_file is not None:
+                    # stdout through a pipe: its reader parses each line, then appends it to the log
                     r, w = os.pipe()
                     pipe_read = os.fdopen(r, "rb")
                     out_fd: int | None = stack.enter_context(os.fdopen(w, "wb")).fileno()
                 else:
-                    out_fd = stack.enter_context(open(stdout_path, "ab")).fileno() if stdout_path else None
+                    out_fd = stack.enter_context(log_file).fileno() if log_file is not None else None
                 popen: subprocess.Popen[bytes] | PreforkedProcess | None = None
                 if prefork is not None:
                     try:
@@ -270,11 +274,13 @@ class Supervisor:
         except (OSError, subprocess.SubprocessError) as exc:  # no such file, not executable, exec failed
             if pipe_read is not None:
                 pipe_read.close()
+            if log_file is not None:
+                log_file.close()
             if isinstance(exc, OSError) and exc.errno in NODE_ERRNOS:
                 raise
             raise PermanentError(f"rank {rank}: cannot start {argv[0]!r}: {exc}") from exc
         proc = RankProcess(rank, popen)
-        proc.stdout, proc.stdout_file = pipe_read, stdout_path
+        proc.stdout, proc.stdout_file = pipe_read, log_file if pipe_read is not None else None
         return proc
 
     # --- per-child threads -----------------------------------------------------------------------
@@ -296,9 +302,9 @@ class Supervisor:
         stream.close()
 
     def _read_stdout(self, proc: RankProcess) -> None:
-        stream, path = proc.stdout, proc.stdout_file
-        assert stream is not None and path is not None
-        with stream, open(path, "ab", buffering=0) as out:
+        stream, out = proc.stdout, proc.stdout_file
+        assert stream is not None and out is not None
+        with stream, out:
             for raw in iter(lambda: stream.readline(65536), b""):
                 ts = time.time()
                 try:

@@ -305,6 +305,30 @@ def test_launch_errors(sup: Supervisor) -> None:
         sup.launch(1, py("pass"))
 
 
+@pytest.mark.parametrize("on_line", [False, True])
+@pytest.mark.parametrize("how", ["exec", "prefork"])
+def test_a_stdout_log_that_cannot_be_opened_fails_the_launch_as_the_nodes_trouble(
+        request: pytest.FixtureRequest, ev: Events, tmp_path: Path, how: str, on_line: bool) -> None:
+    """With ``on_line`` (the agent's reconciler always sets it) the rank's stdout log was opened by its
+    reader thread after the launch: a failure (a missing directory, ENOSPC, EMFILE) killed the reader, and
+    the rank died of BrokenPipeError on its first print, blamed on the task. The log, the agent's file,
+    is now opened by the launch, and its failure is an OSError, the node's trouble, either way (without
+    ``on_line`` it was the command's PermanentError) (a review's reproduction)."""
+    prefork = request.getfixturevalue("spawner") if how == "prefork" else None
+    lines: list[str] = []
+    sup = Supervisor(ev.on_exit, stderr_sink=ev.sink, prefork=prefork,
+                     on_line=(lambda rank, pid, line, ts: lines.append(line)) if on_line else None)
+    try:
+        with pytest.raises(FileNotFoundError, match="no-such-dir"):
+            sup.launch(0, py("print('iteration 1', flush=True)"), stdout_path=str(tmp_path / "no-such-dir" / "r.log"))
+        assert sup.status() == {}
+        sup.launch(0, py("print('iteration 1', flush=True)"), stdout_path=str(tmp_path / "r.log"))
+        ((exit, _),) = ev.exits(1)
+        assert exit.returncode == 0 and (tmp_path / "r.log").read_text() == "iteration 1\n"
+    finally:
+        sup.close(grace_s=1.0)
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
