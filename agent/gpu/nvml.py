@@ -161,14 +161,32 @@ class NvmlBackend(GpuBackend):
         self._closed = threading.Event()
         try:
             count = pynvml.nvmlDeviceGetCount()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-            self._event_sets = [self._register_events(i, h) for i, h in enumerate(self._handles)]
-            self._links = [self._active_links(i, h) for i, h in enumerate(self._handles)]
+            self._handles: list[Any | None] = []  # None: the GPU was lost already
+            self._links: list[list[int]] = []
+            self._event_sets: list[Any | None] = []
+            for gpu in range(count):
+                self._open_gpu(gpu)
         except pynvml.NVMLError as exc:
             pynvml.nvmlShutdown()
             if exc.value in _UNAVAILABLE:
                 raise GpuBackendUnavailable(f"NVML cannot open the GPUs: {exc}") from exc
             raise translate_error(exc, "NVML setup") from exc
+
+    def _open_gpu(self, gpu: int) -> None:
+        """Open ``gpu``. One lost already is kept without a handle: the agent starts, and the GPU's health
+        polls raise GpuLost, which the monitor reports as it does for a GPU lost later."""
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
+            links = self._active_links(gpu, handle)
+            event_set = self._register_events(gpu, handle)  # last: nothing to free when the others fail
+        except (pynvml.NVMLError, GpuLost) as exc:
+            if isinstance(exc, pynvml.NVMLError) and exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise
+            log.error("GPU lost already at agent start", gpu=gpu, error=str(exc))
+            handle, links, event_set = None, [], None
+        self._handles.append(handle)
+        self._links.append(links)
+        self._event_sets.append(event_set)
 
     def _register_events(self, gpu: int, handle: Any) -> Any | None:
         supported = optional(f"GPU {gpu}: event types", pynvml.nvmlDeviceGetSupportedEventTypes, handle)
@@ -221,6 +239,8 @@ class NvmlBackend(GpuBackend):
 
     def health(self, gpu: int) -> GpuHealth:
         h = self._handles[gpu]
+        if h is None:
+            raise GpuLost(f"GPU {gpu}: lost since the agent started")
         ecc, volatile = pynvml.nvmlDeviceGetTotalEccErrors, pynvml.NVML_VOLATILE_ECC
         sbe = optional(f"GPU {gpu}: ECC", ecc, h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, volatile)
         dbe = optional(f"GPU {gpu}: ECC", ecc, h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, volatile)

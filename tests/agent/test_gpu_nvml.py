@@ -4,6 +4,8 @@ pynvml's real exception classes and ctypes structures), and a real-GPU test mark
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import pynvml
 import pytest
@@ -66,6 +68,41 @@ def test_lost_gpu_is_distinguished() -> None:
     other = nvml.translate_error(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN), "GPU 2: ECC")
     assert isinstance(lost, GpuLost) and "GPU 2: ECC" in str(lost)
     assert type(other) is GpuError
+
+
+def _nvml_error(code: int) -> Callable[..., Any]:
+    def fail(*_: object) -> Any:
+        raise pynvml.NVMLError(code)
+
+    return fail
+
+
+@pytest.mark.parametrize("lost_in", ["nvmlDeviceGetHandleByIndex", "nvmlDeviceGetSupportedEventTypes"])
+def test_a_gpu_lost_before_the_agent_starts_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatch,
+                                                                  lost_in: str) -> None:
+    """One GPU lost already (NVML_ERROR_GPU_IS_LOST while opening it) made the backend raise GpuLost,
+    which open_backend let out: the agent crash-looped under systemd. The backend now opens; that GPU's
+    health polls raise GpuLost, which the GPU monitor reports as for a GPU lost later."""
+    lost = pynvml.NVML_ERROR_GPU_IS_LOST
+    for name, fn in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
+                     "nvmlDeviceGetHandleByIndex": lambda i: f"handle{i}",
+                     "nvmlDeviceGetSupportedEventTypes": lambda h: 0,
+                     "nvmlDeviceGetTotalEccErrors": lambda *_: 0}.items():
+        monkeypatch.setattr(pynvml, name, fn)
+    for name in ("nvmlDeviceGetNvLinkState", "nvmlDeviceGetRetiredPagesPendingStatus",
+                 "nvmlDeviceGetRemappedRows", "nvmlDeviceGetFieldValues"):
+        monkeypatch.setattr(pynvml, name, _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED))
+    real = getattr(pynvml, lost_in)
+    monkeypatch.setattr(pynvml, lost_in, lambda h: _nvml_error(lost)() if h in (1, "handle1") else real(h))
+    backend = open_backend("auto")
+    try:
+        assert backend.device_count() == 2
+        assert backend.health(0).ok
+        with pytest.raises(GpuLost, match="GPU 1"):
+            backend.health(1)
+        assert backend.wait_event(1, 0.01) is None
+    finally:
+        backend.close()
 
 
 def test_xid_event_decodes_through_the_xid_table() -> None:
