@@ -27,7 +27,8 @@ def check_key(key: str) -> str:
     return key
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path | str) -> None:
+    """Make a directory's entries (a rename into it, a new file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -60,7 +61,7 @@ class FilesystemStorage(Storage):
             d = d.parent
         for m in reversed(missing):
             m.mkdir(exist_ok=True)
-            _fsync_dir(m.parent)  # the new directory entry itself must be durable
+            fsync_dir(m.parent)  # the new directory entry itself must be durable
 
     def write(self, key: str, data: Buffer) -> None:
         path = self._path(key)
@@ -79,7 +80,7 @@ class FilesystemStorage(Storage):
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except OSError as exc:
             if tmp is not None:  # its bytes would stay on a full disk: list() and retention skip it
                 with contextlib.suppress(OSError):
@@ -140,11 +141,11 @@ class FilesystemStorage(Storage):
             path.unlink(missing_ok=True)
             # durable before the caller's next delete: retention deletes a manifest before its shards,
             # and a manifest back after a crash would name shards that are gone
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
             parent = path.parent
             while parent != self.root and _only_abandoned(parent):
                 parent.rmdir()  # leave no empty per-iteration directories behind
-                _fsync_dir(parent.parent)
+                fsync_dir(parent.parent)
                 parent = parent.parent
         except OSError as exc:
             raise StorageUnavailable(f"deleting {self.describe()}/{key}: {exc}") from exc

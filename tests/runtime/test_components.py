@@ -81,6 +81,34 @@ def test_replica_state_round_trips_through_a_torch_save_checkpoint(gpt: Any, tmp
         make_checkpointer("torch-save", "", "job", 0)
 
 
+def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one(tmp_path: Path) -> None:
+    """A torn newest file (a node crash before it reached the disk) made torch.load's RuntimeError
+    escape restore(), so CheckpointSource never fell back and the resuming rank died; now restore()
+    passes it over (named in ``skipped``) and the group resumes the previous snapshot."""
+    from unicron.runtime.state import CheckpointSource
+
+    def state(seed: int, iteration: int) -> ReplicaState:
+        torch.manual_seed(seed)
+        st = ReplicaState(torch.nn.Linear(4, 3).double(), OptimConfig())
+        st.iteration = iteration
+        return st
+
+    ck = TorchSaveCheckpointer(str(tmp_path), rank=0)
+    good = state(1, 4)
+    ck.save(good.state_dict(), 4)
+    ck.save(state(2, 5).state_dict(), 5)
+    newest = Path(ck._path(5))
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    restored = ck.restore()
+    assert restored.iteration == 4 and [a.iteration for a in restored.skipped] == [5]
+    with pytest.raises(NoValidCheckpoint, match="unreadable"):
+        ck.restore(iteration=5)
+    resumed = state(7, 0)
+    assert CheckpointSource(ck).transfer(resumed, solo_group(), [0], [], [0], 0)
+    assert resumed.iteration == 4
+    assert all(torch.equal(a, b) for a, b in zip(resumed.tensors(), good.tensors(), strict=True))
+
+
 def test_the_memory_checkpointer_reads_its_tunables_from_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/ckpt.md's UNICRON_CKPT_* variables reach the manager the runtime builds (they were ignored:

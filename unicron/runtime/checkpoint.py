@@ -13,6 +13,7 @@ import contextlib
 import enum
 import glob
 import os
+import pickle
 import re
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, Tier, TierAttempt
+from ckpt.storage import fsync_dir
 from unicron.kernel.config import from_args
 from unicron.kernel.errors import ConfigError
 
@@ -74,8 +76,12 @@ class TorchSaveCheckpointer(Checkpointer):
     def save(self, state: Any, iteration: int) -> None:
         # Unique per writer: after a regroup the previous writer may still be finishing a save.
         tmp = f"{self._path(iteration)}.{self.rank}.{os.getpid()}.tmp"
-        torch.save(state, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # else a node crash can leave the renamed file torn
         os.replace(tmp, self._path(iteration))
+        fsync_dir(self.dir)  # the rename itself
         for old in self.held()[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):  # pruned by a concurrent writer
                 os.remove(self._path(old))
@@ -84,15 +90,26 @@ class TorchSaveCheckpointer(Checkpointer):
         return self._load(self.dir, iteration)
 
     def _load(self, directory: str, iteration: int | None) -> Restored:
+        """``iteration`` of ``directory``, or (None) its newest file that loads; a file that does not
+        (torn by a crash, not a snapshot) is passed over with its reason, as the memory tiers do."""
         t0 = time.perf_counter()
         held = self.held(directory)
-        want = iteration if iteration is not None else (held[-1] if held else None)
-        if want is None or want not in held:
-            attempt = TierAttempt(Tier.REMOTE, directory, want, "no such checkpoint file")
-            raise NoValidCheckpoint("torch-save", self.rank, iteration, [attempt])
-        path = self._path(want, directory)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        return Restored(state, want, Tier.REMOTE, path, seconds=time.perf_counter() - t0)
+        wanted = [iteration] if iteration is not None else held[::-1]
+        attempts: list[TierAttempt] = []
+        for it in wanted:
+            path = self._path(it, directory)
+            if it not in held:
+                attempts.append(TierAttempt(Tier.REMOTE, directory, it, "no such checkpoint file"))
+                continue
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+                attempts.append(TierAttempt(Tier.REMOTE, path, it, f"unreadable: {exc}".splitlines()[0]))
+                continue
+            return Restored(state, it, Tier.REMOTE, path, tuple(attempts), time.perf_counter() - t0)
+        if not attempts:
+            attempts.append(TierAttempt(Tier.REMOTE, directory, None, "no checkpoint file"))
+        raise NoValidCheckpoint("torch-save", self.rank, iteration, attempts)
 
 
 class Presence(enum.IntEnum):
