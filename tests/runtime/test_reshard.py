@@ -12,7 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.runtime.conftest import Runner, train_args
-from unicron.runtime.comm import ensure_torch_distributed, solo_group
+from tests.runtime.threads import run_ranks
+from unicron.runtime.checkpoint import TorchSaveCheckpointer
+from unicron.runtime.comm import HashStore, ensure_torch_distributed, new_group, solo_group
 from unicron.runtime.compare import max_rel_diff
 from unicron.runtime.model import ModelConfig, build_gpt
 from unicron.runtime.reshard import (
@@ -24,6 +26,7 @@ from unicron.runtime.reshard import (
     claim_of,
     join,
     reshard,
+    restore_resharded,
     shard_tensors,
     split,
 )
@@ -120,6 +123,43 @@ def test_the_newest_iteration_with_every_shard_wins_and_a_missing_shard_is_named
     assert choose([(5, 1, 0), (6, 2, 0)]) == (5, 1, [0])
     with pytest.raises(ReshardError, match=r"shard 0/2.*relaunch with the old --tp"):
         choose([(6, 2, 0), NO_CLAIM])
+
+
+def tp_linear(tp: int, seed: int) -> torch.nn.Module:
+    """A column-parallel Linear(4 -> 6) shard of ``tp`` (Megatron's attributes on weight and bias)."""
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(4, 6 // tp).double()
+    for p in lin.parameters():
+        p.tensor_model_parallel = True  # type: ignore[attr-defined]
+        p.partition_dim = 0  # type: ignore[attr-defined]
+        p.partition_stride = 1  # type: ignore[attr-defined]
+    return lin
+
+
+def test_reshard_finds_the_newest_iteration_every_shard_holds_not_only_each_ranks_newest(tmp_path: Path) -> None:
+    """TP=2 with torch-save: both shards saved iteration 8, only shard 0 saved 10 (shard 1's writer died
+    first). Each rank claimed only its shard's newest file, so the relaunch at TP=1 stopped with 'no
+    iteration has every tensor-parallel shard'; now each claims every file it holds and 8 is restored."""
+    root = str(tmp_path / "ckpt")
+    at8 = [ReplicaState(tp_linear(2, 10 + k), OptimConfig(), TpLayout(2, k)) for k in range(2)]
+    for k, shard in enumerate(at8):
+        shard.iteration = 8
+        TorchSaveCheckpointer(root, rank=k, shard=k).save(shard.state_dict(), 8)
+    at10 = ReplicaState(tp_linear(2, 99), OptimConfig(), TpLayout(2, 0))
+    at10.iteration = 10
+    TorchSaveCheckpointer(root, rank=0, shard=0).save(at10.state_dict(), 10)
+    store = HashStore()
+
+    def rank(r: int) -> tuple[int, torch.Tensor]:
+        world = new_group("gloo", store, "t", r, 2, 20.0)
+        state = ReplicaState(tp_linear(1, 0), OptimConfig(), TpLayout(1, 0))
+        ck = TorchSaveCheckpointer(root, rank=r, shard=0)  # TP=1: every rank writes shard 0's files
+        assert restore_resharded(state, ck, world, tp=1, tp_rank=0, mine=None) == ("remote", 2)
+        return state.iteration, state.params[0].detach().clone()
+
+    want = join([shard.params[0].detach() for shard in at8], Partition(0))
+    for it, weight in run_ranks(2, rank, timeout_s=30):
+        assert it == 8 and torch.equal(weight, want)
 
 
 @pytest.mark.parametrize(("kind", "old_tp", "new_tp"), [("torch-save", 2, 1), ("memory", 1, 2)])

@@ -67,11 +67,17 @@ class TorchSaveCheckpointer(Checkpointer):
         found = (re.match(r"it(\d+)\.pt$", os.path.basename(p)) for p in glob.glob(pattern))
         return sorted(int(m.group(1)) for m in found if m)
 
-    def read_shard(self, shard: int) -> Restored | None:
-        """The newest snapshot of shard ``shard``'s directory (any rank may read any shard: the files
-        are shared), or None; this checkpointer keeps reading and writing its own shard."""
+    def read_shard(self, shard: int, limit: int) -> list[Restored]:
+        """The newest ``limit`` snapshots of shard ``shard``'s directory that load, newest first (any
+        rank may read any shard: the files are shared); this checkpointer keeps its own shard."""
         directory = os.path.join(self.root, f"tp{shard}")
-        return self._load(directory, None) if self.held(directory) else None
+        found: list[Restored] = []
+        for it in reversed(self.held(directory)):
+            if len(found) == limit:
+                break
+            with contextlib.suppress(NoValidCheckpoint):  # torn: the older ones may still serve
+                found.append(self._load(directory, it))
+        return found
 
     def save(self, state: Any, iteration: int) -> None:
         # Unique per writer: after a regroup the previous writer may still be finishing a save.

@@ -19,6 +19,7 @@ moments): fine for the models a CPU runs; a model near the memory limit would st
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -148,17 +149,23 @@ def reshard(slots: Sequence[Slot], shards: Sequence[Sequence[torch.Tensor]], to_
 # --- the collective: every rank of the new launch calls restore_resharded --------------------------
 
 NO_CLAIM = (-1, -1, -1)
+#: the most snapshots one rank claims (torch-save keeps 2): the claim table every rank gathers is
+#: this many rows per rank
+MAX_CLAIMS = 8
 
 
-def own_snapshot(checkpointer: Checkpointer, rank: int) -> Restored | None:
-    """What this rank brings to a reshard: its own newest snapshot, or, from a checkpointer whose files
-    every rank shares (one writer per shard), the shard file numbered like this rank."""
+def own_snapshots(checkpointer: Checkpointer, rank: int, mine: Restored | None) -> list[Restored]:
+    """What this rank brings to a reshard, newest first: ``mine`` (already restored), and from a
+    checkpointer whose files every rank shares (one writer per shard) every snapshot of the shard
+    numbered like this rank, so that an iteration every shard holds is found even where some shard's
+    newest is newer; from any other, its newest valid snapshot when ``mine`` is None."""
+    found = [] if mine is None else [mine]
     if isinstance(checkpointer, TorchSaveCheckpointer):
-        return checkpointer.read_shard(rank)
-    try:
-        return checkpointer.restore()
-    except NoValidCheckpoint:
-        return None
+        found += checkpointer.read_shard(rank, MAX_CLAIMS - len(found))
+    elif mine is None:
+        with contextlib.suppress(NoValidCheckpoint):
+            found.append(checkpointer.restore())
+    return found
 
 
 def claim_of(snapshot: Mapping[str, Any], slots: Sequence[Slot], names: Sequence[str], tp: int) -> tuple[int, int, int]:
@@ -177,9 +184,10 @@ def claim_of(snapshot: Mapping[str, Any], slots: Sequence[Slot], names: Sequence
     return int(snapshot["iteration"]), layout.tp, layout.rank
 
 
-def choose(claims: Sequence[tuple[int, int, int]]) -> tuple[int, int, list[int]]:
-    """(iteration, old TP size, owner rank per old shard) of the newest iteration for which every shard of
-    one layout is claimed; the lowest claiming rank owns a shard."""
+def choose(claims: Sequence[tuple[int, int, int]], per_rank: int = 1) -> tuple[int, int, list[int]]:
+    """(iteration, old TP size, owner per old shard) of the newest iteration for which every shard of
+    one layout is claimed; the lowest claiming rank owns a shard. ``claims``: ``per_rank`` per rank,
+    rank by rank; an owner is an index into ``claims`` (its rank: the index // ``per_rank``)."""
     for it in sorted({c[0] for c in claims if c[0] >= 0}, reverse=True):
         for tp in sorted({c[1] for c in claims if c[0] == it}):
             owners = [next((r for r, c in enumerate(claims) if c == (it, tp, k)), -1) for k in range(tp)]
@@ -187,9 +195,9 @@ def choose(claims: Sequence[tuple[int, int, int]]) -> tuple[int, int, list[int]]
                 return it, tp, owners
     held = sorted({c for c in claims if c != NO_CLAIM})
     raise ReshardError(
-        f"no iteration has every tensor-parallel shard of its layout among this launch's {len(claims)} ranks "
-        f"(held: {[f'it {i} shard {k}/{t}' for i, t, k in held]}); relaunch with the old --tp, or with at "
-        "least as many ranks as the old TP size")
+        "no iteration has every tensor-parallel shard of its layout among this launch's "
+        f"{len(claims) // per_rank} ranks (held: {[f'it {i} shard {k}/{t}' for i, t, k in held]}); "
+        "relaunch with the old --tp, or with at least as many ranks as the old TP size")
 
 
 def restore_resharded(state: ReplicaState, checkpointer: Checkpointer, world: CommGroup, tp: int,
@@ -198,25 +206,26 @@ def restore_resharded(state: ReplicaState, checkpointer: Checkpointer, world: Co
     whatever TP size wrote it. ``mine``: the snapshot this rank already restored, if any. Returns where
     this rank's data came from (its snapshot's tier when it owned a shard, else "replica") and the TP
     size that wrote the snapshot."""
-    if mine is None:
-        mine = own_snapshot(checkpointer, world.rank())
+    held = own_snapshots(checkpointer, world.rank(), mine)
     slots = state.slots()
-    claim = NO_CLAIM if mine is None else claim_of(mine.state, slots, state.names, tp)
+    claims = [claim_of(r.state, slots, state.names, tp) for r in held]
+    table = claims + [NO_CLAIM] * (MAX_CLAIMS - len(claims))
     device = state.device  # the collectives' (NCCL: CUDA); the old shards are joined on the CPU
-    gathered = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world.size())]
-    world.allgather([gathered], [torch.tensor(claim, dtype=torch.int64, device=device)]).wait()
-    claims = [(int(c[0]), int(c[1]), int(c[2])) for c in gathered]
-    iteration, old_tp, owners = choose(claims)
+    gathered = [torch.empty(MAX_CLAIMS, 3, dtype=torch.int64, device=device) for _ in range(world.size())]
+    world.allgather([gathered], [torch.tensor(table, dtype=torch.int64, device=device)]).wait()
+    iteration, old_tp, owners = choose([(int(c[0]), int(c[1]), int(c[2])) for t in gathered for c in t],
+                                       MAX_CLAIMS)
     shards: list[list[torch.Tensor]] = []
+    served: Restored | None = None
     for owner in owners:
-        if owner == world.rank():
-            assert mine is not None
-            tensors = shard_tensors(mine.state, state.names)
+        if owner // MAX_CLAIMS == world.rank():
+            served = held[owner % MAX_CLAIMS]
+            tensors = shard_tensors(served.state, state.names)
         else:
             tensors = [torch.empty(shard_shape(s.target.shape, s.part, tp, old_tp), dtype=s.target.dtype)
                        for s in slots]
-        broadcast_flat(world, owner, tensors, device)
+        broadcast_flat(world, owner // MAX_CLAIMS, tensors, device)
         shards.append(tensors)
     reshard(slots, shards, tp, tp_rank)
     state.iteration = iteration
-    return (mine.tier.value if mine is not None and world.rank() in owners else "replica"), old_tp
+    return (served.tier.value if served is not None else "replica"), old_tp
