@@ -169,6 +169,24 @@ def test_data_depends_only_on_iteration_and_micro_batch(tmp_path: Path) -> None:
         make_source(str(tmp_path / "missing"), 128, 8, 2, 3)
 
 
+@pytest.mark.parametrize("content", ["not a numpy file", "pickled objects"])
+def test_a_data_file_that_is_not_a_token_array_is_one_line_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], content: str) -> None:
+    """A --data-file .npy that np.load cannot map (not an .npy at all, or an array of pickled objects)
+    was numpy's ValueError traceback; now one line naming the file (exit EXIT_CONFIG)."""
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(var, value)
+    bad = tmp_path / "tokens.npy"
+    if content == "pickled objects":
+        np.save(bad, np.array([{"a": 1}, {"b": 2}], dtype=object), allow_pickle=True)
+    else:
+        bad.write_bytes(b"this is not an npy file at all" * 10)
+    assert train.main(["--data-file", str(bad)]) == train.EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert f"--data-file {str(bad)!r}: not a .npy of token ids" in err and "\n" not in err
+
+
 def test_fault_scripts_parse_and_reject_garbage() -> None:
     assert parse("die@2:mb1, raise@3:start:connection_refused_reset") == [
         Fault("die", 2, "mb1"), Fault("raise", 3, "start", "connection_refused_reset"),

@@ -51,7 +51,11 @@ class FileTokens(TokenSource):
         if not os.path.isfile(path):
             raise ConfigError(f"--data-file {path!r} does not exist; pass a .npy of token ids or any file")
         if path.endswith(".npy"):
-            arr = np.load(path, mmap_mode="r")
+            try:
+                arr = np.load(path, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as exc:  # not an .npy, or one of pickled objects
+                msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ConfigError(f"--data-file {path!r}: not a .npy of token ids ({msg})") from exc
             if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
                 raise ConfigError(f"--data-file {path!r}: expected a 1-D integer array of token ids")
             tokens = torch.from_numpy(np.array(arr, dtype=np.int64))  # a writable copy
