@@ -109,6 +109,17 @@ def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one
     assert all(torch.equal(a, b) for a, b in zip(resumed.tensors(), good.tensors(), strict=True))
 
 
+def test_a_ckpt_dir_that_cannot_be_created_is_a_config_error(tmp_path: Path) -> None:
+    """--ckpt torch-save --ckpt-dir on a path under a plain file: os.makedirs's OSError escaped
+    api.build (which turns only ConfigError/TemporaryError into one line), a traceback; now a
+    ConfigError naming the flag, as --ckpt-storage's already was."""
+    afile = tmp_path / "plain-file"
+    afile.write_text("x")
+    for where in (afile, afile / "sub"):
+        with pytest.raises(ConfigError, match=f"--ckpt-dir {str(where)!r}: "):
+            make_checkpointer("torch-save", str(where), "job", 0)
+
+
 def test_the_memory_checkpointer_reads_its_tunables_from_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/ckpt.md's UNICRON_CKPT_* variables reach the manager the runtime builds (they were ignored:

@@ -171,7 +171,10 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage
     if kind == "torch-save":
         if not directory:
             raise ConfigError("--ckpt torch-save needs --ckpt-dir DIR")
-        return TorchSaveCheckpointer(directory, rank)
+        try:
+            return TorchSaveCheckpointer(directory, rank)
+        except OSError as exc:  # a file in the way, no permission: the flag's value, not a bug
+            raise ConfigError(f"--ckpt-dir {directory!r}: {exc}") from exc
     if kind == "memory":
         from ckpt.manager import CheckpointConfig, CheckpointManager
         from ckpt.replica import ReplicaClient
