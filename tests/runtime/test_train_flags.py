@@ -75,6 +75,24 @@ def test_runtime_settings_out_of_range_are_config_errors(argv: list[str], messag
     assert str(err.value) == message
 
 
+def test_a_negative_seed_is_refused_at_start() -> None:
+    """--seed -1 was accepted, then with --data-path every rank crashed on its first micro-batch
+    (numpy's default_rng takes no negative seed); now one line at start."""
+    with pytest.raises(ConfigError, match=r"^--seed must be >= 0, got -1$"):
+        configs(_parser().parse_args(["--seed", "-1"]))
+    assert configs(_parser().parse_args(["--seed", "0"]))[1].seed == 0
+
+
+def test_an_init_seed_out_of_torchs_range_is_refused_at_start() -> None:
+    """--init-seed beyond 64 bits was torch.manual_seed's ValueError traceback at model build; now one
+    line at start, and torch's whole range is still accepted."""
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(ConfigError, match=f"^--init-seed must be .*, got {bad}$"):
+            configs(_parser().parse_args(["--init-seed", str(bad)]))
+    for edge in (2**64 - 1, -(2**63)):
+        configs(_parser().parse_args(["--init-seed", str(edge)]))
+
+
 def test_manual_gc_collects_only_at_the_boundaries() -> None:
     policy = GcPolicy(interval=3)
     try:

@@ -157,6 +157,9 @@ def configs(args: argparse.Namespace) -> tuple[OptimConfig, ScheduleConfig, Comm
         "--iter-sleep": {"least": 0}, "--bucket-elems": {"least": 1}, "--blocks": {"least": 0},
         "--ckpt-every": {"least": 0}, "--ckpt-persist-every": {"least": 0},
         "--collective-timeout": {"above": 0}, "--join-timeout": {"above": 0},
+        # numpy's generators (the indexed dataset's order) take no negative seed, torch.manual_seed
+        # nothing outside 64 bits: either raised only once training had started
+        "--seed": {"least": 0}, "--init-seed": {"least": -(2**63), "most": 2**64 - 1},
     }
     for flag, bound in bounds.items():
         value = getattr(args, flag[2:].replace("-", "_"))
