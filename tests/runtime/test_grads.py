@@ -197,6 +197,47 @@ def test_the_optimizer_reads_the_reduced_buffer_and_accumulation_returns_to_the_
     assert float(flat.grads.abs().sum()) > 0 and torch.equal(reduced, torch.arange(flat.numel + TAIL, dtype=torch.float32))
 
 
+def test_perf_plain_step_after_a_deterministic_iteration_uses_only_its_own_gradient() -> None:
+    """The perf benchmark alternates kinds on one trainer; a deterministic iteration ends with
+    Contributions.reset(), which leaves its last micro-batch's gradient in the flat buffer (the next
+    micro-batch zeroes it), and plain_step backpropagated onto it: the plain loop's first step after a
+    deterministic round used a wrong gradient. Now plain_step zeroes the buffer as it begins."""
+    from types import SimpleNamespace
+
+    from unicron.runtime.job import Job
+    from unicron.runtime.perf import plain_step
+    from unicron.runtime.plan import Topology
+    from unicron.runtime.state import OptimConfig, ReplicaState
+
+    layout = BatchLayout(4, 1)
+    data = SimpleNamespace(batch=lambda it, mb: torch.full((2, 3), float(it * 10 + mb + 1), dtype=torch.float64))
+    group = new_group("gloo", HashStore(), "t", 0, 1, 20.0)
+
+    def trainer() -> SimpleNamespace:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2).double()
+        state = ReplicaState(model, OptimConfig(lr=0.1))
+        job = Job(model_provider=lambda c: model, forward_step=lambda b, m: m(b).pow(2).mean(),
+                  data=data)
+        return SimpleNamespace(state=state, flat=FlatGrads(state.params, torch.float64), job=job, layout=layout,
+                               topo=Topology(1, 1), replica=0,
+                               groups=SimpleNamespace(dp=group, record=SimpleNamespace(members=(0,))))
+
+    after, fresh = trainer(), trainer()
+    acc = Contributions(after.flat, layout)  # a deterministic iteration on ``after``
+    acc.reset()
+    for mb in range(4):
+        acc.begin_mb()
+        after.job.loss(after.state.model, 0, mb).backward()
+        acc.end_mb(mb, 0.0, True)
+    acc.reset()  # what Trainer._new_iteration does after the commit
+    for t in (after, fresh):
+        plain_step(t, 1)  # type: ignore[arg-type]
+    # Adam's first moment after one step: (1 - beta1) * the gradient
+    moment = [t.state.optimizer.state[t.state.params[0]]["exp_avg"] for t in (after, fresh)]
+    assert torch.equal(moment[0], moment[1])
+
+
 def test_the_tail_is_never_split_across_buckets() -> None:
     for total in range(TAIL, 40):
         for size in range(1, 12):

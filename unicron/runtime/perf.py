@@ -105,13 +105,15 @@ def plain_step(trainer: Trainer[Any], iteration: int, sw: Stopwatch | None = Non
     def compute(mb: int) -> None:  # (no reseeding: a plain loop has no micro-batch identities)
         trainer.job.loss(model, iteration, mb).backward()  # type: ignore[no-untyped-call]
 
+    # the trainer's own iterations leave their last micro-batch's gradient in the buffer (each of
+    # theirs zeroes it as it begins): so does this one, or its first step follows theirs wrongly
+    trainer.flat.buf.zero_()
     for mb in mine:
         sw.timed("compute", compute)(mb)
     grads = trainer.flat.grads
     group.allreduce([grads]).wait()
     grads.mul_(1.0 / layout.micro_batches)
     trainer.state.optimizer.step()
-    trainer.flat.buf.zero_()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
