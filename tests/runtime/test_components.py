@@ -180,6 +180,17 @@ def test_data_depends_only_on_iteration_and_micro_batch(tmp_path: Path) -> None:
         make_source(str(tmp_path / "missing"), 128, 8, 2, 3)
 
 
+def test_file_token_windows_reach_the_files_last_token(tmp_path: Path) -> None:
+    """A window's start was drawn below numel - seq - 1, one short: the file's last token was never
+    in any window, and a file of exactly seq+1 tokens was refused; now every start is drawn."""
+    np.save(tmp_path / "toks.npy", np.arange(10))
+    src = make_source(str(tmp_path / "toks.npy"), vocab=128, seq=8, micro_batch_size=4, seed=3)
+    assert any(int(src.batch(it, 0)[1][:, -1].max()) == 9 for it in range(8))  # the last label
+    np.save(tmp_path / "short.npy", np.arange(9))
+    tokens, labels = make_source(str(tmp_path / "short.npy"), 128, 8, 1, 3).batch(0, 0)
+    assert tokens.tolist() == [list(range(8))] and labels.tolist() == [list(range(1, 9))]
+
+
 @pytest.mark.parametrize("content", ["not a numpy file", "pickled objects"])
 def test_a_data_file_that_is_not_a_token_array_is_one_line_not_a_traceback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], content: str) -> None:

@@ -62,15 +62,16 @@ class FileTokens(TokenSource):
         else:
             with open(path, "rb") as fh:
                 tokens = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8).to(torch.int64)
-        if tokens.numel() < seq + 2:
-            raise ConfigError(f"--data-file {path!r} has {tokens.numel()} tokens; need more than seq+1={seq + 1}")
+        if tokens.numel() < seq + 1:
+            raise ConfigError(f"--data-file {path!r} has {tokens.numel()} tokens; a window needs seq+1={seq + 1}")
         if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
             tokens = tokens.remainder(vocab)
         self.tokens = tokens
 
     def batch(self, iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(mb_seed(self.seed, iteration, mb))
-        starts = torch.randint(0, self.tokens.numel() - self.seq - 1, (self.mbs,), generator=g)
+        # a window is seq + 1 tokens: the last one starts at numel - seq - 1 (randint's high is exclusive)
+        starts = torch.randint(0, self.tokens.numel() - self.seq, (self.mbs,), generator=g)
         idx = starts.unsqueeze(1) + torch.arange(self.seq + 1).unsqueeze(0)
         seqs = self.tokens[idx]
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
