@@ -81,6 +81,25 @@ def test_replica_state_round_trips_through_a_torch_save_checkpoint(gpt: Any, tmp
         make_checkpointer("torch-save", "", "job", 0)
 
 
+def test_a_snapshot_of_parameters_the_model_lacks_is_refused_not_half_loaded() -> None:
+    """load_state_dict(strict=False) took a snapshot whose parameter names differ (shapes alike): the
+    optimizer state and iteration loaded, the parameters silently stayed at their initialisation. Now
+    one error naming what differs, and nothing of the snapshot is loaded."""
+    from unicron.runtime.state import SnapshotMismatch
+
+    torch.manual_seed(0)
+    saved = ReplicaState(torch.nn.Sequential(torch.nn.Linear(4, 3)), OptimConfig())
+    saved.iteration = 5
+    snapshot = saved.state_dict()
+    renamed = {**snapshot, "model": {f"layer.{k}": v for k, v in snapshot["model"].items()}}
+    target = ReplicaState(torch.nn.Sequential(torch.nn.Linear(4, 3)), OptimConfig())
+    with pytest.raises(SnapshotMismatch, match=r"lacks \['0.bias', '0.weight'\].*has \['layer.0.bias'"):
+        target.load_state_dict(renamed)
+    assert target.iteration == 0
+    target.load_state_dict(snapshot)
+    assert all(torch.equal(a, b) for a, b in zip(target.tensors(), saved.tensors(), strict=True))
+
+
 def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one(tmp_path: Path) -> None:
     """A torn newest file (a node crash before it reached the disk) made torch.load's RuntimeError
     escape restore(), so CheckpointSource never fell back and the resuming rank died; now restore()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ckpt.api import Restored
+from ckpt.api import CheckpointError, Restored
 from unicron.kernel.errors import ConfigError
 from unicron.runtime.comm import CommGroup, broadcast_flat
 from unicron.runtime.reshard import UNSPLIT, Slot, TpLayout, layout_of, partition_of
@@ -43,6 +43,10 @@ class OptimConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+
+
+class SnapshotMismatch(CheckpointError):
+    """A snapshot's model tensors are not this model's (names differ): restoring it is refused."""
 
 
 class ReplicaState:
@@ -95,16 +99,27 @@ class ReplicaState:
         layout = layout_of(snapshot)
         return layout is None or layout == self.layout
 
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        # not the non-tensor entries (a Megatron layer's ``_extra_state``): a snapshot holds none
+        return {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+
     def state_dict(self) -> dict[str, Any]:
         """References, not copies: a checkpointer copies what it keeps."""
         return {
             "iteration": self.iteration,
             "layout": self.layout.to_dict(),
-            "model": {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)},
+            "model": self._model_tensors(),
             "optimizer": self.optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises :class:`SnapshotMismatch`, loading nothing, when the snapshot's tensors are not this
+        model's (strict=False alone would load the optimizer and leave parameters at their init)."""
+        want, got = set(self._model_tensors()), set(state["model"])
+        if want != got:
+            raise SnapshotMismatch(
+                f"the snapshot of iteration {state.get('iteration')} is of another model: it lacks "
+                f"{sorted(want - got)[:3]} and has {sorted(got - want)[:3]} (first 3 of each)")
         self.model.load_state_dict(state["model"], strict=False)
         # the optimizer's settings (lr, betas, ...) stay this launch's flags: only a group's root loads a
         # snapshot, the others receive its tensors, and replicas that stepped with two lr's diverged
