@@ -120,6 +120,8 @@ def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     restored = ck.restore()
     assert restored.iteration == 4 and [a.iteration for a in restored.skipped] == [5]
+    newest.write_bytes(b"torn")  # torch.load's unpickler: an IndexError, not a RuntimeError
+    assert ck.restore().iteration == 4
     with pytest.raises(NoValidCheckpoint, match="unreadable"):
         ck.restore(iteration=5)
     resumed = state(7, 0)

@@ -13,7 +13,6 @@ import contextlib
 import enum
 import glob
 import os
-import pickle
 import re
 import time
 from typing import Any
@@ -109,8 +108,9 @@ class TorchSaveCheckpointer(Checkpointer):
                 continue
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-            except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
-                attempts.append(TierAttempt(Tier.REMOTE, path, it, f"unreadable: {exc}".splitlines()[0]))
+            except Exception as exc:  # torch.load raises whatever its unpickler meets in a torn file
+                why = f"unreadable ({type(exc).__name__}: {exc}".splitlines()[0] + ")"
+                attempts.append(TierAttempt(Tier.REMOTE, path, it, why))
                 continue
             return Restored(state, it, Tier.REMOTE, path, tuple(attempts), time.perf_counter() - t0)
         if not attempts:
