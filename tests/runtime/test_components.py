@@ -141,6 +141,40 @@ def test_a_ckpt_dir_that_cannot_be_created_is_a_config_error(tmp_path: Path) -> 
             make_checkpointer("torch-save", str(where), "job", 0)
 
 
+def test_when_every_copy_of_the_newest_is_damaged_the_group_restores_the_newest_valid_any_member_holds(
+        tmp_path: Path) -> None:
+    """Two replicas with checkpointers of their own: rank 0 holds iterations 2 and a torn 6, rank 1 a
+    valid 5. The holder of the newest (rank 0) fell back to its own newest valid one, 2, and the group
+    resumed there; now the members claim again and rank 1's 5 is restored."""
+    from tests.runtime.threads import run_ranks
+    from unicron.runtime.comm import HashStore, new_group
+    from unicron.runtime.state import CheckpointSource
+
+    def state(seed: int, iteration: int) -> ReplicaState:
+        torch.manual_seed(seed)
+        st = ReplicaState(torch.nn.Linear(4, 3).double(), OptimConfig())
+        st.iteration = iteration
+        return st
+
+    cks = [TorchSaveCheckpointer(str(tmp_path / f"rank{r}"), rank=r, keep=3) for r in range(2)]
+    cks[0].save(state(2, 2).state_dict(), 2)
+    cks[0].save(state(6, 6).state_dict(), 6)
+    Path(cks[0]._path(6)).write_bytes(b"torn")
+    at5 = state(5, 5)
+    cks[1].save(at5.state_dict(), 5)
+    store = HashStore()
+
+    def rank(r: int) -> tuple[int, list[torch.Tensor]]:
+        group = new_group("gloo", store, "t", r, 2, 20.0)
+        resumed = state(7, 0)
+        assert CheckpointSource(cks[r]).transfer(resumed, group, [0, 1], [], [0, 1], r)
+        return resumed.iteration, resumed.tensors()
+
+    for it, tensors in run_ranks(2, rank, timeout_s=30):
+        assert it == 5
+        assert all(torch.equal(a, b) for a, b in zip(tensors, at5.tensors(), strict=True))
+
+
 def test_the_memory_checkpointer_reads_its_tunables_from_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/ckpt.md's UNICRON_CKPT_* variables reach the manager the runtime builds (they were ignored:

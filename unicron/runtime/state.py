@@ -172,8 +172,9 @@ class CheckpointSource(StateSource):
     Every data-parallel replica of a shard holds the same state, so the group needs one copy of the
     newest iteration, not one per rank: the members tell each other the newest iteration their
     checkpointer claims (its nearest tier first: this node's memory, a peer's, then remote storage),
-    the holder of the newest restores it (falling back to an older one only if no copy of the newest
-    is valid) and broadcasts it to the rest (peer memory). A rank relaunched where it holds nothing,
+    the holder of the newest restores it and broadcasts it to the rest (peer memory); when no copy of
+    it is valid, the holder claims its newest valid one instead and the members choose again, so a
+    newer valid snapshot another member holds still wins. A rank relaunched where it holds nothing,
     or a task relaunched with more replicas, so never restores an older periodic checkpoint while a
     newer snapshot (a stop's on-demand one) exists anywhere in the group. A newest snapshot of another
     TP size is not loaded (:attr:`outcome` says so): resharding needs every rank of the task.
@@ -202,21 +203,37 @@ class CheckpointSource(StateSource):
         if not receivers:
             return True
         newest = newest_checkpoint(self.checkpointer) if me in receivers else None
-        mine = torch.tensor([-1 if newest is None else newest], dtype=torch.int64, device=state.device)
-        its = [torch.empty_like(mine) for _ in range(group.size())]
-        group.allgather([its], [mine]).wait()
-        claims = [int(t) for t in its]
-        best = max(claims)
-        if best < 0:
-            self.outcome = Outcome.NOTHING
-            return False  # nobody holds a snapshot: the caller says so
-        root = claims.index(best)
+        claim = -1 if newest is None else newest
+        fallback: Restored | None = None  # this rank's newest valid snapshot, once its claim's failed
+        while True:
+            mine = torch.tensor([claim], dtype=torch.int64, device=state.device)
+            its = [torch.empty_like(mine) for _ in range(group.size())]
+            group.allgather([its], [mine]).wait()
+            claims = [int(t) for t in its]
+            best = max(claims)
+            if best < 0:
+                self.outcome = Outcome.NOTHING
+                return False  # nobody holds a snapshot: the caller says so
+            root = claims.index(best)
+            restored: Restored | None = None
+            if group.rank() == root and fallback is not None and fallback.iteration == best:
+                restored = fallback
+            elif group.rank() == root:
+                try:
+                    restored = self.checkpointer.restore(iteration=best)
+                except NoValidCheckpoint:  # every copy of it is damaged: claim again with this rank's
+                    try:  # newest valid one, which another member's newer valid one may beat
+                        fallback = self.checkpointer.restore()
+                        claim = min(fallback.iteration, best - 1)  # always lower: the rounds end
+                    except NoValidCheckpoint:
+                        claim = -1
+            served = torch.tensor([group.rank() != root or restored is not None], dtype=torch.int64,
+                                  device=state.device)
+            group.broadcast(served, root).wait()
+            if int(served):
+                break
         fits = 1
-        if group.rank() == root:
-            try:
-                restored = self.checkpointer.restore(iteration=best)
-            except NoValidCheckpoint:  # every copy of the newest is damaged: the newest valid one
-                restored = self.checkpointer.restore()
+        if restored is not None:
             if state.fits(restored.state):
                 state.load_state_dict(restored.state)
             else:
