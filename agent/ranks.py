@@ -70,15 +70,12 @@ class RankServer:
             return sorted(self._conns)
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
+        while (sock := wire.accept(self._sock, self._stop, "rank socket")) is not None:
             try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            if self._stop.is_set():
+                threading.Thread(target=self._serve, args=(wire.LineSocket(sock),), daemon=True).start()
+            except RuntimeError as exc:  # no thread could be started: only this rank's connection is lost
+                log.warning("rank socket: connection dropped", error=str(exc))
                 sock.close()
-                return
-            threading.Thread(target=self._serve, args=(wire.LineSocket(sock),), daemon=True).start()
 
     def _serve(self, conn: wire.LineSocket) -> None:
         who: tuple[str, int] | None = None

@@ -157,16 +157,14 @@ class LinkServer:
             return {n: now - p.last_heartbeat for n, p in self._peers.items() if not p.lost}
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
+        while (sock := wire.accept(self._sock, self._stop, "agent link")) is not None:
             try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            if self._stop.is_set():
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+                # only this connection is lost (its agent retries); the acceptor goes on
+                log.warning("link connection dropped before its hello", error=str(exc))
                 sock.close()
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
     def _handshake(self, sock: socket.socket, peer_addr: str) -> tuple[socket.socket, tls.Peer | None] | None:
         """TLS on ``sock`` when configured: the wrapped socket and its verified certificate's peer, or

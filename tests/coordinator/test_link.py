@@ -7,6 +7,10 @@ replace a node's live connection.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import resource
 import socket
 import threading
 import time
@@ -83,6 +87,27 @@ def closed_by_server(conn: wire.LineSocket) -> bool:
 def welcomed(conn: wire.LineSocket) -> bool:
     line = conn.recv_line()
     return line is not None and isinstance(link.parse(wire.decode(line)), link.Welcome)
+
+
+@contextlib.contextmanager
+def descriptor_table_full() -> Iterator[None]:
+    """Every descriptor of this process in use, so the next accept() fails with a real EMFILE (no mock)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))  # few descriptors to fill
+    base = os.open(os.devnull, os.O_RDONLY)
+    fillers = [base]
+    try:
+        while True:
+            try:
+                fillers.append(os.dup(base))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE, exc
+                break
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 class Heartbeats:
@@ -313,6 +338,25 @@ def test_a_stopped_server_leaves_no_thread_in_accept(events: Events) -> None:
     time.sleep(0.1)  # its accept thread is in accept() by now
     s.stop()
     assert not s._acceptor.is_alive()
+
+
+def test_link_acceptor_survives_a_transient_accept_error(server: LinkServer, events: Events) -> None:
+    """One failed accept() (EMFILE: the descriptor table full for a moment, e.g. agents reconnecting
+    after a failover) ended the acceptor for good: no agent could link to this leader again and every
+    node fenced. Now the failure is logged and accept() retried: the agent that connected meanwhile is
+    welcomed once there is room."""
+    host, _, port = server.address.rpartition(":")
+    sock = socket.socket()  # its descriptor taken before the table fills
+    time.sleep(0.05)  # the acceptor is in accept()
+    with descriptor_table_full():
+        sock.connect((host, int(port)))  # needs no new descriptor here; the server's accept() does
+        time.sleep(0.3)  # the acceptor's accept() fails meanwhile
+    assert server._acceptor.is_alive(), "the link acceptor thread exited after one EMFILE from accept()"
+    sock.settimeout(3.0)
+    conn = wire.LineSocket(sock)
+    conn.send(link.LinkHello(node="node1", token=TOKENS["node1"]).to_wire())
+    assert welcomed(conn)
+    conn.close()
 
 
 def test_a_hello_trickled_a_byte_at_a_time_is_still_dropped_after_the_hello_timeout(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,9 +14,14 @@ import threading
 import time
 from typing import Any
 
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 
+log = ulog.get(__name__)
+
 MAX_LINE = 1 << 20
+#: how long an acceptor waits after a failed accept() before it tries again
+ACCEPT_RETRY_S = 0.1
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -102,6 +107,35 @@ def wait_until(sock: socket.socket, deadline: float, what: str) -> None:
     if left <= 0:
         raise TimeoutError(f"no {what} before the deadline")
     sock.settimeout(left)
+
+
+def accept(listener: socket.socket, stop: threading.Event, what: str) -> socket.socket | None:
+    """The next connection to ``listener``, or None once ``stop`` is set (:func:`stop_listening`).
+
+    A failed ``accept()`` while not stopping (EMFILE/ENFILE: the descriptor table full for a moment,
+    ECONNABORTED, ENOBUFS) is logged and tried again after ``ACCEPT_RETRY_S``: the acceptors returned on
+    it, so one burst of reconnecting agents left the leader's link, or an agent's rank socket, deaf for
+    good. The pending connection stays in the backlog meanwhile. A run of failures is logged once.
+    """
+    failures = 0
+    while not stop.is_set():
+        try:
+            sock, _ = listener.accept()
+        except OSError as exc:
+            if stop.is_set():
+                break
+            if failures == 0:
+                log.warning("accept failed; retrying", listener=what, error=str(exc))
+            failures += 1
+            stop.wait(ACCEPT_RETRY_S)
+            continue
+        if stop.is_set():
+            sock.close()
+            break
+        if failures:
+            log.info("accepting again", listener=what, failed_attempts=failures)
+        return sock
+    return None
 
 
 def stop_listening(sock: socket.socket, acceptor: threading.Thread, timeout_s: float = 5.0) -> None:
