@@ -142,7 +142,11 @@ class LinkClient:
             if self._ssl is not None:
                 try:
                     sock = self._ssl.wrap_socket(sock, server_hostname=host.strip("[]"))
-                except ssl.SSLError as exc:
+                    # the CA and host name alone let any cluster certificate (another node's, an
+                    # operator's) serve as the coordinator: taken for control-plane contact, and its
+                    # address recorded as the leader's
+                    tls.require(tls.peer_from_socket(sock), tls.Role.COORDINATOR, "the agent link's server")
+                except (ssl.SSLError, tls.Unauthorized) as exc:
                     sock.close()
                     self.log.warning("link TLS handshake failed", address=addr, error=str(exc))
                     return None

@@ -70,3 +70,23 @@ def test_agent_client_connects_over_tls(server: LinkServer, cert_dir: Path) -> N
     while server.connected_nodes() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.connected_nodes() == []
+
+
+@pytest.mark.parametrize("impostor", ["node1", "operator"])
+def test_agent_link_refuses_a_coordinator_that_shows_a_non_coordinator_certificate(cert_dir: Path, impostor: str) -> None:
+    """The agent checked only that the server's certificate was the cluster CA's and named the dialled
+    host (every leaf names loopback, a node's its own host): node1's or an operator's key could serve
+    as 'the coordinator' to node2's agent, which then counted as control-plane contact (no fencing)
+    and recorded the impostor as the leader. Now the agent requires a coordinator certificate."""
+    impostor_server = LinkServer("127.0.0.1", 0, 5.0, on_lost=lambda *a: None, verify=lambda n, t: True,
+                                 tls_config=tls.TLSConfig.from_dir(cert_dir, impostor)).start()
+    client = LinkClient("node2", 0.05, lambda: [impostor_server.address], TOKENS["node2"],
+                        tls_config=tls.TLSConfig.from_dir(cert_dir, "node2"))
+    try:
+        conn = client._connect_to(impostor_server.address)
+        if conn is not None:
+            conn.close()
+        assert conn is None, f"node2's agent linked to a server holding the {impostor!r} certificate"
+        assert impostor_server.connected_nodes() == []
+    finally:
+        impostor_server.stop()

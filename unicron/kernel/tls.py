@@ -220,7 +220,7 @@ def peer_from_grpc(context: Any) -> Peer:
 def peer_from_socket(sock: ssl.SSLSocket) -> Peer:
     der = sock.getpeercert(binary_form=True)
     if not der:
-        raise Unauthorized("no client certificate on this connection")
+        raise Unauthorized("the peer showed no certificate on this connection")
     return peer_from_der(der)
 
 
