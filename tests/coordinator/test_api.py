@@ -479,6 +479,8 @@ def test_cli_submit_from_a_closed_standard_input_is_one_line(
     (("incidents", "--limit", "-1"), "--limit"),
     (("inject", "slow", "--node", "n1", "--delay", "-1"), "--delay"),
     (("inject", "slow", "--node", "n1", "--iterations", "0"), "--iterations"),
+    # a count the rank once expanded into a list of that length (a MemoryError ended its reader)
+    (("inject", "slow", "--node", "n1", "--iterations", "100000000"), "--iterations"),
     (("inject", "kill-rank", "--node", "n1", "--rank", "x"), "--rank"),
     (("inject", "xid", "79", "--node", "n1", "--gpu", "-2"), "--gpu"),
 ])

@@ -22,6 +22,7 @@ from coordinator.decision.actions import ActionKind
 from coordinator.decision.state import CoreState, NodeEntry, NodeState, Outstanding, TaskEntry, TaskPhase
 from coordinator.tasks import NAME_RE
 from unicron.kernel import link, protocol
+from unicron.kernel.inject import MAX_SLOW_ITERATIONS, Injection
 from unicron.kernel.types import NodeInfo, RankSet, Record
 
 #: numbers Python's JSON parser reads that no field should take: beyond a float, NaN, 4300+ digits
@@ -46,11 +47,13 @@ RAW_BYTES = st.one_of(
 # --- valid values from type hints --------------------------------------------------------------------
 
 _TEXT = st.text(max_size=12)
-#: strings a field must hold for the dataclass to build at all (its __post_init__ checks them)
+#: values a field must hold for the dataclass to build at all (its __post_init__ checks them)
 OVERRIDES: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (protocol.Phase, "name"): st.sampled_from(protocol.PHASES),
     (link.LinkHello, "node"): st.text(min_size=1, max_size=12),
     (NodeInfo, "gpus"): st.integers(0, 16),
+    (Injection, "iterations"): st.integers(1, MAX_SLOW_ITERATIONS),
+    (Injection, "delay_s"): st.floats(0.0, 3600.0),
     # sorted, disjoint ranges, as RankSet.of builds them (arbitrary nested lists are invalid ones)
     (RankSet, "ranges"): st.lists(st.integers(0, 64), max_size=8).map(lambda rs: RankSet.of(rs).ranges),
 }

@@ -14,6 +14,7 @@ from tests.kernel.test_etcd import _wait
 from unicron.kernel import protocol, wire
 from unicron.kernel.client import AgentClient
 from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.inject import MAX_SLOW_ITERATIONS, Fault, Injection
 
 
 def test_an_over_long_line_is_skipped_whole_not_read_as_a_message_from_its_tail() -> None:
@@ -72,3 +73,42 @@ def test_an_exception_whose_str_raises_is_still_reported() -> None:
     from unicron.kernel.client import _one_line
 
     assert _one_line(Unprintable()) == "Unprintable: <exception str() failed>"
+
+
+def test_inject_slow_with_a_large_iteration_count_does_not_kill_the_instruction_reader(tmp_path: Path) -> None:
+    """The rank's reader expanded an InjectSlow into ``[msg] * iterations``: a large count was a
+    MemoryError on that thread, which died, and the rank never again got Stop, Regroup, Leave or
+    StoreMoved. Now the slowdown is one (delay, iterations left) entry counted down per iteration, and
+    an Injection record (what 'unicron inject slow --iterations' writes) refuses a count over the bound."""
+    path = str(tmp_path / "agent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    client = AgentClient(rank=0, local_rank=0, task="t", socket_path=path).connect()
+    agent = wire.LineSocket(listener.accept()[0])
+    try:
+        assert isinstance(protocol.parse(wire.decode(agent.recv_line() or b"")), protocol.Hello)
+        agent.send(protocol.InjectSlow(delay_s=0.0, iterations=2**62).to_wire())
+        agent.send(protocol.Stop(reason="operator").to_wire())
+        got = client.next_instruction(timeout=3.0)
+        assert isinstance(got, protocol.Stop), f"the rank's reader died on the inject: next instruction {got!r}"
+        client.check_injected()
+        client.check_injected()
+        assert list(client._pending_slow) == [(0.0, 2**62 - 2)]
+    finally:
+        client.close()
+        agent.close()
+        listener.close()
+    with pytest.raises(InvalidRecord, match=r"Injection.iterations: 1000001 is not in \[1, 1000000\]"):
+        Injection(fault=Fault.SLOW, iterations=MAX_SLOW_ITERATIONS + 1)
+
+
+def test_injected_slowdowns_apply_in_order_one_iteration_each() -> None:
+    """Two slow injections delay the next iterations in the order sent, each for its own count."""
+    client = AgentClient(rank=0, local_rank=0, task="t", socket_path="unused")
+    client._pending_slow.extend([(0.0, 2), (0.001, 1)])
+    seen = []
+    for _ in range(4):
+        seen.append(list(client._pending_slow))
+        client.check_injected()
+    assert seen == [[(0.0, 2), (0.001, 1)], [(0.0, 1), (0.001, 1)], [(0.001, 1)], []]

@@ -27,16 +27,18 @@ def one_line(message: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
-def at_least(cast: Callable[[str], N], minimum: N, *, above: bool = False) -> Callable[[str], N]:
-    """An argparse ``type``: a finite number ``>= minimum`` (``> minimum`` with ``above``). argparse
-    turns the refusal into one line naming the flag, where a NaN timeout used to wait forever."""
+def at_least(cast: Callable[[str], N], minimum: N, *, above: bool = False, most: N | None = None) -> Callable[[str], N]:
+    """An argparse ``type``: a finite number ``>= minimum`` (``> minimum`` with ``above``), and
+    ``<= most`` if given. argparse turns the refusal into one line naming the flag, where a NaN
+    timeout used to wait forever."""
 
     def parse(text: str) -> N:
         try:
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number") from None
-        why = out_of_bounds(value, above=minimum) if above else out_of_bounds(value, least=minimum)
+        why = (out_of_bounds(value, above=minimum, most=most) if above
+               else out_of_bounds(value, least=minimum, most=most))
         if why is not None:
             raise argparse.ArgumentTypeError(f"{text!r} {why}")
         return value

@@ -20,7 +20,7 @@ from unicron.cli.common import add_cluster_flags, at_least, open_store
 from unicron.kernel.config import finite_float
 from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.etcd import Store
-from unicron.kernel.inject import Fault, Injection, request
+from unicron.kernel.inject import MAX_SLOW_ITERATIONS, Fault, Injection, request
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import FAULT_KINDS, ErrorKind
 
@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--rank", type=at_least(int, 0), help="the global rank (default: the node's first rank of the task)")
     p.add_argument("--gpu", type=at_least(int, 0), default=0, help="xid: the simulated GPU index (default 0)")
     p.add_argument("--delay", type=at_least(finite_float, 0.0), default=1.0, help="slow: seconds added per iteration (default 1.0)")
-    p.add_argument("--iterations", type=at_least(int, 1), default=1, help="slow: how many iterations (default 1)")
+    p.add_argument("--iterations", type=at_least(int, 1, most=MAX_SLOW_ITERATIONS), default=1,
+                   help=f"slow: how many iterations (default 1, at most {MAX_SLOW_ITERATIONS})")
     p.add_argument("--resume", action="store_true", help="silence-node: send SIGCONT instead (end the silence)")
     p.set_defaults(func=cmd_inject)
 

@@ -13,6 +13,7 @@ by then the coordinator has lost the node anyway.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import os
@@ -65,7 +66,10 @@ class AgentClient:
         self.on_host_lost: Callable[[protocol.StoreMoved | protocol.PeersLost], None] | None = None
         self._conn: wire.LineSocket | None = None
         self._reader: threading.Thread | None = None
-        self._pending_slow: list[protocol.InjectSlow] = []
+        #: injected slowdowns not yet applied, in order: (delay_s, iterations left), counted down (one
+        #: entry per iteration was a list of up to ``iterations`` items: a MemoryError for a large
+        #: count, which ended this reader thread)
+        self._pending_slow: collections.deque[tuple[float, int]] = collections.deque()
         self._pending_raise: protocol.InjectRaise | None = None
         self._inject_lock = threading.Lock()
         self._step: int | None = None
@@ -148,7 +152,7 @@ class AgentClient:
                 continue
             if isinstance(msg, protocol.InjectSlow):
                 with self._inject_lock:
-                    self._pending_slow.extend([msg] * max(1, msg.iterations))
+                    self._pending_slow.append((msg.delay_s, max(1, msg.iterations)))
             elif isinstance(msg, protocol.InjectRaise):
                 with self._inject_lock:
                     self._pending_raise = msg
@@ -174,10 +178,14 @@ class AgentClient:
     def check_injected(self) -> None:
         """Apply injected faults; called at iteration boundaries by :meth:`iteration`."""
         with self._inject_lock:
-            slow = self._pending_slow.pop(0) if self._pending_slow else None
+            delay_s: float | None = None
+            if self._pending_slow:
+                delay_s, left = self._pending_slow.popleft()
+                if left > 1:
+                    self._pending_slow.appendleft((delay_s, left - 1))
             fault, self._pending_raise = self._pending_raise, None
-        if slow is not None:
-            time.sleep(slow.delay_s)
+        if delay_s is not None:
+            time.sleep(delay_s)
         if fault is not None:
             try:
                 kind = ErrorKind(fault.kind)

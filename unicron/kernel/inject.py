@@ -4,14 +4,18 @@ the node's agent executes, and the client-side round trip."""
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Self
 
-from unicron.kernel.errors import TemporaryError
+from unicron.kernel.errors import InvalidRecord, TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import ErrorKind, Record, new_id
+
+#: the most iterations one 'slow' injection may delay (over eleven days of one-second iterations)
+MAX_SLOW_ITERATIONS = 1_000_000
 
 
 class Fault(enum.StrEnum):
@@ -43,6 +47,14 @@ class Injection(Record):
     executed_ts: float | None = None
     ok: bool | None = None
     detail: str = ""
+
+    def __post_init__(self) -> None:
+        # the rank counts these down; a count of 2**62 was once a list of that length (a MemoryError
+        # that ended the rank's instruction reader), and a NaN or negative delay breaks time.sleep()
+        if not 1 <= self.iterations <= MAX_SLOW_ITERATIONS:
+            raise InvalidRecord(f"Injection.iterations: {self.iterations} is not in [1, {MAX_SLOW_ITERATIONS}]")
+        if not (math.isfinite(self.delay_s) and self.delay_s >= 0):
+            raise InvalidRecord(f"Injection.delay_s: {self.delay_s} is not a finite number of seconds >= 0")
 
     def answered(self, ok: bool, detail: str) -> Self:
         return replace(self, executed_ts=time.time(), ok=ok, detail=detail)
