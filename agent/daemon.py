@@ -728,6 +728,7 @@ class Agent:
             for name in [n for n in self._tasks if n not in wanted]:
                 reason = "node isolated" if isolated else "no longer assigned to this node"
                 outcomes.append(self._retire(name, reason, kill=isolated))
+                self.metrics.task_left(name)
             for name, a in wanted.items():
                 rec = self._tasks.get(name)
                 if rec is not None and rec.latest.generation == a.generation:

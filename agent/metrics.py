@@ -44,6 +44,12 @@ class AgentMetrics:
         self.fences = Counter("unicron_agent_fences", "times this agent killed its ranks, cut off from etcd and "
                               "the coordinator (agent/fence.py)", registry=r)
 
+    def task_left(self, task: str) -> None:
+        """Drop ``task``'s series once it left this node: an agent that ran for weeks through
+        thousands of uniquely named jobs exported one series per name it ever saw."""
+        self.rank_launches.remove(task)
+        self.rank_restarts.remove(task)
+
     def sample(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """Register a gauge read at scrape time."""
         self.registry.register(_Sampled(name, doc, read))

@@ -73,6 +73,7 @@ class CoordinatorMetrics:
                                         "alerts the webhook did not accept after every retry", registry=r)
         self._tasks: set[str] = set()
         self._planned: set[str] = set()
+        self._recovering: set[str] = set()  #: tasks with a task_recovery series
 
     def watch_heartbeats(self, ages: Callable[[], Mapping[str, float]]) -> None:
         self.registry.register(_HeartbeatAges(ages))
@@ -83,20 +84,22 @@ class CoordinatorMetrics:
         self.incidents.labels(severity, inc.kind.value, inc.method.value, str(inc.handled).lower()).inc()
         if inc.detection_s is not None:
             self.detection.labels(inc.method.value, inc.action or "none").observe(max(0.0, inc.detection_s))
-            for task in inc.tasks:
-                self.task_recovery.labels(task).inc(max(0.0, inc.detection_s))
+            self._recovery(inc.tasks, inc.detection_s)
 
     def cost_changed(self, old: Incident | None, new: Incident) -> None:
         """An incident's transition or sub-healthy time became known."""
         action = new.action or "none"
         if new.transition_s is not None and (old is None or old.transition_s is None):
             self.transition.labels(action).observe(new.transition_s)
-            for task in new.tasks:
-                self.task_recovery.labels(task).inc(max(0.0, new.transition_s))
+            self._recovery(new.tasks, new.transition_s)
         if new.sub_healthy_s is not None and (old is None or old.sub_healthy_s is None):
             self.sub_healthy.labels(action).observe(new.sub_healthy_s)
-            for task in new.tasks:
-                self.task_recovery.labels(task).inc(max(0.0, new.sub_healthy_s))
+            self._recovery(new.tasks, new.sub_healthy_s)
+
+    def _recovery(self, tasks: Iterable[str], seconds: float) -> None:
+        for task in tasks:
+            self.task_recovery.labels(task).inc(max(0.0, seconds))
+            self._recovering.add(task)
 
     def state(self, state: d.CoreState) -> None:
         """Gauges from the adopted decision state."""
@@ -108,6 +111,12 @@ class CoordinatorMetrics:
         active = {t: len(e.all_ranks()) for t, e in state.tasks.items() if e.phase in d.ACTIVE_PHASES}
         for task in self._tasks - set(active):
             self.task_gpus.remove(task)
+        # a task's recovery series ends with it (a leader that ran through thousands of uniquely
+        # named jobs exported one series per name it ever saw); a cost that comes in later (a
+        # sub-healthy time) brings it back until the next adopted state
+        for task in self._recovering - set(active):
+            self.task_recovery.remove(task)
+        self._recovering &= set(active)
         for task, gpus in active.items():
             self.task_gpus.labels(task).set(gpus)
         self._tasks = set(active)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from agent import reconciler
 from agent import supervisor as sup
 from agent.daemon import Agent
 from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
+from agent.metrics import AgentMetrics
 from agent.prefork import Prefork
 from agent.progress import Progress
 from agent.reconciler import RankState, TaskReconciler, TaskState
@@ -204,6 +206,22 @@ def test_a_kill_injected_into_a_rank_that_already_exited_is_refused_not_left_una
     answer = Injection.from_json(value.encode() if isinstance(value, str) else value)
     assert answer.ok is False and "no running process" in str(answer.detail)
     rec.stop("end").wait(10)
+
+
+def test_a_tasks_rank_counters_leave_the_agents_metrics_with_the_task() -> None:
+    """unicron_agent_rank_launches_total{task} and ..._rank_restarts_total{task} kept a series for every
+    task the node ever ran: an agent up for weeks through thousands of uniquely named jobs exported
+    them all. Now a task's series go when it is no longer assigned to the node."""
+    agent = Agent.__new__(Agent)  # only what reconcile() reads for a task that leaves
+    leaving = types.SimpleNamespace(latest=types.SimpleNamespace(ranks=[]), monitors={},
+                                    stop=lambda reason, kill: reconciler.Outcome("old-job"))
+    agent._tasks_lock, agent._tasks, agent._retired = threading.Lock(), {"old-job": leaving}, {}  # type: ignore[dict-item]
+    agent.metrics = AgentMetrics()
+    agent.metrics.rank_launches.labels("old-job").inc()
+    agent.metrics.rank_restarts.labels("old-job").inc()
+    agent.reconcile([])
+    names = {s.labels.get("task") for f in agent.metrics.registry.collect() for s in f.samples}
+    assert "old-job" not in names
 
 
 class _StoresThatFail:

@@ -16,6 +16,7 @@ from coordinator import decision as d
 from coordinator.alerts import AlertMessage, WebhookNotifier
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.tasks import parse_task_spec
+from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, Severity
 
 
 class Hook(ThreadingHTTPServer):
@@ -128,3 +129,23 @@ def test_each_coordinator_has_its_own_registry_and_gauges_follow_the_state() -> 
     state.tasks["job"].phase = d.TaskPhase.FINISHED
     a.state(state)
     assert a.registry.get_sample_value("unicron_task_gpus", {"task": "job"}) is None  # gone, not left at 3
+
+
+def test_per_task_recovery_series_do_not_outlive_their_tasks() -> None:
+    """unicron_task_recovery_seconds_total{task} got a series for every task that ever had an incident
+    and none was ever removed (task_gpus and the planned gauges were): a leader that ran for weeks
+    through thousands of uniquely named jobs exported one series per name it ever saw. Now a task's
+    series goes when the task leaves the active phases, as its task_gpus does."""
+    m = CoordinatorMetrics()
+    for task in ["job", *(f"job-{i}" for i in range(300))]:  # short jobs, each hit by one failure
+        m.incident(Incident(incident_id=f"i-{task}", severity=Severity.SEV2, method=DetectionMethod.PROCESS_SUPERVISION,
+                            kind=ErrorKind.EXITED_ABNORMALLY, node="n1", message="", task=task, gpu=None, rank=0,
+                            step=1, source_ts=0.0, detected_ts=0.5, report_id=f"r-{task}", detection_s=0.5,
+                            action="restart", tasks=[task]))
+    state = d.CoreState()  # every job-i finished or was cancelled; "job" still runs
+    spec = parse_task_spec({"name": "job", "command": ["x"]}, None)
+    state.tasks["job"] = d.TaskEntry(spec, phase=d.TaskPhase.RUNNING, placement={"n1": [0]})
+    m.state(state)
+    live = {s.labels["task"] for f in m.registry.collect() if f.name == "unicron_task_recovery_seconds"
+            for s in f.samples if s.name.endswith("_total")}
+    assert live == {"job"}
