@@ -2,7 +2,7 @@
 
 Each alert is one JSON POST (``{"alert_id", "message", "task", "node", "ts", "cluster"}``) made by
 the notifier's own thread: the decision loop only puts it on a bounded queue and never waits for the
-network. A POST that fails (no answer, or a status other than 2xx) is retried with backoff
+network. A POST that fails (no answer, or a status other than 2xx; a redirect is not followed) is retried with backoff
 ``retries`` times, then counted as failed and dropped; when the queue is full (the webhook is down
 for long), the newest alert is dropped and counted the same way, so a dead webhook costs memory for
 ``QUEUE_SIZE`` alerts at most.
@@ -24,6 +24,18 @@ from unicron.kernel import log as ulog
 log = ulog.get(__name__)
 
 QUEUE_SIZE = 1000
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx answer to the POST is an HTTPError (a failed attempt), not followed: urllib follows a
+    301/302/303 with a GET without the body, whose 2xx counted as delivered though no alert arrived."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+#: the webhook's opener: urllib's default handlers (proxies from the environment included) but redirects
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 @dataclass(frozen=True)
@@ -85,13 +97,15 @@ class WebhookNotifier:
             request = urllib.request.Request(self.url, data=body, method="POST",
                                              headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                with _OPENER.open(request, timeout=self.timeout_s) as reply:
                     if 200 <= reply.status < 300:
                         self.sent += 1
                         return
                     error = f"HTTP {reply.status}"
             except urllib.error.HTTPError as exc:  # a non-2xx answer
                 error = f"HTTP {exc.code}"
+                if 300 <= exc.code < 400:
+                    error += f" (a redirect to {exc.headers.get('Location')!r}: give --alert-webhook that URL)"
             except (urllib.error.URLError, OSError) as exc:
                 error = str(exc)
             log.warning("alert webhook failed", alert=alert.alert_id, attempt=attempt + 1, error=error)

@@ -25,6 +25,8 @@ class Hook(ThreadingHTTPServer):
         self.delay_s = delay_s
         self.received: list[dict[str, Any]] = []
         self.attempts = 0
+        self.redirect = False  #: answer a POST to /alerts with a 301 to /alerts/
+        self.gets: list[str] = []
         super().__init__(("127.0.0.1", 0), _Handler)
 
     @property
@@ -39,12 +41,23 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.attempts += 1
         time.sleep(self.server.delay_s)
-        if self.server.attempts <= self.server.fail_first:
+        if self.server.redirect and self.path == "/alerts":
+            self.send_response(301)
+            self.send_header("Location", "/alerts/")
+            self.send_header("Content-Length", "0")
+        elif self.server.attempts <= self.server.fail_first:
             self.send_response(503)
         else:
             self.server.received.append(json.loads(body))
             self.send_response(204)
         self.end_headers()
+
+    def do_GET(self) -> None:  # the endpoint's page, as a browser sees it
+        self.server.gets.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -98,6 +111,21 @@ def test_an_alert_the_webhook_never_accepts_is_counted_as_failed(hook: Hook) -> 
     finally:
         n.stop()
     assert hook.attempts == 3  # the first try and two retries
+
+
+def test_a_webhook_that_redirects_its_post_is_not_counted_as_delivered(hook: Hook) -> None:
+    """urllib followed a 301/302/303 answer to the POST with a GET without the body, and that GET's 200
+    counted as delivered: a webhook behind a redirect (http -> https, a trailing slash) got no alert
+    while the coordinator logged nothing and counted it sent. Now the redirect is a failed attempt."""
+    hook.redirect = True
+    failures: list[int] = []
+    n = WebhookNotifier(hook.url, retries=1, backoff_s=0.01, on_failure=lambda: failures.append(1)).start()
+    try:
+        n.send(alert(1))
+        wait(lambda: failures or n.sent)
+    finally:
+        n.stop()
+    assert (failures, n.sent, hook.attempts, hook.gets) == ([1], 0, 2, [])
 
 
 @pytest.mark.parametrize("hook", [(0, 0.5)], indirect=True)
