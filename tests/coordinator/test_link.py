@@ -19,8 +19,12 @@ from collections.abc import Iterator
 import pytest
 
 from coordinator import link as clink
+from coordinator.daemon import Coordinator
 from coordinator.link import LinkServer
 from unicron.kernel import link, wire
+from unicron.kernel.etcd import KeyValue
+from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.types import NodeInfo
 
 TIMEOUT_S = 0.4
 TOKENS = {"node1": "secret-1", "node2": "secret-2"}
@@ -396,3 +400,37 @@ def test_a_hello_trickled_a_byte_at_a_time_is_still_dropped_after_the_hello_time
     finally:
         sock.close()
         server.stop()
+
+
+class _Registrations:
+    """The one etcd read ``Coordinator._verify_link`` makes: node1 registered with its token."""
+
+    def get(self, key: str) -> KeyValue:
+        info = NodeInfo(node="node1", host="h", gpus=1, gpu_backend="simulated", agent_pid=5, started_ts=0.0,
+                        link_token=TOKENS["node1"])
+        return KeyValue(key, info.to_json().encode(), 1, 1, 0)
+
+
+@pytest.mark.parametrize("field", ["node", "token"])
+def test_a_hello_with_a_lone_surrogate_is_refused_not_a_dead_connection_thread(
+    events: Events, monkeypatch: pytest.MonkeyPatch, field: str,
+) -> None:
+    """JSON's "\\ud800" is a lone surrogate, which has no UTF-8 form: a hello carrying it as its token
+    made the coordinator's check (hmac.compare_digest of the encoded tokens) raise UnicodeEncodeError
+    on the connection's thread, which died with a traceback and left the socket open. Now such a
+    hello is unreadable: logged and closed."""
+    crashed: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+    coordinator = Coordinator.__new__(Coordinator)  # only what _verify_link reads
+    coordinator._link_tokens, coordinator.store, coordinator.keys = {}, _Registrations(), Keyspace("/u")  # type: ignore[assignment]
+    s = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=events.on_lost, verify=coordinator._verify_link).start()
+    try:
+        hello = {"type": "hello", "node": "node1", "token": TOKENS["node1"]} | {field: "\ud800"}
+        host, _, port = s.address.rpartition(":")
+        conn = wire.LineSocket(socket.create_connection((host, int(port)), timeout=3.0))
+        conn.sock.sendall(wire.encode(hello))
+        assert closed_by_server(conn) and crashed == []
+        conn.close()
+        assert welcomed(connect(s, "node1", TOKENS["node1"]))  # the registration's token still links
+    finally:
+        s.stop()

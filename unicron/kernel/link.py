@@ -26,6 +26,13 @@ class LinkHello(Message):
     def __post_init__(self) -> None:
         if not self.node:
             raise InvalidRecord("LinkHello.node: empty node name")
+        for name, value in (("node", self.node), ("token", self.token)):
+            # JSON's "\ud800" is a lone surrogate: it has no UTF-8 form, and encoding it (the token's
+            # compare, the node's etcd key) raised UnicodeEncodeError on the link's connection thread
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise InvalidRecord(f"LinkHello.{name}: not UTF-8 text (a lone surrogate)") from None
 
 
 @dataclass(frozen=True)
