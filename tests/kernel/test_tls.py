@@ -68,6 +68,34 @@ def test_certs_issue_refuses_a_name_or_host_no_certificate_can_carry(
     assert not (tmp_path / "n1.crt").exists()
 
 
+def test_only_the_etcd_admin_may_be_named_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """etcd takes a client certificate's CN as its user, and ``root`` is etcd's superuser: an operator's
+    (or a node's, or a coordinator's) certificate named root could do anything in etcd, past every key
+    range 'unicron certs etcd-auth' grants its role. Before, 'unicron certs issue' took the name for any
+    role. Now only '--role etcd root' (the admin that sets auth up) may have it, and a daemon or the CLI
+    refuses such a certificate issued earlier, each with one line."""
+    tls.init_ca(tmp_path)
+    for role in ("operator", "node", "coordinator"):
+        code = cli.main(["certs", "issue", "--role", role, "root", "--dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        _one_line(code, err)
+        assert "certificate name 'root': etcd's superuser" in err
+    assert not (tmp_path / "root.crt").exists()
+    assert cli.main(["certs", "issue", "--role", "etcd", "root", "--dir", str(tmp_path)]) == 0
+    assert tls.load(str(tmp_path), "root") is not None
+    monkeypatch.setattr(tls, "check_name", lambda name, role: name)  # as an earlier version issued it
+    tls.issue(tmp_path, tls.Role.OPERATOR, "root")
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="certificate name 'root': etcd's superuser"):
+        tls.load(str(tmp_path), "root")
+    code = cli.main(["certs", "etcd-auth", "--dir", str(tmp_path), "--etcd", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    _one_line(code, err)
+    assert "certificate name 'root': etcd's superuser" in err
+
+
 @pytest.mark.parametrize("damaged", [tls.CA_KEY, tls.CA_CERT])
 def test_certs_issue_with_a_damaged_ca_names_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damaged: str,

@@ -82,6 +82,7 @@ def holders(directory: Path) -> list[tls.Peer]:
             peer = tls.peer_of(tls.read_certificate(crt, stray))
         except tls.Unauthorized as exc:  # a certificate, but not one of this cluster's roles
             raise ConfigError(f"{crt}: {exc}; {stray}") from exc
+        tls.check_name(peer.name, peer.role)  # e.g. an operator named root: etcd's superuser
         if peer.role is not tls.Role.ETCD:
             peers.append(peer)
     return peers

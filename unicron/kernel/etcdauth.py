@@ -28,11 +28,11 @@ from pyetcd.etcdrpc import auth_pb2, rpc_pb2, rpc_pb2_grpc
 
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.tls import Peer, Role, TLSConfig
+from unicron.kernel.tls import ETCD_SUPERUSER, Peer, Role, TLSConfig
 
 READ, WRITE, READWRITE = "READ", "WRITE", "READWRITE"
 #: etcd's superuser; its certificate (CN=root) is the one that sets auth up
-ROOT = "root"
+ROOT = ETCD_SUPERUSER
 
 
 @dataclass(frozen=True)

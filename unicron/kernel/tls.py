@@ -46,6 +46,9 @@ LEAF_DAYS = 825
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: the longest CN X.509 allows (ub-common-name, RFC 5280); a certificate name is its CN
 MAX_NAME_CHARS = 64
+#: etcd's superuser: with client-certificate auth etcd takes a certificate's CN as its user, so a
+#: certificate of this name is etcd's admin whatever its role; only the etcd role may have it
+ETCD_SUPERUSER = "root"
 
 
 class Role(StrEnum):
@@ -123,13 +126,22 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
-def check_name(name: str) -> str:
-    """A certificate name must be usable as a file name, an etcd user name, a CN and a DNS SAN."""
+def check_name(name: str, role: Role) -> str:
+    """A certificate name must be usable as a file name, an etcd user name, a CN and a DNS SAN, and
+    must not make a holder of ``role`` etcd's superuser."""
     if not name or name in (".", "..") or "/" in name or name.startswith("-") or name == "ca" \
             or any(c.isspace() for c in name) or len(name) > MAX_NAME_CHARS or not name.isascii():
         raise ConfigError(f"certificate name {name!r}: must be 1 to {MAX_NAME_CHARS} ASCII characters, not 'ca', "
                           "with no '/', spaces or leading '-'")
+    _check_superuser(name, role)
     return name
+
+
+def _check_superuser(name: str, role: Role) -> None:
+    if name == ETCD_SUPERUSER and role is not Role.ETCD:
+        raise ConfigError(f"certificate name {name!r}: etcd's superuser (etcd takes a certificate's name as its "
+                          f"user), so only the etcd admin may have it ('--role etcd {name}'); give this "
+                          f"{role.value} another name")
 
 
 def read_certificate(path: Path, remedy: str) -> x509.Certificate:
@@ -152,7 +164,7 @@ def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None
           days: int = LEAF_DAYS) -> tuple[Path, Path]:
     """Issue ``NAME.crt`` / ``NAME.key`` signed by the CA in ``directory``: CN=name, OU=role, with
     SANs for ``name``, loopback and ``hosts`` (where the holder serves: replica server, API, etcd)."""
-    check_name(name)
+    check_name(name, role)
     remedy = f"restore it, or create a new CA with 'unicron certs init --force {directory}' (and reissue every certificate)"
     try:
         ca_cert = read_certificate(directory / CA_CERT, remedy)
@@ -289,18 +301,19 @@ class TLSConfig:
 
 def load(directory: str, name: str, role: Role | None = None) -> TLSConfig | None:
     """The TLS configuration of a daemon's ``--tls-dir`` (None: empty, plaintext); with ``role``,
-    :class:`ConfigError` unless the certificate there is that role's, named ``name``."""
+    :class:`ConfigError` unless the certificate there is that role's, named ``name``, and in any case
+    for a certificate named etcd's superuser that is not the etcd admin's."""
     if not directory:
         return None
     cfg = TLSConfig.from_dir(directory, name)
-    if role is not None:
-        try:
-            peer = cfg.peer()
-        except (ValueError, Unauthorized) as exc:
-            raise ConfigError(f"TLS: {cfg.cert}: not a certificate from 'unicron certs issue' ({exc})") from exc
-        if peer != Peer(role, name):
-            raise ConfigError(f"TLS: {cfg.cert} is the certificate of {peer}, not of {role.value} {name!r}; "
-                              f"issue one with 'unicron certs issue --role {role.value} {name}'")
+    try:
+        peer = cfg.peer()
+    except (ValueError, Unauthorized) as exc:
+        raise ConfigError(f"TLS: {cfg.cert}: not a certificate from 'unicron certs issue' ({exc})") from exc
+    _check_superuser(peer.name, peer.role)  # one issued before 'unicron certs issue' refused it
+    if role is not None and peer != Peer(role, name):
+        raise ConfigError(f"TLS: {cfg.cert} is the certificate of {peer}, not of {role.value} {name!r}; "
+                          f"issue one with 'unicron certs issue --role {role.value} {name}'")
     return cfg
 
 
