@@ -379,7 +379,8 @@ class Agent:
             for kv in kvs:
                 handler(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
             self._watches.append(
-                self.store.watch_prefix(prefix, handler, start_revision=None if rev is None else rev + 1)
+                self.store.watch_prefix(prefix, handler, start_revision=None if rev is None else rev + 1,
+                                        known=[kv.key for kv in kvs])
             )
 
     # --- reports -----------------------------------------------------------------------------

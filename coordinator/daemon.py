@@ -349,7 +349,7 @@ class Coordinator:
             self._watches.append(
                 self.store.watch_prefix(
                     prefix, functools.partial(self._enqueue, make), start_revision=rev + 1,
-                    on_resync=functools.partial(self._resync, make),
+                    on_resync=functools.partial(self._resync, make), known=[kv.key for kv in kvs],
                 )
             )
 

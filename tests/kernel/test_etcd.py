@@ -388,3 +388,29 @@ def test_a_watch_without_on_resync_loses_what_changed_before_a_compaction(store:
         assert {"/w/assign", "/w/later"} <= {e.key for e in seen}, f"delivered: {[e.key for e in seen]}"
     finally:
         watch.stop()
+
+
+@pytest.mark.parametrize("with_on_resync", [False, True])
+def test_a_watch_resuming_past_a_compaction_delivers_the_deletes_it_missed(
+    store: Store, with_on_resync: bool,
+) -> None:
+    """A watch whose resume revision was compacted replayed the re-listed keys as puts only: a key
+    its owner knew (listed before the watch, or put since) and that was deleted in the compacted
+    history was never reported gone (the agent kept a stale store address or coordinator, the
+    coordinator a registration whose lease expired). Now the watch delivers a delete for each."""
+    store.put("/d/listed", "1")
+    kvs, rev = store.get_prefix("/d/")  # the owner's listing, as the daemons' _start_watches take it
+    store.delete("/d/listed")  # deleted while the watcher was away
+    store.put("/d/kept", "2")
+    store.compact(store.revision())
+    seen: list[WatchEvent] = []
+    resynced: list[list[str]] = []
+    on_resync = (lambda kvs: resynced.append([kv.key for kv in kvs])) if with_on_resync else None
+    watch = store.watch_prefix("/d/", seen.append, start_revision=rev + 1, on_resync=on_resync,
+                               known=[kv.key for kv in kvs])
+    try:
+        _wait(lambda: (len(seen), len(resynced)) == ((1, 1) if with_on_resync else (2, 0)), timeout=5.0)
+    finally:
+        watch.stop()
+    assert [(e.kind, e.key) for e in seen] == [("delete", "/d/listed")] + ([] if with_on_resync else [("put", "/d/kept")])
+    assert resynced == ([["/d/kept"]] if with_on_resync else [])

@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -344,8 +344,11 @@ class Store:
         on_event: Callable[[WatchEvent], None],
         start_revision: int | None = None,
         on_resync: Callable[[list[KeyValue]], None] | None = None,
+        known: Iterable[str] = (),
     ) -> PrefixWatch:
-        return PrefixWatch(self, prefix, on_event, start_revision, on_resync)
+        """``known``: the keys the caller listed at ``start_revision - 1``; a resync (the history was
+        compacted) delivers a delete for each of them, and for each key put since, that is gone."""
+        return PrefixWatch(self, prefix, on_event, start_revision, on_resync, known)
 
 
 class Lease:
@@ -422,11 +425,14 @@ class PrefixWatch:
         on_event: Callable[[WatchEvent], None],
         start_revision: int | None,
         on_resync: Callable[[list[KeyValue]], None] | None,
+        known: Iterable[str] = (),
     ) -> None:
         self.store = store
         self.prefix = prefix
         self.on_event = on_event
         self.on_resync = on_resync
+        #: the keys that exist as far as the owner was told; a resync finds which of them went
+        self._live = set(known)
         self.next_revision = start_revision
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watch{prefix}", daemon=True)
@@ -471,10 +477,15 @@ class PrefixWatch:
         kvs, rev = self.store.get_prefix(self.prefix)
         log.warning("watch revision compacted; resynced", prefix=self.prefix, revision=rev)
         self.next_revision = rev + 1
+        # deletes in the compacted history: only puts were replayed, so the owner kept what was gone
+        # (the agent's stale store addresses and coordinators)
+        for key in sorted(self._live - {kv.key for kv in kvs}):
+            self._deliver(WatchEvent("delete", key, b"", rev))
         if self.on_resync is not None:
+            self._live = {kv.key for kv in kvs}
             self.on_resync(kvs)
             return
-        for kv in kvs:  # what was put while the history was compacted away, as puts (deletes are lost)
+        for kv in kvs:  # what was put while the history was compacted away, as puts
             self._deliver(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
 
     def _run(self) -> None:
@@ -543,6 +554,10 @@ class PrefixWatch:
                 self._deliver(WatchEvent(kind, key, ev.value, int(ev.mod_revision)))
 
     def _deliver(self, event: WatchEvent) -> None:
+        if event.kind == "delete":
+            self._live.discard(event.key)
+        else:
+            self._live.add(event.key)
         try:
             self.on_event(event)
         except Exception:  # the owner's bug: logged, and the watch goes on
