@@ -45,7 +45,14 @@ from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
 from unicron.kernel import tls
-from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreClosed, StoreUnavailable
+from unicron.kernel.errors import (
+    InvalidRecord,
+    NotLeader,
+    PermanentError,
+    StoreClosed,
+    StoreUnavailable,
+    TemporaryError,
+)
 from unicron.kernel.etcd import KeyValue, Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
@@ -151,6 +158,7 @@ GOODBYE_DRAIN = '"goodbye"'  # drain/<node> of a node whose agent stopped on pur
 WIDE_WRITE_OPS = 100  # a decision write with more operations is logged ("decision written")
 SLOW_WRITE_S = 0.1  # as is one that took longer
 KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JSON log
+CALL_WAIT_S = 10.0  # how long an API call waits for the decision loop to start it
 
 
 class Coordinator:
@@ -749,10 +757,22 @@ class Coordinator:
             raise NotLeader("this coordinator is not the leader (yet); ask the one in the leader key")
         fut: Future[object] = Future()
         self._inbox.put(Call(fn, fut))
-        return cast(T, fut.result(timeout=10.0))
+        try:
+            return cast(T, fut.result(timeout=CALL_WAIT_S))
+        except TimeoutError:
+            if fut.done():  # fn's own TimeoutError
+                raise
+            # Not started yet: cancelled, so the loop drops it and "not done, retry" is the truth (it
+            # stayed queued and ran later: a Submit or Cancel the client saw fail took effect anyway).
+            if fut.cancel():
+                raise TemporaryError(f"the decision loop did not take this call within {CALL_WAIT_S:g}s; "
+                                     "nothing was done, retry") from None
+            return cast(T, fut.result())  # already running: its outcome is the answer
 
     @staticmethod
     def _run_call(call: Call) -> None:
+        if not call.future.set_running_or_notify_cancel():
+            return  # its caller gave up before the loop took it: never run
         try:
             call.future.set_result(call.fn())
         except Exception as exc:  # the caller's error, answered to the API client, not ours to handle

@@ -3,6 +3,7 @@ and assignments that outlive the state (review reproductions, real etcd)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -15,7 +16,7 @@ from coordinator.leader import Leadership
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import parse_task_spec
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.errors import StoreUnavailable, TemporaryError
 from unicron.kernel.etcd import KeyValue, Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeAssignment
@@ -141,3 +142,35 @@ def test_a_release_decided_on_a_quiet_tick_is_written_not_only_adopted(etcd_serv
         assert stored == in_memory, f"etcd's assign/n0 runs {stored}, the executor believes {in_memory}"
     finally:
         _close(b)
+
+
+def _next_call(c: Coordinator) -> daemon.Call:
+    """What the decision loop takes from its inbox next: an API call here."""
+    item = c._inbox.get(timeout=5.0)
+    assert isinstance(item, daemon.Call)
+    return item
+
+
+def test_an_api_call_the_loop_did_not_start_in_time_is_never_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's call into the leader's loop gave up after 10 s but stayed queued, and the loop ran it
+    later: a Submit or Cancel whose client was answered with an error (INTERNAL) still took effect. Now
+    a call not started when its caller gives up is dropped and answered UNAVAILABLE (nothing was done,
+    so a retry is safe); one already running is waited for, its outcome the answer."""
+    monkeypatch.setattr(daemon, "CALL_WAIT_S", 0.1)
+    c = Coordinator.__new__(Coordinator)  # only what _call and _run_call read
+    c.ready, c._inbox = threading.Event(), queue.Queue()
+    c.ready.set()
+    ran: list[str] = []
+    with pytest.raises(TemporaryError, match="nothing was done"):
+        c._call(lambda: ran.append("submit"))  # the loop is busy elsewhere: nobody takes the call
+    c._run_call(_next_call(c))  # the loop gets to it after its caller gave up
+    assert ran == []
+
+    def slow() -> str:
+        time.sleep(0.3)  # longer than the caller's wait, but started within it
+        return "done"
+
+    loop = threading.Thread(target=lambda: c._run_call(_next_call(c)))
+    loop.start()
+    assert c._call(slow) == "done"
+    loop.join()
