@@ -206,6 +206,9 @@ def test_a_rank_ended_by_an_uncaught_keyboard_interrupt_dies_of_sigint(sup: Supe
     and atexit: an exec'd rank reports -2. A forked one reported 1; now -2 too (a review's reproduction)."""
     code = ("import atexit, os, signal, sys, time\n"
             "atexit.register(lambda: print('atexit ran', file=sys.stderr))\n"
+            # python leaves SIGINT ignored when it started so (a background job of a shell: a fresh
+            # clone's test run under nohup), and the rank would sleep through the signal
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "os.kill(os.getpid(), signal.SIGINT)\n"
             "time.sleep(10)\n")
     sup.launch(0, py(code))
