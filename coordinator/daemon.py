@@ -665,24 +665,13 @@ class Coordinator:
     def _node_gpus(self, node: str) -> int:
         return _gpus_in(self.state, node)
 
-    def _draft(self, state: d.CoreState) -> Executor:
-        """A copy of the executor to apply a decision to; it reads task specs from the new state."""
-        draft = self.executor.draft()
-        draft.specs = functools.partial(_spec_in, state)
-        draft.node_gpus = functools.partial(_gpus_in, state)  # a node joining in this decision has its GPUs
-        return draft
-
     def _decide(self, event: d.Event, puts: Mapping[str, str] | None = None,
                 deletes: Sequence[str] = ()) -> dict[str, Incident]:
         """Feed one event to the core; write its state, the changed node records, the incidents whose
         recovery cost changed and ``puts`` / ``deletes`` in one fenced transaction; adopt the new
         state only once that write landed. Returns those incidents by id."""
         state, actions, edges = self.core.explain(self.state, event)
-        draft = self._draft(state)
-        # Released first: an Assign in the same decision may reuse the GPUs of a task that just finished.
-        changed = _release(draft, state)
-        for action in actions:
-            changed |= draft.apply(action)
+        draft, changed = execute(self.executor, state, actions)
         writes = dict(puts or {})
         raised = event.incident if isinstance(event, d.IncidentRaised) else None
         costs, costed = self.costs.step(self.state, state, event.ts, raised)
@@ -877,6 +866,19 @@ def _gpus_in(state: d.CoreState, node: str) -> int:
 def _spec_in(state: d.CoreState, task: str) -> TaskSpec | None:
     entry = state.tasks.get(task)
     return entry.spec if entry is not None else None
+
+
+def execute(executor: Executor, state: d.CoreState, actions: Sequence[d.Action]) -> tuple[Executor, set[str]]:
+    """A draft of ``executor`` with one decision (its new ``state`` and ``actions``) applied, and the
+    nodes whose record changed; ``executor`` itself is unchanged. The draft reads task specs and GPU
+    counts from the new state (a node joining in this decision has its GPUs)."""
+    draft = executor.draft()
+    draft.specs = functools.partial(_spec_in, state)
+    draft.node_gpus = functools.partial(_gpus_in, state)
+    # Released first: an Assign in the same decision may reuse the GPUs of a task that just finished.
+    changed = _release(draft, state)
+    changed |= draft.apply_all(actions)
+    return draft, changed
 
 
 def _release(draft: Executor, state: d.CoreState) -> set[str]:

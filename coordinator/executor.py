@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from coordinator import decision as d
 from coordinator.decision.resize import launch_store_node, successor_store_node
@@ -61,13 +61,32 @@ class Executor:
             except InvalidRecord:
                 continue
 
+    def apply_all(self, actions: Sequence[d.Action]) -> set[str]:
+        """Update the desired state for one decision's actions; returns the nodes whose record changed.
+
+        The core's actions are not ordered by the GPUs they free: one task may take GPUs that a later
+        Assign or in-place resize of another gives up, and a task can shrink on one node while growing
+        on another, so no order is right for all. Hence two phases: every Assign's task leaves its nodes
+        and every resize's leaving and lost ranks go, then the actions are applied in order, each
+        checking free GPUs against the decision's final occupancy. Meant for a draft: a refused action
+        may leave it half changed."""
+        changed: set[str] = set()
+        for action in actions:
+            if isinstance(action, d.Assign):
+                changed |= self._remove_task(action.task)
+            elif isinstance(action, d.ResizeInPlace):
+                changed |= self._drop_leavers(action)
+        for action in actions:
+            changed |= self._resize(action) if isinstance(action, d.ResizeInPlace) else self.apply(action)
+        return changed
+
     def apply(self, action: d.Action) -> set[str]:
         """Update the desired state for ``action``; returns the nodes whose record changed."""
         match action:
             case d.Assign():
                 return self._assign(action)
             case d.ResizeInPlace():
-                return self._resize(action)
+                return self._drop_leavers(action) | self._resize(action)
             case d.StopTask():
                 return self._remove_task(action.task)
             case d.RestartRanks():
@@ -144,25 +163,46 @@ class Executor:
             changed.add(node)
         return changed
 
-    def _resize(self, action: d.ResizeInPlace) -> set[str]:
-        """The task's records at its new membership: survivors keep their RankSpec (GPU, local rank),
-        joiners get free GPUs. A node whose ranks all leave keeps the task with no ranks (its agent asks
-        them to leave at an iteration boundary rather than stop them); a lost node's record loses it."""
+    def _records(self, action: d.ResizeInPlace) -> dict[str, TaskAssignment]:
+        """The resized task's records by node. None is a core and executor out of step (the resize's
+        survivors run nowhere): refused, as silence left the core waiting out the resize's deadline."""
         current = {n: tasks[action.task] for n, tasks in self.desired.items() if action.task in tasks}
         if not current:
-            return set()
+            raise PermanentError(f"in-place resize of task {action.task}, which has no ranks assigned anywhere")
+        return current
+
+    def _drop_leavers(self, action: d.ResizeInPlace) -> set[str]:
+        """A resize's first half: its leaving and lost ranks give up their GPUs. A node whose ranks all
+        leave keeps the task with no ranks (its agent asks them to leave at an iteration boundary rather
+        than stop them); a lost node's record loses it (its processes went with the node)."""
+        lost = set(action.lost)
+        joiners = set(action.joiners)
+        changed = set()
+        for node, record in self._records(action).items():
+            ranks = set(action.placement.get(node, ()))
+            if not ranks and all(s.rank in lost for s in record.ranks):
+                del self.desired[node][action.task]
+                changed.add(node)
+                continue
+            kept = [s for s in record.ranks if s.rank in ranks and s.rank not in joiners]
+            if kept != record.ranks:
+                self.desired[node][action.task] = dataclasses.replace(record, ranks=kept)
+                changed.add(node)
+        return changed
+
+    def _resize(self, action: d.ResizeInPlace) -> set[str]:
+        """A resize's second half, after :meth:`_drop_leavers`: the task's records at its new
+        membership; survivors keep their RankSpec (GPU, local rank), joiners get free GPUs."""
+        current = self._records(action)
         template = next(iter(current.values()))
         placement = {n: sorted(r) for n, r in action.placement.items() if r}
-        joiners = set(action.joiners)
-        lost = set(action.lost)
         specs: dict[str, list[RankSpec]] = {}
         for node, ranks in placement.items():
-            kept = [s for s in (current[node].ranks if node in current else []) if s.rank in ranks
-                    and s.rank not in joiners]
+            kept = current[node].ranks if node in current else []
             free = [g for g in self._free_gpus(node, action.task) if g not in {s.gpu for s in kept}]
             locals_ = [i for i in range(self.node_gpus(node)) if i not in {s.local_rank for s in kept}]
             new = [r for r in ranks if r not in {s.rank for s in kept}]
-            if len(free) < len(new):  # checked before anything changes
+            if len(free) < len(new):  # checked before this half changes anything
                 raise PermanentError(
                     f"in-place resize of task {action.task} places {len(new)} joiner(s) on node {node}, which "
                     f"has {len(free)} free GPU(s) of {self.node_gpus(node)} registered"
@@ -179,10 +219,6 @@ class Executor:
         members = RankSet.of(action.members)  # once: a sort of every rank per node was O(nodes^2)
         changed = set()
         for node in sorted(set(current) | set(placement)):
-            if node not in placement and all(s.rank in lost for s in current[node].ranks):
-                del self.desired[node][action.task]  # its processes went with the node
-                changed.add(node)
-                continue
             base = current.get(node, template)
             if specs.get(node):
                 self.isolated.discard(node)  # placed on again: back in service

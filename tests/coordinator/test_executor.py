@@ -10,9 +10,11 @@ import sys
 import pytest
 
 from coordinator import decision as d
+from coordinator.daemon import execute
 from coordinator.decision.resize import plan_in_place
 from coordinator.executor import Executor
 from coordinator.tasks import Recovery, TaskSpec
+from tests.coordinator.test_decision import Sim, spec
 from unicron.kernel.errors import PermanentError
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeAssignment
@@ -175,3 +177,72 @@ def test_a_restart_task_or_spares_off_names_no_spare_store_node() -> None:
     off = Executor(Keyspace("/x"), lambda task: SPEC, lambda node: 2)
     off.apply(assign("t", {"n0": (0, 1), "n1": (2, 3)}))
     assert spare_store_nodes(off) == {""}
+
+
+class Driven(Sim):
+    """A Sim whose every decision is also applied to an Executor, as the daemon applies it (a refused
+    action raises here; the daemon drops the whole decision and its input)."""
+
+    def __init__(self, settings: d.DecisionSettings | None = None) -> None:
+        super().__init__(settings)
+        self.executor = Executor(Keyspace("/x"), lambda task: None, lambda node: 0)
+
+    def feed(self, event: d.Event) -> list[d.Action]:
+        actions = super().feed(event)
+        self.executor, _ = execute(self.executor, self.state, actions)
+        return actions
+
+    def confirm_outstanding(self) -> None:
+        """Confirm every task's outstanding action (an in-place resize by a step past it)."""
+        for name, entry in sorted(self.state.tasks.items()):
+            o = entry.outstanding
+            if o is None:
+                continue
+            if o.kind is d.ActionKind.RESIZE:
+                self.feed(d.ProgressMade(ts=self.ts(), task=name, step=(entry.last_step or 0) + 1,
+                                         generation=entry.generation))
+            else:
+                self.feed(d.ActionSucceeded(ts=self.ts(), action_id=o.action_id))
+
+    def gpus_on(self, node: str) -> dict[str, list[int]]:
+        """The GPUs each task's record on ``node`` names."""
+        return {t: sorted(r.gpu for r in ta.ranks) for t, ta in self.executor.desired.get(node, {}).items()}
+
+
+def test_a_task_may_take_gpus_that_a_later_action_of_the_same_decision_frees() -> None:
+    """``b`` holds all 8 GPUs of n0 and ``a`` (sorted first) is submitted: the core emits ``Assign a``
+    before the action that shrinks ``b`` (a ResizeInPlace, or an Assign with in-place resize off).
+    Applied one by one, ``Assign a`` found b still on every GPU and was refused, and the daemon dropped
+    the decision (the submission failed); now the decision's leaving ranks go first."""
+    for in_place in (True, False):
+        sim = Driven(d.DecisionSettings(in_place_resize=in_place))
+        sim.join("n0", gpus=8)
+        sim.submit("b", min_gpus=4)
+        sim.confirm_outstanding()
+        sim.submit("a", min_gpus=4)
+        gpus = sim.gpus_on("n0")
+        assert sorted(gpus["a"] + gpus["b"]) == list(range(8)), (in_place, gpus)
+
+
+def test_an_in_place_grow_may_take_gpus_that_a_later_shrink_of_the_same_decision_frees() -> None:
+    """The same between two in-place resizes: ``b`` (ranks 8-15 of 16, on n1) grows back onto n0
+    before ``c`` shrinks there. Its joiners found no free GPU and the decision was refused; now c's
+    leaving ranks give theirs up first."""
+    sim = Driven()
+    sim.join("n0", gpus=8)
+    sim.join("n1", gpus=8)
+    sim.submit("b", min_gpus=4)  # 16 ranks over n0 and n1
+    sim.confirm_outstanding()
+    sim.submit("c", min_gpus=4)  # b shrinks in place to n1, c gets n0
+    sim.confirm_outstanding()
+    assert sim.state.tasks["c"].placement == {"n0": list(range(8))}
+    sim.feed(d.TaskUpdated(ts=sim.ts(), spec=spec("c", min_gpus=4, max_gpus=4)))  # c: 4 at most
+    gpus = sim.gpus_on("n0")
+    assert len(gpus["b"]) == 4 and len(gpus["c"]) == 4 and not set(gpus["b"]) & set(gpus["c"])
+
+
+def test_a_resize_of_a_task_the_executor_runs_nowhere_is_refused() -> None:
+    """The core and the executor out of step: the resize used to be dropped silently (the core then
+    waited out its deadline for ranks nothing ran); now it is refused."""
+    with pytest.raises(PermanentError, match="no ranks assigned"):
+        executor({"n0": 2}).apply(resize({"n0": (0, 1)}, 1))
