@@ -568,8 +568,18 @@ class _Run:
             if seen.gpus != gpus:
                 self._node_set(node, gpus=gpus)  # an operator's drain outlives agent restarts
         elif seen.status is not NodeState.UP or seen.gpus != gpus:
+            if gpus < seen.gpus:  # its GPUs are numbered anew: a rank may be on one it no longer has
+                self._relaunch_on(node, f"node {node} re-registered with {gpus} GPUs (had {seen.gpus})")
             self._node_set(node, gpus=gpus, status=NodeState.UP, reason="")
             self.replan = True
+
+    def _relaunch_on(self, node: str, reason: str) -> None:
+        """Every task with ranks on ``node`` gets a new generation wherever the re-plan puts it, never an
+        in-place change, which would keep its ranks there on the GPUs and processes they had."""
+        for name in self._tasks_on(node):
+            self._task(name).reason = reason
+            self.forced.add(name)
+            self.relaunched.add(name)
 
     def _node_set(self, node: str, **changes: object) -> None:
         entry = self._node(node)

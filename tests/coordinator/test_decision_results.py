@@ -14,6 +14,7 @@ from coordinator.decision import (
     FailureCause,
     IsolateNode,
     MarkTaskFailed,
+    NodeJoined,
     NodeLost,
     NodeState,
     Reattempt,
@@ -26,6 +27,7 @@ from coordinator.decision import (
     to_dict,
 )
 from tests.coordinator.test_decision import SEV2_KIND, SEV3_KIND, Sim, one, only, running_cluster
+from tests.coordinator.test_executor import Driven
 from unicron.kernel.types import AssignmentResult, TaskResult
 
 P = TaskPhase
@@ -94,6 +96,25 @@ def test_node_lost_is_a_sev1_every_task_on_it_moves_and_the_node_stays_out_until
     assert sim.join("n3") and sim.state.nodes["n1"].status is NodeState.LOST  # not back by itself
     sim.join("n1")
     assert sim.state.nodes["n1"].status.value == "up"
+
+
+def test_a_node_that_rejoins_with_fewer_gpus_leaves_no_rank_on_a_gpu_it_no_longer_has() -> None:
+    """n0 (8 GPUs) runs ``a`` on GPUs 0-3 and ``b`` on 4-7; its agent re-registers with 4 (one fell off
+    the bus). The plan keeps ``b`` there at the same count, so b got no action and its record went on
+    naming GPUs 4-7 of a 4-GPU node; now every task on a node that came back smaller is relaunched."""
+    sim = Driven()
+    sim.join("n0", gpus=8)
+    sim.submit("a", min_gpus=4, max_gpus=4)
+    sim.confirm_outstanding()
+    sim.submit("b", min_gpus=4, max_gpus=4, weight=2.0)
+    sim.confirm_outstanding()
+    assert sim.gpus_on("n0") == {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}
+    generation = sim.state.tasks["b"].generation
+    acts = sim.feed(NodeJoined(ts=sim.ts(), node="n0", gpus=4))
+    assert sim.state.nodes["n0"].gpus == 4
+    assert one(acts, Assign, "b").generation == generation + 1 and one(acts, StopTask).task == "a"
+    assert sim.gpus_on("n0") == {"b": [0, 1, 2, 3]}
+    assert sim.state.tasks["b"].reason == "node n0 re-registered with 4 GPUs (had 8)"
 
 
 def test_node_lost_twice_or_unknown_changes_nothing() -> None:
