@@ -553,6 +553,8 @@ class _Run:
         if seen.status is not status and seen.status is not NodeState.LOST:
             entry = self._node(node)
             assert entry is not None
+            if seen.status is NodeState.DRAINED:
+                entry.drained = seen.reason  # an operator's drain outlives the node's loss
             entry.status, entry.reason = status, reason
         for name in self._tasks_on(node):
             ranks = tuple(self.state.tasks[name].ranks_on(node))
@@ -567,6 +569,8 @@ class _Run:
         elif seen.status is NodeState.DRAINED:
             if seen.gpus != gpus:
                 self._node_set(node, gpus=gpus)  # an operator's drain outlives agent restarts
+        elif seen.drained:  # lost or isolated while drained: back drained, until NodeUndrained
+            self._node_set(node, gpus=gpus, status=NodeState.DRAINED, reason=seen.drained, drained="")
         elif seen.status is not NodeState.UP or seen.gpus != gpus:
             if gpus < seen.gpus:  # its GPUs are numbered anew: a rank may be on one it no longer has
                 self._relaunch_on(node, f"node {node} re-registered with {gpus} GPUs (had {seen.gpus})")
@@ -589,12 +593,18 @@ class _Run:
 
     def _on_drain(self, node: str, reason: str) -> None:
         entry = self.state.nodes.get(node)
-        if entry is not None and entry.status is NodeState.UP:
+        if entry is None:
+            return
+        if entry.status is NodeState.UP:
             self._node_set(node, status=NodeState.DRAINED, reason=reason)
             self.replan = True
+        elif entry.status in (NodeState.LOST, NodeState.ISOLATED):
+            self._node_set(node, drained=reason)  # kept out of service when it comes back
 
     def _on_undrain(self, node: str) -> None:
         entry = self.state.nodes.get(node)
+        if entry is not None and entry.drained:
+            self._node_set(node, drained="")
         if entry is not None and entry.status in (NodeState.DRAINED, NodeState.ISOLATED):
             self._node_set(node, status=NodeState.UP, reason="")
             self.replan = True

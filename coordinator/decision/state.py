@@ -51,6 +51,8 @@ class NodeEntry:
     gpus: int
     status: NodeState = NodeState.UP
     reason: str = ""
+    drained: str = ""
+    """An operator's drain (its reason) while the node is lost or isolated: it comes back drained."""
 
 
 @dataclass
@@ -123,7 +125,7 @@ class CoreState:
             "now": self.now,
             "counter": self.counter,
             "nodes": {
-                n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason}
+                n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason, "drained": e.drained}
                 for n, e in self.nodes.items()
             },
             "tasks": {t: _task_to_dict(e) for t, e in self.tasks.items()},
@@ -143,6 +145,8 @@ class CoreState:
                 state.nodes[n] = NodeEntry(
                     _typed(e["gpus"], int, _path("nodes", n, "gpus")), _member(NodeState, e["status"], _path("nodes", n, "status")),
                     _typed(e["reason"], str, _path("nodes", n, "reason")),
+                    # absent in states written before it existed
+                    _typed(e.get("drained", ""), str, _path("nodes", n, "drained")),
                 )
         for t, e in tasks.items():
             with _where(_path("tasks", t)):

@@ -485,6 +485,30 @@ def test_drained_node_moves_tasks_without_a_fault_and_survives_agent_restarts() 
     assert grow.generation == gen and len(grow.members) == 16 and grow.joiners == tuple(range(8))
 
 
+def test_an_operators_drain_survives_the_node_being_lost_and_coming_back() -> None:
+    """Drained nodes come back only by NodeUndrained. A drained node that was lost (its lease expired)
+    was LOST, and its NodeJoined put it back in service with tasks placed on it; now the drain (and
+    its reason) comes back with it, through a JSON round trip of the state, and also for a drain of a
+    node already lost."""
+    sim = Sim()
+    sim.join("n0")
+    sim.join("n1")
+    sim.feed(NodeDrained(ts=sim.ts(), node="n0", reason="bad fan"))
+    sim.feed(NodeLost(ts=sim.ts(), node="n0", reason="agent lease expired"))
+    assert sim.state.nodes["n0"].status is NodeState.LOST
+    sim.state = CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict())))
+    sim.join("n0")
+    sim.submit("a", min_gpus=8, max_gpus=16)
+    assert (sim.state.nodes["n0"].status, sim.state.nodes["n0"].reason) == (NodeState.DRAINED, "bad fan")
+    assert "n0" not in sim.state.tasks["a"].placement
+    sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="agent lease expired"))
+    sim.feed(NodeDrained(ts=sim.ts(), node="n1"))  # drained while lost
+    sim.join("n1")
+    assert sim.state.nodes["n1"].status is NodeState.DRAINED and not sim.state.tasks["a"].placement
+    sim.feed(NodeUndrained(ts=sim.ts(), node="n0"))
+    assert sim.state.nodes["n0"].status is NodeState.UP and sim.gpus("a") == {"n0": 8}
+
+
 def test_cancel_stops_the_task_and_frees_its_gpus() -> None:
     sim = running_cluster({"n1": 8}, {"a": {"min_gpus": 4}, "b": {"min_gpus": 4}})
     acts = sim.feed(TaskCancelled(ts=sim.ts(), task="a"))
