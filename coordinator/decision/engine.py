@@ -503,7 +503,10 @@ class _Run:
     # -- events -------------------------------------------------------------------------------------
 
     def _expire(self) -> None:
-        for name, entry in sorted(self.state.tasks.items()):
+        for name in sorted(self.state.tasks):
+            # read afresh: an earlier expiry may have replaced the entry (a sev1 re-plans every task
+            # on the node, superseding their outstanding actions)
+            entry = self.state.tasks[name]
             o = entry.outstanding
             if o is not None and o.deadline <= self.state.now:
                 reason = f"{o.kind.value} {o.action_id} not confirmed within its deadline"

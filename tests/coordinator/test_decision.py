@@ -403,6 +403,36 @@ def test_unconfirmed_action_expires_on_tick() -> None:
     assert sim.phase("job") is TaskPhase.RECONFIGURING
 
 
+def test_an_expiry_acts_on_an_action_the_same_tick_superseded() -> None:
+    """``a`` (n0) has a restart out, ``b`` (n0 + n1) a reattempt on n1; one Tick passes both deadlines.
+    a's failed restart isolates n0, whose sev1 re-plans b and supersedes its reattempt. The expiry loop
+    read b's entry from before that and failed the reattempt again (``reassign`` in reconfiguring:
+    n1 isolated, b's budget charged); now it reads each entry afresh, as ticks at each deadline do."""
+    def run(ticks: list[float]) -> Sim:
+        sim = Sim()
+        sim.join("n0")
+        sim.join("n1")
+        sim.submit("a", min_gpus=4, max_gpus=4)
+        sim.submit("b", min_gpus=12, max_gpus=12)
+        for t in ("a", "b"):
+            sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(t)))
+        assert sim.state.tasks["b"].placement.keys() == {"n0", "n1"}
+        assert sim.state.tasks["a"].placement.keys() == {"n0"}
+        sim.incident("n0", SEV2_KIND, task="a", rank=0, generation=1)  # restart of a on n0
+        sim.incident("n1", SEV3_KIND, task="b", rank=5, generation=1)  # reattempt of b, node n1
+        for advance in ticks:
+            sim.feed(Tick(ts=sim.ts(advance)))
+        return sim
+
+    # at each deadline: the reattempt fails into a restart of b on n1; a's restart fails, n0 is
+    # isolated and b re-planned, which supersedes b's restart
+    stepwise = run([40.0, 90.0])
+    assert stepwise.state.nodes["n1"].status is NodeState.UP
+    together = run([500.0])
+    assert together.state.nodes["n1"].status is NodeState.UP, together.state.nodes["n1"].reason
+    assert together.state.tasks["b"].restarts == 0  # a node's loss is not charged
+
+
 def test_assignment_failing_on_a_node_isolates_it_and_reassigns() -> None:
     sim = Sim()
     sim.join("n1")
