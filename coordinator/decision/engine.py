@@ -160,6 +160,7 @@ class _Run:
         self.forced: set[str] = set()  # tasks that must get a fresh Assign even if their placement stays
         self.faulted: set[str] = set()  # tasks that lost a worker (paper Eq. 4)
         self.relaunched: set[str] = set()  # forced tasks none of whose ranks runs: no in-place change
+        self.isolated_now: set[str] = set()  # nodes this decision isolates (their ranks are killed)
         self.responses: dict[Response, Callable[[str, TaskEntry, _Fault], None]] = {
             _R.MERGE: self._do_merge,
             _R.REATTEMPT: self._do_reattempt,
@@ -551,6 +552,7 @@ class _Run:
         if seen.status in (NodeState.UP, NodeState.DRAINED):
             if status is NodeState.ISOLATED:
                 self.actions.append(IsolateNode(action_id=self._id(), node=node, reason=reason))
+                self.isolated_now.add(node)
             self._alert(f"node {node} {status.value}: {reason}", node=node)
             self.replan = True
         if seen.status is not status and seen.status is not NodeState.LOST:
@@ -564,6 +566,7 @@ class _Run:
             self._fire(name, _T.SEV1, _Fault(reason, node=node, ranks=ranks))
 
     def _on_join(self, node: str, gpus: int) -> None:
+        self._back_in_service(node)
         seen = self.state.nodes.get(node)
         if seen is None:
             self.state.nodes[node] = NodeEntry(gpus)
@@ -579,6 +582,12 @@ class _Run:
                 self._relaunch_on(node, f"node {node} re-registered with {gpus} GPUs (had {seen.gpus})")
             self._node_set(node, gpus=gpus, status=NodeState.UP, reason="")
             self.replan = True
+
+    def _back_in_service(self, node: str) -> None:
+        """A node this very decision isolated is back (its NodeJoined's deadline check isolated it, say):
+        the IsolateNode kills every rank there, so none may be kept as an in-place survivor."""
+        if node in self.isolated_now:
+            self.relaunched.update(self._tasks_on(node))
 
     def _relaunch_on(self, node: str, reason: str) -> None:
         """Every task with ranks on ``node`` gets a new generation wherever the re-plan puts it, never an
@@ -605,6 +614,7 @@ class _Run:
             self._node_set(node, drained=reason)  # kept out of service when it comes back
 
     def _on_undrain(self, node: str) -> None:
+        self._back_in_service(node)
         entry = self.state.nodes.get(node)
         if entry is not None and entry.drained:
             self._node_set(node, drained="")

@@ -23,6 +23,7 @@ from coordinator.decision.resize import plan_in_place, successor_store_node
 from coordinator.decision.table import Trigger
 from tests.coordinator.test_causes import status
 from tests.coordinator.test_decision import SEV3_KIND, Sim, one, only, running_cluster
+from tests.coordinator.test_executor import Driven
 from unicron.kernel.types import DetectionMethod, ErrorKind, RankStatus
 
 JOB = "job"
@@ -416,3 +417,30 @@ def test_a_node_lost_while_its_rank_is_being_restarted_shrinks_in_place() -> Non
     sim = _three_nodes()
     one(sim.incident("n2", HANG, task=JOB, rank=2, generation=gen, step=5), RestartRanks, JOB)
     assert one(sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="heartbeat timeout")), Assign, JOB)
+
+
+def test_a_node_isolated_and_rejoined_in_one_decision_keeps_no_in_place_survivors() -> None:
+    """``b`` (n1) and ``a`` (ranks 0-3 on n1, 4-11 on n2) each have a restart out; n1's agent
+    re-registers past both deadlines. That NodeJoined's deadline check isolates n2 and n1 (their ranks
+    killed), then puts n1 back: the re-plan resized ``a`` in place keeping ranks 0-3 on n1 as survivors,
+    which the executor (no record of ``a`` left) dropped, and the core waited out the resize's deadline.
+    Now the tasks of a node isolated and back in one decision are relaunched; the executor's records
+    match the core's placements."""
+    sim = Driven()
+    sim.join("n1", gpus=8)
+    sim.join("n2", gpus=8)
+    sim.submit("b", min_gpus=4, max_gpus=4)
+    sim.confirm_outstanding()
+    sim.submit("a", min_gpus=4, max_gpus=12)
+    sim.confirm_outstanding()
+    assert sim.state.tasks["b"].placement == {"n1": [0, 1, 2, 3]}
+    assert sim.state.tasks["a"].placement == {"n1": [0, 1, 2, 3], "n2": list(range(4, 12))}
+    sim.incident("n2", DIED, task="a", rank=4, generation=1)  # RestartRanks a on n2
+    sim.incident("n1", DIED, task="b", rank=0, generation=1)  # RestartRanks b on n1
+    acts = sim.feed(NodeJoined(ts=sim.ts(200), node="n1", gpus=8))
+    assert {a.node for a in only(acts, IsolateNode)} == {"n1", "n2"} and not only(acts, ResizeInPlace)
+    for name, entry in sim.state.tasks.items():
+        for node, ranks in entry.placement.items():
+            record = sim.executor.desired.get(node, {}).get(name)
+            assert record is not None and sorted(r.rank for r in record.ranks) == ranks, (
+                f"core places {name} ranks {ranks} on {node}; executor record: {record}")
