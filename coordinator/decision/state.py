@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from coordinator.decision.actions import ActionKind
 from coordinator.tasks import TaskSpec, parse_task_spec
 from unicron.kernel.errors import InvalidRecord
-from unicron.kernel.types import conforms
+from unicron.kernel.types import MAX_NODE_GPUS, conforms
 
 
 class TaskPhase(enum.StrEnum):
@@ -143,7 +143,7 @@ class CoreState:
         for n, e in nodes.items():
             with _where(_path("nodes", n)):
                 state.nodes[n] = NodeEntry(
-                    _typed(e["gpus"], int, _path("nodes", n, "gpus")), _member(NodeState, e["status"], _path("nodes", n, "status")),
+                    _gpus(e["gpus"], _path("nodes", n, "gpus")), _member(NodeState, e["status"], _path("nodes", n, "status")),
                     _typed(e["reason"], str, _path("nodes", n, "reason")),
                     # absent in states written before it existed
                     _typed(e.get("drained", ""), str, _path("nodes", n, "drained")),
@@ -183,6 +183,16 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
         raise InvalidRecord(f"decision state: {where}: bad value {value!r:.80} (expected {hint}); "
                             "delete the state key to start afresh")
     return value
+
+
+def _gpus(value: Any, where: str) -> int:
+    """A node's GPU count, bounded as its registration (NodeInfo) is: a damaged one would raise or
+    mislead the planner later, inside the leader's loop."""
+    count: int = _typed(value, int, where)
+    if not 0 <= count <= MAX_NODE_GPUS:
+        raise InvalidRecord(f"decision state: {where}: {count} is not a GPU count in [0, {MAX_NODE_GPUS}]; "
+                            "delete the state key to start afresh")
+    return count
 
 
 E = TypeVar("E", bound=enum.Enum)

@@ -28,6 +28,7 @@ from coordinator.decision import (
     IsolateNode,
     MarkTaskFailed,
     NodeDrained,
+    NodeEntry,
     NodeJoined,
     NodeLost,
     NodeState,
@@ -664,6 +665,17 @@ def test_malformed_records_raise_invalid_record() -> None:
         from_dict({"type": "Tick", "ts": 1.0, "bogus": 2})
     with pytest.raises(InvalidRecord, match="decision state"):
         CoreState.from_dict({"now": 0})
+
+
+def test_a_damaged_node_gpu_count_in_the_state_is_refused() -> None:
+    """A negative or huge ``nodes.*.gpus`` loaded and misled the leader later; now it is refused like
+    any malformed state, in one line, with the bound NodeInfo keeps to."""
+    for gpus in (-3, 10**9):
+        data = CoreState(nodes={"n0": NodeEntry(8)}).to_dict()
+        data["nodes"]["n0"]["gpus"] = gpus  # type: ignore[index]
+        with pytest.raises(InvalidRecord, match=r"nodes\.n0\.gpus: .* is not a GPU count in \[0, 1024\]") as err:
+            CoreState.from_dict(data)
+        assert "\n" not in str(err.value)
 
 
 def test_settings_are_validated() -> None:
