@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import typing
 from dataclasses import fields
 from typing import Any
 
@@ -38,7 +39,7 @@ from coordinator.decision.events import (
 )
 from coordinator.tasks import TaskSpec, parse_task_spec
 from unicron.kernel.errors import InvalidRecord
-from unicron.kernel.types import Incident
+from unicron.kernel.types import Incident, conforms
 
 _EVENT_TYPES: dict[str, type[Any]] = {
     c.__name__: c
@@ -91,6 +92,7 @@ def from_dict(data: object) -> Event | Action:
     if cls is None:
         raise InvalidRecord(f"decision record: unknown type {data['type']!r}")
     raw = {k: v for k, v in data.items() if k != "type"}
+    _check_fields(data["type"], raw)
     try:
         if "incident" in raw:
             raw["incident"] = Incident.from_dict(raw["incident"])
@@ -109,3 +111,20 @@ def from_dict(data: object) -> Event | Action:
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidRecord(f"decision record {data['type']}: {exc}") from exc
     return result
+
+
+#: fields read by their own parser, which checks them
+_PARSED = frozenset({"incident", "spec", "cause"})
+
+#: each record type's field types, by type name
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in {**_EVENT_TYPES, **_ACTION_TYPES}.items()}
+
+
+def _check_fields(name: str, raw: dict[str, Any]) -> None:
+    """Each field a JSON value of its type (``{"type": "Tick", "ts": "x"}`` decoded and then raised a
+    TypeError inside the core). Unknown and missing fields are left to the constructor."""
+    hints = _HINTS[name]
+    for key, value in raw.items():
+        hint = dict[str, list[int]] if key == "placement" else hints.get(key)
+        if hint is not None and key not in _PARSED and not conforms(value, hint):
+            raise InvalidRecord(f"decision record {name}: {key}: bad value {value!r:.80} (expected {hint})")

@@ -667,6 +667,18 @@ def test_malformed_records_raise_invalid_record() -> None:
         CoreState.from_dict({"now": 0})
 
 
+def test_an_event_or_action_field_of_the_wrong_type_is_refused() -> None:
+    """``{"type": "Tick", "ts": "x"}`` decoded and raised a TypeError in the core's handle; now every
+    field of a record is checked against its type, in one line."""
+    for bad, field in (({"type": "Tick", "ts": "x"}, "ts"),
+                       ({"type": "NodeJoined", "ts": 1.0, "node": "n0", "gpus": "8"}, "gpus"),
+                       ({"type": "ProgressMade", "ts": 1.0, "task": "t", "step": 1, "joined": ["a"]}, "joined"),
+                       ({"type": "Assign", "action_id": "a1", "task": "t", "generation": 1,
+                         "placement": {"n0": [0, "1"]}, "world_size": 2}, "placement")):
+        with pytest.raises(InvalidRecord, match=f"^decision record {bad['type']}: {field}: bad value [^\n]*$"):
+            from_dict(bad)
+
+
 def test_a_damaged_node_gpu_count_in_the_state_is_refused() -> None:
     """A negative or huge ``nodes.*.gpus`` loaded and misled the leader later; now it is refused like
     any malformed state, in one line, with the bound NodeInfo keeps to."""
