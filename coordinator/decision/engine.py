@@ -689,6 +689,8 @@ class _Run:
         entry = self.state.tasks.get(event.task)
         if entry is None or entry.phase not in ACTIVE_PHASES:
             return
+        if event.generation is not None and event.generation < entry.generation:
+            return  # a replaced configuration's step says nothing of this one's (causes.progress drops it too)
         if entry.last_step is None or event.step > entry.last_step:
             entry = self._task(event.task)
             entry.last_step = event.step

@@ -389,6 +389,20 @@ def test_progress_past_the_fault_resets_the_restart_budget() -> None:
         assert sim.phase("job") is TaskPhase.RUNNING
 
 
+def test_progress_of_an_older_generation_changes_nothing() -> None:
+    """A step reported by the replaced generation (ahead of the new one, which resumed from a
+    checkpoint) set ``last_step`` and reset the restart budget; now the core ignores it, as
+    ``causes.progress`` already does."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
+    sim.incident("n1", SEV2_KIND, task="job")
+    sim.feed(Tick(ts=sim.ts(500)))  # the restart missed its deadline: n1 isolated, a new generation
+    before = sim.state.tasks["job"]
+    assert before.restarts > 0
+    generation = before.generation
+    sim.feed(ProgressMade(ts=sim.ts(), task="job", step=100, generation=generation - 1))
+    assert sim.state.tasks["job"] == before
+
+
 def test_unconfirmed_action_expires_on_tick() -> None:
     settings = DecisionSettings(reattempt_deadline_s=30.0)
     sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}}, Sim(settings))
