@@ -3,9 +3,10 @@
 is done by a helper process, ``python -m unicron.runtime.membership --marker`` (the protocol, its key and
 its reader are described in :mod:`unicron.runtime.membership`).
 
-With the node's warm spawner the helper is forked from it (milliseconds) when the first death is
-marked; without one it is started with the agent, as a new process that imports torch (seconds, and
-as much CPU as a rank's start), so that a death is never marked behind that import."""
+With the node's warm spawner the helper is forked from it (milliseconds, no import) as soon as the
+spawner serves; without one it is started with the agent, as a new process that imports torch
+(seconds, and as much CPU as a rank's start). Either way a death is never marked behind a start: a
+reconfigure's survivors regroup on the mark of the lost node's ranks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO
 
-from agent.prefork import Child, Prefork, start_helper
+from agent.prefork import Child, Prefork, PreforkUnavailable, start_helper
 from unicron.kernel import log as ulog
 
 log = ulog.get(__name__)
@@ -27,6 +28,8 @@ log = ulog.get(__name__)
 MODULE = "unicron.runtime.membership"
 #: how often a waiting mark looks whether its helper died
 _POLL_S = 0.1
+#: how long the agent's start waits for its spawner's imports before leaving the marker to the first mark
+_WARM_WAIT_S = 300.0
 
 
 class FailureMarker:
@@ -43,22 +46,41 @@ class FailureMarker:
         #: order); a new helper is sent them again: a mark raises ``failed`` to the dead process's
         #: incarnation and never beyond, so writing one twice is harmless, and dropping one is not
         self._unanswered: deque[tuple[str, threading.Event]] = deque()
+        self._stopped = threading.Event()
 
     def start(self) -> FailureMarker:
         if self._prefork is None:
             with self._lock:
                 self._spawn()
+        else:
+            threading.Thread(target=self._fork_when_warm, args=(self._prefork,), name="marker-warm",
+                             daemon=True).start()
         return self
 
-    def _spawn(self) -> None:
+    def _fork_when_warm(self, prefork: Prefork) -> None:
+        """Fork the helper once the spawner serves. Only a fork: a new process started from this
+        short-lived thread would die with it (PDEATHSIG); if the fork fails the first mark starts one."""
+        deadline = time.monotonic() + _WARM_WAIT_S
+        while not prefork.ready():
+            if self._stopped.wait(_POLL_S) or time.monotonic() > deadline:
+                return
+        with self._lock:
+            if self._proc is not None or self._stopped.is_set():
+                return
+            try:
+                self._spawn(fork_only=True)
+            except (PreforkUnavailable, OSError) as exc:
+                log.info("failure marker left to the first mark", reason=str(exc))
+
+    def _spawn(self, fork_only: bool = False) -> None:
         """Under the lock: a new helper, sent what the dead one never answered."""
         self._close_pipes()
         requests_r, requests_w = os.pipe()
         answers_r, answers_w = os.pipe()
         try:
             self._proc = start_helper(self._prefork, MODULE, ["--marker"], stdout=answers_w,
-                                      stdin=requests_r, preexec=self._preexec)
-        except OSError:
+                                      stdin=requests_r, preexec=self._preexec, fork_only=fork_only)
+        except (PreforkUnavailable, OSError):
             os.close(requests_w)
             os.close(answers_r)
             raise
@@ -137,6 +159,7 @@ class FailureMarker:
         return True
 
     def stop(self) -> None:
+        self._stopped.set()
         with self._lock:
             if self._proc is not None:
                 # It holds nothing to save, and left to exit on EOF it spent 0.4-1.5 s in torch's teardown

@@ -305,19 +305,27 @@ class Prefork:
 
 
 def start_helper(prefork: Prefork | None, module: str, args: Sequence[str], stdout: int, stdin: int | None = None,
-                 preexec: Callable[[], None] | None = None) -> Child:
+                 preexec: Callable[[], None] | None = None, fork_only: bool = False) -> Child:
     """Start one of the agent's own helpers, ``python -m MODULE ARGS`` (the store sidecar, the failure
     marker): forked by the spawner when it serves and preloaded ``module`` (milliseconds: torch is
     imported already), else a new process in a session of its own, which spends seconds importing it.
     Either way it dies with the agent (PDEATHSIG: through ``preexec``, or through the spawner), and its
-    stderr is the agent's. Raises OSError when no process can be started."""
+    stderr is the agent's. Raises OSError when no process can be started; with ``fork_only``,
+    :class:`PreforkUnavailable` when the spawner cannot fork it (for a caller on a short-lived thread:
+    ``preexec``'s PDEATHSIG would kill a new process when that thread exits)."""
     if prefork is not None:
         argv = [prefork.python, "-m", module, *args]
         if prefork.eligible(argv, prefork.env):
             try:
                 return prefork.spawn(argv, prefork.env, None, stdout, stderr=2, stdin=stdin)
             except (PreforkUnavailable, OSError) as exc:
+                if fork_only:
+                    raise PreforkUnavailable(str(exc)) from exc
                 log.info("helper starts as a new process", module=module, reason=str(exc))
+        elif fork_only:
+            raise PreforkUnavailable(f"the spawner cannot fork {module} as python -m would run it")
+    elif fork_only:
+        raise PreforkUnavailable("no spawner")
     return subprocess.Popen(
         [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL if stdin is None else stdin,
         stdout=stdout, start_new_session=True, preexec_fn=preexec,

@@ -134,25 +134,62 @@ def spawner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Prefork
         p.close()
 
 
-def test_with_a_warm_spawner_the_store_and_the_marker_are_forked_and_the_marker_only_when_needed(
+def test_with_a_warm_spawner_the_store_and_the_marker_are_forked_and_the_marker_before_any_death(
         spawner: Prefork) -> None:
     """Both helpers import torch: started as new processes they cost seconds of CPU each (a store on
     every task start, a marker with every agent). Forked from the spawner they listen and answer at
-    once, and an agent whose ranks never die never starts a marker."""
+    once; the marker is forked as soon as the spawner serves, so that no mark waits for its start."""
     store = StoreSidecar.start("127.0.0.1", "t", prefork=spawner)
     failure_marker = FailureMarker(prefork=spawner).start()
     try:
         assert isinstance(store.proc, PreforkedProcess)
-        assert failure_marker._proc is None  # nothing died yet
+        deadline = time.monotonic() + 30.0
+        while failure_marker._proc is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        forked = failure_marker._proc
+        assert isinstance(forked, PreforkedProcess), "no marker forked before the first death"
         client = keys.connect(store.host, store.port)
         client.add(keys.started_key(1), 1)
         assert failure_marker.mark(store.host, store.port, 1, wait_s=30.0)
-        assert isinstance(failure_marker._proc, PreforkedProcess)
+        assert failure_marker._proc is forked  # the mark used it
         assert keys.counter(client, failed_key(1)) == 1
     finally:
         failure_marker.stop()
         store.stop()
     assert store.proc.poll() is not None
+
+
+def test_a_marker_started_before_its_spawner_serves_is_forked_once_it_does(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent starts its marker before its spawner (whose imports take seconds)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    late = Prefork([sidecar.MODULE, marker.MODULE], str(tmp_path / "pf"))
+    failure_marker = FailureMarker(prefork=late).start()
+    try:
+        time.sleep(0.3)
+        assert failure_marker._proc is None
+        late.start().wait_ready(120.0)
+        deadline = time.monotonic() + 30.0
+        while failure_marker._proc is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(failure_marker._proc, PreforkedProcess)
+    finally:
+        failure_marker.stop()
+        late.close()
+
+
+def test_a_stopped_marker_forks_nothing_when_its_spawner_comes_up(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    late = Prefork([sidecar.MODULE, marker.MODULE], str(tmp_path / "pf"))
+    failure_marker = FailureMarker(prefork=late).start()
+    failure_marker.stop()
+    try:
+        late.start().wait_ready(120.0)
+        time.sleep(0.5)  # several of the waiting thread's polls
+        assert failure_marker._proc is None
+    finally:
+        late.close()
 
 
 def test_a_forked_marker_that_died_with_its_spawner_is_replaced_by_a_new_process(spawner: Prefork) -> None:
