@@ -32,7 +32,7 @@ from agent.gpu.api import GpuEvent, GpuHealth
 from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
 from agent.gpu.simulated import SimulatedBackend
-from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings
+from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings, wall_time_of
 from agent.link import Coordinators, LinkClient
 from agent.marker import FailureMarker
 from agent.metrics import AgentMetrics
@@ -453,7 +453,7 @@ class Agent:
                     rank=rank, gpu=self._gpu_of(task, rank), step=rec.step_of(rank) if rec is not None else None,
                     source_ts=ts)
 
-    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, mono: float,
                       pid: int) -> None:
         rec = self._task(task)
         if rec is None or not rec.has_rank(rank, pid):  # a line its relaunched rank's predecessor wrote
@@ -465,7 +465,7 @@ class Agent:
             # (coordinator.causes.held_by_phase)
             for spec in rec.latest.ranks:
                 if (mon := self._monitor(rec, spec.rank)) is not None:
-                    mon.phase(phase, ts)
+                    mon.phase(phase, mono)
                 rec.record_phase(spec.rank, phase)
             return
         mon = self._monitor(rec, rank)
@@ -475,7 +475,7 @@ class Agent:
             tracker = self._progress.get((task, rank))
             if tracker is None or tracker.monitor is not mon:  # a relaunched rank has a new monitor
                 tracker = self._progress[(task, rank)] = LogProgress(mon)
-        tracker.feed(progress, ts)
+        tracker.feed(progress, mono)
         # a progress line follows the iterations it counts; pid: the rank may have been relaunched since
         rec.record_step(rank, progress.iteration, completed=True, pid=pid)
 
@@ -486,7 +486,7 @@ class Agent:
         # Watched from its launch: a rank stopped before its first report is otherwise never judged.
         rec = self._task(task)
         if task in self._reporting_tasks and rec is not None and (mon := self._monitor(rec, rank)) is not None:
-            mon.launched(time.time())
+            mon.launched(time.monotonic())
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
         return self.rank_server is not None and self.rank_server.send(task, rank, msg)
@@ -509,7 +509,7 @@ class Agent:
         assert isinstance(key, tuple)
         task, rank = key
         self.report(DetectionMethod.STATISTICAL_MONITORING, finding.kind, finding.message, task=task, rank=rank,
-                    gpu=self._gpu_of(task, rank), step=finding.step, source_ts=finding.ts)
+                    gpu=self._gpu_of(task, rank), step=finding.step, source_ts=wall_time_of(finding.ts))
 
     def _monitor(self, rec: TaskReconciler, rank: int) -> IterationMonitor | None:
         mon, new = rec.monitor(rank, lambda: IterationMonitor(self.iteration_settings))
@@ -539,13 +539,13 @@ class Agent:
         if mon is None:
             return
         if isinstance(msg, protocol.IterStart):
-            mon.iter_start(msg.step, msg.ts)
+            mon.iter_start(msg.step, msg.mono)
             rec.record_step(rank, msg.step)
         elif isinstance(msg, protocol.IterEnd):
-            mon.iter_end(msg.step, msg.duration_s, msg.ts)
+            mon.iter_end(msg.step, msg.duration_s, msg.mono)
             rec.record_step(rank, msg.step, completed=True)
         elif isinstance(msg, protocol.Phase):
-            mon.phase(msg.name, msg.ts)
+            mon.phase(msg.name, msg.mono)
             rec.record_phase(rank, msg.name)
         elif isinstance(msg, protocol.RegroupDone):
             # A new membership changes each rank's share of micro-batches, so its iteration time.

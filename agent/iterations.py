@@ -42,7 +42,10 @@ Megatron's checkpoint lines give no rank-side timer to trust. ``PHASE_COLLECTIVE
 peers inside the iteration) is training time to the monitor; it matters to the coordinator.
 
 :class:`IterationMonitor` is pure logic with time passed in (one per rank). :class:`HangWatcher` is
-the thread that sleeps until the earliest deadline of all monitors and reports findings.
+the thread that sleeps until the earliest deadline of all monitors and reports findings. The agent
+runs both on ``time.monotonic()`` (the ranks stamp their messages with it too, one clock per host): a
+wall-clock step forward of more than a hang's threshold (NTP, an operator) would otherwise report every
+running iteration of the node hung at once, and one backward would hide hangs for its length.
 """
 
 from __future__ import annotations
@@ -149,8 +152,9 @@ class Finding:
     message: str
     """What was measured against what."""
     ts: float
-    """When the condition became true: the hang deadline, or the end of the iteration that made the
-    slowdown sustained (use as the report's source timestamp)."""
+    """When the condition became true, on the monitor's clock: the hang deadline, or the end of the
+    iteration that made the slowdown sustained (the report's source timestamp, through
+    :func:`wall_time_of` where that clock is ``time.monotonic()``)."""
     onset_ts: float
     """When the problem began: the hung iteration's start, or the start of the slow window."""
 
@@ -419,9 +423,9 @@ class HangWatcher:
     """One thread for all monitors of the node: it sleeps until the earliest deadline (a condition
     variable woken by every monitor input, never a fixed poll) and calls ``on_finding(key, finding)``."""
 
-    def __init__(self, on_finding: FindingCallback, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, on_finding: FindingCallback, clock: Callable[[], float] = time.monotonic) -> None:
         self._on_finding = on_finding
-        self._clock = clock  # the ranks' timestamps are wall-clock (time.time) too
+        self._clock = clock  # the monitors' inputs are the ranks' (and log lines') time.monotonic() too
         self._cond = threading.Condition()
         self._monitors: dict[Hashable, IterationMonitor] = {}
         self._generation = 0
@@ -508,4 +512,10 @@ class HangWatcher:
             log.exception("on_finding callback failed", key=key)
 
 
-__all__ = ["Finding", "HangWatcher", "IterationMonitor", "IterationSettings", "SlidingMax"]
+def wall_time_of(mono: float) -> float:
+    """A ``time.monotonic()`` instant as wall-clock time, for reports (their timestamps are compared
+    across hosts)."""
+    return time.time() - (time.monotonic() - mono)
+
+
+__all__ = ["Finding", "HangWatcher", "IterationMonitor", "IterationSettings", "SlidingMax", "wall_time_of"]

@@ -140,7 +140,7 @@ class TaskHost(Protocol):
 
     def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None: ...
 
-    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,
+    def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, mono: float,
                       pid: int) -> None:
         """A progress (or checkpoint phase) line in the output of the rank's process ``pid``
         (:mod:`agent.progress`)."""
@@ -959,8 +959,8 @@ class TaskReconciler:
     def _on_stderr_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
         self.host.stderr_matched(self.task, rank, kind, line, ts)
 
-    def _on_line(self, rank: int, pid: int, line: str, ts: float) -> None:
+    def _on_line(self, rank: int, pid: int, line: str, mono: float) -> None:
         progress = self.parser.progress(line)
         phase = None if progress is not None else self.parser.phase(line)
         if progress is not None or phase is not None:
-            self.host.rank_progress(self.task, rank, progress, phase, ts, pid)
+            self.host.rank_progress(self.task, rank, progress, phase, mono, pid)

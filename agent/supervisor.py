@@ -99,8 +99,9 @@ ExitCallback = Callable[[RankExit], None]
 MatchCallback = Callable[[int, ErrorKind, str, float], None]
 #: stderr_sink(rank, line): where forwarded stderr lines go
 StderrSink = Callable[[int, str], None]
-#: on_line(rank, pid, line, ts): every output line of a rank, stdout and stderr (``pid``: the process that
-#: wrote it, whose reader may hand its last lines on after the rank's next process was launched)
+#: on_line(rank, pid, line, mono): every output line of a rank, stdout and stderr, with its arrival's
+#: time.monotonic() (``pid``: the process that wrote it, whose reader may hand its last lines on after
+#: the rank's next process was launched)
 LineCallback = Callable[[int, int, str, float], None]
 
 
@@ -289,7 +290,7 @@ class Supervisor:
         stream = proc.popen.stderr
         assert stream is not None
         for raw in iter(lambda: stream.readline(65536), b""):
-            ts = time.time()
+            ts, mono = time.time(), time.monotonic()
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             try:
                 self._sink(proc.rank, line)
@@ -298,7 +299,7 @@ class Supervisor:
             kind = patterns.match(line)
             if kind is not None:
                 self._matched(proc, kind, line, ts)
-            self._line(proc, line, ts)
+            self._line(proc, line, mono)
         stream.close()
 
     def _read_stdout(self, proc: RankProcess) -> None:
@@ -306,18 +307,18 @@ class Supervisor:
         assert stream is not None and out is not None
         with stream, out:
             for raw in iter(lambda: stream.readline(65536), b""):
-                ts = time.time()
+                mono = time.monotonic()
                 try:
                     out.write(raw)
                 except OSError as exc:  # a full disk must not stop the parsing (nor the rank)
                     log.warning("rank stdout not logged", rank=proc.rank, error=str(exc))
-                self._line(proc, raw.decode("utf-8", errors="replace").rstrip("\r\n"), ts)
+                self._line(proc, raw.decode("utf-8", errors="replace").rstrip("\r\n"), mono)
 
-    def _line(self, proc: RankProcess, line: str, ts: float) -> None:
+    def _line(self, proc: RankProcess, line: str, mono: float) -> None:
         if self._on_line is None:
             return
         try:
-            self._on_line(proc.rank, proc.pid, line, ts)
+            self._on_line(proc.rank, proc.pid, line, mono)
         except Exception:
             log.exception("on_line callback failed", rank=proc.rank)
 

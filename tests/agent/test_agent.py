@@ -552,3 +552,35 @@ def test_an_agent_ignores_the_assignment_of_a_node_whose_name_extends_its_own(
         watch.stop()
         agent.stop()
         th.join(30)
+
+
+# Rank 0 iterates every 10 ms, its wall-clock stamps stepping back an hour at iteration 30, as an
+# iteration in flight across an NTP step is stamped before it and judged after it; rank 1 (the
+# control) iterates as steadily, then stalls inside iteration 30 for good.
+WALL_CLOCK_STEP = [sys.executable, "-c", (
+    "import os, time; from unicron.kernel import protocol; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "stepper = os.environ['RANK'] == '0'\n"
+    "for s in range(400):\n"
+    "    shift = 3600.0 if s >= 30 else 0.0\n"
+    "    c.send(protocol.IterStart(step=s, ts=time.time() - shift))\n"
+    "    time.sleep(0.01 if stepper or s < 30 else 1000)\n"
+    "    c.send(protocol.IterEnd(step=s, duration_s=0.01, ts=time.time() - shift))\n"
+    "time.sleep(1000)\n"
+)]
+
+
+def test_a_wall_clock_step_is_not_taken_for_a_hang(agents: dict[str, Agent], store: Store) -> None:
+    """The hang clock runs on time.monotonic(), the ranks' and the agent's: the control's stall is found
+    within its deadline (a few of its 10 ms iterations), the stepping rank's iterations never."""
+    rev = assign(store, "a0", task("clock", WALL_CLOCK_STEP, [0, 1], 2, store_node="a0"))
+    assert wait_for(lambda: result(store, "a0", rev), 60, "a0's result").ok
+
+    def hung() -> list[int]:
+        kvs, _ = store.get_prefix(KEYS.reports())
+        return sorted({r.rank for r in (Report.from_json(kv.value) for kv in kvs)
+                       if r.task == "clock" and r.kind is ErrorKind.TASK_HANG and r.rank is not None})
+
+    wait_for(lambda: 1 in hung(), 60, "the control's hang report")
+    time.sleep(1.0)  # rank 0 iterates on (400 x 10 ms in all), stamped an hour back
+    assert hung() == [1]

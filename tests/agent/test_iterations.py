@@ -463,15 +463,15 @@ def test_the_watcher_does_not_spin_after_a_reported_hang_ended() -> None:
             return super().check(now)
 
     mon = Counting(s)
-    now = time.time()
+    now = time.monotonic()
     feed(mon, [0.01] * 10, t0=now - 1.0)
     watcher = HangWatcher(lambda key, f: found.set())
     watcher.start()
     try:
         watcher.add("r", mon)
-        mon.iter_start(10, time.time())
+        mon.iter_start(10, time.monotonic())
         assert found.wait(2.0)
-        mon.iter_end(10, 0.2, time.time())  # ended after all; no next iteration yet
+        mon.iter_end(10, 0.2, time.monotonic())  # ended after all; no next iteration yet
         time.sleep(0.1)  # past the repeat time
         before = checks
         time.sleep(0.3)

@@ -85,7 +85,7 @@ def test_survivor_and_joiner_report_the_regroup_phase_around_a_rejoin(
 
 
 def _steady(mon: IterationMonitor, n: int, dur: float) -> float:
-    t = time.time()
+    t = time.monotonic()
     for step in range(n):
         mon.iter_start(step, t)
         t += dur
@@ -108,12 +108,12 @@ def _pause(phase: str) -> list[Finding]:
     watcher.start()
     try:
         _steady(mon, 6, 0.02)
-        mon.iter_start(6, time.time())
-        mon.phase(phase, time.time())
+        mon.iter_start(6, time.monotonic())
+        mon.phase(phase, time.monotonic())
         seen.wait(0.4)
-        mon.phase(protocol.PHASE_TRAIN, time.time())
+        mon.phase(protocol.PHASE_TRAIN, time.monotonic())
         time.sleep(0.03)  # training resumed: well within 3x the baseline of the resumed clock
-        mon.iter_end(6, 0.45, time.time())
+        mon.iter_end(6, 0.45, time.monotonic())
         time.sleep(0.1)
     finally:
         watcher.stop()

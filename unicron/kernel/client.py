@@ -199,12 +199,12 @@ class AgentClient:
     def iteration(self, step: int) -> Iterator[None]:
         """Bracket one training iteration: reports start and end (with duration) to the agent."""
         self._step = step
-        t0 = time.time()
-        self.send(protocol.IterStart(step=step, ts=t0))
+        start = protocol.IterStart(step=step)
+        self.send(start)
         self.check_injected()
         yield
-        t1 = time.time()
-        self.send(protocol.IterEnd(step=step, duration_s=t1 - t0, ts=t1))
+        end = time.monotonic()
+        self.send(protocol.IterEnd(step=step, duration_s=end - start.mono, mono=end))
 
     def microbatch_done(self, step: int, index: int) -> None:
         self.send(protocol.MicrobatchDone(step=step, index=index))

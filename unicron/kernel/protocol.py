@@ -68,6 +68,9 @@ class IterStart(Message):
     TYPE: ClassVar[str] = "iter_start"
     step: int
     ts: float = field(default_factory=time.time)
+    mono: float = field(default_factory=time.monotonic)
+    """The rank's ``time.monotonic()``, one clock with its agent's on the same host: the hang clock
+    runs on it, so a wall-clock step (NTP, an operator) is never taken for a hang. ``ts`` is for reports."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class IterEnd(Message):
     step: int
     duration_s: float
     ts: float = field(default_factory=time.time)
+    mono: float = field(default_factory=time.monotonic)
+    """As :attr:`IterStart.mono`."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,8 @@ class Phase(Message):
     TYPE: ClassVar[str] = "phase"
     name: str
     ts: float = field(default_factory=time.time)
+    mono: float = field(default_factory=time.monotonic)
+    """As :attr:`IterStart.mono`."""
 
     def __post_init__(self) -> None:
         if self.name not in PHASES:
