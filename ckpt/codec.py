@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ckpt.api import Buffer, CheckpointCorrupt, CheckpointError, SnapshotInfo
+from unicron.kernel import jsontext
+from unicron.kernel.errors import InvalidRecord
 
 ALIGN = 64
 #: metadata whose pickle names tensors by ``_tensor_ref`` calls; ``_META_MAGIC_V1`` (persistent ids) is
@@ -454,9 +456,9 @@ def _read_table(meta: bytes) -> tuple[list[_Entry], bytes]:
         magic, n = _META_HEAD.unpack_from(meta)
         if magic not in (_META_MAGIC, _META_MAGIC_V1):
             raise ValueError("bad magic")
-        raw = json.loads(meta[_META_HEAD.size : _META_HEAD.size + n])
+        raw = jsontext.parse(meta[_META_HEAD.size : _META_HEAD.size + n], "metadata table")
         entries = [_Entry(str(d), tuple(int(x) for x in s), int(o), int(b)) for d, s, o, b in raw]
-    except (struct.error, ValueError, TypeError) as exc:
+    except (struct.error, ValueError, TypeError, InvalidRecord) as exc:
         raise CheckpointCorrupt(f"metadata header unreadable: {exc}") from exc
     for e in entries:
         if e.dtype not in _DTYPES:

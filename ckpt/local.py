@@ -30,6 +30,7 @@ import torch
 
 from ckpt.api import CheckpointCorrupt, CheckpointError, Snapshot, SnapshotInfo
 from ckpt.codec import byte_view
+from unicron.kernel import jsontext
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 
@@ -171,7 +172,7 @@ class LocalStore:
     def published(self) -> dict[int, SnapshotInfo]:
         """Complete slots and what they hold. An unreadable pointer counts as none (and is reported)."""
         try:
-            raw = json.loads((self.root / _PUBLISHED).read_bytes())
+            raw = jsontext.parse((self.root / _PUBLISHED).read_bytes(), str(self.root / _PUBLISHED))
             slots = raw["slots"]
             return {int(k): SnapshotInfo.from_dict(v) for k, v in slots.items() if 0 <= int(k) < self.slots}
         except FileNotFoundError:

@@ -23,6 +23,7 @@ import torch
 
 from ckpt.api import CheckpointCorrupt, ObjectMissing, Snapshot, SnapshotInfo, Storage
 from ckpt.codec import byte_view, crc
+from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
 
 _MANIFEST_RX = re.compile(r"manifest-(\d{12})\.json$")
@@ -85,7 +86,7 @@ def _read_manifest(
 ) -> tuple[SnapshotInfo, dict[str, Any]]:
     key = manifest_key(job, rank, iteration)
     try:
-        raw = json.loads(storage.read(key))
+        raw = jsontext.parse(storage.read(key), key)
         body = raw["body"]
         if raw.get("format") != 1:
             raise CheckpointCorrupt(f"{key}: unknown manifest format {raw.get('format')!r}")

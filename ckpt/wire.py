@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckpt.api import Buffer
+from unicron.kernel import jsontext
 from unicron.kernel import wire as kernel_wire
 from unicron.kernel.errors import InvalidRecord
 
@@ -55,10 +56,7 @@ def recv_header(sock: socket.socket) -> dict[str, Any]:
         raise InvalidRecord(f"replica protocol: bad frame (magic {bytes(magic)!r}, header length {n})")
     body = bytearray(n)
     recv_into(sock, memoryview(body))
-    try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRecord(f"replica protocol: header is not JSON: {exc}") from exc
+    obj = jsontext.parse(body, "replica protocol: header")
     if not isinstance(obj, dict):
         raise InvalidRecord("replica protocol: header is not a JSON object")
     return obj

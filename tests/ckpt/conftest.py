@@ -1,4 +1,5 @@
-"""Fixtures for the checkpoint tests: real replica servers on free localhost ports, per-test directories."""
+"""Fixtures for the checkpoint tests: real replica servers on free localhost ports, scripted fake ones,
+per-test directories."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from ckpt.manager import CheckpointConfig
 from ckpt.replica import ReplicaServer
+from tests.ckpt.helpers import FakePeer, Respond
 
 
 @pytest.fixture
@@ -19,6 +21,20 @@ def replica_server() -> Iterator[ReplicaServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def fake_peer() -> Iterator[Callable[[Respond], FakePeer]]:
+    """``fake_peer(respond)``: a :class:`FakePeer` serving on a free localhost port, closed after the test."""
+    made: list[FakePeer] = []
+
+    def make(respond: Respond) -> FakePeer:
+        made.append(FakePeer(respond))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
 
 
 @pytest.fixture

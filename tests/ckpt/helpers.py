@@ -1,13 +1,18 @@
-"""Small training states and a deep comparison for the checkpoint tests."""
+"""Small training states, a deep comparison and a scripted replica server for the checkpoint tests."""
 
 from __future__ import annotations
 
 import random
+import socket
+import struct
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from ckpt import wire
 from ckpt.rng import capture_rng_state
 
 
@@ -65,3 +70,53 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             assert_same(x, y, f"{path}/{i}")
     else:
         assert a == b, path
+
+
+#: a fake replica server's answer to one request header: the raw bytes to send back
+Respond = Callable[[dict[str, Any]], bytes]
+
+
+def frame(body: bytes) -> bytes:
+    """A replica-protocol frame whose header is ``body`` as is (valid JSON or not)."""
+    return struct.pack("!4sI", wire.MAGIC, len(body)) + body
+
+
+class FakePeer:
+    """A replica 'server' answering each request by ``respond(header)``'s raw bytes, then closing."""
+
+    def __init__(self, respond: Respond) -> None:
+        self.respond = respond
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.listener.settimeout(0.2)
+        self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        #: the ops requested, in order
+        self.ops: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    h = wire.recv_header(conn)
+                    self.ops.append(str(h.get("op")))
+                    conn.sendall(self.respond(h))
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.recv(1 << 20)  # let the client read everything before the close
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.listener.close()

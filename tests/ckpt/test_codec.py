@@ -304,6 +304,14 @@ def test_a_forged_tensor_reference_is_corrupt_not_a_crash() -> None:
         decode(meta, torch.zeros(64, dtype=torch.uint8), private=True)
 
 
+def test_a_metadata_table_too_deeply_nested_to_parse_is_corrupt() -> None:
+    """A table json.loads cannot parse for its depth raised RecursionError out of decode(); now corrupt."""
+    table = b"[" * 100_000
+    meta = _META_HEAD.pack(_META_MAGIC, len(table)) + table
+    with pytest.raises(CheckpointCorrupt, match="metadata header unreadable"):
+        decode(meta, torch.zeros(64, dtype=torch.uint8), private=True)
+
+
 @pytest.mark.gpu
 def test_a_mixed_cuda_state_is_laid_out_gpu_first_and_copied_through_the_stage() -> None:
     """Small CUDA tensors of several dtypes gathered through the stage (several batches), big ones

@@ -26,10 +26,11 @@ from ckpt.persist import iterations as persisted_iterations
 from ckpt.replica import ReplicaClient, ReplicaServer
 from ckpt.rng import restore_rng_state
 from ckpt.storage import FilesystemStorage
-from tests.ckpt.helpers import assert_same, filled_state, train_state
+from tests.ckpt.helpers import FakePeer, Respond, assert_same, filled_state, frame, train_state
 from tests.ckpt.test_storage import _fail_scandir_under
 
 Make = Callable[..., CheckpointConfig]
+MakePeer = Callable[[Respond], FakePeer]
 
 
 def _draws() -> list[float]:
@@ -238,6 +239,20 @@ def test_unreachable_peer_is_skipped(make_config: Make) -> None:
         assert out.published and out.replicas == () and addr in out.errors[0]
         r = m.restore()
     assert r.tier == Tier.LOCAL and "unreachable" in r.skipped[0].reason
+
+
+def test_a_peer_answering_unparsable_json_is_skipped(make_config: Make, fake_peer: MakePeer) -> None:
+    """A peer answering `list` with deeply nested JSON made restore() die of RecursionError; it is now
+    skipped as unreachable, and the local snapshot restored."""
+    peer = fake_peer(lambda h: frame(b"[" * 100_000))
+    state = filled_state(3)
+    with CheckpointManager(make_config()) as m:
+        assert m.save(state, 3).result(30).published
+    with CheckpointManager(make_config(), peers=[ReplicaClient(peer.addr, timeout_s=5)]) as m:
+        r = m.restore()
+    assert (r.tier, r.iteration) == (Tier.LOCAL, 3)
+    assert "unreachable" in r.skipped[0].reason
+    assert_same(state, r.state)
 
 
 def test_second_writer_for_same_rank_refused(make_config: Make) -> None:

@@ -15,6 +15,8 @@ from ckpt import wire
 from ckpt.api import ReplicaRejected, ReplicaUnavailable, Snapshot, SnapshotInfo
 from ckpt.codec import chunk_crcs, crc
 from ckpt.replica import ReplicaClient, ReplicaMemory, ReplicaServer
+from tests.ckpt.helpers import frame
+from unicron.kernel.errors import InvalidRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,6 +109,24 @@ def test_garbage_request_gets_an_error_not_a_crash(replica_server: ReplicaServer
         reply = wire.recv_header(sock)
     assert not reply["ok"] and "unknown op" in reply["error"]
     assert ReplicaClient(replica_server.address).stat()["ok"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"[" * 100_000, id="deeply-nested"),
+        pytest.param(b'{"n": ' + b"9" * 5000 + b"}", id="5000-digit-int"),
+    ],
+)
+def test_a_header_json_cannot_parse_is_an_invalid_record(body: bytes) -> None:
+    """A header under MAX_HEADER that json.loads cannot parse raised RecursionError or a plain
+    ValueError, which no caller handles (a restore died on one broken peer); now InvalidRecord."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(frame(body))
+        b.close()
+        with pytest.raises(InvalidRecord, match="replica protocol: header"):
+            wire.recv_header(a)
 
 
 def test_standalone_server_process() -> None:

@@ -90,6 +90,7 @@ def test_retention_keeps_last_r(storage: Storage) -> None:
         ("flip_meta", "checksum mismatch in metadata"),
         ("edit_manifest", "checksum mismatch in job-1/rank-00002/manifest"),
         ("garble_manifest", "unreadable"),
+        ("nest_manifest", "unreadable"),  # deep enough to exhaust the parser's recursion: no RecursionError
     ],
 )
 def test_every_damage_is_detected(storage: Storage, damage: str, reason: str) -> None:
@@ -111,6 +112,8 @@ def test_every_damage_is_detected(storage: Storage, damage: str, reason: str) ->
         m = json.loads(storage.read(mkey))
         m["body"]["info"]["iteration"] = 4  # a consistent-looking edit still breaks the manifest's CRC
         storage.write(mkey, json.dumps(m).encode())
+    elif damage == "nest_manifest":
+        storage.write(mkey, b"[" * 100_000)
     else:
         storage.write(mkey, b"{not json")
     with pytest.raises(CheckpointCorrupt, match=reason):

@@ -43,11 +43,19 @@ def loads(text: str, where: str, depth_limit: int) -> Any:
     depth = max_depth(text)
     if depth > depth_limit:
         raise InvalidRecord(f"{where}: nested deeper than {depth_limit} levels ({depth})")
+    return parse(text, where)
+
+
+def parse(raw: str | bytes | bytearray, where: str) -> Any:
+    """``json.loads(raw)`` of text or bytes from outside (a peer's message, a file another process
+    wrote): anything :func:`json.loads` cannot turn into a value is one :class:`InvalidRecord`."""
     try:
-        return json.loads(text)
+        return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise InvalidRecord(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidRecord(f"{where}: not UTF-8 text (offset {exc.start}: {exc.reason})") from exc
     except ValueError as exc:  # an integer literal of more than 4300 digits (Python's int limit)
         raise InvalidRecord(f"{where}: not a usable JSON number: {str(exc).split(';')[0]}") from exc
-    except RecursionError as exc:  # max_depth bounds it; this keeps a miss an input error, not a crash
-        raise InvalidRecord(f"{where}: nested too deep to parse ({depth_limit} levels at most)") from exc
+    except RecursionError as exc:  # the parser recurses once per level of nesting
+        raise InvalidRecord(f"{where}: nested too deep to parse") from exc
