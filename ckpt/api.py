@@ -15,6 +15,7 @@ its own copy (a replica that went bad must not vouch for itself).
 from __future__ import annotations
 
 import enum
+import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -86,6 +87,17 @@ def check_name(value: str, what: str) -> str:
             f"{what}: {value!r} is not a valid name (letters, digits, '.', '_', '-'; at most 128)"
         )
     return value
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, NaN, infinite, an integer beyond a float)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        out = float(value)
+    except OverflowError:
+        return None
+    return out if math.isfinite(out) else None
 
 
 @dataclass(frozen=True)
@@ -162,8 +174,9 @@ class SnapshotInfo:
             or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs)
         ):
             raise InvalidRecord(f"SnapshotInfo.chunk_crcs: expected {want} CRC-32 values")
-        if not isinstance(data["created"], int | float):
-            raise InvalidRecord("SnapshotInfo.created: expected a number")
+        created = _finite(data["created"])
+        if created is None:
+            raise InvalidRecord(f"SnapshotInfo.created: expected a finite number, got {data['created']!r:.40}")
         return cls(
             job=check_name(data["job"], "SnapshotInfo.job"),
             rank=data["rank"],
@@ -173,7 +186,7 @@ class SnapshotInfo:
             data_len=data["data_len"],
             chunk_bytes=data["chunk_bytes"],
             chunk_crcs=tuple(crcs),
-            created=float(data["created"]),
+            created=created,
             format=data["format"],
         )
 

@@ -32,6 +32,12 @@ from tests.ckpt.test_storage import _fail_scandir_under
 Make = Callable[..., CheckpointConfig]
 MakePeer = Callable[[Respond], FakePeer]
 
+#: a SnapshotInfo of job-1 rank 0 as a peer lists it (no tensor bytes)
+_INFO = {
+    "job": "job-1", "rank": 0, "iteration": 9, "meta_len": 1, "meta_crc": 0, "data_len": 0,
+    "chunk_bytes": 4096, "chunk_crcs": [], "created": 0.0, "format": 1,
+}
+
 
 def _draws() -> list[float]:
     return [random.random(), float(np.random.rand()), float(torch.rand(1))]
@@ -253,6 +259,22 @@ def test_a_peer_answering_unparsable_json_is_skipped(make_config: Make, fake_pee
     assert (r.tier, r.iteration) == (Tier.LOCAL, 3)
     assert "unreachable" in r.skipped[0].reason
     assert_same(state, r.state)
+
+
+@pytest.mark.parametrize("created", [10**400, float("nan")], ids=["400-digit-int", "nan"])
+def test_a_peer_listing_a_snapshot_of_no_finite_time_is_skipped(
+    make_config: Make, fake_peer: MakePeer, created: float
+) -> None:
+    """`created` as a 400-digit integer passed SnapshotInfo.from_dict's number check, then float()
+    raised OverflowError out of restore(); it is now an InvalidRecord and the peer is skipped."""
+    info = dict(_INFO, created=created)
+    peer = fake_peer(lambda h: frame(json.dumps({"ok": True, "items": [info]}).encode()))
+    with CheckpointManager(make_config()) as m:
+        assert m.save(filled_state(3), 3).result(30).published
+    with CheckpointManager(make_config(), peers=[ReplicaClient(peer.addr, timeout_s=5)]) as m:
+        r = m.restore()
+    assert (r.tier, r.iteration) == (Tier.LOCAL, 3)
+    assert "SnapshotInfo.created" in r.skipped[0].reason
 
 
 def test_second_writer_for_same_rank_refused(make_config: Make) -> None:

@@ -129,6 +129,16 @@ def test_a_header_json_cannot_parse_is_an_invalid_record(body: bytes) -> None:
             wire.recv_header(a)
 
 
+def test_a_put_of_a_snapshot_of_no_finite_time_gets_an_error(replica_server: ReplicaServer) -> None:
+    """`created` as a 400-digit integer made SnapshotInfo.from_dict raise OverflowError: the handler
+    thread died and the client was hung up on; it now gets the `ok: false` of a malformed request."""
+    info = dict(snap(0, 9).info.to_dict(), created=10**400)
+    with socket.create_connection(wire.parse_addr(replica_server.address), timeout=5) as sock:
+        wire.send(sock, {"op": "put", "info": info})
+        reply = wire.recv_header(sock)
+    assert reply["ok"] is False and "SnapshotInfo.created" in reply["error"]
+
+
 def test_standalone_server_process() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckpt.replica", "--listen", "127.0.0.1:0", "--budget-bytes", "8M"],
