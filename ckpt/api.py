@@ -160,8 +160,11 @@ class SnapshotInfo:
                 raise InvalidRecord(f"SnapshotInfo: missing field {name!r}")
         for name in ints:
             v = data[name]
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidRecord(f"SnapshotInfo.{name}: expected a non-negative integer, got {v!r}")
+            # below 2**63: what a length or offset can be (a bigger one overflows the buffers it sizes)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63:
+                raise InvalidRecord(
+                    f"SnapshotInfo.{name}: expected a non-negative integer below 2**63, got {v!r:.40}"
+                )
         if data["format"] != FORMAT_VERSION:
             raise InvalidRecord(f"SnapshotInfo.format: version {data['format']} is not {FORMAT_VERSION}")
         if data["chunk_bytes"] == 0:

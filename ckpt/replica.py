@@ -220,8 +220,8 @@ class _Handler(socketserver.BaseRequestHandler):
             wire.send(sock, {"ok": True})
             # the reservation is held for the transfer's time at most, however the bytes trickle in
             deadline = time.monotonic() + transfer_timeout(self.server.io_timeout_s, info.nbytes)
-            meta = bytearray(info.meta_len)
-            wire.recv_into(sock, memoryview(meta), deadline)
+            meta = _alloc(info.meta_len)
+            wire.recv_into(sock, meta, deadline)
             data = _alloc(info.data_len)
             wire.recv_into(sock, data, deadline)
         except BaseException:
@@ -368,8 +368,10 @@ class ReplicaClient(ReplicaStore):
                     return None
                 raise ReplicaRejected(f"replica server {self.addr}: {reply.get('error')}")
             info = SnapshotInfo.from_dict(reply.get("info"))
-            meta = bytearray(info.meta_len)
-            wire.recv_into(sock, memoryview(meta))
+            # sized by the peer's word: only pages the bytes that come fill are committed (an
+            # impossible size fails the mapping: OSError, the peer skipped)
+            meta = _alloc(info.meta_len)
+            wire.recv_into(sock, meta)
             data = _alloc(info.data_len)
             wire.recv_into(sock, data)
             return Snapshot(info, bytes(meta), data)

@@ -277,6 +277,32 @@ def test_a_peer_listing_a_snapshot_of_no_finite_time_is_skipped(
     assert "SnapshotInfo.created" in r.skipped[0].reason
 
 
+@pytest.mark.parametrize("meta_len", [1 << 45, 1 << 70], ids=["32-TiB", "beyond-int64"])
+def test_a_peer_claiming_a_huge_snapshot_costs_no_memory(
+    make_config: Make, fake_peer: MakePeer, tmp_path: Path, meta_len: int
+) -> None:
+    """A peer answering `get` with an info claiming 32 TiB of metadata: the client allocated (and
+    zero-filled) bytearray(meta_len) before reading a byte, so MemoryError (or an OOM kill, for tens
+    of GiB; OverflowError beyond 2**63) escaped restore(). Now only arriving bytes take memory, the
+    size is bounded, and the peer is skipped for the persisted copy."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    with CheckpointManager(make_config(persist_every=1), storage=storage) as m:
+        assert m.save(filled_state(5), 5).result(30).persisted
+        good = m._store.published()[0].to_dict()
+
+    def respond(h: dict[str, object]) -> bytes:
+        if h.get("op") == "list":
+            return frame(json.dumps({"ok": True, "items": [good]}).encode())
+        return frame(json.dumps({"ok": True, "info": dict(good, meta_len=meta_len)}).encode())
+
+    peer = fake_peer(respond)
+    with CheckpointManager(make_config(node="node-b"), peers=[ReplicaClient(peer.addr, timeout_s=5)],
+                           storage=storage) as m:  # a replacement node: nothing local
+        r = m.restore()
+    assert (r.tier, r.iteration) == (Tier.REMOTE, 5)
+    assert "get" in peer.ops
+
+
 def test_second_writer_for_same_rank_refused(make_config: Make) -> None:
     with CheckpointManager(make_config()), pytest.raises(CheckpointError, match="in use"):
         t0 = time.monotonic()
