@@ -462,6 +462,9 @@ class CheckpointManager(Checkpointer):
                 self._log.warning(
                     "replication failed", iteration=job.iteration, peer=peer.describe(), error=str(exc)
                 )
+            except Exception as exc:  # a bug in one peer's client must not cost the others or persistence
+                job.errors.append(f"replicate to {peer.describe()}: {type(exc).__name__}: {exc}")
+                self._log.exception("replication failed", iteration=job.iteration, peer=peer.describe())
         return job.persist_due
 
     def _persist(self, job: _Job) -> bool:

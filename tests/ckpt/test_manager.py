@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt.api import CheckpointError, NoValidCheckpoint, Tier
+from ckpt.api import CheckpointError, NoValidCheckpoint, Snapshot, Tier
 from ckpt.codec import crc
 from ckpt.manager import CheckpointConfig, CheckpointManager
 from ckpt.persist import _canonical, manifest_key
 from ckpt.persist import iterations as persisted_iterations
-from ckpt.replica import ReplicaClient, ReplicaServer
+from ckpt.replica import ReplicaClient, ReplicaMemory, ReplicaServer
 from ckpt.rng import restore_rng_state
 from ckpt.storage import FilesystemStorage
 from tests.ckpt.helpers import FakePeer, Respond, assert_same, filled_state, frame, train_state
@@ -301,6 +301,28 @@ def test_a_peer_claiming_a_huge_snapshot_costs_no_memory(
         r = m.restore()
     assert (r.tier, r.iteration) == (Tier.REMOTE, 5)
     assert "get" in peer.ops
+
+
+class _BuggyPeer(ReplicaMemory):
+    """A peer whose client has a bug: every put raises an error that is no UnicronError."""
+
+    def put(self, snapshot: Snapshot) -> None:
+        raise ValueError("a bug in this peer's client")
+
+
+def test_a_peer_failing_with_any_error_costs_neither_the_other_peers_nor_persistence(
+    make_config: Make, replica_server: ReplicaServer, tmp_path: Path
+) -> None:
+    """The replicate stage caught only UnicronError: any other error from one peer's put ended the
+    stage, so the later peers never got the snapshot and a persistence that was due (here a stop's
+    save(persist=True)) was skipped. Now it is recorded against that peer and the rest goes on."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    peers = [_BuggyPeer(1 << 20, name="buggy"), ReplicaClient(replica_server.address)]
+    with CheckpointManager(make_config(), peers=peers, storage=storage) as m:
+        out = m.save(filled_state(1), 1, persist=True).result(30)
+    assert out.published and out.persisted is True, out.errors
+    assert out.replicas == (replica_server.address,)
+    assert out.errors == ("replicate to buggy: ValueError: a bug in this peer's client",)
 
 
 def test_second_writer_for_same_rank_refused(make_config: Make) -> None:
