@@ -234,6 +234,9 @@ class CheckpointManager(Checkpointer):
         self._inflight: list[SaveTicket] = []
         self._last: int | None = None
         self._count = 0
+        #: storage may still hold snapshots newer than this timeline: every save is persisted until one
+        #: persist succeeds (it drops them), else a node lost meanwhile restored the abandoned future
+        self._persist_pending = False
         self._stream: Any = None
         self._fence_job: _Job | None = None
         self._closed = False
@@ -264,12 +267,13 @@ class CheckpointManager(Checkpointer):
                 f"save: iteration {iteration} is not after the last saved or restored iteration {self._last}"
             )
         # A first save starts a new timeline. Peers and storage enforce it themselves when the snapshot
-        # reaches them (a push/persist of a rank replaces whatever newer one they had), so it is
-        # persisted whatever persist_every says: storage kept the abandoned future until the next
-        # persisted save, and a node lost meanwhile restored it.
+        # reaches them (a push/persist of a rank replaces whatever newer one they had), so saves are
+        # persisted whatever persist_every says until one persist succeeds (see _persist_pending).
         first = self._last is None
-        if first and (gone := self._store.withdraw_newer(iteration - 1)):
-            self._log.warning("discarded local snapshots newer than the first save", discarded=gone)
+        if first:
+            self._persist_pending = True
+            if gone := self._store.withdraw_newer(iteration - 1):
+                self._log.warning("discarded local snapshots newer than the first save", discarded=gone)
         t_start = time.perf_counter()
         enc = codec.encode(state)
         t_enc = time.perf_counter()
@@ -301,7 +305,9 @@ class CheckpointManager(Checkpointer):
         self._last = iteration
         self._count += 1
         due = self.storage is not None and (
-            persist or first or (self.config.persist_every > 0 and self._count % self.config.persist_every == 0)
+            persist
+            or self._persist_pending
+            or (self.config.persist_every > 0 and self._count % self.config.persist_every == 0)
         )
         job = _Job(
             slot, iteration, enc.meta, enc.data_len, ticket, event, due, enc=enc if background else None
@@ -474,6 +480,7 @@ class CheckpointManager(Checkpointer):
         try:
             persist.persist(self.storage, self._snapshot(job), self.config.keep_remote)
             job.persisted = True
+            self._persist_pending = False
         except UnicronError as exc:
             job.persisted = False
             job.errors.append(f"persist to {self.storage.describe()}: {exc}")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt.api import CheckpointError, NoValidCheckpoint, Snapshot, Tier
+from ckpt.api import Buffer, CheckpointError, NoValidCheckpoint, Snapshot, StorageUnavailable, Tier
 from ckpt.codec import crc
 from ckpt.manager import CheckpointConfig, CheckpointManager
 from ckpt.persist import _canonical, manifest_key
@@ -511,3 +511,51 @@ def test_a_first_save_not_persisted_leaves_no_abandoned_future_in_storage(make_c
         except NoValidCheckpoint:
             return
     assert r.iteration <= 3, f"restored iteration {r.iteration} of the abandoned timeline from {r.tier}"
+
+
+class _Outage(FilesystemStorage):
+    """A filesystem storage that is unreachable while ``down``: every write, list and delete raises
+    StorageUnavailable."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.down = False
+
+    def _check(self, key: str) -> None:
+        if self.down:
+            raise StorageUnavailable(f"{key}: storage service unreachable")
+
+    def write(self, key: str, data: Buffer) -> None:
+        self._check(key)
+        super().write(key, data)
+
+    def list(self, prefix: str) -> list[str]:
+        self._check(prefix)
+        return super().list(prefix)
+
+    def delete(self, key: str) -> None:
+        self._check(key)
+        super().delete(key)
+
+
+def test_saves_are_persisted_until_the_first_persist_of_a_new_timeline_succeeds(
+    make_config: Make, tmp_path: Path
+) -> None:
+    """Only the very first save of a new timeline was persisted whatever persist_every says: with
+    storage out of reach for that one write, the next (persist_every=5) was not persisted, storage kept
+    the abandoned 5 and 6, and a node lost then restored 6. Now saves are persisted until one is."""
+    root = tmp_path / "remote"
+    with CheckpointManager(make_config(persist_every=1), storage=FilesystemStorage(root)) as m:
+        for it in (5, 6):
+            assert m.save(filled_state(it), it).result(30).persisted
+    storage = _Outage(root)
+    with CheckpointManager(make_config(persist_every=5), storage=storage) as m:  # no restore: a new timeline
+        storage.down = True
+        assert m.save(filled_state(3), 3).result(30).persisted is False
+        storage.down = False
+        assert m.save(filled_state(4), 4).result(30).persisted is True
+        assert m.save(filled_state(5), 5).result(30).persisted is None  # back to persist_every
+    assert persisted_iterations(storage, "job-1", 0) == [4]
+    with CheckpointManager(make_config(node="node-c"), storage=storage) as m:  # the node was lost
+        r = m.restore()
+    assert (r.tier, r.iteration) == (Tier.REMOTE, 4)
