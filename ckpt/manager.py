@@ -49,7 +49,7 @@ from ckpt.local import LocalStore
 from ckpt.tiers import LocalSource, PeerSource, RemoteSource, Source
 from unicron.kernel import log
 from unicron.kernel.config import setting
-from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
+from unicron.kernel.errors import ConfigError, InvalidRecord, TemporaryError, UnicronError
 
 DEFAULT_SHM = "/dev/shm/unicron-ckpt"
 
@@ -539,11 +539,15 @@ class CheckpointManager(Checkpointer):
         sources = self._sources()
         attempts: list[TierAttempt] = []
         held: dict[int, list[int]] = {}
+        # sources that could not be listed or read for now: what they hold may be valid, so a fallback to
+        # an older iteration discards nothing there (an I/O hiccup deleted the newest durable snapshot)
+        out_of_reach: set[str] = set()
         for i, s in enumerate(sources):
             try:
                 held[i] = s.iterations()
             except (UnicronError, OSError) as exc:
                 held[i] = []
+                out_of_reach.add(s.describe())
                 attempts.append(TierAttempt(s.tier, s.describe(), None, f"unreachable: {exc}"))
         targets = (
             [iteration]
@@ -575,6 +579,8 @@ class CheckpointManager(Checkpointer):
                 try:
                     state = self._load(s, it, into)
                 except (CheckpointCorrupt, UnicronError, OSError) as exc:
+                    if isinstance(exc, TemporaryError | OSError):
+                        out_of_reach.add(s.describe())
                     attempts.append(TierAttempt(s.tier, s.describe(), it, str(exc)))
                     self._log.warning(
                         "checkpoint tier skipped",
@@ -584,7 +590,7 @@ class CheckpointManager(Checkpointer):
                         reason=str(exc),
                     )
                     continue
-                self._discard_newer(it, skip={a.source for a in attempts if a.iteration is None})
+                self._discard_newer(it, skip=out_of_reach)
                 self._last = it
                 restored = Restored(
                     state, it, s.tier, s.describe(), tuple(attempts), time.perf_counter() - t0
@@ -619,7 +625,8 @@ class CheckpointManager(Checkpointer):
 
     def _discard_newer(self, iteration: int, skip: set[str]) -> None:
         """Linear timeline after a restore: nothing newer than ``iteration`` may be restored later.
-        Best effort per tier; ``skip``: sources found unreachable a moment ago."""
+        Best effort per tier; ``skip``: sources out of reach a moment ago. A peer drops the newer ones
+        at the next save's push; storage where they may remain gets every save persisted until one is."""
         job, rank = self.config.job, self.config.rank
         gone: dict[str, list[int]] = {}
         if local := self._store.withdraw_newer(iteration):
@@ -635,12 +642,16 @@ class CheckpointManager(Checkpointer):
                     gone[peer.describe()] = newer
             except UnicronError as exc:
                 self._log.warning("could not drop newer replicas", peer=peer.describe(), error=str(exc))
-        if self.storage is not None and self.storage.describe() not in skip:
-            try:
-                if remote := persist.discard_newer(self.storage, job, rank, iteration):
-                    gone[self.storage.describe()] = remote
-            except UnicronError as exc:
-                self._log.warning("could not discard newer persisted snapshots", error=str(exc))
+        if self.storage is not None:
+            discarded = False
+            if self.storage.describe() not in skip:
+                try:
+                    if remote := persist.discard_newer(self.storage, job, rank, iteration):
+                        gone[self.storage.describe()] = remote
+                    discarded = True
+                except UnicronError as exc:
+                    self._log.warning("could not discard newer persisted snapshots", error=str(exc))
+            self._persist_pending = not discarded
         if gone:
             self._log.warning("rolled back: discarded newer snapshots", iteration=iteration, discarded=gone)
 

@@ -476,6 +476,39 @@ def test_unreadable_storage_is_not_reported_as_holding_nothing(
     assert any("unreachable" in r for r in reasons), reasons
 
 
+class _Flaky(FilesystemStorage):
+    """A filesystem whose first read of an object whose key holds ``flaky`` fails with StorageUnavailable
+    (a storage service's timeout, an EIO on a network filesystem): a TemporaryError."""
+
+    def __init__(self, root: Path, flaky: str) -> None:
+        super().__init__(root)
+        self.flaky = flaky
+        self.failed = 0
+
+    def read_into(self, key: str, out: memoryview) -> int:
+        if self.flaky in key and not self.failed:
+            self.failed += 1
+            raise StorageUnavailable(f"reading {key}: [Errno 5] Input/output error")
+        return super().read_into(key, out)
+
+
+def test_a_temporary_read_error_discards_nothing_from_that_source(make_config: Make, tmp_path: Path) -> None:
+    """A replaced node, whose snapshots only storage holds (4 and 5, both valid): reading 5 failed once
+    with a temporary error, restore() fell back to 4 and then, the timeline being linear, deleted 5
+    from storage: a durable checkpoint destroyed by an I/O hiccup. Now a source out of reach keeps what
+    it holds, and the next save is persisted (which replaces it)."""
+    root = tmp_path / "remote"
+    with CheckpointManager(make_config(persist_every=1), storage=FilesystemStorage(root)) as m:
+        for it in (4, 5):
+            assert m.save(filled_state(it), it).result(30).persisted
+    storage = _Flaky(root, flaky="iter-000000000005/")
+    with CheckpointManager(make_config(node="node-b"), storage=storage) as m:
+        r = m.restore()
+        assert (r.tier, r.iteration, storage.failed) == (Tier.REMOTE, 4, 1)
+        assert persisted_iterations(storage, "job-1", 0) == [4, 5]
+        assert m.save(filled_state(5), 5).result(30).persisted  # persist_every=0: the rolled-back 5 goes
+
+
 def test_a_malformed_manifest_is_skipped_not_a_crash(make_config: Make, tmp_path: Path) -> None:
     """A manifest whose CRC is right but whose meta entry lacks its key (a writer bug, another version)
     raises KeyError out of restore() instead of being skipped for the older valid snapshot."""
