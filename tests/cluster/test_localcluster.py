@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.helpers import etcd_of_a_sigkilled_owner, gone
 from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.errors import StoreUnavailable
@@ -76,3 +77,28 @@ def test_a_stopped_cluster_keeps_its_etcd_members_logs_with_its_own(tmp_path: Pa
     for m in harness.etcd.members:
         log = (tmp_path / f"etcd-{m.name}.log").read_text()
         assert m.name in log and "raft" in log, log[:500]
+
+
+def test_a_sigkilled_owners_etcd_does_not_outlive_it(tmp_path: Path) -> None:
+    """etcd (and the daemons) ran on forever after their owner was SIGKILLed; they now die with it."""
+    pid = etcd_of_a_sigkilled_owner(tmp_path)
+    try:
+        assert gone(pid, 3.0), f"etcd pid {pid} still runs after its owner was SIGKILLed"
+    finally:
+        if not gone(pid, 0.0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_etcd_started_on_a_short_lived_thread_outlives_the_thread() -> None:
+    """etcd dies with its owner (PDEATHSIG), which the kernel sends when the *thread* that forked it
+    exits: it is forked on one long-lived thread, so a cluster started in the background runs on."""
+    server = EtcdServer()
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    try:
+        assert server.proc is not None
+        time.sleep(0.3)
+        assert server.proc.poll() is None
+    finally:
+        server.cleanup()

@@ -5,12 +5,15 @@ next one. Root only (skipped with the reason otherwise)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.cluster.helpers import etcd_of_a_sigkilled_owner, gone
 from unicron.cluster.netns import Network, cleanup_stale, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"netns: {unavailable_reason()}")
@@ -66,3 +69,15 @@ def test_a_crashed_owners_network_is_removed_by_the_next_one() -> None:
     assert cleanup_stale() >= 1
     assert ns not in namespaces()
     assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
+
+
+def test_the_next_network_removes_a_sigkilled_owners_processes_with_its_namespaces(tmp_path: Path) -> None:
+    """``ip netns delete`` only drops a namespace's name: a dead owner's daemons ran on inside, reached by
+    nobody. The stale cleanup now kills the processes in each namespace first."""
+    pid = etcd_of_a_sigkilled_owner(tmp_path, netns=True)
+    try:
+        cleanup_stale()
+        assert gone(pid, 3.0), f"etcd pid {pid} of the dead owner still runs after cleanup_stale()"
+    finally:
+        if not gone(pid, 0.0):
+            os.kill(pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from unicron.kernel import tls
+from unicron.kernel import parentdeath, tls
 from unicron.kernel.errors import ConfigError, StoreRejected
 from unicron.kernel.net import free_port
 
@@ -90,9 +90,10 @@ class EtcdServer:
                      # members talk to each other with the same certificate, and take only the CA's
                      "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
                      "--peer-client-cert-auth"]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            # in its own session (a signal to the owner's group is not etcd's), yet it dies with its owner:
+            # a SIGKILLed test run left etcd running, and its data dir, for good
+            self.proc = parentdeath.popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 15.0) -> None:
         deadline = time.monotonic() + timeout_s

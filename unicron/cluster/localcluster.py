@@ -27,7 +27,7 @@ from typing import Any
 from coordinator.statestore import read_state
 from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.netns import Network
-from unicron.kernel import etcdauth, tls
+from unicron.kernel import etcdauth, parentdeath, tls
 from unicron.kernel.errors import ConfigError, TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -180,9 +180,10 @@ class LocalCluster:
             # coordinator listens on every interface and advertises its default: its route to etcd.
             env.update({"UNICRON_METRICS_HOST": self.host_ip(host), "UNICRON_COORDINATOR_HOST": "0.0.0.0"})
             cmd = self.net.wrap(host, cmd)
-        out = open(log_path, "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        out.close()
+        with open(log_path, "ab") as out:
+            # dies with this process (with its ranks, which die with it): a SIGKILLed owner left the
+            # daemons running for good (``ip netns exec`` execs the daemon, which keeps the signal)
+            proc = parentdeath.popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return proc
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:

@@ -11,7 +11,8 @@ Needs root (CAP_NET_ADMIN) and iproute2's ``ip``; :func:`unavailable_reason` say
 
 Cleanup: every network records itself in a state file under :data:`STATE_DIR` with its owner's PID;
 :meth:`Network.destroy` runs at exit, and each new network first removes the leftovers of owners
-that died without cleaning up (a crashed or SIGKILLed test run), so namespaces never pile up.
+that died without cleaning up (a crashed or SIGKILLed test run), processes still inside them
+included, so namespaces never pile up.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterator, Sequence
@@ -163,8 +165,17 @@ class Network:
 def _destroy(bridge: str, namespaces: Sequence[str]) -> None:
     # Deleting a namespace deletes its end of each veth pair, and with it the root-namespace end.
     for ns in namespaces:
-        _ip("netns", "delete", ns, check=False)
+        _delete_namespace(ns)
     _ip("link", "delete", bridge, check=False)
+
+
+def _delete_namespace(ns: str) -> None:
+    """Kill the processes still in ``ns``, then delete it: ``ip netns delete`` only drops the name, and a
+    dead owner's daemons would run on in a namespace nobody reaches."""
+    for pid in _ip("netns", "pids", ns, check=False).split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    _ip("netns", "delete", ns, check=False)
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -197,7 +208,7 @@ def cleanup_stale() -> int:
         name = line.split()[0] if line.strip() else ""
         parts = name.removeprefix(NS_PREFIX).split("-")
         if name.startswith(NS_PREFIX) and parts[0].isdigit() and not pid_alive(int(parts[0])):
-            _ip("netns", "delete", name, check=False)
+            _delete_namespace(name)
     if removed:
         log.warning("removed stale netns networks", count=removed)
     return removed

@@ -3,7 +3,7 @@
 Used wherever a helper must not outlive the process that started it: the agent's ranks, store sidecar,
 failure marker and warm spawner; the spawner's ranks; a rank's heartbeat beater. The kernel sends the
 signal when the *thread* that forked the child exits, so long-lived parents fork from one long-lived
-thread. After ``prctl`` the child checks that its parent is still the one it expects: a parent that
+thread (:func:`popen` does, for any caller). After ``prctl`` the child checks that its parent is still the one it expects: a parent that
 died between ``fork`` and ``prctl`` would never signal it.
 """
 
@@ -13,7 +13,11 @@ import ctypes
 import ctypes.util
 import os
 import signal
-from collections.abc import Callable
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -50,3 +54,23 @@ def preexec(sig: int = signal.SIGKILL) -> Callable[[], None]:
             os._exit(126)
 
     return run
+
+
+#: the thread :func:`popen` forks on, with the PID it belongs to (a forked child has no such thread)
+_starter: tuple[int, ThreadPoolExecutor] | None = None
+_starter_lock = threading.Lock()
+
+
+def popen(argv: Sequence[str], sig: int = signal.SIGKILL, **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, **kwargs)`` of a child that gets ``sig`` when this process dies. The fork
+    runs on one thread kept for the life of the process: a caller on a short-lived thread (a cluster
+    started in the background, say) would otherwise have its child killed when that thread ends."""
+    global _starter
+    with _starter_lock:
+        if _starter is None or _starter[0] != os.getpid():
+            _starter = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="parentdeath-starter"))
+        starter = _starter[1]
+    def fork() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(list(argv), preexec_fn=preexec(sig), **kwargs)
+
+    return starter.submit(fork).result()
