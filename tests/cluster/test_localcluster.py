@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -13,8 +15,9 @@ import pytest
 from tests.cluster.helpers import etcd_of_a_sigkilled_owner, gone
 from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.localcluster import LocalCluster
-from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.errors import StartFailed, StoreUnavailable
 from unicron.kernel.etcd import Store
+from unicron.kernel.net import free_port
 from unicron.kernel.procs import STOPPED_STATES, proc_state
 
 
@@ -67,7 +70,7 @@ def test_wait_for_rides_out_an_etcd_that_stalls_and_names_it_when_it_never_answe
 
 
 def test_a_stopped_cluster_keeps_its_etcd_members_logs_with_its_own(tmp_path: Path) -> None:
-    """The members' logs live in their data dirs, which stop removes; the run's logs keep a copy."""
+    """The members' data dirs go at stop; their logs are written with the run's, and stay."""
     harness = LocalCluster(agents=0, etcd_members=3, run_dir=str(tmp_path))
     assert isinstance(harness.etcd, EtcdCluster)
     data_dirs = [Path(m.data_dir) for m in harness.etcd.members]
@@ -77,6 +80,39 @@ def test_a_stopped_cluster_keeps_its_etcd_members_logs_with_its_own(tmp_path: Pa
     for m in harness.etcd.members:
         log = (tmp_path / f"etcd-{m.name}.log").read_text()
         assert m.name in log and "raft" in log, log[:500]
+
+
+def test_an_etcd_that_fails_to_start_in_a_with_block_leaves_no_data_dir(
+        taken_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed __enter__ runs no __exit__: the data dir was left behind. Now the failed start cleans up."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    server = EtcdServer(ports=(taken_port, free_port()))
+    with pytest.raises(StartFailed, match=r"etcd exited with 1: .*address already in use"), server:
+        pass
+    assert not os.path.exists(server.data_dir)
+
+
+def test_a_failed_etcd_start_names_a_log_that_still_exists(taken_port: int, tmp_path: Path) -> None:
+    """The error named etcd.log in the member's data dir, which the cluster's cleanup removed; the
+    members now log into the run dir."""
+    cluster = LocalCluster(agents=0, run_dir=str(tmp_path))
+    assert isinstance(cluster.etcd, EtcdServer)
+    cluster.etcd.client_port = taken_port
+    with pytest.raises(StartFailed) as err, cluster:
+        pass
+    named = re.search(r"see (\S+)", str(err.value))
+    assert named is not None and os.path.exists(named.group(1)), str(err.value)
+
+
+def test_wait_ready_does_not_take_another_etcd_on_its_port_for_its_own(etcd_server: EtcdServer) -> None:
+    """Another etcd holds the client port free_port() chose: ours cannot bind and exits, and wait_ready
+    took the other's answer for ours. Now it checks that the answering etcd has our peer URL."""
+    ours = EtcdServer(ports=(etcd_server.client_port, free_port()))
+    try:
+        with pytest.raises(StartFailed, match=r"exited|another etcd answers"):
+            ours.start()
+    finally:
+        ours.cleanup()
 
 
 def test_a_sigkilled_owners_etcd_does_not_outlive_it(tmp_path: Path) -> None:

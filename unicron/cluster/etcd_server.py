@@ -9,7 +9,9 @@ optionally inside a network namespace of its own (:mod:`unicron.cluster.netns`).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,8 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from unicron.kernel import parentdeath, tls
-from unicron.kernel.errors import ConfigError, StoreRejected
+from unicron.kernel.errors import ConfigError, StartFailed, StoreRejected
 from unicron.kernel.net import free_port
+
+#: an error in etcd 3.4's default log format ("DATE TIME C | pkg: msg", C critical, E error); later
+#: versions log JSON lines with a "level"
+_CAPNSLOG_ERROR = re.compile(r"^\S+ \S+ [CE] \| (.*)$")
 
 
 def etcd_binary() -> str:
@@ -42,9 +48,11 @@ class EtcdServer:
 
     def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", tls_dir: str | None = None, *,
                  name: str = "unicron", ports: tuple[int, int] | None = None,
-                 launcher: Sequence[str] = ()) -> None:
+                 launcher: Sequence[str] = (), log_dir: str | Path | None = None) -> None:
         """``ports``: (client, peer), default free ones on ``host``; ``launcher``: an argv prefix the
-        etcd command runs under (``ip netns exec NS``: ``host`` is then an address of that namespace)."""
+        etcd command runs under (``ip netns exec NS``: ``host`` is then an address of that namespace);
+        ``log_dir``: where etcd's output goes, as ``etcd-<name>.log`` (default: ``etcd.log`` in the data
+        dir, which :meth:`cleanup` removes)."""
         self.host = host
         self.tls_config = tls.TLSConfig.from_dir(tls_dir, self.SERVER_CERT) if tls_dir else None
         self.name = name
@@ -57,7 +65,7 @@ class EtcdServer:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="unicron-etcd-")
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(self.data_dir) / "etcd.log"
+        self.log_path = Path(log_dir) / f"etcd-{name}.log" if log_dir is not None else Path(self.data_dir) / "etcd.log"
 
     @property
     def endpoint(self) -> str:
@@ -69,7 +77,11 @@ class EtcdServer:
 
     def start(self, timeout_s: float = 15.0) -> EtcdServer:
         self.launch()
-        self.wait_ready(timeout_s)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()  # one that never became ready must not run on
+            raise
         return self
 
     def launch(self) -> None:
@@ -96,25 +108,57 @@ class EtcdServer:
             self.proc = parentdeath.popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 15.0) -> None:
+        """Until this server answers on its client port; :class:`StartFailed` (with the last error it
+        logged) if it exits first, does not answer within ``timeout_s``, or another etcd answers there."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.client_port), 0.2):
-                from unicron.kernel.etcd import Store
-
-                store = Store(self.endpoint, timeout_s=1.0, tls_config=self.tls_config)
-                try:
-                    store.put("/unicron-ready", "1")
-                    return
-                except StoreRejected:
-                    return  # etcd answered: its auth (enabled before a restart) refused this user
-                except Exception:
-                    pass
-                finally:
-                    store.close()
+                raise self._start_failed(f"etcd exited with {self.proc.returncode}")
+            ours = self._probe()
+            if ours:
+                return
+            if ours is not None:
+                raise self._start_failed(f"another etcd answers on {self.endpoint}, not this one (its port was "
+                                         "taken after it was chosen)")
             time.sleep(0.05)
-        raise RuntimeError(f"etcd did not become ready in {timeout_s}s; see {self.log_path}")
+        raise self._start_failed(f"etcd did not become ready in {timeout_s}s")
+
+    def _probe(self) -> bool | None:
+        """None while nothing answers on the client port; else whether the etcd answering is this one
+        (a member with our peer URL): free_port() races other runs, and another etcd that took the port
+        would answer while ours, unable to bind, exits."""
+        from unicron.kernel.etcd import Store
+
+        with contextlib.suppress(OSError), socket.create_connection((self.host, self.client_port), 0.2):
+            store = Store(self.endpoint, timeout_s=1.0, tls_config=self.tls_config)
+            try:
+                # etcd answered even if its auth (enabled before a restart) refuses this user
+                with contextlib.suppress(StoreRejected):
+                    store.put("/unicron-ready", "1")
+                return any(self.peer_url in m.peer_urls for m in store.client.members)
+            except Exception:  # not serving yet
+                return None
+            finally:
+                store.close()
+        return None
+
+    def _start_failed(self, what: str) -> StartFailed:
+        return StartFailed(f"{what}{self._last_error()}; see {self.log_path}")
+
+    def _last_error(self) -> str:
+        """``": <what>"`` of the last error etcd logged, or "" if none."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            if (m := _CAPNSLOG_ERROR.match(line)) is not None:
+                return f": {m.group(1)}"
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict) and rec.get("level") in ("error", "fatal", "panic"):
+                    return "".join(f": {rec[k]}" for k in ("msg", "error") if rec.get(k))
+        return ""
 
     def stop(self) -> None:
         if self.proc is None:
@@ -156,7 +200,11 @@ class EtcdServer:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> EtcdServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()  # no __exit__ follows a failed __enter__: the data dir would stay
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
@@ -170,14 +218,16 @@ class EtcdCluster:
     the harness use it."""
 
     def __init__(self, members: int = 3, hosts: Sequence[tuple[str, Sequence[str]]] = (),
-                 tls_dir: str | None = None) -> None:
+                 tls_dir: str | None = None, log_dir: str | Path | None = None) -> None:
+        """``log_dir``: as :class:`EtcdServer`'s, for every member."""
         if members < 1:
             raise ConfigError(f"etcd cluster: members must be >= 1, got {members}")
         if hosts and len(hosts) != members:
             raise ConfigError(f"etcd cluster: {members} members but {len(hosts)} hosts")
         self.members = [
-            EtcdServer(name=f"m{i}", host=hosts[i][0], ports=(2379, 2380), launcher=hosts[i][1], tls_dir=tls_dir)
-            if hosts else EtcdServer(name=f"m{i}", tls_dir=tls_dir)
+            EtcdServer(name=f"m{i}", host=hosts[i][0], ports=(2379, 2380), launcher=hosts[i][1], tls_dir=tls_dir,
+                       log_dir=log_dir)
+            if hosts else EtcdServer(name=f"m{i}", tls_dir=tls_dir, log_dir=log_dir)
             for i in range(members)
         ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
@@ -195,10 +245,14 @@ class EtcdCluster:
         return [m.endpoint for m in self.members]
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
-        for m in self.members:
-            m.launch()
-        for m in self.members:
-            m.wait_ready(timeout_s)
+        try:
+            for m in self.members:
+                m.launch()
+            for m in self.members:
+                m.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()  # the members launched before the failure must not run on
+            raise
         return self
 
     def leader(self) -> EtcdServer:
@@ -246,7 +300,11 @@ class EtcdCluster:
             m.cleanup()
 
     def __enter__(self) -> EtcdCluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()  # no __exit__ follows a failed __enter__: the data dirs would stay
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()

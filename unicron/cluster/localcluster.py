@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -132,14 +131,18 @@ class LocalCluster:
         etcdauth.setup(self.etcd.endpoint.split(",")[0], admin, self.keys, peers)
 
     def _make_etcd(self, members: int) -> EtcdServer | EtcdCluster:
-        tls_dir = self.tls_dir or None
+        # The members' logs go with the run's: a member's data dir goes at cleanup, and so would a log
+        # there (named by a failed start's error, or read for a stall or an election seen in the run).
+        tls_dir, log_dir = self.tls_dir or None, self.run_dir
         if self.net is None:
-            return EtcdServer(tls_dir=tls_dir) if members == 1 else EtcdCluster(members, tls_dir=tls_dir)
+            return EtcdServer(tls_dir=tls_dir, log_dir=log_dir) if members == 1 else \
+                EtcdCluster(members, tls_dir=tls_dir, log_dir=log_dir)
         hosts = [self.net.hosts[f"etcd{i}"] for i in range(members)]
         if members == 1:
             return EtcdServer(host=hosts[0].ip, ports=(2379, 2380), launcher=self.net.wrap("etcd0", []),
-                              tls_dir=tls_dir)
-        return EtcdCluster(members, [(h.ip, self.net.wrap(h.name, [])) for h in hosts], tls_dir=tls_dir)
+                              tls_dir=tls_dir, log_dir=log_dir)
+        return EtcdCluster(members, [(h.ip, self.net.wrap(h.name, [])) for h in hosts], tls_dir=tls_dir,
+                           log_dir=log_dir)
 
     def host_ip(self, host: str) -> str:
         """The address of ``host`` (a node, ``coord<i>`` or ``etcd<i>``): its namespace's IP, or loopback."""
@@ -320,18 +323,9 @@ class LocalCluster:
                 p.wait()
         if self.store is not None:
             self.store.close()
-        self._keep_etcd_logs()
         self.etcd.cleanup()
         if self.net is not None:
             self.net.destroy()
-
-    def _keep_etcd_logs(self) -> None:
-        """Copy each member's log into the run's logs: it lives in the member's data dir, which
-        cleanup removes, and a stall or an election seen in the run is read there afterwards."""
-        members = self.etcd.members if isinstance(self.etcd, EtcdCluster) else [self.etcd]
-        for m in members:
-            with contextlib.suppress(OSError):
-                shutil.copyfile(m.log_path, Path(self.run_dir) / f"etcd-{m.name}.log")
 
     def __enter__(self) -> LocalCluster:
         # The cluster's processes run in their own sessions: a SIGTERM to this process must unwind

@@ -26,6 +26,11 @@ class ConfigError(PermanentError):
     """A setting has a bad value; the message names the flag and its environment variable."""
 
 
+class StartFailed(PermanentError):
+    """A process started here (etcd, a daemon of a local cluster, a fleet process) exited or never became
+    ready: the message names it, its exit status and where its log is."""
+
+
 class StoreUnavailable(TemporaryError):
     """etcd could not be reached (all endpoints down or timing out, no leader, too many requests)."""
 
