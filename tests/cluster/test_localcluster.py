@@ -125,6 +125,30 @@ def test_a_sigkilled_owners_etcd_does_not_outlive_it(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def test_an_agent_that_dies_at_startup_is_reported_not_waited_out(tmp_path: Path) -> None:
+    """An agent that exited at start was waited out and reported as a timeout; now at once, by name."""
+    cluster = LocalCluster(agents=1, gpus_per_agent=-1, prefork=[], run_dir=str(tmp_path))  # the agent exits 2
+    try:
+        with pytest.raises(StartFailed, match=r"agent-node0 \(pid \d+\) exited with 2 .*agent-node0\.log"):
+            cluster.start(timeout_s=30.0)
+    finally:
+        cluster.stop()
+
+
+def test_a_cluster_that_failed_to_start_puts_sigterm_back(taken_port: int, tmp_path: Path) -> None:
+    """The cluster's SIGTERM handler stayed installed after the with block (here: a failed start)."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    cluster = LocalCluster(agents=0, run_dir=str(tmp_path))
+    assert isinstance(cluster.etcd, EtcdServer)
+    cluster.etcd.client_port = taken_port
+    try:
+        with pytest.raises(StartFailed), cluster:
+            pass
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_an_etcd_started_on_a_short_lived_thread_outlives_the_thread() -> None:
     """etcd dies with its owner (PDEATHSIG), which the kernel sends when the *thread* that forked it
     exits: it is forked on one long-lived thread, so a cluster started in the background runs on."""

@@ -21,13 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from coordinator.statestore import read_state
 from unicron.cluster.etcd_server import EtcdCluster, EtcdServer
 from unicron.cluster.netns import Network
 from unicron.kernel import etcdauth, parentdeath, tls
-from unicron.kernel.errors import ConfigError, TemporaryError
+from unicron.kernel.errors import ConfigError, StartFailed, TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import free_port
@@ -89,6 +90,10 @@ class LocalCluster:
         #: every coordinator process by index (its host in netns mode is ``coord<index>``)
         self.coordinators: dict[int, subprocess.Popen[bytes]] = {}
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        #: every daemon process started -> its log file
+        self._logs: dict[subprocess.Popen[bytes], Path] = {}
+        #: the SIGTERM handler :meth:`__enter__` replaced, put back by :meth:`__exit__`
+        self._sigterm_before: Callable[[int, FrameType | None], Any] | int | None = None
         self.extra_env = ({} if prefork is None else {"UNICRON_PREFORK": ",".join(prefork) or ","}) \
             | (extra_env or {})
         self.quiet = quiet
@@ -187,6 +192,7 @@ class LocalCluster:
             # dies with this process (with its ranks, which die with it): a SIGKILLed owner left the
             # daemons running for good (``ip netns exec`` execs the daemon, which keeps the signal)
             proc = parentdeath.popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._logs[proc] = log_path
         return proc
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
@@ -200,11 +206,13 @@ class LocalCluster:
             self.start_coordinator(i, wait=False)
         for node in self.node_names():
             self.start_agent(node)
-        self.wait_for(lambda: len(self.registered_nodes()) == self.n_agents, timeout_s, "agents to register")
+        daemons = [*self.coordinators.values(), *self.agents.values()]
+        self.wait_for(lambda: len(self.registered_nodes()) == self.n_agents, timeout_s, "agents to register",
+                      procs=daemons)
         # Registered in etcd is not yet joined in the coordinator's decision: a task submitted in
         # between is measured against part of the cluster (and refused as larger than it).
         self.wait_for(lambda: all(self.node_state(n) == "up" for n in self.node_names()), timeout_s,
-                      "the coordinator to count every node")
+                      "the coordinator to count every node", procs=daemons)
         return self
 
     def running_ranks(self, task: str) -> dict[int, dict[str, Any]]:
@@ -277,7 +285,7 @@ class LocalCluster:
             self.coordinator = proc
         if wait:
             self.wait_for(lambda: self.store is not None and self.store.get(self.keys.leader()) is not None, 30.0,
-                          "the coordinator to lead")
+                          "the coordinator to lead", procs=[proc])
 
     def leader_pid(self) -> int | None:
         """The PID in the leader key (the coordinator that leads now), None while nobody does."""
@@ -331,25 +339,37 @@ class LocalCluster:
         # The cluster's processes run in their own sessions: a SIGTERM to this process must unwind
         # through __exit__ (which stops them), not kill it with them orphaned.
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            self._sigterm_before = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             return self.start()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._sigterm_before is not None:  # None: not ours to restore (set outside Python, or kept)
+                signal.signal(signal.SIGTERM, self._sigterm_before)
+                self._sigterm_before = None
 
     # --- observation -------------------------------------------------------------------------
 
-    def wait_for(self, pred: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02) -> Any:
+    def wait_for(self, pred: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02,
+                 procs: Sequence[subprocess.Popen[bytes]] = ()) -> Any:
         """``pred()``'s first truthy value within ``timeout_s``. A temporary error counts as "not yet":
         reads time out while etcd stalls (a 3-member cluster electing, say), and chaos seed 57 ended
-        before its first fault on one such timeout."""
+        before its first fault on one such timeout. One of ``procs`` (daemons being started) exiting
+        is :class:`StartFailed` at once, naming it and its log: it was waited out, a timeout."""
         deadline = time.monotonic() + timeout_s
         last: TemporaryError | None = None
         while time.monotonic() < deadline:
+            for p in procs:
+                if p.poll() is not None:
+                    log_path = self._logs[p]
+                    raise StartFailed(f"{log_path.stem} (pid {p.pid}) exited with {p.returncode} while waiting "
+                                      f"for {what}; see {log_path}")
             try:
                 value = pred()
             except TemporaryError as exc:
