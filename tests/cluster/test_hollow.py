@@ -3,13 +3,14 @@ registration, lease and status record, owned by one of the fleet's processes, ag
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.cluster.hollow import FleetProcesses
+from unicron.cluster.hollow import FleetProcesses, SimulatedTask
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import NodeInfo
+from unicron.kernel.types import NodeInfo, RankSpec, TaskAssignment
 
 NAMES = ["hollow0000", "hollow0001", "hollow0002", "hollow0003", "hollow0004"]
 
@@ -51,3 +52,16 @@ def test_a_fleet_over_two_processes_keeps_each_nodes_own_lease_and_records(
     finally:
         fleet.stop()
     assert _registered(store, keys) == {}  # stopping revokes the live nodes' leases
+
+
+
+def test_a_hollow_survivor_of_a_one_rank_restart_keeps_its_launch_epoch() -> None:
+    """Every hollow rank reported the restart's epoch, so the survivors' steps confirmed a restart whose
+    relaunched rank had not run (coordinator/causes.py counts the ranks the restart launched). Each rank
+    now reports its own launch epoch, as the real reconciler does."""
+    a = TaskAssignment(task="t", generation=1, argv=["x"], env={}, world_size=2,
+                       ranks=[RankSpec(rank=0, local_rank=0, gpu=0), RankSpec(rank=1, local_rank=1, gpu=1)],
+                       store_node="n")
+    sim = SimulatedTask(a, iter_s=0.001)
+    sim.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[1]))
+    assert {r.rank: r.restart_epoch for r in sim.rank_statuses()} == {0: 0, 1: 1}

@@ -62,6 +62,9 @@ class SimulatedTask:
         now = time.time()
         self._launched = {r.rank: now for r in a.ranks}
         self._membership = {r.rank: a.membership_epoch for r in a.ranks}
+        # each rank's own launch epoch, as the reconciler reports it: a restart's progress counts only
+        # the ranks it relaunched (coordinator/causes.py), so survivors must keep the epoch they ran under
+        self._epoch = {r.rank: a.restart_epoch for r in a.ranks}
         self.started = self._done(f"started {len(a.ranks)} simulated rank(s)")
 
     def _done(self, detail: str) -> Outcome:
@@ -79,6 +82,7 @@ class SimulatedTask:
             if joiner or (restarted and (not a.restart_ranks or r.rank in a.restart_ranks)):
                 self._launched[r.rank] = now
                 self._membership[r.rank] = a.membership_epoch
+                self._epoch[r.rank] = a.restart_epoch
         self.latest = self.applied = a
         return self._done("applied")
 
@@ -90,7 +94,7 @@ class SimulatedTask:
         a = self.applied
         steps = {r.rank: int((now - self._launched.get(r.rank, now)) / self.iter_s) for r in a.ranks}
         return [RankStatus(task=a.task, generation=a.generation, rank=r.rank, pid=0, state="running",
-                           step=steps[r.rank], restart_epoch=a.restart_epoch,
+                           step=steps[r.rank], restart_epoch=self._epoch[r.rank],
                            membership_epoch=self._membership.get(r.rank, 0), advanced=steps[r.rank] > 0)
                 for r in a.ranks]
 
