@@ -4,10 +4,16 @@ registration, lease and status record, owned by one of the fleet's processes, ag
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import time
+from pathlib import Path
+
+import pytest
 
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.cluster.hollow import FleetProcesses, SimulatedTask
+from unicron.cluster.hollow import FleetProcesses, HollowFleet, SimulatedTask
+from unicron.kernel.errors import StartFailed
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeInfo, RankSpec, TaskAssignment
@@ -54,6 +60,24 @@ def test_a_fleet_over_two_processes_keeps_each_nodes_own_lease_and_records(
     assert _registered(store, keys) == {}  # stopping revokes the live nodes' leases
 
 
+def test_a_fleet_whose_process_dies_at_start_stops_its_other_processes(
+        etcd_server: EtcdServer, store: Store, prefix: str, tmp_path: Path) -> None:
+    """Fleet process 0 meets a node name taken (another run on this etcd) and dies: start() raised a bare
+    EOFError and left process 1 running, its nodes registered, with no handle to stop it. Now the
+    others are stopped and the error names the dead process and its exit code."""
+    keys = Keyspace(prefix)
+    store.put(keys.node("hollow0000"), NodeInfo(node="hollow0000", host="127.0.0.1", gpus=2, gpu_backend="simulated",
+                                               agent_pid=os.getpid(), started_ts=time.time(),
+                                               hostname=os.uname().nodename).to_json())
+    fleet = FleetProcesses(etcd_server.endpoint, 4, 2, procs=2, prefix=prefix, run_dir=str(tmp_path))
+    try:
+        with pytest.raises(StartFailed, match=r"hollow fleet process hollow-fleet-0 \(pid \d+\) exited with 1"):
+            fleet.start(timeout_s=30.0)
+        assert not fleet.processes[1].is_alive()
+        assert not {"hollow0002", "hollow0003"} & set(_registered(store, keys))  # process 1's, revoked
+    finally:
+        fleet.stop()
+
 
 def test_a_hollow_survivor_of_a_one_rank_restart_keeps_its_launch_epoch() -> None:
     """Every hollow rank reported the restart's epoch, so the survivors' steps confirmed a restart whose
@@ -65,3 +89,11 @@ def test_a_hollow_survivor_of_a_one_rank_restart_keeps_its_launch_epoch() -> Non
     sim = SimulatedTask(a, iter_s=0.001)
     sim.apply(dataclasses.replace(a, restart_epoch=1, restart_ranks=[1]))
     assert {r.rank: r.restart_epoch for r in sim.rank_statuses()} == {0: 0, 1: 1}
+
+
+def test_a_stopped_hollow_fleet_leaves_no_temp_dir(
+        etcd_server: EtcdServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet given no run_dir made ``unicron-hollow-*`` and never removed it; stop() now does."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    HollowFleet(etcd_server.endpoint, 1, 2, prefix=prefix).start().stop()
+    assert not list(tmp_path.glob("unicron-hollow-*"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import shutil
 import tempfile
 import threading
 import time
@@ -41,7 +42,7 @@ from agent.settings import AgentSettings
 from agent.supervisor import ProcStatus
 from unicron.kernel import link, wire
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import PermanentError, StoreUnavailable
+from unicron.kernel.errors import PermanentError, StartFailed, StoreUnavailable
 from unicron.kernel.etcd import MAX_TXN_OPS, Lease, PrefixWatch, Store, WatchEvent
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import RankStatus, TaskAssignment
@@ -207,11 +208,12 @@ class HollowFleet:
         self.heartbeat_s = heartbeat_s
         self.status_interval_s = status_interval_s
         self.status_threads = status_threads
-        run_dir = run_dir or tempfile.mkdtemp(prefix="unicron-hollow-")
+        self._own_run_dir = not run_dir  # made here: removed by stop()
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="unicron-hollow-")
         self.agents = {
             f"{name}{i:04d}": HollowAgent(AgentSettings(
                 node=f"{name}{i:04d}", etcd=etcd, prefix=prefix, gpu_backend="simulated", gpus=gpus,
-                heartbeat_s=heartbeat_s, status_interval_s=status_interval_s, run_dir=run_dir,
+                heartbeat_s=heartbeat_s, status_interval_s=status_interval_s, run_dir=self.run_dir,
                 replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"), node_store, iter_s)
             for i in range(first, first + n)
         }
@@ -269,6 +271,8 @@ class HollowFleet:
                     a.lease.revoke()
         self.store.close()
         self._lease_store.close()
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # --- faults --------------------------------------------------------------------------------
 
@@ -443,6 +447,18 @@ def _serve_slice(conn: Connection, etcd: str, first: int, n: int, gpus: int, opt
         fleet.stop()
 
 
+def _await_ready(conn: Connection, proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    try:
+        if conn.poll(timeout_s):
+            conn.recv()
+            return
+        what = f"did not start in {timeout_s:.0f} s"
+    except EOFError:  # it exited before its ready (its traceback is on stderr)
+        proc.join(timeout=5.0)
+        what = f"exited with {proc.exitcode} at start"
+    raise StartFailed(f"hollow fleet process {proc.name} (pid {proc.pid}) {what}")
+
+
 class FleetProcesses:
     """A hollow fleet of ``n`` nodes split over ``procs`` processes, each a :class:`HollowFleet` of a
     slice of the names (``<name>0000`` ..): one process's GIL cannot keep 1,000 nodes' heartbeats,
@@ -469,12 +485,16 @@ class FleetProcesses:
         self._lock = threading.Lock()
 
     def start(self, timeout_s: float = 300.0) -> FleetProcesses:
+        """Start every process; :class:`StartFailed` naming one that exits or is not ready within
+        ``timeout_s``, the others stopped (their nodes would stay registered, with nothing to stop them)."""
         for proc in self.processes:
             proc.start()
-        for conn, proc in zip(self._conns, self.processes, strict=True):
-            if not conn.poll(timeout_s):
-                raise TimeoutError(f"hollow fleet process {proc.name} did not start in {timeout_s:.0f} s")
-            conn.recv()
+        try:
+            for conn, proc in zip(self._conns, self.processes, strict=True):
+                _await_ready(conn, proc, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def pids(self) -> list[int]:
