@@ -1,4 +1,4 @@
-"""``unicron demo`` (unicron/cli/demo.py) when its cluster cannot start: one line."""
+"""``unicron demo`` (unicron/cli/demo.py) when its cluster cannot start: one line, nothing left behind."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from unicron.cli.demo import run_demo
 from unicron.cli.main import main
 from unicron.cluster import etcd_server
+from unicron.kernel.errors import StartFailed
 
 
 @pytest.fixture
@@ -25,3 +27,10 @@ def test_the_demo_reports_an_etcd_that_fails_to_start_in_one_line(capsys: pytest
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "address already in use" in err, err
 
+
+@pytest.mark.usefixtures("etcd_port_taken")
+def test_the_demo_leaves_no_spec_dir_behind(tmp_path: Path) -> None:
+    """The task specs' ``unicron-demo-*`` dir was never removed; it goes with the demo, however it ends."""
+    with pytest.raises(StartFailed):
+        run_demo()
+    assert not list(tmp_path.glob("unicron-demo-*"))

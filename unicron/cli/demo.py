@@ -94,10 +94,10 @@ def _fault(c: LocalCluster, title: str, inject: Any, pick: Any, task: str, timeo
          f"(generation {_progress(c, task)[0]}); waited {took:.1f} s")
 
 
-def run_demo(quick: bool = False, secure: bool = False) -> int:
+def run_demo(secure: bool = False) -> int:
     env = {"UNICRON_REATTEMPT_DEADLINE": "15", "UNICRON_RESTART_DEADLINE": "60", "UNICRON_WARMUP_ITERATIONS": "5"}
-    spec_dir = tempfile.mkdtemp(prefix="unicron-demo-")
-    with LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, tls=secure) as c:
+    with tempfile.TemporaryDirectory(prefix="unicron-demo-") as spec_dir, \
+            LocalCluster(agents=3, gpus_per_agent=2, extra_env=env, tls=secure) as c:
         _say(f"cluster up: etcd {c.etcd.endpoint}, nodes {', '.join(c.registered_nodes())}; logs in {c.run_dir}")
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         if secure:
@@ -176,11 +176,10 @@ def run_demo(quick: bool = False, secure: bool = False) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="run the local self-healing demo (throwaway etcd, coordinator, 3 agents)")
-    p.add_argument("--quick", action="store_true", help="shorter waits")
     p.add_argument("--tls", action="store_true",
                    help="the secure variant: a cluster CA, etcd with TLS and per-role auth, mutual TLS everywhere")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_demo(quick=args.quick, secure=args.tls)
+    return run_demo(secure=args.tls)
