@@ -754,7 +754,7 @@ class _Run:
         for name in active:
             entry = self.state.tasks[name]
             if counts[name] == 0:
-                reason = _waiting_reason(entry.spec.min_gpus, sum(usable.values()), counts)
+                reason = _waiting_reason(entry.spec, usable, counts)
                 if entry.placement:
                     self._fire(name, _T.UNPLACED, _Fault(f"preempted; {reason}"))
                 elif entry.reason != reason:
@@ -798,6 +798,8 @@ class _Run:
     def _plan(
         self, specs: list[TaskSpec], usable: dict[str, int]
     ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+        # the planner models one node size: the largest (it plans only TP sizes dividing it, and the largest
+        # node divides by every power-of-two TP that fits any node); how many groups fit is _fit_to's cap
         gpus_per_node = max(usable.values(), default=0)
         current = {s.name: sum(len(r) for r in self.state.tasks[s.name].placement.values()) for s in specs}
         holdings = {
@@ -806,10 +808,17 @@ class _Run:
         }
         tp = {s.name: s.tp_size for s in specs}
         total = sum(usable.values())
-        # counts that cannot be cut into whole TP groups on these nodes: offer the allocator less
+        # Each task is offered at most what whole TP groups of it fit on the usable nodes, and one whose
+        # minimum does not fit is left out (it waits, _waiting_reason says why): else its share fails to
+        # place and the budget loop below takes GPUs from every task until that share is small enough
+        # (a TP=8 task on 4-GPU nodes left the others a fraction of the cluster).
+        fitting = [c for c in (_fit_to(s, usable) for s in specs) if c is not None]
+        # counts that still cannot be cut into whole TP groups (tasks competing for the nodes that hold
+        # their groups): offer the allocator less
         for budget in range(total, -1, -1):
-            counts = self.allocator.allocate(specs, budget, gpus_per_node, current, set(self.faulted))
-            _check_counts(counts, specs, budget)
+            planned = self.allocator.allocate(fitting, budget, gpus_per_node, current, set(self.faulted))
+            _check_counts(planned, fitting, budget)
+            counts = {s.name: planned.get(s.name, 0) for s in specs}
             try:
                 placement = place(counts, usable, holdings, tp)
             except PermanentError:
@@ -844,10 +853,36 @@ def _ranks(old: Mapping[str, list[int]], new: Mapping[str, int]) -> dict[str, li
     return out
 
 
-def _waiting_reason(min_gpus: int, usable: int, counts: Mapping[str, int]) -> str:
+def _tp_fit(spec: TaskSpec, usable: Mapping[str, int]) -> int:
+    """The most GPUs ``spec`` can run on over ``usable`` (node -> GPUs): whole TP groups, each inside
+    one node, making up whole replicas of TP x PP."""
+    groups = sum(g // spec.tp_size for g in usable.values())
+    return groups * spec.tp_size // spec.unit * spec.unit
+
+
+def _fit_to(spec: TaskSpec, usable: Mapping[str, int]) -> TaskSpec | None:
+    """``spec`` with ``max_gpus`` capped at :func:`_tp_fit`; None if even its minimum does not fit."""
+    fit = _tp_fit(spec, usable)
+    if fit < spec.min_gpus:
+        return None
+    if fit == sum(usable.values()) // spec.unit * spec.unit or (spec.max_gpus is not None and spec.max_gpus <= fit):
+        # the cap binds nothing (TP divides every node, say): the spec unchanged, as the allocator's
+        # lookup table keys it, so a node lost or joined is still answered from the table
+        return spec
+    return dataclasses.replace(spec, max_gpus=fit)
+
+
+def _waiting_reason(spec: TaskSpec, nodes: Mapping[str, int], counts: Mapping[str, int]) -> str:
     """Why a task got no GPUs, in words that do not contradict themselves ("needs 6, 6 usable")."""
+    min_gpus, usable = spec.min_gpus, sum(nodes.values())
     if usable < min_gpus:
         return f"waiting for GPUs: needs at least {min_gpus}, only {usable} usable in the cluster"
+    fit = _tp_fit(spec, nodes)
+    if fit < min_gpus:
+        return (
+            f"waiting for GPUs: needs at least {min_gpus} in TP groups of {spec.tp_size} inside one node; "
+            f"the usable nodes hold {fit}"
+        )
     holders = ", ".join(f"{t} {n}" for t, n in sorted(counts.items()) if n)
     if holders:
         return f"waiting for GPUs: needs at least {min_gpus}; the plan gives the {usable} usable to {holders}"

@@ -590,6 +590,49 @@ def test_tensor_parallel_groups_stay_inside_nodes() -> None:
             assert all(len(r) % 4 == 0 and r[0] % 4 == 0 for r in a.placement.values())
 
 
+def test_a_task_whose_tp_fits_no_usable_node_does_not_starve_the_others() -> None:
+    """One 8-GPU node and three 4-GPU nodes; a TP=8 task on the 8-GPU node, an elastic TP=1 task on the
+    rest. Once the 8-GPU node was lost the TP=8 task's 8 GPUs could not be placed, and the core lowered
+    the budget of every task until they could: the other task got 7 of 12 usable GPUs. Now a task is
+    offered only what whole TP groups of it fit the usable nodes: the other gets all 12, it waits."""
+    sim = Sim()
+    sim.join("n0", gpus=8)
+    for n in ("n1", "n2", "n3"):
+        sim.join(n, gpus=4)
+    sim.submit("big", tp_size=8, min_gpus=8, max_gpus=8)
+    sim.submit("small")
+    assert sum(len(r) for r in sim.state.tasks["big"].placement.values()) == 8
+    assert sum(len(r) for r in sim.state.tasks["small"].placement.values()) == 12
+    actions = sim.feed(NodeLost(ts=sim.ts(), node="n0", reason="lease expired"))
+    assert not [a for a in only(actions, Alert) if "left idle" in a.message]
+    assert sum(len(r) for r in sim.state.tasks["small"].placement.values()) == 12
+    big = sim.state.tasks["big"]
+    assert not big.placement and "TP groups of 8 inside one node; the usable nodes hold 0" in big.reason, big.reason
+
+
+SMALL_MODEL = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048,
+               "vocab_size": 50000, "global_batch_size": 1024}
+
+
+def test_waf_plan_on_a_mixed_node_cluster_does_not_leave_most_gpus_idle() -> None:
+    """The same with the WAF planner, on one 8-GPU and twenty 4-GPU nodes: it planned more TP=8 groups
+    than the one 8-GPU node holds, and the budget loop gave the elastic task 8 GPUs of 88 (72 idle).
+    Now the TP=8 task is offered at most the 8 that fit, and the other task the rest it can run on."""
+    from coordinator.allocation import WafAllocator
+
+    sim = Sim(core=DecisionCore(allocator=WafAllocator()))
+    sim.join("n0", gpus=8)
+    for i in range(20):
+        sim.join(f"m{i:02d}", gpus=4)
+    sim.submit("big", tp_size=8, min_gpus=8, weight=2.0, model=SMALL_MODEL)
+    actions = sim.submit("small", model=SMALL_MODEL)
+    assert not [a for a in only(actions, Alert) if "left idle" in a.message]
+    big = sum(len(r) for r in sim.state.tasks["big"].placement.values())
+    small = sum(len(r) for r in sim.state.tasks["small"].placement.values())
+    # big can only ever hold n0's 8 GPUs; small (DP a divisor of 1024) fits 64 of the other 80
+    assert (big, small) == (8, 64)
+
+
 # --- persistence and determinism ---------------------------------------------------------------------
 
 
