@@ -352,6 +352,21 @@ def _parse_recovery(value: Any, command: tuple[str, ...]) -> Recovery:
         ) from None
 
 
+def _check_layout(model: ModelDescription, tp: int, pp: int) -> None:
+    """What Megatron asserts of TP x PP, and the WAF planner's configuration search requires (else it
+    gives the task 0 GPUs on every plan: pending for ever, blaming a lack of GPUs)."""
+    if model.num_layers % pp:
+        raise InvalidRecord(
+            f"task.pp_size: {pp} does not divide model.num_layers={model.num_layers}; every pipeline stage "
+            "needs the same number of layers"
+        )
+    if model.num_attention_heads % tp:
+        raise InvalidRecord(
+            f"task.tp_size: {tp} does not divide model.num_attention_heads={model.num_attention_heads}; "
+            "each tensor-parallel rank needs whole heads"
+        )
+
+
 def _parse_max_gpus(value: Any, min_gpus: int, unit: int) -> int | None:
     if value is None:
         return None
@@ -365,8 +380,13 @@ def _parse_max_gpus(value: Any, min_gpus: int, unit: int) -> int | None:
     return max_gpus
 
 
-def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | None = None) -> TaskSpec:
+def parse_task_spec(
+    data: Any, cluster_gpus: int | None, gpus_per_node: int | None = None, *, stored: bool = False
+) -> TaskSpec:
     """Validate one task from JSON. ``cluster_gpus``/``gpus_per_node`` (if known) bound its demands.
+    ``stored``: a spec the leader accepted earlier, read back from its state: the layout checks added
+    since (:func:`_check_layout`) are skipped, so that one such task does not make the whole state
+    unreadable (the leader would start afresh, forgetting every task).
 
     Raises :class:`InvalidRecord` naming the offending field and what to do.
     """
@@ -404,6 +424,8 @@ def parse_task_spec(data: Any, cluster_gpus: int | None, gpus_per_node: int | No
     env = _parse_env(data.get("env", {}))
     _check_launch_size(command, env)
     recovery = _parse_recovery(data.get("recovery"), command)
+    if model is not None and not stored:
+        _check_layout(model, tp, pp)
     max_gpus = _parse_max_gpus(data.get("max_gpus"), min_gpus, unit)
     spec = TaskSpec(name, command, weight, min_gpus, tp, pp, model, env, recovery, max_gpus)
     if model is not None and not spec.valid_count(min_gpus):

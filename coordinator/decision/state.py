@@ -238,7 +238,7 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     for key in _PLAIN & set(raw):
         _typed(raw[key], hints[key], _path("tasks", name, key))
     try:
-        raw["spec"] = parse_task_spec(raw["spec"], None)
+        raw["spec"] = parse_task_spec(raw["spec"], None, stored=True)
     except InvalidRecord as exc:  # its message names the spec's field; say whose spec it is
         raise InvalidRecord(f"decision state: {_path('tasks', name, 'spec')}: {exc}") from exc
     raw["phase"] = _member(TaskPhase, raw["phase"], _path("tasks", name, "phase"))

@@ -126,6 +126,25 @@ def test_model_fields_are_bounded_so_planning_stays_quick() -> None:
     assert WafAllocator("A800").allocate([spec], 64, 8, {}, set())["gpt-1"] > 0
 
 
+def test_a_layout_megatron_and_the_planner_refuse_is_refused_at_submission_not_left_pending() -> None:
+    """num_layers % pp_size and num_attention_heads % tp_size were not checked: such a task was accepted
+    and the WAF planner (whose configuration search needs both, as Megatron does) gave it 0 GPUs on an
+    idle cluster on every plan, pending for ever, its reason blaming a lack of GPUs. Now it is refused
+    at submission in one line naming the fields; one already in a leader's stored state still loads."""
+    for fields, message in (
+        ({"pp_size": 4, "model": {**MODEL, "num_layers": 30}},
+         r"^task\.pp_size: 4 does not divide model\.num_layers=30; [^\n]*$"),
+        ({"tp_size": 8, "model": {**MODEL, "num_attention_heads": 4}},
+         r"^task\.tp_size: 8 does not divide model\.num_attention_heads=4; [^\n]*$"),
+    ):
+        data = task(recovery="inprocess", min_gpus=8, **fields)
+        with pytest.raises(InvalidRecord, match=message):
+            parse_task_spec(data, 32, 8)
+        assert parse_task_spec(data, None, stored=True).model is not None
+    fits = parse_task_spec(task(recovery="inprocess", tp_size=8, pp_size=4, min_gpus=32, model=MODEL), 32, 8)
+    assert WafAllocator("A800").allocate([fits], 32, 8, {}, set()) == {"gpt-1": 32}
+
+
 def test_missing_fields_and_non_objects() -> None:
     with pytest.raises(InvalidRecord, match=r"task\.command: missing"):
         parse_task_spec({"name": "a"}, None)
