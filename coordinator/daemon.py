@@ -563,7 +563,8 @@ class Coordinator:
             self.leadership.write(puts=puts, deletes=deletes)
         else:
             # the decision stamps the action the incident led to (coordinator.costs)
-            incident = self._decide(event, puts=puts, deletes=deletes).get(incident.incident_id, incident)
+            incident = self._decide(event, puts=puts, deletes=deletes, incident=incident).get(
+                incident.incident_id, incident)
         self.metrics.incident(incident)
         for _ in expired:
             self._incident_set.discard(self._incident_keys.popleft())
@@ -666,14 +667,16 @@ class Coordinator:
         return _gpus_in(self.state, node)
 
     def _decide(self, event: d.Event, puts: Mapping[str, str] | None = None,
-                deletes: Sequence[str] = ()) -> dict[str, Incident]:
+                deletes: Sequence[str] = (), incident: Incident | None = None) -> dict[str, Incident]:
         """Feed one event to the core; write its state, the changed node records, the incidents whose
         recovery cost changed and ``puts`` / ``deletes`` in one fenced transaction; adopt the new
-        state only once that write landed. Returns those incidents by id."""
+        state only once that write landed. Returns those incidents by id. ``incident``: the one the
+        event stands for when it is not an ``IncidentRaised`` (a lease gone is a ``NodeLost``), so its
+        action is costed and it counts as a failure all the same."""
         state, actions, edges = self.core.explain(self.state, event)
         draft, changed = execute(self.executor, state, actions)
         writes = dict(puts or {})
-        raised = event.incident if isinstance(event, d.IncidentRaised) else None
+        raised = event.incident if isinstance(event, d.IncidentRaised) else incident
         costs, costed = self.costs.step(self.state, state, event.ts, raised)
         for inc in costed:
             key = self.keys.incident(inc.incident_id)

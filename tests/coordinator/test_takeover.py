@@ -1,5 +1,6 @@
 """A coordinator taking the lead: an etcd outage in the middle of it, a decision state it cannot read,
-and assignments that outlive the state (review reproductions, real etcd)."""
+assignments that outlive the state, what a leader records of a node loss and what a new one restores
+of it (review reproductions, real etcd)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import parse_task_spec
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable, TemporaryError
-from unicron.kernel.etcd import KeyValue, Store
+from unicron.kernel.etcd import KeyValue, Store, WatchEvent
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeAssignment
 
@@ -142,6 +143,28 @@ def test_a_release_decided_on_a_quiet_tick_is_written_not_only_adopted(etcd_serv
         assert stored == in_memory, f"etcd's assign/n0 runs {stored}, the executor believes {in_memory}"
     finally:
         _close(b)
+
+
+def test_a_node_lost_by_its_lease_counts_as_a_failure_and_its_incident_names_the_reconfiguration(
+        etcd_server: EtcdServer) -> None:
+    """A node lost by lease expiry is recorded as a sev1 incident but decided on as a NodeLost, and
+    _decide took the incident to cost and ground from IncidentRaised events only: the re-plan it caused
+    was never stamped on the incident (action None, tasks []) and the failure count (Grounding.failed,
+    the reliability model's input) did not grow, unlike the same loss found through the link. Now the
+    incident is passed with the event: both happen."""
+    a, _ = _leading_coordinator(etcd_server.endpoint, "/leaselost")
+    try:
+        a._decide(d.NodeJoined(ts=time.time(), node="n0", gpus=1))
+        a._decide(d.NodeJoined(ts=time.time(), node="n1", gpus=1))
+        spec = parse_task_spec({"name": "job", "command": ["python", "x.py"], "recovery": "inprocess"}, None)
+        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+        assert sorted(a.state.tasks["job"].placement) == ["n0", "n1"]
+        a._on_node(WatchEvent("delete", a.keys.node("n1"), b"", 0), time.time())
+        assert a.state.nodes["n1"].status is d.NodeState.LOST
+        incident = a.recent_incidents[-1]
+        assert (a.grounding.failed, incident.action, incident.tasks) == (1, "reconfigure", ["job"])
+    finally:
+        _close(a)
 
 
 def _next_call(c: Coordinator) -> daemon.Call:
