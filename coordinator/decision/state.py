@@ -241,6 +241,9 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
         raw["spec"] = parse_task_spec(raw["spec"], None, stored=True)
     except InvalidRecord as exc:  # its message names the spec's field; say whose spec it is
         raise InvalidRecord(f"decision state: {_path('tasks', name, 'spec')}: {exc}") from exc
+    if raw["spec"].name != name:  # the core finds a task's entry by its spec's name
+        raise InvalidRecord(f"decision state: {_path('tasks', name, 'spec', 'name')}: {raw['spec'].name!r} is not "
+                            "the entry's name; delete the state key to start afresh")
     raw["phase"] = _member(TaskPhase, raw["phase"], _path("tasks", name, "phase"))
     o = raw["outstanding"]
     if o is not None:

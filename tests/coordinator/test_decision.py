@@ -747,6 +747,18 @@ def test_a_damaged_node_gpu_count_in_the_state_is_refused() -> None:
         assert "\n" not in str(err.value)
 
 
+def test_a_state_entry_whose_key_is_not_its_specs_name_is_refused_on_load() -> None:
+    """A task entry stored under one name whose spec names another (a damaged or hand-edited
+    state/tasks/<name>) loaded, and every re-plan then raised KeyError in the core (it finds entries by
+    spec name): the leader dropped every later input. Now it is refused like any malformed state."""
+    sim = running_cluster({"n0": 8}, {"a": {}})
+    data = json.loads(json.dumps(sim.state.to_dict()))
+    data["tasks"]["b"] = data["tasks"].pop("a")  # the entry of task "a" under the key "b"
+    with pytest.raises(InvalidRecord, match=r"^decision state: tasks\.b\.spec\.name: 'a' is not the entry's name; "
+                                            r"[^\n]*$"):
+        CoreState.from_dict(data)
+
+
 def test_settings_are_validated() -> None:
     with pytest.raises(ConfigError, match="max_reattempts"):
         DecisionSettings(max_reattempts=-1)

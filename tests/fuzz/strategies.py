@@ -238,5 +238,6 @@ CORE_STATES = st.builds(
     CoreState, now=st.floats(0, 2e9), counter=st.integers(0, 10**6),
     nodes=st.dictionaries(_TEXT, st.builds(NodeEntry, st.integers(0, 8), st.sampled_from(list(NodeState)), _TEXT),
                           max_size=3),
-    tasks=st.dictionaries(_TEXT, _task_entry(), max_size=2),
+    # keyed by the spec's name, as the core keeps them (another key is refused as damage)
+    tasks=st.lists(_task_entry(), max_size=2).map(lambda entries: {e.spec.name: e for e in entries}),
 ).map(lambda s: s.to_dict())
