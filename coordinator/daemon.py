@@ -652,7 +652,7 @@ class Coordinator:
             except InvalidRecord as exc:
                 log.warning("ignoring unreadable incident record", key=kv.key, error=str(exc))
         # measured transitions survive a leader change: they are in the incident records
-        self.grounding.seed(self.recent_incidents)
+        self.grounding.seed(self.recent_incidents, self.state)
         self.grounding.apply(self.allocator)
 
     def _spec(self, task: str) -> TaskSpec | None:

@@ -161,10 +161,20 @@ class Grounding:
         measured = self.measured.get(task)
         return None if rate is None or measured is None else measured.flops.get(rate.gpus)
 
-    def seed(self, incidents: Iterable[Incident]) -> None:
-        """Transitions recorded before this process led (a new leader reads the incident records)."""
+    def seed(self, incidents: Iterable[Incident], state: d.CoreState) -> None:
+        """Transitions recorded before this process led (a new leader reads the incident records), of
+        the tasks in ``state``: only those decided since the task's run was submitted, as :meth:`decided`
+        forgets an earlier run's on resubmission (the records keep them, by task name)."""
         self._transitions = {}
         add_transitions(self._transitions, incidents, self.window)
+        for task in list(self._transitions):
+            entry = state.tasks.get(task)
+            kept = {} if entry is None else {
+                i: (ts, s) for i, (ts, s) in self._transitions[task].items() if ts >= entry.submitted_at}
+            if kept:
+                self._transitions[task] = kept
+            else:
+                del self._transitions[task]
 
     def reliability(self) -> ReliabilityModel:
         """The failure model as of the last failure observed."""

@@ -631,7 +631,8 @@ class _Run:
             return
         # a resubmitted name continues its generation count, so late reports of the old run stay stale
         generation = 0 if old is None else old.generation
-        self.state.tasks[spec.name] = TaskEntry(spec, generation=generation, reason="waiting for a plan")
+        self.state.tasks[spec.name] = TaskEntry(spec, generation=generation, reason="waiting for a plan",
+                                                submitted_at=self.state.now)
         self._own_tasks.add(spec.name)
         self.replan = True
 

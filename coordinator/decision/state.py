@@ -105,6 +105,9 @@ class TaskEntry:
     restarts: int = 0  # restarts without progress
     no_progress_since: int | None = None  # last step known at the first of those restarts
     reason: str = ""  # why pending / failed / what the last recovery was for
+    submitted_at: float = 0.0
+    """When this run of the task was submitted (the core's clock; 0 in states written before it existed):
+    what was measured before it was an earlier run's under the same name (``Grounding.seed``)."""
 
     def ranks_on(self, node: str) -> list[int]:
         return self.placement.get(node, [])
@@ -234,6 +237,7 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw.setdefault("relaunching", {})  # absent in states written before it existed
     # likewise; the restart epoch is what a restart under way was judged by before
     raw.setdefault("relaunch_epoch", raw.get("restart_epoch", 0))
+    raw.setdefault("submitted_at", 0.0)  # likewise; 0: every kept measurement is taken as this run's
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):
         _typed(raw[key], hints[key], _path("tasks", name, key))

@@ -134,7 +134,7 @@ def test_a_sub_healthy_reconfiguration_counts_once_in_d_transition() -> None:
     seconds = sorted(i.transition_s for i in sim.records.values() if i.transition_s is not None)
     assert seconds == [1.0, 19.0]
     fresh = Grounding(ReliabilityModel())
-    fresh.seed(sim.records.values())
+    fresh.seed(sim.records.values(), sim.state)
     assert fresh.transition_s == {"job": 10.0}
     assert sim.grounding.transition_s == fresh.transition_s
 

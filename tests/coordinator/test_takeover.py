@@ -20,7 +20,7 @@ from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable, TemporaryError
 from unicron.kernel.etcd import KeyValue, Store, WatchEvent
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import NodeAssignment
+from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, NodeAssignment, Severity
 
 
 def _leading_coordinator(endpoint: str, prefix: str) -> tuple[Coordinator, Store]:
@@ -165,6 +165,47 @@ def test_a_node_lost_by_its_lease_counts_as_a_failure_and_its_incident_names_the
         assert (a.grounding.failed, incident.action, incident.tasks) == (1, "reconfigure", ["job"])
     finally:
         _close(a)
+
+
+def test_a_new_leader_does_not_give_a_resubmitted_task_the_old_runs_transition_time(
+        etcd_server: EtcdServer) -> None:
+    """A task submitted again under a cancelled task's name starts with none of the old run's
+    measurements (docs/architecture.md): the live leader dropped them, but a new leader seeded
+    D_transition from every kept incident record by task name, so after a failover the new run had the
+    old run's transition time again. Now the state records when each run was submitted, and only
+    reconfigurations decided since then are seeded."""
+    prefix = "/reground"
+    a, _ = _leading_coordinator(etcd_server.endpoint, prefix)
+    spec = parse_task_spec({"name": "job", "command": ["python", "x.py"], "recovery": "inprocess"}, None)
+    try:
+        a._decide(d.NodeJoined(ts=time.time(), node="n0", gpus=1))
+        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+        # the old run's confirmed reconfiguration, as the cost tracker records it
+        old = Incident(incident_id="i-old", severity=Severity.SEV1, method=DetectionMethod.NODE_HEALTH,
+                       kind=ErrorKind.LOST_CONNECTION, node="n9", message="lost", task=None, gpu=None,
+                       rank=None, step=None, source_ts=1.0, detected_ts=1.0, report_id="r-old",
+                       action="reconfigure", action_ts=time.time(), tasks=["job"], recovered_ts=time.time() + 7,
+                       transition_s=7.0)
+        assert a.leadership is not None
+        a.leadership.write(puts={a.keys.incident(old.incident_id): old.to_json()})
+        a._load_state()
+        assert a.grounding.transition_s == {"job": 7.0}  # the run's own reconfiguration: a new leader keeps it
+        a._decide(d.TaskCancelled(ts=time.time(), task="job"))
+        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))  # a new run under the old name
+        assert a.grounding.transition_s == {}  # the live leader forgot the old run's measurement
+    finally:
+        _close(a)
+    b, _ = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        b._load_state()
+        assert b.state.tasks["job"].phase is d.TaskPhase.RECONFIGURING
+        assert b.grounding.transition_s == {}, "the new leader gave the new run the old run's D_transition"
+    finally:
+        _close(b)
+    # a state written before submitted_at existed loads, every kept measurement taken as the run's
+    data = b.state.to_dict()
+    del data["tasks"]["job"]["submitted_at"]  # type: ignore[index]
+    assert d.CoreState.from_dict(data).tasks["job"].submitted_at == 0.0
 
 
 def _next_call(c: Coordinator) -> daemon.Call:

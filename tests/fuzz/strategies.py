@@ -231,6 +231,7 @@ def _task_entry() -> st.SearchStrategy[TaskEntry]:
         reattempts=st.integers(0, 3), fault_node=st.none() | _TEXT, failed_ranks=_RANKS,
         relaunching=st.dictionaries(_TEXT, _RANKS, max_size=2), recovery_step=st.none() | st.integers(0, 99),
         restarts=st.integers(0, 3), no_progress_since=st.none() | st.integers(0, 99), reason=_TEXT,
+        submitted_at=st.floats(0, 2e9),
     )
 
 
