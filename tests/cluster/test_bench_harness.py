@@ -1,0 +1,66 @@
+"""The benchmarks' own harness functions (imported from bench/) driven with crafted inputs: a figure
+must be able to fail, and one that would hide a failure is caught here without running a cluster."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+
+import pytest
+
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench"))
+
+
+class _FakeClock:
+    """Stands in for the ``time`` module inside bench/reconnect.py: every monotonic() read is 5 s
+    later and sleep() returns at once, so its give-up deadline passes within milliseconds."""
+
+    def __init__(self) -> None:
+        self._t = itertools.count(0.0, 5.0)
+
+    def monotonic(self) -> float:
+        return float(next(self._t))
+
+    def sleep(self, s: float) -> None:
+        pass
+
+
+def test_reconnect_an_agent_that_never_writes_again_is_not_dropped_from_the_figures(
+    etcd_server: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: reconnect.one_outage() returned only the agents that wrote their status again, so one
+    that never reconnected dropped out and ``reconnect_max_s`` / ``target_met`` read the others. Now
+    it gives one sample per agent, a missing one as inf (the max and the target fail on it). Here
+    node0 writes at once after the outage and node1 never does."""
+    import reconnect  # type: ignore[import-not-found,unused-ignore]
+
+    keys = Keyspace(prefix)
+
+    class Probe(Store):
+        """The bench's probe client; node0's agent writes its status right after etcd is back."""
+
+        def revision(self) -> int:
+            rev = super().revision()
+            self.put(keys.status("node0"), "{}")
+            return rev
+
+    class Cluster:
+        etcd = etcd_server
+        keys = Keyspace(prefix)
+
+        def node_names(self) -> list[str]:
+            return ["node0", "node1"]
+
+    monkeypatch.setattr(reconnect, "time", _FakeClock())
+    monkeypatch.setattr(reconnect, "Store", Probe)
+    got = reconnect.one_outage(Cluster(), 0.0)  # type: ignore[arg-type,unused-ignore]
+    assert len(got) == 2 and math.isfinite(got[0]) and math.isinf(got[1]), got
+    summary = reconnect.summary(got)
+    assert summary["max_s"] is None and summary["missed"] == 1, summary
