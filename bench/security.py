@@ -5,10 +5,17 @@ Real etcd (TLS, ``--client-cert-auth``, per-role auth), a coordinator and 2 agen
 sent: no certificate, a certificate of another CA, a node's certificate submitting or draining, node
 A writing node B's status and reports in etcd, node A's certificate saying hello as node B on the
 link (with B's real token: the certificate is the guard), an operator's certificate on the link,
-an operator's certificate at a replica server. ``unauthorized_accepted`` counts those that succeed.
+an operator's certificate at a replica server. ``unauthorized_accepted`` counts those that get past
+the guard. An API call counts as refused only when answered PERMISSION_DENIED or UNAUTHENTICATED (the
+role check) or UNAVAILABLE (the TLS handshake refused); any other answer (NOT_FOUND, ALREADY_EXISTS...)
+came from the handler, past the guard, and counts as accepted. The task the forbidden cancel names
+exists when it is sent (the operator submitted it first), so a missing role check shows as OK.
 
 Controls in the same run (the figure means nothing if the allowed requests fail too): the operator
-submits, node A writes its own status, node B's peer stores a replica. ``controls_ok`` says they did.
+submits and cancels (both answered OK), node A writes its own status, node B's peer stores a replica;
+after the last round, node B's own certificate and token say hello on the link and must be welcomed
+(last, because that hello replaces B's live link), so a link probe that cannot see a welcome does not
+read as refusals. ``controls_ok`` says they all did.
 
     .venv/bin/python bench/security.py [--quick]
 
@@ -45,17 +52,34 @@ from unicron.kernel.types import NodeInfo
 
 SPEC = {"name": "probe", "command": [sys.executable, "-c", "import time; time.sleep(600)"], "min_gpus": 1}
 
+#: the answers that mean the caller was turned away: the API's role check (coordinator.api.authorize)
+#: or a TLS handshake the server would not complete; any other error came from past the guard
+REFUSED = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                     grpc.StatusCode.UNAVAILABLE})
 
-def api_call(address: str, cfg: tls.TLSConfig | None, rpc: str, request: object) -> bool:
-    """True when the coordinator answered OK."""
+
+def api_status(address: str, cfg: tls.TLSConfig | None, rpc: str, request: object) -> grpc.StatusCode:
+    """The coordinator's answer to one call: OK, or the error's status code."""
     creds = cfg.grpc_channel_credentials() if cfg is not None else None
     with (grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)) as ch:
         stub = pb_grpc.CoordinatorStub(ch)  # type: ignore[no-untyped-call]  # generated, unannotated
         try:
             getattr(stub, rpc)(request, timeout=3)
-        except grpc.RpcError:
-            return False
-    return True
+        except grpc.RpcError as exc:
+            code: grpc.StatusCode = exc.code()
+            return code
+    return grpc.StatusCode.OK
+
+
+def api_accepted(address: str, cfg: tls.TLSConfig | None, rpc: str, request: object) -> bool:
+    """True when a forbidden call got past the guard: any answer but a refusal (a NOT_FOUND is the
+    handler's, so the role check let it through)."""
+    return api_status(address, cfg, rpc, request) not in REFUSED
+
+
+def api_ok(address: str, cfg: tls.TLSConfig | None, rpc: str, request: object) -> bool:
+    """True when an allowed call (a control) was answered OK."""
+    return api_status(address, cfg, rpc, request) is grpc.StatusCode.OK
 
 
 def etcd_put(endpoint: str, cfg: tls.TLSConfig | None, key: str) -> bool:
@@ -96,28 +120,42 @@ def replica_put(address: str, cfg: tls.TLSConfig | None) -> bool:
     return True
 
 
-def run_once(c: LocalCluster, foreign: Path, replica: str) -> tuple[dict[str, bool], dict[str, bool]]:
-    """(forbidden request -> accepted?, control request -> accepted?)"""
+def leader_addresses(c: LocalCluster) -> dict[str, str]:
+    """The leading coordinator's addresses ("api", "link") from its leader key."""
     assert c.store is not None
     kv = c.store.get(c.keys.leader())
     assert kv is not None
-    addrs = json.loads(kv.value)
+    addrs: dict[str, str] = json.loads(kv.value)
+    return addrs
+
+
+def node_token(c: LocalCluster, node: str) -> str:
+    """``node``'s link token from its registration (readable by any node: not the guard)."""
+    assert c.store is not None
+    info = c.store.get(c.keys.node(node))
+    assert info is not None
+    return NodeInfo.from_json(info.value).link_token
+
+
+def run_once(c: LocalCluster, foreign: Path, replica: str, task: str) -> tuple[dict[str, bool], dict[str, bool]]:
+    """(forbidden request -> accepted?, control request -> accepted?); ``task`` is this round's task name."""
+    addrs = leader_addresses(c)
     api, link_addr, ep = addrs["api"], addrs["link"], c.etcd.endpoint
     cert: Callable[[str], tls.TLSConfig] = lambda name: tls.TLSConfig.from_dir(c.tls_dir, name)  # noqa: E731
     ca = Path(c.tls_dir) / tls.CA_CERT
     stranger = tls.TLSConfig(ca, foreign / "operator.crt", foreign / "operator.key")
     stranger_node = tls.TLSConfig(ca, foreign / "node0.crt", foreign / "node0.key")
-    node_info = c.store.get(c.keys.node("node1"))
-    assert node_info is not None
-    token_b = NodeInfo.from_json(node_info.value).link_token  # readable by any node: not the guard
-    submit = pb.SubmitRequest(spec_json=json.dumps(SPEC))
+    token_b = node_token(c, "node1")
+    submit = pb.SubmitRequest(spec_json=json.dumps({**SPEC, "name": task}))
+    cancel = pb.CancelRequest(name=task)
+    # the task exists before the forbidden requests: a cancel that got past the guard is then answered OK
+    submitted = api_ok(api, cert("operator"), "Submit", submit)
     forbidden: dict[str, Callable[[], bool]] = {
-        "api submit, no certificate": lambda: api_call(api, None, "Submit", submit),
-        "api submit, another CA's operator": lambda: api_call(api, stranger, "Submit", submit),
-        "api submit, node certificate": lambda: api_call(api, cert("node0"), "Submit", submit),
-        "api drain, node certificate": lambda: api_call(api, cert("node0"), "Drain", pb.NodeRequest(node="node1")),
-        "api cancel, coordinator certificate": lambda: api_call(api, cert("coordinator"), "Cancel",
-                                                                pb.CancelRequest(name="probe")),
+        "api submit, no certificate": lambda: api_accepted(api, None, "Submit", submit),
+        "api submit, another CA's operator": lambda: api_accepted(api, stranger, "Submit", submit),
+        "api submit, node certificate": lambda: api_accepted(api, cert("node0"), "Submit", submit),
+        "api drain, node certificate": lambda: api_accepted(api, cert("node0"), "Drain", pb.NodeRequest(node="node1")),
+        "api cancel, coordinator certificate": lambda: api_accepted(api, cert("coordinator"), "Cancel", cancel),
         "etcd: node A writes node B's status": lambda: etcd_put(ep, cert("node0"), c.keys.status("node1")),
         "etcd: node A writes node B's report": lambda: etcd_put(ep, cert("node0"), c.keys.report("node1", "x")),
         "etcd: node writes its own assignment": lambda: etcd_put(ep, cert("node0"), c.keys.assignment("node0")),
@@ -132,12 +170,18 @@ def run_once(c: LocalCluster, foreign: Path, replica: str) -> tuple[dict[str, bo
         "replica: no certificate": lambda: replica_put(replica, None),
     }
     controls: dict[str, Callable[[], bool]] = {
-        "api submit, operator": lambda: api_call(api, cert("operator"), "Submit", submit),
+        "api submit, operator": lambda: submitted,
         "etcd: node writes its own status": lambda: etcd_put(ep, cert("node0"), c.keys.status("node0")),
         "replica: peer node": lambda: replica_put(replica, cert("node0")),
-        "api cancel, operator": lambda: api_call(api, cert("operator"), "Cancel", pb.CancelRequest(name="probe")),
+        "api cancel, operator": lambda: api_ok(api, cert("operator"), "Cancel", cancel),
     }
     return ({k: f() for k, f in forbidden.items()}, {k: f() for k, f in controls.items()})
+
+
+def link_control(c: LocalCluster) -> bool:
+    """Node B's own certificate and token say hello on the link: it must be welcomed. It replaces B's
+    live link (and its close reads as B's loss), so it is sent once, after the last round."""
+    return link_hello(leader_addresses(c)["link"], c.tls_config("node1"), "node1", node_token(c, "node1"))
 
 
 def main() -> int:
@@ -156,10 +200,12 @@ def main() -> int:
         # a replica server as an agent runs it, with node1's certificate (agents run theirs on the same terms)
         server = ReplicaServer("127.0.0.1:0", 1 << 20, tls_config=c.tls_config("node1")).start()
         try:
-            for _ in range(rounds):
-                refused, controls = run_once(c, foreign, server.address)
+            for i in range(rounds):
+                refused, controls = run_once(c, foreign, server.address, f"probe{i}")
                 sent += len(refused)
                 accepted += [k for k, ok in refused.items() if ok]
+                if i == rounds - 1:
+                    controls["link: node B's own hello"] = link_control(c)
                 for k, ok in controls.items():
                     print(f"control {k}: {'ok' if ok else 'FAILED'}", file=sys.stderr)
                     controls_ok &= ok

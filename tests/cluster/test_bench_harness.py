@@ -4,9 +4,13 @@ must be able to fail, and one that would hide a failure is caught here without r
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +68,44 @@ def test_reconnect_an_agent_that_never_writes_again_is_not_dropped_from_the_figu
     assert len(got) == 2 and math.isfinite(got[0]) and math.isinf(got[1]), got
     summary = reconnect.summary(got)
     assert summary["max_s"] is None and summary["missed"] == 1, summary
+
+
+@pytest.fixture
+def tls_api(cert_dir: Path) -> Iterator[tuple[str, Any]]:
+    from coordinator.api import serve, stop
+    from tests.coordinator.test_api import FakeControlPlane
+    from unicron.kernel import tls
+
+    plane = FakeControlPlane()
+    server, address = serve(plane, "127.0.0.1", 0, tls_config=tls.TLSConfig.from_dir(cert_dir, "coordinator"))
+    try:
+        yield address, plane
+    finally:
+        stop(server, 0.1)
+
+
+def test_security_a_forbidden_call_answered_by_the_handler_counts_as_accepted(
+    tls_api: tuple[str, Any], cert_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: bench/security.py took any gRPC error for a refusal, and its "api cancel, coordinator
+    certificate" probe named a task that did not exist, so the NOT_FOUND read as "refused" even with
+    the API's role check removed: that probe could not fail. Now only PERMISSION_DENIED,
+    UNAUTHENTICATED and UNAVAILABLE are refusals (and the bench submits the task first); an answer
+    from the handler, past the guard, counts as accepted."""
+    import security  # type: ignore[import-not-found,unused-ignore]
+
+    from coordinator import api as coordinator_api
+    from unicron.kernel import tls
+    from unicron.kernel.proto import coordinator_pb2 as pb
+
+    address, plane = tls_api
+    coordinator_cert = tls.TLSConfig.from_dir(cert_dir, "coordinator")
+    cancel = pb.CancelRequest(name="probe")
+    assert security.api_accepted(address, coordinator_cert, "Cancel", cancel) is False  # the role check holds
+    monkeypatch.setattr(coordinator_api, "authorize", lambda context, rpc: None)  # the guard is gone
+    submit = pb.SubmitRequest(spec_json=json.dumps(security.SPEC))
+    assert security.api_accepted(address, coordinator_cert, "Submit", submit) is True
+    plane.specs.clear()  # no task "probe": the cancel is answered NOT_FOUND, by the handler
+    assert security.api_accepted(address, coordinator_cert, "Cancel", cancel) is True, (
+        "the coordinator's certificate got past a missing role check, yet the probe says refused")
+    assert security.api_ok(address, coordinator_cert, "Cancel", cancel) is False  # a control needs OK
