@@ -109,3 +109,21 @@ def test_security_a_forbidden_call_answered_by_the_handler_counts_as_accepted(
     assert security.api_accepted(address, coordinator_cert, "Cancel", cancel) is True, (
         "the coordinator's certificate got past a missing role check, yet the probe says refused")
     assert security.api_ok(address, coordinator_cert, "Cancel", cancel) is False  # a control needs OK
+
+
+def test_soak_headline_false_alarms_can_fail() -> None:
+    """Before: every stall of bench/soak.py's headline (``reported``) traces sat in a phase that stops
+    the hang clock, leaving +-3 % noise, so ``false_alarms`` read 0 even for a detector firing at
+    1.25x the mean: a setting of the trace model. Now the traces carry what no rank reports (a lost
+    GC start, heavy-tailed compute noise, scheduling hiccups), and such a detector raises false alarms
+    on them, while the shipped settings stay at 0 on the same traces."""
+    import soak  # type: ignore[import-not-found,unused-ignore]
+
+    from agent.iterations import IterationSettings
+
+    trigger_happy = IterationSettings(hang_factor=1.25, tail_margin=0.0)
+    out = soak.soak([0], 2, 5000, trigger_happy)
+    assert out["false_alarms_gc_unreported"] > 0  # the detector is trigger-happy indeed
+    assert out["false_alarms"] > 0, (
+        f"a detector firing at 1.25x the mean reads false_alarms={out['false_alarms']} on the headline traces")
+    assert soak.soak([0], 2, 5000, IterationSettings())["false_alarms"] == 0
