@@ -10,8 +10,12 @@ one committed (read from those lines); the clock starts at the fault and stops a
 configuration's data-parallel size:
 
 * ``reattempt`` (sev3): a rank raises "connection reset" (``unicron inject``; the rank takes an
-  injected fault between two micro-batches, so it lands inside the iteration); clock from the
-  agent's delivery stamp;
+  injected fault between two micro-batches, so it lands inside the iteration); clock from the rank's
+  own raise stamp (its exception report's ``ts``, the incident's ``source_ts``), and it stops only at
+  an iteration no earlier than the one the rank raised in (the incident's ``step``): a fault delivered
+  after an iteration's last micro-batch started is raised in the next one, and the iteration it
+  never touched completes normally (before 2026-11-28 the clock started at the agent's delivery
+  stamp and could stop there: 0.055 s, under one iteration);
 * ``restart`` (sev2): a rank is SIGKILLed; the clock stops when the *restarted* rank has rejoined
   and completed an iteration;
 * ``reconfigure`` (sev1, shrink): a node's agent is SIGKILLed (its ranks die with it); the task goes on
@@ -64,7 +68,7 @@ import itertools
 from unicron.cli.main import main as cli
 from unicron.cluster.localcluster import LocalCluster
 from unicron.kernel.inject import Injection, request
-from unicron.kernel.types import StoreAddress
+from unicron.kernel.types import ErrorKind, StoreAddress
 
 TASK, BASE = "bench", "base"
 #: where inside an iteration a fault lands: this fraction of the mean iteration time after the
@@ -184,13 +188,14 @@ class Bench:
     # --- measuring -------------------------------------------------------------------------------
 
     def measure(self, name: str, t0: float, world: int, new_pids: set[int] | None = None,
-                window: int = 0) -> dict[str, float]:
-        """Wait for the window of iterations after ``t0`` of the settled configuration; the figures."""
+                window: int = 0, from_step: int = 0) -> dict[str, float]:
+        """Wait for the window of iterations after ``t0`` of the settled configuration, none before
+        iteration ``from_step`` (the one the fault hit); the figures."""
         log, window = self.logs[name], max(window, self.window)
 
         def final() -> list[Done]:
             pids = {int(r["pid"]) for r in self.ranks(name).values()} if len(self.ranks(name)) == world else set()
-            return [d for d in log.after(t0) if d.pid in pids and d.dp == world]
+            return [d for d in log.after(t0) if d.pid in pids and d.dp == world and d.it >= from_step]
 
         self.c.wait_for(lambda: len({d.it for d in final()}) >= window, 300.0,
                         f"{window} iterations of {name} at dp {world}", poll_s=0.1)
@@ -215,10 +220,14 @@ class Bench:
         victim = min(self.ranks(TASK).items())[1]
         assert self.c.store is not None
         self.at_offset(TASK)
+        kind = ErrorKind.CONNECTION_REFUSED_RESET
         ans = request(self.c.store, self.c.keys, str(victim["node"]),
-                      Injection.from_dict({"fault": "raise", "kind": "connection_refused_reset", "task": TASK,
-                                           "rank": victim["rank"]}))
-        return self.measure(TASK, float(ans.executed_ts or time.time()), 4)
+                      Injection.from_dict({"fault": "raise", "kind": kind.value, "task": TASK, "rank": victim["rank"]}))
+        # the rank raises only between two micro-batches, possibly in the next iteration: the clock
+        # starts at its own raise stamp and stops at an iteration the fault touched, not at the delivery
+        raised = self.c.wait_incident(lambda i: i.kind is kind and i.task == TASK and i.rank == victim["rank"],
+                                      timeout_s=30.0, after=float(ans.executed_ts or 0.0))
+        return self.measure(TASK, raised.source_ts, 4, from_step=raised.step or 0)
 
     def restart(self) -> dict[str, float]:
         rank, victim = max(self.ranks(TASK).items())

@@ -127,3 +127,63 @@ def test_soak_headline_false_alarms_can_fail() -> None:
     assert out["false_alarms"] > 0, (
         f"a detector firing at 1.25x the mean reads false_alarms={out['false_alarms']} on the headline traces")
     assert soak.soak([0], 2, 5000, IterationSettings())["false_alarms"] == 0
+
+
+def test_transition_reattempt_clock_does_not_stop_at_an_iteration_the_fault_never_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: transition.Bench.reattempt() started the clock at the agent's delivery stamp and
+    stopped it at the first iteration completed after it; a rank takes an injected raise only between
+    two micro-batches, so one delivered late in iteration N is raised in N+1, and the figure was the
+    rest of the untouched iteration N (a quick run read 0.055 s, under one iteration). Now the clock
+    starts at the rank's raise stamp (the incident's ``source_ts``) and stops at an iteration no
+    earlier than the incident's ``step``. Here: delivery at T, iteration N done at T+0.03, the rank
+    raises in N+1 at T+0.08 and N+1 completes after the reattempt at T+0.33."""
+    import transition  # type: ignore[import-not-found,unused-ignore]
+
+    from unicron.kernel.inject import Injection
+    from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, Severity
+
+    T, N = 1_000_000.0, 40
+    pids = {r: 100 + r for r in range(4)}
+    logs = tmp_path / "logs" / transition.TASK
+    logs.mkdir(parents=True)
+    done = {N - 2: T - 0.37, N - 1: T - 0.17, N: T + 0.03, N + 1: T + 0.33}
+    done |= {N + 1 + k: T + 0.33 + 0.2 * k for k in range(1, 8)}
+    for r, pid in pids.items():
+        (logs / f"rank{r}.log").write_text(
+            "".join(f"iteration {it} done {ts:.6f} pid {pid} dp 4\n" for it, ts in sorted(done.items())))
+    raised = Incident(incident_id="i1", severity=Severity.SEV3, method=DetectionMethod.EXCEPTION_PROPAGATION,
+                      kind=ErrorKind.CONNECTION_REFUSED_RESET, node="node0", message="connection reset",
+                      task=transition.TASK, gpu=0, rank=0, step=N + 1, source_ts=T + 0.08,
+                      detected_ts=T + 0.09, report_id="r1")
+
+    class Cluster:
+        run_dir = str(tmp_path)
+        store = object()
+        keys = Keyspace("/unicron")
+
+        def running_ranks(self, task: str) -> dict[int, dict[str, Any]]:
+            return {r: {"rank": r, "pid": pid, "node": f"node{r // 2}"} for r, pid in pids.items()}
+
+        def wait_for(self, pred: Any, timeout_s: float, what: str, poll_s: float = 0.02) -> Any:
+            value = pred()
+            assert value, what
+            return value
+
+        def incidents(self) -> list[Incident]:
+            return [raised]
+
+        def wait_incident(self, pred: Any, timeout_s: float = 30.0, after: float = 0.0) -> Incident:
+            assert pred(raised)
+            return raised
+
+    def delivered(store: Any, keys: Any, node: str, req: Injection, timeout_s: float = 5.0) -> Injection:
+        return Injection.from_dict({**req.to_dict(), "executed_ts": T, "ok": True})
+
+    monkeypatch.setattr(transition, "request", delivered)
+    monkeypatch.setattr(transition.Bench, "at_offset", lambda self, name, it=None: N)
+    b = transition.Bench(Cluster(), str(tmp_path), 5)  # type: ignore[arg-type,unused-ignore]
+    out = b.reattempt()
+    assert out["s"] >= 0.25 - 1e-6, (
+        f"reattempt_s {out['s']:.3f}: stopped at iteration {N}, which completed before the fault was raised")
