@@ -7,6 +7,16 @@ for n + 8 GPUs, a node of one of them is lost, and the planner re-plans n GPUs (
 transition penalty live). ``plan()`` is timed end to end (tables, pruning, the programme, scoring)
 with the throughput curves already cached, as they are in a running coordinator; the programme
 alone is reported as ``dp_ms``. The unpruned O(m·n²) programme is timed where it is affordable.
+
+``lookup_ms`` times the call the coordinator makes, ``LookupTable.answer(cluster, tasks)``
+(coordinator/lookup.py), on problems built afresh as the coordinator builds them for an event (a
+node of a task lost, a node joined), each answered from the table; before 2026-11-28 it timed
+``on_node_lost(name)``, a dictionary lookup by name the coordinator never calls.
+
+``table3_wins`` is a model output, not a check: the planner and the baselines are scored by the same
+``plans.result.evaluate`` the planner maximises, so it wins by construction; it is reported and
+labelled (``table3_note``) but is not in ``targets_met``. ``bruteforce_mismatches`` is the real
+check of the programme.
 The last line printed is one JSON object with the figures.
 """
 
@@ -29,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plans import dp
 from plans.baselines import BASELINES
 from plans.hardware import gpu_type
-from plans.lookup import LookupTable
+from plans.lookup import LookupTable, joined_scenario, lost_scenario
 from plans.models import GPT3
 from plans.planner import Unit, WafPlanner
 from plans.problem import ClusterSpec, TaskDemand
@@ -133,12 +143,17 @@ def lookup_times(quick: bool) -> dict[str, Any]:
         table = LookupTable(cluster, running, planner)
         build = time.perf_counter() - begin
         victim = next(t.name for t in running if t.current_gpus > 0)
-        reps = 20000 if not quick else 5000
+        reps = 2000 if not quick else 500
+        # the coordinator asks with problems it has just built (new objects, hashed and compared in
+        # full), alternating a node lost and a node joined; built before the clock starts
+        problems = [scenario for _ in range(reps) for scenario in (
+            lost_scenario(replace(cluster), [replace(t) for t in running], victim),
+            joined_scenario(replace(cluster), [replace(t) for t in running]))]
         begin = time.perf_counter()
-        for _ in range(reps):
-            table.on_node_lost(victim)
-            table.on_node_joined()
-        per = (time.perf_counter() - begin) / (2 * reps)
+        answers = [table.answer(c, ts) for c, ts in problems]
+        per = (time.perf_counter() - begin) / len(problems)
+        if any(a is None for a in answers):
+            raise SystemExit(f"lookup m={m} n={n}: the table missed a one-step change it holds")
         entries = len(list(table.entries())) + 1
         out[f"lookup_build_s_{m}x{n}"] = round(build, 3)
         out[f"lookup_ms_{m}x{n}"] = per * 1e3
@@ -233,10 +248,11 @@ def main() -> int:
     figures |= table3()
     print("brute force:")
     figures |= bruteforce(args.quick)
+    figures["table3_note"] = ("table3_wins is a model output (planner and baselines scored by the "
+                              "plans.result.evaluate the planner maximises), not a target")
     figures["targets_met"] = bool(
         figures["solve_ms_100x16384"] <= 100
         and figures["lookup_ms"] <= 1
-        and figures["table3_wins"] == 5
         and figures["bruteforce_mismatches"] == 0
     )
     figures["wall_s"] = round(time.perf_counter() - begin, 1)
