@@ -187,3 +187,16 @@ def test_transition_reattempt_clock_does_not_stop_at_an_iteration_the_fault_neve
     out = b.reattempt()
     assert out["s"] >= 0.25 - 1e-6, (
         f"reattempt_s {out['s']:.3f}: stopped at iteration {N}, which completed before the fault was raised")
+
+
+def test_scale_a_node_loss_never_reported_is_in_the_percentiles_not_skipped() -> None:
+    """Before: bench/scale.py skipped a kill or hang with no incident in 30 s, so p50/p99/max were
+    computed without it and the JSON did not say how many faults were injected. Now a miss is inf in
+    the percentiles (null in the JSON: the target fails) and counted in ``<key>_missed``."""
+    import scale  # type: ignore[import-not-found,unused-ignore]
+
+    out = scale.loss_figures("node_loss", [0.12, math.inf, 0.15])
+    assert out["node_loss_n"] == 2 and out["node_loss_missed"] == 1
+    assert out["node_loss_p99_s"] is None and out["node_loss_max_s"] is None
+    assert out["node_loss_p50_s"] == 0.15
+    json.loads(json.dumps(out, allow_nan=False))  # strict JSON: no Infinity
