@@ -9,7 +9,9 @@ inject, wait for the incident it must become (kind and severity; none for the co
 repair what an operator or systemd would (restart a killed daemon, undrain an isolated node, heal a
 link, restart etcd), and wait until the cluster is healed: both tasks running at their GPUs (each
 rank the statuses list a live process holding that identity), every node up, a leader, progress.
-``heal_s``: fault -> healed, per kind.
+``heal_s``: fault -> healed, per kind; the fault's moment is the bench's own kill/stop stamp, or for
+an injected raise or XID the incident's ``source_ts`` (the rank's raise, the simulated XID's stamp;
+before 2026-11-28 it was read after the injection request returned, after the fault).
 
 Invariants, checked every 0.2 s by a watcher thread and at the end (each breach one violation):
 
@@ -102,6 +104,9 @@ class Fault:
     severity: Severity | None = None
     repair: Callable[[], None] | None = None  # what an operator or systemd does after it
     detail: str = ""
+    #: the expected incident's ``source_ts`` is the fault's own stamp (the rank's raise, the simulated
+    #: XID): heal_s starts there, not at ``ts`` (the agent's delivery, a fallback when none came)
+    stamped: bool = False
 
 
 @dataclass
@@ -317,11 +322,11 @@ class Chaos:
         t, r, info = self.pick_rank()
         assert self.c.store is not None
         node = str(info["node"])
-        request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "raise", "kind": kind.value,
-                                                                      "task": t, "rank": r}), timeout_s=20.0)
+        ans = request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "raise", "kind": kind.value,
+                                                                            "task": t, "rank": r}), timeout_s=20.0)
         repair = (lambda: self.undrain(node)) if sev is Severity.SEV1 else None
-        return Fault(name, time.time(), node, t, r, severity=sev, repair=repair,
-                     expect=lambda i: i.kind is kind and i.task == t and i.rank == r)
+        return Fault(name, float(ans.executed_ts or time.time()), node, t, r, severity=sev, repair=repair,
+                     expect=lambda i: i.kind is kind and i.task == t and i.rank == r, stamped=True)
 
     def f_raise_sev1(self) -> Fault:
         return self._raise("raise_sev1_ecc", ErrorKind.ECC_ERROR, Severity.SEV1)
@@ -336,10 +341,11 @@ class Chaos:
         info = self.pick_rank()[2]
         node, gpu = str(info["node"]), int(info.get("gpu", 0))
         assert self.c.store is not None
-        request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "xid", "code": 79, "gpu": gpu}),
-                timeout_s=20.0)  # right after an etcd outage the agent's watch is still resuming
-        return Fault("xid", time.time(), node, severity=Severity.SEV1, repair=lambda: self.undrain(node),
-                     expect=lambda i: i.kind is ErrorKind.GPU_DRIVER_ERROR and i.node == node)
+        ans = request(self.c.store, self.c.keys, node, Injection.from_dict({"fault": "xid", "code": 79, "gpu": gpu}),
+                      timeout_s=20.0)  # right after an etcd outage the agent's watch is still resuming
+        return Fault("xid", float(ans.executed_ts or time.time()), node, severity=Severity.SEV1,
+                     repair=lambda: self.undrain(node),
+                     expect=lambda i: i.kind is ErrorKind.GPU_DRIVER_ERROR and i.node == node, stamped=True)
 
     def busy_node(self) -> str:
         return str(self.pick_rank()[2]["node"])
@@ -433,9 +439,12 @@ class Chaos:
         self.tally.injected[fault.kind] += 1
         progress(f"fault {sum(self.tally.injected.values())}: {fault.kind} {fault.node or ''} "
                  f"{fault.task or ''} {'' if fault.rank is None else fault.rank}")
+        healing_from = fault.ts
         if fault.expect is not None:
             try:
                 inc = self.c.wait_incident(fault.expect, timeout_s=20.0, after=before - 0.5)
+                if fault.stamped:
+                    healing_from = inc.source_ts
                 if inc.severity is not fault.severity and not (inc.severity is Severity.SEV3 and inc.handled):
                     self.tally.violate(f"{fault.kind}: incident {inc.kind.value} is {inc.severity}, "
                                        f"expected {fault.severity}")
@@ -445,7 +454,7 @@ class Chaos:
             fault.repair()
         try:
             self.c.wait_for(self.healed, self.heal_timeout_s, "the cluster to heal", poll_s=0.2)
-            self.tally.heal_s[fault.kind].append(time.time() - fault.ts)
+            self.tally.heal_s[fault.kind].append(time.time() - healing_from)
             progress(f"  healed in {self.tally.heal_s[fault.kind][-1]:.2f} s")
         except TimeoutError:
             self.tally.violate(f"{fault.kind}: not healed within {self.heal_timeout_s} s: {self.tasks()}")
