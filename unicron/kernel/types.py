@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Self
 
+from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
 
 
@@ -265,12 +266,7 @@ class Record:
     def from_json(cls, raw: str | bytes) -> Self:
         """One JSON-encoded record (an etcd value, a socket line); :class:`InvalidRecord` on anything
         malformed, so a reader logs and skips it with one ``except``."""
-        try:
-            data = json.loads(raw)
-        # ValueError covers JSONDecodeError and an integer of more than 4300 digits
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise InvalidRecord(f"{cls.__name__}: not a JSON record: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(jsontext.parse(raw, f"{cls.__name__}: not a JSON record"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from unicron.kernel import jsontext
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 
@@ -29,12 +30,11 @@ def encode(obj: dict[str, Any]) -> bytes:
 
 
 def decode(line: bytes) -> dict[str, Any]:
+    # a peer's garbage is one InvalidRecord, which must not end the thread that reads it
     try:
-        obj = json.loads(line)
-    # ValueError covers JSONDecodeError and an integer of more than 4300 digits; RecursionError a line
-    # of deeply nested brackets: a peer's garbage, which must not end the thread that reads it
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InvalidRecord(f"not a JSON line: {line[:80]!r}") from exc
+        obj = jsontext.parse(line, "not a JSON line")
+    except InvalidRecord as exc:  # the excerpt only on failure: every rank and link message comes here
+        raise InvalidRecord(f"{exc} ({line[:80]!r})") from exc
     if not isinstance(obj, dict):
         raise InvalidRecord(f"expected a JSON object, got {type(obj).__name__}")
     return obj
