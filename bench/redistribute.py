@@ -13,6 +13,13 @@ the same run, each from the moment of death to the end of iteration ``F``:
 
 The three alternate, ``reps`` times each (5 in the full profile, 1 in ``--quick``); each figure is the
 median, with its ``*_range_s`` [min, max]; ``speedup_vs_restart`` is a ratio of the two medians.
+
+Death to the end of iteration ``F`` includes the survivors' own remaining micro-batches, which they
+compute with or without a failure: with ``P`` of ``k`` done, even a free redistribution takes about
+``(k - P) / k`` of an iteration, which bounds ``speedup_vs_restart``. So each run also gives the
+failed iteration's *delay*: (end of ``F`` - end of ``F - 1``) - the median duration of the same job's
+iterations before ``F`` (for the restart, of its first launch, which saves a checkpoint every
+iteration), all from the ranks' own stamps; ``delay_ratio_vs_restart`` is the ratio of the medians.
 (Before 2026-11-28 the restart ran once, relaunched by a cold ``exec`` of python, 14-18 s of
 importing torch, and its single sample was divided by the redistribution's median.)
 
@@ -93,10 +100,16 @@ class Bench:
 
     def death_to_iteration_end(self, job: LocalJob, incarnation: int = 1) -> float:
         death = float(job.store_value(f"fault/{DEAD}/ts") or "nan")
-        ends = [e["ts"] for r in range(WORLD) if r != DEAD
-                for e in job.result(r, incarnation)["events"]
-                if e["kind"] == "iteration" and e["data"]["it"] == self.p["fail_it"]]
-        return float(max(ends) - death)
+        return _iteration_ends(job, incarnation)[self.p["fail_it"]] - death
+
+    def delay(self, before: dict[int, float], after: dict[int, float]) -> float:
+        """How much longer the failed iteration took than the job's own iterations before it: (end of
+        iteration F - end of F-1) - the median of the earlier iterations' durations. ``before`` and
+        ``after`` map iterations to their end (the survivors' latest stamp); the two differ for the
+        restart, whose iteration F ends in the relaunched job."""
+        f = self.p["fail_it"]
+        usual = statistics.median(before[i] - before[i - 1] for i in range(1, f))
+        return after[f] - before[f - 1] - usual
 
     # --- measurements ----------------------------------------------------------------------------
 
@@ -167,14 +180,13 @@ class Bench:
         ref = self.run(self.args("float64"))
         reds: list[LocalJob] = []
         reruns: list[LocalJob] = []
-        restart_s: list[float] = []
-        restored: list[int | None] = []
+        restarts: list[tuple[float, int | None, float]] = []
         for _ in range(self.p["reps"]):  # alternate, so that load drifts hit all three alike
             reds.append(self.run(self.args("float64"), self.fault))
             reruns.append(self.run(self.args("float64", "--recovery", "rerun"), self.fault))
-            seconds, it = self.restart_from_checkpoint()
-            restart_s.append(seconds)
-            restored.append(it)
+            restarts.append(self.restart_from_checkpoint())
+        restart_s = [s for s, _, _ in restarts]
+        restored = [it for _, it, _ in restarts]
         red = reds[0]
         det_ref = self.run(self.args("float32", "--deterministic"))
         det = self.run(self.args("float32", "--deterministic"), self.fault)
@@ -185,7 +197,12 @@ class Bench:
         iteration_s = statistics.median(b - a for a, b in itertools.pairwise(ends))
         red_s = [self.death_to_iteration_end(j) for j in reds]
         rerun_s = [self.death_to_iteration_end(j) for j in reruns]
+        red_delay = [self.delay(ends, ends) for ends in (_iteration_ends(j) for j in reds)]
         return {
+            "redistribute_delay_s": statistics.median(red_delay),
+            "restart_delay_s": statistics.median(d for _, _, d in restarts),
+            "redistribute_delay_all": red_delay,
+            "restart_delay_all": [d for _, _, d in restarts],
             "redistribute_s": statistics.median(red_s),
             "rerun_iteration_s": statistics.median(rerun_s),
             "restart_from_ckpt_s": statistics.median(restart_s),
@@ -201,14 +218,17 @@ class Bench:
             "failure_free_iteration_s": iteration_s,
         }
 
-    def restart_from_checkpoint(self) -> tuple[float, int | None]:
+    def restart_from_checkpoint(self) -> tuple[float, int | None, float]:
         """The conventional path: the whole job restarts (new processes) from a torch.save checkpoint;
-        (seconds from the death to the end of the failed iteration, the iteration restored)."""
+        (seconds from the death to the end of the failed iteration, the iteration restored, the
+        failed iteration's delay)."""
         ckpt = os.path.join(self.root, f"torch-save{self.n}")
         args = self.args("float64", "--ckpt", "torch-save", "--ckpt-dir", ckpt, "--ckpt-every", "1")
         # Survivors of the first launch are not told of the death (no mark_failed, long heartbeat
         # window): they cannot recover by themselves and are killed with the job, as a plain job is.
-        first = self.job([*args, "--heartbeat-window", "600"], self.fault, spawner=self.spawner, mark_failures=False)
+        # (--log-iterations: the killed ranks write no results; their iteration ends are read from their logs)
+        first = self.job([*args, "--heartbeat-window", "600", "--log-iterations"], self.fault, spawner=self.spawner,
+                         mark_failures=False)
         with first:
             while first.procs[DEAD].proc.poll() is None:
                 time.sleep(0.002)
@@ -220,10 +240,40 @@ class Bench:
             codes = second.wait(600)
         if any(c != 0 for c in codes.values()):
             raise SystemExit(f"restarted job failed {codes}\n{second.logs()}")
-        ends = [e["ts"] for r in range(WORLD) for e in second.result(r)["events"]
-                if e["kind"] == "iteration" and e["data"]["it"] == self.p["fail_it"]]
+        ends = _iteration_ends(second)
         restored = [e["data"]["it"] for e in second.result(0)["events"] if e["kind"] == "restored"]
-        return max(ends) - death, restored[0] if restored else None
+        delay = self.delay(_logged_iteration_ends(first), ends)
+        return ends[self.p["fail_it"]] - death, restored[0] if restored else None, delay
+
+
+def _iteration_ends(job: LocalJob, incarnation: int = 1) -> dict[int, float]:
+    """Iteration -> when the last survivor (every rank but the dead one) completed it, from the ranks'
+    own iteration events."""
+    ends: dict[int, float] = {}
+    for r in range(WORLD):
+        if r == DEAD:
+            continue
+        for e in job.result(r, incarnation)["events"]:
+            if e["kind"] == "iteration":
+                it = e["data"]["it"]
+                ends[it] = max(ends.get(it, 0.0), e["ts"])
+    return ends
+
+
+def _logged_iteration_ends(job: LocalJob) -> dict[int, float]:
+    """The same from the survivors' ``--log-iterations`` lines (``iteration N done TS ...``), for ranks
+    that were killed before writing their results."""
+    ends: dict[int, float] = {}
+    for r in range(WORLD):
+        if r == DEAD:
+            continue
+        with open(os.path.join(job.out_dir, f"rank{r}.1.log"), errors="replace") as fh:
+            for line in fh:
+                words = line.split()
+                if len(words) >= 4 and words[0] == "iteration" and words[2] == "done":
+                    it = int(words[1])
+                    ends[it] = max(ends.get(it, 0.0), float(words[3]))
+    return ends
 
 
 def _range(xs: list[float]) -> list[float]:
@@ -269,6 +319,9 @@ def main() -> int:
           f"{[round(x, 3) for x in rec['rerun_all']]}")
     print(f"  restart all ranks from torch.save checkpoint (warm spawner): {rec['restart_from_ckpt_s']:.3f} s  "
           f"{[round(x, 3) for x in rec['restart_all']]} (restored iterations {rec['restored_iterations']})")
+    print(f"  the failed iteration's delay (its duration minus the job's usual one): redistribute "
+          f"{rec['redistribute_delay_s']:.3f} s {[round(x, 3) for x in rec['redistribute_delay_all']]}, restart "
+          f"{rec['restart_delay_s']:.3f} s {[round(x, 3) for x in rec['restart_delay_all']]}")
     r = rec["regroup"]
     print(f"  regroup on rank 0: {r['seconds'] * 1000:.1f} ms (knowledge {r.get('knowledge_s', 0) * 1000:.1f} ms, "
           f"barrier {r.get('barrier_s', 0) * 1000:.1f} ms, build {r.get('build_s', 0) * 1000:.1f} ms, "
@@ -306,6 +359,11 @@ def main() -> int:
         "rerun_iteration_range_s": _range(rec["rerun_all"]),
         "restart_from_ckpt_range_s": _range(rec["restart_all"]),
         "speedup_vs_restart": round(rec["restart_from_ckpt_s"] / rec["redistribute_s"], 2),
+        "redistribute_delay_s": round(rec["redistribute_delay_s"], 4),
+        "restart_delay_s": round(rec["restart_delay_s"], 4),
+        "redistribute_delay_range_s": _range(rec["redistribute_delay_all"]),
+        "restart_delay_range_s": _range(rec["restart_delay_all"]),
+        "delay_ratio_vs_restart": round(rec["restart_delay_s"] / rec["redistribute_delay_s"], 2),
         "speedup_vs_rerun": round(rec["rerun_iteration_s"] / rec["redistribute_s"], 2),
         "overhead_pct": round(perf["overhead_pct"], 3),
         "overhead_ci90_pct": [round(x, 3) for x in perf["overhead_ci90_pct"]],
