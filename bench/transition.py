@@ -36,6 +36,9 @@ configuration's data-parallel size:
   checkpoint is then still ahead of it: ``baseline_caught_up_s`` is until it completed the fault's
   iteration again).
 
+``iteration_s``: per kind, the task's median iteration time before the fault and in the configuration
+it settled in: a transition's clock stops at an iteration's end, so it includes that iteration's own
+work (a reconfigure's survivors compute the lost ranks' share too), and it scales with it.
 ``*_full_rate_s``: until the iteration rate is back to >= 90 % of the new configuration's steady rate
 (the median interval of the last iterations of the window after recovery): the first completed
 iteration from which the next 3 intervals are all within it. ``iterations_redone``: iterations that had
@@ -127,6 +130,7 @@ class Bench:
     def __init__(self, c: LocalCluster, work: str, window: int) -> None:
         self.c, self.work, self.window = c, work, window
         self.logs = {t: IterLog(c.run_dir, t) for t in (TASK, BASE)}
+        self.period = float("nan")  # the task's iteration time read before the last fault
 
     # --- tasks -----------------------------------------------------------------------------------
 
@@ -179,6 +183,7 @@ class Bench:
         target = it if it is not None else start + 1
         self.c.wait_for(lambda: any(d.it == target for d in log.poll()), 120.0, f"iteration {target}", poll_s=0.005)
         committed = min(d.ts for d in log.poll() if d.it == target)
+        self.period = period
         delay = committed + OFFSET * period - time.time()
         if delay < 0:  # read too late (the machine is busy): take the next iteration
             return self.at_offset(name, target + 1)
@@ -212,7 +217,8 @@ class Bench:
                 full = times[i]
                 break
         redone = max(0, log.last_before(t0) + 1 - min(d.it for d in mine))
-        return {"s": first.ts - t0, "full_rate_s": max(full, first.ts) - t0, "redone": redone}
+        return {"s": first.ts - t0, "full_rate_s": max(full, first.ts) - t0, "redone": redone,
+                "iteration_before_s": self.period, "iteration_after_s": steady}
 
     # --- kinds -----------------------------------------------------------------------------------
 
@@ -280,6 +286,7 @@ class Bench:
         # spawner's import would be counted as the transition
         sock = Path(self.c.run_dir, f"{node}.pf")
         self.c.wait_for(lambda: sock.exists() and sock.stat().st_ctime > started, 120.0, "the spawner", poll_s=0.1)
+        self.period = self.iter_time(TASK)  # at DP 2
         assert cli(["undrain", node]) == 0
         t0 = time.time()
         return self.measure(TASK, t0, 4)
@@ -373,6 +380,10 @@ def main() -> int:
         out[f"{k}_full_rate_s"] = round(statistics.median(x["full_rate_s"] for x in res[k]), 3)
         out[f"{k}_range_s"] = [summary([x["s"] for x in res[k]])["min"], summary([x["s"] for x in res[k]])["max"]]
     out["baseline_caught_up_s"] = round(statistics.median(caught), 3)
+    # each kind's figure next to the task's iteration time before the fault and in the configuration it
+    # settled in: a transition ends at an iteration's end, so part of it is that iteration's own work
+    out["iteration_s"] = {k: [round(statistics.median(x[f"iteration_{w}_s"] for x in res[k]), 3)
+                              for w in ("before", "after")] for k in kinds}
     out["reconfigure_speedup"] = round(base / med["reconfigure"], 2)
     out["spare_stores"] = spares
     out["store_move_ratio"] = round(med["reconfigure_store"] / med["reconfigure"], 2)
