@@ -48,6 +48,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from transition import LINE  # type: ignore[import-not-found,unused-ignore]
+
 from agent.prefork import Prefork
 from unicron.cluster.launch import LocalJob, warm_spawner
 from unicron.runtime.compare import bitwise_equal, load_params, max_rel_diff, per_tensor
@@ -269,10 +271,8 @@ def _logged_iteration_ends(job: LocalJob) -> dict[int, float]:
             continue
         with open(os.path.join(job.out_dir, f"rank{r}.1.log"), errors="replace") as fh:
             for line in fh:
-                words = line.split()
-                if len(words) >= 4 and words[0] == "iteration" and words[2] == "done":
-                    it = int(words[1])
-                    ends[it] = max(ends.get(it, 0.0), float(words[3]))
+                if m := LINE.match(line):
+                    ends[int(m[1])] = max(ends.get(int(m[1]), 0.0), float(m[2]))
     return ends
 
 

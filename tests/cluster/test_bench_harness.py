@@ -200,3 +200,27 @@ def test_scale_a_node_loss_never_reported_is_in_the_percentiles_not_skipped() ->
     assert out["node_loss_p99_s"] is None and out["node_loss_max_s"] is None
     assert out["node_loss_p50_s"] == 0.15
     json.loads(json.dumps(out, allow_nan=False))  # strict JSON: no Infinity
+
+
+def test_redistribute_delay_is_the_failed_iterations_excess_over_the_jobs_usual_one(tmp_path: Path) -> None:
+    """bench/redistribute.py's delay: (end of F - end of F-1) minus the median of the job's earlier
+    iterations, with the restart's F-1 read from the killed launch's ``--log-iterations`` lines (the
+    dead rank's lines are not the survivors' ends)."""
+    import redistribute  # type: ignore[import-not-found,unused-ignore]
+
+    b = redistribute.Bench(redistribute.PROFILES["full"], str(tmp_path), None)  # F = 3
+    killed = tmp_path / "first"
+    killed.mkdir()
+    for r, skew in enumerate((0.0, 0.01, 0.02, 5.0)):  # rank 3 is the dead one: its stamps do not count
+        lines = [f"iteration {i} done {10.0 + i * 0.4 + skew:.6f} pid {100 + r} dp 4\n" for i in range(3)]
+        (killed / f"rank{r}.1.log").write_text("some other line\n" + "".join(lines))
+
+    class Killed:
+        out_dir = str(killed)
+
+    before = redistribute._logged_iteration_ends(Killed())
+    assert before == pytest.approx({0: 10.02, 1: 10.42, 2: 10.82})
+    # the relaunched job ends iteration 3 1.5 s after the usual end (10.82 + 0.4)
+    assert b.delay(before, {3: 12.72}) == pytest.approx(1.5)
+    # in place: the same job's ends; a failed iteration as long as the usual one has no delay
+    assert b.delay(before | {3: 11.22}, before | {3: 11.22}) == pytest.approx(0.0)
