@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,6 +71,7 @@ BATCH = ["--global-batch-size", "64", "--micro-batch-size", "4"]
 COMM = ["--collective-timeout", "30", "--regroup-timeout", "60", "--heartbeat-window", "5"]
 WORLD = 4
 DEAD = 3
+SURVIVORS = [r for r in range(WORLD) if r != DEAD]
 
 
 class Bench:
@@ -242,38 +244,36 @@ class Bench:
             codes = second.wait(600)
         if any(c != 0 for c in codes.values()):
             raise SystemExit(f"restarted job failed {codes}\n{second.logs()}")
-        ends = _iteration_ends(second)
+        ends = _iteration_ends(second, ranks=range(WORLD))
         restored = [e["data"]["it"] for e in second.result(0)["events"] if e["kind"] == "restored"]
         delay = self.delay(_logged_iteration_ends(first), ends)
         return ends[self.p["fail_it"]] - death, restored[0] if restored else None, delay
 
 
-def _iteration_ends(job: LocalJob, incarnation: int = 1) -> dict[int, float]:
-    """Iteration -> when the last survivor (every rank but the dead one) completed it, from the ranks'
-    own iteration events."""
+def _latest(stamps: Iterable[tuple[int, float]]) -> dict[int, float]:
+    """Iteration -> the latest of its (iteration, stamp) pairs: when the last rank completed it."""
     ends: dict[int, float] = {}
-    for r in range(WORLD):
-        if r == DEAD:
-            continue
-        for e in job.result(r, incarnation)["events"]:
-            if e["kind"] == "iteration":
-                it = e["data"]["it"]
-                ends[it] = max(ends.get(it, 0.0), e["ts"])
+    for it, ts in stamps:
+        ends[it] = max(ends.get(it, 0.0), ts)
     return ends
+
+
+def _iteration_ends(job: LocalJob, incarnation: int = 1, ranks: Iterable[int] = SURVIVORS) -> dict[int, float]:
+    """Iteration -> when the last of ``ranks`` completed it, from the ranks' own iteration events."""
+    return _latest((e["data"]["it"], e["ts"]) for r in ranks for e in job.result(r, incarnation)["events"]
+                   if e["kind"] == "iteration")
 
 
 def _logged_iteration_ends(job: LocalJob) -> dict[int, float]:
-    """The same from the survivors' ``--log-iterations`` lines (``iteration N done TS ...``), for ranks
-    that were killed before writing their results."""
-    ends: dict[int, float] = {}
-    for r in range(WORLD):
-        if r == DEAD:
-            continue
+    """The same for the survivors, from their ``--log-iterations`` lines (``iteration N done TS ...``),
+    for ranks that were killed before writing their results."""
+    def stamps(r: int) -> Iterator[tuple[int, float]]:
         with open(os.path.join(job.out_dir, f"rank{r}.1.log"), errors="replace") as fh:
             for line in fh:
                 if m := LINE.match(line):
-                    ends[int(m[1])] = max(ends.get(int(m[1]), 0.0), float(m[2]))
-    return ends
+                    yield int(m[1]), float(m[2])
+
+    return _latest(st for r in SURVIVORS for st in stamps(r))
 
 
 def _range(xs: list[float]) -> list[float]:
