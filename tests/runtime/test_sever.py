@@ -75,3 +75,26 @@ def test_a_call_blocked_on_a_connection_to_the_host_returns_at_once_and_others_s
 
 def test_an_unknown_host_cuts_nothing() -> None:
     assert sever("no-such-host.invalid") == 0
+
+
+def test_only_connected_tcp_sockets_to_the_host_are_cut(server: socket.socket) -> None:
+    """Each descriptor's peer is asked on a duplicate: a listener, a UDP socket aimed at the host and
+    a Unix socket pair are not connections to it, and each stays usable."""
+    host = local_address()
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.connect((host, 9))
+    left, right = socket.socketpair()
+    far = socket.create_connection((host, server.getsockname()[1]))
+    accepted, _ = server.accept()
+    try:
+        assert sever(host) == 2  # the connection's two ends, both to this host's address
+        left.sendall(b"x")
+        assert right.recv(1) == b"x"
+        assert udp.getpeername()[0] == host
+        again = socket.create_connection((host, server.getsockname()[1]))  # the listener still accepts
+        server.accept()[0].close()
+        again.close()
+        assert far.recv(1) == b""  # shut down: end of stream at once
+    finally:
+        for s in (udp, left, right, far, accepted):
+            s.close()
