@@ -52,7 +52,6 @@ import argparse
 import json
 import sys
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -108,27 +107,26 @@ class Groups:
     tp: CommGroup
     dp_ranks: list[int] = field(default_factory=list)
 
-    def release(self) -> list[weakref.ref[CommGroup]]:
-        """Drop this epoch's groups, replacing them with the :func:`broken_group` placeholder.
+    def release(self) -> list[CommGroup]:
+        """Drop this epoch's groups, replacing them with the :func:`broken_group` placeholder; returns
+        them, for the caller to destroy (:func:`unicron.runtime.reaper.destroy`).
 
         Peers blocked in a collective with us fail fast only once our sockets close, and gloo closes
         them in the group's destructor (``abort()`` alone leaves them open), so the caller must drop
-        every other reference too; the returned weak references tell whether it did.
+        every other reference too.
         """
-        refs: list[weakref.ref[CommGroup]] = []
-        seen: set[int] = set()
+        released: list[CommGroup] = []
         for name in ("world", "dp", "tp"):
             g = getattr(self, name)
             setattr(self, name, broken_group())
-            if g is solo_group() or g is broken_group() or id(g) in seen:
+            if g is solo_group() or g is broken_group() or any(g is r for r in released):
                 continue
-            seen.add(id(g))
             try:
                 g.abort()
             except Exception as exc:  # aborting a broken group may itself complain
                 log.debug("aborting a process group failed", error=str(exc))
-            refs.append(weakref.ref(g))
-        return refs
+            released.append(g)
+        return released
 
 
 @dataclass(frozen=True)

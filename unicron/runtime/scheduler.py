@@ -38,7 +38,6 @@ reported to the agent as the ``regroup`` phase, which its hang detection does no
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import time
@@ -59,7 +58,7 @@ from unicron.kernel.client import AgentClient, InjectedFault
 from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.kernel.patterns import match
 from unicron.kernel.types import ErrorKind, Severity
-from unicron.runtime import membership
+from unicron.runtime import membership, reaper
 from unicron.runtime.checkpoint import Presence, TorchSaveCheckpointer, checkpoint_presence
 from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group
 from unicron.runtime.epoch import EpochRecord
@@ -585,19 +584,16 @@ class Trainer(Generic[BatchT]):
         with us fail fast.
 
         gloo closes its sockets only when a group is destroyed, so every reference goes: the model's
-        (rebound to a placeholder), ours, and those in the failed call's stack frames.
+        (rebound to a placeholder), ours, and those in the failed call's stack frames; the destructor
+        then runs on a thread of its own (:mod:`unicron.runtime.reaper`) while this one goes on.
         """
         if self.model_tp is not broken_group():
             rebind_groups(self.state.model, self.model_tp, broken_group())
             self.model_tp = broken_group()
-        refs = self.groups.release()
+        released = self.groups.release()
         if exc is not None and exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)
-        if any(r() is not None for r in refs):
-            gc.collect()  # slow with a big model loaded: only when reference counting was not enough
-        if any(r() is not None for r in refs):
-            self.log.warning("a released process group is still referenced; peers may wait for the "
-                             "collective timeout")
+        reaper.destroy(released, self.log)
 
     def _epoch_plan(self, rec: EpochRecord) -> tuple[int, Plan]:
         """(live replicas, failure-free plan) of an epoch: computed once, not every iteration."""
