@@ -2,6 +2,14 @@
 system: etcd, a coordinator, two agents with 2 simulated GPUs each, one task of the real training
 runtime (a small Megatron-core GPT on gloo, ``min_gpus`` 2, ``max_gpus`` 4: 4 ranks on both nodes).
 
+Each node is a host of its own (a network namespace with one IP, as every daemon of
+``LocalCluster(netns=True)``), the topology production runs: since 2026-11-28. ``--loopback`` puts
+everything on 127.0.0.1 as before. On one address a survivor cannot be cut off from a lost node
+(``PeersLost``, :mod:`unicron.runtime.hostloss`: its address is the survivor's own), so a
+``reconfigure`` there waits for the killed ranks' sockets to close, i.e. for the kernel to tear the
+killed processes down (40-260 ms on this 2-core machine, probed), which a survivor on another host is
+not made to wait for.
+
 Every figure is read from the ranks' own clocks: each rank prints ``iteration N done TS pid P dp D``
 as it commits an iteration (``--log-iterations``), and the benchmark reads those lines from the ranks'
 logs. A fault is raised *inside* an iteration, ``OFFSET`` of an iteration's time after the previous
@@ -46,7 +54,7 @@ completed before the fault and were computed again (last completed + 1 - the fir
 after recovery). ``projected_*``: a separate, labelled projection adding the recompute a 30-minute
 checkpoint interval costs on average (15 min) to the baseline; never mixed into measured figures.
 
-    .venv/bin/python bench/transition.py [--quick] [--reps N] [--no-in-place] [--no-spare-stores]
+    .venv/bin/python bench/transition.py [--quick] [--reps N] [--no-in-place] [--no-spare-stores] [--loopback]
 """
 
 from __future__ import annotations
@@ -320,6 +328,8 @@ def main() -> int:
                          "a new generation, for comparison")
     ap.add_argument("--no-spare-stores", action="store_true",
                     help="no spare store sidecars (UNICRON_SPARE_STORES=0): a moved store starts one, for comparison")
+    ap.add_argument("--loopback", action="store_true",
+                    help="every node on 127.0.0.1 (no network namespaces, no root needed), for comparison")
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 5)
     window = 5 if args.quick else 16
@@ -330,7 +340,7 @@ def main() -> int:
            "UNICRON_SPARE_STORES": "0" if args.no_spare_stores else "1"}
     spares = not args.no_in_place and not args.no_spare_stores
     started = time.time()
-    with LocalCluster(agents=2, gpus_per_agent=2, extra_env=env) as c:
+    with LocalCluster(agents=2, gpus_per_agent=2, extra_env=env, netns=not args.loopback) as c:
         os.environ["UNICRON_ETCD"] = c.etcd.endpoint
         b = Bench(c, tempfile.mkdtemp(prefix="unicron-transition-"), window)
         since = time.time()
@@ -374,6 +384,7 @@ def main() -> int:
     print(f"baseline caught up with the fault's iteration: {summary(caught)}")
     base = med["baseline_restart"]
     out: dict[str, Any] = {"repetitions": reps, "quick": args.quick, "in_place": not args.no_in_place,
+                           "hosts": "loopback" if args.loopback else "netns",
                            "wall_s": round(time.time() - started, 1)}
     for k in kinds:
         out[f"{k}_s"] = round(med[k], 3)
