@@ -181,7 +181,7 @@ class Chaos:
 
     def state(self) -> dict[str, Any]:
         assert self.c.store is not None
-        state, _ = read_state(self.c.store, self.c.keys)  # the state is split over several keys
+        state, _, _ = read_state(self.c.store, self.c.keys)  # the state is split over several keys
         return dict(state.to_dict()) if state is not None else {}
 
     def tasks(self) -> dict[str, Any]:

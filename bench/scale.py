@@ -122,7 +122,7 @@ class LogTail:
 def up_nodes(c: LocalCluster) -> int:
     assert c.store is not None
     try:
-        state, _ = read_state(c.store, c.keys)
+        state, _, _ = read_state(c.store, c.keys)
     except StoreUnavailable:
         return -1  # etcd busy (at 1,000 nodes the join's writes can hold it past the 2 s deadline)
     return sum(1 for e in state.nodes.values() if e.status.value == "up") if state is not None else 0
@@ -131,7 +131,7 @@ def up_nodes(c: LocalCluster) -> int:
 def task_phase(c: LocalCluster, task: str) -> str | None:
     assert c.store is not None
     try:
-        state, _ = read_state(c.store, c.keys)
+        state, _, _ = read_state(c.store, c.keys)
     except StoreUnavailable:
         return None
     entry = state.tasks.get(task) if state is not None else None

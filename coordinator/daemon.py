@@ -630,10 +630,15 @@ class Coordinator:
         self.leadership.recover()
         self._written_state = None  # what etcd holds is not known entry by entry: the next write writes all
         try:
-            stored, split = read_state(self.store, self.keys)
+            stored, split, unreadable = read_state(self.store, self.keys)
             if stored is not None:
                 self.state = stored
-                self._written_state = stored if split else None
+                # an entry left out is deleted by the first write (which then writes every entry)
+                self._written_state = stored if split and not unreadable else None
+            for bad in unreadable:
+                log.error("unreadable decision state entry left out: its node re-registers, its task's ranks "
+                          "are stopped; resubmit the task from the stored value if it should run",
+                          key=bad.key, error=bad.error, value=bad.value[:2000])
         except InvalidRecord as exc:
             log.error("ignoring unreadable decision state; starting afresh", error=str(exc))
         self._stored_entries = stored_entries(self.store, self.keys) if self._written_state is None else []

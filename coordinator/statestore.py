@@ -7,18 +7,31 @@ decision writes the entries that differ from the last state *written* (not the l
 tick or progress is adopted without a write, and its changes go out with the next write). A state
 written whole by an older coordinator still loads (its entries are in the ``state`` value), and the
 first write after loading it writes every entry.
+
+Entries are read one by one: an entry this coordinator cannot read (damaged, or of a version whose
+meaning it does not know) costs its own node or task, not the whole state. The reader once raised for
+any of them, and a new leader then started afresh and stopped every task. Fields a newer coordinator
+added to a task entry, its spec or its model are left out with a warning (as protobuf readers skip
+unknown fields): during a rolling upgrade or a rollback the older leader keeps the task as it knows it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection
+from dataclasses import dataclass, fields
 from typing import Any
 
 from coordinator import decision as d
+from coordinator.tasks import MODEL_FIELDS, SPEC_FIELDS
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
+
+log = ulog.get(__name__)
+
+_TASK_FIELDS = frozenset(f.name for f in fields(d.TaskEntry))
 
 
 def _changed(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
@@ -58,23 +71,72 @@ def stored_entries(store: Store, keys: Keyspace) -> list[str]:
     return [kv.key for prefix in (keys.state_nodes(), keys.state_tasks()) for kv in store.get_prefix(prefix)[0]]
 
 
-def read_state(store: Store, keys: Keyspace) -> tuple[d.CoreState | None, bool]:
-    """The stored state (None if there is none) and whether it was in the split form. Raises
-    InvalidRecord when it cannot be read."""
+@dataclass(frozen=True)
+class Unreadable:
+    """A stored state entry that could not be read: left out of the state."""
+
+    key: str
+    error: str
+    value: str
+
+
+def _known_fields(entry: object) -> tuple[object, list[str]]:
+    """A task entry without the fields this version does not know (its own, its spec's, its model's),
+    and their names."""
+    if not isinstance(entry, dict):
+        return entry, []
+    out = {k: v for k, v in entry.items() if k in _TASK_FIELDS}
+    dropped = sorted(set(entry) - _TASK_FIELDS)
+    spec = out.get("spec")
+    if isinstance(spec, dict):
+        out["spec"] = {k: v for k, v in spec.items() if k in SPEC_FIELDS}
+        dropped += [f"spec.{k}" for k in sorted(set(spec) - SPEC_FIELDS)]
+        model = spec.get("model")
+        if isinstance(model, dict):
+            out["spec"]["model"] = {k: v for k, v in model.items() if k in MODEL_FIELDS}
+            dropped += [f"spec.model.{k}" for k in sorted(set(model) - MODEL_FIELDS)]
+    return out, dropped
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def read_state(store: Store, keys: Keyspace) -> tuple[d.CoreState | None, bool, list[Unreadable]]:
+    """The stored state (None if there is none), whether it was in the split form, and the entries
+    left out of it because they could not be read. Raises InvalidRecord when the state's own record
+    (clock and counter) cannot be read."""
     kv = store.get(keys.state())
     if kv is None:
-        return None, False
+        return None, False, []
     try:
-        data = json.loads(kv.value)
-        if not isinstance(data, dict):
-            raise InvalidRecord("decision state: expected an object; delete the state key to start afresh")
-        whole = bool(data.get("nodes")) or bool(data.get("tasks"))
-        nodes, _ = store.get_prefix(keys.state_nodes())
-        tasks, _ = store.get_prefix(keys.state_tasks())
-        data["nodes"] = {**data.get("nodes", {}), **{keys.tail(kv.key, keys.state_nodes()): json.loads(kv.value)
-                                                       for kv in nodes}}
-        data["tasks"] = {**data.get("tasks", {}), **{keys.tail(kv.key, keys.state_tasks()): json.loads(kv.value)
-                                                       for kv in tasks}}
-    except (ValueError, AttributeError, TypeError) as exc:
-        raise InvalidRecord(f"decision state: {exc}") from exc
-    return d.CoreState.from_dict(data), not whole
+        top = json.loads(kv.value)
+    except ValueError as exc:
+        raise InvalidRecord(f"decision state: {exc}; delete the state key to start afresh") from exc
+    if not isinstance(top, dict):
+        raise InvalidRecord("decision state: expected an object; delete the state key to start afresh")
+    inline = {kind: top.get(kind) or {} for kind in ("nodes", "tasks")}
+    state = d.CoreState.from_dict({**top, "nodes": {}, "tasks": {}})
+    unreadable: list[Unreadable] = []
+    for kind, prefix in (("nodes", keys.state_nodes()), ("tasks", keys.state_tasks())):
+        if not isinstance(inline[kind], dict):
+            raise InvalidRecord(f"decision state: {kind}: expected an object; delete the state key to start afresh")
+        # name -> (key, stored text): the entries written whole by an older coordinator, then split ones
+        raw: dict[str, tuple[str, str]] = {name: (keys.state(), json.dumps(e)) for name, e in inline[kind].items()}
+        raw.update({keys.tail(e.key, prefix): (e.key, _text(e.value)) for e in store.get_prefix(prefix)[0]})
+        for name, (key, text) in sorted(raw.items()):
+            try:
+                entry = json.loads(text)
+                if kind == "tasks":
+                    entry, dropped = _known_fields(entry)
+                    if dropped:
+                        log.warning("state entry has fields this version does not know; left out", key=key,
+                                    fields=dropped)
+                one = d.CoreState.from_dict({"now": state.now, "counter": state.counter, "nodes": {}, "tasks": {},
+                                             kind: {name: entry}})
+            except (InvalidRecord, ValueError) as exc:
+                unreadable.append(Unreadable(key, str(exc), text))
+                continue
+            getattr(state, kind).update(getattr(one, kind))
+    whole = bool(inline["nodes"]) or bool(inline["tasks"])
+    return state, not whole, unreadable

@@ -178,8 +178,10 @@ class TaskSpec:
         return parse_task_spec(data, None)
 
 
-_SPEC_FIELDS = {f.name for f in fields(TaskSpec)}
-_MODEL_FIELDS = {f.name for f in fields(ModelDescription)}
+#: the fields a task spec and its model description may have (a stored one with others came from a
+#: newer version: coordinator/statestore.py leaves them out)
+SPEC_FIELDS = frozenset(f.name for f in fields(TaskSpec))
+MODEL_FIELDS = frozenset(f.name for f in fields(ModelDescription))
 #: each model field's largest value: the planner's (``plans.models.MODEL_LIMITS``)
 _MODEL_LIMITS = {
     "num_layers": MODEL_LIMITS["layers"],
@@ -314,9 +316,9 @@ def parse_model(data: Any) -> ModelDescription:
     """Validate a model description (the ``model`` field of a task)."""
     if not isinstance(data, dict):
         raise InvalidRecord(f"task.model: expected an object, got {type(data).__name__}")
-    unknown = sorted(set(data) - _MODEL_FIELDS)
+    unknown = sorted(set(data) - MODEL_FIELDS)
     if unknown:
-        raise InvalidRecord(f"task.model: unknown field(s) {unknown}; known: {sorted(_MODEL_FIELDS)}")
+        raise InvalidRecord(f"task.model: unknown field(s) {unknown}; known: {sorted(MODEL_FIELDS)}")
     values: dict[str, int] = {}
     for f in fields(ModelDescription):
         if f.name in data:
@@ -392,9 +394,9 @@ def parse_task_spec(
     """
     if not isinstance(data, dict):
         raise InvalidRecord(f"task: expected a JSON object, got {type(data).__name__}")
-    unknown = sorted(set(data) - _SPEC_FIELDS)
+    unknown = sorted(set(data) - SPEC_FIELDS)
     if unknown:
-        raise InvalidRecord(f"task: unknown field(s) {unknown}; known: {sorted(_SPEC_FIELDS)}")
+        raise InvalidRecord(f"task: unknown field(s) {unknown}; known: {sorted(SPEC_FIELDS)}")
     for required in ("name", "command"):
         if required not in data:
             raise InvalidRecord(f"task.{required}: missing")

@@ -60,6 +60,33 @@ def test_one_unreadable_state_entry_does_not_lose_every_later_leaders_state(etcd
         _close(b)
 
 
+def test_an_unreadable_task_entry_costs_only_that_task(etcd_server: EtcdServer) -> None:
+    """One damaged task entry: the new leader keeps every other task where it ran and stops only that
+    one; its first write deletes the damaged entry. Before, read_state raised for any entry, the
+    leader started afresh, and its first decision released every task (their ranks stopped)."""
+    prefix = "/oneentry"
+    a, _ = _leading_coordinator(etcd_server.endpoint, prefix)
+    a._decide(d.NodeJoined(ts=time.time(), node="n0", gpus=2))
+    for name in ("keep", "lose"):
+        spec = parse_task_spec({"name": name, "command": ["python", "x.py"], "min_gpus": 1, "max_gpus": 1}, None)
+        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+    assert a.executor.desired["n0"].keys() == {"keep", "lose"}
+    placed = a.state.tasks["keep"].placement
+    _close(a)
+    b, b_store = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        b_store.put(b.keys.state_task("lose"), '{"spec": 5}')
+        b._load_state()
+        assert sorted(b.state.tasks) == ["keep"] and b.state.tasks["keep"].placement == placed
+        b._decide(d.Tick(ts=time.time()))
+        kv = b_store.get(b.keys.assignment("n0"))
+        assert kv is not None and {t.task for t in NodeAssignment.from_json(kv.value).tasks} == {"keep"}
+        assert b_store.get(b.keys.state_task("lose")) is None
+        assert b_store.get(b.keys.state_task("keep")) is not None
+    finally:
+        _close(b)
+
+
 class _TxnReadFailsOnce(Store):
     """A real store whose first read of the txn/ prefix (the first thing a new leader reads, in
     Leadership.recover) raises as if etcd went down just after the election."""
@@ -119,7 +146,7 @@ def test_a_release_decided_on_a_quiet_tick_is_written_not_only_adopted(etcd_serv
     """_decide computes _release() (tasks the state no longer places leave every node's record) but
     its 'quiet' test looks only at edges, actions and writes: on a Tick the released nodes are adopted
     into the executor's memory and never written. Here the executor's records outlive the state (the
-    new leader found the state unreadable and started afresh, as _load_state allows): the first tick
+    new leader found the task's entry unreadable and left it out): the first tick
     drops the task from memory only, and etcd's assign/ record still tells the agent to run it, while
     the coordinator now counts its GPUs as free."""
 

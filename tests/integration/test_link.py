@@ -48,7 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 def core(c: LocalCluster) -> d.CoreState:
     assert c.store is not None
-    state, _ = read_state(c.store, c.keys)
+    state, _, _ = read_state(c.store, c.keys)
     assert state is not None
     return state
 

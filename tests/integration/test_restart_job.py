@@ -175,7 +175,7 @@ def test_a_relaunched_process_that_dies_fails_the_restart_at_once(tmp_path: Path
             both_stepped(c, 2)
             (victim, _, _), = starts(c, 1)
             assert c.store is not None
-            state, _ = read_state(c.store, c.keys)
+            state, _, _ = read_state(c.store, c.keys)
             assert state is not None
             rank0_node = next(n for n, ranks in state.tasks["stock"].placement.items() if 0 in ranks)
             t0 = time.time()

@@ -261,7 +261,7 @@ class LocalCluster:
     def node_state(self, node: str) -> str | None:
         """The node's state in the coordinator's decision record (up, drained, isolated, lost)."""
         assert self.store is not None
-        state, _ = read_state(self.store, self.keys)
+        state, _, _ = read_state(self.store, self.keys)
         entry = state.nodes.get(node) if state is not None else None
         return entry.status.value if entry is not None else None
 
