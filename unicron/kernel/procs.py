@@ -7,14 +7,17 @@ import os
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (signal 0 probes without delivering anything)."""
+    """Whether a process ``pid`` runs on this host (signal 0 probes without delivering anything). A
+    zombie does not: it has ended and only waits for its parent to reap it (an agent SIGKILLed by a
+    harness that had not reaped it yet was taken for a running one, and its node's restarted agent
+    refused to start)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # it exists, owned by another user
-    return True
+        pass  # it exists, owned by another user
+    return proc_state(pid) not in DEAD_STATES
 
 
 #: kernel states of a process that runs no code until something continues it (a SIGSTOP, a debugger)
