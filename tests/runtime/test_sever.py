@@ -3,6 +3,7 @@ fails at once, connections to other hosts are untouched, and loopback is never c
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -97,4 +98,60 @@ def test_only_connected_tcp_sockets_to_the_host_are_cut(server: socket.socket) -
         assert far.recv(1) == b""  # shut down: end of stream at once
     finally:
         for s in (udp, left, right, far, accepted):
+            s.close()
+
+
+def test_a_connect_under_way_to_the_host_is_cut() -> None:
+    """A connect to the lost host still sending its SYN (a rank reaching the store or a peer there) has
+    no peer to ask; it is found by its destination and cut, and the connect fails at once."""
+    host = local_address()
+    listener = socket.socket()
+    listener.bind((host, 0))
+    listener.listen(0)  # an accept queue of one: a second connection's SYN is dropped, it stays SYN_SENT
+    port = listener.getsockname()[1]
+    first = socket.create_connection((host, port))
+    time.sleep(0.1)
+    pending = socket.socket()
+    got: list[str | OSError] = []
+
+    def connect() -> None:
+        try:
+            pending.connect((host, port))
+            got.append("connected")
+        except OSError as exc:
+            got.append(exc)
+
+    th = threading.Thread(target=connect, daemon=True)
+    try:
+        th.start()
+        time.sleep(0.3)
+        assert th.is_alive(), got  # blocked in connect: the listener drops its SYN
+        assert sever(host) >= 1
+        th.join(2.0)
+        assert not th.is_alive(), "the connect to the lost host is still blocked after the cut"
+        assert isinstance(got[0], OSError), got
+    finally:
+        for s in (pending, first, listener):
+            s.close()
+
+
+def test_sockets_not_to_the_host_keep_their_blocking_mode_under_a_default_timeout() -> None:
+    """A process-wide default timeout (a training script may set one) must not reach the open files the
+    cut looks at: a blocking loopback socket stays blocking."""
+    host = local_address()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    near = socket.create_connection(("127.0.0.1", listener.getsockname()[1]))
+    accepted, _ = listener.accept()
+    near.settimeout(None)
+    assert os.get_blocking(near.fileno())
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(30.0)
+    try:
+        sever(host)
+        assert os.get_blocking(near.fileno()), "the cut made an unrelated blocking socket non-blocking"
+    finally:
+        socket.setdefaulttimeout(old)
+        for s in (near, accepted, listener):
             s.close()
