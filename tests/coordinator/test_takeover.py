@@ -265,3 +265,46 @@ def test_an_api_call_the_loop_did_not_start_in_time_is_never_run(monkeypatch: py
     loop.start()
     assert c._call(slow) == "done"
     loop.join()
+
+
+def _placed_on_two_nodes(endpoint: str, prefix: str) -> None:
+    """A leader that placed task ``keep`` on n0 and n1 (2 ranks each) and saw it run."""
+    a, _ = _leading_coordinator(endpoint, prefix)
+    try:
+        for n in ("n0", "n1"):
+            a._decide(d.NodeJoined(ts=time.time(), node=n, gpus=2))
+        spec = parse_task_spec({"name": "keep", "command": ["python", "x.py"], "min_gpus": 4, "max_gpus": 4,
+                                "recovery": "restart"}, None)
+        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+        out = a.state.tasks["keep"].outstanding
+        assert out is not None
+        a._decide(d.ActionSucceeded(ts=time.time(), action_id=out.action_id))
+        assert a.state.tasks["keep"].phase is d.TaskPhase.RUNNING
+        assert sorted(a.state.tasks["keep"].placement) == ["n0", "n1"]
+    finally:
+        _close(a)
+
+
+@pytest.mark.parametrize("damaged", [True, False])
+def test_a_node_lost_before_it_re_registers_fails_over_its_tasks_even_if_its_entry_was_unreadable(
+        etcd_server: EtcdServer, damaged: bool) -> None:
+    """A task placed on a node whose state entry was unreadable keeps its placement there; the node
+    stands in service until it re-registers, so its loss meanwhile moves the task (the core took a node
+    without an entry for one that never joined, and ignored the loss). Control: the entry readable."""
+    prefix = f"/lostnode-{damaged}"
+    _placed_on_two_nodes(etcd_server.endpoint, prefix)
+    b, b_store = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        if damaged:
+            b_store.put(b.keys.state_node("n1"), "not json")
+        b._load_state()
+        assert sorted(b.state.nodes) == ["n0", "n1"] and sorted(b.state.tasks["keep"].placement) == ["n0", "n1"]
+        assert (b.state.nodes["n1"].gpus, b.state.nodes["n1"].status) == (2, d.NodeState.UP)
+        b._decide(d.NodeLost(ts=time.time(), node="n1", reason="lease expired"))
+        entry = b.state.tasks["keep"]
+        assert b.state.nodes["n1"].status is d.NodeState.LOST
+        assert entry.phase is not d.TaskPhase.RUNNING or "n1" not in entry.placement, entry
+        b._decide(d.NodeJoined(ts=time.time(), node="n1", gpus=8))  # back, with its real count
+        assert (b.state.nodes["n1"].gpus, b.state.nodes["n1"].status) == (8, d.NodeState.UP)
+    finally:
+        _close(b)
