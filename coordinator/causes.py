@@ -15,7 +15,8 @@ state. Each rule here is one arrow of the contract in ``docs/decision.md``:
 * ``results/<node>``                     -> ``ActionSucceeded`` / ``ActionFailed`` (:func:`outcomes`)
 * every rank of a task exited 0          -> ``TaskFinished``, or ``TaskStopped`` when a rank said it
                                             stopped before its end               (:func:`ended`)
-* a node's lease gone, its link silent   -> ``NodeLost``                        (:func:`lease_gone`)
+* a node's lease gone, its link silent   -> ``NodeLost``                        (:func:`lease_gone`);
+  a node of the state a new leader finds unregistered, still so after a grace (:func:`unregistered`)
 """
 
 from __future__ import annotations
@@ -387,12 +388,25 @@ def _exits_ok(status: NodeStatus | None, task: str, generation: int,
     return out if len(out) == len(ranks) else None
 
 
-def lease_gone(node: str, link_alive: bool, already_lost: bool, ts: float) -> d.NodeLost | None:
+LEASE_EXPIRED = "agent lease expired"
+NEVER_REGISTERED = "agent not registered since this coordinator took the lead"
+
+
+def lease_gone(node: str, link_alive: bool, already_lost: bool, ts: float,
+               reason: str = LEASE_EXPIRED) -> d.NodeLost | None:
     """A node's registration vanished. Not a loss while its heartbeat link still runs: after an etcd
     outage every agent's lease may expire before the agent reconnects, while the node is fine."""
     if link_alive or already_lost:
         return None
-    return d.NodeLost(ts=ts, node=node, reason="agent lease expired")
+    return d.NodeLost(ts=ts, node=node, reason=reason)
+
+
+def unregistered(state: d.CoreState, registered: Collection[str]) -> list[str]:
+    """Nodes the state has in service that have no registration. A new leader's watch starts after what
+    it reads: a node whose lease expired in between (its host died with the old leader's, a rack's
+    power) sends no delete it could see, and its tasks would stay placed on it. A drained or isolated
+    node is out of service already, and may well be down on purpose."""
+    return sorted(n for n, e in state.nodes.items() if e.status is d.NodeState.UP and n not in registered)
 
 
 def node_lost_report(node: str, reason: str, ts: float) -> Report:

@@ -174,6 +174,8 @@ class Coordinator:
         self._inbox: queue.Queue[Input] = queue.Queue()
         self._watches: list[PrefixWatch] = []
         self._nodes: dict[str, NodeInfo] = {}
+        #: when the nodes of a loaded state that have not registered count as lost (None: checked)
+        self._registrations_due: float | None = None
         #: each registered node's link token, read by the link threads (_verify_link)
         self._link_tokens: dict[str, str] = {}
         self._lost_nodes: set[str] = set()
@@ -411,6 +413,8 @@ class Coordinator:
             case LinkGoodbye():
                 self._handle_link_goodbye(item.node, item.reason, item.ts)
             case CoreEvent():
+                if isinstance(item.event, d.Tick):
+                    self._check_registrations(item.event.ts)
                 self._decide(item.event)
             case Call():
                 self._run_call(item)
@@ -480,15 +484,7 @@ class Coordinator:
     def _on_node(self, ev: WatchEvent, ts: float) -> None:
         node = self.keys.tail(ev.key, self.keys.nodes())
         if ev.kind == "delete":
-            lost = causes.lease_gone(node, self._link_alive(node), node in self._lost_nodes, ts)
-            if lost is not None:
-                # Recorded as a sev1 incident like a lost link (an agent killed before its link reached
-                # a new leader is found only so; the chaos suite saw such a loss with no incident).
-                self._record(causes.node_lost_report(node, lost.reason, ts), report_key=None, event=lost)
-                self.metrics.node_losses.labels("lease expired").inc()
-                self._lost_nodes.add(node)
-            elif node not in self._lost_nodes:
-                log.info("node lease expired while its link is alive: not a node loss", node=node)
+            self._registration_gone(node, causes.LEASE_EXPIRED, "lease expired", ts)
             self._nodes.pop(node, None)
             self._link_tokens.pop(node, None)
             return
@@ -512,6 +508,26 @@ class Coordinator:
                 self._lift_goodbye_drain(node, ts)
         self._nodes[node] = info
         self._lost_nodes.discard(node)
+
+    def _registration_gone(self, node: str, reason: str, metric: str, ts: float) -> None:
+        lost = causes.lease_gone(node, self._link_alive(node), node in self._lost_nodes, ts, reason)
+        if lost is not None:
+            # Recorded as a sev1 incident like a lost link (an agent killed before its link reached
+            # a new leader is found only so; the chaos suite saw such a loss with no incident).
+            self._record(causes.node_lost_report(node, lost.reason, ts), report_key=None, event=lost)
+            self.metrics.node_losses.labels(metric).inc()
+            self._lost_nodes.add(node)
+        elif node not in self._lost_nodes:
+            log.info("node not registered while its link is alive: not a node loss", node=node, reason=reason)
+
+    def _check_registrations(self, ts: float) -> None:
+        """Once, a grace after this leader loaded the state: its nodes that never registered are lost."""
+        due = self._registrations_due
+        if due is None or time.monotonic() < due:
+            return
+        self._registrations_due = None
+        for node in causes.unregistered(self.state, self._nodes):
+            self._registration_gone(node, causes.NEVER_REGISTERED, "not registered", ts)
 
     def _node_lost(self, node: str, reason: str, ts: float) -> None:
         if node in self._lost_nodes:
@@ -629,6 +645,7 @@ class Coordinator:
         # a wide write a previous leader committed but did not finish is part of the state to load
         self.leadership.recover()
         self._written_state = None  # what etcd holds is not known entry by entry: the next write writes all
+        self._registrations_due = time.monotonic() + self.settings.registration_grace_s
         try:
             stored, split, unreadable = read_state(self.store, self.keys)
             if stored is not None:

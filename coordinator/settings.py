@@ -39,6 +39,9 @@ class CoordinatorSettings:
     spare_stores: bool = setting(True, "UNICRON_SPARE_STORES", "with in-place resize, each task's successor store node keeps a spare store sidecar listening; 0: a moved store starts from nothing")
     """The store moves when its node is lost; a sidecar starting then imports torch (1 s here) while
     every survivor waits. The spare is one idle process per in-place task, on one node."""
+    registration_grace_s: float = setting(10.0, "UNICRON_REGISTRATION_GRACE", "seconds a new leader waits for a node of the decision state that is not registered (nor on the link) before the node counts as lost", above=0)
+    """A live agent keeps its registration through a leader change, and re-registers within a second or
+    two of an etcd outage that expired it; a node found missing at the takeover died meanwhile."""
     regroup_grace_s: float = setting(10.0, "UNICRON_REGROUP_GRACE", "seconds after a rank's in-place recovery during which the task's hang reports are its consequence", least=0)
     """Peers wait in a collective while the ranks regroup; their hang detectors may fire meanwhile."""
     gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")

@@ -244,6 +244,13 @@ def test_a_lease_gone_is_a_node_loss_only_when_the_link_is_silent() -> None:
     assert causes.lease_gone("n0", link_alive=False, already_lost=True, ts=1.0) is None
 
 
+def test_only_nodes_in_service_without_a_registration_are_unregistered() -> None:
+    state = d.CoreState(nodes={"up": d.NodeEntry(1), "back": d.NodeEntry(1), "lost": d.NodeEntry(1, d.NodeState.LOST),
+                               "drained": d.NodeEntry(1, d.NodeState.DRAINED),
+                               "isolated": d.NodeEntry(1, d.NodeState.ISOLATED)})
+    assert causes.unregistered(state, registered={"back"}) == ["up"]
+
+
 def test_an_isolated_node_does_not_rejoin_by_registering_again() -> None:
     state, _ = running_task()
     assert causes.rejoin("n0", 1, state, ts=5.0) == d.NodeJoined(ts=5.0, node="n0", gpus=1)

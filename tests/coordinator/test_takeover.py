@@ -20,7 +20,7 @@ from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable, TemporaryError
 from unicron.kernel.etcd import KeyValue, Store, WatchEvent
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, NodeAssignment, Severity
+from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, NodeAssignment, NodeInfo, Severity
 
 
 def _leading_coordinator(endpoint: str, prefix: str) -> tuple[Coordinator, Store]:
@@ -308,3 +308,42 @@ def test_a_node_lost_before_it_re_registers_fails_over_its_tasks_even_if_its_ent
         assert (b.state.nodes["n1"].gpus, b.state.nodes["n1"].status) == (8, d.NodeState.UP)
     finally:
         _close(b)
+
+
+def test_a_node_that_died_during_the_leader_change_is_lost_after_the_grace(etcd_server: EtcdServer) -> None:
+    """The old leader placed a task on n0 and n1; n1's host died with it, and its lease expired before
+    the new leader's watch began: no delete event ever comes. After the registration grace, the new
+    leader takes n1 for lost (a sev1 incident) and the task moves; n0, registered, stays in service."""
+    prefix = "/diedmeanwhile"
+    _placed_on_two_nodes(etcd_server.endpoint, prefix)
+    b = Coordinator(CoordinatorSettings(etcd=etcd_server.endpoint, prefix=prefix, registration_grace_s=0.5))
+    b.store = b_store = Store(etcd_server.endpoint)
+    b.leadership = Leadership(b_store, b.keys, "test", ttl_s=3, on_deposed=b.stop)
+    assert b.leadership.campaign(threading.Event())
+    try:
+        b_store.put(b.keys.node("n0"), NodeInfo(node="n0", host="127.0.0.1", gpus=2, gpu_backend="simulated",
+                                                agent_pid=1, started_ts=1.0).to_json())
+        b._load_state()
+        b._start_watches()
+        _handle_queued(b)
+        b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
+        assert b.state.nodes["n1"].status is d.NodeState.UP, "lost before the grace"
+        time.sleep(0.6)
+        b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
+        assert (b.state.nodes["n0"].status, b.state.nodes["n1"].status) == (d.NodeState.UP, d.NodeState.LOST)
+        entry = b.state.tasks["keep"]
+        assert entry.phase is not d.TaskPhase.RUNNING or "n1" not in entry.placement, entry
+        assert b.recent_incidents[-1].node == "n1" and b.recent_incidents[-1].severity is Severity.SEV1
+    finally:
+        for w in b._watches:
+            w.stop()
+        _close(b)
+
+
+def _handle_queued(c: Coordinator) -> None:
+    """Run what the watches' initial read queued (the loop's work, on this thread)."""
+    while True:
+        try:
+            c._handle(c._inbox.get(timeout=0.3))
+        except queue.Empty:
+            return
