@@ -19,8 +19,9 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from unicron.kernel import jsontext
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import NotLeader, StoreUnavailable
+from unicron.kernel.errors import InvalidRecord, NotLeader, StoreUnavailable
 from unicron.kernel.etcd import MAX_TXN_BYTES, MAX_TXN_OPS, Lease, Store
 from unicron.kernel.keyspace import Keyspace
 
@@ -49,8 +50,13 @@ class _Chunk:
 
     @classmethod
     def from_json(cls, raw: bytes) -> _Chunk:
-        data = json.loads(raw)
-        return cls(dict(data["puts"]), list(data["deletes"]))
+        """InvalidRecord when ``raw`` is no chunk this version wrote."""
+        data = jsontext.parse(raw, "staged chunk")
+        puts, deletes = (data.get("puts"), data.get("deletes")) if isinstance(data, dict) else (None, None)
+        if not (isinstance(puts, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in puts.items())
+                and isinstance(deletes, list) and all(isinstance(k, str) for k in deletes)):
+            raise InvalidRecord("staged chunk: expected {\"puts\": {key: value}, \"deletes\": [key]}")
+        return cls(puts, deletes)
 
 
 def _text(value: str | bytes) -> str:
@@ -293,8 +299,15 @@ class Leadership:
                 continue
             log.warning("applying the rest of a committed wide write", txn=txn_id, chunks=len(staged))
             for i, key in enumerate(staged):
-                part = _Chunk.from_json(entries[key])
                 last = [commit] if i == len(staged) - 1 else []
+                try:
+                    part = _Chunk.from_json(entries[key])
+                except InvalidRecord as exc:
+                    # damaged in etcd: its part of the write is lost, the rest still lands (every leader
+                    # that took over would otherwise die here, each in turn)
+                    log.error("unreadable staged chunk of a committed wide write; deleting it", key=key,
+                              error=str(exc), value=entries[key].decode(errors="replace")[:2000])
+                    part = _Chunk({}, [])
                 self._guarded(self._token(), part.puts, [*part.deletes, key, *last])
                 applied += 1
             if not staged:

@@ -24,6 +24,7 @@ from typing import Any
 
 from coordinator import decision as d
 from coordinator.tasks import MODEL_FIELDS, SPEC_FIELDS
+from unicron.kernel import jsontext
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.etcd import Store
@@ -110,9 +111,9 @@ def read_state(store: Store, keys: Keyspace) -> tuple[d.CoreState | None, bool, 
     if kv is None:
         return None, False, []
     try:
-        top = json.loads(kv.value)
-    except ValueError as exc:
-        raise InvalidRecord(f"decision state: {exc}; delete the state key to start afresh") from exc
+        top = jsontext.parse(kv.value, "decision state")
+    except InvalidRecord as exc:
+        raise InvalidRecord(f"{exc}; delete the state key to start afresh") from exc
     if not isinstance(top, dict):
         raise InvalidRecord("decision state: expected an object; delete the state key to start afresh")
     inline = {kind: top.get(kind) or {} for kind in ("nodes", "tasks")}
@@ -126,7 +127,7 @@ def read_state(store: Store, keys: Keyspace) -> tuple[d.CoreState | None, bool, 
         raw.update({keys.tail(e.key, prefix): (e.key, _text(e.value)) for e in store.get_prefix(prefix)[0]})
         for name, (key, text) in sorted(raw.items()):
             try:
-                entry = json.loads(text)
+                entry = jsontext.parse(text, key)
                 if kind == "tasks":
                     entry, dropped = _known_fields(entry)
                     if dropped:

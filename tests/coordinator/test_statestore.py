@@ -79,10 +79,13 @@ def test_an_entry_that_cannot_be_read_costs_only_itself_and_fields_of_a_newer_ve
     store.put(KEYS.state_task("newer"), json.dumps(newer))
     store.put(KEYS.state_task("damaged"), '{"spec": 5}')
     store.put(KEYS.state_node("n9"), "not json")
+    store.put(KEYS.state_task("nested"), "[" * 100_000 + "]" * 100_000)  # the parser's recursion runs out
     loaded, split, unreadable = read_state(store, KEYS)
     assert split and loaded is not None
     assert sorted(loaded.nodes) == ["n000", "n001", "n002"] and sorted(loaded.tasks) == ["newer", "wide"]
     assert loaded.tasks["newer"].spec == dataclasses.replace(st.tasks["wide"].spec, name="newer")
     assert loaded.tasks["wide"] == st.tasks["wide"]
-    assert [u.key for u in unreadable] == [KEYS.state_node("n9"), KEYS.state_task("damaged")]
+    assert [u.key for u in unreadable] == [KEYS.state_node("n9"), KEYS.state_task("damaged"),
+                                           KEYS.state_task("nested")]
+    assert "nested too deep" in unreadable[2].error
     assert unreadable[1].value == '{"spec": 5}' and "tasks.damaged" in unreadable[1].error
