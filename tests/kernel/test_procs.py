@@ -5,6 +5,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from unicron.kernel import procs
 from unicron.kernel.procs import DEAD_STATES, pid_alive, proc_state
 
 
@@ -26,3 +29,9 @@ def test_a_zombie_is_not_alive() -> None:
     os.kill(child.pid, 0)
     assert not pid_alive(child.pid)
     child.wait()
+
+
+def test_a_process_reaped_between_the_probe_and_the_state_read_is_not_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal probe found it, then it was reaped before /proc/<pid>/stat was read."""
+    monkeypatch.setattr(procs, "proc_state", lambda pid: None)
+    assert not procs.pid_alive(os.getpid())

@@ -17,7 +17,10 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass  # it exists, owned by another user
-    return proc_state(pid) not in DEAD_STATES
+    state = proc_state(pid)
+    if state is None:  # reaped since the probe, unless there is no /proc to read at all
+        return not os.path.isdir("/proc/self")
+    return state not in DEAD_STATES
 
 
 #: kernel states of a process that runs no code until something continues it (a SIGSTOP, a debugger)
