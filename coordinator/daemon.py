@@ -195,7 +195,8 @@ class Coordinator:
         self.core = d.DecisionCore(
             d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
                                restart_deadline_s=settings.restart_deadline_s,
-                               in_place_resize=settings.in_place_resize),
+                               in_place_resize=settings.in_place_resize,
+                               ended_tasks_kept=settings.ended_tasks_kept),
             self.allocator,
         )
         # the planner's inputs measured from adopted decisions (D_transition, failure rate, FLOP/s)

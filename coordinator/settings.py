@@ -42,6 +42,8 @@ class CoordinatorSettings:
     registration_grace_s: float = setting(10.0, "UNICRON_REGISTRATION_GRACE", "seconds a new leader waits for a node of the decision state that is not registered (nor on the link) before the node counts as lost", above=0)
     """A live agent keeps its registration through a leader change, and re-registers within a second or
     two of an etcd outage that expired it; a node found missing at the takeover died meanwhile."""
+    ended_tasks_kept: int = setting(1000, "UNICRON_ENDED_TASKS_KEPT", "finished, failed and cancelled tasks kept in the task set (unicron tasks); the one that ended first is retired past it", least=0)
+    """See DecisionSettings.ended_tasks_kept."""
     regroup_grace_s: float = setting(10.0, "UNICRON_REGROUP_GRACE", "seconds after a rank's in-place recovery during which the task's hang reports are its consequence", least=0)
     """Peers wait in a collective while the ranks regroup; their hang detectors may fire meanwhile."""
     gpu_type: str = setting("A800", "UNICRON_GPU_TYPE", "accelerator type for the planner's throughput model")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from coordinator import decision as d
@@ -50,8 +50,8 @@ def state_writes(keys: Keyspace, written: d.CoreState | None, new: d.CoreState,
     nodes = _changed(written.nodes if written else None, new.nodes)
     tasks = _changed(written.tasks if written else None, new.tasks)
     # the existing codec, on a state holding only the changed entries
-    part = d.CoreState(now=new.now, counter=new.counter, nodes={n: new.nodes[n] for n in nodes},
-                       tasks={t: new.tasks[t] for t in tasks}).to_dict()
+    part = replace(new, nodes={n: new.nodes[n] for n in nodes},
+                    tasks={t: new.tasks[t] for t in tasks}).to_dict()
     entries_n: dict[str, Any] = part.pop("nodes")  # type: ignore[assignment]
     entries_t: dict[str, Any] = part.pop("tasks")  # type: ignore[assignment]
     puts = {keys.state(): json.dumps({**part, "nodes": {}, "tasks": {}})}

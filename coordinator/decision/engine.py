@@ -151,7 +151,8 @@ class _Run:
     def __init__(self, core: DecisionCore, state: CoreState) -> None:
         self.settings = core.settings
         self.allocator = core.allocator
-        self.state = CoreState(now=state.now, counter=state.counter, nodes=dict(state.nodes), tasks=dict(state.tasks))
+        self.state = CoreState(now=state.now, counter=state.counter, nodes=dict(state.nodes), tasks=dict(state.tasks),
+                               retired_generation=state.retired_generation)
         self._own_tasks: set[str] = set()  # entries of self.state that are this run's copies
         self._own_nodes: set[str] = set()
         self.actions: list[Action] = []
@@ -161,6 +162,7 @@ class _Run:
         self.faulted: set[str] = set()  # tasks that lost a worker (paper Eq. 4)
         self.relaunched: set[str] = set()  # forced tasks none of whose ranks runs: no in-place change
         self.isolated_now: set[str] = set()  # nodes this decision isolates (their ranks are killed)
+        self.ended = False  # a task left the active phases: the oldest ended ones may be retired
         self.responses: dict[Response, Callable[[str, TaskEntry, _Fault], None]] = {
             _R.MERGE: self._do_merge,
             _R.REATTEMPT: self._do_reattempt,
@@ -253,6 +255,8 @@ class _Run:
                 pass
         if self.replan:
             self._reconfigure()
+        if self.ended:
+            self._retire()
 
     # -- the table ----------------------------------------------------------------------------------
 
@@ -267,12 +271,23 @@ class _Run:
             taken = BUDGETED[response]
             phase, response = TRANSITIONS[(entry.phase, taken)]
         self.transitions.append(Transition(name, entry.phase, taken, phase, response, trigger, fault.reason))
+        if entry.phase in ACTIVE_PHASES and phase not in ACTIVE_PHASES:
+            entry.ended_at = self.state.now
+            self.ended = True
         entry.phase = phase
         self.responses[response](name, entry, fault)
 
     def _fire_named(self, name: str, trigger: Trigger, fault: _Fault) -> None:
         if name in self.state.tasks:
             self._fire(name, trigger, fault)
+
+    def _retire(self) -> None:
+        """Drop the ended tasks past ``ended_tasks_kept``, the one that ended first first."""
+        ended = sorted((e.ended_at, n) for n, e in self.state.tasks.items() if e.phase not in ACTIVE_PHASES)
+        for _, name in ended[:max(0, len(ended) - self.settings.ended_tasks_kept)]:
+            retired = self.state.tasks.pop(name)
+            self._own_tasks.discard(name)
+            self.state.retired_generation = max(self.state.retired_generation, retired.generation)
 
     def _spent(self, entry: TaskEntry, response: Response) -> bool:
         if response is _R.REATTEMPT:
@@ -630,7 +645,8 @@ class _Run:
             )
             return
         # a resubmitted name continues its generation count, so late reports of the old run stay stale
-        generation = 0 if old is None else old.generation
+        # (one retired from the state: above every retired run's)
+        generation = self.state.retired_generation if old is None else old.generation
         self.state.tasks[spec.name] = TaskEntry(spec, generation=generation, reason="waiting for a plan",
                                                 submitted_at=self.state.now)
         self._own_tasks.add(spec.name)

@@ -35,6 +35,10 @@ class DecisionSettings:
     """A sev3 of a task detected this long after its in-place resize at most is that resize's echo,
     whatever its step: a call to the store that moved breaks only once its old node's agent stops it,
     and fast iterations (0.1 s in the resize soak) run several steps past the resize by then."""
+    ended_tasks_kept: int = 1000
+    """Finished, failed and cancelled tasks kept in the state (shown by ``unicron tasks``); past this the
+    one that ended first is retired. Every decision and a new leader's load walk the whole task set,
+    and a cluster run for months would otherwise keep every task it ever ran."""
     in_place_resize: bool = True
     """Reach a new allocation that keeps the layout by an in-place resize (survivors keep running)
     instead of a new generation. Off: every move is a new generation (stop, snapshot, relaunch)."""
@@ -45,7 +49,7 @@ class DecisionSettings:
             if f.name == "in_place_resize":
                 if not isinstance(value, bool):
                     raise ConfigError(f"decision.{f.name}: expected true or false, got {value!r}")
-            elif f.name.startswith("max_"):
+            elif f.name.startswith("max_") or f.name == "ended_tasks_kept":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ConfigError(f"decision.{f.name}: expected an integer >= 0, got {value!r}")
             elif not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:

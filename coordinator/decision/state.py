@@ -108,6 +108,9 @@ class TaskEntry:
     submitted_at: float = 0.0
     """When this run of the task was submitted (the core's clock; 0 in states written before it existed):
     what was measured before it was an earlier run's under the same name (``Grounding.seed``)."""
+    ended_at: float = 0.0
+    """When the task left the active phases (the core's clock; 0 while active, and for a task that ended
+    before this existed): the oldest ended tasks are retired first (``DecisionSettings.ended_tasks_kept``)."""
 
     def ranks_on(self, node: str) -> list[int]:
         return self.placement.get(node, [])
@@ -122,11 +125,16 @@ class CoreState:
     counter: int = 0  # source of action ids
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
     tasks: dict[str, TaskEntry] = field(default_factory=dict)
+    retired_generation: int = 0
+    """The highest generation of any task entry retired from ``tasks``: a task submitted under a name
+    the state no longer holds starts above it, so late records of a retired run under that name stay
+    stale without the state keeping every name it ever saw."""
 
     def to_dict(self) -> dict[str, object]:
         return {
             "now": self.now,
             "counter": self.counter,
+            "retired_generation": self.retired_generation,
             "nodes": {
                 n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason, "drained": e.drained}
                 for n, e in self.nodes.items()
@@ -140,7 +148,9 @@ class CoreState:
         if not isinstance(data, dict):
             raise InvalidRecord("decision state: expected an object; delete the state key to start afresh")
         with _where("top level"):
-            state = cls(now=float(_typed(data["now"], float, "now")), counter=_typed(data["counter"], int, "counter"))
+            state = cls(now=float(_typed(data["now"], float, "now")), counter=_typed(data["counter"], int, "counter"),
+                        # absent in states written before it existed
+                        retired_generation=_typed(data.get("retired_generation", 0), int, "retired_generation"))
             nodes = _typed(data["nodes"], dict[str, dict[str, Any]], "nodes")
             tasks = _typed(data["tasks"], dict[str, dict[str, Any]], "tasks")
         for n, e in nodes.items():
@@ -238,6 +248,7 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     # likewise; the restart epoch is what a restart under way was judged by before
     raw.setdefault("relaunch_epoch", raw.get("restart_epoch", 0))
     raw.setdefault("submitted_at", 0.0)  # likewise; 0: every kept measurement is taken as this run's
+    raw.setdefault("ended_at", 0.0)  # likewise; 0: retired before any task that ended since
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):
         _typed(raw[key], hints[key], _path("tasks", name, key))

@@ -250,6 +250,25 @@ def test_finished_task_gpus_go_to_the_others() -> None:
     assert not only(acts, StopTask)
 
 
+def test_ended_tasks_past_the_kept_count_are_retired_and_their_names_start_above_them() -> None:
+    """The task set keeps the newest ended tasks only; a name submitted again after its entry was
+    retired starts above every retired generation, so the old run's late records stay stale."""
+    sim = Sim(DecisionSettings(ended_tasks_kept=2))
+    sim.join("n1")
+    for name in ("a", "b", "c"):
+        sim.ok(one(sim.submit(name, max_gpus=2), Assign, name))
+    generations = {n: sim.state.tasks[n].generation for n in ("a", "b", "c")}
+    sim.feed(TaskCancelled(ts=sim.ts(), task="b"))
+    sim.feed(TaskFinished(ts=sim.ts(), task="a"))
+    assert sorted(sim.state.tasks) == ["a", "b", "c"] and sim.state.tasks["a"].ended_at == sim.t
+    sim.feed(TaskFinished(ts=sim.ts(), task="c"))
+    assert sorted(sim.state.tasks) == ["a", "c"]  # b ended first
+    assert sim.state.retired_generation == generations["b"] >= 1
+    acts = sim.submit("b", max_gpus=2)
+    assert one(acts, Assign, "b").generation > generations["b"]
+    assert CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict()))) == sim.state
+
+
 def stopped(sim: Sim, task: str, step: int) -> list[Action]:
     return sim.feed(TaskStopped(ts=sim.ts(), task=task, step=step,
                                 reason=f"rank 3 stopped at iteration {step} on a SIGTERM Unicron did not send"))

@@ -30,12 +30,13 @@ def test_a_decision_writes_only_the_entries_it_changed() -> None:
     old = _state()
     puts, deletes = state_writes(KEYS, None, old)
     assert len(puts) == 1 + 200 + 1 and deletes == []  # nothing known as written: everything
-    new = dataclasses.replace(old, now=6.0, nodes=dict(old.nodes), tasks={})
+    new = dataclasses.replace(old, now=6.0, nodes=dict(old.nodes), tasks={}, retired_generation=2)
     new.nodes["n007"] = NodeEntry(8, NodeState.LOST, "agent connection closed")
     puts, deletes = state_writes(KEYS, old, new)
     assert sorted(puts) == [KEYS.state(), KEYS.state_node("n007")]
-    assert deletes == [KEYS.state_task("wide")]
-    assert json.loads(puts[KEYS.state()]) == {"now": 6.0, "counter": 9, "nodes": {}, "tasks": {}}
+    assert deletes == [KEYS.state_task("wide")]  # retired
+    assert json.loads(puts[KEYS.state()]) == {"now": 6.0, "counter": 9, "retired_generation": 2, "nodes": {},
+                                              "tasks": {}}
 
 
 def test_what_is_written_reads_back_as_the_state(store: Store) -> None:
@@ -43,7 +44,7 @@ def test_what_is_written_reads_back_as_the_state(store: Store) -> None:
     puts, _ = state_writes(KEYS, None, old)
     for k, v in puts.items():
         store.put(k, v)
-    new = dataclasses.replace(old, now=7.0, counter=10, nodes=dict(old.nodes))
+    new = dataclasses.replace(old, now=7.0, counter=10, nodes=dict(old.nodes), retired_generation=4)
     new.nodes["n001"] = NodeEntry(8, NodeState.DRAINED, "operator")
     puts, deletes = state_writes(KEYS, old, new)
     for k, v in puts.items():
