@@ -363,6 +363,13 @@ class Coordinator:
                     on_resync=functools.partial(self._resync, make), known=[kv.key for kv in kvs],
                 )
             )
+        self._expect_registrations()
+
+    def _expect_registrations(self) -> None:
+        """Registrations can be seen from now on (etcd answers, the node watch runs): the state's nodes
+        get a grace to register (an agent whose lease an outage expired registers again) before the
+        ones that have not count as lost."""
+        self._registrations_due = time.monotonic() + self.settings.registration_grace_s
 
     def _enqueue(self, make: Callable[[WatchEvent, float], WatchInput], ev: WatchEvent) -> None:
         self._inbox.put(make(ev, time.time()))
@@ -422,6 +429,7 @@ class Coordinator:
             case Reelected():
                 log.warning("leadership regained after losing its lease; reloading the decision state")
                 self._load_state()
+                self._expect_registrations()
             case Stop():
                 pass
 
@@ -522,13 +530,23 @@ class Coordinator:
             log.info("node not registered while its link is alive: not a node loss", node=node, reason=reason)
 
     def _check_registrations(self, ts: float) -> None:
-        """Once, a grace after this leader loaded the state: its nodes that never registered are lost."""
+        """Once, a grace after this leader could first see registrations: the state's nodes in service
+        that still have none are lost. Read from etcd, not from the watch's inputs (one still queued,
+        or retried after an etcd error, is a registration all the same)."""
         due = self._registrations_due
         if due is None or time.monotonic() < due:
             return
-        self._registrations_due = None
-        for node in causes.unregistered(self.state, self._nodes):
+        assert self.store is not None
+        try:
+            kvs, _ = self.store.get_prefix(self.keys.nodes())
+        except StoreUnavailable as exc:  # the agents' leases may expire meanwhile: a grace from its end
+            log.warning("etcd unavailable while checking the nodes' registrations; checking later", error=str(exc))
+            self._expect_registrations()
+            return
+        registered = {self.keys.tail(kv.key, self.keys.nodes()) for kv in kvs}
+        for node in causes.unregistered(self.state, registered):
             self._registration_gone(node, causes.NEVER_REGISTERED, "not registered", ts)
+        self._registrations_due = None  # only once every loss is recorded: a failed write retries the tick
 
     def _node_lost(self, node: str, reason: str, ts: float) -> None:
         if node in self._lost_nodes:
@@ -646,7 +664,6 @@ class Coordinator:
         # a wide write a previous leader committed but did not finish is part of the state to load
         self.leadership.recover()
         self._written_state = None  # what etcd holds is not known entry by entry: the next write writes all
-        self._registrations_due = time.monotonic() + self.settings.registration_grace_s
         try:
             stored, split, unreadable = read_state(self.store, self.keys)
             if stored is not None:

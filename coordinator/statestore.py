@@ -147,14 +147,14 @@ def read_state(store: Store, keys: Keyspace) -> tuple[d.CoreState | None, bool, 
 def _stand_in_for_placed_nodes(state: d.CoreState) -> None:
     """An entry for every node a task is placed on that has none (its entry was unreadable): the core
     takes a node it has no entry for as one that never joined, so that node's loss before it
-    re-registers would be ignored and the task left running on a dead host. In service (tasks are
-    placed only on nodes in service) with as many GPUs as its ranks use; its registration corrects
+    re-registers would be ignored and the task left running on a dead host. In service (an active
+    task's placement names only nodes in service) with as many GPUs as its ranks use; its registration corrects
     the count, and an operator's drain read from its lost entry is not restored."""
     used: dict[str, int] = {}
     for entry in state.tasks.values():
-        for node in entry.relaunching:
-            used.setdefault(node, 0)
-        for node, ranks in entry.placement.items():
+        if entry.phase not in d.ACTIVE_PHASES:
+            continue
+        for node, ranks in entry.placement.items():  # not ``relaunching``: it may name a lost node
             used[node] = used.get(node, 0) + len(ranks)
     for node, gpus in sorted(used.items()):
         if node not in state.nodes:

@@ -476,6 +476,7 @@ class _Run:
 
     def _clear(self, entry: TaskEntry, reason: str) -> None:
         entry.placement = {}
+        entry.relaunching = {}  # a restart under way ends with the ranks it relaunched
         entry.outstanding = None
         entry.reason = reason
 

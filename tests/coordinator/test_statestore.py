@@ -90,3 +90,29 @@ def test_an_entry_that_cannot_be_read_costs_only_itself_and_fields_of_a_newer_ve
                                            KEYS.state_task("nested")]
     assert "nested too deep" in unreadable[2].error
     assert unreadable[1].value == '{"spec": 5}' and "tasks.damaged" in unreadable[1].error
+
+
+def test_only_active_tasks_placements_get_a_stand_in_node(store: Store) -> None:
+    """A node whose entry is unreadable stands in service only for an active task's placement: an ended
+    task's (or a restart's relaunching, which may name a node already lost) would put a dead node
+    back in service, and the next plan would give it ranks."""
+    from tests.coordinator.test_decision import SEV2_KIND, Sim
+    sim = Sim()
+    sim.join("n0", 2)
+    sim.join("n1", 2)
+    [assign] = [a for a in sim.submit("old", min_gpus=4, max_gpus=4, recovery="restart") if isinstance(a, d.Assign)]
+    sim.ok(assign)
+    sim.incident("n1", SEV2_KIND, task="old", rank=2, generation=sim.state.tasks["old"].generation)
+    sim.feed(d.TaskCancelled(ts=sim.ts(), task="old"))
+    sim.feed(d.NodeLost(ts=sim.ts(), node="n1", reason="host died"))
+    assert sim.state.tasks["old"].relaunching == {}  # the cancel ended the restart under way
+    keys = Keyspace("/standin")
+    puts, _ = state_writes(keys, None, sim.state)
+    for k, v in puts.items():
+        store.put(k, v)
+    store.put(keys.state_node("n1"), "not json")
+    loaded, _, unreadable = read_state(store, keys)
+    assert loaded is not None and unreadable and "n1" not in loaded.nodes
+    spec = parse_task_spec({"name": "new", "command": ["python", "x.py"], "min_gpus": 1, "max_gpus": 3}, None)
+    new, _ = sim.core.handle(loaded, d.TaskSubmitted(ts=sim.ts(), spec=spec))
+    assert "n1" not in new.tasks["new"].placement

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -316,10 +317,7 @@ def test_a_node_that_died_during_the_leader_change_is_lost_after_the_grace(etcd_
     leader takes n1 for lost (a sev1 incident) and the task moves; n0, registered, stays in service."""
     prefix = "/diedmeanwhile"
     _placed_on_two_nodes(etcd_server.endpoint, prefix)
-    b = Coordinator(CoordinatorSettings(etcd=etcd_server.endpoint, prefix=prefix, registration_grace_s=0.5))
-    b.store = b_store = Store(etcd_server.endpoint)
-    b.leadership = Leadership(b_store, b.keys, "test", ttl_s=3, on_deposed=b.stop)
-    assert b.leadership.campaign(threading.Event())
+    b, b_store = _new_leader(etcd_server.endpoint, prefix, grace=0.5)
     try:
         b_store.put(b.keys.node("n0"), NodeInfo(node="n0", host="127.0.0.1", gpus=2, gpu_backend="simulated",
                                                 agent_pid=1, started_ts=1.0).to_json())
@@ -334,6 +332,85 @@ def test_a_node_that_died_during_the_leader_change_is_lost_after_the_grace(etcd_
         entry = b.state.tasks["keep"]
         assert entry.phase is not d.TaskPhase.RUNNING or "n1" not in entry.placement, entry
         assert b.recent_incidents[-1].node == "n1" and b.recent_incidents[-1].severity is Severity.SEV1
+    finally:
+        for w in b._watches:
+            w.stop()
+        _close(b)
+
+
+def _new_leader(endpoint: str, prefix: str, grace: float) -> tuple[Coordinator, Store]:
+    c = Coordinator(CoordinatorSettings(etcd=endpoint, prefix=prefix, registration_grace_s=grace))
+    c.store = store = Store(endpoint)
+    c.leadership = Leadership(store, c.keys, "test", ttl_s=3, on_deposed=c.stop)
+    assert c.leadership.campaign(threading.Event())
+    return c, store
+
+
+def test_an_etcd_error_while_recording_an_unregistered_node_does_not_end_the_check(etcd_server: EtcdServer) -> None:
+    """The check was marked done before the losses were written: a write that failed (and the loop's
+    retry of the tick) left the dead node in service for good."""
+    prefix = "/checkretried"
+    _placed_on_two_nodes(etcd_server.endpoint, prefix)
+    b, b_store = _new_leader(etcd_server.endpoint, prefix, grace=0.3)
+    try:
+        b_store.put(b.keys.node("n0"), NodeInfo(node="n0", host="127.0.0.1", gpus=2, gpu_backend="simulated",
+                                                agent_pid=1, started_ts=1.0).to_json())
+        b._load_state()
+        b._start_watches()
+        _handle_queued(b)
+        time.sleep(0.4)
+        assert b.leadership is not None
+        write = b.leadership.write
+        failed: list[bool] = []
+
+        def fails_once(*args: Any, **kwargs: Any) -> None:
+            if not failed:
+                failed.append(True)
+                raise StoreUnavailable("etcd unavailable (injected)")
+            write(*args, **kwargs)
+
+        b.leadership.write = fails_once  # type: ignore[method-assign]
+        tick = daemon.CoreEvent(d.Tick(ts=time.time()))
+        with pytest.raises(StoreUnavailable):
+            b._handle(tick)
+        b._handle(tick)  # the loop's retry
+        assert failed and b.state.nodes["n1"].status is d.NodeState.LOST
+    finally:
+        for w in b._watches:
+            w.stop()
+        _close(b)
+
+
+def test_the_grace_starts_when_registrations_can_be_seen(etcd_server: EtcdServer) -> None:
+    """etcd unavailable while the new leader starts its watches, for longer than the grace: the agents'
+    leases may have expired meanwhile, and they get the whole grace to register again from when etcd
+    answers, not from when the state was loaded."""
+    prefix = "/graceafteroutage"
+    _placed_on_two_nodes(etcd_server.endpoint, prefix)
+    b, b_store = _new_leader(etcd_server.endpoint, prefix, grace=0.5)
+    try:
+        assert b._until_done("load state", b._load_state)
+        get_prefix = b_store.get_prefix
+        back_at = time.monotonic() + 0.8
+
+        def down_then_up(prefix: str) -> tuple[list[KeyValue], int]:
+            if time.monotonic() < back_at:
+                raise StoreUnavailable("etcd unavailable (injected)")
+            return get_prefix(prefix)
+
+        b_store.get_prefix = down_then_up  # type: ignore[method-assign]
+        assert b._until_done("start watches", b._start_watches)
+        b_store.get_prefix = get_prefix  # type: ignore[method-assign]
+        _handle_queued(b)
+        b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
+        assert {n: e.status for n, e in b.state.nodes.items()} == {"n0": d.NodeState.UP, "n1": d.NodeState.UP}
+        for node in ("n0", "n1"):  # both re-register within the grace: neither is lost after it
+            b_store.put(b.keys.node(node), NodeInfo(node=node, host="127.0.0.1", gpus=2, gpu_backend="simulated",
+                                                    agent_pid=1, started_ts=2.0).to_json())
+        time.sleep(0.6)
+        b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
+        assert {n: e.status for n, e in b.state.nodes.items()} == {"n0": d.NodeState.UP, "n1": d.NodeState.UP}
+        assert b._registrations_due is None  # checked
     finally:
         for w in b._watches:
             w.stop()

@@ -35,3 +35,13 @@ def test_a_process_reaped_between_the_probe_and_the_state_read_is_not_alive(monk
     """The signal probe found it, then it was reaped before /proc/<pid>/stat was read."""
     monkeypatch.setattr(procs, "proc_state", lambda pid: None)
     assert not procs.pid_alive(os.getpid())
+
+
+def test_another_users_process_hidden_from_proc_is_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc mounted with hidepid: the probe says it exists (EPERM) and its state cannot be read."""
+    def eperm(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", eperm)
+    monkeypatch.setattr(procs, "proc_state", lambda pid: None)
+    assert procs.pid_alive(1)

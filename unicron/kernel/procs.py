@@ -16,7 +16,8 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass  # it exists, owned by another user
+        # it exists, owned by another user; its /proc entry may be hidden (hidepid): unreadable is alive
+        return proc_state(pid) not in DEAD_STATES
     state = proc_state(pid)
     if state is None:  # reaped since the probe, unless there is no /proc to read at all
         return not os.path.isdir("/proc/self")
