@@ -214,6 +214,11 @@ class Agent:
     def run(self) -> int:
         if self.tls_config is None:
             log.warning(tls.plaintext_warning("this agent's replica server or link, or etcd"), node=self.node)
+        try:  # before registering: a node the coordinator sees can take ranks
+            os.makedirs(self.settings.run_dir, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--run-dir / UNICRON_RUN_DIR {self.settings.run_dir!r}: {exc.strerror}; name a "
+                              "directory this user can write") from exc
         store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
                                    f"agent of node {self.node}", tls_config=self.tls_config)
         if store is None:

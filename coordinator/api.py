@@ -250,6 +250,13 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
         CoordinatorServicer(control_plane, authenticated=tls_config is not None), server
     )
     listen = join_host_port(host, port)
+    hint = "change --listen-host / UNICRON_COORDINATOR_HOST or --api-port / UNICRON_API_PORT"
+    if port:  # gRPC's own refusal comes with a line of its native log on stderr: ask the kernel first
+        try:
+            family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            socket.create_server((host, port), family=family).close()
+        except OSError as exc:
+            raise ConfigError(f"the API cannot listen on {listen} ({exc.strerror or exc}); {hint}") from exc
     try:
         if tls_config is None:
             bound = server.add_insecure_port(listen)
@@ -261,10 +268,7 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
     else:
         reason = "port in use or address not local"
     if not bound:
-        raise ConfigError(
-            f"the API cannot listen on {listen} ({reason}); change --listen-host / UNICRON_COORDINATOR_HOST "
-            "or --api-port / UNICRON_API_PORT"
-        )
+        raise ConfigError(f"the API cannot listen on {listen} ({reason}); {hint}")
     server.start()
     address = join_host_port(advertise_host, bound) if advertise_host else advertised(host, bound)
     log.info("API serving", listen=join_host_port(host, bound), address=address, tls=tls_config is not None)

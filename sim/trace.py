@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.types import FAULT_KINDS, ErrorKind
 
@@ -113,7 +114,7 @@ def read(path: Path, n_nodes: int | None = None, gpus_per_node: int = 8) -> Trac
     """Read a trace file. Without a header line the duration is the last failure's time (plus its repair)
     and the cluster size ``n_nodes`` (or the highest node index seen + 1)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = jsontext.decode(path.read_bytes(), f"trace {path}").splitlines()
     except OSError as exc:
         raise InvalidRecord(f"trace: cannot read {path}: {exc.strerror}") from exc
     header: dict[str, object] = {}

@@ -502,6 +502,27 @@ def test_cli_bad_etcd_endpoint_is_one_line(unicron: Any) -> None:
     assert err.startswith("unicron tasks: --etcd / UNICRON_ETCD: bad endpoint 'bad:port:x'") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv", [("cancel", "t\udcff"), ("drain", "n\udcff"), ("undrain", "n\udcff"),
+                                  ("tasks", "t\udcff"), ("inject", "kill-rank", "--node", "n\udcff"),
+                                  ("nodes", "--prefix", "/u\udcff")],
+                         ids=["cancel", "drain", "undrain", "tasks", "inject", "nodes-prefix"])
+def test_cli_an_argument_that_is_not_utf8_is_one_line(unicron: Any, argv: tuple[str, ...]) -> None:
+    """A byte the locale cannot decode (Python keeps it as a lone surrogate) failed with a traceback when
+    the name was encoded into a request or an etcd key, or was blamed on a node's registration."""
+    code, out, err = unicron(*argv, "--api", "127.0.0.1:1", "--etcd", "127.0.0.1:1")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "is not UTF-8 text" in err and "\\xff" in err
+
+
+def test_cli_a_malformed_api_address_is_an_error_not_a_coordinator_that_did_not_answer(unicron: Any) -> None:
+    code, _, err = unicron("nodes", "--api", "not-an-address", "--etcd", "127.0.0.1:1")
+    assert code == 1 and err.count("\n") == 1 and "--api / UNICRON_API: bad address" in err
+
+
+def test_cli_inject_xid_takes_only_ascii_digits(unicron: Any) -> None:
+    code, _, err = unicron("inject", "xid", "\u00b2", "--node", "n1", "--etcd", "127.0.0.1:1")
+    assert code == 1 and err.count("\n") == 1 and "xid needs a numeric XID code" in err
+
+
 def test_cli_api_port_out_of_range_is_refused_not_wrapped_onto_another_port(
     unicron: Any, api: str, plane: FakeControlPlane, etcd_server: EtcdServer, store: Store, prefix: str,
 ) -> None:

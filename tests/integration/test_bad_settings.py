@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from agent.main import main as agent_main
 from coordinator.main import main as coordinator_main
+from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel.etcd import Store
+from unicron.kernel.keyspace import Keyspace
 
 
 @pytest.mark.parametrize("main", [agent_main, coordinator_main], ids=["agent", "coordinator"])
@@ -59,3 +67,46 @@ def test_a_number_outside_its_bounds_is_one_line_naming_the_flag(
 def test_a_fence_below_the_lease_ttl_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert agent_main(["--node", "n1", "--fence-s", "2", "--lease-ttl-s", "3"]) == 2
     assert "--fence-s / UNICRON_FENCE: 2.0 is below the lease TTL (3 s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main", [agent_main, coordinator_main], ids=["agent", "coordinator"])
+def test_a_bad_log_level_is_one_line(main: Callable[[list[str]], int], capsys: pytest.CaptureFixture[str]) -> None:
+    """Was logging's ValueError, a traceback with exit 1."""
+    assert main(["--node", "n1", "--log-level", "bogus"] if main is agent_main else ["--log-level", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "log level 'bogus'" in err and "expected one of DEBUG" in err
+
+
+def _daemon(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """A daemon in a process of its own: these fail only once run() started (threads, sockets)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNICRON_")}
+    return subprocess.run([sys.executable, "-m", module, *argv], env=env, capture_output=True, text=True, timeout=60)
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("{")]  # JSON logs aside
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    return lines[0]
+
+
+def test_an_agent_run_dir_that_cannot_be_made_is_one_line_before_it_registers(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    line = _one_line(_daemon("agent.main", "--etcd", etcd_server.endpoint, "--node", "rundir", "--gpu-backend",
+                             "simulated", "--run-dir", str(tmp_path / "file" / "run")))
+    assert "--run-dir / UNICRON_RUN_DIR" in line
+    store = Store(etcd_server.endpoint)
+    try:
+        assert store.get(Keyspace().node("rundir")) is None  # it never registered
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("flag", ["--link-port", "--api-port"])
+def test_a_coordinator_port_in_use_is_one_line(etcd_server: EtcdServer, flag: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        line = _one_line(_daemon("coordinator.main", "--etcd", etcd_server.endpoint, "--listen-host", "127.0.0.1",
+                                 flag, str(busy.getsockname()[1])))
+    assert "in use" in line, line

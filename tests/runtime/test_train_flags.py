@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,25 @@ def test_manual_gc_collects_only_at_the_boundaries() -> None:
         policy.close()
         gc.unfreeze()
     assert gc.isenabled()
+
+
+def _one_line_error(code: int, capsys: pytest.CaptureFixture[str], naming: str) -> None:
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and naming in err and "Traceback" not in err, (code, err)
+
+
+def test_a_bad_log_level_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from unicron.runtime.train import main
+    monkeypatch.setenv("UNICRON_LOG_LEVEL", "bogus")
+    _one_line_error(main([]), capsys, "UNICRON_LOG_LEVEL")
+
+
+def test_an_out_dir_that_cannot_be_made_is_refused_at_start(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--out-dir is written when the rank ends: a path under a file failed there, with a traceback,
+    after the whole training. (No store runs: the flag is refused before the rank connects.)"""
+    from unicron.runtime.train import main
+    (tmp_path / "file").write_text("x")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    _one_line_error(main(["--iterations", "1", "--out-dir", str(tmp_path / "file" / "out")]), capsys, "--out-dir")

@@ -131,6 +131,14 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path:
     assert main(["simulate", "--out", str(tmp_path / "file" / "out"), "--quiet"]) == 1  # was a traceback
     err = capsys.readouterr().err
     assert err == f"unicron simulate: --out: cannot create {tmp_path / 'file' / 'out'} (Not a directory); pick another directory\n"
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00binary")  # was a UnicodeDecodeError traceback
+    assert main(["simulate", "--trace", str(tmp_path / "binary.jsonl"), "--out", str(tmp_path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not UTF-8 text (byte 0xff at offset 0)" in err
+    with pytest.raises(SystemExit) as exited:  # was numpy's ValueError, after --out had been created
+        main(["simulate", "--seed", "-1", "--out", str(tmp_path / "never"), "--quiet"])
+    assert exited.value.code == 2 and "argument --seed: '-1'" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
 
 
 def test_workload_and_trace_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

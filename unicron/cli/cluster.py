@@ -74,6 +74,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     A node can be isolated while its agent is registered and healthy, and lost while the coordinator
     still counts it, so neither view alone says what the scheduler does with a node.
     """
+    api_flag(args)  # a malformed --api is the user's error, not a coordinator that did not answer
     store, keys = open_store(args)
     try:
         statuses = {k.rsplit("/", 1)[-1]: v for k, v in read_json_prefix(store, keys.statuses())}

@@ -92,7 +92,7 @@ def build_request(args: argparse.Namespace) -> Injection:
             raise PermanentError(f"raise needs an error kind, one of: {', '.join(kinds)}")
         return replace(req, kind=ErrorKind(args.arg))
     if fault is Fault.XID:
-        if not (args.arg or "").isdigit():
+        if not ((args.arg or "").isascii() and (args.arg or "").isdigit()):  # '²'.isdigit(), but int() refuses it
             raise PermanentError("xid needs a numeric XID code, e.g. 'unicron inject xid 79 --node n1'")
         return replace(req, code=int(args.arg), gpu=args.gpu)
     if fault is Fault.SLOW:

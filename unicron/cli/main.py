@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    raw = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(raw, 1):
+        # a byte the locale could not decode arrives as a lone surrogate, which no name, key or
+        # request can carry (each would fail later, with a traceback, when it is encoded)
+        if any("\ud800" <= c <= "\udfff" for c in arg):
+            print(f"unicron: argument {i} ({arg.encode('utf-8', 'surrogateescape')!r}) is not UTF-8 text; "
+                  "names, keys and paths must be", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

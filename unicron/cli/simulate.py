@@ -18,6 +18,7 @@ from sim import workload as workloads
 from sim.costs import CostSettings
 from sim.report import figure, ratios, summary, write_summary
 from sim.run import parse_systems, simulate
+from unicron.cli.common import at_least
 from unicron.kernel.errors import ConfigError, InvalidRecord
 
 
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="case1..case5 (paper Table 3 on 16 x 8 A800) or a JSON file of task specs (default case5)")
     p.add_argument("--systems", default="all", help="'all' or a comma list of unicron,megatron,oobleck,varuna,bamboo")
     p.add_argument("--out", type=Path, default=Path("sim-out"), help="output directory (default ./sim-out)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace (default 0)")
+    p.add_argument("--seed", type=at_least(int, 0), default=0, help="seed of the generated trace (default 0)")
     p.add_argument("--cost", action="append", default=[], metavar="FIELD=VALUE",
                    help="override one cost constant (repeatable); see --list-costs")
     p.add_argument("--list-costs", action="store_true", help="print the cost constants and exit")

@@ -34,8 +34,8 @@ def main(prog: str, description: str, settings_cls: type[S], build: Callable[[S]
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    ulog.configure(str(getattr(settings, "log_level", "INFO")))
     try:
+        ulog.configure(str(getattr(settings, "log_level", "INFO")))
         daemon = build(settings)
     except ConfigError as exc:  # a setting only the daemon's parts can judge (e.g. the monitor's thresholds)
         print(f"{prog}: {exc}", file=sys.stderr)
@@ -46,4 +46,12 @@ def main(prog: str, description: str, settings_cls: type[S], build: Callable[[S]
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return daemon.run()
+    try:
+        return daemon.run()
+    except ConfigError as exc:  # found while starting: an address that cannot be listened on, a directory
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a port already in use, an address not of this host
+        print(f"{prog}: {exc}; check the listen and advertise addresses, the ports and the run directory",
+              file=sys.stderr)
+        return 2

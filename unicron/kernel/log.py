@@ -13,6 +13,8 @@ from typing import Any, cast
 
 import structlog
 
+from unicron.kernel.errors import ConfigError
+
 _SHARED: list[Any] = [
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
@@ -21,7 +23,13 @@ _SHARED: list[Any] = [
 ]
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def configure(level: str = "INFO", stream: Any = None, json: bool = True) -> None:
+    """Raises ConfigError for a level that is not one of :data:`LEVELS` (any case)."""
+    if level.upper() not in LEVELS:
+        raise ConfigError(f"log level {level!r} (--log-level / UNICRON_LOG_LEVEL): expected one of {', '.join(LEVELS)}")
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(

@@ -219,6 +219,12 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
     topo = Topology(world, args.tp)
     if not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    if args.out_dir:  # written only when the rank ends: a bad path must not surface after the training
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out-dir {args.out_dir!r}: {exc.strerror}; name a directory this user can write") \
+                from exc
     optim_cfg, sched, comm = configs(args)
     job = Job(model_provider=providers.model, forward_step=providers.forward_step,
               data=training_data(providers.datasets, args, sched), args=args, init_seed=args.init_seed)
@@ -253,8 +259,8 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
 
 def run(args: argparse.Namespace, providers: Providers[BatchT], model_type: ModelType, prog: str) -> int:
     """Build the rank and train; errors in the flags or the environment are one line on stderr."""
-    ulog.configure(os.environ.get("UNICRON_LOG_LEVEL", "WARNING"))
     try:
+        ulog.configure(os.environ.get("UNICRON_LOG_LEVEL", "WARNING"))
         built = build(args, providers, model_type)
     except (ConfigError, TemporaryError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
