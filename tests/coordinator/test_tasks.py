@@ -237,3 +237,11 @@ def test_a_valid_spec_always_fits_in_one_etcd_request(store: Store) -> None:
     store.put("/unicron-test-size/tasks/gpt-1", stored)
     kv = store.get("/unicron-test-size/tasks/gpt-1")
     assert kv is not None and TaskSpec.from_dict(json.loads(kv.value)) == spec
+
+
+def test_a_key_given_twice_in_a_spec_is_refused_naming_it() -> None:
+    """JSON keeps the last of two equal keys silently: a spec copied and edited at its end ran under
+    the name it was copied from."""
+    with pytest.raises(InvalidRecord, match=r"^job.json: key 'name' is given twice in one object; keep one$"):
+        load_spec_json('{"name": "t", "command": ["python", "x.py"], "name": "u"}', "job.json")
+    assert load_spec_json('{"name": "t", "model": {"layers": 2}, "layers": 3}', "job.json")["layers"] == 3

@@ -6,8 +6,10 @@ once per level in the parser).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from unicron.kernel.errors import InvalidRecord
@@ -39,18 +41,30 @@ def max_depth(text: str) -> int:
 
 
 def loads(text: str, where: str, depth_limit: int) -> Any:
-    """``json.loads(text)``, refusing nesting deeper than ``depth_limit`` before parsing."""
+    """``json.loads(text)`` of what a person wrote (a task spec, a planner input): refusing nesting
+    deeper than ``depth_limit`` before parsing, and a key given twice in one object (JSON keeps the
+    last one silently: a spec copied and edited would run under the name it was copied from)."""
     depth = max_depth(text)
     if depth > depth_limit:
         raise InvalidRecord(f"{where}: nested deeper than {depth_limit} levels ({depth})")
-    return parse(text, where)
+    return parse(text, where, functools.partial(_unique_keys, where))
 
 
-def parse(raw: str | bytes | bytearray, where: str) -> Any:
+def _unique_keys(where: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidRecord(f"{where}: key {key!r} is given twice in one object; keep one")
+        out[key] = value
+    return out
+
+
+def parse(raw: str | bytes | bytearray, where: str,
+          object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
     """``json.loads(raw)`` of text or bytes from outside (a peer's message, a file another process
     wrote): anything :func:`json.loads` cannot turn into a value is one :class:`InvalidRecord`."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=object_pairs_hook)
     except json.JSONDecodeError as exc:
         raise InvalidRecord(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
     except UnicodeDecodeError as exc:
