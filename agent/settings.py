@@ -39,7 +39,7 @@ class AgentSettings:
     """Created if missing."""
     hang_factor: float = setting(3.0, "UNICRON_HANG_FACTOR", "an iteration longer than this x the mean is a hang")
     """The paper's 3x D_iter."""
-    warmup_iterations: int = setting(5, "UNICRON_WARMUP_ITERATIONS", "iterations before hang detection starts")
+    warmup_iterations: int = setting(5, "UNICRON_WARMUP_ITERATIONS", "iterations before hang detection starts", least=0)
     """The first iterations (compilation, allocator warm-up) are slow and do not set the baseline."""
     warmup_hang_s: float = setting(1800.0, "UNICRON_WARMUP_HANG_S",
                                    "seconds a rank without a baseline yet (just launched, warming up) may report nothing")

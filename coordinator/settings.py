@@ -30,9 +30,9 @@ class CoordinatorSettings:
     """A stopped leader is replaced this long after it stopped refreshing."""
     etcd_timeout_s: float = setting(2.0, "UNICRON_ETCD_TIMEOUT", "timeout (s) of one etcd call", above=0)
     """Calls that exceed it count as etcd being unavailable and are retried."""
-    reattempt_deadline_s: float = setting(30.0, "UNICRON_REATTEMPT_DEADLINE", "seconds a sev3 reattempt may take before it counts as failed")
+    reattempt_deadline_s: float = setting(30.0, "UNICRON_REATTEMPT_DEADLINE", "seconds a sev3 reattempt may take before it counts as failed", above=0)
     """Figure 7: a failed reattempt escalates to a sev2 restart."""
-    restart_deadline_s: float = setting(120.0, "UNICRON_RESTART_DEADLINE", "seconds a sev2 restart may take before it counts as failed")
+    restart_deadline_s: float = setting(120.0, "UNICRON_RESTART_DEADLINE", "seconds a sev2 restart may take before it counts as failed", above=0)
     """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
     in_place_resize: bool = setting(True, "UNICRON_IN_PLACE_RESIZE", "resize a task in place (survivors keep running) when a new allocation keeps its layout; 0 makes every move a new generation")
     """See DecisionSettings.in_place_resize."""

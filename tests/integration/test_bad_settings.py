@@ -54,8 +54,10 @@ def test_a_float_setting_must_be_finite(
     (coordinator_main, ["--regroup-grace-s=-1"], "--regroup-grace-s / UNICRON_REGROUP_GRACE: -1.0 must be >= 0"),
     (coordinator_main, ["--alert-webhook-timeout-s=0"], "--alert-webhook-timeout-s / UNICRON_ALERT_WEBHOOK_TIMEOUT: 0.0 must be > 0"),
     (coordinator_main, ["--leader-ttl-s=1"], "--leader-ttl-s / UNICRON_LEADER_TTL: 1 must be >= 2"),
+    (coordinator_main, ["--restart-deadline-s=-1"], "--restart-deadline-s / UNICRON_RESTART_DEADLINE: -1.0 must be > 0"),
+    (agent_main, ["--node", "n1", "--warmup-iterations=-1"], "--warmup-iterations / UNICRON_WARMUP_ITERATIONS: -1 must be >= 0"),
 ], ids=["status-interval", "agent-etcd-timeout", "replica-budget", "lease-ttl", "link-port", "api-port",
-        "regroup-grace", "webhook-timeout", "leader-ttl"])
+        "regroup-grace", "webhook-timeout", "leader-ttl", "restart-deadline", "warmup"])
 def test_a_number_outside_its_bounds_is_one_line_naming_the_flag(
     main: Callable[[list[str]], int], argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
