@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from unicron.kernel import link, tls, wire
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.errors import ConfigError, InvalidRecord
 
 log = ulog.get(__name__)
 
@@ -109,7 +109,11 @@ class LinkServer:
         self.verify = verify
         self.on_connected = on_connected
         self.on_goodbye = on_goodbye
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            self._sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as exc:  # a port in use, an address not of this host: the settings', not a bug
+            raise ConfigError(f"the agent link cannot listen on {host}:{port} ({exc.strerror or exc}); change "
+                              "--listen-host / UNICRON_COORDINATOR_HOST or --link-port / UNICRON_LINK_PORT") from exc
         host, port = self._sock.getsockname()[:2]
         self.address = f"{host}:{port}"
         self._peers: dict[str, _Peer] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -502,15 +503,27 @@ def test_cli_bad_etcd_endpoint_is_one_line(unicron: Any) -> None:
     assert err.startswith("unicron tasks: --etcd / UNICRON_ETCD: bad endpoint 'bad:port:x'") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv", [("cancel", "t\udcff"), ("drain", "n\udcff"), ("undrain", "n\udcff"),
-                                  ("tasks", "t\udcff"), ("inject", "kill-rank", "--node", "n\udcff"),
-                                  ("nodes", "--prefix", "/u\udcff")],
+@pytest.mark.parametrize("argv", [("cancel", "t\udcff", "--api", "127.0.0.1:1"),
+                                  ("drain", "n\udcff", "--api", "127.0.0.1:1"),
+                                  ("undrain", "n\udcff", "--api", "127.0.0.1:1"),
+                                  ("tasks", "t\udcff", "--api", "127.0.0.1:1"),
+                                  ("inject", "kill-rank", "--node", "n\udcff", "--etcd", "127.0.0.1:1"),
+                                  ("nodes", "--prefix", "/u\udcff", "--etcd", "127.0.0.1:1")],
                          ids=["cancel", "drain", "undrain", "tasks", "inject", "nodes-prefix"])
 def test_cli_an_argument_that_is_not_utf8_is_one_line(unicron: Any, argv: tuple[str, ...]) -> None:
     """A byte the locale cannot decode (Python keeps it as a lone surrogate) failed with a traceback when
     the name was encoded into a request or an etcd key, or was blamed on a node's registration."""
-    code, out, err = unicron(*argv, "--api", "127.0.0.1:1", "--etcd", "127.0.0.1:1")
+    code, out, err = unicron(*argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and "is not UTF-8 text" in err and "\\xff" in err
+
+
+def test_cli_a_file_path_that_is_not_utf8_is_still_read(unicron: Any, tmp_path: Path, spec: dict[str, Any]) -> None:
+    """Only names, keys and addresses must be UTF-8: open() takes a path back as its bytes."""
+    path = os.fsdecode(bytes(tmp_path) + b"/job\xe9.json")
+    with open(path, "w") as fh:
+        json.dump(spec, fh)
+    code, _, err = unicron("submit", path, "--api", "127.0.0.1:1", "--timeout", "1")
+    assert code == 1 and "the coordinator's API at 127.0.0.1:1 is unavailable" in err, err
 
 
 def test_cli_a_malformed_api_address_is_an_error_not_a_coordinator_that_did_not_answer(unicron: Any) -> None:

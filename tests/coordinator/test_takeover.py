@@ -4,6 +4,7 @@ of it (review reproductions, real etcd)."""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -424,3 +425,25 @@ def _handle_queued(c: Coordinator) -> None:
             c._handle(c._inbox.get(timeout=0.3))
         except queue.Empty:
             return
+
+
+def test_a_retired_task_takes_its_spec_record_with_it(etcd_server: EtcdServer) -> None:
+    """Retirement deleted the state entry but left ``tasks/<task>``: etcd still grew by a record per task
+    ever run."""
+    c = Coordinator(CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/retired", ended_tasks_kept=1))
+    c.store = store = Store(etcd_server.endpoint)
+    c.leadership = Leadership(store, c.keys, "test", ttl_s=3, on_deposed=c.stop)
+    assert c.leadership.campaign(threading.Event())
+    try:
+        c._decide(d.NodeJoined(ts=time.time(), node="n0", gpus=2))
+        for name in ("first", "second"):
+            spec = parse_task_spec({"name": name, "command": ["python", "x.py"], "min_gpus": 1, "max_gpus": 1}, None)
+            c._decide(d.TaskSubmitted(ts=time.time(), spec=spec), puts={c.keys.task(name): json.dumps(spec.to_dict())})
+        c._decide(d.TaskFinished(ts=time.time(), task="first"))
+        assert store.get(c.keys.task("first")) is not None  # ended, kept
+        c._decide(d.TaskFinished(ts=time.time(), task="second"))
+        assert sorted(c.state.tasks) == ["second"]
+        assert store.get(c.keys.task("first")) is None and store.get(c.keys.state_task("first")) is None
+        assert store.get(c.keys.task("second")) is not None
+    finally:
+        _close(c)

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from unicron.kernel import log as ulog
+from unicron.kernel.errors import ConfigError
 
 
 def test_bound_context_appears_and_unknown_fields_are_left_out() -> None:
@@ -29,3 +32,13 @@ def test_an_unconfigured_process_logs_to_stderr_not_stdout() -> None:
     assert out.stdout == ""
     line = json.loads(out.stderr.strip().splitlines()[-1])
     assert (line["event"], line["rank"], line["why"]) == ("careful", 3, "test")
+
+
+@pytest.mark.parametrize("level", ["warn", "WARN", "fatal", "Debug", "NOTSET"])
+def test_every_level_the_stdlib_names_is_taken(level: str) -> None:
+    ulog.configure(level, stream=io.StringIO())
+
+
+def test_an_unknown_level_is_a_config_error_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match="UNICRON_LOG_LEVEL"):
+        ulog.configure("bogus")

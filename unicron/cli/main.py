@@ -42,17 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: arguments that become names, etcd keys or request fields
+NAMES = ("name", "node", "task", "prefix", "arg", "api", "etcd")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    raw = sys.argv[1:] if argv is None else argv
-    for i, arg in enumerate(raw, 1):
-        # a byte the locale could not decode arrives as a lone surrogate, which no name, key or
-        # request can carry (each would fail later, with a traceback, when it is encoded)
-        if any("\ud800" <= c <= "\udfff" for c in arg):
-            print(f"unicron: argument {i} ({arg.encode('utf-8', 'surrogateescape')!r}) is not UTF-8 text; "
-                  "names, keys and paths must be", file=sys.stderr)
-            return 2
     args = parser.parse_args(argv)
+    for dest in NAMES:
+        value = getattr(args, dest, None)
+        # a byte the locale could not decode arrives as a lone surrogate, which no request or etcd key
+        # can carry: each failed later with a traceback when it was encoded (a file path is fine: open()
+        # takes it back as the same bytes)
+        if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+            print(f"unicron {args.command}: {dest} {value.encode('utf-8', 'surrogateescape')!r} is not UTF-8 "
+                  "text; names, keys and addresses must be", file=sys.stderr)
+            return 2
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

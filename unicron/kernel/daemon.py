@@ -51,7 +51,3 @@ def main(prog: str, description: str, settings_cls: type[S], build: Callable[[S]
     except ConfigError as exc:  # found while starting: an address that cannot be listened on, a directory
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a port already in use, an address not of this host
-        print(f"{prog}: {exc}; check the listen and advertise addresses, the ports and the run directory",
-              file=sys.stderr)
-        return 2

@@ -23,13 +23,11 @@ _SHARED: list[Any] = [
 ]
 
 
-LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
 def configure(level: str = "INFO", stream: Any = None, json: bool = True) -> None:
-    """Raises ConfigError for a level that is not one of :data:`LEVELS` (any case)."""
-    if level.upper() not in LEVELS:
-        raise ConfigError(f"log level {level!r} (--log-level / UNICRON_LOG_LEVEL): expected one of {', '.join(LEVELS)}")
+    """Raises ConfigError for a level the stdlib does not name (any case; WARN and FATAL included)."""
+    if level.upper() not in logging.getLevelNamesMapping():
+        raise ConfigError(f"log level {level!r} (--log-level / UNICRON_LOG_LEVEL): expected one of DEBUG, INFO, "
+                          "WARNING, ERROR, CRITICAL")
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(
