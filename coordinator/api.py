@@ -9,6 +9,7 @@ than a traceback.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 from collections.abc import Callable
@@ -232,6 +233,15 @@ def advertised(host: str, port: int) -> str:
     return join_host_port(host, port)
 
 
+def _is_address(host: str) -> bool:
+    """An IP literal: a host name may resolve to several addresses, any of which gRPC may bind."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
           workers: int = 4, tls_config: tls.TLSConfig | None = None,
           advertise_host: str = "") -> tuple[grpc.Server, str]:
@@ -251,7 +261,7 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
     )
     listen = join_host_port(host, port)
     hint = "change --listen-host / UNICRON_COORDINATOR_HOST or --api-port / UNICRON_API_PORT"
-    if port:  # gRPC's own refusal comes with a line of its native log on stderr: ask the kernel first
+    if port and _is_address(host):  # gRPC's own refusal adds a line of its native log: ask the kernel first
         try:
             family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
             socket.create_server((host, port), family=family).close()

@@ -423,6 +423,7 @@ class Coordinator:
             case CoreEvent():
                 if isinstance(item.event, d.Tick):
                     self._check_registrations(item.event.ts)
+                    self._forget_old_runs()
                 self._decide(item.event)
             case Call():
                 self._run_call(item)
@@ -528,6 +529,14 @@ class Coordinator:
             self._lost_nodes.add(node)
         elif node not in self._lost_nodes:
             log.info("node not registered while its link is alive: not a node loss", node=node, reason=reason)
+
+    def _forget_old_runs(self) -> None:
+        """Progress and in-place-recovery memory of what the state no longer runs (a retired task, an
+        older generation): only the current generation's steps count, and a leader runs for months."""
+        tasks = self.state.tasks
+        self._seen = {k: v for k, v in self._seen.items() if (e := tasks.get(k[0])) is not None and k[1] >= e.generation}
+        for task in [t for t in self._last_handled if t not in tasks]:
+            del self._last_handled[task]
 
     def _check_registrations(self, ts: float) -> None:
         """Once, a grace after this leader could first see registrations: the state's nodes in service

@@ -255,8 +255,8 @@ class _Run:
                 pass
         if self.replan:
             self._reconfigure()
-        if self.ended:
-            self._retire()
+        if self.ended or (isinstance(event, Tick) and len(self.state.tasks) > self.settings.ended_tasks_kept):
+            self._retire()  # on a tick too: a lowered setting, or a state kept from before retirement
 
     # -- the table ----------------------------------------------------------------------------------
 

@@ -267,6 +267,9 @@ def test_ended_tasks_past_the_kept_count_are_retired_and_their_names_start_above
     acts = sim.submit("b", max_gpus=2)
     assert one(acts, Assign, "b").generation > generations["b"]
     assert CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict()))) == sim.state
+    # the setting lowered (or a state kept from before retirement existed): the next tick retires
+    lowered, _ = DecisionCore(DecisionSettings(ended_tasks_kept=1)).handle(sim.state, Tick(ts=sim.ts()))
+    assert sorted(lowered.tasks) == ["b", "c"] and sorted(sim.state.tasks) == ["a", "b", "c"]
 
 
 def stopped(sim: Sim, task: str, step: int) -> list[Action]:

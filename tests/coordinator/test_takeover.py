@@ -447,3 +447,12 @@ def test_a_retired_task_takes_its_spec_record_with_it(etcd_server: EtcdServer) -
         assert store.get(c.keys.task("second")) is not None
     finally:
         _close(c)
+
+
+def test_the_leader_forgets_the_progress_of_runs_the_state_no_longer_has() -> None:
+    c = Coordinator(CoordinatorSettings())
+    spec = parse_task_spec({"name": "t", "command": ["python", "x.py"]}, None)
+    c.state = d.CoreState(tasks={"t": d.TaskEntry(spec, phase=d.TaskPhase.RUNNING, generation=2)})
+    c._seen = {("retired", 4): 9, ("t", 1): 7, ("t", 2): 3}
+    c._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
+    assert c._seen == {("t", 2): 3}
