@@ -25,9 +25,9 @@ from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, NodeAssignment, NodeInfo, Severity
 
 
-def _leading_coordinator(endpoint: str, prefix: str) -> tuple[Coordinator, Store]:
+def _leading_coordinator(endpoint: str, prefix: str, **settings: Any) -> tuple[Coordinator, Store]:
     """A coordinator that leads, driven by the test on its own thread (no loop), and its store."""
-    c = Coordinator(CoordinatorSettings(etcd=endpoint, prefix=prefix))
+    c = Coordinator(CoordinatorSettings(etcd=endpoint, prefix=prefix, **settings))
     c.store = store = Store(endpoint)
     c.leadership = Leadership(store, c.keys, "test", ttl_s=3, on_deposed=c.stop)
     assert c.leadership.campaign(threading.Event())
@@ -316,15 +316,8 @@ def test_a_node_that_died_during_the_leader_change_is_lost_after_the_grace(etcd_
     """The old leader placed a task on n0 and n1; n1's host died with it, and its lease expired before
     the new leader's watch began: no delete event ever comes. After the registration grace, the new
     leader takes n1 for lost (a sev1 incident) and the task moves; n0, registered, stays in service."""
-    prefix = "/diedmeanwhile"
-    _placed_on_two_nodes(etcd_server.endpoint, prefix)
-    b, b_store = _new_leader(etcd_server.endpoint, prefix, grace=0.5)
+    b, _ = _took_over(etcd_server.endpoint, "/diedmeanwhile", grace=0.5)
     try:
-        b_store.put(b.keys.node("n0"), NodeInfo(node="n0", host="127.0.0.1", gpus=2, gpu_backend="simulated",
-                                                agent_pid=1, started_ts=1.0).to_json())
-        b._load_state()
-        b._start_watches()
-        _handle_queued(b)
         b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
         assert b.state.nodes["n1"].status is d.NodeState.UP, "lost before the grace"
         time.sleep(0.6)
@@ -339,26 +332,27 @@ def test_a_node_that_died_during_the_leader_change_is_lost_after_the_grace(etcd_
         _close(b)
 
 
-def _new_leader(endpoint: str, prefix: str, grace: float) -> tuple[Coordinator, Store]:
-    c = Coordinator(CoordinatorSettings(etcd=endpoint, prefix=prefix, registration_grace_s=grace))
-    c.store = store = Store(endpoint)
-    c.leadership = Leadership(store, c.keys, "test", ttl_s=3, on_deposed=c.stop)
-    assert c.leadership.campaign(threading.Event())
-    return c, store
+def _register(c: Coordinator, store: Store, node: str, started_ts: float = 1.0) -> None:
+    store.put(c.keys.node(node), NodeInfo(node=node, host="127.0.0.1", gpus=2, gpu_backend="simulated",
+                                          agent_pid=1, started_ts=started_ts).to_json())
+
+
+def _took_over(endpoint: str, prefix: str, grace: float) -> tuple[Coordinator, Store]:
+    """A new leader of a state with ``keep`` on n0 and n1, of which only n0 is registered."""
+    _placed_on_two_nodes(endpoint, prefix)
+    b, b_store = _leading_coordinator(endpoint, prefix, registration_grace_s=grace)
+    _register(b, b_store, "n0")
+    b._load_state()
+    b._start_watches()
+    _handle_queued(b)
+    return b, b_store
 
 
 def test_an_etcd_error_while_recording_an_unregistered_node_does_not_end_the_check(etcd_server: EtcdServer) -> None:
     """The check was marked done before the losses were written: a write that failed (and the loop's
     retry of the tick) left the dead node in service for good."""
-    prefix = "/checkretried"
-    _placed_on_two_nodes(etcd_server.endpoint, prefix)
-    b, b_store = _new_leader(etcd_server.endpoint, prefix, grace=0.3)
+    b, _ = _took_over(etcd_server.endpoint, "/checkretried", grace=0.3)
     try:
-        b_store.put(b.keys.node("n0"), NodeInfo(node="n0", host="127.0.0.1", gpus=2, gpu_backend="simulated",
-                                                agent_pid=1, started_ts=1.0).to_json())
-        b._load_state()
-        b._start_watches()
-        _handle_queued(b)
         time.sleep(0.4)
         assert b.leadership is not None
         write = b.leadership.write
@@ -388,7 +382,7 @@ def test_the_grace_starts_when_registrations_can_be_seen(etcd_server: EtcdServer
     answers, not from when the state was loaded."""
     prefix = "/graceafteroutage"
     _placed_on_two_nodes(etcd_server.endpoint, prefix)
-    b, b_store = _new_leader(etcd_server.endpoint, prefix, grace=0.5)
+    b, b_store = _leading_coordinator(etcd_server.endpoint, prefix, registration_grace_s=0.5)
     try:
         assert b._until_done("load state", b._load_state)
         get_prefix = b_store.get_prefix
@@ -406,8 +400,7 @@ def test_the_grace_starts_when_registrations_can_be_seen(etcd_server: EtcdServer
         b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
         assert {n: e.status for n, e in b.state.nodes.items()} == {"n0": d.NodeState.UP, "n1": d.NodeState.UP}
         for node in ("n0", "n1"):  # both re-register within the grace: neither is lost after it
-            b_store.put(b.keys.node(node), NodeInfo(node=node, host="127.0.0.1", gpus=2, gpu_backend="simulated",
-                                                    agent_pid=1, started_ts=2.0).to_json())
+            _register(b, b_store, node, started_ts=2.0)
         time.sleep(0.6)
         b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
         assert {n: e.status for n, e in b.state.nodes.items()} == {"n0": d.NodeState.UP, "n1": d.NodeState.UP}
@@ -430,10 +423,7 @@ def _handle_queued(c: Coordinator) -> None:
 def test_a_retired_task_takes_its_spec_record_with_it(etcd_server: EtcdServer) -> None:
     """Retirement deleted the state entry but left ``tasks/<task>``: etcd still grew by a record per task
     ever run."""
-    c = Coordinator(CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/retired", ended_tasks_kept=1))
-    c.store = store = Store(etcd_server.endpoint)
-    c.leadership = Leadership(store, c.keys, "test", ttl_s=3, on_deposed=c.stop)
-    assert c.leadership.campaign(threading.Event())
+    c, store = _leading_coordinator(etcd_server.endpoint, "/retired", ended_tasks_kept=1)
     try:
         c._decide(d.NodeJoined(ts=time.time(), node="n0", gpus=2))
         for name in ("first", "second"):
