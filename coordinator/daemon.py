@@ -726,8 +726,8 @@ class Coordinator:
         draft, changed = execute(self.executor, state, actions)
         writes = dict(puts or {})
         # a retired task's spec record goes with its state entry (DecisionSettings.ended_tasks_kept)
-        deletes = [*deletes, *(k for t in self.state.tasks if t not in state.tasks
-                               if (k := self.keys.task(t)) not in deletes)]
+        retired = {self.keys.task(t) for t in self.state.tasks.keys() - state.tasks.keys()}
+        deletes = [*deletes, *sorted(retired - set(deletes))]
         raised = event.incident if isinstance(event, d.IncidentRaised) else incident
         costs, costed = self.costs.step(self.state, state, event.ts, raised)
         for inc in costed:
