@@ -10,6 +10,7 @@ from unicron.kernel import tls
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.etcd import parse_endpoints
+from unicron.kernel.net import check_host
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class AgentSettings:
         if not self.node or any(not (c.isalnum() or c in "-_.") for c in self.node):
             raise ConfigError(f"--node / UNICRON_NODE: bad node name {self.node!r}; use letters, digits, - _ .")
         parse_endpoints(self.etcd)
+        for host, flag in ((self.advertise_host, "--advertise-host / UNICRON_ADVERTISE_HOST"),
+                           (self.replica_host, "--replica-host / UNICRON_REPLICA_HOST")):
+            if host:
+                check_host(host, flag)
         if 0 < self.fence_s < self.lease_ttl_s:
             raise ConfigError(f"--fence-s / UNICRON_FENCE: {self.fence_s} is below the lease TTL ({self.lease_ttl_s} s): "
                               "the node could kill its ranks before etcd let its lease go; use 0 (never) or more")

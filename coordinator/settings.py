@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
-from unicron.kernel.net import WILDCARDS, route_address
+from unicron.kernel.net import WILDCARDS, check_host, route_address
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,10 @@ class CoordinatorSettings:
             gpu_type(self.gpu_type)
         except Exception as exc:
             raise ConfigError(f"--gpu-type / UNICRON_GPU_TYPE: {exc}") from exc
+        for host, flag in ((self.listen_host, "--listen-host / UNICRON_COORDINATOR_HOST"),
+                           (self.advertise_host, "--advertise-host / UNICRON_COORDINATOR_ADVERTISE_HOST")):
+            if host:
+                check_host(host, flag)
         if self.advertise_host in WILDCARDS[1:]:
             raise ConfigError("--advertise-host / UNICRON_COORDINATOR_ADVERTISE_HOST must be an address peers can "
                               f"dial, not the wildcard {self.advertise_host}; leave it empty for the default")

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import socket
 
 import psutil
 
+from unicron.kernel.errors import ConfigError
+
 #: listen addresses that mean "every interface": never an address to give a peer
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_.])?")
+
+
+def check_host(host: str, flag: str) -> None:
+    """ConfigError naming ``flag`` unless ``host`` is an IP address ([v6] too) or a host name: a value
+    published for peers to dial (in the leader key, a node's registration) that nobody can dial broke
+    them far from the flag, or was refused by every client reading it."""
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+        return
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(host):
+        raise ConfigError(f"{flag}: {host!r} is neither an IP address nor a host name; give one peers can dial")
 
 
 def host_port(address: str) -> tuple[str, int] | None:
