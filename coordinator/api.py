@@ -9,7 +9,6 @@ than a traceback.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import socket
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from coordinator.tasks import TaskSpec, load_spec_json, parse_task_spec
 from unicron.kernel import log as ulog
 from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
-from unicron.kernel.net import WILDCARDS
+from unicron.kernel.net import WILDCARDS, ip_literal
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -233,15 +232,6 @@ def advertised(host: str, port: int) -> str:
     return join_host_port(host, port)
 
 
-def _is_address(host: str) -> bool:
-    """An IP literal: a host name may resolve to several addresses, any of which gRPC may bind."""
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return True
-
-
 def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
           workers: int = 4, tls_config: tls.TLSConfig | None = None,
           advertise_host: str = "") -> tuple[grpc.Server, str]:
@@ -261,10 +251,12 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
     )
     listen = join_host_port(host, port)
     hint = "change --listen-host / UNICRON_COORDINATOR_HOST or --api-port / UNICRON_API_PORT"
-    if port and _is_address(host):  # gRPC's own refusal adds a line of its native log: ask the kernel first
+    # gRPC's own refusal adds a line of its native log: ask the kernel first (a host name may resolve to
+    # several addresses, any of which gRPC may bind: left to gRPC)
+    ip = ip_literal(host)
+    if port and ip is not None:
         try:
-            family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-            socket.create_server((host, port), family=family).close()
+            socket.create_server((str(ip), port), family=socket.AF_INET6 if ip.version == 6 else socket.AF_INET).close()
         except OSError as exc:
             raise ConfigError(f"the API cannot listen on {listen} ({exc.strerror or exc}); {hint}") from exc
     try:

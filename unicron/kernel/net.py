@@ -16,16 +16,19 @@ WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_.])?")
 
 
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``host`` writes (``[v6]`` too); None for a host name (or anything else)."""
+    try:
+        return ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+    except ValueError:
+        return None
+
+
 def check_host(host: str, flag: str) -> None:
     """ConfigError naming ``flag`` unless ``host`` is an IP address ([v6] too) or a host name: a value
     published for peers to dial (in the leader key, a node's registration) that nobody can dial broke
     them far from the flag, or was refused by every client reading it."""
-    try:
-        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
-        return
-    except ValueError:
-        pass
-    if not _HOST_NAME.fullmatch(host):
+    if ip_literal(host) is None and not _HOST_NAME.fullmatch(host):
         raise ConfigError(f"{flag}: {host!r} is neither an IP address nor a host name; give one peers can dial")
 
 
