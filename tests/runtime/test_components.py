@@ -175,6 +175,44 @@ def test_when_every_copy_of_the_newest_is_damaged_the_group_restores_the_newest_
         assert all(torch.equal(a, b) for a, b in zip(tensors, at5.tensors(), strict=True))
 
 
+def _normed(seed: int, steps: int) -> ReplicaState:
+    """A replica whose buffers training changes (a norm's running statistics and its batch count)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).double()
+    for _ in range(steps):
+        model(torch.randn(8, 4, dtype=torch.float64))
+    return ReplicaState(model, OptimConfig())
+
+
+@pytest.mark.parametrize("source", ["replica", "checkpoint"])
+def test_a_joiner_receives_the_models_buffers_with_its_parameters(source: str, tmp_path: Path) -> None:
+    """Only parameters and optimizer state were sent: a joiner kept its own running statistics (and a
+    Megatron MoE router its own expert bias), so its replica silently differed from the others'. Now
+    the buffers travel with them, from a healthy replica and from the group's restored snapshot."""
+    from tests.runtime.threads import run_ranks
+    from unicron.runtime.comm import HashStore, new_group
+    from unicron.runtime.state import CheckpointSource, ReplicaBroadcast, StateSource
+
+    holder = _normed(1, steps=5)
+    ck = TorchSaveCheckpointer(str(tmp_path / "rank0"), rank=0, keep=1)
+    ck.save(holder.state_dict(), 0)
+    store = HashStore()
+    states = [_normed(1, steps=5), _normed(2, steps=1)]  # here: the ranks' threads share one generator
+
+    def rank(r: int) -> list[torch.Tensor]:
+        group = new_group("gloo", store, "t", r, 2, 20.0)
+        mine = states[r]
+        src: StateSource = ReplicaBroadcast() if source == "replica" else CheckpointSource(
+            ck if r == 0 else TorchSaveCheckpointer(str(tmp_path / "rank1"), rank=1, keep=1))
+        holders = [0] if source == "replica" else []
+        assert src.transfer(mine, group, [0, 1], holders, [1] if source == "replica" else [0, 1], r)
+        return mine.buffers()
+
+    assert [b.dtype for b in holder.buffers()] == [torch.float64, torch.float64, torch.int64]
+    for got in run_ranks(2, rank, timeout_s=30):
+        assert all(torch.equal(a, b) for a, b in zip(got, holder.buffers(), strict=True))
+
+
 def test_the_memory_checkpointer_reads_its_tunables_from_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/ckpt.md's UNICRON_CKPT_* variables reach the manager the runtime builds (they were ignored:

@@ -89,6 +89,15 @@ class ReplicaState:
             out += [p.data, st["exp_avg"], st["exp_avg_sq"], st["step"]]
         return out
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The model's buffers, in a fixed order: training changes some (a norm's running statistics,
+        a MoE router's expert bias), so a replica hands them to a joiner with the parameters."""
+        return [b for _, b in self.model.named_buffers()]
+
+    def replica_tensors(self) -> list[torch.Tensor]:
+        """What one replica's state is made of: :meth:`tensors`, then :meth:`buffers`."""
+        return self.tensors() + self.buffers()
+
     def slots(self) -> list[Slot]:
         """:meth:`tensors` with each one's tensor-parallel split (the parameter's)."""
         return [Slot(t, partition_of(p) if t.dim() else None)
@@ -161,7 +170,7 @@ class ReplicaBroadcast(StateSource):
         root = group_ranks.index(roots[0])
         it = torch.tensor([state.iteration], dtype=torch.int64, device=state.device)
         group.broadcast(it, root).wait()
-        broadcast_flat(group, root, state.tensors(), state.device)
+        broadcast_flat(group, root, state.replica_tensors(), state.device)
         state.iteration = int(it.item())
         return True
 
@@ -246,7 +255,7 @@ class CheckpointSource(StateSource):
         if not int(head[1]):  # of another tensor-parallel layout: nothing loaded; only a restore
             self.outcome = Outcome.FOREIGN  # of every rank can reshard it (Trainer._restore_snapshots)
             return False
-        broadcast_flat(group, root, state.tensors(), state.device)
+        broadcast_flat(group, root, state.replica_tensors(), state.device)
         state.iteration = int(head[0])
         return True
 
