@@ -133,8 +133,11 @@ def read(path: Path, n_nodes: int | None = None, gpus_per_node: int = 8) -> Trac
         failures.append(Failure.from_dict(data, where))
     failures.sort()
     duration = header.get("duration_s")
-    if not isinstance(duration, int | float):
+    if duration is None:
         duration = max((f.time_s + f.repair_s for f in failures), default=0.0)
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 < duration < math.inf:
+        raise InvalidRecord(f"trace {path.name}: a duration of {duration!r} s covers nothing to simulate; give "
+                            'failures, or a header line {"trace": NAME, "duration_s": SECONDS} with SECONDS > 0')
     nodes = header.get("n_nodes", n_nodes)
     if not isinstance(nodes, int):
         nodes = 1 + max((int("".join(c for c in f.node if c.isdigit()) or 0) for f in failures), default=0)

@@ -531,9 +531,13 @@ def test_cli_a_malformed_api_address_is_an_error_not_a_coordinator_that_did_not_
     assert code == 1 and err.count("\n") == 1 and "--api / UNICRON_API: bad address" in err
 
 
-def test_cli_inject_xid_takes_only_ascii_digits(unicron: Any) -> None:
-    code, _, err = unicron("inject", "xid", "\u00b2", "--node", "n1", "--etcd", "127.0.0.1:1")
-    assert code == 1 and err.count("\n") == 1 and "xid needs a numeric XID code" in err
+@pytest.mark.parametrize("code", ["\u00b2", "9" * 5000, str(2**64)])
+def test_cli_inject_xid_takes_only_ascii_digits_of_an_nvml_xid(unicron: Any, code: str) -> None:
+    """5,000 digits were a traceback (int()'s digit limit); 2**64 is past NVML's unsigned 64-bit XID."""
+    rc, _, err = unicron("inject", "xid", code, "--node", "n1", "--etcd", "127.0.0.1:1")
+    assert rc == 1 and err.count("\n") == 1 and "xid needs a numeric XID code below 2**64" in err
+    rc, _, err = unicron("inject", "xid", str(2**64 - 1), "--node", "n1", "--etcd", "127.0.0.1:1")
+    assert "cannot reach etcd at 127.0.0.1:1" in err  # the largest XID passes the check
 
 
 def test_cli_api_port_out_of_range_is_refused_not_wrapped_onto_another_port(

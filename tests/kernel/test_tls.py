@@ -68,6 +68,30 @@ def test_certs_issue_refuses_a_name_or_host_no_certificate_can_carry(
     assert not (tmp_path / "n1.crt").exists()
 
 
+def test_certs_issue_refuses_a_host_nobody_can_dial_and_takes_a_bracketed_v6_as_an_address(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: ``--host 'bad host!'`` was issued as a DNS name no client could ever match, and
+    ``--host [fd00::7]`` as the DNS name ``[fd00::7]``, not the address. Now the first is one line naming it
+    (no certificate written) and the second is an IP SAN; a wildcard DNS name is still taken."""
+    from cryptography import x509
+
+    tls.init_ca(tmp_path)
+    for bad in ("bad host!", "a/b", "-x"):
+        code = cli.main(["certs", "issue", "--role", "node", "n1", "--dir", str(tmp_path), f"--host={bad}"])
+        err = capsys.readouterr().err
+        _one_line(code, err)
+        assert f"--host: {bad!r} is neither an IP address nor a host name" in err
+    assert not (tmp_path / "n1.crt").exists()
+    assert cli.main(["certs", "issue", "--role", "node", "n1", "--dir", str(tmp_path),
+                     "--host", "[fd00::7]", "--host", "*.nodes.example", "--host", "10.0.0.7"]) == 0
+    san = x509.load_pem_x509_certificate((tmp_path / "n1.crt").read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert "[fd00::7]" not in san.get_values_for_type(x509.DNSName)
+    assert "*.nodes.example" in san.get_values_for_type(x509.DNSName)
+    assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} >= {"fd00::7", "10.0.0.7"}
+
+
 def test_only_the_etcd_admin_may_be_named_root(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:

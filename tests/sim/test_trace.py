@@ -82,3 +82,26 @@ def test_poisson_rate() -> None:
     trace = tr.poisson(seed=0, n_nodes=64, duration_s=8 * tr.WEEK_S)
     assert 120 <= len(trace.failures) <= 230
     assert 0.1 < trace.count(1) / len(trace.failures) < 0.4
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "\n\n",
+    '{"trace": "t", "duration_s": -5}\n',
+    '{"trace": "t", "duration_s": true}\n',
+    '{"trace": "t", "duration_s": "a day"}\n',
+])
+def test_a_trace_that_covers_no_time_is_refused(tmp_path: Path, text: str) -> None:
+    """An empty file simulated zero seconds and printed every system's WAF as 0; a header's bad
+    ``duration_s`` was ignored for the failures' span. Now both are refused, naming the remedy."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(text)
+    with pytest.raises(InvalidRecord, match=r"covers nothing to simulate.*duration_s"):
+        tr.read(path)
+
+
+def test_a_header_alone_is_a_failure_free_period(tmp_path: Path) -> None:
+    path = tmp_path / "calm.jsonl"
+    path.write_text('{"trace": "calm", "duration_s": 86400}\n')
+    trace = tr.read(path, n_nodes=2)
+    assert (trace.name, trace.duration_s, trace.failures) == ("calm", 86400.0, ())

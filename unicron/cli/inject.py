@@ -92,8 +92,10 @@ def build_request(args: argparse.Namespace) -> Injection:
             raise PermanentError(f"raise needs an error kind, one of: {', '.join(kinds)}")
         return replace(req, kind=ErrorKind(args.arg))
     if fault is Fault.XID:
-        if not ((args.arg or "").isascii() and (args.arg or "").isdigit()):  # '²'.isdigit(), but int() refuses it
-            raise PermanentError("xid needs a numeric XID code, e.g. 'unicron inject xid 79 --node n1'")
+        code = args.arg or ""
+        # '²'.isdigit(), but int() refuses it; NVML's XID is an unsigned 64-bit value (20 digits at most)
+        if not (code.isascii() and code.isdigit() and len(code) <= 20 and int(code) < 2**64):
+            raise PermanentError("xid needs a numeric XID code below 2**64, e.g. 'unicron inject xid 79 --node n1'")
         return replace(req, code=int(args.arg), gpu=args.gpu)
     if fault is Fault.SLOW:
         return replace(req, delay_s=args.delay, iterations=args.iterations)

@@ -17,7 +17,6 @@ Files in a certificate directory: ``ca.crt`` (and ``ca.key`` on the machine that
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import ssl
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from unicron.kernel.errors import ConfigError, PermanentError
+from unicron.kernel.net import check_host, ip_literal
 
 #: the environment variables every Unicron process reads its certificate from (flags override them)
 ENV_DIR, ENV_NAME = "UNICRON_TLS_DIR", "UNICRON_TLS_NAME"
@@ -116,13 +116,14 @@ def init_ca(directory: Path, name: str = "unicron cluster CA", force: bool = Fal
 def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
     names: list[x509.GeneralName] = []
     for h in dict.fromkeys(hosts):  # ordered, deduplicated
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            if not h.isascii():  # x509 takes a DNS name only in its IDNA (A-label) form
-                raise ConfigError(f"--host {h!r}: not an IP address or an ASCII DNS name; give an "
-                                  "internationalised name in its IDNA form (xn--...)") from None
-            names.append(x509.DNSName(h))
+        ip = ip_literal(h)
+        if ip is not None:
+            names.append(x509.IPAddress(ip))
+            continue
+        if not h.isascii():  # x509 takes a DNS name only in its IDNA (A-label) form
+            raise ConfigError(f"--host {h!r}: not an IP address or an ASCII DNS name; give an "
+                              "internationalised name in its IDNA form (xn--...)")
+        names.append(x509.DNSName(h))
     return x509.SubjectAlternativeName(names)
 
 
@@ -165,6 +166,9 @@ def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None
     """Issue ``NAME.crt`` / ``NAME.key`` signed by the CA in ``directory``: CN=name, OU=role, with
     SANs for ``name``, loopback and ``hosts`` (where the holder serves: replica server, API, etcd)."""
     check_name(name, role)
+    for host in hosts or []:
+        if host.isascii():  # a non-ASCII one gets _san's advice (its IDNA form)
+            check_host(host.removeprefix("*."), "--host")  # a wildcard's DNS name is one too
     remedy = f"restore it, or create a new CA with 'unicron certs init --force {directory}' (and reissue every certificate)"
     try:
         ca_cert = read_certificate(directory / CA_CERT, remedy)
