@@ -99,3 +99,19 @@ def test_the_coordinator_may_compact_the_history(secure_etcd: EtcdServer, cert_d
             coordinator.compact(revision)
     finally:
         coordinator.close()
+
+
+def test_the_cli_tells_a_tls_mismatch_from_etcd_not_running(
+    secure_etcd: EtcdServer, etcd_server: EtcdServer, cert_dir: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Both mismatches read "cannot reach etcd ...: start it", sending an operator to start an etcd
+    that was running; now each names the likely cause, from gRPC's own error."""
+    assert cli.main(["tasks", "--etcd", secure_etcd.endpoint]) == 1  # plaintext to a TLS server
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does etcd require TLS? pass --tls-dir" in err, err
+    assert cli.main(["tasks", "--etcd", etcd_server.endpoint, "--tls-dir", str(cert_dir)]) == 1  # the reverse
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is etcd serving TLS there?" in err, err
+    assert cli.main(["tasks", "--etcd", "127.0.0.1:1"]) == 1  # nothing listening
+    err = capsys.readouterr().err
+    assert "(Failed to connect to remote host: Connection refused): start it or pass --etcd" in err, err

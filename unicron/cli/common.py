@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from unicron.kernel import tls
 from unicron.kernel.config import out_of_bounds
 from unicron.kernel.errors import StoreUnavailable
-from unicron.kernel.etcd import Store
+from unicron.kernel.etcd import Store, connect_error, unreachable_remedy
 from unicron.kernel.keyspace import DEFAULT_PREFIX, Keyspace
 
 N = TypeVar("N", int, float)
@@ -65,12 +65,15 @@ def tls_config(args: argparse.Namespace) -> tls.TLSConfig | None:
 
 
 def open_store(args: argparse.Namespace) -> tuple[Store, Keyspace]:
-    store = Store(args.etcd, timeout_s=3.0, tls_config=tls_config(args))
+    config = tls_config(args)
+    store = Store(args.etcd, timeout_s=3.0, tls_config=config)
     try:
         store.revision()
     except StoreUnavailable as exc:
         store.close()
-        raise StoreUnavailable(f"cannot reach etcd at {args.etcd}: start it or pass --etcd / UNICRON_ETCD") from exc
+        why = connect_error(exc)
+        raise StoreUnavailable(f"cannot reach etcd at {args.etcd}{f' ({why})' if why else ''}: "
+                               f"{unreachable_remedy(why, config is not None)}") from exc
     return store, Keyspace(args.prefix)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -88,10 +89,38 @@ _CLIENT_ERRORS = (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError)
 _ENDPOINT_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
 
 
+def connect_error(exc: BaseException) -> str:
+    """gRPC's own words for why a connection failed ("Connection refused", "Handshake read failed",
+    "Socket closed"), found under pyetcd's exception (it chains the RpcError); "" when there are none."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # pyetcd wraps once; a bounded walk, not a loop on a cyclic chain
+        if seen is None:
+            break
+        if isinstance(seen, grpc.Call):
+            details = seen.details() or ""
+            # "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:10.0.0.1:2379: Socket closed"
+            last = details.rpartition("last error: ")[2]
+            return re.sub(r"^[A-Z_]+: (ipv[46]:\S+?:\d+: )?", "", last)
+        seen = seen.__cause__ or seen.__context__
+    return ""
+
+
+def unreachable_remedy(error: str, tls: bool) -> str:
+    """What an operator should do when etcd could not be reached, from :func:`connect_error`'s text: a
+    TLS client's handshake with a plaintext server, or a plaintext client sent away by a TLS server,
+    read as etcd not running unless told apart."""
+    if tls and "Handshake" in error:
+        return "is etcd serving TLS there? point --etcd at its TLS port, or drop --tls-dir / UNICRON_TLS_DIR"
+    if not tls and "Socket closed" in error:
+        return "does etcd require TLS? pass --tls-dir / UNICRON_TLS_DIR"
+    return "start it or pass --etcd / UNICRON_ETCD"
+
+
 def _classify(what: str, exc: Exception) -> UnicronError:
     message = f"etcd {what} failed: {type(exc).__name__}: {exc}"
     if isinstance(exc, _OUTAGE_EXCEPTIONS):
-        return StoreUnavailable(message)
+        why = connect_error(exc)
+        return StoreUnavailable(f"{message} ({why})" if why else message)
     if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
         code, details = exc.code(), exc.details() or ""
         message = f"etcd {what} failed: {code.name}: {details}"
