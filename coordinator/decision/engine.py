@@ -571,7 +571,11 @@ class _Run:
                 self.isolated_now.add(node)
             self._alert(f"node {node} {status.value}: {reason}", node=node)
             self.replan = True
-        if seen.status is not status and seen.status is not NodeState.LOST:
+        # An isolation outlives the node's loss (its agent's lease expiring, then re-registering, is no
+        # repair), and a node lost then found faulty (a late report) is isolated: only an operator's
+        # undrain brings it back.
+        if seen.status is not status and seen.status is not NodeState.ISOLATED and (
+                seen.status is not NodeState.LOST or status is NodeState.ISOLATED):
             entry = self._node(node)
             assert entry is not None
             if seen.status is NodeState.DRAINED:

@@ -537,6 +537,33 @@ def test_sev1_on_an_idle_node_isolates_it_until_undrained() -> None:
     assert sum(sim.gpus("job").values()) == 16
 
 
+@pytest.mark.parametrize("order", ["isolated, then lost", "lost, then a late sev1"])
+def test_an_isolation_outlives_the_node_being_lost_and_registering_again(order: str) -> None:
+    """A node isolated for a sev1 whose agent's lease then expired became LOST, so its agent's next
+    registration (``causes.rejoin``) put it back in service and tasks were placed on the faulty GPUs;
+    a sev1 reported after the loss was dropped the same way. Now it stays isolated either way until an
+    operator undrains it."""
+    from coordinator import causes
+
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 8}})
+    faulty = "n2"
+    lost = NodeLost(ts=sim.ts(), node=faulty, reason="agent lease expired")
+    if order == "isolated, then lost":
+        sim.confirm_all(sim.incident(faulty, SEV1_KIND))
+        sim.feed(lost)
+    else:
+        sim.feed(lost)
+        sim.confirm_all(sim.incident(faulty, SEV1_KIND))
+    assert sim.state.nodes[faulty].status is NodeState.ISOLATED
+    assert causes.rejoin(faulty, 8, sim.state, sim.ts()) is None  # its agent registers again: not back
+    sim.feed(NodeUndrained(ts=sim.ts(), node=faulty))
+    assert sim.state.nodes[faulty].status is not NodeState.ISOLATED
+    joined = causes.rejoin(faulty, 8, sim.state, sim.ts())
+    assert joined is not None
+    sim.feed(joined)
+    assert sim.state.nodes[faulty].status is NodeState.UP
+
+
 def test_drained_node_moves_tasks_without_a_fault_and_survives_agent_restarts() -> None:
     sim = running_cluster({"n1": 8, "n2": 8}, {"job": {}})
     gen = sim.state.tasks["job"].generation
