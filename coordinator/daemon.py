@@ -703,6 +703,8 @@ class Coordinator:
         # measured transitions survive a leader change: they are in the incident records
         self.grounding.seed(self.recent_incidents, self.state)
         self.grounding.apply(self.allocator)
+        # the agents' confirmations of the gap are read once the watches start: the registration grace
+        self.state = self.state.resumed(time.time() + self.settings.registration_grace_s)
 
     def _spec(self, task: str) -> TaskSpec | None:
         entry = self.state.tasks.get(task)

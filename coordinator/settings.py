@@ -39,7 +39,7 @@ class CoordinatorSettings:
     spare_stores: bool = setting(True, "UNICRON_SPARE_STORES", "with in-place resize, each task's successor store node keeps a spare store sidecar listening; 0: a moved store starts from nothing")
     """The store moves when its node is lost; a sidecar starting then imports torch (1 s here) while
     every survivor waits. The spare is one idle process per in-place task, on one node."""
-    registration_grace_s: float = setting(10.0, "UNICRON_REGISTRATION_GRACE", "seconds a new leader waits for a node of the decision state that is not registered (nor on the link) before the node counts as lost", above=0)
+    registration_grace_s: float = setting(10.0, "UNICRON_REGISTRATION_GRACE", "seconds a new leader waits for a node of the decision state that is not registered (nor on the link) before the node counts as lost, and at least gives an outstanding action before its deadline expires", above=0)
     """A live agent keeps its registration through a leader change, and re-registers within a second or
     two of an etcd outage that expired it; a node found missing at the takeover died meanwhile."""
     ended_tasks_kept: int = setting(1000, "UNICRON_ENDED_TASKS_KEPT", "finished, failed and cancelled tasks kept in the task set (unicron tasks); the one that ended first is retired past it", least=0)

@@ -7,7 +7,7 @@ import contextlib
 import enum
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 from coordinator.decision.actions import ActionKind
@@ -129,6 +129,20 @@ class CoreState:
     """The highest generation of any task entry retired from ``tasks``: a task submitted under a name
     the state no longer holds starts above it, so late records of a retired run under that name stay
     stale without the state keeping every name it ever saw."""
+
+    def resumed(self, earliest_deadline: float) -> CoreState:
+        """This state as a coordinator taking the lead adopts it: no outstanding action's deadline
+        before ``earliest_deadline``. What confirms an action (a rank's progress, a node's result)
+        while no coordinator led is read only once the new leader's watches start, so a deadline
+        that passed meanwhile says nothing of the action; expiring it first isolated a healthy node.
+        A copy: entries it changes are new objects."""
+        tasks = dict(self.tasks)
+        for name, e in self.tasks.items():
+            o = e.outstanding
+            if o is not None and o.deadline < earliest_deadline:
+                late = replace(o, deadline=earliest_deadline, waiting=list(o.waiting))
+                tasks[name] = replace(e, outstanding=late)
+        return replace(self, nodes=dict(self.nodes), tasks=tasks)
 
     def to_dict(self) -> dict[str, object]:
         return {

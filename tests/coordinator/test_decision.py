@@ -881,3 +881,20 @@ def test_the_first_relaunch_of_a_widened_restart_dying_fails_the_restart_on_its_
     acts = sim.incident("n1", SEV2_KIND, task="job", rank=0, generation=gen, step=5, restart_epoch=1)
     assert one(acts, IsolateNode).node == "n1"
     assert sim.transitions[0].trigger is Trigger.RESTART_DIED
+
+
+def test_a_resumed_state_gives_every_outstanding_action_until_the_earliest_deadline_and_copies() -> None:
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 16}})
+    sim.progress("job", 10)
+    restart = one(sim.incident("n1", SEV2_KIND, task="job", rank=sim.state.tasks["job"].ranks_on("n1")[0]),
+                  RestartRanks)
+    before = sim.state.tasks["job"].outstanding
+    assert before is not None and before.action_id == restart.action_id
+    later = sim.state.resumed(before.deadline + 60)
+    moved = later.tasks["job"].outstanding
+    assert moved is not None and moved.deadline == before.deadline + 60 and moved.action_id == before.action_id
+    assert sim.state.tasks["job"].outstanding is before and before.deadline < moved.deadline  # a copy
+    assert sim.state.resumed(0.0).tasks["job"].outstanding == before  # never brought forward
+    core = DecisionCore(DecisionSettings())
+    assert only(core.handle(sim.state, Tick(ts=before.deadline + 1))[1], IsolateNode)  # expired: escalated
+    assert not only(core.handle(later, Tick(ts=before.deadline + 1))[1], IsolateNode)

@@ -242,3 +242,59 @@ def test_a_hang_after_an_in_place_recovery_is_acted_on_once_it_is_a_later_iterat
     assert (echo.step, echo.handled) == (5, True) and "during an in-place regroup" in echo.message
     assert (new.step, new.handled, new.severity) == (9, False, Severity.SEV2), new
     assert assignment(c, node).tasks[0].restart_epoch == 1
+
+
+def test_a_restart_confirmed_while_no_coordinator_led_is_not_escalated_by_the_next_leader(
+        etcd_server: EtcdServer) -> None:
+    """The leader dies right after deciding a restart; the relaunched rank makes progress within the
+    deadline, but the next leader takes the lead after it. Its first input advanced the clock past the
+    deadline and expired the restart before the progress (already in etcd) was read: a healthy node
+    isolated, the task reconfigured. Now a new leader gives outstanding actions its registration grace."""
+    settings = CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/fo", restart_deadline_s=3.0)
+    a, b = Coordinator(settings), Coordinator(settings)
+    a.store, b.store = Store(etcd_server.endpoint), Store(etcd_server.endpoint)
+    a.leadership = Leadership(a.store, a.keys, "a", ttl_s=2, on_deposed=a.stop)
+    assert a.leadership.campaign(threading.Event())
+    loop = threading.Thread(target=a._loop, daemon=True)
+    loop.start()
+    try:
+        running(a, recovery="inprocess")
+        t = a.state.tasks["t"]
+        node, rank = sorted((n, r[0]) for n, r in t.placement.items())[0]
+        crash = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node=node,
+                       task="t", rank=rank, step=1, generation=t.generation, source_ts=time.time())
+        feed(a, report_input(a, crash))
+        settle(a)
+        assert a.state.tasks["t"].phase is d.TaskPhase.RESTARTING
+        epoch = a.state.tasks["t"].restart_epoch
+        a.stop()
+        loop.join(5)
+        a.leadership.resign()  # the leader is gone; the relaunched rank makes steps at once
+        for n, r in sorted(t.placement.items()):
+            status = NodeStatus(node=n, ts=time.time(), generation=t.generation, task="t", gpu_health=[], ranks=[
+                RankStatus(task="t", generation=t.generation, rank=r[0], pid=1, state="running", step=5,
+                           restart_epoch=epoch if n == node else 0, advanced=n == node)])
+            a.store.put(a.keys.status(n), status.to_json())
+        time.sleep(3.5)  # the restart's deadline passes before the next leader is elected
+        b.leadership = Leadership(b.store, b.keys, "b", ttl_s=2, on_deposed=b.stop)
+        assert b.leadership.campaign(threading.Event())
+        b._load_state()
+        b._start_watches()
+        b_loop = threading.Thread(target=b._loop, daemon=True)
+        b_loop.start()
+        feed(b, CoreEvent(d.Tick(ts=time.time())))  # a clock tick first: it was what expired the restart
+        deadline = time.monotonic() + 10
+        while b.state.tasks["t"].phase is not d.TaskPhase.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.1)
+        settle(b)
+        assert b.state.nodes[node].status is d.NodeState.UP, b.state.nodes[node]
+        assert b.state.tasks["t"].phase is d.TaskPhase.RUNNING
+        assert b.state.tasks["t"].generation == t.generation  # recovered in place, not reconfigured
+    finally:
+        b.stop()
+        if b.leadership is not None:
+            b.leadership.resign()
+        for w in b._watches:
+            w.stop()
+        a.store.close()
+        b.store.close()
