@@ -305,8 +305,9 @@ def outcomes(
     A failed reconcile fails the outstanding action of each task of the node that it left without its
     ranks running at the action's coordinates. Where the agent says the task's command could not be
     executed (``TaskResult.cannot_start``), the failure is the task's (``FailureCause.TASK``: it fails
-    at once with the reason, no node blamed); otherwise the failure names no node and the core's
-    restart budget ends a task that cannot run anywhere, without isolating healthy nodes. An assignment succeeds once every node of
+    at once with the reason, no node blamed); otherwise the failure names the node only when the
+    action is for it (``Outstanding.node``), and the core's restart budget ends a task that cannot run
+    anywhere, without isolating healthy nodes. An assignment succeeds once every node of
     its placement runs its ranks at the new generation (``latest``: each node's newest result,
     ``result`` included). Restarts and reattempts are confirmed by progress, not here: a relaunched
     process that runs is not yet a recovered task.
@@ -321,7 +322,10 @@ def outcomes(
         if not result.ok and _applied(tr, entry, o.kind) and not _running(tr, here):
             # A command the OS refused to execute is the task's fault; anything else may be the node's.
             cause = d.FailureCause.TASK if tr is not None and tr.cannot_start else d.FailureCause.NODE
+            # the node is named only when the action is for it: a survivor's failed reconcile during a
+            # grow, or one node's during a whole-task restart, blamed the node the action named
             out.append(d.ActionFailed(ts=ts, action_id=o.action_id, cause=cause,
+                                      node=result.node if result.node == o.node else None,
                                       reason=f"node {result.node}: {result.detail}"))
             continue
         if o.kind is not d.ActionKind.ASSIGN:

@@ -336,7 +336,8 @@ class _Run:
             self._count_restart(entry)
             entry.relaunching = {}
             entry.relaunch_epoch = entry.restart_epoch + 1
-        entry.fault_node = node
+        if not widening:  # a widened restart's deaths follow the first fault's: its node is the one to blame
+            entry.fault_node = node
         entry.recovery_step = entry.last_step
         entry.restart_epoch += 1
         entry.reason = fault.reason
@@ -352,7 +353,9 @@ class _Run:
         )
         entry.relaunching[node] = sorted({*entry.relaunching.get(node, []), *action.ranks})
         self.actions.append(action)
-        self._track(entry, action.action_id, ActionKind.RESTART, node, [node])
+        # A widened restart is tracked as one action for every node it relaunches; at its deadline it
+        # isolates the first fault's node (peers died in the collective it broke), not the last one.
+        self._track(entry, action.action_id, ActionKind.RESTART, entry.fault_node, [node])
 
     def _do_restart_all(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         """Every rank of the task, on every node, stopped and relaunched as one new attempt."""
@@ -705,7 +708,8 @@ class _Run:
             # healthy nodes, so the task fails at once and every node stays in service
             self._fire(name, _T.TASK_ERROR, _Fault(reason, fatal=True))
         else:
-            self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=event.node or o.node))
+            node = event.node if event.node is not None else _sole_node(self.state.tasks[name], o)
+            self._fire(name, _T.ACTION_FAILED, _Fault(reason, node=node))
 
     def _on_progress(self, event: ProgressMade) -> None:
         entry = self.state.tasks.get(event.task)
@@ -929,6 +933,18 @@ def _joining(entry: TaskEntry) -> bool:
     that superseded it (a joiner that died at its start is relaunched; the others still have to join)."""
     o = entry.outstanding
     return bool(entry.joiners) and o is not None and o.kind in (ActionKind.RESIZE, ActionKind.RESTART)
+
+
+def _sole_node(entry: TaskEntry, o: Outstanding) -> str | None:
+    """The node a failure that names none blames: the one the action is for when it is for one node
+    (a reattempt's fault, a restart of ranks there). A whole-task restart, a widened restart, an
+    Assign or a resize is for several: none is blamed (the restart budget ends a task that cannot run),
+    where the action's node isolated another node than the one that failed."""
+    if o.kind is ActionKind.REATTEMPT:
+        return o.node
+    if o.kind is ActionKind.RESTART and set(entry.relaunching) <= {o.node}:
+        return o.node
+    return None
 
 
 def _to_blame(entry: TaskEntry, o: Outstanding) -> str | None:

@@ -23,6 +23,7 @@ from coordinator.decision import (
     StopTask,
     TaskFinished,
     TaskPhase,
+    Tick,
     from_dict,
     to_dict,
 )
@@ -232,3 +233,58 @@ def test_new_fields_round_trip_and_old_states_still_load() -> None:
     data["tasks"]["job"]["restart_epoch"] = 3
     del data["tasks"]["job"]["relaunch_epoch"]
     assert CoreState.from_dict(data).tasks["job"].relaunch_epoch == 3
+
+
+def _failed_reconcile(sim: Sim, node: str, task: str) -> list[ActionFailed]:
+    """What ``causes.outcomes`` makes of ``node``'s agent failing to reconcile ``task``'s record."""
+    from coordinator import causes
+
+    e = sim.state.tasks[task]
+    tr = TaskResult(generation=e.generation, restart_epoch=e.restart_epoch, regroup_epoch=e.regroup_epoch,
+                    membership_epoch=e.membership_epoch, ranks={str(r): "exited" for r in e.ranks_on(node)})
+    res = AssignmentResult(node=node, revision=9, ok=False, detail="reconcile failed: spawn error", tasks={task: tr})
+    out = causes.outcomes(res, {node: res}, sim.state, sim.ts())
+    assert out and all(isinstance(o, ActionFailed) for o in out)
+    return [o for o in out if isinstance(o, ActionFailed)]
+
+
+def test_a_whole_task_restart_that_fails_on_another_node_isolates_neither() -> None:
+    """A failed reconcile names no node, and the core blamed the node the action named instead: a
+    torchrun-style restart (fault seen on n1) whose relaunch failed on n2 isolated n1. Now a failure on
+    a node the action is not for blames none (the restart budget ends a task that cannot run); one on
+    the node a restart of ranks is for still isolates it."""
+    from coordinator.decision import RestartTask
+
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 16, "recovery": "restart",
+                                                        "command": ["torchrun", "x.py"]}})
+    one(sim.incident("n1", SEV2_KIND, task="job"), RestartTask)
+    acts = [a for ev in _failed_reconcile(sim, "n2", "job") for a in sim.feed(ev)]
+    assert not only(acts, IsolateNode)
+    assert {n.status for n in sim.state.nodes.values()} == {NodeState.UP}
+
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"min_gpus": 8}})
+    one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks)
+    acts = [a for ev in _failed_reconcile(sim, "n1", "job") for a in sim.feed(ev)]
+    assert one(acts, IsolateNode).node == "n1"
+
+
+def test_a_widened_restart_that_misses_its_deadline_isolates_the_first_faults_node() -> None:
+    """A rank on n1 dies, then a peer on n2 dies in the collective it broke: the restart is widened to
+    n2. The widening took the tracked node with it, so n1's relaunch never coming back isolated n2
+    (healthy) and left n1 in service. Now the first fault's node is the one isolated."""
+    sim = running_cluster({"n1": 8, "n2": 8, "n3": 8}, {"job": {"min_gpus": 16}})
+    sim.progress("job", 100)
+    placement, gen = sim.state.tasks["job"].placement, sim.state.tasks["job"].generation
+    first, peer = sorted(placement)[:2]
+    one(sim.incident(first, SEV2_KIND, task="job", rank=placement[first][0], generation=gen), RestartRanks)
+    widened = one(sim.incident(peer, SEV2_KIND, task="job", rank=placement[peer][0], generation=gen), RestartRanks)
+    assert widened.node == peer  # the peer's ranks are relaunched too
+    acts = sim.feed(Tick(ts=sim.ts(130)))
+    assert one(acts, IsolateNode).node == first
+    # a failed reconcile on the peer's node names no node: the widened restart is for two
+    sim2 = running_cluster({"n1": 8, "n2": 8, "n3": 8}, {"job": {"min_gpus": 16}})
+    sim2.progress("job", 100)
+    one(sim2.incident(first, SEV2_KIND, task="job", rank=placement[first][0], generation=gen), RestartRanks)
+    one(sim2.incident(peer, SEV2_KIND, task="job", rank=placement[peer][0], generation=gen), RestartRanks)
+    acts = [a for ev in _failed_reconcile(sim2, peer, "job") for a in sim2.feed(ev)]
+    assert not only(acts, IsolateNode)

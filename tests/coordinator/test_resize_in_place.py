@@ -444,3 +444,17 @@ def test_a_node_isolated_and_rejoined_in_one_decision_keeps_no_in_place_survivor
             record = sim.executor.desired.get(node, {}).get(name)
             assert record is not None and sorted(r.rank for r in record.ranks) == ranks, (
                 f"core places {name} ranks {ranks} on {node}; executor record: {record}")
+
+
+def test_a_survivors_failed_reconcile_during_a_grow_does_not_isolate_the_joiners_node() -> None:
+    """A failed reconcile names no node; the core blamed the node the grow named (its joiners'): n1's
+    agent failing isolated n3. Now a failure on a node the action is not for blames none; one on the
+    joiners' node still isolates it."""
+    from tests.coordinator.test_decision_results import _failed_reconcile
+
+    sim, _ = _grown_back()
+    acts = [a for ev in _failed_reconcile(sim, "n1", JOB) for a in sim.feed(ev)]
+    assert not only(acts, IsolateNode)
+    sim, _ = _grown_back()
+    acts = [a for ev in _failed_reconcile(sim, "n3", JOB) for a in sim.feed(ev)]
+    assert one(acts, IsolateNode).node == "n3"
