@@ -141,7 +141,8 @@ class Call:
 
 @dataclass(frozen=True)
 class Reelected:
-    """Leadership was lost and won again: reload what a leader in between may have written."""
+    """Leadership was lost and won again: wakes the loop, which reloads what a leader in between may
+    have written before it decides anything queued (``Leadership.must_reload``)."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +388,8 @@ class Coordinator:
             except queue.Empty:
                 continue
             try:
+                if self.leadership is not None and self.leadership.must_reload:
+                    self._reload()  # before any input queued meanwhile is decided on the old state
                 self._handle(item)
             except NotLeader:
                 return
@@ -428,11 +431,16 @@ class Coordinator:
             case Call():
                 self._run_call(item)
             case Reelected():
-                log.warning("leadership regained after losing its lease; reloading the decision state")
-                self._load_state()
-                self._expect_registrations()
+                pass  # it woke the loop, which reloads first (_reload)
             case Stop():
                 pass
+
+    def _reload(self) -> None:
+        log.warning("leadership regained after losing its lease; reloading the decision state")
+        assert self.leadership is not None
+        self._load_state()
+        self._expect_registrations()
+        self.leadership.state_reloaded()
 
     # --- inputs ------------------------------------------------------------------------------
 

@@ -104,6 +104,9 @@ class Leadership:
         self.deposed = False
         self._lock = threading.Lock()
         self._regaining = False
+        #: the lease was lost and the state may have moved on under another leader since: set until the
+        #: owner reloaded it (:meth:`state_reloaded`), and no decision is written meanwhile
+        self.reload_due = False
         self._closed = threading.Event()
         self._txn_seq: Iterator[int] = itertools.count()
         #: wide writes reported failed whose rollback has not landed yet: (txn id, staged chunk keys)
@@ -144,10 +147,20 @@ class Leadership:
     def _start_regain(self) -> None:
         with self._lock:
             self.token = None
+            self.reload_due = True  # before any token of a regained lease can be read
             if self._regaining or self.deposed or self._closed.is_set():
                 return
             self._regaining = True
         threading.Thread(target=self._regain, name="leader-regain", daemon=True).start()
+
+    def state_reloaded(self) -> None:
+        """The owner reloaded the decision state after regaining the lease: writes may go on."""
+        self.reload_due = False
+
+    @property
+    def must_reload(self) -> bool:
+        """Leading again after losing the lease, and the state not reloaded yet."""
+        return self.reload_due and self.token is not None
 
     def _regain(self) -> None:
         """Campaign again until the key is ours, or another coordinator is found holding it."""
@@ -190,6 +203,10 @@ class Leadership:
         campaign again.
         """
         token = self._token()
+        if self.reload_due:
+            # An interim leader may have decided meanwhile: a decision taken on the state held before
+            # the lease was lost would overwrite its records under our new, valid token.
+            raise StoreUnavailable("leadership regained; the decision state is reloaded before anything is written")
         if self._unresolved:
             self._resolve()  # a rolled-back wide write first: its commit may have landed
         size = sum(_bytes(k) + _bytes(v) for k, v in puts.items()) + sum(_bytes(k) for k in deletes)

@@ -75,6 +75,10 @@ def test_leader_campaigns_again_after_an_etcd_outage_longer_than_its_lease(
         _wait(back.is_set, 15.0, "the leader to campaign again")
         assert not deposed.is_set()
         assert a.token is not None and a.token != first
+        assert a.must_reload
+        with pytest.raises(StoreUnavailable, match="reloaded before anything is written"):
+            a.write(puts={"/outage/x": "decided on the state held before"})
+        a.state_reloaded()  # what the coordinator does once it reloaded its state
         a.write(puts={"/outage/x": "still leading"})
         kv = other.get(keys.leader())
         assert kv is not None and kv.value == b"a"

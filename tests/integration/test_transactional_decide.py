@@ -15,7 +15,17 @@ from concurrent.futures import Future
 import pytest
 
 from coordinator import decision as d
-from coordinator.daemon import Call, Coordinator, CoreEvent, Input, NodeChanged, ReportSeen, StatusChanged
+from coordinator.daemon import (
+    Call,
+    Coordinator,
+    CoreEvent,
+    Input,
+    LinkLost,
+    NodeChanged,
+    Reelected,
+    ReportSeen,
+    StatusChanged,
+)
 from coordinator.leader import Leadership
 from coordinator.settings import CoordinatorSettings
 from coordinator.tasks import parse_task_spec
@@ -296,5 +306,51 @@ def test_a_restart_confirmed_while_no_coordinator_led_is_not_escalated_by_the_ne
             b.leadership.resign()
         for w in b._watches:
             w.stop()
+        a.store.close()
+        b.store.close()
+
+
+def test_a_leader_that_regains_its_lease_reloads_before_deciding_what_was_queued(etcd_server: EtcdServer) -> None:
+    """A loses its lease; B leads meanwhile and the user cancels the task through it; A regains the
+    key. A's reload was queued behind the inputs that arrived meanwhile, which it decided on its old
+    state and wrote with its new, valid token: the task came back from the cancel. Now nothing is
+    written until the state is reloaded, which runs before any queued input."""
+    settings = CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/rg")
+    a, b = Coordinator(settings), Coordinator(settings)
+    a.store, b.store = Store(etcd_server.endpoint), Store(etcd_server.endpoint)
+    a.leadership = Leadership(a.store, a.keys, "a", ttl_s=2, on_deposed=a.stop,
+                              on_reelected=lambda: a._inbox.put(Reelected()), poll_s=0.05)
+    assert a.leadership.campaign(threading.Event())
+    loop = threading.Thread(target=a._loop, daemon=True)
+    loop.start()
+    try:
+        running(a, recovery="inprocess")
+        gate: threading.Event = threading.Event()
+        feed(a, Call(gate.wait, Future()))  # A's loop is held (cut off from etcd, say)
+        lease = a.leadership.lease
+        assert lease is not None
+        lease.stop()
+        a.store.client.revoke_lease(lease.lease_id)  # its lease is gone: B takes over
+        b.leadership = Leadership(b.store, b.keys, "b", ttl_s=2, on_deposed=lambda: None)
+        assert b.leadership.campaign(threading.Event())
+        b._load_state()
+        b._decide(d.TaskCancelled(ts=time.time(), task="t"), deletes=[b.keys.task("t")])
+        b.leadership.resign()
+        feed(a, LinkLost("n1", "link closed", time.time()))  # the agents followed B: a sev1 for A
+        a.leadership._start_regain()
+        deadline = time.monotonic() + 10
+        while a.leadership.token is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.leadership.token is not None
+        gate.set()
+        settle(a)
+        settle(a)
+        assert a.state.tasks["t"].phase is d.TaskPhase.CANCELLED, "the user's cancel was undone"
+        kv = a.store.get(a.keys.state_task("t"))
+        assert kv is not None and '"cancelled"' in kv.value.decode()
+    finally:
+        a.stop()
+        loop.join(5)
+        a.leadership.resign()
         a.store.close()
         b.store.close()
