@@ -480,14 +480,17 @@ class Coordinator:
         the lease revocation that follows is no loss. The drain is lifted when the node registers
         again (a restart or upgrade is not a decision to keep it out; an operator who wants that
         drains it, and that drain outlives agent restarts as before)."""
-        self._lost_nodes.add(node)
         entry = self.state.nodes.get(node)
         if entry is None or entry.status is not d.NodeState.UP:
+            self._lost_nodes.add(node)
             log.info("node left on purpose", node=node, reason=reason, state=entry.status.value if entry else None)
             return
         log.info("node left on purpose; draining it", node=node, reason=reason)
         self._decide(d.NodeDrained(ts=ts, node=node, reason=f"agent stopped on purpose ({reason})"),
                      puts={self.keys.drain(node): GOODBYE_DRAIN})
+        # only once drained: a drain that was refused leaves the lease's end to count as the node's loss
+        # (taken as already lost, its tasks stayed placed on a host that had stopped)
+        self._lost_nodes.add(node)
 
     def _lift_goodbye_drain(self, node: str, ts: float) -> None:
         entry = self.state.nodes.get(node)

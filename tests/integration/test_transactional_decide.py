@@ -354,3 +354,31 @@ def test_a_leader_that_regains_its_lease_reloads_before_deciding_what_was_queued
         a.leadership.resign()
         a.store.close()
         b.store.close()
+
+
+def test_a_planned_stop_whose_drain_is_refused_still_counts_the_leases_end_as_a_loss(
+        coord: tuple[Coordinator, FlakyStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The goodbye marked the node as already lost before its drain was decided; a drain refused
+    (a PermanentError drops the input) left the node UP with its tasks placed on it, and the lease's
+    end that followed was ignored. Now the node is marked only once drained."""
+    from coordinator.daemon import LinkGoodbye
+    from unicron.kernel.errors import PermanentError
+
+    c, _ = coord
+    running(c)
+    decide = c._decide
+
+    def refuse_drains(event: d.Event, *args: object, **kwargs: object) -> object:
+        if isinstance(event, d.NodeDrained):
+            raise PermanentError("the executor refused the placement (injected by the test)")
+        return decide(event, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(c, "_decide", refuse_drains)
+    feed(c, LinkGoodbye("n1", "systemctl stop", time.time()))
+    settle(c)
+    status = c.state.nodes["n1"].status
+    assert status is d.NodeState.UP  # the drain was refused
+    feed(c, NodeChanged(WatchEvent("delete", c.keys.node("n1"), b"", 0), time.time()))  # its lease ends
+    settle(c)
+    assert c.state.nodes["n1"].status is d.NodeState.LOST
+    assert "n1" not in c.state.tasks["t"].placement
