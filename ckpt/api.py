@@ -50,6 +50,12 @@ class CheckpointCorrupt(CheckpointError):
     """One copy of a snapshot failed verification (checksum, size, format); another tier may be fine."""
 
 
+class UnsafeSnapshot(CheckpointError):
+    """A snapshot names a class that is not on the unpickling allow-list. Not a damaged copy: every
+    tier holds the same, so a restore stops here instead of falling back to an older iteration and
+    discarding the newer ones (the operator's remedy, the allow-list, would then find them gone)."""
+
+
 class NoValidCheckpoint(CheckpointError):
     """No tier held a valid snapshot; ``attempts`` says what each tier had and why it was rejected."""
 

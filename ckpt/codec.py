@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt.api import Buffer, CheckpointCorrupt, CheckpointError, SnapshotInfo
+from ckpt.api import Buffer, CheckpointCorrupt, CheckpointError, SnapshotInfo, UnsafeSnapshot
 from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
 
@@ -424,7 +424,7 @@ class _Unpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and name in _DTYPES:
             return _DTYPES[name]
-        raise CheckpointCorrupt(
+        raise UnsafeSnapshot(
             f"metadata names {module}.{name}, which is not on the allow-list; if this object is expected in "
             f"the state, add '{module}:{name}' to CheckpointConfig.safe_globals (UNICRON_CKPT_SAFE_GLOBALS)"
         )
@@ -502,7 +502,7 @@ def decode(
 
     try:
         state = _Unpickler(body, load, safe_globals).load()
-    except CheckpointCorrupt:
+    except (CheckpointCorrupt, UnsafeSnapshot):
         raise
     except Exception as exc:  # a damaged pickle can raise nearly anything
         raise CheckpointCorrupt(f"metadata unreadable: {type(exc).__name__}: {exc}") from exc

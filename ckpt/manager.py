@@ -43,6 +43,7 @@ from ckpt.api import (
     SnapshotInfo,
     Storage,
     TierAttempt,
+    UnsafeSnapshot,
     check_name,
 )
 from ckpt.local import LocalStore
@@ -578,6 +579,10 @@ class CheckpointManager(Checkpointer):
                     continue
                 try:
                     state = self._load(s, it, into)
+                except UnsafeSnapshot as exc:
+                    # every copy names the same class: nothing older is restored, nothing newer discarded
+                    raise UnsafeSnapshot(f"iteration {it} from {s.describe()}: {exc}; nothing was restored "
+                                         "or deleted") from exc
                 except (CheckpointCorrupt, UnicronError, OSError) as exc:
                     if isinstance(exc, TemporaryError | OSError):
                         out_of_reach.add(s.describe())

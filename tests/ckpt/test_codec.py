@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt.api import CheckpointCorrupt, CheckpointError
+from ckpt.api import CheckpointCorrupt, CheckpointError, UnsafeSnapshot
 from ckpt.codec import (
     _META_HEAD,
     _META_MAGIC,
@@ -109,7 +109,7 @@ def test_python_numpy_and_containers() -> None:
 
 def test_unlisted_class_is_refused_until_allowed() -> None:
     state = {"pos": DataPosition(1, 42)}
-    with pytest.raises(CheckpointCorrupt, match=f"{__name__}:DataPosition"):
+    with pytest.raises(UnsafeSnapshot, match=f"{__name__}:DataPosition"):
         roundtrip(state)
     out = roundtrip(state, safe_globals=parse_safe_globals([f"{__name__}:DataPosition"]))
     assert out["pos"] == DataPosition(1, 42)
@@ -126,7 +126,7 @@ def test_forged_metadata_cannot_run_code(tmp_path: Path) -> None:
     pickle.dump({"x": Evil()}, body)
     table = b"[]"
     meta = _META_HEAD.pack(_META_MAGIC, len(table)) + table + body.getvalue()
-    with pytest.raises(CheckpointCorrupt, match="not on the allow-list"):
+    with pytest.raises(UnsafeSnapshot, match="not on the allow-list"):
         decode(meta, torch.empty(0, dtype=torch.uint8), private=True)
     assert not marker.exists()
 

@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt.api import Buffer, CheckpointError, NoValidCheckpoint, Snapshot, StorageUnavailable, Tier
+from ckpt.api import (
+    Buffer,
+    CheckpointError,
+    NoValidCheckpoint,
+    Snapshot,
+    StorageUnavailable,
+    Tier,
+    UnsafeSnapshot,
+)
 from ckpt.codec import crc
 from ckpt.manager import CheckpointConfig, CheckpointManager
 from ckpt.persist import _canonical, manifest_key
@@ -592,3 +600,26 @@ def test_saves_are_persisted_until_the_first_persist_of_a_new_timeline_succeeds(
     with CheckpointManager(make_config(node="node-c"), storage=storage) as m:  # the node was lost
         r = m.restore()
     assert (r.tier, r.iteration) == (Tier.REMOTE, 4)
+
+
+def test_a_snapshot_naming_a_class_off_the_allow_list_stops_the_restore_and_deletes_nothing(
+    make_config: Make, replica_server: ReplicaServer, tmp_path: Path
+) -> None:
+    """Its refusal was taken for a damaged copy: the restore fell back to the older iteration and
+    discarded the newest, valid one from every tier, so the remedy the error named (adding the class
+    to safe_globals) found it gone. Now the restore stops with that error and nothing is deleted."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    peer = ReplicaClient(replica_server.address)
+    with CheckpointManager(make_config(persist_every=1), peers=[peer], storage=storage) as m:
+        m.save({"w": torch.ones(10), "data": {"epoch": 1}}, 1).result(30)
+        m.save({"w": torch.ones(10) * 2, "data": {"pos": Path("/x")}}, 2).result(30)  # a class it lacks
+    with CheckpointManager(make_config(persist_every=1), peers=[peer], storage=storage) as m:
+        with pytest.raises(UnsafeSnapshot, match=r"iteration 2 from .*node-a.*add 'pathlib:PosixPath'.*nothing was"):
+            m.restore()
+        assert [claimed for tier, _, claimed in m.available() if tier == "local"] == [[1, 2]]
+    assert persisted_iterations(storage, "job-1", 0) == [1, 2]
+    assert [i.iteration for i in replica_server.memory.list("job-1")] == [1, 2]
+    with CheckpointManager(make_config(persist_every=1, safe_globals="pathlib:PosixPath"),
+                           peers=[peer], storage=storage) as m:
+        r = m.restore()
+    assert r.iteration == 2 and r.state["data"]["pos"] == Path("/x")
