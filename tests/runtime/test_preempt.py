@@ -81,6 +81,29 @@ def test_memory_checkpoint_survives_losing_every_local_copy(runner: Runner, tmp_
     assert {e["source"] for e in restored} == {"remote", "replica"}, restored
 
 
+def test_a_stop_at_a_periodic_checkpoint_persists_it_whatever_persist_every_says(
+        runner: Runner, tmp_path: Path) -> None:
+    """With a checkpoint every iteration and --ckpt-persist-every 1000, the stop's boundary always had
+    its periodic checkpoint, so the stop's own (persisted) save was skipped for it, and that one was
+    not persisted: the stopped task's newest state stayed in node memory only. Now it is persisted."""
+    ck = tmp_path / "ck"
+    args = train_args(0, "float32", False, "--iter-sleep", "0.05", *memory_args(ck, every=1),
+                      "--ckpt-persist-every", "1000")
+
+    def sigterm(job: LocalJob) -> None:
+        wait_for(lambda: len(list(ck.glob("rank-*"))) == 2, 60, "the ranks' node memory")
+        time.sleep(1.0)  # a few iterations in
+        for rp in job.procs.values():
+            if rp.proc.poll() is None:
+                os.kill(rp.proc.pid, signal.SIGTERM)
+
+    first = runner.run(2, args, while_running=sigterm)
+    assert all(c == 0 for c in first.codes.values()), first.job.logs()
+    n = first.events(0, "stop_snapshot")[0]["it"]
+    assert n > 1 and [e["it"] for e in first.events(0, "checkpoint")][-1] == n  # a periodic one was there
+    assert n in persisted(ck, 0) and n in persisted(ck, 1), (n, persisted(ck, 0), persisted(ck, 1))
+
+
 class _Tiered:
     """A checkpointer with tiers (``persist=``) and background work (``wait``), as CheckpointManager."""
 

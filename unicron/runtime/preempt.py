@@ -67,10 +67,7 @@ class Preemption:
         if not self.snapshot or checkpointer is None or not writer:
             return
         if not already_saved:
-            if "persist" in inspect.signature(checkpointer.save).parameters:
-                checkpointer.save(state(), iteration, persist=True)  # type: ignore[call-arg]
-            else:  # a Checkpointer without tiers (torch-save): every save is persistent
-                checkpointer.save(state(), iteration)
+            save_persistent(checkpointer, state(), iteration)
         wait = getattr(checkpointer, "wait", None)
         if callable(wait):
             wait()  # replicated and persisted before the process exits (within the agent's grace)
@@ -84,3 +81,12 @@ class Preemption:
         # stdout: the job's own output (the agent appends it to the rank's log), as Megatron prints
         print(f"rank {rank}: stopped at iteration {iteration}{took}; {what}", flush=True)
         log.info("stopped on request", rank=rank, step=iteration, snapshot=self.saved is not None)
+
+
+def save_persistent(checkpointer: Checkpointer, state: Any, iteration: int) -> None:
+    """Save ``state`` so that it reaches remote storage now, whatever ``persist_every`` says: a stop's
+    snapshot must outlive every node."""
+    if "persist" in inspect.signature(checkpointer.save).parameters:
+        checkpointer.save(state, iteration, persist=True)  # type: ignore[call-arg]
+    else:  # a Checkpointer without tiers (torch-save): every save is persistent
+        checkpointer.save(state, iteration)

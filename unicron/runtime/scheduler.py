@@ -86,7 +86,7 @@ from unicron.runtime.job import BatchT, Job, grad_dtype
 from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
 from unicron.runtime.model import rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, seed_rng
-from unicron.runtime.preempt import Preemption
+from unicron.runtime.preempt import Preemption, save_persistent
 from unicron.runtime.recovery import (
     RankStatus,
     RegroupDue,
@@ -702,15 +702,20 @@ class Trainer(Generic[BatchT]):
         shared = getattr(self.checkpointer, "shared_by_replicas", False)
         return not shared or self.rank == min(self.groups.dp_ranks)
 
-    def _checkpoint(self) -> bool:
-        """The periodic checkpoint, if due at this boundary; whether this rank saved."""
+    def _checkpoint(self, stopping: bool) -> bool:
+        """The periodic checkpoint, if due at this boundary; whether this rank saved. At a stop's
+        boundary it is the stop's snapshot too, so it is persisted now (``persist_every`` skipped it,
+        and the stop's own save was skipped for it: the newest state stayed in node memory)."""
         if self.checkpointer is None or not self.ckpt_every or self.it % self.ckpt_every:
             return False
         if not self._ckpt_writer():
             return False
         t0 = time.time()
         with self.client.phase(protocol.PHASE_CHECKPOINT):
-            self.checkpointer.save(self.state.state_dict(), self.it)
+            if stopping and self.preempt.snapshot:
+                save_persistent(self.checkpointer, self.state.state_dict(), self.it)
+            else:
+                self.checkpointer.save(self.state.state_dict(), self.it)
         self._event("checkpoint", it=self.it, seconds=time.time() - t0)
         return True
 
@@ -751,7 +756,7 @@ class Trainer(Generic[BatchT]):
                   f"dp {self._epoch_plan(self.groups.record)[0]}", flush=True)
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
-        saved = self._checkpoint()
+        saved = self._checkpoint(stopping=stop)
         self.gc.at_boundary(self.it)
         self._drain_instructions()
         if stop:
