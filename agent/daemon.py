@@ -321,13 +321,16 @@ class Agent:
                 continue  # the holder was our dead predecessor, now removed
             except StoreUnavailable as exc:
                 if lease is not None:
-                    lease.stop()
+                    # Revoked, not abandoned: etcd may have committed the create whose answer was lost,
+                    # and the record under this lease would otherwise stand until the TTL ran out.
+                    lease.revoke()
                 log.warning("registration waits for etcd", node=self.node, error=str(exc))
                 self.stop_event.wait(backoff)
                 backoff = min(backoff * 2, 1.0)
 
     def _check_holder(self, key: str) -> None:
-        """``key`` exists: remove it if it is a dead agent's of this machine, else raise NodeNameTaken."""
+        """``key`` exists: remove it if it is this process's own (a create etcd committed but whose
+        answer was lost) or a dead agent's of this machine, else raise NodeNameTaken."""
         assert self.store is not None
         kv = self.store.get(key)
         if kv is None:
@@ -336,6 +339,11 @@ class Agent:
             holder = NodeInfo.from_json(kv.value)
         except InvalidRecord:
             holder = None
+        if holder is not None and holder.link_token == self.link_token:
+            # Ours, under a lease given up after the lost answer: not another agent (its pid is ours).
+            log.info("removing this agent's own registration from a create whose answer was lost", node=self.node)
+            self.store.delete_if_unchanged(key, kv.mod_revision)
+            return
         if holder is not None and holder.hostname == os.uname().nodename and not pid_alive(holder.agent_pid):
             log.info("removing the registration of this node's dead agent", node=self.node, pid=holder.agent_pid)
             self.store.delete_if_unchanged(key, kv.mod_revision)

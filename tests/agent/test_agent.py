@@ -22,12 +22,14 @@ from agent.settings import AgentSettings
 from agent.sidecar import StoreSidecar
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import protocol, wire
-from unicron.kernel.etcd import Store
+from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.etcd import Lease, Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import (
     AssignmentResult,
     ErrorKind,
     NodeAssignment,
+    NodeInfo,
     NodeStatus,
     RankSet,
     RankSpec,
@@ -300,6 +302,48 @@ def test_a_second_agent_with_a_held_node_name_refuses_to_start(agents: dict[str,
     after = store.get(KEYS.node("a0"))
     assert after is not None and before is not None and after.mod_revision == before.mod_revision
     assert sock.stat().st_ino == inode  # the original's socket was not replaced
+
+
+@pytest.mark.parametrize("revoke_reaches_etcd", [True, False])
+def test_a_registration_whose_answer_was_lost_is_not_taken_for_another_agent(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        revoke_reaches_etcd: bool) -> None:
+    """etcd commits the create of nodes/<node> but its answer is lost (a deadline). Before, the agent
+    abandoned that lease, retried under a new one, found the record, took its own pid for a live
+    other agent and refused to start (run() returned 2; after a lost lease it stopped itself, and its
+    ranks died). Now it revokes the abandoned lease (which takes the record with it) and, where the
+    revoke did not reach etcd either, recognises its own record by its link token and removes it:
+    it registers under the lease it keeps."""
+    real_create, real_revoke = Store.put_if_absent, Lease.revoke
+    creates: list[bool] = []
+
+    def put_if_absent(self: Store, key: str, value: str | bytes, lease: Lease | None = None) -> bool:
+        created = real_create(self, key, value, lease)  # committed ...
+        creates.append(created)
+        if len(creates) == 1:  # ... but the answer is lost
+            raise StoreUnavailable(f"etcd create {key} failed: DEADLINE_EXCEEDED")
+        return created
+
+    def revoke(self: Lease) -> None:
+        if revoke_reaches_etcd:
+            real_revoke(self)
+        else:
+            self.stop()  # etcd unreachable for the revoke too: the record outlives it until the TTL
+
+    monkeypatch.setattr(Store, "put_if_absent", put_if_absent)
+    monkeypatch.setattr(Lease, "revoke", revoke)
+    agent = Agent(dataclasses.replace(settings(etcd_server, "a0", tmp_path), fence_s=0.0))
+    returned: list[int] = []
+    th = threading.Thread(target=lambda: returned.append(agent.run()), daemon=True)
+    th.start()
+    try:
+        assert agent.ready.wait(30), f"run() returned {returned}"
+        kv = store.get(KEYS.node("a0"))
+        assert kv is not None and agent.lease is not None and kv.lease == agent.lease.lease_id
+        assert NodeInfo.from_json(kv.value).link_token == agent.link_token
+    finally:
+        agent.stop()
+        th.join(30)
 
 
 class _SlowSpare:
