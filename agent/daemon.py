@@ -167,6 +167,11 @@ class Agent:
         self._retired: dict[str, TaskReconciler] = {}  # task -> its last stopped reconciler
         self._stores: dict[str, StoreAddress] = {}  # task -> its published store address
         self._applied_revision = -1
+        # results/<node>: the newest result not yet written (latest wins), retried until etcd answers
+        # by one writer thread, so an older revision's result never overwrites a newer one
+        self._result_cond = threading.Condition()
+        self._result_next: AssignmentResult | None = None
+        self._result_revision = -1  # the newest revision whose result was taken for writing
         self._assign_lock = threading.Lock()  # the watch and the fence's restore both apply assignments
         #: task -> (generation, membership epoch) its ranks here ran at when the fence killed them: that
         #: placement is never launched again (see _fence_kill, fenced_placement)
@@ -244,6 +249,7 @@ class Agent:
             return 2
         self.publisher = ReportPublisher(store, self.keys, self.stop_event,
                                          on_retry=lambda: self.metrics.etcd.retry("report"))
+        threading.Thread(target=self._result_writer, name="result-writer", daemon=True).start()
         self.rank_server = RankServer(self.socket_path, self._on_rank_message).start()
         self.marker.start()
         if self.prefork is not None:
@@ -727,10 +733,39 @@ class Agent:
         result = AssignmentResult(node=self.node, revision=revision, ok=ok, detail=detail, tasks=tasks)
         if not ok:
             log.error("assignment failed", revision=revision, detail=detail)
-        try:
-            self.store.put(self.keys.result(self.node), result.to_json())
-        except (StoreUnavailable, PermanentError) as exc:
-            log.warning("could not write assignment result", error=str(exc))
+        with self._result_cond:
+            if revision < self._result_revision:  # a newer assignment's result was written or waits
+                log.info("assignment result superseded", revision=revision, newer=self._result_revision)
+                return
+            self._result_revision, self._result_next = revision, result
+            self._result_cond.notify()
+
+    def _result_writer(self) -> None:
+        """Writes ``results/<node>``, retried while etcd is down: the coordinator confirms an action
+        only from it, and a result dropped in a short outage let the action expire (blaming this node
+        though its ranks ran). A newer result replaces the one waiting."""
+        assert self.store is not None
+        while not self.stop_event.is_set():
+            with self._result_cond:
+                if self._result_next is None:
+                    self._result_cond.wait(0.5)
+                result, self._result_next = self._result_next, None
+            backoff = 0.05
+            while result is not None and not self.stop_event.is_set():
+                try:
+                    self.store.put(self.keys.result(self.node), result.to_json())
+                    break
+                except StoreUnavailable as exc:
+                    log.warning("assignment result waits for etcd", revision=result.revision, error=str(exc))
+                    self.metrics.etcd.retry("result")
+                except PermanentError as exc:  # refused or shutting down: retrying cannot help
+                    log.error("assignment result dropped", revision=result.revision, error=str(exc))
+                    break
+                self.stop_event.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+                with self._result_cond:
+                    if self._result_next is not None:  # superseded while waiting: write the newer one
+                        break
 
     def reconcile(self, desired: list[TaskAssignment], isolated: bool = False) -> list[Outcome]:
         """Make the node's processes match ``desired`` (level-triggered: safe to repeat). Returns at

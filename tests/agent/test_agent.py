@@ -109,6 +109,8 @@ def status(store: Store, node: str) -> NodeStatus | None:
     return NodeStatus.from_json(kv.value) if kv else None
 
 
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(1000)"]
+
 # A rank that writes its rank into the task store at MASTER_ADDR:MASTER_PORT, reads every rank's
 # entry back (so all ranks reached the same store), and exits 0.
 STORE_CLIENT = [sys.executable, "-c", (
@@ -344,6 +346,31 @@ def test_a_registration_whose_answer_was_lost_is_not_taken_for_another_agent(
     finally:
         agent.stop()
         th.join(30)
+
+
+def test_an_assignment_result_is_written_once_etcd_is_back(etcd_server: EtcdServer, store: Store,
+                                                            tmp_path: Path) -> None:
+    """A task starts while etcd is briefly down. Before, results/<node> failed once and was dropped:
+    the coordinator, which confirms an action only from it, let the action expire (blaming the node
+    though its ranks ran). Now it is retried until etcd answers."""
+    agent = Agent(dataclasses.replace(settings(etcd_server, "a0", tmp_path), fence_s=0.0, etcd_timeout_s=1.0))
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    assert agent.ready.wait(30)
+    try:
+        rev = assign(store, "a0", task("t", SLEEPER, [0], 1, store_node="zz"))
+        rec = wait_for(lambda: agent._tasks.get("t"), 10, "the task's reconciler")
+        time.sleep(0.5)  # it waits for stores/t
+        etcd_server.stop()
+        rec.offer_store(StoreAddress(task="t", generation=1, node="zz", host="127.0.0.1", port=1))
+        assert rec.started.wait(30) and rec.started.ok
+        time.sleep(3)  # the result's first write fails
+        etcd_server.start()
+        written = wait_for(lambda: result(store, "a0", rev), 20, f"result {rev}")
+        assert written.ok and "t" in written.tasks
+    finally:
+        agent.stop()
+        th.join(40)
 
 
 class _SlowSpare:
