@@ -621,7 +621,9 @@ class Agent:
             self.coordinators.elected(_link_address(ev.value) if ev.kind == "put" else None)
 
     def _on_store_event(self, ev: WatchEvent) -> None:
-        if ev.kind == "delete":
+        if ev.kind == "delete":  # withdrawn, or its lease gone: a reconciler made now waits for the next
+            with self._tasks_lock:
+                self._stores.pop(ev.key[len(self.keys.stores()):], None)
             return
         try:
             addr = StoreAddress.from_json(ev.value)
@@ -660,7 +662,11 @@ class Agent:
                 revision = assignment.revision
                 if again:
                     self._report_fenced(desired)
-                desired = [a for a in desired if not fenced_placement(a, self._fenced)]
+            if not again:  # a task no longer placed here is over for this node: its fence record too
+                listed = {a.task for a in desired}
+                for name in [n for n in self._fenced if n not in listed]:
+                    del self._fenced[name]
+            desired = [a for a in desired if not fenced_placement(a, self._fenced)]
             outcomes = self.reconcile(desired, isolated)
             self._applied_revision = revision
         threading.Thread(target=self._report_result, args=(revision, outcomes), name=f"result-{revision}",
@@ -774,9 +780,14 @@ class Agent:
         wanted = {a.task: a for a in desired}
         outcomes: list[Outcome] = []
         with self._tasks_lock:
+            # Kept only for a successor of the same name to wait for their stop: once stopped, nothing
+            # needs them (each uniquely named job left one here for good).
+            for name in [n for n, rec in self._retired.items() if rec.stopped.is_set()]:
+                del self._retired[name]
             for name in [n for n in self._tasks if n not in wanted]:
                 reason = "node isolated" if isolated else "no longer assigned to this node"
                 outcomes.append(self._retire(name, reason, kill=isolated))
+                self._reporting_tasks.discard(name)
                 self.metrics.task_left(name)
             for name, a in wanted.items():
                 rec = self._tasks.get(name)

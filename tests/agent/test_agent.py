@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -368,6 +369,39 @@ def test_an_assignment_result_is_written_once_etcd_is_back(etcd_server: EtcdServ
         etcd_server.start()
         written = wait_for(lambda: result(store, "a0", rev), 20, f"result {rev}")
         assert written.ok and "t" in written.tasks
+    finally:
+        agent.stop()
+        th.join(40)
+
+
+def test_uniquely_named_jobs_leave_no_reconciler_or_store_address_behind(etcd_server: EtcdServer, store: Store,
+                                                                           tmp_path: Path) -> None:
+    """Jobs with new names, one after the other. Before, the agent kept every job's stopped reconciler
+    (with its supervisor and monitors) and every store address it ever saw, even once withdrawn, for
+    as long as it ran. Now a stopped reconciler is dropped at the next reconcile (only a successor of
+    the same name waiting for its stop needs it), a withdrawn address is forgotten, and so is the fence
+    record of a task no longer assigned here."""
+    agent = Agent(dataclasses.replace(settings(etcd_server, "a0", tmp_path), fence_s=0.0))
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    assert agent.ready.wait(30)
+    try:
+        for i in range(5):
+            name = f"job-{i}"
+            store.put(KEYS.store(name), StoreAddress(task=name, generation=1, node="zz", host="127.0.0.1",
+                                                     port=1).to_json())
+            rev = assign(store, "a0", task(name, [sys.executable, "-c", "pass"], [0, 1], 2, store_node="zz"))
+            wait_for(functools.partial(result, store, "a0", rev), 30, f"result {rev}")
+            store.delete(KEYS.store(name))  # the job is over: its store address withdrawn
+        rev = assign(store, "a0", task("fenced", SLEEPER, [0], 1, store_node="zz"))
+        wait_for(lambda: agent._tasks.get("fenced"), 10, "the task's reconciler")
+        agent._fence_kill(5.0)  # as the fence does, cut off
+        assert "fenced" in agent._fenced
+        rev = assign(store, "a0")  # the coordinator moved the task off the node
+        wait_for(lambda: result(store, "a0", rev), 30, "the empty assignment's result")
+        assert not agent._tasks and len(agent._retired) <= 1, sorted(agent._retired)
+        assert not agent._fenced
+        wait_for(lambda: not agent._stores, 10, "the withdrawn store addresses forgotten")
     finally:
         agent.stop()
         th.join(40)
