@@ -26,6 +26,7 @@ from unicron.kernel import protocol, wire
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Lease, Store
 from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.net import interface_of, route_address
 from unicron.kernel.types import (
     AssignmentResult,
     ErrorKind,
@@ -150,6 +151,32 @@ def test_store_hosted_by_one_agent_and_reached_by_ranks_of_the_other(agents: dic
     # Unassigning withdraws the address.
     assign(store, "a1")
     wait_for(lambda: store.get(KEYS.store("t")) is None, 30, "the store address to be withdrawn")
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")
+def test_an_ipv6_advertise_host_hosts_a_tasks_store_and_names_its_interface() -> None:
+    """An agent whose route to etcd is IPv6 advertises a v6 address. Before, its store sidecar never
+    started (free_port bound an IPv4 socket to it: gaierror), so the node could not host any task's
+    store, and it named no interface for gloo. Now both follow the address's family."""
+    host = route_address("::1", 2379)  # what default_advertise_host picks for etcd at [::1]
+    assert host == "::1"
+    sidecar = StoreSidecar.start(host, "t")
+    try:
+        client = keys.connect(sidecar.host, sidecar.port)
+        client.add("hello", 1)
+        assert keys.counter(client, "hello") == 1
+    finally:
+        sidecar.stop()
+    assert interface_of(host) is not None and interface_of(host) == interface_of("127.0.0.1")
 
 
 # A rank that says it stopped early (as the runtime does after a work-conserving stop) and exits 0 only
