@@ -47,30 +47,55 @@ class FailureMarker:
         #: incarnation and never beyond, so writing one twice is harmless, and dropping one is not
         self._unanswered: deque[tuple[str, threading.Event]] = deque()
         self._stopped = threading.Event()
+        self._respawn = threading.Event()  # a mark found no live helper: the spawner thread starts one
+        self._first = threading.Event()  # the first start (without a spawner) was tried
 
     def start(self) -> FailureMarker:
+        # Every helper is started on one thread of the marker's own, which lives as long as it: PDEATHSIG
+        # follows the thread that forked, and a helper started by a mark on a rank's waiter thread (at
+        # the rank's exit) was killed as soon as that thread ended.
+        threading.Thread(target=self._spawner, name="marker-spawner", daemon=True).start()
         if self._prefork is None:
-            with self._lock:
-                self._spawn()
-        else:
-            threading.Thread(target=self._fork_when_warm, args=(self._prefork,), name="marker-warm",
-                             daemon=True).start()
+            self._first.wait()  # started with the agent, as before
         return self
 
-    def _fork_when_warm(self, prefork: Prefork) -> None:
-        """Fork the helper once the spawner serves. Only a fork: a new process started from this
-        short-lived thread would die with it (PDEATHSIG); if the fork fails the first mark starts one."""
-        deadline = time.monotonic() + _WARM_WAIT_S
-        while not prefork.ready():
-            if self._stopped.wait(_POLL_S) or time.monotonic() > deadline:
+    def _spawner(self) -> None:
+        """Start the helper (without a spawner: at once; with one: forked once it serves, else left to
+        the first mark), then a new one whenever a mark finds none alive."""
+        warm, deadline = self._prefork, time.monotonic() + _WARM_WAIT_S
+        try:
+            if warm is None:
+                self._start_helper()
+        finally:
+            self._first.set()
+        while not self._stopped.is_set():
+            asked = self._respawn.wait(None if warm is None else _POLL_S)
+            if self._stopped.is_set():
                 return
+            if asked:
+                self._respawn.clear()
+                if not self._start_helper() and self._unanswered and not self._stopped.wait(1.0):
+                    self._respawn.set()  # retried while a mark waits to be written
+            elif warm is not None and (warm.ready() or time.monotonic() > deadline):
+                # Only a fork: if it fails the first mark starts a new process
+                if warm.ready():
+                    self._start_helper(fork_only=True)
+                warm = None
+
+    def _start_helper(self, fork_only: bool = False) -> bool:
+        """On the spawner thread: a new helper unless one runs. False if none could be started."""
         with self._lock:
-            if self._proc is not None or self._stopped.is_set():
-                return
+            if self._stopped.is_set() or (self._proc is not None and self._proc.poll() is None):
+                return True
             try:
-                self._spawn(fork_only=True)
+                self._spawn(fork_only=fork_only)
             except (PreforkUnavailable, OSError) as exc:
-                log.info("failure marker left to the first mark", reason=str(exc))
+                if fork_only:
+                    log.info("failure marker left to the first mark", reason=str(exc))
+                else:  # survivors still find out by heartbeat staleness
+                    log.warning("failure marker unavailable", error=str(exc))
+                return False
+        return True
 
     def _spawn(self, fork_only: bool = False) -> None:
         """Under the lock: a new helper, sent what the dead one never answered."""
@@ -131,16 +156,18 @@ class FailureMarker:
         request = json.dumps({"host": host, "port": port, "rank": rank}) + "\n"
         answered = threading.Event()
         with self._lock:
-            try:
-                if self._proc is None or self._proc.poll() is not None:
-                    self._spawn()
-                assert self._requests is not None
-                self._unanswered.append((request, answered))
-                self._requests.write(request)
-                self._requests.flush()
-            except OSError as exc:  # survivors still find out by heartbeat staleness
-                log.warning("failure marker unavailable", error=str(exc))
+            if self._stopped.is_set():
                 return False
+            self._unanswered.append((request, answered))
+            if self._proc is None or self._proc.poll() is not None or self._requests is None:
+                self._respawn.set()  # never started here: the new helper is sent every unanswered request
+            else:
+                try:
+                    self._requests.write(request)
+                    self._requests.flush()
+                except OSError as exc:  # it died meanwhile
+                    log.info("failure marker helper gone; starting another", error=str(exc))
+                    self._respawn.set()
         return wait_s <= 0 or self._wait(answered, wait_s)
 
     def _wait(self, answered: threading.Event, wait_s: float) -> bool:
@@ -150,16 +177,13 @@ class FailureMarker:
             if time.monotonic() >= deadline:
                 return False
             with self._lock:
-                try:
-                    if self._proc is not None and self._proc.poll() is not None:
-                        self._spawn()
-                except OSError as exc:
-                    log.warning("failure marker unavailable", error=str(exc))
-                    return False
+                if self._proc is not None and self._proc.poll() is not None:
+                    self._respawn.set()
         return True
 
     def stop(self) -> None:
         self._stopped.set()
+        self._respawn.set()  # wakes the spawner thread, which ends
         with self._lock:
             if self._proc is not None:
                 # It holds nothing to save, and left to exit on EOF it spent 0.4-1.5 s in torch's teardown

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from agent import marker, sidecar
 from agent.marker import FailureMarker
 from agent.prefork import Prefork, PreforkedProcess
 from agent.sidecar import StoreSidecar
+from unicron.kernel import parentdeath
 from unicron.runtime import store as keys
 from unicron.runtime.comm import RendezvousStore
 from unicron.runtime.membership import failed_key
@@ -121,6 +123,31 @@ def test_a_mark_the_dead_helper_never_answered_is_neither_reported_written_nor_l
         assert '"rank": 7' in written, f"rank 7's mark was dropped; the new helper got only {written!r}"
     finally:
         marker.stop()
+
+
+def test_a_helper_restarted_by_a_mark_on_a_short_lived_thread_outlives_that_thread() -> None:
+    """The helper died, and the next mark comes from a rank's waiter thread (its exit), which ends
+    right after. Before, the mark started the new helper on that thread, and its PDEATHSIG (as the
+    agent sets it) killed the helper with the thread: the mark was never written, nor any later one.
+    Now every helper is started on the marker's own thread."""
+    store = StoreSidecar.start("127.0.0.1", "t")
+    failure_marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL)).start()
+    try:
+        client = keys.connect(store.host, store.port)
+        client.add(keys.started_key(2), 1)
+        first = failure_marker._proc
+        assert first is not None
+        first.kill()  # the helper died (OOM, a crash)
+        first.wait()
+        waiter = threading.Thread(target=lambda: failure_marker.mark(store.host, store.port, 2))
+        waiter.start()
+        waiter.join()
+        assert wait_counter(client, 2, 1) == 1
+        second = failure_marker._proc
+        assert second is not None and second is not first and second.poll() is None
+    finally:
+        failure_marker.stop()
+        store.stop()
 
 
 @pytest.fixture
