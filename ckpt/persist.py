@@ -107,7 +107,8 @@ def _read_manifest(
         )
     expect = [(o, n, c) for (o, n), c in zip(info.chunks(), info.chunk_crcs, strict=True)]
     try:
-        got = [(int(s["offset"]), int(s["length"]), int(s["crc32"])) for s in shards]
+        # JSON integers as they are: int() took "4096", which load() then sliced with (a TypeError)
+        got = [(_integer(s["offset"]), _integer(s["length"]), _integer(s["crc32"])) for s in shards]
         if not all(isinstance(s["key"], str) for s in shards):
             raise TypeError("a shard's key is not a string")
     except (KeyError, TypeError, ValueError) as exc:
@@ -115,6 +116,12 @@ def _read_manifest(
     if got != expect:
         raise CheckpointCorrupt(f"{key}: shard list does not cover the data as its info says")
     return info, body
+
+
+def _integer(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
 
 
 def _read_exact(storage: Storage, key: str, out: memoryview, what: str) -> None:

@@ -517,16 +517,22 @@ def test_a_temporary_read_error_discards_nothing_from_that_source(make_config: M
         assert m.save(filled_state(5), 5).result(30).persisted  # persist_every=0: the rolled-back 5 goes
 
 
-def test_a_malformed_manifest_is_skipped_not_a_crash(make_config: Make, tmp_path: Path) -> None:
-    """A manifest whose CRC is right but whose meta entry lacks its key (a writer bug, another version)
-    raises KeyError out of restore() instead of being skipped for the older valid snapshot."""
+@pytest.mark.parametrize("damage", ["meta entry without its key", "shard offsets as strings"])
+def test_a_malformed_manifest_is_skipped_not_a_crash(make_config: Make, tmp_path: Path, damage: str) -> None:
+    """A manifest whose CRC is right but whose meta entry lacks its key, or whose shard offsets and
+    lengths are strings (a writer bug, another version), raised KeyError / TypeError out of restore()
+    instead of being skipped for the older valid snapshot."""
     storage = FilesystemStorage(tmp_path / "remote")
     with CheckpointManager(make_config(persist_every=1, keep_remote=3), storage=storage) as m:
         for it in (1, 2):
             assert m.save(filled_state(it), it).result(30).persisted
     key = manifest_key("job-1", 0, 2)
     raw = json.loads(storage.read(key))
-    del raw["body"]["meta"]["key"]
+    if damage == "meta entry without its key":
+        del raw["body"]["meta"]["key"]
+    else:
+        for shard in raw["body"]["shards"]:
+            shard["offset"], shard["length"] = str(shard["offset"]), str(shard["length"])
     raw["crc32"] = crc(_canonical(raw["body"]))
     storage.write(key, _canonical(raw))
     with CheckpointManager(make_config(node="node-b"), storage=storage) as m:
