@@ -216,6 +216,7 @@ def test_a_tasks_rank_counters_leave_the_agents_metrics_with_the_task() -> None:
     leaving = types.SimpleNamespace(latest=types.SimpleNamespace(ranks=[]), monitors={},
                                     stop=lambda reason, kill: reconciler.Outcome("old-job"))
     agent._tasks_lock, agent._tasks, agent._retired = threading.Lock(), {"old-job": leaving}, {}  # type: ignore[dict-item]
+    agent._reporting_tasks = set()
     agent.metrics = AgentMetrics()
     agent.metrics.rank_launches.labels("old-job").inc()
     agent.metrics.rank_restarts.labels("old-job").inc()
