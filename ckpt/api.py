@@ -56,6 +56,12 @@ class UnsafeSnapshot(CheckpointError):
     discarding the newer ones (the operator's remedy, the allow-list, would then find them gone)."""
 
 
+class StaleGeneration(CheckpointError):
+    """A snapshot of an older task generation than one already held for its rank: refused, so that a
+    stopping generation's late snapshot cannot replace (or, newer ones being dropped as abandoned,
+    delete) what its relaunch saved since."""
+
+
 class NoValidCheckpoint(CheckpointError):
     """No tier held a valid snapshot; ``attempts`` says what each tier had and why it was rejected."""
 
@@ -130,6 +136,10 @@ class SnapshotInfo:
     created: float
     #: layout version of meta/data
     format: int = FORMAT_VERSION
+    #: the writer's task generation (``UNICRON_GENERATION``): a rank's timeline is linear within one,
+    #: and a late snapshot of an older one (its stop snapshot, still pushed or persisted while the
+    #: relaunch trains on) never displaces a newer generation's
+    generation: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +163,7 @@ class SnapshotInfo:
             "chunk_crcs": list(self.chunk_crcs),
             "created": self.created,
             "format": self.format,
+            "generation": self.generation,
         }
 
     @classmethod
@@ -183,6 +194,9 @@ class SnapshotInfo:
             or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs)
         ):
             raise InvalidRecord(f"SnapshotInfo.chunk_crcs: expected {want} CRC-32 values")
+        generation = data.get("generation", 0)  # absent in snapshots written before it existed
+        if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation < 2**63:
+            raise InvalidRecord(f"SnapshotInfo.generation: expected a non-negative integer, got {generation!r:.40}")
         created = _finite(data["created"])
         if created is None:
             raise InvalidRecord(f"SnapshotInfo.created: expected a finite number, got {data['created']!r:.40}")
@@ -197,6 +211,7 @@ class SnapshotInfo:
             chunk_crcs=tuple(crcs),
             created=created,
             format=data["format"],
+            generation=generation,
         )
 
 

@@ -105,6 +105,11 @@ class CheckpointConfig:
     lock_wait_s: float = setting(
         30.0, "UNICRON_CKPT_LOCK_WAIT_S", "seconds to wait for the previous writer of this rank's slots to exit"
     )
+    #: the task generation this process runs in (the agent's ``UNICRON_GENERATION``), recorded in
+    #: every snapshot: peers and storage refuse one of an older generation than they hold for the rank
+    generation: int = setting(
+        0, "UNICRON_GENERATION", "the task generation snapshots are written under (set by the agent)"
+    )
     #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
     safe_globals: str = setting(
         "", "UNICRON_CKPT_SAFE_GLOBALS", "extra module:Name globals allowed in a state"
@@ -446,6 +451,7 @@ class CheckpointManager(Checkpointer):
             chunk_bytes=self.config.chunk_bytes,
             chunk_crcs=crcs,
             created=time.time(),
+            generation=self.config.generation,
         )
         try:
             self._store.publish(job.slot, job.info, job.meta)

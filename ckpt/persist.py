@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckpt.api import CheckpointCorrupt, ObjectMissing, Snapshot, SnapshotInfo, Storage
+from ckpt.api import CheckpointCorrupt, ObjectMissing, Snapshot, SnapshotInfo, StaleGeneration, Storage
 from ckpt.codec import byte_view, crc
 from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
@@ -49,6 +49,7 @@ def _canonical(body: Any) -> bytes:
 def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
     """Write ``snap`` (shards, metadata, then the manifest); then keep only the newest ``keep``."""
     info = snap.info
+    _check_generation(storage, info)
     discard_newer(storage, info.job, info.rank, info.iteration)  # linear timeline: newer ones were abandoned
     # a directory of this write's own: two writers of one iteration (a stopping incarnation still
     # persisting it, and its relaunch that restored an older one and reached it again) replaced each
@@ -69,6 +70,24 @@ def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
     storage.write(key, _canonical({"format": 1, "crc32": crc(_canonical(body)), "body": body}))
     apply_retention(storage, info.job, info.rank, keep)
     return key
+
+
+def _check_generation(storage: Storage, info: SnapshotInfo) -> None:
+    """StaleGeneration when storage holds this iteration or a newer one of the rank written by a newer
+    task generation: the late snapshot of a stopping generation replaced its relaunch's, and deleted
+    the newer ones as an abandoned timeline. (Two generations persisting at the same moment can still
+    pass each other's check: the window is one manifest write.)"""
+    for it in iterations(storage, info.job, info.rank):
+        if it < info.iteration:
+            continue
+        try:
+            held, _ = _read_manifest(storage, info.job, info.rank, it)
+        except CheckpointCorrupt:
+            continue  # a damaged manifest says nothing of its writer
+        if held.generation > info.generation:
+            raise StaleGeneration(
+                f"not persisted: iteration {info.iteration} of generation {info.generation} for "
+                f"{info.job!r} rank {info.rank}, and storage holds iteration {it} of generation {held.generation}")
 
 
 def iterations(storage: Storage, job: str, rank: int) -> list[int]:

@@ -35,7 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt import wire
-from ckpt.api import ReplicaRejected, ReplicaStore, ReplicaUnavailable, Snapshot, SnapshotInfo, check_name
+from ckpt.api import (
+    ReplicaRejected,
+    ReplicaStore,
+    ReplicaUnavailable,
+    Snapshot,
+    SnapshotInfo,
+    StaleGeneration,
+    check_name,
+)
 from unicron.kernel import log as ulog
 from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
@@ -102,6 +110,7 @@ class ReplicaMemory(ReplicaStore):
                 raise ReplicaRejected(
                     f"{self.name}: a {n}-byte snapshot exceeds the whole budget of {self.budget}"
                 )
+            self._check_generation(info)
             keep = self._newest()
             victims = sorted((k for k in self._held if k not in keep), key=lambda k: (k[2], self._held[k].seq))
             # refused before anything is evicted: a push that cannot fit must not cost the older snapshots
@@ -122,10 +131,19 @@ class ReplicaMemory(ReplicaStore):
         with self._lock:
             self._reserved -= reserved
 
+    def _check_generation(self, info: SnapshotInfo) -> None:
+        newer = [h.snap.info.generation for k, h in self._held.items()
+                 if k[:2] == (info.job, info.rank) and h.snap.info.generation > info.generation]
+        if newer:
+            raise StaleGeneration(
+                f"{self.name}: a snapshot of generation {info.generation} for {info.job!r} rank {info.rank} "
+                f"iteration {info.iteration}, and generation {max(newer)} already holds that rank")
+
     def commit(self, snap: Snapshot, reserved: int) -> None:
         key = (snap.info.job, snap.info.rank, snap.info.iteration)
         with self._lock:
             self._reserved -= reserved
+            self._check_generation(snap.info)  # again: a newer generation may have pushed meanwhile
             self._held[key] = _Held(snap, next(self._seq))
             # a rank's timeline is linear: anything newer than what it just pushed was abandoned
             for k in [k for k in self._held if k[:2] == key[:2] and k[2] > key[2]]:
@@ -213,7 +231,7 @@ class _Handler(socketserver.BaseRequestHandler):
         info = SnapshotInfo.from_dict(h.get("info"))
         try:
             reserved = mem.reserve(info)
-        except ReplicaRejected as exc:
+        except (ReplicaRejected, StaleGeneration) as exc:
             self._reply(sock, {"ok": False, "error": str(exc)})
             return
         try:
@@ -228,7 +246,11 @@ class _Handler(socketserver.BaseRequestHandler):
             mem.release(reserved)  # a partial transfer is never committed
             raise
         sock.settimeout(self.server.io_timeout_s)
-        mem.commit(Snapshot(info, bytes(meta), data), reserved)
+        try:
+            mem.commit(Snapshot(info, bytes(meta), data), reserved)
+        except StaleGeneration as exc:  # a newer generation pushed while these bytes came in
+            self._reply(sock, {"ok": False, "error": str(exc)})
+            return
         self._reply(sock, {"ok": True})
 
     def _get(self, sock: socket.socket, h: dict[str, Any]) -> None:

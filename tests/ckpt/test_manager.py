@@ -629,3 +629,34 @@ def test_a_snapshot_naming_a_class_off_the_allow_list_stops_the_restore_and_dele
                            peers=[peer], storage=storage) as m:
         r = m.restore()
     assert r.iteration == 2 and r.state["data"]["pos"] == Path("/x")
+
+
+def test_a_stopping_generations_late_snapshot_cannot_replace_its_relaunchs(
+    make_config: Make, replica_server: ReplicaServer, tmp_path: Path
+) -> None:
+    """Generation 1 saved 10; its relaunch (generation 2, another node) restored 10 and saved 11-13;
+    then generation 1's stop snapshot of 11 arrived. Peers and storage keep a rank's timeline linear
+    by dropping what is newer than a push, so it replaced 11 and deleted 12 and 13 everywhere, and
+    was reported saved. Now a snapshot of an older generation than one held for the rank is refused."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    peer = ReplicaClient(replica_server.address)
+    old = CheckpointManager(make_config(node="node-a", persist_every=1, keep_remote=5, generation=1),
+                            peers=[peer], storage=storage)
+    try:
+        assert old.save(filled_state(10), 10).result(30).persisted
+        with CheckpointManager(make_config(node="node-b", persist_every=1, keep_remote=5, generation=2),
+                               peers=[peer], storage=storage) as new:
+            assert new.restore().iteration == 10
+            for it in (11, 12, 13):
+                assert new.save(filled_state(it), it).result(30).persisted
+        late = old.save(filled_state(99), 11, persist=True).result(30)
+    finally:
+        old.close()
+    assert not late.persisted and late.replicas == ()
+    assert any("generation 1" in e and "generation 2" in e for e in late.errors), late.errors
+    assert persisted_iterations(storage, "job-1", 0)[-3:] == [11, 12, 13]
+    assert [i.iteration for i in replica_server.memory.list("job-1")][-3:] == [11, 12, 13]
+    with CheckpointManager(make_config(node="node-c"), peers=[peer], storage=storage) as m:
+        r = m.restore()
+    assert (r.tier, r.iteration) == (Tier.PEER, 13)
+    assert_same(filled_state(13), r.state)
