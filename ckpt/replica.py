@@ -202,7 +202,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 sock = self.server.ssl_context.wrap_socket(sock, server_side=True)
                 # any node of the cluster may hold replicas here; an operator's certificate may not
                 tls.require(tls.peer_from_socket(sock), tls.Role.NODE, "the checkpoint replica server")
-            h = wire.recv_header(sock)
+            # a request's header in one timeout: a client trickling bytes held a handler thread for good
+            h = wire.recv_header(sock, time.monotonic() + self.server.io_timeout_s)
             op = h.get("op")
             handler = {
                 "put": self._put,
@@ -364,7 +365,7 @@ class ReplicaClient(ReplicaStore):
                 sock = (self._ssl.wrap_socket(raw, server_hostname=self._target[0]) if self._ssl is not None
                         else raw)
                 wire.send(sock, header)
-                reply = wire.recv_header(sock)
+                reply = wire.recv_header(sock, time.monotonic() + self.timeout_s)
                 return body(sock, reply) if body is not None else reply
         except (OSError, InvalidRecord) as exc:
             raise ReplicaUnavailable(f"replica server {self.addr}: {exc}") from exc
@@ -377,7 +378,7 @@ class ReplicaClient(ReplicaStore):
             sock.sendall(snapshot.meta)
             if len(snapshot.data):
                 sock.sendall(snapshot.data)
-            return wire.recv_header(sock)
+            return wire.recv_header(sock, time.monotonic() + self.timeout_s)
 
         reply = self._call({"op": "put", "info": snapshot.info.to_dict()}, body)
         if not reply.get("ok"):
@@ -392,10 +393,13 @@ class ReplicaClient(ReplicaStore):
             info = SnapshotInfo.from_dict(reply.get("info"))
             # sized by the peer's word: only pages the bytes that come fill are committed (an
             # impossible size fails the mapping: OSError, the peer skipped)
+            # the whole transfer in its time: a peer trickling a byte inside every socket timeout
+            # stalled the restore (and the nearer-first fallback to the other peers and storage)
+            deadline = time.monotonic() + transfer_timeout(self.timeout_s, info.nbytes)
             meta = _alloc(info.meta_len)
-            wire.recv_into(sock, meta)
+            wire.recv_into(sock, meta, deadline)
             data = _alloc(info.data_len)
-            wire.recv_into(sock, data)
+            wire.recv_into(sock, data, deadline)
             return Snapshot(info, bytes(meta), data)
 
         result: Snapshot | None = self._call(

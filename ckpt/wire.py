@@ -48,14 +48,16 @@ def recv_into(sock: socket.socket, out: memoryview, deadline: float | None = Non
         got += n
 
 
-def recv_header(sock: socket.socket) -> dict[str, Any]:
+def recv_header(sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
+    """One frame's header; ``deadline`` bounds the whole of it (a peer trickling a byte inside every
+    socket timeout held the reader for as long as it liked)."""
     head = bytearray(_HEAD.size)
-    recv_into(sock, memoryview(head))
+    recv_into(sock, memoryview(head), deadline)
     magic, n = _HEAD.unpack(head)
     if magic != MAGIC or n > MAX_HEADER:
         raise InvalidRecord(f"replica protocol: bad frame (magic {bytes(magic)!r}, header length {n})")
     body = bytearray(n)
-    recv_into(sock, memoryview(body))
+    recv_into(sock, memoryview(body), deadline)
     obj = jsontext.parse(body, "replica protocol: header")
     if not isinstance(obj, dict):
         raise InvalidRecord("replica protocol: header is not a JSON object")

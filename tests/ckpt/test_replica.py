@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -207,3 +208,62 @@ def test_a_trickling_put_does_not_hold_its_reservation_forever() -> None:
         assert used == 0, f"a stalled transfer still holds {used} reserved bytes after 4 s (io timeout 1 s)"
     finally:
         server.stop()
+
+
+def test_a_trickling_request_header_does_not_hold_a_server_thread() -> None:
+    """A request's header was read with only the per-recv timeout: a client announcing a large header
+    and sending a byte inside every timeout held a handler thread (and its socket) as long as it liked.
+    Now the server gives the whole header its io timeout and closes the connection."""
+    server = ReplicaServer("127.0.0.1:0", 1 << 20, io_timeout_s=1.0).start()
+    try:
+        with socket.create_connection(wire.parse_addr(server.address)) as sock:
+            sock.sendall(frame(b" " * 100)[:8])  # a header of 100 bytes announced
+            t0, closed = time.monotonic(), False
+            while time.monotonic() - t0 < 5.0:
+                try:
+                    sock.sendall(b" ")
+                    sock.settimeout(0.2)
+                    closed = sock.recv(1) == b""
+                except TimeoutError:
+                    pass
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed, "the server still waits for the header after 5 s (io timeout 1 s)"
+            assert time.monotonic() - t0 < 3.0
+    finally:
+        server.stop()
+
+
+def test_a_peer_trickling_a_snapshot_does_not_stall_the_restore() -> None:
+    """The client read a snapshot with only the per-recv timeout: a peer sending a byte inside every
+    timeout held get() for as long as the bytes lasted (16 s for 40 bytes at 1 s), and the restore
+    never reached the other peers or storage. Now the whole transfer has its deadline."""
+    info = {"job": "j", "rank": 0, "iteration": 5, "meta_len": 0, "meta_crc": 0, "data_len": 40,
+            "chunk_bytes": 4096, "chunk_crcs": [0], "created": 0.0, "format": 1}
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            wire.recv_header(conn)
+            wire.send(conn, {"ok": True, "info": info})
+            try:
+                for _ in range(40):  # a byte every 0.4 s
+                    time.sleep(0.4)
+                    conn.sendall(b"x")
+            except OSError:
+                pass
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ReplicaUnavailable, match=r"timed out|before the deadline"):
+            ReplicaClient(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=1.0).get("j", 0, 5)
+        assert time.monotonic() - t0 < 4.0
+    finally:
+        listener.close()
