@@ -51,12 +51,17 @@ from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
 log = ulog.get(__name__)
 
 Key = tuple[str, int, int]
+#: a rank that pushed nothing for this long gives up its newest snapshot when the budget needs the room
+#: (checkpoints come every few minutes while a job runs; a stopped job's is persisted remotely)
+IDLE_RANK_S = 3600.0
 
 
 @dataclass
 class _Held:
     snap: Snapshot
     seq: int
+    #: ``time.monotonic()`` of its commit
+    at: float = 0.0
 
 
 def transfer_timeout(base_s: float, nbytes: int) -> float:
@@ -73,11 +78,12 @@ def _alloc(n: int) -> memoryview:
 class ReplicaMemory(ReplicaStore):
     """In-process replica holder with a byte budget (thread-safe)."""
 
-    def __init__(self, budget_bytes: int, name: str = "memory") -> None:
+    def __init__(self, budget_bytes: int, name: str = "memory", idle_s: float = IDLE_RANK_S) -> None:
         if budget_bytes <= 0:
             raise ConfigError(f"ReplicaMemory budget_bytes={budget_bytes}: must be positive")
         self.budget = budget_bytes
         self.name = name
+        self.idle_s = idle_s
         self._held: dict[Key, _Held] = {}
         self._reserved = 0
         self._lock = threading.Lock()
@@ -113,12 +119,14 @@ class ReplicaMemory(ReplicaStore):
             self._check_generation(info)
             keep = self._newest()
             victims = sorted((k for k in self._held if k not in keep), key=lambda k: (k[2], self._held[k].seq))
+            victims += self._idle(keep - {k for k in keep if k[:2] == (info.job, info.rank)})
             # refused before anything is evicted: a push that cannot fit must not cost the older snapshots
             evictable = sum(self._held[k].snap.info.nbytes for k in victims)
             if self._used() - evictable + n > self.budget:
                 raise ReplicaRejected(
                     f"{self.name}: over budget: need {n} bytes, {self._used()} of {self.budget} in use, "
-                    f"and only {evictable} evictable (a rank's newest snapshot is never evicted)"
+                    f"and only {evictable} evictable (a rank's newest snapshot is evicted only when the rank "
+                    f"pushed nothing for {self.idle_s:.0f} s)"
                 )
             for victim in victims:
                 if self._used() + n <= self.budget:
@@ -126,6 +134,16 @@ class ReplicaMemory(ReplicaStore):
                 del self._held[victim]
             self._reserved += n
         return n
+
+    def _idle(self, newest: set[Key]) -> list[Key]:
+        """Of ``newest`` (not the pushing rank's), the snapshots of ranks that pushed nothing for ``idle_s``, least recently pushed first: a
+        job that ended, or ranks whose replicas moved to other nodes, pinned their newest snapshot here
+        for good, and once those filled the budget every push of the node's current ranks was refused."""
+        last: dict[tuple[str, int], float] = {}
+        for k, h in self._held.items():
+            last[k[:2]] = max(last.get(k[:2], 0.0), h.at)
+        stale = time.monotonic() - self.idle_s
+        return sorted((k for k in newest if last[k[:2]] < stale), key=lambda k: last[k[:2]])
 
     def release(self, reserved: int) -> None:
         with self._lock:
@@ -144,7 +162,7 @@ class ReplicaMemory(ReplicaStore):
         with self._lock:
             self._reserved -= reserved
             self._check_generation(snap.info)  # again: a newer generation may have pushed meanwhile
-            self._held[key] = _Held(snap, next(self._seq))
+            self._held[key] = _Held(snap, next(self._seq), time.monotonic())
             # a rank's timeline is linear: anything newer than what it just pushed was abandoned
             for k in [k for k in self._held if k[:2] == key[:2] and k[2] > key[2]]:
                 del self._held[k]
@@ -301,11 +319,11 @@ class ReplicaServer:
     """
 
     def __init__(self, addr: str, budget_bytes: int, io_timeout_s: float = 60.0,
-                 tls_config: tls.TLSConfig | None = None) -> None:
+                 tls_config: tls.TLSConfig | None = None, idle_s: float = IDLE_RANK_S) -> None:
         """With ``tls_config`` clients need a ``node`` certificate of the cluster CA (mutual TLS)."""
         self._bind = wire.parse_addr(addr, "ReplicaServer addr")
         self._ssl = tls_config.server_context() if tls_config is not None else None
-        self.memory = ReplicaMemory(budget_bytes, name=f"replica-server {addr}")
+        self.memory = ReplicaMemory(budget_bytes, name=f"replica-server {addr}", idle_s=idle_s)
         self.io_timeout_s = io_timeout_s
         self._server: _TCPServer | None = None
         self._thread: threading.Thread | None = None

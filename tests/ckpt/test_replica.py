@@ -70,6 +70,30 @@ def test_rejects_when_only_newest_snapshots_are_held() -> None:
     assert held(mem) == [(0, 1), (1, 1)]
 
 
+def test_the_newest_snapshot_of_a_rank_that_stopped_pushing_makes_room_for_a_live_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's newest snapshot was never evicted, and nothing dropped it when its job ended (or its
+    replicas moved): the finished ranks pinned the budget for good, and every push of the node's
+    current ranks was refused. Now a rank that pushed nothing for ``idle_s`` gives up its newest, the
+    least recently pushed first, and never the pushing rank's own."""
+    clock = [1000.0]
+    monkeypatch.setattr("ckpt.replica.time.monotonic", lambda: clock[0])
+    one = snap(0, 1).info.nbytes
+    mem = ReplicaMemory(budget_bytes=2 * one, idle_s=600)
+    mem.put(snap(0, 1))  # a job that then ended
+    clock[0] += 100
+    mem.put(snap(1, 1))
+    clock[0] += 400  # rank 0 idle 500 s, rank 1 400 s: neither idle yet
+    with pytest.raises(ReplicaRejected, match=r"only 0 evictable.*pushed nothing for 600 s"):
+        mem.put(snap(2, 1))
+    clock[0] += 150  # rank 0 idle 650 s
+    mem.put(snap(2, 1))
+    assert held(mem) == [(1, 1), (2, 1)]
+    clock[0] += 1000  # both idle now; rank 2 pushes again: rank 1's goes, never rank 2's own
+    mem.put(snap(2, 2))
+    assert held(mem) == [(2, 1), (2, 2)]
+
+
 def test_put_get_list_drop_over_tcp(replica_server: ReplicaServer) -> None:
     client = ReplicaClient(replica_server.address)
     s = snap(3, 9, nbytes=300_000)
