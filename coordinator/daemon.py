@@ -438,9 +438,10 @@ class Coordinator:
     def _reload(self) -> None:
         log.warning("leadership regained after losing its lease; reloading the decision state")
         assert self.leadership is not None
+        losses = self.leadership.losses
         self._load_state()
         self._expect_registrations()
-        self.leadership.state_reloaded()
+        self.leadership.state_reloaded(losses)
 
     # --- inputs ------------------------------------------------------------------------------
 

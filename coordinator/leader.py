@@ -107,6 +107,8 @@ class Leadership:
         #: the lease was lost and the state may have moved on under another leader since: set until the
         #: owner reloaded it (:meth:`state_reloaded`), and no decision is written meanwhile
         self.reload_due = False
+        #: leases lost so far: a reload clears ``reload_due`` only if no loss came while it ran
+        self.losses = 0
         self._closed = threading.Event()
         self._txn_seq: Iterator[int] = itertools.count()
         #: wide writes reported failed whose rollback has not landed yet: (txn id, staged chunk keys)
@@ -148,14 +150,19 @@ class Leadership:
         with self._lock:
             self.token = None
             self.reload_due = True  # before any token of a regained lease can be read
+            self.losses += 1
             if self._regaining or self.deposed or self._closed.is_set():
                 return
             self._regaining = True
         threading.Thread(target=self._regain, name="leader-regain", daemon=True).start()
 
-    def state_reloaded(self) -> None:
-        """The owner reloaded the decision state after regaining the lease: writes may go on."""
-        self.reload_due = False
+    def state_reloaded(self, losses: int) -> None:
+        """The owner reloaded the decision state after regaining the lease: writes may go on, unless
+        the lease was lost again since the reload began (``losses``: :attr:`losses` then): what it
+        read may predate an interim leader's writes."""
+        with self._lock:
+            if self.losses == losses:
+                self.reload_due = False
 
     @property
     def must_reload(self) -> bool:
@@ -250,7 +257,8 @@ class Leadership:
         stops before the commit leaves staged chunks that nothing reads, and the next leader deletes
         them; one that stops after it leaves chunks that the next leader applies (:meth:`recover`)
         before it reads any state. Once committed, this call does not fail with StoreUnavailable: it
-        applies the rest until it is done or deposed (NotLeader: the next leader finishes it).
+        applies the rest until it is done or deposed (NotLeader: the next leader finishes it), or until it
+        finds the lease lost and regained (StoreUnavailable: the reload's recover() finishes it).
         """
         parts = chunks(puts, deletes)
         txn_id = f"{token:016x}-{next(self._txn_seq):08d}"
@@ -264,10 +272,17 @@ class Leadership:
             raise
         for i, part in enumerate(parts):
             last = [self.keys.txn(txn_id)] if i == len(parts) - 1 else []
-            self._apply_committed(part.puts, [*part.deletes, staged[i], *last])
+            self._apply_committed(token, part.puts, [*part.deletes, staged[i], *last])
 
-    def _apply_committed(self, puts: Mapping[str, str], deletes: Sequence[str]) -> None:
+    def _apply_committed(self, token: int, puts: Mapping[str, str], deletes: Sequence[str]) -> None:
         while True:
+            current = self.token
+            if current is not None and current != token:
+                # The lease was lost and regained meanwhile: an interim leader may have applied the rest
+                # (its recover()) and written over it. The owner reloads first, and its recover()
+                # applies what is still staged; chunks held here would overwrite the interim's writes.
+                raise StoreUnavailable("the lease was lost while a committed wide write was applied; "
+                                       "the state is reloaded, and the write's rest applied, from etcd")
             try:
                 self._guarded(self._token(), puts, deletes)
                 return

@@ -538,7 +538,10 @@ class _Run:
             return  # degradation: recorded by the daemon, no recovery
         reason = f"{inc.severity} {inc.kind.value} on {inc.node} ({inc.incident_id})"
         if inc.severity is Severity.SEV1:
-            self._node_down(inc.node, NodeState.ISOLATED, reason)
+            # the coordinator's own word that it lost the node (its link) says nothing of its hardware:
+            # a node already lost stays lost, and comes back when its agent registers
+            liveness = inc.kind is ErrorKind.LOST_CONNECTION
+            self._node_down(inc.node, NodeState.ISOLATED, reason, upgrade_lost=not liveness)
             return
         for name in self._tasks_on(inc.node):
             entry = self.state.tasks[name]
@@ -563,8 +566,9 @@ class _Run:
                 trigger = _T.LAUNCH_FAULT
             self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
 
-    def _node_down(self, node: str, status: NodeState, reason: str) -> None:
-        """A sev1 on ``node``: take it out of service, and every task on it reconfigures."""
+    def _node_down(self, node: str, status: NodeState, reason: str, upgrade_lost: bool = True) -> None:
+        """A sev1 on ``node``: take it out of service, and every task on it reconfigures.
+        ``upgrade_lost``: a node already LOST is isolated (a fault reported after the loss)."""
         seen = self.state.nodes.get(node)
         if seen is None:
             return  # never joined: nothing runs there
@@ -578,7 +582,7 @@ class _Run:
         # repair), and a node lost then found faulty (a late report) is isolated: only an operator's
         # undrain brings it back.
         if seen.status is not status and seen.status is not NodeState.ISOLATED and (
-                seen.status is not NodeState.LOST or status is NodeState.ISOLATED):
+                seen.status is not NodeState.LOST or (status is NodeState.ISOLATED and upgrade_lost)):
             entry = self._node(node)
             assert entry is not None
             if seen.status is NodeState.DRAINED:

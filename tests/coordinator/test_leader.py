@@ -78,7 +78,9 @@ def test_leader_campaigns_again_after_an_etcd_outage_longer_than_its_lease(
         assert a.must_reload
         with pytest.raises(StoreUnavailable, match="reloaded before anything is written"):
             a.write(puts={"/outage/x": "decided on the state held before"})
-        a.state_reloaded()  # what the coordinator does once it reloaded its state
+        a.state_reloaded(a.losses - 1)  # a reload begun before this loss: not enough
+        assert a.must_reload
+        a.state_reloaded(a.losses)  # what the coordinator does once it reloaded its state
         a.write(puts={"/outage/x": "still leading"})
         kv = other.get(keys.leader())
         assert kv is not None and kv.value == b"a"

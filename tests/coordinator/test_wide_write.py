@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import pytest
 
-from coordinator.leader import Leadership, chunks
+from coordinator.leader import CHUNK_OPS, Leadership, chunks
+from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import NotLeader, StoreRejected, StoreUnavailable
-from unicron.kernel.etcd import MAX_TXN_OPS, Store
+from unicron.kernel.etcd import MAX_TXN_OPS, Lease, Store
 from unicron.kernel.keyspace import Keyspace
 
 NODES = 300  # node records: more than twice etcd's 128-operation limit
@@ -82,11 +84,11 @@ class _DiesMidApply(Leadership):
 
     applied = 0
 
-    def _apply_committed(self, puts: Mapping[str, str], deletes: Sequence[str]) -> None:
+    def _apply_committed(self, token: int, puts: Mapping[str, str], deletes: Sequence[str]) -> None:
         if self.applied == 1:
             raise _Died
         self.applied += 1
-        super()._apply_committed(puts, deletes)
+        super()._apply_committed(token, puts, deletes)
 
 
 class _DiesBeforeCommit(Leadership):
@@ -217,3 +219,58 @@ def test_a_wide_write_of_non_ascii_records_fits_etcds_request_limit(store: Store
             assert kv is not None and kv.value.decode() == puts[key]
     finally:
         lead.resign()
+
+
+class _LosesLeaseMidApply(Store):
+    """A store whose second chunk apply of a wide write sees the leader's lease lost: an interim leader
+    finishes the write (its recover()), writes a newer value and resigns, and the first regains."""
+
+    def __init__(self, endpoint: str, other: Store, keys: Keyspace) -> None:
+        super().__init__(endpoint)
+        self.other, self.keys, self.calls = other, keys, 0
+        self.leader: Leadership | None = None
+
+    def guarded_txn(self, guard_key: str, guard_revision: int, puts: Mapping[str, str | bytes] = {},
+                    deletes: Sequence[str] = (), lease: Lease | None = None) -> bool:
+        self.calls += 1
+        if self.calls == 5 and self.leader is not None:  # 3 chunks staged; the first applied
+            a = self.leader
+            assert a.lease is not None
+            a.lease.stop()
+            self.client.revoke_lease(a.lease.lease_id)
+            b = Leadership(self.other, self.keys, "b", ttl_s=2, on_deposed=lambda: None)
+            assert b.campaign(threading.Event())
+            b.recover()
+            b.write(puts={"/lose/x": "B"})
+            b.resign()
+            a._start_regain()
+            deadline = time.monotonic() + 10
+            while a.token is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise StoreUnavailable("the answer was lost (injected by the test)")
+        return super().guarded_txn(guard_key, guard_revision, puts=puts, deletes=deletes, lease=lease)
+
+
+def test_a_committed_wide_write_is_not_applied_over_an_interim_leaders_writes(etcd_server: EtcdServer) -> None:
+    """A's lease is lost while it applies a committed wide write; B finishes the write and writes
+    anew; A regains. A's apply went on from memory under its new token, over B's value, before A had
+    reloaded anything. Now it stops (StoreUnavailable: reload, then retry) and B's value stands."""
+    keys = Keyspace("/lose")
+    other = Store(etcd_server.endpoint)
+    store = _LosesLeaseMidApply(etcd_server.endpoint, other, keys)
+    a = Leadership(store, keys, "a", ttl_s=2, on_deposed=lambda: None, poll_s=0.05)
+    store.leader = a
+    try:
+        assert a.campaign(threading.Event())
+        puts = {f"/lose/k{i:05d}": "v" for i in range(2 * CHUNK_OPS)}
+        puts["/lose/x"] = "A"
+        with pytest.raises(StoreUnavailable, match="lost while a committed wide write was applied"):
+            a.write(puts=puts)
+        assert a.token is not None and a.must_reload
+        kv = other.get("/lose/x")
+        assert kv is not None and kv.value == b"B"
+        assert a.recover() == 0  # B finished it: nothing left staged
+    finally:
+        a.resign()
+        store.close()
+        other.close()

@@ -382,3 +382,23 @@ def test_a_planned_stop_whose_drain_is_refused_still_counts_the_leases_end_as_a_
     settle(c)
     assert c.state.nodes["n1"].status is d.NodeState.LOST
     assert "n1" not in c.state.tasks["t"].placement
+
+
+def test_a_lost_node_whose_link_drops_again_comes_back_when_its_agent_registers(
+        coord: tuple[Coordinator, FlakyStore]) -> None:
+    """The coordinator's own report of a lost link (sev1 lost_connection) made a node already lost
+    isolated for good, as only a fault found after a loss should; its agent's registration was then
+    refused until an operator undrained it."""
+    from coordinator.daemon import LinkConnected
+
+    c, _ = coord
+    running(c)
+    feed(c, NodeChanged(WatchEvent("delete", c.keys.node("n1"), b"", 0), time.time()))  # the lease is gone
+    feed(c, LinkConnected("n1", time.time()))  # the agent is back: its link first, which drops
+    feed(c, LinkLost("n1", "link closed", time.time()))
+    settle(c)
+    status = c.state.nodes["n1"].status
+    assert status is d.NodeState.LOST
+    register(c, "n1", 7)
+    settle(c)
+    assert c.state.nodes["n1"].status is d.NodeState.UP

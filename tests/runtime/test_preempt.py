@@ -91,8 +91,9 @@ def test_a_stop_at_a_periodic_checkpoint_persists_it_whatever_persist_every_says
                       "--ckpt-persist-every", "1000")
 
     def sigterm(job: LocalJob) -> None:
-        wait_for(lambda: len(list(ck.glob("rank-*"))) == 2, 60, "the ranks' node memory")
-        time.sleep(1.0)  # a few iterations in
+        # each rank's first snapshot is persisted (a new timeline's): both train, their SIGTERM handler is in
+        wait_for(lambda: persisted(ck, 0) != [] and persisted(ck, 1) != [], 60, "the first snapshots")
+        time.sleep(0.5)  # a few iterations in
         for rp in job.procs.values():
             if rp.proc.poll() is None:
                 os.kill(rp.proc.pid, signal.SIGTERM)
