@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.runtime.conftest import Runner, train_args, wait_for
@@ -25,6 +26,19 @@ def persisted(ck: Path, rank: int = 0) -> list[int]:
     return sorted(int(p.stem.split("-")[1]) for p in found)
 
 
+def sigterm_after_persisted(ck: Path, ranks: list[int], delay_s: float) -> Callable[[LocalJob], None]:
+    """SIGTERM every live rank ``delay_s`` after each of ``ranks`` persisted a first snapshot."""
+
+    def sigterm(job: LocalJob) -> None:
+        wait_for(lambda: all(persisted(ck, r) for r in ranks), 60, f"a persisted snapshot of ranks {ranks}")
+        time.sleep(delay_s)
+        for rp in job.procs.values():
+            if rp.proc.poll() is None:
+                os.kill(rp.proc.pid, signal.SIGTERM)
+
+    return sigterm
+
+
 def test_sigterm_saves_at_the_boundary_and_a_smaller_relaunch_resumes_there(runner: Runner, tmp_path: Path) -> None:
     """4 ranks checkpoint every 4 iterations; all get SIGTERM between two checkpoints: each exits 0 after
     an on-demand snapshot of the same iteration N. Relaunched with 2 ranks (another layout), both
@@ -32,14 +46,7 @@ def test_sigterm_saves_at_the_boundary_and_a_smaller_relaunch_resumes_there(runn
     ck = tmp_path / "ck"
     args = train_args(0, "float64", False, "--blocks", "4", "--iter-sleep", "0.05", *memory_args(ck))
 
-    def sigterm_between_checkpoints(job: LocalJob) -> None:
-        wait_for(lambda: persisted(ck) != [], 60, "the first periodic checkpoint")
-        time.sleep(0.3)  # into the next interval
-        for rp in job.procs.values():
-            if rp.proc.poll() is None:
-                os.kill(rp.proc.pid, signal.SIGTERM)
-
-    first = runner.run(4, args, while_running=sigterm_between_checkpoints)
+    first = runner.run(4, args, while_running=sigterm_after_persisted(ck, [0], 0.3))  # into the next interval
     assert all(c == 0 for c in first.codes.values()), first.job.logs()
     stops = {r: [e["it"] for e in first.events(r, "stop_snapshot")] for r in range(4)}
     n = stops[0][0]
@@ -90,15 +97,8 @@ def test_a_stop_at_a_periodic_checkpoint_persists_it_whatever_persist_every_says
     args = train_args(0, "float32", False, "--iter-sleep", "0.05", *memory_args(ck, every=1),
                       "--ckpt-persist-every", "1000")
 
-    def sigterm(job: LocalJob) -> None:
-        # each rank's first snapshot is persisted (a new timeline's): both train, their SIGTERM handler is in
-        wait_for(lambda: persisted(ck, 0) != [] and persisted(ck, 1) != [], 60, "the first snapshots")
-        time.sleep(0.5)  # a few iterations in
-        for rp in job.procs.values():
-            if rp.proc.poll() is None:
-                os.kill(rp.proc.pid, signal.SIGTERM)
-
-    first = runner.run(2, args, while_running=sigterm)
+    # each rank's first snapshot is persisted (a new timeline's): both train, their SIGTERM handler is in
+    first = runner.run(2, args, while_running=sigterm_after_persisted(ck, [0, 1], 0.5))  # a few iterations in
     assert all(c == 0 for c in first.codes.values()), first.job.logs()
     n = first.events(0, "stop_snapshot")[0]["it"]
     assert n > 1 and [e["it"] for e in first.events(0, "checkpoint")][-1] == n  # a periodic one was there
