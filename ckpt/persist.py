@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -49,8 +50,9 @@ def _canonical(body: Any) -> bytes:
 def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
     """Write ``snap`` (shards, metadata, then the manifest); then keep only the newest ``keep``."""
     info = snap.info
-    _check_generation(storage, info)
-    discard_newer(storage, info.job, info.rank, info.iteration)  # linear timeline: newer ones were abandoned
+    held = iterations(storage, info.job, info.rank)  # listed once for both (a remote listing is I/O)
+    _check_generation(storage, info, held)
+    discard_newer(storage, info.job, info.rank, info.iteration, held)  # linear timeline: newer ones were abandoned
     # a directory of this write's own: two writers of one iteration (a stopping incarnation still
     # persisting it, and its relaunch that restored an older one and reached it again) replaced each
     # other's shards, and the manifest left named bytes the other wrote (both were told "persisted")
@@ -72,12 +74,12 @@ def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
     return key
 
 
-def _check_generation(storage: Storage, info: SnapshotInfo) -> None:
+def _check_generation(storage: Storage, info: SnapshotInfo, persisted: Sequence[int]) -> None:
     """StaleGeneration when storage holds this iteration or a newer one of the rank written by a newer
     task generation: the late snapshot of a stopping generation replaced its relaunch's, and deleted
     the newer ones as an abandoned timeline. (Two generations persisting at the same moment can still
-    pass each other's check: the window is one manifest write.)"""
-    for it in iterations(storage, info.job, info.rank):
+    pass each other's check: the window is one manifest write.) ``persisted``: the rank's iterations."""
+    for it in persisted:
         if it < info.iteration:
             continue
         try:
@@ -205,9 +207,12 @@ def apply_retention(storage: Storage, job: str, rank: int, keep: int) -> list[in
     return gone
 
 
-def discard_newer(storage: Storage, job: str, rank: int, iteration: int) -> list[int]:
-    """Delete persisted iterations newer than ``iteration`` (an abandoned timeline after a rollback)."""
-    newer = [it for it in iterations(storage, job, rank) if it > iteration]
+def discard_newer(
+    storage: Storage, job: str, rank: int, iteration: int, held: Sequence[int] | None = None
+) -> list[int]:
+    """Delete persisted iterations newer than ``iteration`` (an abandoned timeline after a rollback).
+    ``held``: the rank's iterations when the caller listed them already."""
+    newer = [it for it in (iterations(storage, job, rank) if held is None else held) if it > iteration]
     for it in newer:
         _delete_iteration(storage, job, rank, it)
     return newer

@@ -142,7 +142,7 @@ class CoreState:
             if o is not None and o.deadline < earliest_deadline:
                 late = replace(o, deadline=earliest_deadline, waiting=list(o.waiting))
                 tasks[name] = replace(e, outstanding=late)
-        return replace(self, nodes=dict(self.nodes), tasks=tasks)
+        return replace(self, tasks=tasks)
 
     def to_dict(self) -> dict[str, object]:
         return {
