@@ -10,6 +10,11 @@ A directory (by default under ``/dev/shm``, so it outlives the training process 
 A snapshot is written into a slot that PUBLISHED does not list (the slot is first withdrawn from it),
 and becomes visible only when PUBLISHED is atomically replaced by a version listing it. A process killed
 mid-write therefore leaves PUBLISHED naming only complete slots: the previous snapshot stays intact.
+
+Nothing removes a rank's directory when its job ends or moves to other nodes (a pending job may come
+back and restore from it). On a shared root (``/dev/shm/unicron-ckpt/<job>/rank-<r>``), a writer that
+finds the filesystem full makes room from directories no process holds and nobody wrote for an hour
+(:func:`evict_idle`), as the peers' replica memory does: a node running jobs for weeks does not fill up.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,8 +62,10 @@ def clear_cuda_error() -> None:
 class _Mapping:
     """A shared mapping of one slot file, grown on demand, viewed as a uint8 tensor."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, make_room: Callable[[int], bool] | None = None) -> None:
         self.path = path
+        #: called with the bytes missing when the filesystem is full; True: room was made, try again
+        self.make_room = make_room
         self.capacity = 0
         self._mm: mmap.mmap | None = None
         self.tensor: torch.Tensor | None = None
@@ -90,20 +98,30 @@ class _Mapping:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             size = max(nbytes, os.fstat(fd).st_size, 1)
-            try:
-                os.posix_fallocate(fd, 0, size)  # allocate now: ENOSPC here, not SIGBUS mid-copy
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise CheckpointError(
-                        f"no room for a {size}-byte snapshot slot in {self.path.parent} "
-                        "(enlarge /dev/shm, e.g. docker --shm-size, or set CheckpointConfig.local_dir)"
-                    ) from exc
-                raise
+            self._allocate(fd, size)
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self.capacity = size
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def _allocate(self, fd: int, size: int) -> None:
+        """Allocate now: ENOSPC here, not SIGBUS mid-copy. A full filesystem is first given a chance
+        to make room (once: what it freed is enough, or nothing more can go)."""
+        for attempt in range(2):
+            try:
+                os.posix_fallocate(fd, 0, size)
+                return
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                missing = size - os.fstat(fd).st_blocks * 512
+                if attempt == 0 and self.make_room is not None and self.make_room(missing):
+                    continue
+                raise CheckpointError(
+                    f"no room for a {size}-byte snapshot slot in {self.path.parent} "
+                    "(enlarge /dev/shm, e.g. docker --shm-size, or set CheckpointConfig.local_dir)"
+                ) from exc
 
     def close(self) -> None:
         if self.pinned and self.tensor is not None:
@@ -117,15 +135,81 @@ class _Mapping:
         self.capacity = 0
 
 
+#: a rank directory nobody wrote for this long may give up its space to a writer that finds the
+#: filesystem full (a running job snapshots every few minutes; the peers' replica memory waits as long)
+IDLE_DIR_S = 3600.0
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _last_write(d: Path) -> float:
+    return max((f.stat().st_mtime for f in d.iterdir() if f.is_file()), default=d.stat().st_mtime)
+
+
+def _allocated(d: Path) -> int:
+    return sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())
+
+
+def evict_idle(shared_root: Path, keep: Path, need: int, idle_s: float) -> int:
+    """Remove rank directories ``shared_root/<job>/rank-<r>`` other than ``keep`` that no process holds
+    (their LOCK is free) and in which nothing was written for ``idle_s``, least recently written first,
+    until ``need`` bytes are freed. Returns the bytes freed.
+
+    What goes is a job's that ended or moved elsewhere an hour ago: a writer holds its directory's
+    lock for as long as it runs, and a live job snapshots far more often. Each removal holds the
+    directory's lock, so a writer arriving meanwhile waits, then finds the directory gone and starts
+    a new one (:meth:`LocalStore.lock`)."""
+    now = time.time()
+    candidates: list[tuple[float, Path]] = []
+    for d in shared_root.glob("*/rank-*"):
+        try:
+            if d.is_dir() and d.resolve() != keep.resolve() and now - _last_write(d) >= idle_s:
+                candidates.append((_last_write(d), d))
+        except OSError:  # removed meanwhile by another writer's eviction
+            continue
+    freed = 0
+    for _, d in sorted(candidates):
+        if freed >= need:
+            break
+        try:
+            fd = os.open(d / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live process writes here
+        try:
+            size = _allocated(d)
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            os.close(fd)
+        freed += size
+        log.warning("evicted an idle rank's snapshots to make room", directory=str(d), bytes=size)
+    return freed
+
+
 class LocalStore:
     """The shared-memory slots of one rank. Only the holder of the lock writes; see the module docstring."""
 
-    def __init__(self, root: Path, slots: int = 2) -> None:
+    def __init__(self, root: Path, slots: int = 2, shared_root: Path | None = None,
+                 idle_s: float = IDLE_DIR_S) -> None:
+        """``shared_root``: the directory whose ``<job>/rank-<r>`` directories (``root`` among them) may
+        give up their space to this rank when the filesystem is full and they are idle for ``idle_s``."""
         if slots < 2:
             raise CheckpointError(f"LocalStore: slots={slots}; at least 2 are needed for double buffering")
         self.root = Path(root)
         self.slots = slots
-        self._maps = [_Mapping(self.root / f"slot-{k}.data") for k in range(slots)]
+        self.shared_root = shared_root
+        self.idle_s = idle_s
+        make_room = self._make_room if shared_root is not None else None
+        self._maps = [_Mapping(self.root / f"slot-{k}.data", make_room) for k in range(slots)]
         self._lock_fd: int | None = None
         self._pointer_lock = threading.Lock()  # the writer's threads update PUBLISHED in turn
 
@@ -141,7 +225,12 @@ class LocalStore:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if _same_file(fd, self.root / "LOCK"):
+                    break
+                # an eviction removed the directory while we waited for its lock: start over in a new one
+                os.close(fd)
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
             except BlockingIOError as exc:
                 if time.monotonic() >= deadline:
                     os.close(fd)
@@ -161,6 +250,11 @@ class LocalStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def _make_room(self, missing: int) -> bool:
+        assert self.shared_root is not None
+        freed = evict_idle(self.shared_root, keep=self.root, need=missing, idle_s=self.idle_s)
+        return freed > 0
 
     @staticmethod
     def remove(root: Path) -> None:

@@ -46,7 +46,7 @@ from ckpt.api import (
     UnsafeSnapshot,
     check_name,
 )
-from ckpt.local import LocalStore
+from ckpt.local import IDLE_DIR_S, LocalStore
 from ckpt.tiers import LocalSource, PeerSource, RemoteSource, Source
 from unicron.kernel import log
 from unicron.kernel.config import setting
@@ -110,6 +110,12 @@ class CheckpointConfig:
     generation: int = setting(
         0, "UNICRON_GENERATION", "the task generation snapshots are written under (set by the agent)"
     )
+    #: with the default ``local_dir``, a writer that finds /dev/shm full takes the space of other ranks'
+    #: directories that no process holds and nobody wrote for this long (jobs that ended or moved)
+    local_idle_s: float = setting(
+        IDLE_DIR_S, "UNICRON_CKPT_LOCAL_IDLE_S",
+        "seconds unwritten before an unheld rank directory in /dev/shm may give up its space to a full writer",
+    )
     #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
     safe_globals: str = setting(
         "", "UNICRON_CKPT_SAFE_GLOBALS", "extra module:Name globals allowed in a state"
@@ -126,6 +132,7 @@ class CheckpointConfig:
             ("keep_remote", self.keep_remote >= 1, "must be >= 1"),
             ("checksum_threads", self.checksum_threads >= 1, "must be >= 1"),
             ("copy_threads", self.copy_threads >= 1, "must be >= 1"),
+            ("local_idle_s", self.local_idle_s >= 0, "must be >= 0"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -226,7 +233,9 @@ class CheckpointManager(Checkpointer):
             [s.strip() for s in config.safe_globals.split(",") if s.strip()]
         )
         self._log = log.get("ckpt", job=config.job, rank=config.rank)
-        self._store = LocalStore(config.local_root(), config.slots)
+        # other jobs' directories share the default root; a directory of the user's is theirs alone
+        shared = None if config.local_dir else Path(DEFAULT_SHM)
+        self._store = LocalStore(config.local_root(), config.slots, shared_root=shared, idle_s=config.local_idle_s)
         self._store.lock(wait_s=config.lock_wait_s)
         threads = config.checksum_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-crc") if threads > 1 else None
