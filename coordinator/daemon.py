@@ -764,6 +764,7 @@ class Coordinator:
             self._written(event, len(writes) + len(deletes), time.monotonic() - started)
             self._written_state, self._stored_entries = state, []
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
+        self._check_returning(self.state, state)
         self.state, self.executor, self.costs = state, draft, costs
         for edge in edges:
             log.info("transition", edge=str(edge))
@@ -774,6 +775,17 @@ class Coordinator:
                 self._alert(action, event.ts)
         self._observe(state, event, actions, costed, raised)
         return {inc.incident_id: inc for inc in costed}
+
+    def _check_returning(self, old: d.CoreState, new: d.CoreState) -> None:
+        """A node back in service that no agent holds (an isolated node's agent died meanwhile, and
+        an isolated node's loss changes nothing in the state) must be found lost again: its
+        registration is checked after the grace, as a new leader checks every node's."""
+        back = [n for n, e in new.nodes.items() if e.status is d.NodeState.UP and n not in self._nodes
+                and (o := old.nodes.get(n)) is not None and o.status is not d.NodeState.UP]
+        if back:
+            self._lost_nodes.difference_update(back)
+            if self._registrations_due is None:  # one pending covers these too: never postpone it
+                self._expect_registrations()
 
     def _written(self, event: d.Event, ops: int, write_s: float) -> None:
         """Log a wide or slow decision write (a reconfiguration spanning many nodes): bench/scale.py reads it."""

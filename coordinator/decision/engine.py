@@ -396,16 +396,42 @@ class _Run:
     def _do_escalate(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         self._count_restart(entry)
         self._force_replan(name, entry, fault)
-        if fault.node is not None:
-            self._node_down(fault.node, NodeState.ISOLATED, f"restart of task {name} failed: {fault.reason}")
+        self._suspect(name, fault, f"restart of task {name} failed: {fault.reason}")
 
     def _do_reassign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         self._count_restart(entry)
         self._force_replan(name, entry, fault)
-        if fault.node is not None:
-            self._node_down(
-                fault.node, NodeState.ISOLATED, f"assignment of task {name} failed: {fault.reason}"
-            )
+        self._suspect(name, fault, f"assignment of task {name} failed: {fault.reason}")
+
+    def _suspect(self, name: str, fault: _Fault, reason: str) -> None:
+        """A failed recovery isolates the node it blames (Figure 7's escalation to sev1), on suspicion:
+        nothing says whether the node or the task is at fault. Unless the task already had a node
+        isolated so in this streak without progress: failing again elsewhere, the fault follows the
+        task (a job that crashes on every launch), so no node is isolated and that one comes back."""
+        if fault.node is None or self._fault_followed(name, fault.node):
+            return
+        self._node_down(fault.node, NodeState.ISOLATED, reason, suspected_by=name)
+
+    def _fault_followed(self, name: str, node: str | None) -> bool:
+        """Task ``name`` failed again without progress, on ``node`` (None: on no one node): the nodes
+        its earlier failed recoveries isolated on suspicion return to service. Whether any did."""
+        suspects = sorted(n for n, e in self.state.nodes.items() if e.suspected_by == name and n != node)
+        for n in suspects:
+            seen = self.state.nodes[n]
+            if seen.status is NodeState.ISOLATED:
+                back = NodeState.DRAINED if seen.drained else NodeState.UP
+                self._node_set(n, status=back, reason=seen.drained, drained="", suspected_by="")
+                self.replan = True
+                self._alert(f"node {n} back in service: task {name} failed again elsewhere before any "
+                            f"progress, so its failed recovery on {n} was the task's fault", node=n)
+            else:
+                self._node_set(n, suspected_by="")
+        return bool(suspects)
+
+    def _confirm_suspicion(self, name: str) -> None:
+        """Task ``name`` made progress elsewhere: the nodes it isolated on suspicion stay isolated."""
+        for n in [n for n, e in self.state.nodes.items() if e.suspected_by == name]:
+            self._node_set(n, suspected_by="")
 
     def _do_relaunch(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         """Every rank stopped unasked: the task goes on as a new generation from their snapshot. A
@@ -498,6 +524,7 @@ class _Run:
         entry.reason = ""
 
     def _do_fail(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        self._fault_followed(name, fault.node)
         if fault.fatal:
             reason = fault.reason
         else:
@@ -566,12 +593,17 @@ class _Run:
                 trigger = _T.LAUNCH_FAULT
             self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
 
-    def _node_down(self, node: str, status: NodeState, reason: str, upgrade_lost: bool = True) -> None:
+    def _node_down(self, node: str, status: NodeState, reason: str, upgrade_lost: bool = True,
+                   suspected_by: str = "") -> None:
         """A sev1 on ``node``: take it out of service, and every task on it reconfigures.
-        ``upgrade_lost``: a node already LOST is isolated (a fault reported after the loss)."""
+        ``upgrade_lost``: a node already LOST is isolated (a fault reported after the loss).
+        ``suspected_by``: the task whose failed recovery isolates it ("": a fault of the node's own)."""
         seen = self.state.nodes.get(node)
         if seen is None:
             return  # never joined: nothing runs there
+        if (seen.status is NodeState.ISOLATED and status is NodeState.ISOLATED and seen.suspected_by
+                and seen.suspected_by != suspected_by):
+            self._node_set(node, suspected_by="")  # its own fault, or a second task's failure: it stands
         if seen.status in (NodeState.UP, NodeState.DRAINED):
             if status is NodeState.ISOLATED:
                 self.actions.append(IsolateNode(action_id=self._id(), node=node, reason=reason))
@@ -588,6 +620,7 @@ class _Run:
             if seen.status is NodeState.DRAINED:
                 entry.drained = seen.reason  # an operator's drain outlives the node's loss
             entry.status, entry.reason = status, reason
+            entry.suspected_by = suspected_by if status is NodeState.ISOLATED else ""
         for name in self._tasks_on(node):
             ranks = tuple(self.state.tasks[name].ranks_on(node))
             self._fire(name, _T.SEV1, _Fault(reason, node=node, ranks=ranks))
@@ -646,7 +679,7 @@ class _Run:
         if entry is not None and entry.drained:
             self._node_set(node, drained="")
         if entry is not None and entry.status in (NodeState.DRAINED, NodeState.ISOLATED):
-            self._node_set(node, status=NodeState.UP, reason="")
+            self._node_set(node, status=NodeState.UP, reason="", suspected_by="")
             self.replan = True
 
     def _on_submit(self, spec: TaskSpec) -> None:
@@ -727,6 +760,7 @@ class _Run:
         if entry.restarts and (entry.no_progress_since is None or event.step > entry.no_progress_since):
             entry = self._task(event.task)
             entry.restarts, entry.no_progress_since = 0, None
+            self._confirm_suspicion(event.task)
         if event.generation is None or event.generation != entry.generation:
             return
         # a reattempt, restart or in-place resize keeps the generation: only a step past it proves it

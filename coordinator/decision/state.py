@@ -53,6 +53,11 @@ class NodeEntry:
     reason: str = ""
     drained: str = ""
     """An operator's drain (its reason) while the node is lost or isolated: it comes back drained."""
+    suspected_by: str = ""
+    """Isolated on suspicion only: the task whose failed restart or assignment isolated the node, no
+    fault of the node's own reported. Should that task fail again elsewhere before making progress,
+    the failure was the task's (a crash on every launch) and the node returns to service; progress
+    elsewhere, a fault the node reports or a second task's failure there makes the isolation stand."""
 
 
 @dataclass
@@ -150,7 +155,8 @@ class CoreState:
             "counter": self.counter,
             "retired_generation": self.retired_generation,
             "nodes": {
-                n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason, "drained": e.drained}
+                n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason, "drained": e.drained,
+                    **({"suspected_by": e.suspected_by} if e.suspected_by else {})}
                 for n, e in self.nodes.items()
             },
             "tasks": {t: _task_to_dict(e) for t, e in self.tasks.items()},
@@ -174,6 +180,7 @@ class CoreState:
                     _typed(e["reason"], str, _path("nodes", n, "reason")),
                     # absent in states written before it existed
                     _typed(e.get("drained", ""), str, _path("nodes", n, "drained")),
+                    _typed(e.get("suspected_by", ""), str, _path("nodes", n, "suspected_by")),
                 )
         for t, e in tasks.items():
             with _where(_path("tasks", t)):

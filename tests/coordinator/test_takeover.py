@@ -14,6 +14,7 @@ import pytest
 
 from coordinator import api, daemon
 from coordinator import decision as d
+from coordinator.causes import classify
 from coordinator.daemon import Coordinator
 from coordinator.leader import Leadership
 from coordinator.settings import CoordinatorSettings
@@ -22,7 +23,15 @@ from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable, TemporaryError
 from unicron.kernel.etcd import KeyValue, Store, WatchEvent
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, NodeAssignment, NodeInfo, Severity
+from unicron.kernel.types import (
+    DetectionMethod,
+    ErrorKind,
+    Incident,
+    NodeAssignment,
+    NodeInfo,
+    Report,
+    Severity,
+)
 
 
 def _leading_coordinator(endpoint: str, prefix: str, **settings: Any) -> tuple[Coordinator, Store]:
@@ -446,3 +455,43 @@ def test_the_leader_forgets_the_progress_of_runs_the_state_no_longer_has() -> No
     c._seen = {("retired", 4): 9, ("t", 1): 7, ("t", 2): 3}
     c._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
     assert c._seen == {("t", 2): 3}
+
+
+def test_a_node_back_in_service_without_an_agent_is_found_lost(etcd_server: EtcdServer) -> None:
+    """An isolated node's agent died (its loss changes nothing in the state: it stays isolated), then an
+    operator undrained it (or a suspicion was cleared): it stood in service with nobody there, and was
+    never found lost, since its loss had been recorded once already; tasks were placed on it. Now its
+    registration is checked after the grace, and it is lost."""
+    prefix = "/backwithoutagent"
+
+    def status(node: str) -> d.NodeState:
+        return b.state.nodes[node].status
+
+    _placed_on_two_nodes(etcd_server.endpoint, prefix)
+    b, b_store = _leading_coordinator(etcd_server.endpoint, prefix, registration_grace_s=0.3)
+    try:
+        for node in ("n0", "n1"):
+            _register(b, b_store, node)
+        b._load_state()
+        b._start_watches()
+        _handle_queued(b)
+        time.sleep(0.4)
+        b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
+        assert b._registrations_due is None  # the takeover's check: both registered
+        ts = time.time()
+        ecc = Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.ECC_ERROR, node="n1",
+                     source_ts=ts, agent_ts=ts)
+        b._decide(d.IncidentRaised(ts=ts, incident=classify(ecc, detected_ts=ts, incident_id="i-ecc")))
+        assert status("n1") is d.NodeState.ISOLATED
+        b_store.delete(b.keys.node("n1"))  # its agent died: the lease ran out
+        _handle_queued(b)
+        assert status("n1") is d.NodeState.ISOLATED
+        b._decide(d.NodeUndrained(ts=time.time(), node="n1"))
+        assert status("n1") is d.NodeState.UP
+        time.sleep(0.4)
+        b._handle(daemon.CoreEvent(d.Tick(ts=time.time())))
+        assert (status("n0"), status("n1")) == (d.NodeState.UP, d.NodeState.LOST)
+    finally:
+        for w in b._watches:
+            w.stop()
+        _close(b)

@@ -1,0 +1,122 @@
+"""A failed recovery isolates its node on suspicion only (Figure 7's escalation to sev1): a task that
+then fails again elsewhere before any progress was the fault (a job crashing on every launch), so the
+node returns to service and nothing more is isolated. Before, a crash loop isolated a healthy node
+with every escalation until the restart budget ran out (the escalation test's three nodes all ended
+isolated), each out of service until an operator undrained it."""
+
+from __future__ import annotations
+
+from coordinator import decision as d
+from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, Sim, one, only, running_cluster
+
+JOB = "job"
+
+
+def _escalate(sim: Sim) -> list[d.Action]:
+    """A rank of ``job`` dies, and the process its restart relaunches dies too: the restart failed."""
+    e = sim.state.tasks[JOB]
+    node = min(e.placement)
+    rank = e.ranks_on(node)[0]
+    restart = one(sim.incident(node, SEV2_KIND, task=JOB, rank=rank, generation=e.generation), d.RestartRanks)
+    return sim.incident(node, SEV2_KIND, task=JOB, rank=rank, generation=e.generation,
+                        restart_epoch=restart.restart_epoch)
+
+
+def _statuses(sim: Sim) -> dict[str, tuple[str, str]]:
+    return {n: (e.status.value, e.suspected_by) for n, e in sim.state.nodes.items()}
+
+
+def crash_loop(restarts: int = 9) -> Sim:
+    sim = running_cluster({"n1": 8, "n2": 8, "n3": 8}, {JOB: {"min_gpus": 8, "max_gpus": 8}},
+                          Sim(d.DecisionSettings(max_restarts_without_progress=restarts)))
+    sim.progress(JOB, 3)
+    return sim
+
+
+def test_a_failed_restart_isolates_its_node_on_suspicion() -> None:
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    acts = _escalate(sim)
+    assert one(acts, d.IsolateNode).node == first
+    assert _statuses(sim)[first] == ("isolated", JOB)
+
+
+def test_failing_again_elsewhere_brings_the_node_back_and_isolates_nothing() -> None:
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    second = min(sim.state.tasks[JOB].placement)
+    assert second != first
+    acts = _escalate(sim)
+    assert only(acts, d.IsolateNode) == []
+    assert all(status == "up" for status, _ in _statuses(sim).values()), _statuses(sim)
+    assert any(f"node {first} back in service" in a.message for a in only(acts, d.Alert))
+
+
+def test_a_crash_loop_that_spends_its_budget_leaves_no_node_isolated() -> None:
+    """With the default budget the crash loop ends in a failed task; the node its first failed restart
+    isolated is back once the task failed elsewhere."""
+    sim = crash_loop(restarts=d.DecisionSettings().max_restarts_without_progress)
+    for _ in range(6):
+        if sim.phase(JOB) is d.TaskPhase.FAILED:
+            break
+        e = sim.state.tasks[JOB]
+        if e.phase is d.TaskPhase.RECONFIGURING:  # the new generation crashes at its launch
+            node = min(e.placement)
+            acts = sim.incident(node, SEV2_KIND, task=JOB, rank=e.ranks_on(node)[0], generation=e.generation)
+            restart = one(acts, d.RestartRanks)
+            sim.incident(node, SEV2_KIND, task=JOB, rank=restart.ranks[0], generation=e.generation,
+                         restart_epoch=restart.restart_epoch)
+        else:
+            sim.confirm_all(_escalate(sim))
+    assert sim.phase(JOB) is d.TaskPhase.FAILED
+    assert all(status == "up" for status, _ in _statuses(sim).values()), _statuses(sim)
+
+
+def test_progress_elsewhere_makes_the_isolation_stand() -> None:
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    sim.progress(JOB, 10)  # the task runs well without the node: the node was at fault
+    assert _statuses(sim)[first] == ("isolated", "")
+    _escalate(sim)  # a later, unrelated failure of the task leaves it isolated
+    assert sim.state.nodes[first].status is d.NodeState.ISOLATED
+
+
+def test_a_fault_the_node_reports_itself_makes_the_isolation_stand() -> None:
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    sim.incident(first, SEV1_KIND)  # an ECC error of its own
+    assert _statuses(sim)[first] == ("isolated", "")
+    _escalate(sim)
+    assert sim.state.nodes[first].status is d.NodeState.ISOLATED
+
+
+def test_a_suspected_node_that_was_drained_comes_back_drained() -> None:
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    sim.feed(d.NodeDrained(ts=sim.ts(), node=first, reason="maintenance"))
+    _escalate(sim)
+    assert (sim.state.nodes[first].status, sim.state.nodes[first].reason) == (d.NodeState.DRAINED, "maintenance")
+
+
+def test_an_undrain_clears_the_suspicion() -> None:
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    sim.feed(d.NodeUndrained(ts=sim.ts(), node=first))
+    assert _statuses(sim)[first] == ("up", "")
+
+
+def test_the_suspicion_survives_the_state_codec_and_older_states_load() -> None:
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    _escalate(sim)
+    raw = sim.state.to_dict()
+    assert d.CoreState.from_dict(raw).nodes[first].suspected_by == JOB
+    nodes = raw["nodes"]
+    assert isinstance(nodes, dict)
+    del nodes[first]["suspected_by"]  # written by a coordinator from before it existed
+    assert d.CoreState.from_dict(raw).nodes[first].suspected_by == ""
