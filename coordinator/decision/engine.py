@@ -276,6 +276,8 @@ class _Run:
             self.ended = True
         entry.phase = phase
         self.responses[response](name, entry, fault)
+        if phase not in ACTIVE_PHASES:
+            self._confirm_suspicion(name)  # the task's last word: a later run of the name proves nothing
 
     def _fire_named(self, name: str, trigger: Trigger, fault: _Fault) -> None:
         if name in self.state.tasks:
@@ -429,7 +431,7 @@ class _Run:
         return bool(suspects)
 
     def _confirm_suspicion(self, name: str) -> None:
-        """Task ``name`` made progress elsewhere: the nodes it isolated on suspicion stay isolated."""
+        """Task ``name`` made progress elsewhere, or ended: the nodes it isolated on suspicion stay isolated."""
         for n in [n for n, e in self.state.nodes.items() if e.suspected_by == name]:
             self._node_set(n, suspected_by="")
 

@@ -93,6 +93,16 @@ def test_a_fault_the_node_reports_itself_makes_the_isolation_stand() -> None:
     assert sim.state.nodes[first].status is d.NodeState.ISOLATED
 
 
+def test_a_task_that_ends_otherwise_leaves_the_isolation_standing() -> None:
+    """Cancelled while a node is isolated on its suspicion: nothing showed the task at fault, and a
+    later task of the same name must not bring the node back by failing."""
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    sim.feed(d.TaskCancelled(ts=sim.ts(), task=JOB))
+    assert _statuses(sim)[first] == ("isolated", "")
+
+
 def test_a_suspected_node_that_was_drained_comes_back_drained() -> None:
     sim = crash_loop()
     first = min(sim.state.tasks[JOB].placement)
