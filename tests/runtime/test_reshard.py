@@ -162,6 +162,43 @@ def test_reshard_finds_the_newest_iteration_every_shard_holds_not_only_each_rank
         assert it == 8 and torch.equal(weight, want)
 
 
+def test_a_reshard_carries_the_models_buffers(tmp_path: Path) -> None:
+    """A buffer training changes (a MoE router's expert bias) is not a parameter: the reshard restored
+    only parameters and Adam's state, and left it at the new launch's initial value. Replicated on every
+    TP rank, it now comes from the owner of old shard 0."""
+    root = str(tmp_path / "ckpt")
+    trained = torch.tensor([0.25, -1.5, 3.0], dtype=torch.float64)
+    for k in range(2):
+        shard = ReplicaState(tp_linear(2, 10 + k), OptimConfig(), TpLayout(2, k))
+        shard.model.register_buffer("expert_bias", trained.clone())
+        shard.iteration = 8
+        TorchSaveCheckpointer(root, rank=k, shard=k).save(shard.state_dict(), 8)
+    store = HashStore()
+
+    def rank(r: int) -> torch.Tensor:
+        world = new_group("gloo", store, "b", r, 2, 20.0)
+        model = tp_linear(1, 0)
+        model.register_buffer("expert_bias", torch.zeros(3, dtype=torch.float64))
+        state = ReplicaState(model, OptimConfig(), TpLayout(1, 0))
+        ck = TorchSaveCheckpointer(root, rank=r, shard=0)
+        restore_resharded(state, ck, world, tp=1, tp_rank=0, mine=None)
+        return model.get_buffer("expert_bias").clone()
+
+    for got in run_ranks(2, rank, timeout_s=30):
+        assert torch.equal(got, trained)
+
+
+def test_a_snapshot_whose_buffers_are_not_the_models_claims_nothing() -> None:
+    half = with_moments(replica(2, 1), seed=3)
+    target = replica(1, 0)
+    bias = [("expert_bias", torch.zeros(3, dtype=torch.float64))]
+    assert claim_of(half.state_dict(), target.slots(), target.names, 1, bias) == NO_CLAIM  # lacks it
+    with_bias = {**half.state_dict(), "model": {**half.state_dict()["model"], "expert_bias": torch.zeros(4)}}
+    assert claim_of(with_bias, target.slots(), target.names, 1, bias) == NO_CLAIM  # another shape
+    fits = {**half.state_dict(), "model": {**half.state_dict()["model"], "expert_bias": torch.ones(3).double()}}
+    assert claim_of(fits, target.slots(), target.names, 1, bias) == (7, 2, 1)
+
+
 @pytest.mark.parametrize(("kind", "old_tp", "new_tp"), [("torch-save", 2, 1), ("memory", 1, 2)])
 def test_a_relaunch_with_another_tp_size_restores_the_snapshot_resharded(
         runner: Runner, tmp_path: Path, kind: str, old_tp: int, new_tp: int) -> None:

@@ -13,6 +13,10 @@ splits a master weight into ``stride * T`` contiguous chunks and gives rank ``r`
 ...`` (``_initialize_affine_weight_cpu``), and :func:`split` / :func:`join` are that and its inverse.
 A parameter without the attributes is replicated: every shard holds all of it.
 
+The model's persistent buffers (a MoE router's expert bias: trained, not a parameter) are replicated on
+every tensor-parallel rank: the owner of old shard 0 broadcasts its snapshot's, and a snapshot whose
+buffers do not match the model's shapes claims nothing.
+
 Every rank holds all ``T`` shards at once while joining (a full copy of the parameters and both
 moments): fine for the models a CPU runs; a model near the memory limit would stream tensor by tensor.
 """
@@ -168,20 +172,34 @@ def own_snapshots(checkpointer: Checkpointer, rank: int, mine: Restored | None) 
     return found
 
 
-def claim_of(snapshot: Mapping[str, Any], slots: Sequence[Slot], names: Sequence[str], tp: int) -> tuple[int, int, int]:
+def claim_of(snapshot: Mapping[str, Any], slots: Sequence[Slot], names: Sequence[str], tp: int,
+             buffers: Sequence[tuple[str, torch.Tensor]] = ()) -> tuple[int, int, int]:
     """(iteration, TP size, TP rank) of a usable snapshot: one whose tensors have the shapes and dtypes a
-    shard of its layout must have; :data:`NO_CLAIM` otherwise."""
+    shard of its layout must have, and whose ``buffers`` (name, the model's own) are the model's shapes;
+    :data:`NO_CLAIM` otherwise."""
     layout = layout_of(snapshot)
     if layout is None:
         return NO_CLAIM
     try:
         tensors = shard_tensors(snapshot, names)
         wanted = [shard_shape(s.target.shape, s.part, tp, layout.tp) for s in slots]
+        held = buffer_tensors(snapshot, [n for n, _ in buffers])
     except ReshardError:
         return NO_CLAIM
     if any(t.shape != w or t.dtype != s.target.dtype for t, w, s in zip(tensors, wanted, slots, strict=True)):
         return NO_CLAIM
+    if any(t.shape != b.shape or t.dtype != b.dtype for t, (_, b) in zip(held, buffers, strict=True)):
+        return NO_CLAIM
     return int(snapshot["iteration"]), layout.tp, layout.rank
+
+
+def buffer_tensors(snapshot: Mapping[str, Any], names: Sequence[str]) -> list[torch.Tensor]:
+    """The snapshot's buffers ``names``, in that order."""
+    model = snapshot["model"]
+    missing = [n for n in names if not isinstance(model.get(n), torch.Tensor)]
+    if missing:
+        raise ReshardError(f"the snapshot lacks buffer {missing[0]!r}: another model")
+    return [model[n] for n in names]
 
 
 def choose(claims: Sequence[tuple[int, int, int]], per_rank: int = 1) -> tuple[int, int, list[int]]:
@@ -208,7 +226,8 @@ def restore_resharded(state: ReplicaState, checkpointer: Checkpointer, world: Co
     size that wrote the snapshot."""
     held = own_snapshots(checkpointer, world.rank(), mine)
     slots = state.slots()
-    claims = [claim_of(r.state, slots, state.names, tp) for r in held]
+    buffers = state.persistent_buffers()
+    claims = [claim_of(r.state, slots, state.names, tp, buffers) for r in held]
     table = claims + [NO_CLAIM] * (MAX_CLAIMS - len(claims))
     device = state.device  # the collectives' (NCCL: CUDA); the old shards are joined on the CPU
     gathered = [torch.empty(MAX_CLAIMS, 3, dtype=torch.int64, device=device) for _ in range(world.size())]
@@ -227,5 +246,13 @@ def restore_resharded(state: ReplicaState, checkpointer: Checkpointer, world: Co
         broadcast_flat(world, owner // MAX_CLAIMS, tensors, device)
         shards.append(tensors)
     reshard(slots, shards, tp, tp_rank)
+    first = owners[0] // MAX_CLAIMS
+    if first == world.rank():
+        values = buffer_tensors(held[owners[0] % MAX_CLAIMS].state, [n for n, _ in buffers])
+    else:
+        values = [torch.empty_like(b, device="cpu") for _, b in buffers]
+    broadcast_flat(world, first, values, device)
+    for (_, target), value in zip(buffers, values, strict=True):
+        target.copy_(value)
     state.iteration = iteration
     return (served.tier.value if served is not None else "replica"), old_tp

@@ -94,6 +94,12 @@ class ReplicaState:
         a MoE router's expert bias), so a replica hands them to a joiner with the parameters."""
         return [b for _, b in self.model.named_buffers()]
 
+    def persistent_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers a snapshot holds (the model's state dict lists them; a non-persistent one is
+        rebuilt by the model itself), by name, in a fixed order."""
+        saved = self.model.state_dict(keep_vars=True)
+        return [(n, b) for n, b in self.model.named_buffers() if n in saved]
+
     def replica_tensors(self) -> list[torch.Tensor]:
         """What one replica's state is made of: :meth:`tensors`, then :meth:`buffers`."""
         return self.tensors() + self.buffers()
