@@ -31,6 +31,7 @@ from unicron.runtime.membership import (
     Groups,
     Membership,
     RegroupFailed,
+    asking_to_join,
     await_seeded,
     failed_key,
     mark_failed,
@@ -537,3 +538,31 @@ def test_an_excluded_rank_that_reseeds_a_moved_store_first_is_admitted_to_the_ne
     run_ranks(2, lambda i: survivor() if i == 0 else joiner(), timeout_s=30)
     assert results[0] == results[1] == (12, [0, 1]), results
     assert PrefixStore(ns, keys.connect(host, port)).get(BASE_KEY) == b"8"
+
+
+def test_a_join_key_a_dead_or_departed_joiner_left_asks_nothing(sidecar: tuple[str, int]) -> None:
+    """``join/<rank>`` is never deleted: a rank that joined and later died for good (or left) kept the
+    heartbeat's ``join_seen`` set, and every survivor checked the store for joiners at every iteration
+    boundary for the rest of the job (~5 round trips per outside rank). The beater now tells such a key
+    from a live request, off the iteration path."""
+    host, port = sidecar
+    client = PrefixStore("asking/", keys.connect(host, port))
+    client.add(keys.started_key(2), 2)
+    client.set(keys.join_key(2), "2")
+    assert asking_to_join(client, 2) == 2  # its newest process asks
+    client.add(failed_key(2), 2)
+    assert asking_to_join(client, 2) is None  # it died since
+    client.add(keys.started_key(2), 1)
+    client.set(keys.join_key(2), "3")
+    assert asking_to_join(client, 2) == 3  # its restart asks again
+    client.set(keys.leave_key(2), "3")
+    assert asking_to_join(client, 2) is None  # asked to leave: nobody admits it
+    assert asking_to_join(client, 4) is None  # never asked
+    beat = Heartbeat(host, port, rank=7, interval_s=0.02, world=8, asking=asking_to_join)
+    beat.outside = (2, 4)
+    beat._watch(client)
+    assert not beat.join_seen
+    client.set(keys.join_key(4), "1")
+    client.add(keys.started_key(4), 1)
+    beat._watch(client)
+    assert beat.join_seen

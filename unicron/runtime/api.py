@@ -228,7 +228,8 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
     optim_cfg, sched, comm = configs(args)
     job = Job(model_provider=providers.model, forward_step=providers.forward_step,
               data=training_data(providers.datasets, args, sched), args=args, init_seed=args.init_seed)
-    heartbeat = Heartbeat(host, port, rank, interval_s=args.heartbeat_interval, world=world).start()  # forks
+    heartbeat = Heartbeat(host, port, rank, interval_s=args.heartbeat_interval, world=world,
+                          asking=membership.asking_to_join).start()  # forks
     try:
         store = keys.connect(host, port)
         torch.set_num_threads(args.threads)

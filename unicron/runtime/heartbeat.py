@@ -16,7 +16,7 @@ import mmap
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from unicron.kernel import log as ulog
 from unicron.kernel.parentdeath import die_with_parent
@@ -51,9 +51,14 @@ class Heartbeat:
     _HEADER = 8
     _ADDR = 256  # "host:port" of a moved store (after the per-rank join mask)
 
-    def __init__(self, host: str, port: int, rank: int, interval_s: float = 0.5, world: int = 4096) -> None:
+    def __init__(self, host: str, port: int, rank: int, interval_s: float = 0.5, world: int = 4096,
+                 asking: Callable[[RendezvousStore, int], object] | None = None) -> None:
+        """``asking(store, rank)``: whether an outside rank asks to join (truthy); by default, that its
+        ``join/<rank>`` exists (:func:`unicron.runtime.membership.asking_to_join` also tells a key a
+        dead joiner left: with it, the iteration path never checks the store for that rank again)."""
         self._host, self._port, self._rank, self._interval = host, port, rank, interval_s
         self._world = world
+        self._asking = asking or (lambda store, r: store.check([keys.join_key(r)]))
         self._mem = mmap.mmap(-1, self._HEADER + world + self._ADDR)
         self._pid = 0
 
@@ -163,7 +168,7 @@ class Heartbeat:
         if conn.check([STOP_KEY]):
             mem[self._STOP_SEEN] = 1
         outside = [r for r in range(self._world) if mem[self._HEADER + r]]
-        mem[self._JOIN_SEEN] = int(any(conn.check([keys.join_key(r)]) for r in outside))
+        mem[self._JOIN_SEEN] = int(any(self._asking(conn, r) for r in outside))
 
 
 def _running(pid: int) -> bool:

@@ -340,22 +340,14 @@ class Membership:
         inside = set(members)
         asking: dict[int, int] = {}
         for r in range(self.topo.world_size):
-            if r in inside or not self.store.check([keys.join_key(r)]):
-                continue
-            inc = int(self.store.get(keys.join_key(r)))
-            if inc == keys.counter(self.store, keys.started_key(r)) and keys.counter(
-                self.store, failed_key(r)
-            ) < inc and not self._asked_to_leave(r, inc):
+            if r not in inside and (inc := asking_to_join(self.store, r)) is not None:
                 asking[r] = inc
         stale = self.judge.stale(asking)
         complete = self.topo.full_replica_members(r for r in asking if r not in stale)
         return {r: asking[r] for r in complete}
 
     def _asked_to_leave(self, rank: int, incarnation: int) -> bool:
-        """A rank that joined (its ``join/<rank>`` stays) and was then asked to leave is no joiner: taking
-        it back in re-formed the same epoch at every commit (one epoch an iteration, issue 13)."""
-        key = keys.leave_key(rank)
-        return self.store.check([key]) and _int(self.store.get(key)) == incarnation
+        return asked_to_leave(self.store, rank, incarnation)
 
     def has_joiners(self, members: Iterable[int]) -> bool:
         """Cheap check used at every iteration boundary while some ranks are out."""
@@ -521,6 +513,25 @@ class Membership:
 
 def _ready_key(epoch: int, rank: int) -> str:
     return f"epoch/{epoch}/ready/{rank}"
+
+
+def asked_to_leave(store: RendezvousStore, rank: int, incarnation: int) -> bool:
+    """A rank that joined (its ``join/<rank>`` stays) and was then asked to leave is no joiner: taking
+    it back in re-formed the same epoch at every commit (one epoch an iteration, issue 13)."""
+    key = keys.leave_key(rank)
+    return store.check([key]) and _int(store.get(key)) == incarnation
+
+
+def asking_to_join(store: RendezvousStore, rank: int) -> int | None:
+    """The incarnation of ``rank`` that asks to join: its ``join/<rank>`` names the rank's newest process,
+    which has not died and was not asked to leave. None otherwise: a key left by a process that joined
+    and died since (nothing deletes it) asks nothing."""
+    if not store.check([keys.join_key(rank)]):
+        return None
+    inc = _int(store.get(keys.join_key(rank)))
+    if inc != keys.counter(store, keys.started_key(rank)) or keys.counter(store, failed_key(rank)) >= inc:
+        return None
+    return None if asked_to_leave(store, rank, inc) else inc
 
 
 def _int(raw: bytes) -> int:
