@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from coordinator import decision as d
+from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.protocol import PHASE_CHECKPOINT, PHASE_COLLECTIVE, PHASE_EVAL, PHASE_REGROUP, PHASES
 from unicron.kernel.severity import severity_of
 from unicron.kernel.types import (
@@ -394,6 +395,16 @@ def _exits_ok(status: NodeStatus | None, task: str, generation: int,
 
 LEASE_EXPIRED = "agent lease expired"
 NEVER_REGISTERED = "agent not registered since this coordinator took the lead"
+
+
+def speaks_for(key_node: str, record_node: str, what: str) -> None:
+    """A record under a node's key (``reports/<node>/``, ``results/<node>``) is about that node. etcd's
+    auth lets a node write only its own keys; the node named inside is the writer's word, so one node
+    could otherwise report faults of another (and have it isolated) or answer its actions. Raises
+    InvalidRecord when they differ."""
+    if record_node != key_node:
+        raise InvalidRecord(f"a {what} under node {key_node!r}'s key names node {record_node!r}: "
+                            "a node speaks only for itself")
 
 
 def lease_gone(node: str, link_alive: bool, already_lost: bool, ts: float,

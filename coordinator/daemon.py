@@ -582,6 +582,7 @@ class Coordinator:
             return
         try:
             report = Report.from_json(ev.value)
+            causes.speaks_for(self.keys.tail(ev.key, self.keys.reports()).partition("/")[0], report.node, "report")
         except InvalidRecord as exc:
             log.warning("deleting garbage report", key=ev.key, error=str(exc))
             assert self.leadership is not None
@@ -670,6 +671,7 @@ class Coordinator:
             return
         try:
             result = AssignmentResult.from_json(ev.value)
+            causes.speaks_for(self.keys.tail(ev.key, self.keys.results()), result.node, "result")
         except InvalidRecord as exc:
             log.warning("ignoring garbage reconcile result", key=ev.key, error=str(exc))
             return
