@@ -799,7 +799,10 @@ class Coordinator:
         """Metrics, the in-memory incident list and the planner's measured inputs after an adopted
         decision (never before: a decision whose write failed teaches the planner nothing)."""
         self.grounding.decided(state, event, raised, costed)
-        self.grounding.apply(self.allocator)
+        try:
+            self.grounding.apply(self.allocator)
+        except InvalidRecord as exc:  # a measurement the planner refuses: the decision stands, adopted
+            log.error("planner refused a measured input; planning on without it", error=str(exc))
         self.metrics.state(state)
         plan = self.core.allocator.last_plan if isinstance(self.core.allocator, WafAllocator) else None
         if actions and plan is not None:

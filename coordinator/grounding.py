@@ -13,6 +13,7 @@ T(t, x)); pure functions the daemon and the simulator both call.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -107,10 +108,20 @@ class StepRate:
         return steps / seconds if steps >= min_steps and seconds > 0 else None
 
 
+#: FLOP/s per GPU no accelerator comes near (an H200 does ~2e15 dense at FP8): a rate beyond it was
+#: computed from a step no task took (a rank's bug, a mangled record), not measured
+MAX_FLOPS_PER_GPU = 1e17
+
+
 def achieved_flops(flops_per_step: float, rate: StepRate) -> float | None:
-    """Achieved FLOP/s at ``rate``'s GPU count (None until enough steps were seen)."""
+    """Achieved FLOP/s at ``rate``'s GPU count (None until enough steps were seen, or when the steps
+    reported make a rate no hardware reaches: one absurd step made it ``inf``, which the planner's
+    calibration refused after every later decision, for good)."""
     per_s = rate.steps_per_s()
-    return None if per_s is None else flops_per_step * per_s
+    if per_s is None:
+        return None
+    flops = flops_per_step * per_s
+    return flops if math.isfinite(flops) and flops <= MAX_FLOPS_PER_GPU * max(rate.gpus, 1) else None
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,9 @@ class Grounding:
                 else old.advance(entry.generation, gpus, event.ts, event.step))
         self.rates[event.task] = rate
         flops = achieved_flops(model_spec(entry.spec).flops_per_iteration, rate)
+        if flops is None and rate.steps_per_s() is not None:
+            self.rates.pop(event.task, None)  # an absurd step: measure afresh from the next report
+            return
         if flops is not None and gpus > 0:
             self.measured[event.task] = self.measured.get(event.task, Measured()).with_point(gpus, flops)
 

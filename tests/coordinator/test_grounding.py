@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -192,3 +193,28 @@ def test_a_reattempt_pause_is_not_measured_as_slower_training() -> None:
         sim.progress("job", step)
         sim.t += 1.0
     assert sim.grounding.achieved_flops("job") == pytest.approx(per_step, rel=0.1)
+
+
+def test_an_absurd_step_is_not_measured_and_the_next_reports_are() -> None:
+    """One status record with a step of ~1e300 made the measured FLOP/s ``inf``, which a later point
+    never replaced (``abs(x - inf) <= 0.1 * inf``); the planner's calibration refused it after every
+    decision from then on (review reproduction: 17 refused inputs in 3 s, every submit an error)."""
+    spec = gpt3_task("a", "1.3B", 1.0)
+    core = d.DecisionCore()
+    state = core.initial_state()
+    state, _ = core.handle(state, d.NodeJoined(ts=0.0, node="n1", gpus=8))
+    state, acts = core.handle(state, d.TaskSubmitted(ts=0.0, spec=spec))
+    state, _ = core.handle(state, d.ActionSucceeded(ts=1.0, action_id=acts[0].action_id))
+    g = Grounding(ReliabilityModel())
+    gen = state.tasks["a"].generation
+    steps = [1, 2, 3, 4, 10**300, 10**300 + 1, 10**300 + 2, 10**300 + 3, 10**300 + 4]
+    for i, step in enumerate(steps):
+        event = d.ProgressMade(ts=10.0 + 2 * i, task="a", step=step, generation=gen)
+        state, _ = core.handle(state, event)
+        g.decided(state, event, None, [])
+        flops = g.achieved_flops("a")
+        assert flops is None or math.isfinite(flops)
+    assert g.achieved_flops("a") == pytest.approx(model_spec(spec).flops_per_iteration / 2.0)
+    alloc = WafAllocator("A800")
+    g.apply(alloc)  # the calibration takes it (it refused inf with an error)
+    assert alloc.calibration["a"].measured == {8: pytest.approx(model_spec(spec).flops_per_iteration / 2.0)}
