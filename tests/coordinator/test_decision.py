@@ -682,6 +682,33 @@ def test_waf_plan_on_a_mixed_node_cluster_does_not_leave_most_gpus_idle() -> Non
     assert (big, small) == (8, 64)
 
 
+def test_gpus_no_tp_group_can_use_cost_no_planner_runs() -> None:
+    """TP=8 tasks on 8-GPU nodes, a few of which registered 7 GPUs (one fell off the bus): the core
+    offered the planner the total, then one GPU less at a time until placement succeeded, a planner
+    run per GPU (~430 runs, 28 s a decision at 512 nodes). The GPUs no whole TP group can use are now
+    left out of the budget at once: one run, the same plan."""
+    from coordinator.allocation import WafAllocator
+
+    runs = 0
+
+    class Counting(WafAllocator):
+        def allocate(self, *args: Any, **kwargs: Any) -> dict[str, int]:
+            nonlocal runs
+            runs += 1
+            return super().allocate(*args, **kwargs)
+
+    model = {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "seq_length": 2048,
+             "vocab_size": 51200, "global_batch_size": 5040, "micro_batch_size": 1}
+    sim = Sim(core=DecisionCore(allocator=Counting()))
+    for i in range(64):
+        sim.join(f"n{i:02d}", gpus=7 if i < 8 else 8)
+    sim.submit("a", tp_size=8, min_gpus=8, model=model)
+    runs = 0
+    sim.submit("b", tp_size=8, min_gpus=8, model=model)
+    assert runs == 1
+    assert {t: sum(len(r) for r in e.placement.values()) for t, e in sim.state.tasks.items()} == {"a": 224, "b": 224}
+
+
 # --- persistence and determinism ---------------------------------------------------------------------
 
 
