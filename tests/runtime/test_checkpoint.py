@@ -72,3 +72,21 @@ def test_replicas_restored_from_a_checkpoint_keep_one_learning_rate(runner: Runn
     assert [e["it"] for e in second.events(1, "restored")] == [2]
     diff = max_rel_diff(second.params(1), second.params(0))
     assert bitwise_equal(second.params(1), second.params(0)), f"replicas diverged after the relaunch: {diff:.3e}"
+
+
+def test_a_rank_dying_while_the_job_resumes_is_recovered_in_place(runner: Runner, tmp_path: Path) -> None:
+    """A rank died while a ``--resume`` launch decided whether to restore (a collective of the start
+    epoch): the failed collective escaped as a traceback on the survivor, the restarted rank was a
+    joiner, and nobody was left to admit it (review reproduction: every rank waited out its join
+    timeout, again and again). Now the survivor regroups without it, restores, trains, and admits the
+    restarted rank at a boundary; the job ends at its last iteration with both ranks."""
+    ckpt = ["--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1"]
+    first = runner.run(2, train_args(2, "float64", False, *ckpt))
+    assert first.codes == {0: 0, 1: 0}, first.job.logs()
+    done = runner.run(2, train_args(5, "float64", False, *ckpt, "--resume"), faults={1: "die@0:resume"},
+                      restart={1: 0.2})
+    exits = [(h["rank"], h["incarnation"], h["code"]) for h in done.job.history if h["event"] == "exit"]
+    assert sorted(exits) == [(0, 1, 0), (1, 1, -9), (1, 2, 0)], done.job.logs()
+    assert [e["it"] for e in done.events(0, "restored")] == [2]
+    assert done.result(0)["iterations"] == done.result(1, incarnation=2)["iterations"] == 5
+    assert done.events(0, "restore_retried"), "the fault must land in the resume's decision"

@@ -8,7 +8,8 @@
   does through the agent); ``stall``: sleep ARG seconds.
 * POINT ``start`` (iteration start), ``mbN`` (before this rank's N-th micro-batch of the iteration,
   0-based, counting micro-batches taken over after a regroup), ``bucketN`` (before reducing gradient
-  bucket N), ``commit`` (after the reduction, before the optimizer step).
+  bucket N), ``commit`` (after the reduction, before the optimizer step), ``resume`` (``--resume``:
+  before the ranks decide together whether a checkpoint exists; ITERATION is 0 there).
 
 Faults fire only in a process's first incarnation, so a restarted rank does not die again. Before a
 ``die`` the time is written to the store (``fault/<rank>/ts``) so benchmarks can measure recovery from

@@ -468,11 +468,36 @@ class Trainer(Generic[BatchT]):
         self._setup(groups)
         self._new_iteration(groups.record)
         self.mode = RankMode.TRAINING
-        if self.resume and self.checkpointer is not None and self._any_checkpoint():
-            self.mode = RankMode.JOINING  # nobody holds state: every rank restores its checkpoint
-            self._agree()
-            self._recovered()
-        self._regroup_done(groups.record, RegroupReason.START, t0)
+        if self.resume and self.checkpointer is not None and not self._restore_at_start():
+            return  # excluded meanwhile: joined as a restarted rank does, and said so
+        self._regroup_done(self.groups.record, RegroupReason.START, t0)
+
+    def _restore_at_start(self) -> bool:
+        """``--resume``: the ranks decide together whether any holds a checkpoint, and restore it. Until
+        they have, nobody holds state (JOINING), so a rank dying meanwhile makes the others regroup
+        without it and decide again; its restart joins once they train. Before, the failed collective
+        escaped as a traceback, every restarted process was a joiner, and nobody was left to admit one.
+        False when this rank was excluded by such a regroup and joined instead."""
+        while True:
+            self.mode = RankMode.JOINING
+            if self.faults.armed:
+                self.faults.at(self.it, "resume")
+            try:
+                if self._any_checkpoint():
+                    self._agree()  # no member holds state: every rank restores its checkpoint
+                    self._recovered()
+                else:
+                    self.mode = RankMode.TRAINING  # a first launch: the initial state is everyone's
+                    self._new_iteration(self.groups.record)
+                return True
+            except CommFailure:
+                self._event("restore_retried", it=self.it)
+            try:
+                groups = self.membership.regroup(self.groups.record, RegroupReason.FAILURE.value)
+            except Excluded:
+                self._rejoin()
+                return False
+            self._adopt(groups)
 
     def step(self) -> None:
         """One iteration, with whatever regroups it takes."""
