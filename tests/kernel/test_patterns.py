@@ -60,3 +60,33 @@ def test_nccl_watchdog_timeouts(text: str) -> None:
 @pytest.mark.parametrize("text", LINK_FLAPS)
 def test_link_flapping(text: str) -> None:
     assert match(text) is K.LINK_FLAPPING
+
+
+# A healthy rank's informational logging on stderr (a pre-flight check, Python's logging): each was
+# matched as a hardware fault (sev1: the node isolated) or an NCCL timeout before the patterns named
+# the fault rather than the subsystem (review reproduction with a real agent).
+BENIGN = [
+    "INFO preflight: GPU 0 H100 80GB: ECC enabled, volatile uncorrected ECC errors: 0",
+    "INFO preflight: GPU 0: 18 NVLink links active, bandwidth test passed",
+    "WARNING preflight: gpu driver 535.104 is older than the recommended 550",
+    "INFO trainer: NCCL timeout set to 1800 s",
+    "NVLink errors: 0",
+]
+
+
+@pytest.mark.parametrize("text", BENIGN)
+def test_informational_lines_name_no_fault(text: str) -> None:
+    assert match(text) is None
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("Xid 48: Double Bit ECC Error on GPU 3", K.ECC_ERROR),
+    ("GPU 2: ECC errors detected, page retirement pending", K.ECC_ERROR),
+    ("NVRM: GPU at PCI:0000:3b:00: GPU has fallen off the bus.", K.GPU_DRIVER_ERROR),
+    ("NVLink: fatal error detected on link 4", K.NVLINK_ERROR),
+    ("Xid 74: NVLink failed on link 2", K.NVLINK_ERROR),
+    ("NCCL WARN Timeout: collective timed out after 1800 s", K.NCCL_TIMEOUT),
+    ("the gpu driver crashed", K.GPU_DRIVER_ERROR),
+])
+def test_faults_are_still_named(text: str, kind: K) -> None:
+    assert match(text) is kind

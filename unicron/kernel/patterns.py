@@ -3,6 +3,11 @@
 One ordered table serves both the agent's stderr matcher (uninstrumented programs) and the
 classification of exception reports whose rank did not name a kind. Specific patterns come first:
 "CUDA error: an illegal memory access" is an illegal memory access, not a generic CUDA error.
+
+A hardware kind is sev1 (the node is isolated), and a rank's stderr also carries its informational
+logging (Python's ``logging`` writes there by default): a pattern names the fault, not the subsystem.
+"ECC enabled, volatile uncorrected ECC errors: 0", "18 NVLink links active", "gpu driver 535 is older
+than recommended" and "NCCL timeout set to 1800 s" once isolated healthy nodes.
 """
 
 from __future__ import annotations
@@ -15,16 +20,20 @@ PATTERNS: tuple[tuple[re.Pattern[str], ErrorKind], ...] = tuple(
     (re.compile(rx, re.IGNORECASE), kind)
     for rx, kind in (
         (r"illegal memory access|cudaErrorIllegalAddress", ErrorKind.ILLEGAL_MEMORY_ACCESS),
-        (r"\bECC\b|uncorrectable ecc|double[- ]bit", ErrorKind.ECC_ERROR),
+        # "ECC error(s)" but not a count of none ("uncorrected ECC errors: 0")
+        (r"\bECC errors?\b(?!\s*[:=]\s*0\b)|uncorrectable ecc|double[- ]bit ecc|\bECC\b.{0,30}\b(fault|failure)\b",
+         ErrorKind.ECC_ERROR),
         (r"invalid dma mapping|dma mapping error|iommu fault", ErrorKind.INVALID_DMA_MAPPING),
-        (r"nvlink", ErrorKind.NVLINK_ERROR),
+        (r"nvlink.{0,40}\b(errors?\b(?!\s*[:=]\s*0\b)|fail(ed|ure)?\b|fault|fatal|down\b|inactive)", ErrorKind.NVLINK_ERROR),
         (
-            r"fallen off the bus|gpu driver|driver shutting down|NVRM: |cudaErrorDevicesUnavailable"
+            r"fallen off the bus|gpu driver.{0,40}\b(error|fail(ed|ure)?|crash(ed)?)\b|driver shutting down|NVRM: "
+            r"|cudaErrorDevicesUnavailable"
             r"|CUDA driver version is insufficient|no CUDA-capable device",
             ErrorKind.GPU_DRIVER_ERROR,
         ),
         (
-            r"Watchdog caught collective operation timeout|NCCL.{0,40}time(d)? ?out|collective operation timeout",
+            r"Watchdog caught collective operation timeout|NCCL.{0,40}timed ?out|collective operation timeout"
+            r"|NCCL.{0,40}timeout.{0,30}\b(error|exceeded|expired|reached)\b",
             ErrorKind.NCCL_TIMEOUT,
         ),
         (r"CUDA error|cudaError|CUBLAS_STATUS_|CUDNN_STATUS_|device-side assert", ErrorKind.CUDA_ERROR),
