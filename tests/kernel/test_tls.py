@@ -110,7 +110,7 @@ def test_only_the_etcd_admin_may_be_named_root(
     assert cli.main(["certs", "issue", "--role", "etcd", "root", "--dir", str(tmp_path)]) == 0
     assert tls.load(str(tmp_path), "root") is not None
     monkeypatch.setattr(tls, "check_name", lambda name, role: name)  # as an earlier version issued it
-    tls.issue(tmp_path, tls.Role.OPERATOR, "root")
+    tls.issue(tmp_path, tls.Role.OPERATOR, "root", force=True)
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="certificate name 'root': etcd's superuser"):
         tls.load(str(tmp_path), "root")
@@ -118,6 +118,35 @@ def test_only_the_etcd_admin_may_be_named_root(
     err = capsys.readouterr().err
     _one_line(code, err)
     assert "certificate name 'root': etcd's superuser" in err
+
+
+def test_certs_issue_refuses_to_replace_a_certificate_without_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: 'unicron certs issue' silently overwrote an existing NAME.crt / NAME.key, even with another
+    role, and since etcd's user is the certificate's CN the new certificate inherited the old holder's etcd
+    grants (a node certificate named coordinator could write the whole prefix). Now: one line naming the
+    file and --force, nothing written; with --force it is replaced as before."""
+    tls.init_ca(tmp_path)
+    assert cli.main(["certs", "issue", "--role", "coordinator", "coordinator", "--dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    before = {p: (tmp_path / p).read_bytes() for p in ("coordinator.crt", "coordinator.key")}
+    for role in ("node", "coordinator"):  # another role, or the same one
+        code = cli.main(["certs", "issue", "--role", role, "coordinator", "--dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        _one_line(code, err)
+        assert f"{tmp_path / 'coordinator.crt'} exists" in err and "--force" in err and "another name" in err
+        assert {p: (tmp_path / p).read_bytes() for p in before} == before
+    (tmp_path / "coordinator.crt").unlink()  # a key left behind is a holder's too
+    code = cli.main(["certs", "issue", "--role", "node", "coordinator", "--dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    _one_line(code, err)
+    assert f"{tmp_path / 'coordinator.key'} exists" in err
+    assert not (tmp_path / "coordinator.crt").exists()
+    assert cli.main(["certs", "issue", "--role", "node", "coordinator", "--dir", str(tmp_path), "--force"]) == 0
+    assert tls.TLSConfig.from_dir(tmp_path, "coordinator").peer() == tls.Peer(tls.Role.NODE, "coordinator")
+    with pytest.raises(ConfigError, match="exists"):
+        tls.issue(tmp_path, tls.Role.NODE, "coordinator")
 
 
 @pytest.mark.parametrize("damaged", [tls.CA_KEY, tls.CA_CERT])

@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q.add_argument("--dir", default=_default_dir(), help="the CA's directory (env: UNICRON_TLS_DIR; default ./certs)")
     q.add_argument("--host", action="append", default=[], metavar="HOST",
                    help="a DNS name or IP address the holder serves on (repeatable; NAME and loopback are always in)")
+    q.add_argument("--force", action="store_true",
+                   help="replace an existing NAME.crt / NAME.key (its holder's certificate stops working)")
     q.set_defaults(func=cmd_issue)
     q = certs.add_parser("etcd-auth", help="create etcd users/roles for every certificate in --dir and enable "
                                             "etcd auth (run as root: DIR/root.crt)")
@@ -66,7 +68,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_issue(args: argparse.Namespace) -> int:
     with _writing(args.dir):
-        crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host)
+        crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host, force=args.force)
     print(f"{args.role} certificate for {args.name!r}: {crt} {key}")
     return 0
 

@@ -162,10 +162,18 @@ def read_private_key(path: Path, remedy: str) -> PrivateKeyTypes:
 
 
 def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None,
-          days: int = LEAF_DAYS) -> tuple[Path, Path]:
+          days: int = LEAF_DAYS, force: bool = False) -> tuple[Path, Path]:
     """Issue ``NAME.crt`` / ``NAME.key`` signed by the CA in ``directory``: CN=name, OU=role, with
-    SANs for ``name``, loopback and ``hosts`` (where the holder serves: replica server, API, etcd)."""
+    SANs for ``name``, loopback and ``hosts`` (where the holder serves: replica server, API, etcd).
+    Refuses to replace an existing ``NAME.crt`` or ``NAME.key`` unless ``force``."""
     check_name(name, role)
+    crt, keyfile = directory / f"{name}.crt", directory / f"{name}.key"
+    # etcd's user is the CN: a new certificate of the same name (even of another role) inherits
+    # every etcd grant of the one it replaces, and the old holder's files are gone
+    for existing in (crt, keyfile):
+        if existing.exists() and not force:
+            raise ConfigError(f"{existing} exists: a certificate named {name!r} was issued already "
+                              "(pass --force to replace it, or choose another name)")
     for host in hosts or []:
         if host.isascii():  # a non-ASCII one gets _san's advice (its IDNA form)
             check_host(host.removeprefix("*."), "--host")  # a wildcard's DNS name is one too
@@ -194,7 +202,6 @@ def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    crt, keyfile = directory / f"{name}.crt", directory / f"{name}.key"
     _write(keyfile, _key_pem(key), private=True)
     _write(crt, cert.public_bytes(serialization.Encoding.PEM), private=False)
     return crt, keyfile
