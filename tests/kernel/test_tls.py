@@ -149,6 +149,21 @@ def test_certs_issue_refuses_to_replace_a_certificate_without_force(
         tls.issue(tmp_path, tls.Role.NODE, "coordinator")
 
 
+def test_a_key_written_over_an_existing_file_is_private(tmp_path: Path) -> None:
+    """Before: keys were written with os.open(O_CREAT, 0o600), which sets the mode only on a file it
+    creates, so a key re-issued (--force) over a world-readable file (copied with cp, restored from a
+    backup) stayed world-readable. Now every key is 0600, and nothing else is left in the directory."""
+    tls.init_ca(tmp_path)
+    tls.issue(tmp_path, tls.Role.NODE, "n1")
+    for key in (tmp_path / "n1.key", tmp_path / tls.CA_KEY):
+        key.chmod(0o644)
+    tls.issue(tmp_path, tls.Role.NODE, "n1", force=True)
+    tls.init_ca(tmp_path, force=True)
+    assert (tmp_path / "n1.key").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / tls.CA_KEY).stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca.crt", "ca.key", "n1.crt", "n1.key"]
+
+
 @pytest.mark.parametrize("damaged", [tls.CA_KEY, tls.CA_CERT])
 def test_certs_issue_with_a_damaged_ca_names_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damaged: str,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import ssl
 from dataclasses import dataclass
 from enum import StrEnum
@@ -77,10 +78,20 @@ class Peer:
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd = os.open(path, flags, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    # a new file renamed over ``path``: O_CREAT's mode applies only to a file it creates, so a key
+    # written over an existing one kept that file's mode (world-readable after a cp or a restore), and
+    # a reader holding the old file open would have read the new key
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if private:
+                os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
