@@ -663,6 +663,42 @@ def test_cli_records_that_are_not_objects_do_not_crash_nodes_status_or_incidents
         assert [r.get("kind") for r in rows] == [None, "hang", "xid"]
 
 
+@pytest.mark.parametrize("json_flag", [(), ("--json",)])
+def test_cli_nodes_and_incidents_show_a_huge_timestamp_as_unknown(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, json_flag: tuple[str, ...],
+) -> None:
+    """Before: a status or incident record with a huge integer timestamp (a damaged record, or any node
+    writing its own status/<node>) was an OverflowError traceback in ``time.time() - ts`` (nodes) and in
+    ``datetime.fromtimestamp`` or the latency (incidents). Now such a field shows as unknown and the
+    rest of the record and of the table still answers."""
+    keys = Keyspace(prefix)
+    huge = "1" + "0" * 400
+    for node in ("n1", "n2", "n3"):
+        _register(store, keys, node)
+    store.put(keys.status("n1"), '{"node": "n1", "ts": ' + huge + "}")
+    store.put(keys.status("n2"), '{"node": "n2", "ts": NaN}')  # Python's json takes NaN and Infinity
+    store.put(keys.status("n3"), json.dumps({"node": "n3", "ts": time.time() - 3}))
+    store.put(keys.incident("i1"), '{"kind": "ecc_error", "detected_ts": 1' + "0" * 20 + ', "source_ts": 5.0}')
+    store.put(keys.incident("i2"), '{"kind": "hang", "detected_ts": 7.5, "source_ts": ' + huge + "}")
+    store.put(keys.incident("i3"), '{"kind": "xid", "detected_ts": 9.0, "source_ts": 8.5}')
+    flags = ("--etcd", etcd_server.endpoint, "--prefix", prefix, *json_flag)
+    code, out, err = unicron("nodes", *flags, "--api", "127.0.0.1:1", "--timeout", "0.5")
+    assert code == 0 and "Traceback" not in err, err
+    if json_flag:
+        ages = {r["node"]: r["status_age_s"] for r in json.loads(out)}
+        assert ages["n1"] is None and ages["n2"] is None and 2 <= ages["n3"] < 60
+    else:
+        assert [line.split()[0] for line in out.splitlines()[1:]] == ["n1", "n2", "n3"]
+    code, out, err = unicron("incidents", *flags)
+    assert code == 0 and "Traceback" not in err, err
+    if json_flag:  # the records as stored, in order of a known detection time (unknown first)
+        assert [r["kind"] for r in json.loads(out)] == ["ecc_error", "hang", "xid"]
+    else:
+        rows = [line.split() for line in out.splitlines()[1:]]
+        assert [r[0] for r in rows] == ["info", "00:00:07.500", "00:00:09.000"]  # no time: blank
+        assert "500.0" in rows[2] and not any("500.0" in r for r in rows[:2])
+
+
 @pytest.mark.parametrize("kind", ["fenced", "degradation", "no_such_kind"])
 def test_cli_inject_raise_takes_only_a_fault_kind(unicron: Any, kind: str) -> None:
     """``fenced`` and ``degradation`` are the agent's own findings: a rank raising one would be taken for them."""

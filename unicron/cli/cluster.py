@@ -52,10 +52,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=cmd_incidents)
 
 
-def _when(ts: Any) -> str:
-    if not isinstance(ts, int | float):
-        return ""
-    return datetime.fromtimestamp(ts, UTC).strftime("%H:%M:%S.%f")[:-3]
+def _epoch(value: Any) -> float | None:
+    """A record's Unix timestamp; None (unknown) for one no clock writes. Any node may write its own
+    status, and a huge integer there was an OverflowError traceback in float or datetime arithmetic."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        datetime.fromtimestamp(value, UTC)  # datetime's range: years 1 to 9999
+    except (OverflowError, OSError, ValueError):  # ValueError: NaN
+        return None
+    return float(value)
+
+
+def _when(value: Any) -> str:
+    ts = _epoch(value)
+    return "" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def coordinator_nodes(args: argparse.Namespace, store: Store, keys: Keyspace) -> dict[str, dict[str, Any]]:
@@ -102,7 +113,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             "gpus": info.get("gpus", coord.get("gpus") if coord else None), "backend": info.get("gpu_backend"),
             "agent_pid": info.get("agent_pid"), "unhealthy_gpus": ",".join(map(str, bad)) or "-",
             "ranks": len(_entries(st.get("ranks"))),
-            "status_age_s": round(time.time() - st["ts"], 1) if isinstance(st.get("ts"), int | float) else None,
+            "status_age_s": round(time.time() - ts, 1) if (ts := _epoch(st.get("ts"))) is not None else None,
         })
     return emit(args, rows, NODE_COLUMNS)
 
@@ -132,7 +143,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         items = [v for _, v in read_json_prefix(store, keys.incidents())]
     finally:
         store.close()
-    items.sort(key=lambda i: i["detected_ts"] if isinstance(i.get("detected_ts"), int | float) else 0)
+    items.sort(key=lambda i: _epoch(i.get("detected_ts")) or 0.0)
     items = items[-args.limit:] if args.limit > 0 else items
     if args.json:
         return emit(args, items, [])
@@ -140,8 +151,9 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         "detected": _when(i.get("detected_ts")), "severity": (f"sev{i['severity']}" if i.get("severity") else "info") + (" handled" if i.get("handled") else ""),
         "kind": i.get("kind"), "node": i.get("node"), "task": i.get("task"), "rank": i.get("rank"),
         "gpu": i.get("gpu"),
-        "latency_ms": round(1000 * (i["detected_ts"] - i["source_ts"]), 1)
-        if isinstance(i.get("detected_ts"), int | float) and isinstance(i.get("source_ts"), int | float) else None,
+        "latency_ms": round(1000 * (detected - source), 1)
+        if (detected := _epoch(i.get("detected_ts"))) is not None and (source := _epoch(i.get("source_ts"))) is not None
+        else None,
         "action": i.get("action") or "-",
         "transition_s": _seconds(i.get("transition_s")), "sub_healthy_s": _seconds(i.get("sub_healthy_s")),
         "message": str(i.get("message", ""))[:60],
