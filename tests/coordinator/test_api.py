@@ -479,6 +479,9 @@ def test_cli_submit_from_a_closed_standard_input_is_one_line(
     (("nodes", "--timeout", "inf"), "--timeout"),
     (("incidents", "--limit", "-1"), "--limit"),
     (("inject", "slow", "--node", "n1", "--delay", "-1"), "--delay"),
+    # finite, but the rank's time.sleep() overflowed on it (the rank died: a sev2 restart)
+    (("inject", "slow", "--node", "n1", "--delay", "1e300"), "--delay"),
+    (("inject", "slow", "--node", "n1", "--delay", "3601"), "--delay"),
     (("inject", "slow", "--node", "n1", "--iterations", "0"), "--iterations"),
     # a count the rank once expanded into a list of that length (a MemoryError ended its reader)
     (("inject", "slow", "--node", "n1", "--iterations", "100000000"), "--iterations"),
@@ -495,6 +498,8 @@ def test_cli_bad_numbers_are_refused_naming_the_flag(
     assert f"error: argument {flag}: '{argv[argv.index(flag) + 1]}' " in err.splitlines()[-1]
     if argv[-1] == "nan":
         assert err.endswith("argument --timeout: 'nan' is not a finite number\n")
+    if argv[-1] in ("1e300", "3601"):
+        assert err.endswith(f"argument --delay: '{argv[-1]}' must be <= 3600.0\n")
 
 
 def test_cli_bad_etcd_endpoint_is_one_line(unicron: Any) -> None:

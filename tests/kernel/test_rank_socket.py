@@ -103,6 +103,38 @@ def test_inject_slow_with_a_large_iteration_count_does_not_kill_the_instruction_
         Injection(fault=Fault.SLOW, iterations=MAX_SLOW_ITERATIONS + 1)
 
 
+def test_an_injected_delay_out_of_range_is_clamped_not_the_ranks_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: 'unicron inject slow --delay 1e300' was accepted (it is finite) and the rank's
+    time.sleep(1e300) raised OverflowError at its next iteration (a negative delay from another writer
+    was a ValueError there): the rank died and the task took a sev2 restart. Now the rank clamps the
+    delay to [0, MAX_SLOW_DELAY_S] (with a warning), and an Injection record refuses one over it."""
+    path = str(tmp_path / "agent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    client = AgentClient(rank=0, local_rank=0, task="t", socket_path=path).connect()
+    agent = wire.LineSocket(listener.accept()[0])
+    slept: list[float] = []
+    monkeypatch.setattr("unicron.kernel.client.time.sleep", slept.append)
+    try:
+        assert isinstance(protocol.parse(wire.decode(agent.recv_line() or b"")), protocol.Hello)
+        agent.send(protocol.InjectSlow(delay_s=1e300).to_wire())
+        agent.send(protocol.InjectSlow(delay_s=-1.0).to_wire())
+        agent.send(protocol.Stop(reason="operator").to_wire())
+        assert isinstance(client.next_instruction(timeout=3.0), protocol.Stop)
+        client.check_injected()
+        client.check_injected()
+        assert slept == [3600.0, 0.0]  # protocol.MAX_SLOW_DELAY_S
+    finally:
+        client.close()
+        agent.close()
+        listener.close()
+    with pytest.raises(InvalidRecord, match=r"Injection.delay_s: 3600.5 is not a number of seconds in \[0, 3600\]"):
+        Injection(fault=Fault.SLOW, delay_s=3600.5)
+
+
 def test_injected_slowdowns_apply_in_order_one_iteration_each() -> None:
     """Two slow injections delay the next iterations in the order sent, each for its own count."""
     client = AgentClient(rank=0, local_rank=0, task="t", socket_path="unused")

@@ -22,6 +22,7 @@ from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.etcd import Store
 from unicron.kernel.inject import MAX_SLOW_ITERATIONS, Fault, Injection, request
 from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.protocol import MAX_SLOW_DELAY_S
 from unicron.kernel.types import FAULT_KINDS, ErrorKind
 
 AGENT_FAULTS = tuple(f.value for f in Fault)
@@ -37,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--task", help="the task (default: the node's first task)")
     p.add_argument("--rank", type=at_least(int, 0), help="the global rank (default: the node's first rank of the task)")
     p.add_argument("--gpu", type=at_least(int, 0), default=0, help="xid: the simulated GPU index (default 0)")
-    p.add_argument("--delay", type=at_least(finite_float, 0.0), default=1.0, help="slow: seconds added per iteration (default 1.0)")
+    # bounded here, where the operator can be told; a rank clamps a longer one
+    p.add_argument("--delay", type=at_least(finite_float, 0.0, most=MAX_SLOW_DELAY_S), default=1.0,
+                   help=f"slow: seconds added per iteration (default 1.0, at most {MAX_SLOW_DELAY_S:g})")
     p.add_argument("--iterations", type=at_least(int, 1, most=MAX_SLOW_ITERATIONS), default=1,
                    help=f"slow: how many iterations (default 1, at most {MAX_SLOW_ITERATIONS})")
     p.add_argument("--resume", action="store_true", help="silence-node: send SIGCONT instead (end the silence)")

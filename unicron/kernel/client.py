@@ -151,8 +151,14 @@ class AgentClient:
                 log.warning("ignoring bad instruction from agent", error=str(exc))
                 continue
             if isinstance(msg, protocol.InjectSlow):
+                # time.sleep() raises on a negative delay and overflows on a huge one: either ended
+                # the rank (a restart) where the operator asked for a slowdown
+                delay_s = min(max(msg.delay_s, 0.0), protocol.MAX_SLOW_DELAY_S)
+                if delay_s != msg.delay_s:
+                    log.warning("injected delay out of range; clamped", delay_s=msg.delay_s, applied_s=delay_s,
+                                most_s=protocol.MAX_SLOW_DELAY_S)
                 with self._inject_lock:
-                    self._pending_slow.append((msg.delay_s, max(1, msg.iterations)))
+                    self._pending_slow.append((delay_s, max(1, msg.iterations)))
             elif isinstance(msg, protocol.InjectRaise):
                 with self._inject_lock:
                     self._pending_raise = msg

@@ -12,6 +12,7 @@ from typing import Self
 from unicron.kernel.errors import InvalidRecord, TemporaryError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
+from unicron.kernel.protocol import MAX_SLOW_DELAY_S
 from unicron.kernel.types import ErrorKind, Record, new_id
 
 #: the most iterations one 'slow' injection may delay (over eleven days of one-second iterations)
@@ -53,8 +54,9 @@ class Injection(Record):
         # that ended the rank's instruction reader), and a NaN or negative delay breaks time.sleep()
         if not 1 <= self.iterations <= MAX_SLOW_ITERATIONS:
             raise InvalidRecord(f"Injection.iterations: {self.iterations} is not in [1, {MAX_SLOW_ITERATIONS}]")
-        if not (math.isfinite(self.delay_s) and self.delay_s >= 0):
-            raise InvalidRecord(f"Injection.delay_s: {self.delay_s} is not a finite number of seconds >= 0")
+        if not (math.isfinite(self.delay_s) and 0 <= self.delay_s <= MAX_SLOW_DELAY_S):
+            raise InvalidRecord(f"Injection.delay_s: {self.delay_s} is not a number of seconds in "
+                                f"[0, {MAX_SLOW_DELAY_S:g}]")
 
     def answered(self, ok: bool, detail: str) -> Self:
         return replace(self, executed_ts=time.time(), ok=ok, detail=detail)

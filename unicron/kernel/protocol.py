@@ -218,9 +218,15 @@ class InjectRaise(Message):
     message: str = ""
 
 
+#: the longest delay one 'slow' injection adds to an iteration (an hour); a rank clamps a longer one
+#: (time.sleep(1e300) is an OverflowError that ended the rank)
+MAX_SLOW_DELAY_S = 3600.0
+
+
 @dataclass(frozen=True)
 class InjectSlow(Message):
-    """Fault injection: delay the next ``iterations`` iterations by ``delay_s`` each."""
+    """Fault injection: delay the next ``iterations`` iterations by ``delay_s`` each (at most
+    :data:`MAX_SLOW_DELAY_S`)."""
 
     TYPE: ClassVar[str] = "inject_slow"
     delay_s: float
