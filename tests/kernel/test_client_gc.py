@@ -69,6 +69,9 @@ def test_a_full_collection_while_training_is_the_gc_phase_and_nothing_else_is(
     with client.phase(protocol.PHASE_DATA):  # a data wait already stops the hang clock
         gc.collect()
     assert agent.wait_for(5) and agent.phases() == ["gc", "train", "data", "train"]
+    with client.phase(protocol.PHASE_COLLECTIVE):  # training time to the hang clock: reported, back to it
+        gc.collect()
+    assert agent.wait_for(9) and agent.phases()[4:] == ["collective", "gc", "collective", "train"]
     client.close()
     assert client._on_gc not in gc.callbacks  # no callback outlives its client
 

@@ -228,16 +228,18 @@ class AgentClient:
             self.send(protocol.Phase(name=outer))
 
     def _on_gc(self, event: str, info: dict[str, int]) -> None:
-        """``gc.callbacks`` hook: a full collection while training is reported as the ``gc`` phase, so
-        the agent stops the iteration's hang clock for its pause (seconds on a large heap) instead of
-        taking a long pause for a hang. It runs inside the collector, in whichever thread allocated,
+        """``gc.callbacks`` hook: a full collection while training (or in a collective) is reported as
+        the ``gc`` phase, so the agent stops the iteration's hang clock for its pause (seconds on a
+        large heap) instead of taking a long pause for a hang. It runs inside the collector, in whichever thread allocated,
         possibly one in the middle of :meth:`send`: it never waits for the socket. A start that finds
         the socket busy is not reported; an end that does is sent before the next message."""
         conn = self._conn
         if conn is None or info.get("generation") != 2:
             return
         try:
-            if event == "start" and self._phase == protocol.PHASE_TRAIN:
+            # the collective phase is training time to the agent's hang clock too: a collection while
+            # a rank waits in a collective was reported as a hang
+            if event == "start" and self._phase in (protocol.PHASE_TRAIN, protocol.PHASE_COLLECTIVE):
                 self._gc_reported = conn.try_send(protocol.Phase(name=protocol.PHASE_GC).to_wire())
                 if self._gc_reported:  # it ends any earlier wait: an end still held back would now close this one
                     self._gc_end = None
