@@ -83,6 +83,9 @@ def rank_env(base: Mapping[str, str], a: TaskAssignment, spec: RankSpec, store: 
     launch variables, which the task's cannot override (a wrong RANK or MASTER_PORT breaks the job)."""
     env = dict(base)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default: NCCL errors abort the rank
+    # a rank's stdout is a pipe to the agent, which Python block-buffers: progress lines printed without
+    # a flush arrived in bursts, their intervals measured ~0 s, and every burst's gap read as a hang
+    env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("CUDA_VISIBLE_DEVICES", None)  # the agent's own never leaks into a rank
     env.update(a.env)
     env.update(torchrun_env(a, spec, store, set_cuda=set_cuda))

@@ -68,6 +68,11 @@ def test_rank_env_layers_and_precedence() -> None:
     assert env["RANK"] == "0" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the task cannot break them
     assert env["CUDA_VISIBLE_DEVICES"] == "1"  # the agent's own list never reaches a rank
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # torchrun's default
+    # stdout is a pipe to the agent: unbuffered, progress lines arrive when printed (the task may say no)
+    assert env["PYTHONUNBUFFERED"] == "1"
+    quiet = two_node_task([RankSpec(rank=0, local_rank=0, gpu=1)], group_rank=0, env={"PYTHONUNBUFFERED": ""})
+    assert rank_env(base, quiet, quiet.ranks[0], STORE, node="n0", socket_path="/s", set_cuda=True)[
+        "PYTHONUNBUFFERED"] == ""
     assert (env["UNICRON_TASK"], env["UNICRON_GENERATION"], env["UNICRON_NODE"]) == ("t", "3", "n0")
     assert env["UNICRON_AGENT_SOCKET"] == "/run/u/n0.sock"
     # With simulated GPUs the machine's devices are not the task's: nothing is set.
