@@ -3,8 +3,9 @@
 Real etcd (TLS, ``--client-cert-auth``, per-role auth), a coordinator and 2 agents on mutual TLS
 (``LocalCluster(tls=True)``), real certificates. A scripted set of requests that must be refused is
 sent: no certificate, a certificate of another CA, a node's certificate submitting or draining, node
-A writing node B's status and reports in etcd, node A's certificate saying hello as node B on the
-link (with B's real token: the certificate is the guard), an operator's certificate on the link,
+A writing node B's status and reports in etcd, node A filing a fault of node B under its own key
+(accepted when the coordinator records it as B's incident rather than deleting it unread), node A's
+certificate saying hello as node B on the link (with B's real token: the certificate is the guard), an operator's certificate on the link,
 an operator's certificate at a replica server. ``unauthorized_accepted`` counts those that get past
 the guard. An API call counts as refused only when answered PERMISSION_DENIED or UNAUTHENTICATED (the
 role check) or UNAVAILABLE (the TLS handshake refused); any other answer (NOT_FOUND, ALREADY_EXISTS...)
@@ -32,6 +33,7 @@ import socket
 import ssl
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +50,7 @@ from unicron.kernel.errors import UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
-from unicron.kernel.types import NodeInfo
+from unicron.kernel.types import DetectionMethod, ErrorKind, NodeInfo, Report
 
 SPEC = {"name": "probe", "command": [sys.executable, "-c", "import time; time.sleep(600)"], "min_gpus": 1}
 
@@ -91,6 +93,25 @@ def etcd_put(endpoint: str, cfg: tls.TLSConfig | None, key: str) -> bool:
     finally:
         store.close()
     return True
+
+
+def forged_report(c: LocalCluster, cfg: tls.TLSConfig | None) -> bool:
+    """node0 writes, under its own key, an ECC error of node1: accepted when the coordinator records it
+    as node1's incident (it isolates node1); refused when it deletes the report with no incident."""
+    ts = time.time()
+    report = Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.ECC_ERROR, node="node1",
+                    message=f"forged by node0 {ts}", source_ts=ts, agent_ts=ts)
+    key = c.keys.report("node0", report.report_id)
+    store = Store(c.etcd.endpoint, timeout_s=2.0, tls_config=cfg)
+    try:
+        store.put(key, report.to_json())
+        deadline = time.monotonic() + 10.0
+        while store.get(key) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        read = store.get(key) is None  # the coordinator handled it: recorded or deleted
+    finally:
+        store.close()
+    return not read or any(i.node == "node1" and i.message == report.message for i in c.incidents())
 
 
 def link_hello(address: str, cfg: tls.TLSConfig | None, node: str, token: str) -> bool:
@@ -158,6 +179,7 @@ def run_once(c: LocalCluster, foreign: Path, replica: str, task: str) -> tuple[d
         "api cancel, coordinator certificate": lambda: api_accepted(api, cert("coordinator"), "Cancel", cancel),
         "etcd: node A writes node B's status": lambda: etcd_put(ep, cert("node0"), c.keys.status("node1")),
         "etcd: node A writes node B's report": lambda: etcd_put(ep, cert("node0"), c.keys.report("node1", "x")),
+        "etcd: node A files node B's fault under its own key": lambda: forged_report(c, cert("node0")),
         "etcd: node writes its own assignment": lambda: etcd_put(ep, cert("node0"), c.keys.assignment("node0")),
         "etcd: operator writes a node's status": lambda: etcd_put(ep, cert("operator"), c.keys.status("node0")),
         "etcd: no certificate": lambda: etcd_put(ep, None, c.keys.task("x")),
