@@ -100,6 +100,29 @@ def test_a_snapshot_of_parameters_the_model_lacks_is_refused_not_half_loaded() -
     assert all(torch.equal(a, b) for a, b in zip(target.tensors(), saved.tensors(), strict=True))
 
 
+def test_a_snapshot_of_other_shapes_or_dtypes_is_refused_with_both_shapes_not_half_loaded() -> None:
+    """--resume with another --hidden: torch's load_state_dict raised its size-mismatch RuntimeError (a
+    71-line traceback) after loading the tensors before it; a float32 snapshot loaded silently into a
+    float64 model. Now SnapshotMismatch (one line), naming the tensors with both shapes, loading nothing."""
+    from unicron.runtime.state import SnapshotMismatch
+
+    torch.manual_seed(0)
+    saved = ReplicaState(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), OptimConfig())
+    saved.iteration = 5
+    wider = ReplicaState(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)), OptimConfig())
+    before = [t.clone() for t in wider.tensors()]
+    with pytest.raises(SnapshotMismatch, match=r"0\.weight \[3, 4\] float32 in the snapshot, \[6, 4\] float32 here;"
+                       r".*\(3 of 3 tensors that differ\); relaunch with the model flags the snapshot was "
+                       r"written with, or without --resume"):
+        wider.load_state_dict(saved.state_dict())
+    assert wider.iteration == 0
+    assert all(torch.equal(a, b) for a, b in zip(wider.tensors(), before, strict=True))
+    double = ReplicaState(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double(), OptimConfig())
+    with pytest.raises(SnapshotMismatch, match=r"0\.bias \[3\] float32 in the snapshot, \[3\] float64 here"):
+        double.load_state_dict(saved.state_dict())
+    assert double.iteration == 0
+
+
 def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one(tmp_path: Path) -> None:
     """A torn newest file (a node crash before it reached the disk) made torch.load's RuntimeError
     escape restore(), so CheckpointSource never fell back and the resuming rank died; now restore()

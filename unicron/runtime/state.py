@@ -46,7 +46,12 @@ class OptimConfig:
 
 
 class SnapshotMismatch(CheckpointError):
-    """A snapshot's model tensors are not this model's (names differ): restoring it is refused."""
+    """A snapshot's model tensors are not this model's (names, shapes or dtypes differ): restoring it
+    is refused."""
+
+
+#: what a launch whose model is not the snapshot's can do (the rank's one-line error ends with it)
+RELAUNCH_HINT = "relaunch with the model flags the snapshot was written with, or without --resume"
 
 
 class ReplicaState:
@@ -130,12 +135,22 @@ class ReplicaState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Raises :class:`SnapshotMismatch`, loading nothing, when the snapshot's tensors are not this
         model's (strict=False alone would load the optimizer and leave parameters at their init)."""
-        want, got = set(self._model_tensors()), set(state["model"])
+        mine, theirs = self._model_tensors(), state["model"]
+        want, got = set(mine), set(theirs)
         if want != got:
             raise SnapshotMismatch(
                 f"the snapshot of iteration {state.get('iteration')} is of another model: it lacks "
-                f"{sorted(want - got)[:3]} and has {sorted(got - want)[:3]} (first 3 of each)")
-        self.model.load_state_dict(state["model"], strict=False)
+                f"{sorted(want - got)[:3]} and has {sorted(got - want)[:3]} (first 3 of each); {RELAUNCH_HINT}")
+        # torch's load_state_dict raises a size mismatch only after loading the tensors before it, and
+        # converts another dtype silently: checked first, so a refusal loads nothing
+        differ = [f"{name} {_describe(theirs[name])} in the snapshot, {_describe(t)} here"
+                  for name, t in mine.items() if not _alike(theirs[name], t)]
+        if differ:
+            raise SnapshotMismatch(
+                f"the snapshot of iteration {state.get('iteration')} is of another model shape: "
+                f"{'; '.join(differ[:3])} ({min(3, len(differ))} of {len(differ)} tensors that differ); "
+                f"{RELAUNCH_HINT}")
+        self.model.load_state_dict(theirs, strict=False)
         # the optimizer's settings (lr, betas, ...) stay this launch's flags: only a group's root loads a
         # snapshot, the others receive its tensors, and replicas that stepped with two lr's diverged
         settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -143,6 +158,16 @@ class ReplicaState:
         for group, kept in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(kept)
         self.iteration = int(state["iteration"])
+
+
+def _alike(saved: Any, mine: torch.Tensor) -> bool:
+    return isinstance(saved, torch.Tensor) and saved.shape == mine.shape and saved.dtype == mine.dtype
+
+
+def _describe(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
 class StateSource(ABC):
