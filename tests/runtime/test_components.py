@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,59 @@ def test_a_snapshot_of_other_shapes_or_dtypes_is_refused_with_both_shapes_not_ha
     with pytest.raises(SnapshotMismatch, match=r"0\.bias \[3\] float32 in the snapshot, \[3\] float64 here"):
         double.load_state_dict(saved.state_dict())
     assert double.iteration == 0
+
+
+_WRITER = """
+import os, sys, time, torch
+from unicron.runtime.checkpoint import TorchSaveCheckpointer
+directory, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ck = TorchSaveCheckpointer(directory, rank)
+# the temp file is written and synced; the writer dies (or hangs) before its rename
+os.replace = (lambda *a: os.kill(os.getpid(), 9)) if mode == "die" else (lambda *a: time.sleep(300))
+ck.save({"w": torch.zeros(8)}, 3)
+"""
+
+
+def test_a_torch_save_writer_killed_mid_save_leaves_no_temp_file_once_its_rank_restarts(tmp_path: Path) -> None:
+    """A writer killed between writing it<N>.pt's temp file and its rename left the (full-size) temp
+    file for good: held() and pruning see only it<N>.pt, so each death grew the directory. Now a rank's
+    checkpointer removes its own dead writers' temp files when built and after each save, and never a
+    live writer's or another rank's (the shard's directory is shared)."""
+    import subprocess
+    import sys
+
+    def writer(rank: int, mode: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(rank), mode])
+
+    def temps() -> set[str]:
+        return {p.name for p in (tmp_path / "tp0").glob("*.tmp")}
+
+    live0 = writer(0, "hang")  # first: a rank 0 started after a dead one would already clean up
+    dead0 = dead1 = live0
+    try:
+        deadline = time.monotonic() + 120
+        while not temps() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead0, dead1 = writer(0, "die"), writer(1, "die")
+        assert dead0.wait(120) == -9 and dead1.wait(120) == -9
+        assert len(temps()) == 3, temps()
+        other_host = f"it2.pt.0.elsewhere.{dead0.pid}.tmp"  # another host's writer: its pid means nothing here
+        (tmp_path / "tp0" / other_host).write_bytes(b"partial")
+        orphan = next(n for n in temps() if n.endswith(f".{dead0.pid}.tmp") and n != other_host)
+        ck = TorchSaveCheckpointer(str(tmp_path), rank=0)
+        left = temps()
+        assert orphan not in left and len(left) == 3 and other_host in left
+        assert any(n.endswith(f".{live0.pid}.tmp") for n in left)  # alive: still writing
+        assert any(n.endswith(f".{dead1.pid}.tmp") for n in left)  # rank 1's: rank 1 removes it
+        live0.kill()
+        live0.wait(60)
+        ck.save({"w": torch.ones(8)}, 4)  # the next save removes the writer that died since
+        assert temps() == {other_host, next(n for n in left if n.endswith(f".{dead1.pid}.tmp"))}
+        assert ck.held() == [4]
+    finally:
+        for p in (dead0, dead1, live0):
+            p.kill()
+            p.wait()
 
 
 def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one(tmp_path: Path) -> None:

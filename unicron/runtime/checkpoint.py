@@ -14,6 +14,7 @@ import enum
 import glob
 import os
 import re
+import socket
 import time
 from typing import Any
 
@@ -27,6 +28,24 @@ from unicron.kernel.errors import ConfigError
 KINDS = ("none", "torch-save", "memory")
 ENV_CKPT_PEERS = "UNICRON_CKPT_PEERS"
 """Comma-separated host:port of the replica servers that hold this rank's in-memory snapshots."""
+
+
+def _host_tag() -> str:
+    """This host's name as it goes into a temp file's name (no separators a glob or a parse trips on)."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "localhost"
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host (another user's process counts as running)."""
+    if pid <= 0:  # os.kill(0, ...) would mean this process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 class TorchSaveCheckpointer(Checkpointer):
@@ -56,6 +75,24 @@ class TorchSaveCheckpointer(Checkpointer):
         self.shard = shard
         self.dir = os.path.join(self.root, f"tp{shard}")
         os.makedirs(self.dir, exist_ok=True)
+        self.remove_orphans()
+
+    def remove_orphans(self) -> list[str]:
+        """Remove this rank's temp files in this shard's directory whose writer died mid-save (nothing
+        else ever would: :meth:`held` and pruning see only ``it<N>.pt``); returns their paths.
+
+        The directory may be shared by every rank of the shard, on several hosts: only this rank's files
+        written on this host, by a process that no longer runs, are removed (a pid says nothing about
+        another host's processes, so their files are left to the rank that runs there)."""
+        mine = re.compile(rf"it\d+\.pt\.{self.rank}\.{re.escape(_host_tag())}\.(\d+)\.tmp$")
+        removed = []
+        for path in glob.glob(os.path.join(self.dir, f"it*.pt.{self.rank}.*.tmp")):
+            m = mine.match(os.path.basename(path))
+            if m and _process_gone(int(m.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                    removed.append(path)
+        return removed
 
     def _path(self, iteration: int, directory: str | None = None) -> str:
         return os.path.join(directory or self.dir, f"it{iteration}.pt")
@@ -79,8 +116,9 @@ class TorchSaveCheckpointer(Checkpointer):
         return found
 
     def save(self, state: Any, iteration: int) -> None:
-        # Unique per writer: after a regroup the previous writer may still be finishing a save.
-        tmp = f"{self._path(iteration)}.{self.rank}.{os.getpid()}.tmp"
+        # Unique per writer: after a regroup the previous writer may still be finishing a save. The
+        # rank, host and pid name it so that remove_orphans can tell a dead writer's from a live one's.
+        tmp = f"{self._path(iteration)}.{self.rank}.{_host_tag()}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -90,6 +128,7 @@ class TorchSaveCheckpointer(Checkpointer):
         for old in self.held()[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):  # pruned by a concurrent writer
                 os.remove(self._path(old))
+        self.remove_orphans()  # a dead writer's that was not yet reaped when this checkpointer was built
 
     def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
         return self._load(self.dir, iteration)
