@@ -129,3 +129,36 @@ def test_an_out_dir_that_cannot_be_made_is_refused_at_start(
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
     _one_line_error(main(["--iterations", "1", "--out-dir", str(tmp_path / "file" / "out")]), capsys, "--out-dir")
+
+
+def test_a_bad_boolean_environment_value_is_one_line_and_the_config_exit_status(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """UNICRON_TRAIN_DETERMINISTIC=maybe ended the rank with SystemExit(message): exit 1, where a bad
+    setting's documented status (docs/runtime.md) is 2."""
+    monkeypatch.setenv("UNICRON_TRAIN_DETERMINISTIC", "maybe")
+    with pytest.raises(SystemExit) as exc:
+        _parser()
+    assert isinstance(exc.value.code, int)
+    _one_line_error(exc.value.code, capsys, "UNICRON_TRAIN_DETERMINISTIC='maybe': expected true or false")
+
+
+def test_a_generation_that_is_not_an_integer_is_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """AgentClient.from_env's int(UNICRON_GENERATION) raised ValueError: a 22-line traceback naming no
+    variable. (No store runs: the variable is refused before the rank connects.)"""
+    from unicron.runtime.train import main
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1", "UNICRON_GENERATION": "abc"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("UNICRON_AGENT_SOCKET", raising=False)
+    _one_line_error(main(["--iterations", "1"]), capsys, "UNICRON_GENERATION='abc' is not an integer")
+
+
+def test_replica_peers_that_are_not_host_port_are_a_config_error_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """UNICRON_CKPT_PEERS=garbage raised InvalidRecord, which api.run does not catch: a traceback."""
+    from unicron.runtime.checkpoint import make_checkpointer
+    monkeypatch.setenv("UNICRON_CKPT_PEERS", "127.0.0.1:7000, garbage")
+    with pytest.raises(ConfigError, match=r"UNICRON_CKPT_PEERS='127.0.0.1:7000, garbage': 'garbage' is not "
+                                          r"host:port; expected .* comma-separated host:port"):
+        make_checkpointer("memory", str(tmp_path), "job", 0)

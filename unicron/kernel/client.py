@@ -28,7 +28,7 @@ from types import TracebackType
 
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol, wire
-from unicron.kernel.errors import InvalidRecord, UnicronError
+from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
 from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
@@ -44,6 +44,16 @@ class InjectedFault(UnicronError):
     def __init__(self, kind: ErrorKind, message: str = "") -> None:
         super().__init__(message or f"injected fault: {kind.value}")
         self.kind = kind
+
+
+def _env_int(name: str) -> int:
+    """An integer variable of the agent's environment, 0 when unset (a rank launched by hand)."""
+    raw = os.environ.get(name, "0")
+    try:
+        return int(raw)
+    except ValueError:  # int()'s own message names neither the variable nor who sets it
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer (the agent or launcher "
+                          "sets it)") from None
 
 
 class AgentClient:
@@ -80,12 +90,13 @@ class AgentClient:
 
     @classmethod
     def from_env(cls) -> AgentClient:
-        """Build from the torchrun-style environment the agent sets (RANK, LOCAL_RANK, UNICRON_TASK, ...)."""
+        """Build from the torchrun-style environment the agent sets (RANK, LOCAL_RANK, UNICRON_TASK, ...);
+        a ConfigError names a variable that is not an integer."""
         return cls(
-            rank=int(os.environ.get("RANK", "0")),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            rank=_env_int("RANK"),
+            local_rank=_env_int("LOCAL_RANK"),
             task=os.environ.get("UNICRON_TASK", ""),
-            generation=int(os.environ.get("UNICRON_GENERATION", "0")),
+            generation=_env_int("UNICRON_GENERATION"),
         )
 
     @property

@@ -34,7 +34,7 @@ from unicron.runtime import store as keys
 from unicron.runtime.checkpoint import make_checkpointer
 from unicron.runtime.comm import ensure_torch_distributed
 from unicron.runtime.faults import FaultScript
-from unicron.runtime.flags import add_runtime_arguments, env_name
+from unicron.runtime.flags import EXIT_CONFIG, add_runtime_arguments, env_name
 from unicron.runtime.heartbeat import Heartbeat
 from unicron.runtime.job import BatchT, DataContext, ForwardStep, Job, MicroBatches, ModelProvider
 from unicron.runtime.membership import CommSettings
@@ -43,9 +43,6 @@ from unicron.runtime.plan import Topology
 from unicron.runtime.preempt import Preemption
 from unicron.runtime.scheduler import ScheduleConfig, Trainer
 from unicron.runtime.state import OptimConfig
-
-EXIT_CONFIG = 2
-"""Exit status of a rank whose flags or environment are wrong (its one-line error is on stderr)."""
 
 DatasetsProvider = Callable[[DataContext], "MicroBatches[BatchT] | tuple[MicroBatches[BatchT], None, None]"]
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], "argparse.ArgumentParser | None"]
@@ -226,6 +223,7 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
             raise ConfigError(f"--out-dir {args.out_dir!r}: {exc.strerror}; name a directory this user can write") \
                 from exc
     optim_cfg, sched, comm = configs(args)
+    client = AgentClient.from_env()  # its variables checked before the heartbeat process is forked
     job = Job(model_provider=providers.model, forward_step=providers.forward_step,
               data=training_data(providers.datasets, args, sched), args=args, init_seed=args.init_seed)
     heartbeat = Heartbeat(host, port, rank, interval_s=args.heartbeat_interval, world=world,
@@ -245,7 +243,7 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
     except BaseException:
         heartbeat.stop()
         raise
-    client = AgentClient.from_env().connect()
+    client.connect()
     client.install_excepthook()
     trainer = Trainer(
         rank=rank, topo=topo, store=store, incarnation=incarnation, job=job, optim_cfg=optim_cfg,

@@ -23,7 +23,7 @@ import torch
 from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, Tier, TierAttempt
 from ckpt.storage import fsync_dir
 from unicron.kernel.config import from_args
-from unicron.kernel.errors import ConfigError
+from unicron.kernel.errors import ConfigError, InvalidRecord
 
 KINDS = ("none", "torch-save", "memory")
 ENV_CKPT_PEERS = "UNICRON_CKPT_PEERS"
@@ -224,8 +224,17 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage
         local = os.path.join(directory, f"rank-{rank}") if directory else ""
         tls_config = tls.from_env()  # the node's certificate, when the agent runs with --tls-dir
         # Peer nodes' replica servers (GEMINI placement), given by the agent that launched us.
-        peers = [ReplicaClient(a, tls_config=tls_config)
-                 for a in os.environ.get(ENV_CKPT_PEERS, "").split(",") if a.strip()]
+        raw = os.environ.get(ENV_CKPT_PEERS, "")
+        peers = []
+        for addr in (a.strip() for a in raw.split(",")):
+            if not addr:
+                continue
+            try:
+                peers.append(ReplicaClient(addr, tls_config=tls_config))
+            except InvalidRecord as exc:  # the variable's value, not a bug: one line, not a traceback
+                raise ConfigError(f"environment variable {ENV_CKPT_PEERS}={raw!r}: {addr!r} is not host:port; "
+                                  "expected the peers' replica servers as comma-separated host:port (the agent "
+                                  "sets it)") from exc
         root = storage_root(storage, directory)
         try:
             remote = FilesystemStorage(root) if root else None

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from unicron.kernel.config import finite_float
 
 ENV_PREFIX = "UNICRON_TRAIN_"
+EXIT_CONFIG = 2
+"""Exit status of a rank whose flags or environment are wrong (its one-line error is on stderr)."""
 
 
 def env_name(flag: str) -> str:
@@ -41,7 +44,10 @@ def _opt(group: Any, flag: str, **kw: Any) -> None:
         if raw is not None:
             low = raw.strip().lower()
             if low not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-                raise SystemExit(f"unicron train: {env}={raw!r}: expected true or false")
+                # SystemExit(message) exits 1; a bad setting's documented status is EXIT_CONFIG
+                print(f"unicron train: {env}={raw!r}: expected true or false (1/0, yes/no, on/off)",
+                      file=sys.stderr)
+                raise SystemExit(EXIT_CONFIG)
             kw["default"] = low in ("1", "true", "yes", "on")
         group.add_argument(flag, **kw)
         return

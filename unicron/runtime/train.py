@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 
 from unicron.runtime import api
-from unicron.runtime.api import EXIT_CONFIG, Providers, Rank
+from unicron.runtime.api import Providers, Rank
 from unicron.runtime.data import TokenSource, make_source
-from unicron.runtime.flags import add_gpt_arguments
+from unicron.runtime.flags import EXIT_CONFIG, add_gpt_arguments
 from unicron.runtime.job import DataContext, ModelContext
 from unicron.runtime.model import ModelConfig, ModelType, build_gpt, lm_loss, tp_group_of
 
