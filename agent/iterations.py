@@ -243,6 +243,10 @@ class IterationMonitor:
     def _end_wait(self, ts: float) -> None:
         """A wait (data or gc) ended at ``ts``: the open iteration's hang clock resumes where it stopped."""
         since, self._wait_since = self._wait_since, None
+        if since is not None and self._open is None:
+            # a wait between iterations that was reported as a hang is over: no repeat is due (its
+            # time stayed in the past and check() found nothing to repeat: the watcher spun)
+            self._hang_reported = False
         if since is None or self._open is None:
             return
         waited = max(0.0, ts - max(since, self._open[1]))
@@ -303,7 +307,9 @@ class IterationMonitor:
 
     def _deadline(self) -> float | None:
         mean = self._mean()
-        if self._hang_reported:
+        # a repeat is due only while check() can still find the hang: a deadline in the past that
+        # check() does not act on has the watcher wait 0 s in a loop
+        if self._hang_reported and (self._open is not None or self._phase in _WAITS or mean is None):
             return self._again_at if self._phase in _JUDGED else None
         if mean is None:
             return self._warmup_deadline()

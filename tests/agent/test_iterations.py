@@ -479,3 +479,53 @@ def test_the_watcher_does_not_spin_after_a_reported_hang_ended() -> None:
     finally:
         watcher.stop()
     assert spins < 20, f"the hang watcher called check() {spins} times in 0.3 s with nothing to watch"
+
+
+def test_a_wait_between_iterations_reported_as_a_hang_that_ends_leaves_no_deadline_in_the_past() -> None:
+    """A data wait outside any iteration (``with client.phase("data")`` around the loader) reported as a
+    hang, then the data comes: the repeat time stayed in the past while check() found nothing to repeat."""
+    mon = steady(0.1)  # wait bound: 10 x 0.1 s
+    mon.phase("data", 50.0)
+    (f,) = mon.check(51.0)
+    assert (f.kind, f.step) == (HANG, None) and "data" in f.message
+    mon.phase("train", 52.0)  # the data came; no iteration started yet
+    later = 52.0 + 10 * IterationSettings().hang_repeat_s
+    assert mon.check(later) == []
+    deadline = mon.deadline()
+    assert deadline is None or deadline > later, f"deadline {deadline} is in the past at {later}"
+    mon.phase("gc", later)  # a new wait is judged afresh, not as the old hang's repeat
+    assert mon.check(later + 0.5) == []
+    assert mon.deadline() == pytest.approx(later + 1.0)
+    mon.phase("train", later + 0.6)
+    mon.iter_start(20, later + 2.0)  # and the next iteration as usual
+    assert mon.deadline() == pytest.approx(later + 2.0 + 0.3)
+
+
+def test_the_watcher_does_not_spin_after_a_wait_between_iterations_was_reported() -> None:
+    """The same through the watcher thread (reviewer's repro 8): 100 % CPU until the rank's next input."""
+    s = IterationSettings(warmup_iterations=0, min_samples=5, hang_repeat_s=0.05)
+    checks = 0
+    found = threading.Event()
+
+    class Counting(IterationMonitor):
+        def check(self, now: float):  # type: ignore[no-untyped-def]
+            nonlocal checks
+            checks += 1
+            return super().check(now)
+
+    mon = Counting(s)
+    feed(mon, [0.01] * 10, t0=time.monotonic() - 1.0)
+    watcher = HangWatcher(lambda key, f: found.set())
+    watcher.start()
+    try:
+        watcher.add("r", mon)
+        mon.phase("data", time.monotonic())  # 10 x 10 ms: reported 0.1 s later
+        assert found.wait(2.0)
+        mon.phase("train", time.monotonic())  # the data came; no next iteration yet
+        time.sleep(0.1)  # past the repeat time
+        before = checks
+        time.sleep(0.3)
+        spins = checks - before
+    finally:
+        watcher.stop()
+    assert spins < 20, f"the hang watcher called check() {spins} times in 0.3 s with nothing to watch"
