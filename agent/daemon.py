@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import secrets
 import signal
 import sys
@@ -117,6 +118,16 @@ class ReportPublisher:
 
 class NodeNameTaken(ConfigError):
     """Another live agent holds this node's registration."""
+
+
+#: the data-parallel size in a RegroupDone's detail (unicron.runtime.scheduler's ``... dp=N it=...``)
+_DP = re.compile(r"\bdp=(\d+)\b")
+
+
+def _regroup_dp(detail: str) -> int | None:
+    """The data-parallel size a rank regrouped to, None when its detail does not say (another runtime)."""
+    m = _DP.search(detail)
+    return int(m.group(1)) if m else None
 
 
 def _link_address(record: bytes) -> str | None:
@@ -553,7 +564,9 @@ class Agent:
             self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, msg.message, task=task, rank=rank,
                         gpu=self._gpu_of(task, rank), step=msg.step, source_ts=msg.ts, handled=not msg.fatal)
             if not msg.fatal and mon is not None:
-                mon.reset()  # the rank is regrouping: this iteration's pause is recovery, not a hang
+                # the rank recovers in place: this iteration's pause is recovery, not a hang; what the
+                # monitor learned stays (a reset left only the 30-minute warm-up bound for the next hang)
+                mon.interrupted(time.monotonic())
             return
         if mon is None:
             return
@@ -567,9 +580,12 @@ class Agent:
             mon.phase(msg.name, msg.mono)
             rec.record_phase(rank, msg.name)
         elif isinstance(msg, protocol.RegroupDone):
-            # A new membership changes each rank's share of micro-batches, so its iteration time.
-            mon.reset()
-            log.info("rank regrouped", task=task, rank=rank, epoch=msg.epoch, ok=msg.ok, detail=msg.detail)
+            # A new data-parallel size changes each rank's share of micro-batches, so its iteration time:
+            # only then is the baseline forgotten (the same members after a transient fault keep the pace)
+            dp = _regroup_dp(msg.detail) if msg.ok else None
+            forgot = mon.reconfigured(dp)
+            log.info("rank regrouped", task=task, rank=rank, epoch=msg.epoch, ok=msg.ok, detail=msg.detail,
+                     baseline="reset" if forgot else "kept")
 
     def _on_stopped(self, rec: TaskReconciler | None, task: str, rank: int, msg: protocol.Stopped) -> None:
         """Noted before the rank may exit: its exit 0 must never be published without it. A rank of a

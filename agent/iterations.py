@@ -110,6 +110,12 @@ class IterationSettings:
     gc_wait_factor: float = 10.0
     """A full garbage collection (the ``gc`` phase) longer than this times the baseline is a hang (a
     finalizer blocked for good); shorter ones stop the hang clock like a data wait."""
+    reset_hang_factor: float = 30.0
+    """After :meth:`IterationMonitor.reset` (a regroup that may change each rank's work) and until a new
+    baseline exists, an iteration running longer than this times the baseline before the reset is a hang,
+    from the second iteration after the reset on (the first may set things up). Generous, as the pace may
+    have changed (half the data-parallel ranks: twice the work); without it only ``warmup_hang_s`` of
+    silence was left (30 minutes)."""
     hang_repeat_s: float = 60.0
     """A hang still there this long after its report is reported again. The first one may be lost in
     another's recovery: a frozen rank's peers wait in its collective and are found hung with it, and
@@ -135,6 +141,7 @@ class IterationSettings:
             ("gc_wait_factor", self.gc_wait_factor >= 1.0, ">= 1"),
             ("warmup_hang_s", self.warmup_hang_s >= 0.0, ">= 0"),
             ("hang_repeat_s", self.hang_repeat_s > 0.0, "> 0"),
+            ("reset_hang_factor", self.reset_hang_factor >= 1.0, ">= 1"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -168,11 +175,19 @@ class IterationMonitor:
         self.on_change: Callable[[], None] | None = None
         """Called (outside the monitor's lock) after every input; :class:`HangWatcher` sets it."""
         self._last_input: float | None = None  # the launch or the latest report (warm-up bound); kept by reset()
+        self._baseline: deque[float] = deque()
+        self._sum = 0.0
+        self._prior: float | None = None  # the baseline before the latest reset (its post-reset bound)
+        self._pace: Hashable | None = None  # what the baseline was learned at (reconfigured())
         self.reset()
 
     def reset(self) -> None:
-        """Forget the baseline (e.g. after a reconfiguration): warm-up starts again."""
+        """Forget the baseline (e.g. after a reconfiguration): warm-up starts again, but until a new
+        baseline exists an iteration is still bounded by ``reset_hang_factor`` x the old one."""
         with self._lock:
+            mean = self._mean()
+            if mean is not None:
+                self._prior = mean
             self._phase = PHASE_TRAIN
             self._open: tuple[int, float] | None = None  # (step, start ts) of the running iteration
             self._wait_since: float | None = None  # start of the running wait (data or gc)
@@ -181,7 +196,7 @@ class IterationMonitor:
             self._hang_reported = False
             self._again_at: float | None = None  # when a reported hang is reported again
             self._completed = 0  # train iterations completed, warm-up included
-            self._baseline: deque[float] = deque(maxlen=self.settings.baseline_window)
+            self._baseline = deque(maxlen=self.settings.baseline_window)
             self._sum = 0.0
             self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.window)  # (start, dur)
             self._tail = SlidingMax(self.settings.tail_window)
@@ -191,6 +206,31 @@ class IterationMonitor:
             """Completed iterations slower than degrade_factor x baseline (Figure 6's red dots)."""
 
     # --- inputs ----------------------------------------------------------------------------------
+
+    def reconfigured(self, pace: Hashable | None) -> bool:
+        """The rank's work was reconfigured (a regroup) to ``pace``, e.g. its data-parallel size (None:
+        unknown). The baseline is kept when the pace is the one it was learned at (a transient fault
+        reattempted with the same members), else forgotten (:meth:`reset`). True: it was forgotten."""
+        with self._lock:
+            same = pace is not None and pace == self._pace
+            self._pace = pace
+        if same:
+            return False
+        self.reset()
+        self._changed()
+        return True
+
+    def interrupted(self, ts: float) -> None:
+        """The rank is recovering in place from a fault at ``ts`` (a non-fatal exception): the open
+        iteration is not a sample, a hang reported for it is over, and its hang clock restarts (the
+        regroup phase that follows suspends it). The baseline stays: the pace has not changed."""
+        with self._lock:
+            self._last_input = ts
+            if self._open is not None:
+                self._open = (self._open[0], ts)
+                self._tainted = True
+            self._hang_reported = False
+        self._changed()
 
     def launched(self, ts: float) -> None:
         """The rank's process was started at ``ts``: from now on it must report within
@@ -322,9 +362,20 @@ class IterationMonitor:
 
     def _warmup_deadline(self) -> float | None:
         s = self.settings
-        if not s.warmup_hang_s or self._last_input is None or self._phase not in _JUDGED:
+        silent = None
+        if s.warmup_hang_s and self._last_input is not None and self._phase in _JUDGED:
+            silent = self._last_input + s.warmup_hang_s
+        prior = self._prior_deadline()
+        if prior is None or silent is None:
+            return prior if silent is None else silent
+        return min(prior, silent)
+
+    def _prior_deadline(self) -> float | None:
+        """After a reset, before a new baseline: the open iteration is a hang at reset_hang_factor x the
+        old baseline (not before an iteration completed since: the first may set things up)."""
+        if self._prior is None or self._completed < 1 or self._open is None or self._phase != PHASE_TRAIN:
             return None
-        return self._last_input + s.warmup_hang_s
+        return self._open[1] + max(self.settings.reset_hang_factor * self._prior, self.settings.min_hang_s)
 
     def _threshold(self, mean: float) -> float:
         """hang_factor x the mean, widened to tail_margin x the longest recent healthy iteration
@@ -347,7 +398,18 @@ class IterationMonitor:
         with self._lock:
             out, self._pending = self._pending, []
             deadline = self._deadline()
-            if deadline is not None and now >= deadline and self._mean() is None:
+            prior = self._prior_deadline()
+            if deadline is not None and now >= deadline and self._mean() is None and prior is not None \
+                    and now >= prior and self._open is not None:
+                step, start = self._open
+                self._hang_reported = True
+                out.append(Finding(
+                    ErrorKind.TASK_HANG, step,
+                    f"iteration {step} running {now - start:.3f} s > {self.settings.reset_hang_factor} x "
+                    f"mean iteration time {self._prior:.3f} s before the latest reconfiguration "
+                    f"(no new baseline yet)", deadline, start,
+                ))
+            elif deadline is not None and now >= deadline and self._mean() is None:
                 out.append(self._warmup_hang(now, deadline))
             elif deadline is not None and now >= deadline and self._phase in _WAITS:
                 out.append(self._wait_hang(now, deadline))

@@ -716,3 +716,41 @@ def test_a_wall_clock_step_is_not_taken_for_a_hang(agents: dict[str, Agent], sto
     wait_for(lambda: 1 in hung(), 60, "the control's hang report")
     time.sleep(1.0)  # rank 0 iterates on (400 x 10 ms in all), stamped an hour back
     assert hung() == [1]
+
+
+# A rank as unicron's runtime behaves on a sev3 fault handled in place (scheduler._broken, _regroup_done):
+# 50 ms iterations, its START regroup at dp=1; at step 30 a transient fault (ExceptionReport fatal=False)
+# and a regroup with the same members; at step 33 it hangs for good.
+REATTEMPT_THEN_HANG = [sys.executable, "-c", (
+    "import time; from unicron.kernel import protocol; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "c.send(protocol.RegroupDone(epoch=0, ok=True, detail='start: members=[0] dp=1 it=0'))\n"
+    "for s in range(60):\n"
+    "    with c.iteration(s):\n"
+    "        time.sleep(0.05)\n"
+    "        if s == 30:\n"
+    "            c.report_exception(ConnectionResetError('Connection reset by peer'), fatal=False)\n"
+    "            with c.phase(protocol.PHASE_REGROUP):\n"
+    "                time.sleep(0.05)\n"
+    "                c.send(protocol.RegroupDone(epoch=1, ok=True, detail='reattempt: members=[0] dp=1 it=30'))\n"
+    "        if s == 33:\n"
+    "            time.sleep(1000)\n"
+)]
+
+
+def test_a_hang_right_after_a_fault_handled_in_place_is_found_at_the_iteration_rule(
+        agents: dict[str, Agent], store: Store) -> None:
+    """The agent reset the rank's monitor on the non-fatal exception and on the regroup: with the baseline
+    gone, the hang at step 33 was left to the warm-up bound (30 minutes) instead of ~3 x 50 ms."""
+    assign(store, "a0", task("reattempt", REATTEMPT_THEN_HANG, [0], 1, store_node="a0"))
+
+    def hang() -> Report | None:
+        kvs, _ = store.get_prefix(KEYS.reports())
+        return next((r for r in (Report.from_json(kv.value) for kv in kvs)
+                     if r.task == "reattempt" and r.kind is ErrorKind.TASK_HANG), None)
+
+    found = wait_for(hang, 30, "the hang report")
+    assert found.step == 33 and "iteration 33" in found.message, found.message
+    rec = agents["a0"]._task("reattempt")
+    assert rec is not None and (mon := rec.monitors.get(0)) is not None
+    assert mon.baseline() == pytest.approx(0.05, rel=0.5)  # what it learned before the fault stayed

@@ -529,3 +529,44 @@ def test_the_watcher_does_not_spin_after_a_wait_between_iterations_was_reported(
     finally:
         watcher.stop()
     assert spins < 20, f"the hang watcher called check() {spins} times in 0.3 s with nothing to watch"
+
+
+def test_a_fault_handled_in_place_keeps_the_baseline_and_restarts_the_iteration_clock() -> None:
+    mon = IterationMonitor(IterationSettings(warmup_iterations=2, min_samples=5))
+    assert mon.reconfigured(2)  # the runtime's first regroup (start) names the pace: nothing learned yet
+    feed(mon, [0.1] * 10)
+    mon.iter_start(20, 50.0)
+    mon.interrupted(50.25)  # a non-fatal exception: the rank regroups in place
+    assert mon.baseline() == pytest.approx(0.1)
+    assert mon.deadline() == pytest.approx(50.25 + 0.3)  # the clock restarted at the fault
+    mon.phase("regroup", 50.26)
+    assert mon.deadline() is None  # the regroup has no bound here
+    mon.phase("train", 51.0)
+    mon.iter_end(20, 1.1, 51.1)
+    assert mon.stats()["completed"] == 10  # recovery time is no sample
+    assert not mon.reconfigured(2)  # the reattempt's regroup, same data-parallel size: the pace is kept
+    assert mon.baseline() == pytest.approx(0.1)
+    mon.iter_start(21, 60.0)
+    assert [f.kind for f in mon.check(60.3)] == [HANG]  # a hang right after it: the iteration rule
+
+
+def test_a_regroup_that_changes_or_does_not_name_the_pace_resets_but_stays_bounded_by_the_old_baseline() -> None:
+    s = IterationSettings(warmup_iterations=2, min_samples=5, warmup_hang_s=1800.0, reset_hang_factor=30.0)
+    for pace in (None, 1):  # unknown (another runtime), or a new data-parallel size
+        mon = IterationMonitor(s)
+        assert mon.reconfigured(2)  # the first one names the pace: nothing learned yet
+        feed(mon, [0.1] * 10)
+        assert mon.reconfigured(pace)
+        assert mon.baseline() is None
+        mon.iter_start(10, 100.0)
+        assert mon.deadline() == pytest.approx(100.0 + 1800.0)  # the first iteration may set things up
+        mon.iter_end(10, 0.2, 100.2)
+        mon.iter_start(11, 101.0)
+        assert mon.deadline() == pytest.approx(101.0 + 30 * 0.1)  # not the 30-minute warm-up bound
+        assert mon.check(103.9) == []
+        (f,) = mon.check(104.0)
+        assert (f.kind, f.step, f.onset_ts) == (HANG, 11, 101.0) and "reconfiguration" in f.message
+        assert mon.check(150.0) == []  # once, until hang_repeat_s later
+        assert [f.kind for f in mon.check(164.0)] == [HANG]
+    with pytest.raises(ConfigError, match="reset_hang_factor"):
+        IterationSettings(reset_hang_factor=0.5)
