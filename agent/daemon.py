@@ -494,7 +494,7 @@ class Agent:
             # which excuses the hang of a last rank on another node that waits for the save
             # (coordinator.causes.held_by_phase)
             for spec in rec.latest.ranks:
-                if (mon := self._monitor(rec, spec.rank)) is not None:
+                if (mon := self._phase_monitor(rec, spec.rank)) is not None:
                     mon.phase(phase, mono)
                 rec.record_phase(spec.rank, phase)
             return
@@ -508,6 +508,19 @@ class Agent:
         tracker.feed(progress, mono)
         # a progress line follows the iterations it counts; pid: the rank may have been relaunched since
         rec.record_step(rank, progress.iteration, completed=True, pid=pid)
+
+    def _phase_monitor(self, rec: TaskReconciler, rank: int) -> IterationMonitor | None:
+        """The monitor a phase line in a log feeds: only that of a rank that reports of its own (its
+        progress lines, or the agent's socket). Megatron's rank 0 prints the checkpoint lines and no
+        progress: a monitor armed by them took its silence after every save for a hang (warmup_hang_s)."""
+        if rec.task in self._reporting_tasks:
+            return self._monitor(rec, rank)
+        with self._progress_lock:
+            tracker = self._progress.get((rec.task, rank))
+        if tracker is None:
+            return None
+        mon = self._monitor(rec, rank)
+        return mon if mon is tracker.monitor else None  # else a relaunched rank that has printed nothing yet
 
     def rank_launched(self, task: str, rank: int, restart: bool) -> None:
         self.metrics.rank_launches.labels(task).inc()

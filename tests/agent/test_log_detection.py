@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from agent.daemon import Agent
 from tests.agent.test_agent import KEYS, assign, settings, status, task, wait_for
 from unicron.cluster.etcd_server import EtcdServer
+from unicron.kernel import protocol
 from unicron.kernel.etcd import Store
 from unicron.kernel.severity import severity_of
 from unicron.kernel.types import DetectionMethod, ErrorKind, NodeStatus, Report, Severity
@@ -105,3 +107,52 @@ def test_a_stderr_report_carries_the_ranks_last_step(agent: Agent, store: Store)
     assign(store, "a0", task("echo", [sys.executable, "-c", code], [0], 1, store_node="a0"))
     found = wait_for(lambda: next((r for r in reports(store) if r.task == "echo"), None), 30, "the stderr report")
     assert found.kind is ErrorKind.OTHER_NETWORK_ERROR and found.step == 41
+
+
+# Megatron-LM's output as Megatron prints it: checkpoint lines on rank 0 (print_rank_0), progress lines
+# on the last rank (print_rank_last); rank 0 trains on silently. A 0.3 s save at iteration 5.
+MEGATRON_SPLIT = [sys.executable, "-c", (
+    "import os, time\n"
+    "rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n"
+    "for it in range(1, 41):\n"
+    "    time.sleep(0.1)\n"
+    "    if rank == world - 1:\n"
+    "        print(f' iteration {it:8d}/      40 | consumed samples: {it * 64:12d} |'\n"
+    "              ' elapsed time per iteration (ms): 100.0 | lm loss: 1.04E+01 |', flush=True)\n"
+    "    if it == 5:\n"
+    "        if rank == 0:\n"
+    "            print(f'saving checkpoint at iteration {it:7d} to /ckpt in torch_dist format', flush=True)\n"
+    "        time.sleep(0.3)\n"
+    "        if rank == 0:\n"
+    "            print(f'  successfully saved checkpoint from iteration {it:7d} to /ckpt [ t 1/1, p 1/1 ]',"
+    " flush=True)\n"
+    "time.sleep(1.0)\n"
+)]
+
+
+def test_megatrons_rank_0_is_not_hung_by_the_silence_after_its_checkpoint_lines(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path) -> None:
+    """A checkpoint line armed the warm-up silence bound (warmup_hang_s, here 1 s for 1800 s) of every
+    rank of rank 0's node; rank 0 never prints progress, so it was reported hung that long after every
+    save (the reviewer's repro 3)."""
+    a = Agent(dataclasses.replace(settings(etcd_server, "a0", tmp_path), warmup_iterations=1, warmup_hang_s=1.0))
+    th = threading.Thread(target=a.run, daemon=True)
+    th.start()
+    try:
+        assert a.ready.wait(30)
+        assign(store, "a0", task("split", MEGATRON_SPLIT, [0, 1], 2, store_node="a0"))
+
+        def phases() -> dict[int, str | None] | None:
+            st = status(store, "a0")
+            got = {r.rank: r.phase for r in st.ranks if r.task == "split"} if st else {}
+            return got if len(got) == 2 else None
+
+        # None before the first checkpoint line: train only once the save ended
+        wait_for(lambda: phases() == {0: protocol.PHASE_TRAIN, 1: protocol.PHASE_TRAIN} or None, 30,
+                 "the save's end shown for both ranks")
+        time.sleep(2.5)  # > warmup_hang_s after the save; the ranks run 3.5 s more
+        hangs = [r for r in reports(store) if r.kind is ErrorKind.TASK_HANG and r.rank == 0]
+        assert not hangs, [r.message for r in hangs]
+    finally:
+        a.stop()
+        th.join(30)
