@@ -143,6 +143,9 @@ class _GpuWorker:
         self.delay = monitor._backoff[0]
         self.lost_reported = False
         self.last_kind_ts: dict[ErrorKind, float] = {}
+        # kinds the latest poll found turned bad: the driver's event for the same fault may still be
+        # queued (a poll right after a backoff sees the counter first), and is then not reported again
+        self.polled: set[ErrorKind] = set()
 
     def step(self) -> None:
         try:
@@ -150,7 +153,11 @@ class _GpuWorker:
                 self._poll()
             timeout = min(max(0.0, self.next_poll - time.monotonic()), self.m._max_block)
             event = self.m.backend.wait_event(self.gpu, timeout)
-            if event is not None:
+            if event is not None and event.reportable and event.kind in self.polled:
+                self.polled.discard(event.kind)  # the driver's own report of what the poll found
+                log.info("GPU event already reported from the health poll", gpu=self.gpu, kind=event.kind.value,
+                         detail=event.message)
+            elif event is not None:
                 self._forward(event)
             self.delay = self.m._backoff[0]
         except GpuLost as exc:
@@ -164,10 +171,13 @@ class _GpuWorker:
         health = self.m.backend.health(self.gpu)
         self.lost_reported = False
         self.m._record_health(health)
+        self.polled = set()
         for event in health_transitions(self.prev, health):
-            if self.last_kind_ts.get(event.kind, -1.0) >= self.prev_poll_ts and self.prev is not None:
+            if self._delivered_since_poll(event.kind):
                 continue  # already delivered from the driver's own event since the previous poll
             self._forward(event)
+            if event.reportable:
+                self.polled.add(event.kind)
         self.prev, self.prev_poll_ts = health, health.ts
 
     def _forward(self, event: GpuEvent) -> None:
@@ -175,10 +185,15 @@ class _GpuWorker:
             self.last_kind_ts[event.kind] = event.ts
         self.m._deliver(event)
 
+    def _delivered_since_poll(self, kind: ErrorKind) -> bool:
+        return self.prev is not None and self.last_kind_ts.get(kind, -1.0) >= self.prev_poll_ts
+
     def _lost(self, exc: GpuLost) -> None:
         if not self.lost_reported:
             self.lost_reported = True
-            self._forward(GpuEvent(self.gpu, ErrorKind.GPU_DRIVER_ERROR, None, f"GPU lost: {exc}"))
+            # the driver announces a GPU falling off the bus (XID 79) before NVML answers "lost": one fault
+            if self.last_kind_ts.get(ErrorKind.GPU_DRIVER_ERROR, -1.0) < self.prev_poll_ts:
+                self._forward(GpuEvent(self.gpu, ErrorKind.GPU_DRIVER_ERROR, None, f"GPU lost: {exc}"))
         log.warning("GPU lost; will retry", gpu=self.gpu, retry_s=self.delay, error=str(exc))
         self._back_off()
 

@@ -212,3 +212,44 @@ def test_health_transitions_only_report_what_turned_bad() -> None:
     assert [e.kind for e in health_transitions(_h(action=None), _h(action="drain_p2p"))] == [
         ErrorKind.GPU_DRIVER_ERROR]
     assert health_transitions(_h(pending=True), _h(pending=True)) == []
+
+
+def test_a_fault_the_poll_saw_before_the_drivers_event_is_reported_once() -> None:
+    """A poll right after a backoff (NVML calls fail around GPU faults) sees the DBE counter before the
+    thread reads the driver's event for the same error: it was reported twice (reviewer's repro 6)."""
+    backend = SimulatedBackend(1)
+    rec = Recorder()
+    monitor = GpuMonitor(backend, rec.on_event, rec.on_health, 0.5, backoff_s=(0.2, 0.2))
+    monitor.start()
+    try:
+        rec.wait_health(lambda h: h.gpu == 0)  # the baseline poll
+        backend.fail_health(0, 1)
+        time.sleep(0.6)  # the next poll fails: the thread backs off 0.2 s
+        backend.inject_ecc(0, double_bit=True)  # counter and the driver's event, while it backs off
+        rec.wait_health(lambda h: h.ecc_dbe == 1)
+        time.sleep(0.1)  # the queued event is read right after that poll
+        assert [e.kind for _, e in rec.events] == [ErrorKind.ECC_ERROR]
+        time.sleep(0.8)
+        backend.inject_xid(0, 48)  # a later fault of the same kind, after the next poll: reported
+        assert [e.kind for e in rec.wait_events(2)] == [ErrorKind.ECC_ERROR] * 2
+    finally:
+        monitor.stop()
+        backend.close()
+
+
+def test_a_gpu_that_falls_off_the_bus_after_its_xid_79_is_reported_once() -> None:
+    """XID 79, after which NVML answers GPU_IS_LOST: two GPU driver errors for one fault (repro 6b)."""
+    backend = SimulatedBackend(1)
+    rec = Recorder()
+    monitor = GpuMonitor(backend, rec.on_event, rec.on_health, 0.05)
+    monitor.start()
+    try:
+        rec.wait_health(lambda h: h.gpu == 0)
+        backend.inject_xid(0, 79)
+        backend.set_lost(0)
+        rec.wait_events(1)
+        time.sleep(0.3)  # several polls: the loss is seen
+        assert [(e.kind, e.xid) for _, e in rec.events] == [(ErrorKind.GPU_DRIVER_ERROR, 79)]
+    finally:
+        monitor.stop()
+        backend.close()
