@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import queue
-import re
 import secrets
 import signal
 import sys
@@ -118,16 +117,6 @@ class ReportPublisher:
 
 class NodeNameTaken(ConfigError):
     """Another live agent holds this node's registration."""
-
-
-#: the data-parallel size in a RegroupDone's detail (unicron.runtime.scheduler's ``... dp=N it=...``)
-_DP = re.compile(r"\bdp=(\d+)\b")
-
-
-def _regroup_dp(detail: str) -> int | None:
-    """The data-parallel size a rank regrouped to, None when its detail does not say (another runtime)."""
-    m = _DP.search(detail)
-    return int(m.group(1)) if m else None
 
 
 def _link_address(record: bytes) -> str | None:
@@ -595,7 +584,7 @@ class Agent:
         elif isinstance(msg, protocol.RegroupDone):
             # A new data-parallel size changes each rank's share of micro-batches, so its iteration time:
             # only then is the baseline forgotten (the same members after a transient fault keep the pace)
-            dp = _regroup_dp(msg.detail) if msg.ok else None
+            dp = msg.dp if msg.ok and msg.dp > 0 else None
             forgot = mon.reconfigured(dp)
             log.info("rank regrouped", task=task, rank=rank, epoch=msg.epoch, ok=msg.ok, detail=msg.detail,
                      baseline="reset" if forgot else "kept")

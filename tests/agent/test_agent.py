@@ -724,7 +724,7 @@ def test_a_wall_clock_step_is_not_taken_for_a_hang(agents: dict[str, Agent], sto
 REATTEMPT_THEN_HANG = [sys.executable, "-c", (
     "import time; from unicron.kernel import protocol; from unicron.kernel.client import AgentClient\n"
     "c = AgentClient.from_env().connect()\n"
-    "c.send(protocol.RegroupDone(epoch=0, ok=True, detail='start: members=[0] dp=1 it=0'))\n"
+    "c.send(protocol.RegroupDone(epoch=0, ok=True, detail='start: members=[0] dp=1 it=0', dp=1))\n"
     "for s in range(60):\n"
     "    with c.iteration(s):\n"
     "        time.sleep(0.05)\n"
@@ -732,7 +732,7 @@ REATTEMPT_THEN_HANG = [sys.executable, "-c", (
     "            c.report_exception(ConnectionResetError('Connection reset by peer'), fatal=False)\n"
     "            with c.phase(protocol.PHASE_REGROUP):\n"
     "                time.sleep(0.05)\n"
-    "                c.send(protocol.RegroupDone(epoch=1, ok=True, detail='reattempt: members=[0] dp=1 it=30'))\n"
+    "                c.send(protocol.RegroupDone(epoch=1, ok=True, detail='reattempt: members=[0] dp=1 it=30', dp=1))\n"
     "        if s == 33:\n"
     "            time.sleep(1000)\n"
 )]

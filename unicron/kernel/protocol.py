@@ -127,6 +127,9 @@ class RegroupDone(Message):
     ok: bool
     detail: str = ""
     ts: float = field(default_factory=time.time)
+    dp: int = 0
+    """The data-parallel size the rank regrouped to (0: not said): each rank's share of an iteration's
+    micro-batches, so its pace, changes with it; the agent keeps what it learned of the pace otherwise."""
 
 
 @dataclass(frozen=True)

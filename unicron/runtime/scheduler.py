@@ -843,7 +843,7 @@ class Trainer(Generic[BatchT]):
             self._regrouped_at = time.monotonic()  # a recovery: what an agent's Regroup would ask for
         dp = len(self.topo.replicas_in(rec.members))
         detail = f"{reason.value}: members={list(rec.members)} dp={dp} it={self.it}"
-        self.client.send(protocol.RegroupDone(epoch=rec.epoch, ok=ok, detail=detail))
+        self.client.send(protocol.RegroupDone(epoch=rec.epoch, ok=ok, detail=detail, dp=dp))
         self._event("regroup", epoch=rec.epoch, reason=reason.value, members=list(rec.members), it=self.it,
                     seconds=time.time() - t0, **{k: round(v, 4) for k, v in self.membership.timing.items()})
         self.log.info("regrouped", epoch=rec.epoch, reason=reason.value, members=list(rec.members), step=self.it,
