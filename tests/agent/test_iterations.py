@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import pytest
 
@@ -450,8 +450,10 @@ def test_a_reported_hang_that_ends_leaves_no_deadline_in_the_past() -> None:
     assert deadline is None or deadline > later, f"deadline {deadline} is in the past at {later}"
 
 
-def test_the_watcher_does_not_spin_after_a_reported_hang_ended() -> None:
-    """The same through the watcher thread: it busy-loops (check + deadline at timeout 0) on the agent."""
+def _checks_after_an_ended_hang(begin: Callable[[IterationMonitor], None],
+                                 end: Callable[[IterationMonitor], None]) -> int:
+    """How often the watcher thread calls check() in 0.3 s once a hang ``begin`` made was reported and
+    ``end`` ended it, with nothing left to watch (it busy-looped: check + deadline at timeout 0)."""
     s = IterationSettings(warmup_iterations=0, min_samples=5, hang_repeat_s=0.05)
     checks = 0
     found = threading.Event()
@@ -463,21 +465,26 @@ def test_the_watcher_does_not_spin_after_a_reported_hang_ended() -> None:
             return super().check(now)
 
     mon = Counting(s)
-    now = time.monotonic()
-    feed(mon, [0.01] * 10, t0=now - 1.0)
+    feed(mon, [0.01] * 10, t0=time.monotonic() - 1.0)
     watcher = HangWatcher(lambda key, f: found.set())
     watcher.start()
     try:
         watcher.add("r", mon)
-        mon.iter_start(10, time.monotonic())
+        begin(mon)
         assert found.wait(2.0)
-        mon.iter_end(10, 0.2, time.monotonic())  # ended after all; no next iteration yet
+        end(mon)
         time.sleep(0.1)  # past the repeat time
         before = checks
         time.sleep(0.3)
-        spins = checks - before
+        return checks - before
     finally:
         watcher.stop()
+
+
+def test_the_watcher_does_not_spin_after_a_reported_hang_ended() -> None:
+    """The same through the watcher thread: it busy-loops (check + deadline at timeout 0) on the agent."""
+    spins = _checks_after_an_ended_hang(lambda mon: mon.iter_start(10, time.monotonic()),
+                                        lambda mon: mon.iter_end(10, 0.2, time.monotonic()))  # no next one yet
     assert spins < 20, f"the hang watcher called check() {spins} times in 0.3 s with nothing to watch"
 
 
@@ -503,31 +510,8 @@ def test_a_wait_between_iterations_reported_as_a_hang_that_ends_leaves_no_deadli
 
 def test_the_watcher_does_not_spin_after_a_wait_between_iterations_was_reported() -> None:
     """The same through the watcher thread (reviewer's repro 8): 100 % CPU until the rank's next input."""
-    s = IterationSettings(warmup_iterations=0, min_samples=5, hang_repeat_s=0.05)
-    checks = 0
-    found = threading.Event()
-
-    class Counting(IterationMonitor):
-        def check(self, now: float):  # type: ignore[no-untyped-def]
-            nonlocal checks
-            checks += 1
-            return super().check(now)
-
-    mon = Counting(s)
-    feed(mon, [0.01] * 10, t0=time.monotonic() - 1.0)
-    watcher = HangWatcher(lambda key, f: found.set())
-    watcher.start()
-    try:
-        watcher.add("r", mon)
-        mon.phase("data", time.monotonic())  # 10 x 10 ms: reported 0.1 s later
-        assert found.wait(2.0)
-        mon.phase("train", time.monotonic())  # the data came; no next iteration yet
-        time.sleep(0.1)  # past the repeat time
-        before = checks
-        time.sleep(0.3)
-        spins = checks - before
-    finally:
-        watcher.stop()
+    spins = _checks_after_an_ended_hang(lambda mon: mon.phase("data", time.monotonic()),  # 10 x 10 ms
+                                        lambda mon: mon.phase("train", time.monotonic()))  # the data came
     assert spins < 20, f"the hang watcher called check() {spins} times in 0.3 s with nothing to watch"
 
 

@@ -20,6 +20,7 @@ from coordinator.grounding import (
     reliability,
     transition_times,
 )
+from coordinator.tasks import TaskSpec
 from plans.api import ReliabilityModel
 from sim.workload import gpt3_task
 from tests.coordinator.test_decision import SEV1_KIND, SEV3_KIND, Sim, one, running_cluster
@@ -90,7 +91,8 @@ def test_a_measured_point_moves_only_beyond_the_tolerance() -> None:
     assert m.with_point(16, 150.0).calibration() is not None
 
 
-def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None:
+def _measured(steps: list[int]) -> tuple[Grounding, TaskSpec, d.CoreState]:
+    """Task ``a`` (GPT-3 1.3B) running on 8 GPUs, reporting ``steps`` one every 2 s, each decision fed."""
     spec = gpt3_task("a", "1.3B", 1.0)
     core = d.DecisionCore()
     state = core.initial_state()
@@ -99,10 +101,17 @@ def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None
     state, _ = core.handle(state, d.ActionSucceeded(ts=1.0, action_id=acts[0].action_id))
     g = Grounding(ReliabilityModel())
     gen = state.tasks["a"].generation
-    for i, step in enumerate(range(1, 6)):  # one step every 2 s at 8 GPUs
+    for i, step in enumerate(steps):
         event = d.ProgressMade(ts=10.0 + 2 * i, task="a", step=step, generation=gen)
         state, _ = core.handle(state, event)
         g.decided(state, event, None, [])
+        flops = g.achieved_flops("a")
+        assert flops is None or math.isfinite(flops)
+    return g, spec, state
+
+
+def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None:
+    g, spec, state = _measured(list(range(1, 6)))  # one step every 2 s at 8 GPUs
     expected = model_spec(spec).flops_per_iteration / 2.0
     assert g.achieved_flops("a") == pytest.approx(expected)
     inc = dataclasses.replace(_incident(3, "reconfigure", 42.0, ["a"]))
@@ -199,21 +208,7 @@ def test_an_absurd_step_is_not_measured_and_the_next_reports_are() -> None:
     """One status record with a step of ~1e300 made the measured FLOP/s ``inf``, which a later point
     never replaced (``abs(x - inf) <= 0.1 * inf``); the planner's calibration refused it after every
     decision from then on (review reproduction: 17 refused inputs in 3 s, every submit an error)."""
-    spec = gpt3_task("a", "1.3B", 1.0)
-    core = d.DecisionCore()
-    state = core.initial_state()
-    state, _ = core.handle(state, d.NodeJoined(ts=0.0, node="n1", gpus=8))
-    state, acts = core.handle(state, d.TaskSubmitted(ts=0.0, spec=spec))
-    state, _ = core.handle(state, d.ActionSucceeded(ts=1.0, action_id=acts[0].action_id))
-    g = Grounding(ReliabilityModel())
-    gen = state.tasks["a"].generation
-    steps = [1, 2, 3, 4, 10**300, 10**300 + 1, 10**300 + 2, 10**300 + 3, 10**300 + 4]
-    for i, step in enumerate(steps):
-        event = d.ProgressMade(ts=10.0 + 2 * i, task="a", step=step, generation=gen)
-        state, _ = core.handle(state, event)
-        g.decided(state, event, None, [])
-        flops = g.achieved_flops("a")
-        assert flops is None or math.isfinite(flops)
+    g, spec, _ = _measured([1, 2, 3, 4, 10**300, 10**300 + 1, 10**300 + 2, 10**300 + 3, 10**300 + 4])
     assert g.achieved_flops("a") == pytest.approx(model_spec(spec).flops_per_iteration / 2.0)
     alloc = WafAllocator("A800")
     g.apply(alloc)  # the calibration takes it (it refused inf with an error)

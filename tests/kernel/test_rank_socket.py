@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,11 +76,9 @@ def test_an_exception_whose_str_raises_is_still_reported() -> None:
     assert _one_line(Unprintable()) == "Unprintable: <exception str() failed>"
 
 
-def test_inject_slow_with_a_large_iteration_count_does_not_kill_the_instruction_reader(tmp_path: Path) -> None:
-    """The rank's reader expanded an InjectSlow into ``[msg] * iterations``: a large count was a
-    MemoryError on that thread, which died, and the rank never again got Stop, Regroup, Leave or
-    StoreMoved. Now the slowdown is one (delay, iterations left) entry counted down per iteration, and
-    an Injection record (what 'unicron inject slow --iterations' writes) refuses a count over the bound."""
+@pytest.fixture
+def connected(tmp_path: Path) -> Iterator[tuple[AgentClient, wire.LineSocket]]:
+    """A rank's client connected to the agent's end of a real Unix socket."""
     path = str(tmp_path / "agent.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -87,50 +86,50 @@ def test_inject_slow_with_a_large_iteration_count_does_not_kill_the_instruction_
     client = AgentClient(rank=0, local_rank=0, task="t", socket_path=path).connect()
     agent = wire.LineSocket(listener.accept()[0])
     try:
-        assert isinstance(protocol.parse(wire.decode(agent.recv_line() or b"")), protocol.Hello)
-        agent.send(protocol.InjectSlow(delay_s=0.0, iterations=2**62).to_wire())
-        agent.send(protocol.Stop(reason="operator").to_wire())
-        got = client.next_instruction(timeout=3.0)
-        assert isinstance(got, protocol.Stop), f"the rank's reader died on the inject: next instruction {got!r}"
-        client.check_injected()
-        client.check_injected()
-        assert list(client._pending_slow) == [(0.0, 2**62 - 2)]
+        yield client, agent
     finally:
         client.close()
         agent.close()
         listener.close()
+
+
+def test_inject_slow_with_a_large_iteration_count_does_not_kill_the_instruction_reader(
+        connected: tuple[AgentClient, wire.LineSocket]) -> None:
+    """The rank's reader expanded an InjectSlow into ``[msg] * iterations``: a large count was a
+    MemoryError on that thread, which died, and the rank never again got Stop, Regroup, Leave or
+    StoreMoved. Now the slowdown is one (delay, iterations left) entry counted down per iteration, and
+    an Injection record (what 'unicron inject slow --iterations' writes) refuses a count over the bound."""
+    client, agent = connected
+    assert isinstance(protocol.parse(wire.decode(agent.recv_line() or b"")), protocol.Hello)
+    agent.send(protocol.InjectSlow(delay_s=0.0, iterations=2**62).to_wire())
+    agent.send(protocol.Stop(reason="operator").to_wire())
+    got = client.next_instruction(timeout=3.0)
+    assert isinstance(got, protocol.Stop), f"the rank's reader died on the inject: next instruction {got!r}"
+    client.check_injected()
+    client.check_injected()
+    assert list(client._pending_slow) == [(0.0, 2**62 - 2)]
     with pytest.raises(InvalidRecord, match=r"Injection.iterations: 1000001 is not in \[1, 1000000\]"):
         Injection(fault=Fault.SLOW, iterations=MAX_SLOW_ITERATIONS + 1)
 
 
 def test_an_injected_delay_out_of_range_is_clamped_not_the_ranks_end(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    connected: tuple[AgentClient, wire.LineSocket], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Before: 'unicron inject slow --delay 1e300' was accepted (it is finite) and the rank's
     time.sleep(1e300) raised OverflowError at its next iteration (a negative delay from another writer
     was a ValueError there): the rank died and the task took a sev2 restart. Now the rank clamps the
     delay to [0, MAX_SLOW_DELAY_S] (with a warning), and an Injection record refuses one over it."""
-    path = str(tmp_path / "agent.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    client = AgentClient(rank=0, local_rank=0, task="t", socket_path=path).connect()
-    agent = wire.LineSocket(listener.accept()[0])
+    client, agent = connected
     slept: list[float] = []
     monkeypatch.setattr("unicron.kernel.client.time.sleep", slept.append)
-    try:
-        assert isinstance(protocol.parse(wire.decode(agent.recv_line() or b"")), protocol.Hello)
-        agent.send(protocol.InjectSlow(delay_s=1e300).to_wire())
-        agent.send(protocol.InjectSlow(delay_s=-1.0).to_wire())
-        agent.send(protocol.Stop(reason="operator").to_wire())
-        assert isinstance(client.next_instruction(timeout=3.0), protocol.Stop)
-        client.check_injected()
-        client.check_injected()
-        assert slept == [3600.0, 0.0]  # protocol.MAX_SLOW_DELAY_S
-    finally:
-        client.close()
-        agent.close()
-        listener.close()
+    assert isinstance(protocol.parse(wire.decode(agent.recv_line() or b"")), protocol.Hello)
+    agent.send(protocol.InjectSlow(delay_s=1e300).to_wire())
+    agent.send(protocol.InjectSlow(delay_s=-1.0).to_wire())
+    agent.send(protocol.Stop(reason="operator").to_wire())
+    assert isinstance(client.next_instruction(timeout=3.0), protocol.Stop)
+    client.check_injected()
+    client.check_injected()
+    assert slept == [3600.0, 0.0]  # protocol.MAX_SLOW_DELAY_S
     with pytest.raises(InvalidRecord, match=r"Injection.delay_s: 3600.5 is not a number of seconds in \[0, 3600\]"):
         Injection(fault=Fault.SLOW, delay_s=3600.5)
 
