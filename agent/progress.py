@@ -18,12 +18,20 @@ the usual interval", which is the paper's 3 x D_iter when a job logs every itera
 1.1x degradation rule is unchanged. Megatron's ``saving checkpoint at iteration`` ...
 ``successfully saved checkpoint`` lines bracket a non-training phase (Megatron pauses its timer for
 it, and so does the hang clock).
+
+Megatron-LM evaluates right after the progress line of every ``--eval-interval``-th iteration and
+prints nothing until it is done (then its ``validation loss at iteration N`` box): with a short log
+interval the silence read as a hang, and every evaluation cost a restart. The job's own flags tell
+when (``--eval-interval``, Megatron's default 1000; ``--eval-iters 0``: none), so that progress line
+begins an ``eval`` phase, which the validation line ends, or else the next progress line (no
+validation data: nothing was evaluated). Like a checkpoint, the phase has no bound of its own.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.iterations import IterationMonitor
@@ -38,6 +46,10 @@ MEGATRON_ITERATION = re.compile(
 #: Megatron-LM's save_checkpoint brackets (printed by rank 0)
 MEGATRON_SAVE_START = re.compile(r"\bsaving checkpoint at iteration\s+\d+")
 MEGATRON_SAVE_END = re.compile(r"\bsuccessfully saved checkpoint (from|at) iteration\s+\d+")
+#: the end of Megatron-LM's evaluation (``evaluate_and_print_results``, on the last rank)
+MEGATRON_EVAL_END = re.compile(r"\bvalidation loss at iteration\s+\d+")
+#: Megatron-LM's default (``megatron/training/arguments.py``): an evaluation every 1000 iterations
+MEGATRON_EVAL_INTERVAL = 1000
 PHASE_CHECKPOINT = "checkpoint"
 
 #: the variable (task env or agent setting) holding a job's own progress regex
@@ -52,6 +64,29 @@ class Progress:
     """The last completed iteration."""
     per_iteration_s: float | None
     """The job's own mean time per iteration since its previous line, when it prints one."""
+    megatron: bool = False
+    """Megatron-LM's own line (its evaluation schedule applies)."""
+
+
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in ``argv`` (the last one wins, as argparse's)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg[len(name) + 1:]
+    return value
+
+
+def megatron_eval_interval(argv: Sequence[str]) -> int:
+    """Iterations between the evaluations a Megatron-LM job runs (0: none), from its own flags."""
+    try:
+        if int(_flag(argv, "--eval-iters") or 1) <= 0:
+            return 0
+        return max(0, int(_flag(argv, "--eval-interval") or MEGATRON_EVAL_INTERVAL))
+    except ValueError:  # not numbers: Megatron would refuse them; its default is the best guess
+        return MEGATRON_EVAL_INTERVAL
 
 
 def compile_regex(pattern: str) -> re.Pattern[str]:
@@ -68,8 +103,10 @@ def compile_regex(pattern: str) -> re.Pattern[str]:
 class LineParser:
     """Recognises progress and checkpoint lines (Megatron-LM's, plus an optional custom regex)."""
 
-    def __init__(self, custom: re.Pattern[str] | None = None) -> None:
+    def __init__(self, custom: re.Pattern[str] | None = None, eval_interval: int = 0) -> None:
+        """``eval_interval``: Megatron-LM's ``--eval-interval`` of the job (0: it does not evaluate)."""
         self.patterns = (custom, MEGATRON_ITERATION) if custom is not None else (MEGATRON_ITERATION,)
+        self.eval_interval = eval_interval
 
     def progress(self, line: str) -> Progress | None:
         if "iteration" not in line and len(self.patterns) == 1:
@@ -89,12 +126,18 @@ class LineParser:
                     per = None
             except (TypeError, ValueError):
                 continue  # a group matched something that is not a number: not a progress line
-            return Progress(iteration, per)
+            return Progress(iteration, per, megatron=rx is MEGATRON_ITERATION)
         return None
+
+    def evaluates_after(self, p: Progress) -> bool:
+        """Whether Megatron-LM evaluates right after this progress line."""
+        return p.megatron and self.eval_interval > 0 and p.iteration % self.eval_interval == 0
 
     @staticmethod
     def phase(line: str) -> str | None:
-        """The phase a line begins (Megatron's checkpoint saves), or None."""
+        """The phase a line begins (Megatron's checkpoint saves; training after an evaluation), or None."""
+        if "validation loss" in line and MEGATRON_EVAL_END.search(line):
+            return PHASE_TRAIN
         if "checkpoint" not in line:
             return None
         if MEGATRON_SAVE_END.search(line):

@@ -47,7 +47,7 @@ from typing import Protocol
 
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
-from agent.progress import ENV_PROGRESS_REGEX, LineParser, Progress, compile_regex
+from agent.progress import ENV_PROGRESS_REGEX, LineParser, Progress, compile_regex, megatron_eval_interval
 from agent.sidecar import START_TIMEOUT_S, StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, RankStillRunning, Supervisor
 from unicron.kernel import log as ulog
@@ -239,6 +239,7 @@ class TaskReconciler:
         self.launched_pid: dict[int, int] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
+        self._evaluating: set[int] = set()  # ranks whose last progress line began a Megatron evaluation
         self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
                                      on_line=self._on_line)
         self.started = self._submit(_Command(assignment, "assigned", Outcome(self.task)))
@@ -248,11 +249,12 @@ class TaskReconciler:
     def _line_parser(self, a: TaskAssignment) -> LineParser:
         """Megatron-LM's lines, plus the task's own regex (its env) or else the agent's."""
         pattern = a.env.get(ENV_PROGRESS_REGEX) or self.host.progress_regex
+        evals = megatron_eval_interval(a.argv)
         try:
-            return LineParser(compile_regex(pattern) if pattern else None)
+            return LineParser(compile_regex(pattern) if pattern else None, evals)
         except ConfigError as exc:
             log.error("progress regex ignored; only Megatron-LM's lines are parsed", task=a.task, error=str(exc))
-            return LineParser()
+            return LineParser(eval_interval=evals)
 
     # --- requests (any thread; never block) -------------------------------------------------------
 
@@ -962,5 +964,14 @@ class TaskReconciler:
     def _on_line(self, rank: int, pid: int, line: str, mono: float) -> None:
         progress = self.parser.progress(line)
         phase = None if progress is not None else self.parser.phase(line)
+        if progress is not None and rank in self._evaluating:
+            # no validation line came (a job without validation data evaluates nothing): training it was
+            self._evaluating.discard(rank)
+            self.host.rank_progress(self.task, rank, None, protocol.PHASE_TRAIN, mono, pid)
         if progress is not None or phase is not None:
             self.host.rank_progress(self.task, rank, progress, phase, mono, pid)
+        if phase == protocol.PHASE_TRAIN:
+            self._evaluating.discard(rank)
+        if progress is not None and self.parser.evaluates_after(progress):
+            self._evaluating.add(rank)  # Megatron-LM evaluates now, printing nothing until it is done
+            self.host.rank_progress(self.task, rank, None, protocol.PHASE_EVAL, mono, pid)

@@ -2,6 +2,8 @@
 
 ``--hang-after N``: after N lines it stops printing and sleeps (a hang, as a stuck collective looks
 from outside). The agent parses the lines (``agent/progress.py``) and reports the hang.
+``--eval-interval N --eval-ms M``: after the line of every N-th iteration it evaluates for M ms, printing
+nothing until Megatron's ``validation loss at iteration`` box (``evaluate_and_print_results``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ def main() -> int:
     p.add_argument("--log-interval", type=int, default=10, help="iterations per line (Megatron's --log-interval)")
     p.add_argument("--iter-ms", type=float, default=20.0, help="milliseconds per iteration")
     p.add_argument("--hang-after", type=int, default=0, help="stop after this many lines and sleep (0: never)")
+    p.add_argument("--eval-interval", type=int, default=0, help="evaluate every N iterations (0: never)")
+    p.add_argument("--eval-ms", type=float, default=0.0, help="milliseconds an evaluation takes")
     args = p.parse_args()
     total = args.lines * args.log_interval
     for n in range(1, args.lines + 1):
@@ -27,6 +31,11 @@ def main() -> int:
               f" elapsed time per iteration (ms): {args.iter_ms:.1f} | learning rate: 1.500000E-04 |"
               f" global batch size:    64 | lm loss: 1.043863E+01 | loss scale: 1.0 | grad norm: 2.620 |"
               f" number of skipped iterations:   0 | number of nan iterations:   0 |", flush=True)
+        if args.eval_interval and it % args.eval_interval == 0:
+            time.sleep(args.eval_ms / 1000.0)  # forward passes only; Megatron prints when done
+            print("-" * 100)
+            print(f" validation loss at iteration {it} | lm loss value: 1.043863E+01 | lm loss PPL: 3.4E+04 | ")
+            print("-" * 100, flush=True)
     return 0
 
 

@@ -69,6 +69,22 @@ def test_a_megatron_job_that_stops_printing_is_a_task_hang(agent: Agent, store: 
     assert len(lines) == 12 and "iteration      120/     300" in lines[-1]
 
 
+def test_a_megatron_evaluation_is_no_hang_and_a_hang_after_it_still_is(agent: Agent, store: Store) -> None:
+    """Megatron-LM evaluates after the line of every --eval-interval-th iteration and prints nothing
+    until it is done: with a line per iteration, each evaluation (8 intervals here) was reported as a
+    hang, a restart per evaluation (review reproduction). The job's flags say when it evaluates; the
+    silence until its validation line is the eval phase. A hang later is still found."""
+    argv = [*MEGATRON_LOG, "--lines", "40", "--log-interval", "1", "--iter-ms", "50", "--eval-interval", "10",
+            "--eval-ms", "400", "--hang-after", "35"]
+    assign(store, "a0", task("mega", argv, [0], 1, store_node="a0"))
+
+    def hang() -> Report | None:
+        return next((r for r in reports(store) if r.kind is ErrorKind.TASK_HANG), None)
+
+    found = wait_for(hang, 30, "the hang after the evaluations")
+    assert found.step == 35, f"a hang reported at step {found.step}: {found.message}"
+
+
 def test_a_jobs_own_progress_regex_from_its_env(agent: Agent, store: Store) -> None:
     code = "import time\nfor i in range(1, 6):\n    print(f'epoch 0 batch {i*7} done', flush=True); time.sleep(0.05)\n"
     t = dataclasses.replace(task("own", [sys.executable, "-c", code], [0], 1, store_node="a0"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.iterations import IterationMonitor, IterationSettings
-from agent.progress import LineParser, LogProgress, Progress, compile_regex
+from agent.progress import LineParser, LogProgress, Progress, compile_regex, megatron_eval_interval
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.protocol import PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
@@ -54,7 +54,7 @@ def test_custom_regex_with_and_without_elapsed_time() -> None:
     timed = LineParser(compile_regex(r"step (?P<iteration>\d+) took (?P<elapsed_s>[\d.]+)s"))
     assert timed.progress("INFO step 42 took 0.25s loss=1.0") == Progress(42, 0.25)
     # Megatron's lines still count next to a custom regex.
-    assert timed.progress(MEGATRON[0][0]) == Progress(10, pytest.approx(1.2345))  # type: ignore[arg-type]
+    assert timed.progress(MEGATRON[0][0]) == Progress(10, pytest.approx(1.2345), megatron=True)  # type: ignore[arg-type]
     bare = LineParser(compile_regex(r"^epoch \d+ batch (?P<iteration>\d+)$"))
     assert bare.progress("epoch 1 batch 17") == Progress(17, None)
     assert bare.progress("epoch 1 batch x17") is None
@@ -114,3 +114,19 @@ def test_a_checkpoint_save_pauses_the_hang_clock() -> None:
     assert mon.deadline() is None  # a 30-second save is not a hang
     mon.phase(PHASE_TRAIN, 40.0)
     assert mon.deadline() == pytest.approx(43.0)
+
+
+def test_megatrons_evaluation_schedule_comes_from_the_jobs_flags() -> None:
+    assert megatron_eval_interval(["python", "pretrain_gpt.py", "--eval-interval", "200"]) == 200
+    assert megatron_eval_interval(["python", "pretrain_gpt.py", "--eval-interval=50"]) == 50
+    assert megatron_eval_interval(["python", "pretrain_gpt.py"]) == 1000  # Megatron's default
+    assert megatron_eval_interval(["pretrain_gpt.py", "--eval-interval", "200", "--eval-iters", "0"]) == 0
+    parser = LineParser(eval_interval=200)
+    line = (" [2025-08-01 07:19:37] iteration      200/    1000 | consumed samples: 12800 |"
+            " elapsed time per iteration (ms): 1234.5 | learning rate: 1.5E-04 |")
+    p = parser.progress(line)
+    assert p is not None and p.megatron and parser.evaluates_after(p)
+    assert LineParser.phase(" validation loss at iteration 200 | lm loss value: 1.04E+01 |") == "train"
+    custom = LineParser(compile_regex(r"^step (?P<iteration>\d+)"), eval_interval=200)
+    q = custom.progress("step 200 loss 1.0")
+    assert q is not None and not custom.evaluates_after(q)  # a job's own line: Megatron's schedule is not its
