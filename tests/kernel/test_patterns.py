@@ -71,6 +71,9 @@ BENIGN = [
     "WARNING preflight: gpu driver 535.104 is older than the recommended 550",
     "INFO trainer: NCCL timeout set to 1800 s",
     "NVLink errors: 0",
+    "INFO gpu0: 0 uncorrected ECC errors",
+    "INFO gpu0: no ECC errors found",
+    "INFO 18 NVLink links active, 0 errors",
 ]
 
 
@@ -87,6 +90,11 @@ def test_informational_lines_name_no_fault(text: str) -> None:
     ("Xid 74: NVLink failed on link 2", K.NVLINK_ERROR),
     ("NCCL WARN Timeout: collective timed out after 1800 s", K.NCCL_TIMEOUT),
     ("the gpu driver crashed", K.GPU_DRIVER_ERROR),
+    # torch's C10D_NCCL_CHECK_TIMEOUT (NCCLUtils.hpp), and the abort that quotes it
+    ("torch.distributed.DistBackendError: NCCL timeout in: ProcessGroupNCCL.cpp:1691", K.NCCL_TIMEOUT),
+    ("RuntimeError: NCCL communicator was aborted on rank 3. Original reason for failure was: NCCL timeout",
+     K.NCCL_TIMEOUT),
+    ("NVRM: Xid (PCI:0000:3b:00): 48, pid=1234, DBE (double bit error) ECC error", K.ECC_ERROR),
 ])
 def test_faults_are_still_named(text: str, kind: K) -> None:
     assert match(text) is kind

@@ -33,6 +33,7 @@ PATTERNS: tuple[tuple[re.Pattern[str], ErrorKind], ...] = tuple(
         ),
         (
             r"Watchdog caught collective operation timeout|NCCL.{0,40}timed ?out|collective operation timeout"
+            r"|NCCL timeout in:|reason for failure was:.{0,60}\btimeout\b"  # torch's C10D_NCCL_CHECK_TIMEOUT
             r"|NCCL.{0,40}timeout.{0,30}\b(error|exceeded|expired|reached)\b",
             ErrorKind.NCCL_TIMEOUT,
         ),
@@ -52,10 +53,18 @@ PATTERNS: tuple[tuple[re.Pattern[str], ErrorKind], ...] = tuple(
 )
 
 
+#: a count of none ("0 uncorrected ECC errors", "no ECC errors found", "errors: 0"): a health summary
+NONE_COUNTED = re.compile(r"\b(0|no|zero)\s+(\w+\s+){0,3}errors?\b|\berrors?\s*[:=]\s*0\b", re.IGNORECASE)
+#: the kinds a health summary names without a fault
+_COUNTED = frozenset({ErrorKind.ECC_ERROR, ErrorKind.NVLINK_ERROR})
+
+
 def match(text: str) -> ErrorKind | None:
     """The Table 1 status named by ``text``, or None when no known pattern occurs in it."""
     for rx, kind in PATTERNS:
         if rx.search(text):
+            if kind in _COUNTED and NONE_COUNTED.search(text):
+                continue  # "18 NVLink links active, 0 errors" reports health, not a fault
             return kind
     return None
 
