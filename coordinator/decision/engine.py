@@ -399,19 +399,23 @@ class _Run:
     def _do_escalate(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         self._count_restart(entry)
         self._force_replan(name, entry, fault)
-        self._suspect(name, fault, f"restart of task {name} failed: {fault.reason}")
+        self._suspect(name, entry, fault, f"restart of task {name} failed: {fault.reason}")
 
     def _do_reassign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         self._count_restart(entry)
         self._force_replan(name, entry, fault)
-        self._suspect(name, fault, f"assignment of task {name} failed: {fault.reason}")
+        self._suspect(name, entry, fault, f"assignment of task {name} failed: {fault.reason}")
 
-    def _suspect(self, name: str, fault: _Fault, reason: str) -> None:
+    def _suspect(self, name: str, entry: TaskEntry, fault: _Fault, reason: str) -> None:
         """A failed recovery isolates the node it blames (Figure 7's escalation to sev1), on suspicion:
         nothing says whether the node or the task is at fault. Unless the task already had a node
         isolated so in this streak without progress: failing again elsewhere, the fault follows the
-        task (a job that crashes on every launch), so no node is isolated and that one comes back."""
-        if fault.node is None or self._fault_followed(name, fault.node):
+        task (a job that crashes on every launch), so that one comes back, and no node is isolated
+        for the task's failures until it makes progress."""
+        if self._fault_followed(name, fault.node):
+            entry.fault_followed = True
+        # a failure on no one node (a multi-node action) still shows the suspected node was not the cause
+        if fault.node is None or entry.fault_followed:
             return
         self._node_down(fault.node, NodeState.ISOLATED, reason, suspected_by=name)
 
@@ -762,7 +766,7 @@ class _Run:
             entry.last_step = event.step
         if entry.restarts and (entry.no_progress_since is None or event.step > entry.no_progress_since):
             entry = self._task(event.task)
-            entry.restarts, entry.no_progress_since = 0, None
+            entry.restarts, entry.no_progress_since, entry.fault_followed = 0, None, False
             self._confirm_suspicion(event.task)
         if event.generation is None or event.generation != entry.generation:
             return
@@ -874,7 +878,6 @@ class _Run:
             for s in specs
         }
         tp = {s.name: s.tp_size for s in specs}
-        total = sum(usable.values())
         # Each task is offered at most what whole TP groups of it fit on the usable nodes, and one whose
         # minimum does not fit is left out (it waits, _waiting_reason says why): else its share fails to
         # place and the budget loop below takes GPUs from every task until that share is small enough
@@ -895,9 +898,9 @@ class _Run:
                 placement = place(counts, usable, holdings, tp)
             except PermanentError:
                 continue
-            if budget < total:
+            if budget < usable_by_groups:  # a node's GPUs no TP group can use were never on offer
                 self._alert(
-                    f"{total - budget} GPUs left idle: the plan could not be cut into whole TP groups"
+                    f"{usable_by_groups - budget} GPUs left idle: the plan could not be cut into whole TP groups"
                 )
             return counts, placement
         raise PermanentError("decision: not even an empty plan could be placed")  # place({0...}) never fails

@@ -109,6 +109,9 @@ class TaskEntry:
     it (on a node the rank left) proves nothing."""
     restarts: int = 0  # restarts without progress
     no_progress_since: int | None = None  # last step known at the first of those restarts
+    fault_followed: bool = False
+    """In this streak of restarts without progress the task failed again on another node after a failed
+    recovery isolated one on suspicion: its failures are its own, and isolate no node until it progresses."""
     reason: str = ""  # why pending / failed / what the last recovery was for
     submitted_at: float = 0.0
     """When this run of the task was submitted (the core's clock; 0 in states written before it existed):
@@ -270,6 +273,7 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw.setdefault("relaunch_epoch", raw.get("restart_epoch", 0))
     raw.setdefault("submitted_at", 0.0)  # likewise; 0: every kept measurement is taken as this run's
     raw.setdefault("ended_at", 0.0)  # likewise; 0: retired before any task that ended since
+    raw.setdefault("fault_followed", False)  # likewise
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):
         _typed(raw[key], hints[key], _path("tasks", name, key))

@@ -130,3 +130,31 @@ def test_the_suspicion_survives_the_state_codec_and_older_states_load() -> None:
     assert isinstance(nodes, dict)
     del nodes[first]["suspected_by"]  # written by a coordinator from before it existed
     assert d.CoreState.from_dict(raw).nodes[first].suspected_by == ""
+
+
+def test_once_the_fault_followed_the_task_no_failure_isolates_a_node_until_it_progresses() -> None:
+    """The second failure released the suspected node and cleared its mark, so the third, still without
+    progress, found no suspect and isolated its own node again (review reproduction, budget 9)."""
+    sim = crash_loop()
+    for _ in range(3):
+        sim.confirm_all(_escalate(sim))
+    assert all(status == "up" for status, _ in _statuses(sim).values()), _statuses(sim)
+    sim.progress(JOB, 50)  # progress ends the streak: a failed restart is a suspicion again
+    first = min(sim.state.tasks[JOB].placement)
+    _escalate(sim)
+    assert _statuses(sim)[first] == ("isolated", JOB)
+
+
+def test_a_failure_that_names_no_node_brings_the_suspected_node_back() -> None:
+    """A failed multi-node action blames no node; it is the task failing again all the same, elsewhere."""
+    sim = running_cluster({f"n{i}": 8 for i in range(1, 5)}, {JOB: {"min_gpus": 16, "max_gpus": 16}},
+                          Sim(d.DecisionSettings(max_restarts_without_progress=3)))
+    sim.progress(JOB, 3)
+    first = min(sim.state.tasks[JOB].placement)
+    _escalate(sim)
+    assert _statuses(sim)[first] == ("isolated", JOB)
+    pending = sim.state.tasks[JOB].outstanding
+    assert pending is not None
+    sim.feed(d.ActionFailed(ts=sim.ts(), action_id=pending.action_id, reason="assign timed out"))
+    sim.feed(d.TaskCancelled(ts=sim.ts(), task=JOB))
+    assert all(status == "up" for status, _ in _statuses(sim).values()), _statuses(sim)
