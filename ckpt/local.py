@@ -166,10 +166,11 @@ def evict_idle(shared_root: Path, keep: Path, need: int, idle_s: float) -> int:
     a new one (:meth:`LocalStore.lock`)."""
     now = time.time()
     candidates: list[tuple[float, Path]] = []
+    mine = keep.resolve()
     for d in shared_root.glob("*/rank-*"):
         try:
-            if d.is_dir() and d.resolve() != keep.resolve() and now - _last_write(d) >= idle_s:
-                candidates.append((_last_write(d), d))
+            if d.is_dir() and d.resolve() != mine and now - (written := _last_write(d)) >= idle_s:
+                candidates.append((written, d))
         except OSError:  # removed meanwhile by another writer's eviction
             continue
     freed = 0
