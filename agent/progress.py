@@ -17,7 +17,10 @@ elapsed group, the wall time between the lines). The hang rule then reads "no pr
 the usual interval", which is the paper's 3 x D_iter when a job logs every iteration; the sustained
 1.1x degradation rule is unchanged. Megatron's ``saving checkpoint at iteration`` ...
 ``successfully saved checkpoint`` lines bracket a non-training phase (Megatron pauses its timer for
-it, and so does the hang clock).
+it, and so does the hang clock). With ``--async-save`` the phase ends at ``scheduled an async
+checkpoint save``: training goes on while the save finalizes, many iterations later (taking the
+success line as the end left every hang in between unjudged). A progress line ends any phase a log
+line began: the job is training.
 
 Megatron-LM evaluates right after the progress line of every ``--eval-interval``-th iteration and
 prints nothing until it is done (then its ``validation loss at iteration N`` box): with a short log
@@ -44,8 +47,11 @@ MEGATRON_ITERATION = re.compile(
     r".*?elapsed time per iteration \(ms\):\s*(?P<elapsed_ms>\d+(?:\.\d*)?)"
 )
 #: Megatron-LM's save_checkpoint brackets (printed by rank 0)
-MEGATRON_SAVE_START = re.compile(r"\bsaving checkpoint at iteration\s+\d+")
+MEGATRON_SAVE_START = re.compile(r"\bsaving checkpoint at iteration\s+(?P<iteration>\d+)")
 MEGATRON_SAVE_END = re.compile(r"\bsuccessfully saved checkpoint (from|at) iteration\s+\d+")
+#: with ``--async-save`` the save's synchronous part ends here and training goes on; the success line
+#: comes when a later iteration finalizes the save
+MEGATRON_SAVE_SCHEDULED = re.compile(r"\bscheduled an async checkpoint save at iteration\s+\d+")
 #: the end of Megatron-LM's evaluation (``evaluate_and_print_results``, on the last rank)
 MEGATRON_EVAL_END = re.compile(r"\bvalidation loss at iteration\s+\d+")
 #: Megatron-LM's default (``megatron/training/arguments.py``): an evaluation every 1000 iterations
@@ -66,6 +72,16 @@ class Progress:
     """The job's own mean time per iteration since its previous line, when it prints one."""
     megatron: bool = False
     """Megatron-LM's own line (its evaluation schedule applies)."""
+
+
+@dataclass(frozen=True)
+class PhaseLine:
+    """A line that begins a phase."""
+
+    phase: str
+    iteration: int | None = None
+    """The iteration after which a non-training phase began, when the line says (a save's): the
+    progress line of that iteration, read late from another rank's pipe, does not end it."""
 
 
 def _flag(argv: Sequence[str], name: str) -> str | None:
@@ -134,16 +150,17 @@ class LineParser:
         return p.megatron and self.eval_interval > 0 and p.iteration % self.eval_interval == 0
 
     @staticmethod
-    def phase(line: str) -> str | None:
-        """The phase a line begins (Megatron's checkpoint saves; training after an evaluation), or None."""
+    def phase(line: str) -> PhaseLine | None:
+        """The phase a line begins (Megatron's checkpoint saves; training after an evaluation or a
+        save), or None."""
         if "validation loss" in line and MEGATRON_EVAL_END.search(line):
-            return PHASE_TRAIN
+            return PhaseLine(PHASE_TRAIN)
         if "checkpoint" not in line:
             return None
-        if MEGATRON_SAVE_END.search(line):
-            return PHASE_TRAIN
-        if MEGATRON_SAVE_START.search(line):
-            return PHASE_CHECKPOINT
+        if MEGATRON_SAVE_END.search(line) or MEGATRON_SAVE_SCHEDULED.search(line):
+            return PhaseLine(PHASE_TRAIN)
+        if (m := MEGATRON_SAVE_START.search(line)) is not None:
+            return PhaseLine(PHASE_CHECKPOINT, int(m.group("iteration")))
         return None
 
 

@@ -47,7 +47,14 @@ from typing import Protocol
 
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
-from agent.progress import ENV_PROGRESS_REGEX, LineParser, Progress, compile_regex, megatron_eval_interval
+from agent.progress import (
+    ENV_PROGRESS_REGEX,
+    LineParser,
+    PhaseLine,
+    Progress,
+    compile_regex,
+    megatron_eval_interval,
+)
 from agent.sidecar import START_TIMEOUT_S, StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, RankStillRunning, Supervisor
 from unicron.kernel import log as ulog
@@ -239,7 +246,10 @@ class TaskReconciler:
         self.launched_pid: dict[int, int] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
-        self._evaluating: set[int] = set()  # ranks whose last progress line began a Megatron evaluation
+        # the non-training phase a line of the job's output began (a Megatron save or evaluation); it
+        # holds for the task's ranks on this node until a line ends it (or a later progress line)
+        self._log_phase: PhaseLine | None = None
+        self._log_phase_lock = threading.Lock()  # each rank's stdout and stderr have a reader thread
         self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
                                      on_line=self._on_line)
         self.started = self._submit(_Command(assignment, "assigned", Outcome(self.task)))
@@ -963,15 +973,29 @@ class TaskReconciler:
 
     def _on_line(self, rank: int, pid: int, line: str, mono: float) -> None:
         progress = self.parser.progress(line)
-        phase = None if progress is not None else self.parser.phase(line)
-        if progress is not None and rank in self._evaluating:
-            # no validation line came (a job without validation data evaluates nothing): training it was
-            self._evaluating.discard(rank)
+        if progress is None:
+            began = self.parser.phase(line)
+            if began is not None:
+                with self._log_phase_lock:
+                    self._log_phase = None if began.phase == protocol.PHASE_TRAIN else began
+                self.host.rank_progress(self.task, rank, None, began.phase, mono, pid)
+            return
+        if self._log_phase_ended_by(progress):
+            # training goes on: an evaluation without validation data printed nothing, an async save
+            # is finalizing, or a save's end line had another format
             self.host.rank_progress(self.task, rank, None, protocol.PHASE_TRAIN, mono, pid)
-        if progress is not None or phase is not None:
-            self.host.rank_progress(self.task, rank, progress, phase, mono, pid)
-        if phase == protocol.PHASE_TRAIN:
-            self._evaluating.discard(rank)
-        if progress is not None and self.parser.evaluates_after(progress):
-            self._evaluating.add(rank)  # Megatron-LM evaluates now, printing nothing until it is done
+        self.host.rank_progress(self.task, rank, progress, None, mono, pid)
+        if self.parser.evaluates_after(progress):  # Megatron-LM evaluates now, printing nothing until done
+            with self._log_phase_lock:
+                self._log_phase = PhaseLine(protocol.PHASE_EVAL, progress.iteration)
             self.host.rank_progress(self.task, rank, None, protocol.PHASE_EVAL, mono, pid)
+
+    def _log_phase_ended_by(self, progress: Progress) -> bool:
+        """Whether this progress line ends the phase a line began: one of a later iteration does (the
+        line of the save's own iteration, printed before it by the last rank, may be read after it)."""
+        with self._log_phase_lock:
+            began = self._log_phase
+            if began is None or (began.iteration is not None and progress.iteration <= began.iteration):
+                return False
+            self._log_phase = None
+            return True

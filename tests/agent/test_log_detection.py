@@ -85,6 +85,21 @@ def test_a_megatron_evaluation_is_no_hang_and_a_hang_after_it_still_is(agent: Ag
     assert found.step == 35, f"a hang reported at step {found.step}: {found.message}"
 
 
+def test_a_hang_while_an_async_save_finalizes_is_found(agent: Agent, store: Store) -> None:
+    """With Megatron's --async-save the save's lines bracket many iterations of training (the success
+    line comes when a later iteration finalizes it): taking them as a checkpoint phase left a hang in
+    between unjudged, found only by NCCL's timeout. Training resumes at the 'scheduled' line."""
+    argv = [*MEGATRON_LOG, "--lines", "40", "--log-interval", "1", "--iter-ms", "50", "--save-interval", "10",
+            "--async-save", "--async-lines", "100", "--hang-after", "20"]
+    assign(store, "a0", task("async", argv, [0], 1, store_node="a0"))
+
+    def hang() -> Report | None:
+        return next((r for r in reports(store) if r.kind is ErrorKind.TASK_HANG), None)
+
+    found = wait_for(hang, 30, "the hang while the save finalizes")
+    assert found.step == 20, f"a hang reported at step {found.step}: {found.message}"
+
+
 def test_a_jobs_own_progress_regex_from_its_env(agent: Agent, store: Store) -> None:
     code = "import time\nfor i in range(1, 6):\n    print(f'epoch 0 batch {i*7} done', flush=True); time.sleep(0.05)\n"
     t = dataclasses.replace(task("own", [sys.executable, "-c", code], [0], 1, store_node="a0"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.iterations import IterationMonitor, IterationSettings
-from agent.progress import LineParser, LogProgress, Progress, compile_regex, megatron_eval_interval
+from agent.progress import LineParser, LogProgress, PhaseLine, Progress, compile_regex, megatron_eval_interval
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.protocol import PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
@@ -45,8 +45,8 @@ def test_other_lines_are_not_progress(line: str) -> None:
 
 def test_checkpoint_lines_bracket_a_phase() -> None:
     p = LineParser()
-    assert p.phase(" saving checkpoint at iteration     100 to /ckpt in torch format") == "checkpoint"
-    assert p.phase("  successfully saved checkpoint from iteration     100 to /ckpt [ t 1/1, p 1/1 ]") == PHASE_TRAIN
+    assert p.phase(" saving checkpoint at iteration     100 to /ckpt in torch format") == PhaseLine("checkpoint", 100)
+    assert p.phase("  successfully saved checkpoint from iteration     100 to /ckpt [ t 1/1, p 1/1 ]") == PhaseLine(PHASE_TRAIN)
     assert p.phase(" loading checkpoint from /ckpt at iteration 100") is None
 
 
@@ -126,7 +126,7 @@ def test_megatrons_evaluation_schedule_comes_from_the_jobs_flags() -> None:
             " elapsed time per iteration (ms): 1234.5 | learning rate: 1.5E-04 |")
     p = parser.progress(line)
     assert p is not None and p.megatron and parser.evaluates_after(p)
-    assert LineParser.phase(" validation loss at iteration 200 | lm loss value: 1.04E+01 |") == "train"
+    assert LineParser.phase(" validation loss at iteration 200 | lm loss value: 1.04E+01 |") == PhaseLine("train")
     custom = LineParser(compile_regex(r"^step (?P<iteration>\d+)"), eval_interval=200)
     q = custom.progress("step 200 loss 1.0")
     assert q is not None and not custom.evaluates_after(q)  # a job's own line: Megatron's schedule is not its

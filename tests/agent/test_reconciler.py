@@ -24,7 +24,7 @@ from agent.daemon import Agent
 from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
 from agent.metrics import AgentMetrics
 from agent.prefork import Prefork
-from agent.progress import Progress
+from agent.progress import PHASE_CHECKPOINT, Progress
 from agent.reconciler import RankState, TaskReconciler, TaskState
 from agent.sidecar import StoreSidecar
 from unicron.kernel import protocol
@@ -57,6 +57,7 @@ class RecordingHost:
     launched: list[int] = field(default_factory=list)
     full_disk_for: set[int] = field(default_factory=set)
     events: list[str] = field(default_factory=list)  # marks and launches, in order
+    phases: list[str] = field(default_factory=list)  # the phases of rank_progress calls, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
@@ -94,7 +95,9 @@ class RecordingHost:
 
     def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,
                       pid: int) -> None:
-        pass
+        if phase is not None:
+            with self.lock:
+                self.phases.append(phase)
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
         return False
@@ -478,3 +481,28 @@ def test_a_fork_refused_for_want_of_process_slots_is_not_blamed_on_the_task(
     rec.offer_store(store_of(rec.latest))
     assert rec.started.wait(10) and not rec.started.ok and "Resource temporarily unavailable" in rec.started.detail
     assert rec.cannot_start() == "" and rec.rank_state(0) is RankState.FAILED
+
+
+MEGATRON_LINE = (" iteration {:8d}/     100 | consumed samples: 640 | elapsed time per iteration (ms): 100.0 |"
+                 " lm loss: 1.04E+01 |")
+
+
+def test_a_save_ends_at_a_later_progress_line_not_at_its_own_iterations(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Megatron's last rank prints iteration 10's line before rank 0 prints 'saving checkpoint at
+    iteration 10'; read from two pipes, it may come second and must not end the save (its silence would
+    be judged). A later iteration's line does end it: the job trains (a save whose end line had another
+    format). With --async-save the 'scheduled' line ends it."""
+    host = RecordingHost(str(tmp_path))
+    rec = TaskReconciler(assignment([0, 1]), host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec._on_line(0, 1, " saving checkpoint at iteration      10 to /ckpt in torch_dist format", 1.0)
+    rec._on_line(1, 2, MEGATRON_LINE.format(10), 1.1)
+    assert host.phases == [PHASE_CHECKPOINT]
+    rec._on_line(1, 2, MEGATRON_LINE.format(11), 1.2)
+    assert host.phases == [PHASE_CHECKPOINT, protocol.PHASE_TRAIN]
+    rec._on_line(0, 1, " saving checkpoint at iteration      20 to /ckpt in torch_dist format", 2.0)
+    rec._on_line(0, 1, "  scheduled an async checkpoint save at iteration      20 to /ckpt", 2.1)
+    rec._on_line(1, 2, MEGATRON_LINE.format(21), 2.2)  # training goes on: nothing more to end
+    assert host.phases == [PHASE_CHECKPOINT, protocol.PHASE_TRAIN, PHASE_CHECKPOINT, protocol.PHASE_TRAIN]
+    rec.stop("end").wait(10)
