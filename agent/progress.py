@@ -9,7 +9,10 @@ iterations, on the last rank::
 iterations since the previous line, measured by Megatron's ``interval-time`` timer, which it pauses
 for evaluation and checkpoint saves. Any other job can name its own line with a regular expression
 (``UNICRON_PROGRESS_REGEX`` in the task's env or the agent's settings) whose named groups are
-``iteration`` (required) and optionally ``elapsed_ms`` or ``elapsed_s`` (time per iteration).
+``iteration`` (required) and optionally ``elapsed_ms`` or ``elapsed_s`` (time per iteration), and its
+saves with ``UNICRON_SAVE_START_REGEX`` (and ``UNICRON_SAVE_END_REGEX``; without it the next progress
+line of a later iteration ends the save): a save longer than a few intervals read as a hang, and under
+``recovery: restart`` every save relaunched the job from its last checkpoint, for ever.
 
 The unit the monitor sees is one *logging interval*: a line closes the interval that the previous
 line opened, and its duration is ``(iterations since the previous line) x elapsed`` (or, with no
@@ -38,7 +41,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.iterations import IterationMonitor
-from unicron.kernel.errors import ConfigError
 from unicron.kernel.protocol import PHASE_TRAIN
 
 #: Megatron-LM's training_log line (also ``==> iteration`` as some forks print it)
@@ -57,9 +59,6 @@ MEGATRON_EVAL_END = re.compile(r"\bvalidation loss at iteration\s+\d+")
 #: Megatron-LM's default (``megatron/training/arguments.py``): an evaluation every 1000 iterations
 MEGATRON_EVAL_INTERVAL = 1000
 PHASE_CHECKPOINT = "checkpoint"
-
-#: the variable (task env or agent setting) holding a job's own progress regex
-ENV_PROGRESS_REGEX = "UNICRON_PROGRESS_REGEX"
 
 
 @dataclass(frozen=True)
@@ -105,24 +104,16 @@ def megatron_eval_interval(argv: Sequence[str]) -> int:
         return MEGATRON_EVAL_INTERVAL
 
 
-def compile_regex(pattern: str) -> re.Pattern[str]:
-    """A job's progress regex; ConfigError unless it compiles and has an ``iteration`` group."""
-    try:
-        rx = re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(f"{ENV_PROGRESS_REGEX}: {pattern!r} is not a regular expression: {exc}") from exc
-    if "iteration" not in rx.groupindex:
-        raise ConfigError(f"{ENV_PROGRESS_REGEX}: {pattern!r} has no (?P<iteration>...) group")
-    return rx
-
-
 class LineParser:
-    """Recognises progress and checkpoint lines (Megatron-LM's, plus an optional custom regex)."""
+    """Recognises progress and phase lines: Megatron-LM's, plus a job's own regexes (its env's
+    ``UNICRON_PROGRESS_REGEX``, ``UNICRON_SAVE_START_REGEX``, ``UNICRON_SAVE_END_REGEX``)."""
 
-    def __init__(self, custom: re.Pattern[str] | None = None, eval_interval: int = 0) -> None:
+    def __init__(self, custom: re.Pattern[str] | None = None, eval_interval: int = 0,
+                 save_start: re.Pattern[str] | None = None, save_end: re.Pattern[str] | None = None) -> None:
         """``eval_interval``: Megatron-LM's ``--eval-interval`` of the job (0: it does not evaluate)."""
         self.patterns = (custom, MEGATRON_ITERATION) if custom is not None else (MEGATRON_ITERATION,)
         self.eval_interval = eval_interval
+        self.save_start, self.save_end = save_start, save_end
 
     def progress(self, line: str) -> Progress | None:
         if "iteration" not in line and len(self.patterns) == 1:
@@ -149,10 +140,13 @@ class LineParser:
         """Whether Megatron-LM evaluates right after this progress line."""
         return p.megatron and self.eval_interval > 0 and p.iteration % self.eval_interval == 0
 
-    @staticmethod
-    def phase(line: str) -> PhaseLine | None:
-        """The phase a line begins (Megatron's checkpoint saves; training after an evaluation or a
-        save), or None."""
+    def phase(self, line: str) -> PhaseLine | None:
+        """The phase a line begins (a save; training after an evaluation or a save), or None."""
+        if self.save_start is not None and (m := self.save_start.search(line)) is not None:
+            it = m.groupdict().get("iteration")
+            return PhaseLine(PHASE_CHECKPOINT, int(it) if it is not None and it.isdigit() else None)
+        if self.save_end is not None and self.save_end.search(line):
+            return PhaseLine(PHASE_TRAIN)
         if "validation loss" in line and MEGATRON_EVAL_END.search(line):
             return PhaseLine(PHASE_TRAIN)
         if "checkpoint" not in line:

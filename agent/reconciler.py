@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import re
 import signal
 import threading
 import time
@@ -47,18 +48,11 @@ from typing import Protocol
 
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
-from agent.progress import (
-    ENV_PROGRESS_REGEX,
-    LineParser,
-    PhaseLine,
-    Progress,
-    compile_regex,
-    megatron_eval_interval,
-)
+from agent.progress import LineParser, PhaseLine, Progress, megatron_eval_interval
 from agent.sidecar import START_TIMEOUT_S, StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, RankStillRunning, Supervisor
 from unicron.kernel import log as ulog
-from unicron.kernel import protocol
+from unicron.kernel import patterns, protocol
 from unicron.kernel.errors import ConfigError, StoreClosed, StoreUnavailable, UnicronError
 from unicron.kernel.types import (
     DetectionMethod,
@@ -257,14 +251,18 @@ class TaskReconciler:
         self._thread.start()
 
     def _line_parser(self, a: TaskAssignment) -> LineParser:
-        """Megatron-LM's lines, plus the task's own regex (its env) or else the agent's."""
-        pattern = a.env.get(ENV_PROGRESS_REGEX) or self.host.progress_regex
-        evals = megatron_eval_interval(a.argv)
-        try:
-            return LineParser(compile_regex(pattern) if pattern else None, evals)
-        except ConfigError as exc:
-            log.error("progress regex ignored; only Megatron-LM's lines are parsed", task=a.task, error=str(exc))
-            return LineParser(eval_interval=evals)
+        """Megatron-LM's lines, plus the task's own regexes (its env; the progress one also the agent's)."""
+
+        def own(name: str, fallback: str = "") -> re.Pattern[str] | None:
+            pattern = a.env.get(name) or fallback
+            try:
+                return patterns.compile_job_regex(name, pattern) if pattern else None
+            except ConfigError as exc:  # refused at submission; an assignment written otherwise
+                log.error("a job-format regex is ignored", task=a.task, error=str(exc))
+                return None
+
+        return LineParser(own(patterns.ENV_PROGRESS_REGEX, self.host.progress_regex), megatron_eval_interval(a.argv),
+                          own(patterns.ENV_SAVE_START_REGEX), own(patterns.ENV_SAVE_END_REGEX))
 
     # --- requests (any thread; never block) -------------------------------------------------------
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from agent.progress import compile_regex
-from unicron.kernel import tls
+from unicron.kernel import patterns, tls
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.etcd import parse_endpoints
@@ -98,6 +97,6 @@ class AgentSettings:
         if self.gpu_backend not in ("auto", "nvml", "simulated"):
             raise ConfigError("--gpu-backend / UNICRON_GPU_BACKEND must be auto, nvml or simulated")
         if self.progress_regex:
-            compile_regex(self.progress_regex)
+            patterns.compile_job_regex(patterns.ENV_PROGRESS_REGEX, self.progress_regex)
         if self.tls_dir:
             tls.load(self.tls_dir, self.node, tls.Role.NODE)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from plans.models import MODEL_LIMITS
-from unicron.kernel import jsontext
-from unicron.kernel.errors import InvalidRecord
+from unicron.kernel import jsontext, patterns
+from unicron.kernel.errors import ConfigError, InvalidRecord
 
 #: a task name must be one etcd key segment and one file name (no '/', NUL, '.', '..'), and a DNS label
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -285,6 +285,11 @@ def _parse_env(value: Any) -> dict[str, str]:
             raise InvalidRecord(f"task.env: name {_show(k)} contains a NUL byte (\\u0000); remove it")
         _check_os_string(k, "task.env")
         _check_os_string(v, f"task.env.{k}")
+        if k in patterns.JOB_REGEXES and v:
+            try:
+                patterns.compile_job_regex(k, v)
+            except ConfigError as exc:  # the agent would ignore it: hangs and saves unseen
+                raise InvalidRecord(f"task.env.{exc}") from exc
     return dict(value)
 
 

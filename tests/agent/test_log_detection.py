@@ -113,6 +113,27 @@ def test_a_jobs_own_progress_regex_from_its_env(agent: Agent, store: Store) -> N
     assert wait_for(step, 30, "the custom regex's last iteration in the node status") == 35
 
 
+def test_a_jobs_own_save_lines_pause_the_hang_clock(agent: Agent, store: Store) -> None:
+    """A job read through its own progress regex had no save the agent could see: a save of 12
+    intervals was reported as a hang (under recovery: restart, a relaunch at every save, for ever).
+    Its save lines, named in its env, pause the hang clock; a hang later is still found."""
+    code = ("import time\n"
+            "for i in range(1, 41):\n"
+            "    if i > 25: time.sleep(60)\n"
+            "    time.sleep(0.05); print(f'step {i} loss 1.0', flush=True)\n"
+            "    if i == 15:\n"
+            "        print('saving model at step 15', flush=True); time.sleep(0.6); print('model saved', flush=True)\n")
+    env = {"UNICRON_PROGRESS_REGEX": r"^step (?P<iteration>\d+) ",
+           "UNICRON_SAVE_START_REGEX": r"^saving model at step (?P<iteration>\d+)", "UNICRON_SAVE_END_REGEX": r"^model saved"}
+    assign(store, "a0", dataclasses.replace(task("own", [sys.executable, "-c", code], [0], 1, store_node="a0"), env=env))
+
+    def hang() -> Report | None:
+        return next((r for r in reports(store) if r.kind is ErrorKind.TASK_HANG), None)
+
+    found = wait_for(hang, 30, "the hang after the save")
+    assert found.step == 25, f"a hang reported at step {found.step}: {found.message}"
+
+
 def test_an_nccl_watchdog_timeout_in_stderr_is_sev3(agent: Agent, store: Store) -> None:
     line = ("[rank0]:[E801 07:19:37.123 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation "
             "timeout: WorkNCCL(SeqNum=1841, OpType=ALLREDUCE, NumelIn=1048576, Timeout(ms)=600000) ran for 600042 "

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from agent.iterations import IterationMonitor, IterationSettings
-from agent.progress import LineParser, LogProgress, PhaseLine, Progress, compile_regex, megatron_eval_interval
+from agent.progress import LineParser, LogProgress, PhaseLine, Progress, megatron_eval_interval
 from unicron.kernel.errors import ConfigError
+from unicron.kernel.patterns import (
+    ENV_PROGRESS_REGEX,
+    ENV_SAVE_END_REGEX,
+    ENV_SAVE_START_REGEX,
+    compile_job_regex,
+)
 from unicron.kernel.protocol import PHASE_TRAIN
 from unicron.kernel.types import ErrorKind
 
@@ -51,11 +57,11 @@ def test_checkpoint_lines_bracket_a_phase() -> None:
 
 
 def test_custom_regex_with_and_without_elapsed_time() -> None:
-    timed = LineParser(compile_regex(r"step (?P<iteration>\d+) took (?P<elapsed_s>[\d.]+)s"))
+    timed = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r"step (?P<iteration>\d+) took (?P<elapsed_s>[\d.]+)s"))
     assert timed.progress("INFO step 42 took 0.25s loss=1.0") == Progress(42, 0.25)
     # Megatron's lines still count next to a custom regex.
     assert timed.progress(MEGATRON[0][0]) == Progress(10, pytest.approx(1.2345), megatron=True)  # type: ignore[arg-type]
-    bare = LineParser(compile_regex(r"^epoch \d+ batch (?P<iteration>\d+)$"))
+    bare = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r"^epoch \d+ batch (?P<iteration>\d+)$"))
     assert bare.progress("epoch 1 batch 17") == Progress(17, None)
     assert bare.progress("epoch 1 batch x17") is None
 
@@ -63,7 +69,7 @@ def test_custom_regex_with_and_without_elapsed_time() -> None:
 @pytest.mark.parametrize("pattern", [r"step (\d+)", r"step (?P<iteration>\d+", ""])
 def test_bad_custom_regex_is_a_config_error(pattern: str) -> None:
     with pytest.raises(ConfigError):
-        compile_regex(pattern)
+        compile_job_regex(ENV_PROGRESS_REGEX, pattern)
 
 
 def feeder() -> tuple[IterationMonitor, LogProgress]:
@@ -126,7 +132,19 @@ def test_megatrons_evaluation_schedule_comes_from_the_jobs_flags() -> None:
             " elapsed time per iteration (ms): 1234.5 | learning rate: 1.5E-04 |")
     p = parser.progress(line)
     assert p is not None and p.megatron and parser.evaluates_after(p)
-    assert LineParser.phase(" validation loss at iteration 200 | lm loss value: 1.04E+01 |") == PhaseLine("train")
-    custom = LineParser(compile_regex(r"^step (?P<iteration>\d+)"), eval_interval=200)
+    assert LineParser().phase(" validation loss at iteration 200 | lm loss value: 1.04E+01 |") == PhaseLine("train")
+    custom = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r"^step (?P<iteration>\d+)"), eval_interval=200)
     q = custom.progress("step 200 loss 1.0")
     assert q is not None and not custom.evaluates_after(q)  # a job's own line: Megatron's schedule is not its
+
+
+def test_a_jobs_own_save_lines_bracket_a_checkpoint_phase() -> None:
+    p = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r"^step (?P<iteration>\d+)"),
+                   save_start=compile_job_regex(ENV_SAVE_START_REGEX, r"^saving model at step (?P<iteration>\d+)"),
+                   save_end=compile_job_regex(ENV_SAVE_END_REGEX, r"^model saved"))
+    assert p.phase("saving model at step 300") == PhaseLine("checkpoint", 300)
+    assert p.phase("model saved in 12.5 s") == PhaseLine(PHASE_TRAIN)
+    assert p.phase("step 301 loss 1.0") is None
+    # no iteration group: the save ends at the next progress line, whatever its iteration
+    bare = LineParser(save_start=compile_job_regex(ENV_SAVE_START_REGEX, r"checkpointing"))
+    assert bare.phase("INFO checkpointing to /ckpt") == PhaseLine("checkpoint", None)

@@ -86,6 +86,10 @@ def test_json_round_trip_including_the_example() -> None:
         ({"name": "-a"}, None, None, "task.name"),
         ({"name": "a" * 64}, None, None, "task.name"),
         ({"env": {"A": 1}}, None, None, "task.env: entry 'A'"),
+        ({"env": {"UNICRON_PROGRESS_REGEX": r"^step (\d+)"}}, None, None,
+         r"task.env.UNICRON_PROGRESS_REGEX: .* has no \(\?P<iteration>\.\.\.\) group"),
+        ({"env": {"UNICRON_SAVE_START_REGEX": "saving (model"}}, None, None,
+         "task.env.UNICRON_SAVE_START_REGEX: 'saving \\(model' is not a regular expression"),
         ({"model": {**MODEL, "depth": 3}}, None, None, r"task.model: unknown field\(s\) \['depth'\]"),
         (
             {"model": {k: v for k, v in MODEL.items() if k != "vocab_size"}},

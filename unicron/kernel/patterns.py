@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+from unicron.kernel.errors import ConfigError
 from unicron.kernel.types import ErrorKind
 
 PATTERNS: tuple[tuple[re.Pattern[str], ErrorKind], ...] = tuple(
@@ -72,3 +73,28 @@ def match(text: str) -> ErrorKind | None:
 def classify_text(text: str) -> ErrorKind:
     """Like :func:`match`, but unknown text is an "other software error" (Table 1's catch-all)."""
     return match(text) or ErrorKind.OTHER_SOFTWARE_ERROR
+
+
+# --- a job's own output formats (the task's env; the agent reads the job's lines with them) ---------
+
+#: lines that close an iteration (logging interval): a named group ``iteration``, optionally
+#: ``elapsed_ms`` or ``elapsed_s``
+ENV_PROGRESS_REGEX = "UNICRON_PROGRESS_REGEX"
+#: lines that begin a checkpoint save (the hang clock pauses); an ``iteration`` group is optional
+ENV_SAVE_START_REGEX = "UNICRON_SAVE_START_REGEX"
+#: lines that end a save; without one, the next progress line of a later iteration ends it
+ENV_SAVE_END_REGEX = "UNICRON_SAVE_END_REGEX"
+#: each job-format variable, and whether its regex needs an ``iteration`` group
+JOB_REGEXES: dict[str, bool] = {ENV_PROGRESS_REGEX: True, ENV_SAVE_START_REGEX: False, ENV_SAVE_END_REGEX: False}
+
+
+def compile_job_regex(name: str, pattern: str) -> re.Pattern[str]:
+    """The regex a job-format variable ``name`` holds; ConfigError (one line: the variable, the
+    pattern, what is wrong) unless it compiles and has the groups the variable needs."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError(f"{name}: {pattern!r} is not a regular expression: {exc}") from exc
+    if JOB_REGEXES.get(name, False) and "iteration" not in rx.groupindex:
+        raise ConfigError(f"{name}: {pattern!r} has no (?P<iteration>...) group")
+    return rx
