@@ -98,6 +98,7 @@ class LinkClient:
                  on_linked: Callable[[str], None] = lambda address: None) -> None:
         self.node = node
         #: with TLS the agent presents its node certificate and checks the coordinator's against the CA
+        self._tls = tls_config
         self._ssl = tls_config.client_context() if tls_config is not None else None
         self.heartbeat_s = heartbeat_s
         self.resolve = resolve  # the "host:port"s where the leader may be, in the order to try them
@@ -139,13 +140,13 @@ class LinkClient:
         host, _, port = addr.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
-            if self._ssl is not None:
+            if self._ssl is not None and self._tls is not None:
                 try:
                     sock = self._ssl.wrap_socket(sock, server_hostname=host.strip("[]"))
                     # the CA and host name alone let any cluster certificate (another node's, an
                     # operator's) serve as the coordinator: taken for control-plane contact, and its
                     # address recorded as the leader's
-                    tls.require(tls.peer_from_socket(sock), tls.Role.COORDINATOR, "the agent link's server")
+                    tls.require(self._tls.peer_of_socket(sock), tls.Role.COORDINATOR, "the agent link's server")
                 except (ssl.SSLError, tls.Unauthorized) as exc:
                     sock.close()
                     self.log.warning("link TLS handshake failed", address=addr, error=str(exc))

@@ -27,7 +27,6 @@ import mmap
 import signal
 import socket
 import socketserver
-import ssl
 import sys
 import threading
 import time
@@ -215,11 +214,13 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.settimeout(self.server.io_timeout_s)
         try:
-            if self.server.ssl_context is not None:
+            if self.server.ssl_context is not None and self.server.tls_config is not None:
                 # handshake on the request's own thread: a silent client holds up no one else
                 sock = self.server.ssl_context.wrap_socket(sock, server_side=True)
-                # any node of the cluster may hold replicas here; an operator's certificate may not
-                tls.require(tls.peer_from_socket(sock), tls.Role.NODE, "the checkpoint replica server")
+                # any node of the cluster may hold replicas here (an operator's certificate may not, nor
+                # a revoked node's: model state is what it would take)
+                tls.require(self.server.tls_config.peer_of_socket(sock), tls.Role.NODE,
+                            "the checkpoint replica server")
             # a request's header in one timeout: a client trickling bytes held a handler thread for good
             h = wire.recv_header(sock, time.monotonic() + self.server.io_timeout_s)
             op = h.get("op")
@@ -304,9 +305,10 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     block_on_close = False
 
     def __init__(self, addr: tuple[str, int], memory: ReplicaMemory, io_timeout_s: float,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 tls_config: tls.TLSConfig | None = None) -> None:
         self.memory = memory
-        self.ssl_context = ssl_context
+        self.tls_config = tls_config
+        self.ssl_context = tls_config.server_context() if tls_config is not None else None
         self.io_timeout_s = io_timeout_s
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         super().__init__(addr, _Handler)
@@ -322,7 +324,7 @@ class ReplicaServer:
                  tls_config: tls.TLSConfig | None = None, idle_s: float = IDLE_RANK_S) -> None:
         """With ``tls_config`` clients need a ``node`` certificate of the cluster CA (mutual TLS)."""
         self._bind = wire.parse_addr(addr, "ReplicaServer addr")
-        self._ssl = tls_config.server_context() if tls_config is not None else None
+        self._tls = tls_config
         self.memory = ReplicaMemory(budget_bytes, name=f"replica-server {addr}", idle_s=idle_s)
         self.io_timeout_s = io_timeout_s
         self._server: _TCPServer | None = None
@@ -338,7 +340,7 @@ class ReplicaServer:
     def start(self) -> ReplicaServer:
         """Bind (port 0 picks a free one; see ``address``) and serve in a daemon thread."""
         try:
-            self._server = _TCPServer(self._bind, self.memory, self.io_timeout_s, self._ssl)
+            self._server = _TCPServer(self._bind, self.memory, self.io_timeout_s, self._tls)
         except OSError as exc:
             raise ConfigError(f"ReplicaServer: cannot listen on {self._bind}: {exc}") from exc
         self.memory.name = f"replica-server {self.address}"

@@ -109,25 +109,25 @@ def _dumps(record: dict[str, Any]) -> str:
 MUTATING_RPCS = frozenset({"Submit", "Cancel", "Drain", "Undrain"})
 
 
-def authorize(context: Any, rpc: str) -> tls.Peer:
-    """The caller's verified certificate, if it may call ``rpc``: the mutating RPCs take an operator,
-    the read-only ones any role the cluster CA issued (a dashboard on a node may list tasks)."""
-    peer = tls.peer_from_grpc(context)
+def authorize(tls_config: tls.TLSConfig, context: Any, rpc: str) -> tls.Peer:
+    """The caller's verified, unrevoked certificate, if it may call ``rpc``: the mutating RPCs take an
+    operator, the read-only ones any role the cluster CA issued (a dashboard on a node may list tasks)."""
+    peer = tls_config.peer_of_grpc(context)
     if rpc in MUTATING_RPCS:
         tls.require(peer, tls.Role.OPERATOR, rpc)
     return peer
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, control_plane: ControlPlane, authenticated: bool = False) -> None:
+    def __init__(self, control_plane: ControlPlane, tls_config: tls.TLSConfig | None = None) -> None:
         self.cp = control_plane
-        #: True when the server runs with mutual TLS: every call is authorized by its certificate
-        self.authenticated = authenticated
+        #: set when the server runs with mutual TLS: every call is authorized by its certificate
+        self.tls_config = tls_config
 
     def _run(self, context: Any, rpc: str, fn: Callable[[], T]) -> T:
         try:
-            if self.authenticated:
-                authorize(context, rpc)
+            if self.tls_config is not None:
+                authorize(self.tls_config, context, rpc)
             return fn()
         except Exception as exc:
             code = status_for(exc)
@@ -247,7 +247,7 @@ def serve(control_plane: ControlPlane, host: str = "127.0.0.1", port: int = 0,
     )
     # the generated module has no annotations
     pb_grpc.add_CoordinatorServicer_to_server(  # type: ignore[no-untyped-call]
-        CoordinatorServicer(control_plane, authenticated=tls_config is not None), server
+        CoordinatorServicer(control_plane, tls_config), server
     )
     listen = join_host_port(host, port)
     hint = "change --listen-host / UNICRON_COORDINATOR_HOST or --api-port / UNICRON_API_PORT"

@@ -66,6 +66,8 @@ class _Peer:
     #: store is atomic); the watchdog only ever reads it
     last_heartbeat: float
     lost: bool = False
+    #: the node's certificate (TLS), checked against the revocation list again as it sends
+    cert: tls.Peer | None = None
     #: bytes read and not yet a whole line
     buf: bytearray = field(default_factory=bytearray)
 
@@ -103,6 +105,7 @@ class LinkServer:
     ) -> None:
         self.timeout_s = timeout_s
         self.accepting = accepting
+        self._tls = tls_config
         self._ssl = tls_config.server_context() if tls_config is not None else None
         self.on_heartbeat = on_heartbeat
         self.on_lost = on_lost
@@ -179,7 +182,7 @@ class LinkServer:
         sock.settimeout(HELLO_TIMEOUT_S)
         try:
             tsock = self._ssl.wrap_socket(sock, server_side=True)
-            return tsock, tls.peer_from_socket(tsock)
+            return tsock, self._tls.peer_of_socket(tsock) if self._tls is not None else None
         except (OSError, tls.Unauthorized) as exc:  # ssl.SSLError is an OSError
             log.warning("link TLS handshake refused; closing", peer=peer_addr, error=str(exc))
             with contextlib.suppress(OSError):
@@ -229,7 +232,7 @@ class LinkServer:
         if hello is None:
             conn.close()
             return
-        peer = _Peer(hello.node, conn, time.monotonic())
+        peer = _Peer(hello.node, conn, time.monotonic(), cert=secured[1])
         with self._cond:
             old = self._peers.get(peer.node)
             self._peers[peer.node] = peer
@@ -286,6 +289,11 @@ class LinkServer:
         self._lines(peer)
 
     def _lines(self, peer: _Peer) -> None:
+        if peer.cert is not None and self._tls is not None and not self._tls.still_admitted(peer.cert):
+            # revoked while connected: what it sends is no heartbeat any more (its reconnect is refused)
+            log.warning("link certificate revoked; closing", node=peer.node, serial=f"{peer.cert.serial:x}")
+            self._lose(peer, "certificate revoked")
+            return
         while not peer.lost:
             nl = peer.buf.find(b"\n")
             if nl < 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,3 +38,22 @@ def test_others_are_refused(server: ReplicaServer, cert_dir: Path, foreign_cert_
         with pytest.raises(ReplicaUnavailable):
             ReplicaClient(server.address, timeout_s=2.0, tls_config=cfg).put(snap(0, 1))
     assert held(ReplicaClient(server.address, tls_config=tls.TLSConfig.from_dir(cert_dir, "node2"))) == []
+
+
+def test_a_revoked_node_can_neither_put_nor_read_replicas(
+        cert_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas are model and optimizer state: a revoked node's certificate must not fetch them."""
+    monkeypatch.setattr(tls.Revocations, "STAT_INTERVAL_S", 0.0)
+    d = tmp_path / "certs"
+    shutil.copytree(cert_dir, d)
+    node2 = tls.TLSConfig.from_dir(d, "node2")
+    s = ReplicaServer("127.0.0.1:0", 1 << 22, io_timeout_s=5.0, tls_config=tls.TLSConfig.from_dir(d, "node1")).start()
+    try:
+        ReplicaClient(s.address, timeout_s=2.0, tls_config=node2).put(snap(1, 4))
+        tls.revoke(d, "node2")
+        with pytest.raises(ReplicaUnavailable):
+            ReplicaClient(s.address, timeout_s=2.0, tls_config=node2).get("job-1", 1, 4)
+        with pytest.raises(ReplicaUnavailable):
+            ReplicaClient(s.address, timeout_s=2.0, tls_config=node2).put(snap(2, 4))
+    finally:
+        s.stop()

@@ -7,6 +7,7 @@ coordinator's certificate, one from another CA, or none are refused, and the CLI
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,20 @@ def test_cli_tls_dir_of_files_that_are_not_pem_names_the_file(
     err = capsys.readouterr().err
     assert err == (f"unicron tasks: TLS: {bad / tls.CA_CERT}: not a PEM certificate; create it with "
                    f"'unicron certs init {bad}' / 'unicron certs issue --role ROLE operator --dir {bad}'\n")
+
+
+def test_a_revoked_operator_certificate_is_refused(
+        plane: FakeControlPlane, cert_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tls.Revocations, "STAT_INTERVAL_S", 0.0)
+    d = tmp_path / "certs"
+    shutil.copytree(cert_dir, d)
+    operator = creds(d, "operator")  # the holder keeps its files; the CA's copies move aside
+    server, address = serve(plane, "127.0.0.1", 0, tls_config=tls.TLSConfig.from_dir(d, "coordinator"))
+    try:
+        assert call(address, operator, "Drain", pb.NodeRequest(node="n1")) == grpc.StatusCode.OK
+        tls.revoke(d, "operator")
+        assert call(address, operator, "Drain", pb.NodeRequest(node="n2")) == grpc.StatusCode.PERMISSION_DENIED
+        assert call(address, operator, "ListTasks", pb.ListTasksRequest()) == grpc.StatusCode.PERMISSION_DENIED
+        assert plane.drained == {"n1"}
+    finally:
+        stop(server, 0.1)

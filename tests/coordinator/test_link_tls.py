@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import ssl
 import time
@@ -90,3 +91,29 @@ def test_agent_link_refuses_a_coordinator_that_shows_a_non_coordinator_certifica
         assert impostor_server.connected_nodes() == []
     finally:
         impostor_server.stop()
+
+
+def test_a_node_revoked_while_connected_is_dropped_and_refused_again(
+        cert_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link holds for weeks: revoking the node's certificate must end the one it has, not only the
+    next handshake (its heartbeats would keep a lost or compromised node counted as up)."""
+    monkeypatch.setattr(tls.Revocations, "STAT_INTERVAL_S", 0.0)
+    d = tmp_path / "certs"
+    shutil.copytree(cert_dir, d)
+    node2 = tls.TLSConfig.from_dir(d, "node2")
+    lost: list[str] = []
+    s = LinkServer("127.0.0.1", 0, 5.0, on_lost=lambda node, *a: lost.append(node),
+                   verify=lambda n, t: TOKENS.get(n) == t, tls_config=tls.TLSConfig.from_dir(d, "coordinator")).start()
+    client = LinkClient("node2", 0.05, lambda: [s.address], TOKENS["node2"], tls_config=node2).start()
+    try:
+        assert client.connected.wait(5.0)
+        tls.revoke(d, "node2")
+        deadline = time.monotonic() + 3
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lost == ["node2"] and s.connected_nodes() == []
+        time.sleep(0.5)  # the client dials again: refused at the handshake
+        assert s.connected_nodes() == [] and not hello_accepted(s, node2, "node2")
+    finally:
+        client.stop()
+        s.stop()

@@ -11,7 +11,7 @@ import pytest
 
 from unicron.cli import main as cli
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.kernel import tls
+from unicron.kernel import etcdauth, tls
 from unicron.kernel.errors import StoreRejected, StoreUnavailable
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -115,3 +115,21 @@ def test_the_cli_tells_a_tls_mismatch_from_etcd_not_running(
     assert cli.main(["tasks", "--etcd", "127.0.0.1:1"]) == 1  # nothing listening
     err = capsys.readouterr().err
     assert "(Failed to connect to remote host: Connection refused): start it or pass --etcd" in err, err
+
+
+def test_a_revoked_nodes_etcd_user_is_gone_for_the_connection_it_holds(
+        secure_etcd: EtcdServer, cert_dir: Path) -> None:
+    """``unicron certs revoke --etcd``: etcd takes a certificate's CN as its user, and etcd does not
+    read Unicron's revocation list; deleting the user is what refuses the revoked node there."""
+    admin = tls.TLSConfig.from_dir(cert_dir, etcdauth.ROOT)
+    node1 = store(secure_etcd, tls.TLSConfig.from_dir(cert_dir, "node1"))
+    peer = tls.Peer(tls.Role.NODE, "node1")
+    try:
+        node1.put(KEYS.status("node1"), "{}")
+        assert etcdauth.revoke(secure_etcd.endpoint, admin, KEYS, peer) is True
+        with pytest.raises(StoreRejected):
+            node1.put(KEYS.status("node1"), "{}")
+        assert etcdauth.revoke(secure_etcd.endpoint, admin, KEYS, peer) is False  # gone already
+    finally:
+        node1.close()
+        etcdauth.setup(secure_etcd.endpoint, admin, KEYS, [peer])  # the module's other tests use node1

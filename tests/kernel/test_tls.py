@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import ssl
 import threading
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from unicron.cli import certs as certs_cli
 from unicron.cli import main as cli
 from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError
@@ -226,7 +228,7 @@ def _handshake(server_cfg: tls.TLSConfig, client_cfg: tls.TLSConfig) -> tls.Peer
         sock, _ = listener.accept()
         try:
             with server_cfg.server_context().wrap_socket(sock, server_side=True) as s:
-                seen.append(tls.peer_from_socket(s))
+                seen.append(server_cfg.peer_of_socket(s))
                 s.sendall(b"ok")
         except (OSError, tls.Unauthorized) as exc:
             seen.append(f"server: {exc}")
@@ -252,3 +254,49 @@ def test_mutual_tls_reads_the_client_and_refuses_a_foreign_ca(cert_dir: Path, fo
     refused = _handshake(server, stranger)
     # the server refuses the client's certificate; which side reports it first is a race
     assert isinstance(refused, str) and ("certificate" in refused.lower() or "unknown ca" in refused.lower())
+
+
+def test_a_revoked_certificate_is_refused_within_a_second_and_its_name_can_be_issued_again(
+        cert_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a lost or compromised node's certificate stayed good for its 825 days: the only way out
+    was a new CA and every certificate issued again."""
+    monkeypatch.setattr(tls.Revocations, "STAT_INTERVAL_S", 0.0)
+    d = tmp_path / "certs"
+    shutil.copytree(cert_dir, d)
+    held = tmp_path / "node2-machine"  # what the node keeps on its own machine
+    held.mkdir()
+    for f in ("ca.crt", "node2.crt", "node2.key"):
+        shutil.copy(d / f, held / f)
+    node2 = tls.TLSConfig(held / "ca.crt", held / "node2.crt", held / "node2.key")
+    server = tls.TLSConfig.from_dir(d, "coordinator")  # its revoked.crl is read next to its ca.crt
+    assert _handshake(server, node2) == tls.Peer(tls.Role.NODE, "node2")
+    assert cli.main(["certs", "revoke", "node2", "--dir", str(d)]) == 0
+    assert "revoked the certificate of node 'node2'" in capsys.readouterr().out
+    refused = _handshake(server, node2)
+    assert isinstance(refused, str) and "revoked" in refused, refused
+    assert server.still_admitted(tls.Peer(tls.Role.NODE, "node2")) is True  # no serial: not from a cert
+    # the name is free again: a new key and serial, admitted; the revoked files are kept aside
+    assert not (d / "node2.crt").exists() and (d / "node2.crt.revoked").exists()
+    assert "node2" not in [p.name for p in certs_cli.holders(d)]  # etcd-auth grants it no more
+    tls.issue(d, tls.Role.NODE, "node2")
+    assert _handshake(server, tls.TLSConfig.from_dir(d, "node2")) == tls.Peer(tls.Role.NODE, "node2")
+    # revoking a second one keeps the first in the list
+    assert cli.main(["certs", "revoke", "node1", "--dir", str(d)]) == 0
+    crl = tls.read_crl(d / tls.CRL_FILE, x509.load_pem_x509_certificate((d / "ca.crt").read_bytes()))
+    assert len(list(crl)) == 2
+    assert cli.main(["certs", "revoke", "node1", "--dir", str(d)]) == 1  # nothing named so is issued now
+    _one_line(1, capsys.readouterr().err)
+
+
+def test_a_revocation_list_not_of_this_ca_or_damaged_is_named_at_start(
+        cert_dir: Path, foreign_cert_dir: Path, tmp_path: Path) -> None:
+    d, other = tmp_path / "certs", tmp_path / "other"
+    shutil.copytree(cert_dir, d)
+    shutil.copytree(foreign_cert_dir, other)
+    tls.revoke(other, "node2")  # signed by the other CA: anyone able to write the file cannot revoke
+    shutil.copy(other / tls.CRL_FILE, d / tls.CRL_FILE)
+    with pytest.raises(ConfigError, match="not signed by this cluster's CA"):
+        tls.TLSConfig.from_dir(d, "coordinator")
+    (d / tls.CRL_FILE).write_text("garbage")
+    with pytest.raises(ConfigError, match="not a PEM revocation list"):
+        tls.TLSConfig.from_dir(d, "coordinator")

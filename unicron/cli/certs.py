@@ -1,4 +1,4 @@
-"""``unicron certs init|issue``: the cluster CA and role certificates for mutual TLS (docs/api.md).
+"""``unicron certs init|issue|revoke|etcd-auth``: the cluster CA and role certificates for mutual TLS (docs/api.md).
 
 ``init DIR`` creates the CA; ``issue --role ROLE NAME`` a certificate signed by it, whose subject
 names the holder (CN=NAME) and its role (OU=ROLE). Copy ``ca.crt`` and the holder's ``NAME.crt`` /
@@ -40,6 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q.add_argument("--force", action="store_true",
                    help="replace an existing NAME.crt / NAME.key (its holder's certificate stops working)")
     q.set_defaults(func=cmd_issue)
+    q = certs.add_parser("revoke", help="revoke NAME's certificate: add it to DIR/revoked.crl (copy that next to "
+                                         "ca.crt everywhere) and, with --etcd, delete its etcd user")
+    q.add_argument("name", metavar="NAME", help="the holder whose certificate is revoked (a lost or retired node, ...)")
+    q.add_argument("--dir", default=_default_dir(), help="the CA's directory (env: UNICRON_TLS_DIR; default ./certs)")
+    q.add_argument("--etcd", default="", metavar="HOST:PORT",
+                   help="also delete NAME's etcd user and role there, as DIR/root.crt (etcd auth)")
+    q.add_argument("--prefix", default=os.environ.get("UNICRON_PREFIX", DEFAULT_PREFIX),
+                   help=f"the cluster's etcd key prefix (env: UNICRON_PREFIX; default {DEFAULT_PREFIX})")
+    q.set_defaults(func=cmd_revoke)
     q = certs.add_parser("etcd-auth", help="create etcd users/roles for every certificate in --dir and enable "
                                             "etcd auth (run as root: DIR/root.crt)")
     q.add_argument("--dir", default=_default_dir(), help="the certificates (env: UNICRON_TLS_DIR; default ./certs)")
@@ -70,6 +79,19 @@ def cmd_issue(args: argparse.Namespace) -> int:
     with _writing(args.dir):
         crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host, force=args.force)
     print(f"{args.role} certificate for {args.name!r}: {crt} {key}")
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    with _writing(args.dir):
+        crl, peer, serial = tls.revoke(directory, args.name)
+    print(f"revoked the certificate of {peer} (serial {serial:x}): copy {crl} next to ca.crt on the "
+          "coordinator's and every node's machine (read within a second; no restart)")
+    if args.etcd:
+        admin = tls.TLSConfig.from_dir(directory, etcdauth.ROOT)
+        found = etcdauth.revoke(args.etcd, admin, Keyspace(args.prefix), peer)
+        print(f"etcd user {peer.name!r} " + ("deleted" if found else "was not there") + f" at {args.etcd}")
     return 0
 
 

@@ -15,6 +15,8 @@ What etcd can express is key ranges, not record contents, so:
   etcd cannot tell one node's from another's (docs/api.md says so);
 * the coordinator reads and writes the whole prefix; an operator (the CLI) reads it and writes
   ``inject/`` and ``drain/``.
+
+:func:`revoke` deletes a revoked certificate's user and role (``unicron certs revoke --etcd``).
 """
 
 from __future__ import annotations
@@ -109,3 +111,31 @@ def setup(endpoint: str, admin: TLSConfig, keys: Keyspace, peers: Iterable[Peer]
             "('unicron certs issue --role etcd root')"
         ) from exc
     return done
+
+
+def revoke(endpoint: str, admin: TLSConfig, keys: Keyspace, peer: Peer) -> bool:
+    """Delete ``peer``'s etcd user and role (a revoked certificate), as ``root``: etcd takes a
+    certificate's CN as its user, so its requests are refused from now on, on connections it holds
+    too. False if etcd had no such user (never granted, or revoked before)."""
+    try:
+        with grpc.secure_channel(endpoint, admin.grpc_channel_credentials()) as channel:
+            stub = rpc_pb2_grpc.AuthStub(channel)
+            found = True
+            try:
+                stub.UserDelete(rpc_pb2.AuthUserDeleteRequest(name=peer.name), timeout=10)
+            except grpc.RpcError as exc:
+                if "not found" not in (exc.details() or ""):
+                    raise
+                found = False
+            try:
+                stub.RoleDelete(rpc_pb2.AuthRoleDeleteRequest(role=role_name(keys, peer)), timeout=10)
+            except grpc.RpcError as exc:
+                if "not found" not in (exc.details() or ""):
+                    raise
+    except grpc.RpcError as exc:
+        raise ConfigError(
+            f"etcd auth at {endpoint}: removing user {peer.name!r} failed ({exc.code().name}: {exc.details()}); "
+            "it needs the etcd admin's certificate (DIR/root.crt); the certificate is revoked in DIR/revoked.crl "
+            "regardless: run the command again to remove the user"
+        ) from exc
+    return found

@@ -17,10 +17,13 @@ Files in a certificate directory: ``ca.crt`` (and ``ca.key`` on the machine that
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import secrets
 import ssl
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,8 @@ from unicron.kernel.net import check_host, ip_literal
 ENV_DIR, ENV_NAME = "UNICRON_TLS_DIR", "UNICRON_TLS_NAME"
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
+#: the CA-signed list of revoked certificates, copied next to ca.crt on every machine
+CRL_FILE = "revoked.crl"
 #: the O of every certificate this module issues
 ORGANIZATION = "unicron"
 CA_DAYS = 3650
@@ -69,6 +74,9 @@ class Peer:
 
     role: Role
     name: str
+    serial: int | None = field(default=None, compare=False)
+    """The certificate's serial, when read from one (a long-lived connection checks it against the
+    revocation list again)."""
 
     def __str__(self) -> str:
         return f"{self.role.value} {self.name!r}"
@@ -172,6 +180,19 @@ def read_private_key(path: Path, remedy: str) -> PrivateKeyTypes:
         raise ConfigError(f"TLS: {path}: not a PEM private key without a passphrase; {remedy}") from None
 
 
+def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA certificate and key in ``directory`` (the machine that issues)."""
+    remedy = f"restore it, or create a new CA with 'unicron certs init --force {directory}' (and reissue every certificate)"
+    try:
+        ca_cert = read_certificate(directory / CA_CERT, remedy)
+        ca_key = read_private_key(directory / CA_KEY, remedy)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc.filename}: no CA there; run 'unicron certs init {directory}' first") from exc
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{directory / CA_KEY}: not an EC key written by 'unicron certs init'")
+    return ca_cert, ca_key
+
+
 def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None,
           days: int = LEAF_DAYS, force: bool = False) -> tuple[Path, Path]:
     """Issue ``NAME.crt`` / ``NAME.key`` signed by the CA in ``directory``: CN=name, OU=role, with
@@ -188,14 +209,7 @@ def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None
     for host in hosts or []:
         if host.isascii():  # a non-ASCII one gets _san's advice (its IDNA form)
             check_host(host.removeprefix("*."), "--host")  # a wildcard's DNS name is one too
-    remedy = f"restore it, or create a new CA with 'unicron certs init --force {directory}' (and reissue every certificate)"
-    try:
-        ca_cert = read_certificate(directory / CA_CERT, remedy)
-        ca_key = read_private_key(directory / CA_KEY, remedy)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{exc.filename}: no CA there; run 'unicron certs init {directory}' first") from exc
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ConfigError(f"{directory / CA_KEY}: not an EC key written by 'unicron certs init'")
+    ca_cert, ca_key = _load_ca(directory)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
@@ -218,6 +232,94 @@ def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None
     return crt, keyfile
 
 
+# --- revoking ------------------------------------------------------------------------------------
+
+
+def read_crl(path: Path, ca: x509.Certificate) -> x509.CertificateRevocationList:
+    """The CA-signed revocation list in ``path``; :class:`ConfigError` naming the file unless it is one
+    the cluster CA signed (anyone who can write the file must not be able to revoke or unrevoke)."""
+    remedy = "copy the CA's revoked.crl again (written by 'unicron certs revoke')"
+    try:
+        crl = x509.load_pem_x509_crl(path.read_bytes())
+    except ValueError:
+        raise ConfigError(f"TLS: {path}: not a PEM revocation list; {remedy}") from None
+    public = ca.public_key()
+    if crl.issuer != ca.subject or not isinstance(public, ec.EllipticCurvePublicKey) \
+            or not crl.is_signature_valid(public):
+        raise ConfigError(f"TLS: {path}: not signed by this cluster's CA; {remedy}")
+    return crl
+
+
+def revoke(directory: Path, name: str) -> tuple[Path, Peer, int]:
+    """Add ``NAME.crt``'s serial to the CA's ``revoked.crl`` and move ``NAME.crt``/``NAME.key`` aside
+    (``.revoked``): ``etcd-auth`` no longer grants the name, and it can be issued again (a new key).
+    Returns the list's path, who was revoked, and the serial."""
+    ca_cert, ca_key = _load_ca(directory)
+    crt = directory / f"{name}.crt"
+    if not crt.is_file():
+        raise ConfigError(f"{crt} missing: no certificate named {name!r} is issued in {directory} "
+                          "(revoke a name 'ls DIR/*.crt' shows)")
+    cert = read_certificate(crt, "it is not one 'unicron certs issue' wrote; remove it")
+    peer = peer_of(cert)
+    path = directory / CRL_FILE
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject).last_update(now)
+               .next_update(now + datetime.timedelta(days=CA_DAYS)))
+    if path.exists():
+        for entry in read_crl(path, ca_cert):
+            if entry.serial_number != cert.serial_number:
+                builder = builder.add_revoked_certificate(entry)
+    entry = (x509.RevokedCertificateBuilder().serial_number(cert.serial_number).revocation_date(now).build())
+    crl = builder.add_revoked_certificate(entry).sign(ca_key, hashes.SHA256())
+    _write(path, crl.public_bytes(serialization.Encoding.PEM), private=False)
+    for f in (crt, directory / f"{name}.key"):
+        if f.exists():
+            os.replace(f, f.with_name(f.name + ".revoked"))
+    return path, peer, cert.serial_number
+
+
+class Revocations:
+    """The serials a directory's ``revoked.crl`` lists, read again when the file changes (an operator
+    copies a new list in; no restart). No file: nothing is revoked. A list that stops being valid
+    keeps the last valid one in force (never less revoked because a copy was half done)."""
+
+    #: how often the file is looked at, at most (every authenticated message may ask)
+    STAT_INTERVAL_S = 1.0
+
+    def __init__(self, path: Path, ca: x509.Certificate) -> None:
+        self.path, self._ca = path, ca
+        self._serials: frozenset[int] = frozenset()
+        self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
+        self._checked = -math.inf
+        self._lock = threading.Lock()
+        self._refresh(time.monotonic(), strict=True)
+
+    def _refresh(self, now: float, strict: bool = False) -> None:
+        self._checked = now
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return  # never made smaller by a file that went away: revocation is for good
+        if self._seen == (st.st_mtime_ns, st.st_size):
+            return
+        try:
+            crl = read_crl(self.path, self._ca)
+        except (ConfigError, OSError):
+            if strict:
+                raise
+            return  # the last valid list stays (a copy in progress, a damaged file)
+        self._serials = self._serials | {e.serial_number for e in crl}
+        self._seen = (st.st_mtime_ns, st.st_size)
+
+    def revoked(self, serial: int) -> bool:
+        """Whether the certificate of this serial is revoked (the file looked at, at most once a second)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked >= self.STAT_INTERVAL_S:
+                self._refresh(now)
+            return serial in self._serials
+
+
 # --- reading who a peer is ----------------------------------------------------------------------
 
 
@@ -232,7 +334,7 @@ def peer_of(cert: x509.Certificate) -> Peer:
         role = Role(str(ous[0].value))
     except ValueError:
         raise Unauthorized(f"certificate {subject.rfc4514_string()!r}: unknown role {ous[0].value!r}") from None
-    return Peer(role, str(cns[0].value))
+    return Peer(role, str(cns[0].value), cert.serial_number)
 
 
 def peer_from_der(der: bytes) -> Peer:
@@ -241,21 +343,6 @@ def peer_from_der(der: bytes) -> Peer:
 
 def peer_from_pem(pem: bytes) -> Peer:
     return peer_of(x509.load_pem_x509_certificate(pem))
-
-
-def peer_from_grpc(context: Any) -> Peer:
-    """The verified client certificate of a gRPC call (``context.auth_context()``)."""
-    pems = context.auth_context().get("x509_pem_cert") or []
-    if not pems:
-        raise Unauthorized("no client certificate on this call; use one issued by 'unicron certs issue'")
-    return peer_from_pem(pems[0])
-
-
-def peer_from_socket(sock: ssl.SSLSocket) -> Peer:
-    der = sock.getpeercert(binary_form=True)
-    if not der:
-        raise Unauthorized("the peer showed no certificate on this connection")
-    return peer_from_der(der)
 
 
 def require(peer: Peer, role: Role, what: str, name: str | None = None) -> None:
@@ -287,14 +374,51 @@ class TLSConfig:
             if not path.is_file():
                 raise ConfigError(f"TLS: {path} missing; {remedy}")
         # parsed here, so a damaged file is named now, not taken later for a peer refusing the handshake
-        read_certificate(cfg.ca, remedy)
+        ca = read_certificate(cfg.ca, remedy)
         read_certificate(cfg.cert, remedy)
         read_private_key(cfg.key, remedy)
+        if (crl := d / CRL_FILE).exists():
+            read_crl(crl, ca)  # a damaged list is named at start, not taken for "nothing revoked"
         return cfg
 
     def peer(self) -> Peer:
         """Who this configuration's own certificate names."""
         return peer_from_pem(self.cert.read_bytes())
+
+    def revocations(self) -> Revocations:
+        """The revocation list next to this configuration's CA (one reader per CA file and process)."""
+        with _REVOCATIONS_LOCK:
+            found = _REVOCATIONS.get(self.ca)
+            if found is None:
+                ca = read_certificate(self.ca, "restore the cluster's ca.crt")
+                found = _REVOCATIONS[self.ca] = Revocations(self.ca.with_name(CRL_FILE), ca)
+            return found
+
+    def admit(self, cert: x509.Certificate) -> Peer:
+        """Who a certificate a handshake verified names; :class:`Unauthorized` if the CA revoked it."""
+        peer = peer_of(cert)
+        if self.revocations().revoked(cert.serial_number):
+            raise Unauthorized(f"the certificate of {peer} (serial {cert.serial_number:x}) is revoked "
+                               f"({self.ca.with_name(CRL_FILE)}); issue its holder a new one")
+        return peer
+
+    def still_admitted(self, peer: Peer) -> bool:
+        """Whether a peer admitted earlier (a long-lived connection) is not revoked since."""
+        return peer.serial is None or not self.revocations().revoked(peer.serial)
+
+    def peer_of_socket(self, sock: ssl.SSLSocket) -> Peer:
+        """The admitted peer of a verified TLS connection."""
+        der = sock.getpeercert(binary_form=True)
+        if not der:
+            raise Unauthorized("the peer showed no certificate on this connection")
+        return self.admit(x509.load_der_x509_certificate(der))
+
+    def peer_of_grpc(self, context: Any) -> Peer:
+        """The admitted client of a gRPC call (``context.auth_context()``)."""
+        pems = context.auth_context().get("x509_pem_cert") or []
+        if not pems:
+            raise Unauthorized("no client certificate on this call; use one issued by 'unicron certs issue'")
+        return self.admit(x509.load_pem_x509_certificate(pems[0]))
 
     def _pem(self) -> tuple[bytes, bytes, bytes]:
         return self.ca.read_bytes(), self.key.read_bytes(), self.cert.read_bytes()
@@ -319,6 +443,10 @@ class TLSConfig:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.ca))
         ctx.load_cert_chain(str(self.cert), str(self.key))
         return ctx
+
+
+_REVOCATIONS: dict[Path, Revocations] = {}
+_REVOCATIONS_LOCK = threading.Lock()
 
 
 def load(directory: str, name: str, role: Role | None = None) -> TLSConfig | None:
