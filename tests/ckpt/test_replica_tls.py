@@ -44,9 +44,10 @@ def test_a_revoked_node_can_neither_put_nor_read_replicas(
         cert_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Replicas are model and optimizer state: a revoked node's certificate must not fetch them."""
     monkeypatch.setattr(tls.Revocations, "STAT_INTERVAL_S", 0.0)
-    d = tmp_path / "certs"
+    d, held_by_node2 = tmp_path / "certs", tmp_path / "node2"
     shutil.copytree(cert_dir, d)
-    node2 = tls.TLSConfig.from_dir(d, "node2")
+    shutil.copytree(cert_dir, held_by_node2)  # its own machine's copy: revoking moves the CA's aside
+    node2 = tls.TLSConfig.from_dir(held_by_node2, "node2")
     s = ReplicaServer("127.0.0.1:0", 1 << 22, io_timeout_s=5.0, tls_config=tls.TLSConfig.from_dir(d, "node1")).start()
     try:
         ReplicaClient(s.address, timeout_s=2.0, tls_config=node2).put(snap(1, 4))

@@ -98,9 +98,10 @@ def test_a_node_revoked_while_connected_is_dropped_and_refused_again(
     """A link holds for weeks: revoking the node's certificate must end the one it has, not only the
     next handshake (its heartbeats would keep a lost or compromised node counted as up)."""
     monkeypatch.setattr(tls.Revocations, "STAT_INTERVAL_S", 0.0)
-    d = tmp_path / "certs"
+    d, held_by_node2 = tmp_path / "certs", tmp_path / "node2"
     shutil.copytree(cert_dir, d)
-    node2 = tls.TLSConfig.from_dir(d, "node2")
+    shutil.copytree(cert_dir, held_by_node2)  # its own machine's copy: revoking moves the CA's aside
+    node2 = tls.TLSConfig.from_dir(held_by_node2, "node2")
     lost: list[str] = []
     s = LinkServer("127.0.0.1", 0, 5.0, on_lost=lambda node, *a: lost.append(node),
                    verify=lambda n, t: TOKENS.get(n) == t, tls_config=tls.TLSConfig.from_dir(d, "coordinator")).start()
