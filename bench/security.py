@@ -6,14 +6,16 @@ sent: no certificate, a certificate of another CA, a node's certificate submitti
 A writing node B's status and reports in etcd, node A filing a fault of node B under its own key
 (accepted when the coordinator records it as B's incident rather than deleting it unread), node A's
 certificate saying hello as node B on the link (with B's real token: the certificate is the guard), an operator's certificate on the link,
-an operator's certificate at a replica server. ``unauthorized_accepted`` counts those that get past
+an operator's certificate at a replica server, and (once per run) an operator's and a node's certificates
+revoked with ``unicron certs revoke --etcd`` after they were used. ``unauthorized_accepted`` counts those that get past
 the guard. An API call counts as refused only when answered PERMISSION_DENIED or UNAUTHENTICATED (the
 role check) or UNAVAILABLE (the TLS handshake refused); any other answer (NOT_FOUND, ALREADY_EXISTS...)
 came from the handler, past the guard, and counts as accepted. The task the forbidden cancel names
 exists when it is sent (the operator submitted it first), so a missing role check shows as OK.
 
 Controls in the same run (the figure means nothing if the allowed requests fail too): the operator
-submits and cancels (both answered OK), node A writes its own status, node B's peer stores a replica;
+submits and cancels (both answered OK), node A writes its own status, node B's peer stores a replica,
+the revoked certificates' requests before their revocation;
 after the last round, node B's own certificate and token say hello on the link and must be welcomed
 (last, because that hello replaces B's live link), so a link probe that cannot see a welcome does not
 read as refusals. ``controls_ok`` says they all did.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import ssl
 import sys
@@ -45,7 +48,7 @@ from ckpt.api import Snapshot, SnapshotInfo
 from ckpt.codec import chunk_crcs, crc
 from ckpt.replica import ReplicaClient, ReplicaServer
 from unicron.cluster.localcluster import LocalCluster
-from unicron.kernel import link, tls, wire
+from unicron.kernel import etcdauth, link, tls, wire
 from unicron.kernel.errors import UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.proto import coordinator_pb2 as pb
@@ -200,6 +203,35 @@ def run_once(c: LocalCluster, foreign: Path, replica: str, task: str) -> tuple[d
     return ({k: f() for k, f in forbidden.items()}, {k: f() for k, f in controls.items()})
 
 
+def revocation_probes(c: LocalCluster, replica: str, held: Path) -> tuple[dict[str, bool], dict[str, bool]]:
+    """An operator and a node certificate issued and granted in etcd, used (controls: they get in),
+    then revoked as an operator would (``unicron certs revoke --etcd``: the CA's revoked.crl, which
+    the daemons read next to their ca.crt, and the etcd users deleted); the holders keep their copies
+    (``held``) and try again (forbidden)."""
+    directory = Path(c.tls_dir)
+    names = {"retired-operator": tls.Role.OPERATOR, "retired-node": tls.Role.NODE}
+    for name, role in names.items():
+        tls.issue(directory, role, name)
+        for suffix in (".crt", ".key"):
+            shutil.copy(directory / f"{name}{suffix}", held / f"{name}{suffix}")
+    shutil.copy(directory / tls.CA_CERT, held / tls.CA_CERT)
+    admin = tls.TLSConfig.from_dir(directory, etcdauth.ROOT)
+    etcdauth.setup(c.etcd.endpoint, admin, c.keys, [tls.Peer(role, name) for name, role in names.items()])
+    op, node = tls.TLSConfig.from_dir(held, "retired-operator"), tls.TLSConfig.from_dir(held, "retired-node")
+    api, ep = leader_addresses(c)["api"], c.etcd.endpoint
+    probes: dict[str, Callable[[], bool]] = {
+        "api undrain, revoked operator": lambda: api_accepted(api, op, "Undrain", pb.NodeRequest(node="node1")),
+        "etcd: revoked operator writes an injection": lambda: etcd_put(ep, op, c.keys.injection("node0", "revoked")),
+        "replica: revoked node": lambda: replica_put(replica, node),
+    }
+    before = {f"{k} (before its revocation)": f() for k, f in probes.items()}
+    for name, role in names.items():
+        tls.revoke(directory, name)
+        etcdauth.revoke(c.etcd.endpoint, admin, c.keys, tls.Peer(role, name))
+    time.sleep(tls.Revocations.STAT_INTERVAL_S + 0.2)  # what the daemons promise: read within a second
+    return ({k: f() for k, f in probes.items()}, before)
+
+
 def link_control(c: LocalCluster) -> bool:
     """Node B's own certificate and token say hello on the link: it must be welcomed. It replaces B's
     live link (and its close reads as B's loss), so it is sent once, after the last round."""
@@ -213,6 +245,7 @@ def main() -> int:
     rounds = 1 if args.quick else 3
     foreign = Path(tempfile.mkdtemp(prefix="unicron-foreign-ca-"))
     tls.init_ca(foreign)
+    (foreign / "held").mkdir()  # the revoked holders' own copies of their files
     for role, name in ((tls.Role.OPERATOR, "operator"), (tls.Role.NODE, "node0")):
         tls.issue(foreign, role, name)
     accepted: list[str] = []
@@ -228,6 +261,11 @@ def main() -> int:
                 accepted += [k for k, ok in refused.items() if ok]
                 if i == rounds - 1:
                     controls["link: node B's own hello"] = link_control(c)
+                if i == rounds - 1:
+                    refused, before = revocation_probes(c, server.address, foreign / "held")
+                    sent += len(refused)
+                    accepted += [k for k, ok in refused.items() if ok]
+                    controls.update(before)
                 for k, ok in controls.items():
                     print(f"control {k}: {'ok' if ok else 'FAILED'}", file=sys.stderr)
                     controls_ok &= ok
