@@ -39,7 +39,7 @@ from coordinator.link import LinkServer
 from coordinator.lookup import PlanLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings, advertise_host
-from coordinator.statestore import read_state, state_writes, stored_entries
+from coordinator.statestore import read_state, state_writes, steps_only, stored_entries
 from coordinator.statuses import StatusReader
 from coordinator.tasks import TaskSpec
 from unicron.kernel import log as ulog
@@ -752,10 +752,10 @@ class Coordinator:
             if (key in self._incident_set or key in writes) and key not in deletes:
                 writes[key] = inc.to_json()
         quiet = (not edges and not actions and not changed and not writes and not deletes
-                 and isinstance(event, d.Tick | d.ProgressMade))
+                 and isinstance(event, d.Tick | d.ProgressMade) and steps_only(self.state, state))
         if not quiet:
             # Clock ticks and plain progress that decided nothing are not worth a write per event:
-            # a successor re-observes the clock and the last step.
+            # a successor re-observes the clock and the last step (not a reset restart budget, say).
             writes.update(draft.record(node) for node in sorted(changed))
             state_puts, state_deletes = state_writes(self.keys, self._written_state, state, self._stored_entries)
             writes.update(state_puts)

@@ -41,6 +41,21 @@ def _changed(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
     return sorted(k for k, e in new.items() if (o := old.get(k)) is not e and o != e)
 
 
+def steps_only(old: d.CoreState, new: d.CoreState) -> bool:
+    """Whether ``new`` differs from ``old`` only in the clock and tasks' last steps: what a successor
+    re-observes (the clock, the statuses' steps), so a decision that changed nothing else need not be
+    written. Progress that also reset a restart budget or confirmed a suspicion must be: left unwritten,
+    a new leader loaded the old restart count and suspect, and failed a healthy task or put back a node
+    that should have stayed isolated. Entries are copied on write: one not touched is the same object."""
+    if new.nodes.keys() != old.nodes.keys() or new.tasks.keys() != old.tasks.keys():
+        return False
+    if new.retired_generation != old.retired_generation:
+        return False
+    if any((o := old.nodes[n]) is not e and o != e for n, e in new.nodes.items()):
+        return False
+    return all((was := old.tasks[t]) is e or replace(was, last_step=e.last_step) == e for t, e in new.tasks.items())
+
+
 def state_writes(keys: Keyspace, written: d.CoreState | None, new: d.CoreState,
                  stored: Collection[str] = ()) -> tuple[dict[str, str], list[str]]:
     """The puts and deletes that turn the stored state ``written`` into ``new``. ``written`` None: what

@@ -495,3 +495,61 @@ def test_a_node_back_in_service_without_an_agent_is_found_lost(etcd_server: Etcd
         for w in b._watches:
             w.stop()
         _close(b)
+
+
+def _crash_and_fail_restart(c: Coordinator, node: str, tag: str) -> None:
+    """A rank of ``job`` on ``node`` dies, and the process its restart relaunched dies too."""
+    for epoch in (False, True):
+        e = c.state.tasks["job"]
+        report = Report(method=DetectionMethod.PROCESS_SUPERVISION, kind=ErrorKind.EXITED_ABNORMALLY, node=node,
+                        task="job", rank=e.ranks_on(node)[0], source_ts=time.time(), agent_ts=time.time())
+        c._decide(d.IncidentRaised(ts=time.time(), incident=classify(report, time.time(), f"{tag}-{epoch}"),
+                                   generation=e.generation, restart_epoch=e.restart_epoch if epoch else None))
+
+
+def test_progress_that_resets_the_restart_budget_and_confirms_a_suspicion_is_written(
+        etcd_server: EtcdServer) -> None:
+    """A failed restart isolated a node on suspicion; the relaunched task then made progress, which
+    clears the node's mark (the isolation stands) and the task's restart count. That decision has no
+    transition and no action, so the daemon took it for quiet progress and wrote nothing: a new leader
+    loaded the node as still suspected and the old count, and the task's next failed restart elsewhere
+    put the faulty node back in service (and spent the stale budget). Progress that changes only the
+    last step is still not written."""
+    prefix = "/confirmwritten"
+    a, a_store = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        for n in ("n0", "n1", "n2"):
+            a._decide(d.NodeJoined(ts=time.time(), node=n, gpus=8))
+        spec = parse_task_spec({"name": "job", "command": ["python", "x.py"], "recovery": "inprocess",
+                                "min_gpus": 8, "max_gpus": 8}, None)
+        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+        out = a.state.tasks["job"].outstanding
+        assert out is not None
+        a._decide(d.ActionSucceeded(ts=time.time(), action_id=out.action_id))
+        a._decide(d.ProgressMade(ts=time.time(), task="job", step=3, generation=a.state.tasks["job"].generation))
+        first = min(a.state.tasks["job"].placement)
+        _crash_and_fail_restart(a, first, "i1")
+        assert (a.state.nodes[first].status, a.state.nodes[first].suspected_by) == (d.NodeState.ISOLATED, "job")
+        out = a.state.tasks["job"].outstanding
+        assert out is not None
+        a._decide(d.ActionSucceeded(ts=time.time(), action_id=out.action_id))
+        generation = a.state.tasks["job"].generation
+        revision = a_store.revision()
+        a._decide(d.ProgressMade(ts=time.time(), task="job", step=50, generation=generation))
+        assert a.state.nodes[first].suspected_by == "" and a.state.tasks["job"].restarts == 0
+        assert a_store.revision() > revision, "the confirmation was adopted but not written"
+        revision = a_store.revision()
+        a._decide(d.ProgressMade(ts=time.time(), task="job", step=51, generation=generation))
+        assert a_store.revision() == revision, "plain progress is not worth a write"
+    finally:
+        _close(a)
+    b, _ = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        b._load_state()
+        assert b.state.nodes[first].suspected_by == "" and b.state.tasks["job"].restarts == 0
+        second = min(b.state.tasks["job"].placement)
+        _crash_and_fail_restart(b, second, "i2")  # a report read before the statuses that show step 51
+        assert b.state.nodes[first].status is d.NodeState.ISOLATED, "the new leader put the faulty node back"
+        assert b.state.tasks["job"].phase in d.ACTIVE_PHASES
+    finally:
+        _close(b)
