@@ -575,7 +575,7 @@ class _Run:
             # the coordinator's own word that it lost the node (its link) says nothing of its hardware:
             # a node already lost stays lost, and comes back when its agent registers
             liveness = inc.kind is ErrorKind.LOST_CONNECTION
-            self._node_down(inc.node, NodeState.ISOLATED, reason, upgrade_lost=not liveness)
+            self._node_down(inc.node, NodeState.ISOLATED, reason, liveness=liveness)
             return
         for name in self._tasks_on(inc.node):
             entry = self.state.tasks[name]
@@ -600,16 +600,19 @@ class _Run:
                 trigger = _T.LAUNCH_FAULT
             self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
 
-    def _node_down(self, node: str, status: NodeState, reason: str, upgrade_lost: bool = True,
+    def _node_down(self, node: str, status: NodeState, reason: str, liveness: bool = False,
                    suspected_by: str = "") -> None:
         """A sev1 on ``node``: take it out of service, and every task on it reconfigures.
-        ``upgrade_lost``: a node already LOST is isolated (a fault reported after the loss).
+        ``liveness``: only the coordinator's word that it lost the node's link, no fault of the node's
+        hardware: a node already LOST stays lost (a fault reported after the loss isolates it), and a
+        node isolated on suspicion stays suspected (an agent restart or a network blip confirmed it
+        for good, while its lease expiring did not).
         ``suspected_by``: the task whose failed recovery isolates it ("": a fault of the node's own)."""
         seen = self.state.nodes.get(node)
         if seen is None:
             return  # never joined: nothing runs there
         if (seen.status is NodeState.ISOLATED and status is NodeState.ISOLATED and seen.suspected_by
-                and seen.suspected_by != suspected_by):
+                and seen.suspected_by != suspected_by and not liveness):
             self._node_set(node, suspected_by="")  # its own fault, or a second task's failure: it stands
         if seen.status in (NodeState.UP, NodeState.DRAINED):
             if status is NodeState.ISOLATED:
@@ -621,7 +624,7 @@ class _Run:
         # repair), and a node lost then found faulty (a late report) is isolated: only an operator's
         # undrain brings it back.
         if seen.status is not status and seen.status is not NodeState.ISOLATED and (
-                seen.status is not NodeState.LOST or (status is NodeState.ISOLATED and upgrade_lost)):
+                seen.status is not NodeState.LOST or (status is NodeState.ISOLATED and not liveness)):
             entry = self._node(node)
             assert entry is not None
             if seen.status is NodeState.DRAINED:

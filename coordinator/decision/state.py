@@ -57,7 +57,8 @@ class NodeEntry:
     """Isolated on suspicion only: the task whose failed restart or assignment isolated the node, no
     fault of the node's own reported. Should that task fail again elsewhere before making progress,
     the failure was the task's (a crash on every launch) and the node returns to service; progress
-    elsewhere, a fault the node reports or a second task's failure there makes the isolation stand."""
+    elsewhere, a fault the node reports (not a lost link) or a second task's failure there makes the
+    isolation stand."""
 
 
 @dataclass

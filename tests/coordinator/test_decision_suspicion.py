@@ -7,9 +7,10 @@ isolated), each out of service until an operator undrained it."""
 from __future__ import annotations
 
 from coordinator import decision as d
-from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, Sim, one, only, running_cluster
+from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, K, M, Sim, one, only, running_cluster
 
 JOB = "job"
+LOST_LINK = (M.NODE_HEALTH, K.LOST_CONNECTION)
 
 
 def _escalate(sim: Sim) -> list[d.Action]:
@@ -91,6 +92,19 @@ def test_a_fault_the_node_reports_itself_makes_the_isolation_stand() -> None:
     assert _statuses(sim)[first] == ("isolated", "")
     _escalate(sim)
     assert sim.state.nodes[first].status is d.NodeState.ISOLATED
+
+
+def test_a_lost_link_leaves_the_suspicion_open() -> None:
+    """The coordinator's own word that it lost the node's link (an agent restart, a network blip) says
+    nothing of its hardware, as its lease expiring does not: it confirmed the isolation for good, and
+    the task failing again elsewhere no longer brought the node back."""
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    sim.incident(first, LOST_LINK)
+    assert _statuses(sim)[first] == ("isolated", JOB)
+    _escalate(sim)
+    assert sim.state.nodes[first].status is d.NodeState.UP
 
 
 def test_a_task_that_ends_otherwise_leaves_the_isolation_standing() -> None:
