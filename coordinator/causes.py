@@ -250,13 +250,17 @@ def progress(status: NodeStatus, state: d.CoreState, seen: Seen, ts: float) -> l
     a job that resumed from its checkpoint redoes steps the coordinator saw before the failure, and
     waiting for it to pass them would let the restart's deadline expire on a healthy node. Likewise,
     while an in-place grow is pending, its joiners' processes that completed an iteration are named
-    (``joined``): the survivors' steps, which go on without them, do not prove it."""
+    (``joined``): the survivors' steps, which go on without them, do not prove it. Only ranks placed on
+    the status's node count: a node speaks for its own ranks (another node's status could otherwise
+    confirm a restart, reset a restart budget or confirm a suspicion for a task it does not host)."""
     best: dict[str, int] = {}
     proven: set[str] = set()  # tasks with a process of the pending restart that completed an iteration
     joined: dict[str, list[int]] = {}
     for r in status.ranks:
         entry = state.tasks.get(r.task)
         if entry is None or r.step is None or r.generation != entry.generation:
+            continue
+        if r.rank not in entry.ranks_on(status.node):
             continue
         # a joiner launched before a restart that superseded its grow still proves its own joining
         if (r.advanced and entry.joiners and r.membership_epoch >= entry.joining_since
@@ -398,9 +402,10 @@ NEVER_REGISTERED = "agent not registered since this coordinator took the lead"
 
 
 def speaks_for(key_node: str, record_node: str, what: str) -> None:
-    """A record under a node's key (``reports/<node>/``, ``results/<node>``) is about that node. etcd's
-    auth lets a node write only its own keys; the node named inside is the writer's word, so one node
-    could otherwise report faults of another (and have it isolated) or answer its actions. Raises
+    """A record under a node's key (``reports/<node>/``, ``results/<node>``, ``status/<node>``) is about
+    that node. etcd's auth lets a node write only its own keys; the node named inside is the writer's
+    word, so one node could otherwise report faults of another (and have it isolated), answer its
+    actions or speak for its ranks. Raises
     InvalidRecord when they differ."""
     if record_node != key_node:
         raise InvalidRecord(f"a {what} under node {key_node!r}'s key names node {record_node!r}: "

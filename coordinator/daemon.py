@@ -648,6 +648,7 @@ class Coordinator:
             return
         try:
             status = self._status_reader.read(node, ev.value)
+            causes.speaks_for(node, status.node, "status")
         except InvalidRecord as exc:
             log.warning("ignoring garbage node status", key=ev.key, error=str(exc))
             return

@@ -137,6 +137,18 @@ def test_a_stale_step_does_not_confirm_a_restart() -> None:
     assert made.step == 11
 
 
+def test_a_node_speaks_only_for_the_ranks_placed_on_it() -> None:
+    """A status listing another node's rank (its relaunched process, at the restart's epoch, advanced)
+    confirmed the restart, and would reset the task's restart budget or confirm a suspicion, for a task
+    the writing node may not even host."""
+    state, placement, gen = restarting(step=10, node="n1")
+    forged = status("n0", rank(placement["n1"], gen, step=11, restart_epoch=1, advanced=True))
+    assert causes.progress(forged, state, {("t", gen): 10}, ts=5.0) == []
+    own = status("n1", rank(placement["n1"], gen, step=11, restart_epoch=1, advanced=True))
+    [made] = causes.progress(own, state, {("t", gen): 10}, ts=5.0)
+    assert made.restart_epoch == 1
+
+
 def test_a_failed_reconcile_fails_the_assignment_without_naming_the_node() -> None:
     state, _ = running_task()
     entry = state.tasks["t"]

@@ -1,5 +1,5 @@
-"""A node speaks only for itself: a report or a reconcile result under one node's key that names another
-node is refused (real etcd, a leading coordinator). etcd's auth lets a node write only its own keys, but
+"""A node speaks only for itself: a report, a reconcile result or a status under one node's key that names
+another node is refused (real etcd, a leading coordinator). etcd's auth lets a node write only its own keys, but
 the coordinator took the node named inside the record: with TLS and per-node auth, node0 filed an ECC
 error for node1 and node1 was isolated (review reproduction)."""
 
@@ -18,7 +18,7 @@ from tests.coordinator.test_takeover import (
 )
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.etcd import WatchEvent
-from unicron.kernel.types import AssignmentResult, DetectionMethod, ErrorKind, Report
+from unicron.kernel.types import AssignmentResult, DetectionMethod, ErrorKind, NodeStatus, RankStatus, Report
 
 
 def _ecc(on: str) -> Report:
@@ -63,5 +63,24 @@ def test_a_result_naming_another_node_is_ignored(etcd_server: EtcdServer) -> Non
         c._handle(daemon.ResultSeen(WatchEvent("put", c.keys.result("n0"), forged.to_json().encode(), 1),
                                     time.time()))
         assert "n1" not in c._results
+    finally:
+        _close(c)
+
+
+def test_a_status_naming_another_node_is_ignored(etcd_server: EtcdServer) -> None:
+    """``status/n0`` holding a status of n1 (with its ranks' steps): the statuses are what hang reports and
+    task ends are judged by, per node, and its steps would be progress of n1's ranks."""
+    prefix = "/forgedstatus"
+    _placed_on_two_nodes(etcd_server.endpoint, prefix)
+    c, _ = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        c._load_state()
+        entry = c.state.tasks["keep"]
+        ranks = [RankStatus(task="keep", generation=entry.generation, rank=r, pid=1, state="running", step=9)
+                 for r in entry.ranks_on("n1")]
+        forged = NodeStatus(node="n1", ts=time.time(), generation=None, task=None, ranks=ranks, gpu_health=[])
+        c._handle(daemon.StatusChanged(WatchEvent("put", c.keys.status("n0"), forged.to_json().encode(), 1),
+                                       time.time()))
+        assert "n0" not in c._statuses and c.state.tasks["keep"].last_step is None
     finally:
         _close(c)
