@@ -81,7 +81,14 @@ class CheckpointConfig:
         0, "UNICRON_CKPT_PERSIST_EVERY", "persist every Nth snapshot remotely (0: never)"
     )
     #: persisted snapshots kept per rank
-    keep_remote: int = setting(2, "UNICRON_CKPT_KEEP_REMOTE", "persisted snapshots kept per rank")
+    keep_remote: int = setting(
+        2, "UNICRON_CKPT_KEEP_REMOTE", "persisted snapshots kept per rank (more while another rank lags)"
+    )
+    #: the job's number of ranks (0: unknown); retention keeps what another rank may still need to
+    #: restore with, and with this it knows which ranks there are before each has persisted once
+    world_size: int = setting(
+        0, "UNICRON_CKPT_WORLD_SIZE", "ranks of the job, for remote retention (0: those found in storage)"
+    )
     #: threads copying CPU tensors into the slot (capped at the number of CPUs)
     copy_threads: int = setting(
         4, "UNICRON_CKPT_COPY_THREADS", "threads copying a snapshot into shared memory"
@@ -130,6 +137,8 @@ class CheckpointConfig:
             ("chunk_bytes", self.chunk_bytes >= 4096, "must be >= 4096"),
             ("persist_every", self.persist_every >= 0, "must be >= 0"),
             ("keep_remote", self.keep_remote >= 1, "must be >= 1"),
+            ("world_size", self.world_size >= 0 and (self.world_size == 0 or self.rank < self.world_size),
+             "must be >= 0 and above the rank"),
             ("checksum_threads", self.checksum_threads >= 1, "must be >= 1"),
             ("copy_threads", self.copy_threads >= 1, "must be >= 1"),
             ("local_idle_s", self.local_idle_s >= 0, "must be >= 0"),
@@ -494,7 +503,7 @@ class CheckpointManager(Checkpointer):
             return False
         assert self.storage is not None
         try:
-            persist.persist(self.storage, self._snapshot(job), self.config.keep_remote)
+            persist.persist(self.storage, self._snapshot(job), self.config.keep_remote, self.config.world_size)
             job.persisted = True
             self._persist_pending = False
         except UnicronError as exc:

@@ -6,6 +6,10 @@ Layout under ``<job>/rank-<rank>/``::
     iter-<iteration>/<write>/meta.bin         the metadata bytes (<write>: a random id per write)
     manifest-<iteration>.json         {"format", "crc32", "body": {"info", "meta", "shards": [...]}}
 
+and, per job, ``<job>/persisted/rank-<rank>-<iteration>`` (empty): one marker per published manifest,
+written after it and deleted before it, so that one listing tells every rank's persisted iterations.
+Retention reads them: a rank never deletes an iteration the other ranks may still need to restore with.
+
 Shards and metadata are written (durably) first, the manifest last: an iteration exists only once its
 manifest does, so a writer killed mid-way leaves the previous manifest the newest valid one. Each
 manifest carries a CRC of its own body and the CRC of every shard; a reader checks them all.
@@ -29,6 +33,7 @@ from unicron.kernel.errors import InvalidRecord
 
 _MANIFEST_RX = re.compile(r"manifest-(\d{12})\.json$")
 _ITER_RX = re.compile(r"iter-(\d{12})/")
+_MARKER_RX = re.compile(r"/persisted/rank-(\d{5})-(\d{12})$")
 
 
 def rank_prefix(job: str, rank: int) -> str:
@@ -39,6 +44,10 @@ def manifest_key(job: str, rank: int, iteration: int) -> str:
     return f"{rank_prefix(job, rank)}manifest-{iteration:012d}.json"
 
 
+def marker_key(job: str, rank: int, iteration: int) -> str:
+    return f"{job}/persisted/rank-{rank:05d}-{iteration:012d}"
+
+
 def _iter_prefix(job: str, rank: int, iteration: int) -> str:
     return f"{rank_prefix(job, rank)}iter-{iteration:012d}/"
 
@@ -47,8 +56,9 @@ def _canonical(body: Any) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
-    """Write ``snap`` (shards, metadata, then the manifest); then keep only the newest ``keep``."""
+def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) -> str:
+    """Write ``snap`` (shards, metadata, the manifest, then its marker); then apply retention (see
+    :func:`apply_retention`, which ``world_size`` is passed to)."""
     info = snap.info
     held = iterations(storage, info.job, info.rank)  # listed once for both (a remote listing is I/O)
     _check_generation(storage, info, held)
@@ -70,7 +80,8 @@ def persist(storage: Storage, snap: Snapshot, keep: int) -> str:
     }
     key = manifest_key(info.job, info.rank, info.iteration)
     storage.write(key, _canonical({"format": 1, "crc32": crc(_canonical(body)), "body": body}))
-    apply_retention(storage, info.job, info.rank, keep)
+    storage.write(marker_key(info.job, info.rank, info.iteration), b"")
+    apply_retention(storage, info.job, info.rank, keep, world_size)
     return key
 
 
@@ -182,17 +193,58 @@ def load(storage: Storage, job: str, rank: int, iteration: int, pool: Executor |
     return Snapshot(info=info, meta=bytes(meta), data=data)
 
 
+def persisted_by_rank(storage: Storage, job: str) -> dict[int, set[int]]:
+    """Every rank's persisted iterations, as their markers say (one listing)."""
+    out: dict[int, set[int]] = {}
+    for key in storage.list(f"{job}/persisted/"):
+        m = _MARKER_RX.search(key)
+        if m:
+            out.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return out
+
+
+def _needed_line(storage: Storage, job: str, world_size: int) -> tuple[int, int | None] | None:
+    """(line, common): the oldest of the ranks' newest persisted iterations (any rank may still persist
+    an iteration from there on), and the newest iteration every rank holds (None: none). None when a
+    rank below ``world_size`` has persisted nothing yet: any iteration may become the common one.
+    ``world_size`` 0: the ranks that have markers."""
+    held = persisted_by_rank(storage, job)
+    if world_size > 0:
+        held = {r: its for r, its in held.items() if r < world_size}
+        if len(held) < world_size:
+            return None
+    if not held:
+        return None
+    line = min(max(its) for its in held.values())
+    common = set.intersection(*held.values())
+    return line, max(common, default=None)
+
+
 def _delete_iteration(storage: Storage, job: str, rank: int, iteration: int) -> None:
+    storage.delete(marker_key(job, rank, iteration))  # before its manifest: a marker never outlives it
     storage.delete(manifest_key(job, rank, iteration))  # first: never a manifest naming deleted shards
     for key in storage.list(_iter_prefix(job, rank, iteration)):
         storage.delete(key)
 
 
-def apply_retention(storage: Storage, job: str, rank: int, keep: int) -> list[int]:
+def apply_retention(storage: Storage, job: str, rank: int, keep: int, world_size: int = 0) -> list[int]:
     """Delete all but the newest ``keep`` manifests (with their shards), and orphaned shards of writes
-    that died before their manifest (older than the newest manifest). Returns deleted iterations."""
+    that died before their manifest (older than the newest manifest). Returns deleted iterations.
+
+    Never deleted, whatever ``keep`` says: the newest iteration every rank has persisted, and any from
+    the oldest of the ranks' newest ones on (a rank whose persists fail or lag would otherwise find the
+    others' copies of its newest gone, and storage alone could restore nothing). The ranks are those
+    with markers (below ``world_size`` when it is given; one of them without any keeps everything)."""
     its = iterations(storage, job, rank)
-    gone = its[:-keep] if keep > 0 else []
+    old = its[:-keep] if keep > 0 else []
+    if old:
+        needed = _needed_line(storage, job, world_size)
+        if needed is None:
+            old = []
+        else:
+            line, common = needed
+            old = [it for it in old if it < line and it != common]
+    gone = old
     for it in gone:
         _delete_iteration(storage, job, rank, it)
     if its:

@@ -81,6 +81,33 @@ def test_retention_keeps_last_r(storage: Storage) -> None:
     assert apply_retention(storage, "job-1", 2, keep=1) == [4]
 
 
+def _of_rank(snap: Snapshot, rank: int) -> Snapshot:
+    return Snapshot(dataclasses.replace(snap.info, rank=rank), snap.meta, snap.data)
+
+
+def test_retention_keeps_the_iteration_every_rank_persisted(storage: Storage) -> None:
+    """Rank 3's persists fail from iteration 3 on (its node's path to storage), rank 2's succeed: rank 2
+    still keeps 2, the newest both hold (per-rank retention deleted it: storage could restore nothing)."""
+    for it in (1, 2):
+        persist(storage, _of_rank(_snap(it), 3), keep=2)
+    for it in range(1, 6):
+        persist(storage, _snap(it), keep=2)
+    assert iterations(storage, "job-1", 3) == [1, 2]
+    assert iterations(storage, "job-1", 2) == [2, 3, 4, 5]  # from rank 3's newest on: it may persist them
+    persist(storage, _of_rank(_snap(4), 3), keep=2)  # back: 4 is common, 2 and 3 go at the next persist
+    persist(storage, _snap(6), keep=2)
+    assert iterations(storage, "job-1", 2) == [4, 5, 6]
+    assert iterations(storage, "job-1", 3) == [2, 4]
+
+
+def test_retention_waits_for_every_rank_of_the_world(storage: Storage) -> None:
+    """With the world size known, a rank whose first persist has not landed yet (a slower rank) keeps the
+    others from trimming: its first may be any of their iterations."""
+    for it in range(1, 5):
+        persist(storage, _snap(it), keep=2, world_size=4)
+    assert iterations(storage, "job-1", 2) == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [

@@ -233,7 +233,8 @@ def build(args: argparse.Namespace, providers: Providers[BatchT], model_type: Mo
         torch.set_num_threads(args.threads)
         ensure_torch_distributed()
         checkpointer = make_checkpointer(args.ckpt, args.ckpt_dir, os.environ.get("UNICRON_TASK", ""), rank,
-                                         storage=args.ckpt_storage, persist_every=args.ckpt_persist_every)
+                                         storage=args.ckpt_storage, persist_every=args.ckpt_persist_every,
+                                         world_size=world)
         store_epoch = _env_int(protocol.ENV_STORE_EPOCH, 0)
         if store_epoch and not membership.await_seeded(store, comm.regroup_timeout_s):
             raise TemporaryError(f"the task's store moved (store epoch {store_epoch}) and no survivor re-seeded "

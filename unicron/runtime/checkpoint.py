@@ -202,9 +202,10 @@ def storage_root(storage: str, directory: str) -> str:
 
 
 def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage: str = "",
-                      persist_every: int = 1) -> Checkpointer | None:
+                      persist_every: int = 1, world_size: int = 0) -> Checkpointer | None:
     """The checkpointer named by ``--ckpt``; None for ``none``. ``storage``/``persist_every``: the
-    remote tier of ``memory`` (see :func:`storage_root`)."""
+    remote tier of ``memory`` (see :func:`storage_root`); ``world_size``: the job's ranks, which its
+    retention keeps a common persisted iteration of (0: unknown)."""
     if kind == "none":
         return None
     if kind == "torch-save":
@@ -242,7 +243,7 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage
             raise ConfigError(f"--ckpt-storage {root!r}: {exc}") from exc
         # the flags' values win; every other tunable comes from its UNICRON_CKPT_* variable (docs/ckpt.md)
         given: dict[str, str | int] = {"local_dir": local} if local else {}
-        config = from_args(CheckpointConfig, None, job=name, rank=rank,
+        config = from_args(CheckpointConfig, None, job=name, rank=rank, world_size=world_size,
                            persist_every=persist_every if remote is not None else 0, **given)
         return CheckpointManager(config, peers=peers, storage=remote)
     raise ConfigError(f"--ckpt {kind!r}: choose one of {KINDS}")
