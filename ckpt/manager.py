@@ -10,7 +10,8 @@ once the first one is published.
 
 ``restore()`` follows the nearest principle: local memory, then each peer, then remote storage; every
 copy is verified against the checksums computed at the source, and a missing, partial, stale or
-corrupt copy is skipped with its reason logged. The timeline is linear: restoring iteration k discards
+corrupt copy is skipped with its reason logged, and so is one a newer task generation superseded (it
+holds a copy at that iteration or an older one: it restored that and trained on). The timeline is linear: restoring iteration k discards
 whatever any tier holds that is newer than k; a first save at k withdraws newer local snapshots, and a
 peer or the storage drops a rank's newer snapshots when an older one of that rank reaches it.
 """
@@ -22,7 +23,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,6 +218,19 @@ class _Job:
 def _changed(job: _Job) -> list[int]:
     """Indices of tensors modified in place since save() (their version counter moved)."""
     return [i for i, (t, v) in enumerate(zip(job.tensors, job.versions, strict=True)) if t._version != v]
+
+
+def _superseded(claims: Sequence[Mapping[int, int | None]], iteration: int, generation: int | None) -> str | None:
+    """Why the copy of ``iteration`` written by ``generation`` is of an abandoned timeline: ``claims``
+    (iteration -> generation, per tier) hold a copy of a newer generation at that iteration or an
+    older one, so that generation restored an older state and trained on. None when it is not."""
+    if generation is None:
+        return None
+    newer = [(g, it) for c in claims for it, g in c.items() if g is not None and g > generation and it <= iteration]
+    if not newer:
+        return None
+    g, it = max(newer)
+    return f"stale: generation {generation}'s copy; generation {g} holds iteration {it} (an abandoned timeline)"
 
 
 _STOP = object()
@@ -543,13 +557,19 @@ class CheckpointManager(Checkpointer):
     def available(self) -> list[tuple[str, str, list[int] | None]]:
         """(tier, source, iterations claimed) per source, nearest first; None where unreachable. Lets
         the runtime agree with the other ranks on an iteration every rank can restore."""
-        out: list[tuple[str, str, list[int] | None]] = []
-        for s in self._sources():
+        sources = self._sources()
+        held: list[dict[int, int | None] | None] = []
+        for s in sources:
             try:
-                out.append((s.tier.value, s.describe(), s.iterations()))
+                held.append(s.held())
             except (UnicronError, OSError):
-                out.append((s.tier.value, s.describe(), None))
-        return out
+                held.append(None)
+        claims = [h for h in held if h is not None]
+        return [
+            (s.tier.value, s.describe(),
+             None if h is None else sorted(it for it, g in h.items() if _superseded(claims, it, g) is None))
+            for s, h in zip(sources, held, strict=True)
+        ]
 
     def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
         """The state of ``iteration`` (default: the newest any tier holds, falling back to older ones
@@ -563,17 +583,23 @@ class CheckpointManager(Checkpointer):
         t0 = time.perf_counter()
         sources = self._sources()
         attempts: list[TierAttempt] = []
-        held: dict[int, list[int]] = {}
+        claims: dict[int, dict[int, int | None]] = {}
         # sources that could not be listed or read for now: what they hold may be valid, so a fallback to
         # an older iteration discards nothing there (an I/O hiccup deleted the newest durable snapshot)
         out_of_reach: set[str] = set()
         for i, s in enumerate(sources):
             try:
-                held[i] = s.iterations()
+                claims[i] = s.held()
             except (UnicronError, OSError) as exc:
-                held[i] = []
+                claims[i] = {}
                 out_of_reach.add(s.describe())
                 attempts.append(TierAttempt(s.tier, s.describe(), None, f"unreachable: {exc}"))
+        # a copy a newer generation superseded (it restored an older state and trained on) is of an
+        # abandoned timeline, whatever tier is nearest: e.g. a node's memory out of reach meanwhile
+        everything = list(claims.values())
+        stale = {i: {it: why for it, g in c.items() if (why := _superseded(everything, it, g)) is not None}
+                 for i, c in claims.items()}
+        held = {i: sorted(set(c) - set(stale[i])) for i, c in claims.items()}
         targets = (
             [iteration]
             if iteration is not None
@@ -588,6 +614,9 @@ class CheckpointManager(Checkpointer):
             ]
         for it in targets:
             for i, s in enumerate(sources):
+                if it in stale[i]:
+                    attempts.append(TierAttempt(s.tier, s.describe(), it, stale[i][it]))
+                    continue
                 if it not in held[i]:
                     newest = max(held[i], default=None)
                     why = (
@@ -602,7 +631,7 @@ class CheckpointManager(Checkpointer):
                     attempts.append(TierAttempt(s.tier, s.describe(), it, why))
                     continue
                 try:
-                    state = self._load(s, it, into)
+                    state = self._load(s, it, into, everything)
                 except UnsafeSnapshot as exc:
                     # every copy names the same class: nothing older is restored, nothing newer discarded
                     raise UnsafeSnapshot(f"iteration {it} from {s.describe()}: {exc}; nothing was restored "
@@ -635,11 +664,13 @@ class CheckpointManager(Checkpointer):
                 return restored
         raise NoValidCheckpoint(self.config.job, self.config.rank, iteration, attempts)
 
-    def _load(self, source: Source, iteration: int, into: Any) -> Any:
+    def _load(self, source: Source, iteration: int, into: Any, claims: Sequence[Mapping[int, int | None]]) -> Any:
         # training is stopped during a restore: verify with every core, not the background budget
         workers = max(self.config.checksum_threads, min(8, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-verify") as pool:
             snap, private = source.load(iteration, pool)
+        if (why := _superseded(claims, iteration, snap.info.generation)) is not None:
+            raise CheckpointCorrupt(why)  # its generation was not known from the listing
         data = (
             torch.frombuffer(snap.data, dtype=torch.uint8)
             if len(snap.data)

@@ -150,6 +150,11 @@ def _read_manifest(
     return info, body
 
 
+def generation(storage: Storage, job: str, rank: int, iteration: int) -> int:
+    """The task generation that wrote the rank's persisted ``iteration`` (its manifest, checked)."""
+    return _read_manifest(storage, job, rank, iteration)[0].generation
+
+
 def _integer(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{value!r} is not an integer")

@@ -37,6 +37,11 @@ class Source(ABC):
         """Iterations this tier claims to hold (unverified); raises if it cannot be asked."""
 
     @abstractmethod
+    def held(self) -> dict[int, int | None]:
+        """Iteration -> the task generation that wrote this tier's copy (None: it cannot tell without
+        loading it), unverified; raises if it cannot be asked."""
+
+    @abstractmethod
     def load(self, iteration: int, pool: Executor | None) -> tuple[Snapshot, bool]:
         """The verified snapshot, and whether its data buffer is private to the caller.
         Raises CheckpointCorrupt (with the reason) for a missing, partial, stale or corrupt copy."""
@@ -54,6 +59,9 @@ class LocalSource(Source):
 
     def iterations(self) -> list[int]:
         return sorted(i.iteration for i in self.store.published().values())
+
+    def held(self) -> dict[int, int | None]:
+        return {i.iteration: i.generation for i in self.store.published().values()}
 
     def load(self, iteration: int, pool: Executor | None) -> tuple[Snapshot, bool]:
         for slot, info in self.store.published().items():
@@ -78,6 +86,9 @@ class PeerSource(Source):
     def iterations(self) -> list[int]:
         return sorted(i.iteration for i in self.peer.list(self.job) if i.rank == self.rank)
 
+    def held(self) -> dict[int, int | None]:
+        return {i.iteration: i.generation for i in self.peer.list(self.job) if i.rank == self.rank}
+
     def load(self, iteration: int, pool: Executor | None) -> tuple[Snapshot, bool]:
         snap = self.peer.get(self.job, self.rank, iteration)
         if snap is None:
@@ -99,6 +110,15 @@ class RemoteSource(Source):
 
     def iterations(self) -> list[int]:
         return persist.iterations(self.storage, self.job, self.rank)
+
+    def held(self) -> dict[int, int | None]:
+        out: dict[int, int | None] = {}
+        for it in self.iterations():
+            try:
+                out[it] = persist.generation(self.storage, self.job, self.rank, it)
+            except CheckpointCorrupt:
+                out[it] = None  # a damaged manifest: its load says why
+        return out
 
     def load(self, iteration: int, pool: Executor | None) -> tuple[Snapshot, bool]:
         return persist.load(self.storage, self.job, self.rank, iteration, pool), True

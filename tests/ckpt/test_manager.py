@@ -660,3 +660,24 @@ def test_a_stopping_generations_late_snapshot_cannot_replace_its_relaunchs(
         r = m.restore()
     assert (r.tier, r.iteration) == (Tier.PEER, 13)
     assert_same(filled_state(13), r.state)
+
+
+def test_a_nearer_copy_of_an_abandoned_generation_is_not_restored(make_config: Make, tmp_path: Path) -> None:
+    """Generation 0 on node A saved 50 (persisted) and 100 (A's memory only); with A out of reach,
+    generation 1 on node B restored 50, trained on and persisted its own 100. Back on A, generation 2
+    restored A's 100, the nearest copy, of the abandoned timeline; now the tiers' generations decide."""
+    storage = FilesystemStorage(tmp_path / "remote")
+    with CheckpointManager(make_config(node="node-a", generation=0), storage=storage) as m:
+        assert m.save(filled_state(50), 50).result(30).persisted  # a first save: persisted
+        m.save(filled_state(999), 100).result(30)
+        m.save(filled_state(998), 120).result(30)  # newer still, as abandoned (A's two slots: 100, 120)
+    with CheckpointManager(make_config(node="node-b", generation=1), storage=storage) as m:
+        assert m.restore().iteration == 50
+        assert m.save(filled_state(100), 100, persist=True).result(30).persisted
+    with CheckpointManager(make_config(node="node-a", generation=2), storage=storage) as m:
+        assert [(tier, its) for tier, _, its in m.available()] == [("local", []), ("remote", [50, 100])]
+        r = m.restore(iteration=100)
+        assert (r.tier, r.iteration) == (Tier.REMOTE, 100)
+        assert_same(filled_state(100), r.state)
+        assert any("generation 0's copy; generation 1 holds iteration 100" in a.reason for a in r.skipped), r.skipped
+        assert m.restore().iteration == 100  # the newest: not the abandoned 120
