@@ -767,7 +767,7 @@ class Coordinator:
             self._written(event, len(writes) + len(deletes), time.monotonic() - started)
             self._written_state, self._stored_entries = state, []
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
-        self._check_returning(self.state, state)
+        resized = self._check_returning(self.state, state, event.ts)
         self.state, self.executor, self.costs = state, draft, costs
         for edge in edges:
             log.info("transition", edge=str(edge))
@@ -777,18 +777,39 @@ class Coordinator:
             if isinstance(action, d.Alert):
                 self._alert(action, event.ts)
         self._observe(state, event, actions, costed, raised)
+        for joined in resized:
+            try:
+                self._decide(joined)
+            except StoreUnavailable:  # this decision is adopted: the loop retries only the correction
+                self._inbox.put(CoreEvent(joined))
         return {inc.incident_id: inc for inc in costed}
 
-    def _check_returning(self, old: d.CoreState, new: d.CoreState) -> None:
+    def _check_returning(self, old: d.CoreState, new: d.CoreState, ts: float) -> list[d.NodeJoined]:
         """A node back in service that no agent holds (an isolated node's agent died meanwhile, and
         an isolated node's loss changes nothing in the state) must be found lost again: its
-        registration is checked after the grace, as a new leader checks every node's."""
-        back = [n for n, e in new.nodes.items() if e.status is d.NodeState.UP and n not in self._nodes
-                and (o := old.nodes.get(n)) is not None and o.status is not d.NodeState.UP]
+        registration is checked after the grace, as a new leader checks every node's. Returns a
+        ``NodeJoined`` for each node back from isolation (in service or drained) whose registration has
+        another GPU count than the core's: an isolated node's registration never reaches the core
+        (``causes.rejoin``), and planned with the count from before its isolation, the executor handed
+        out GPUs the node no longer has. Not a lost node: only its NodeJoined, with its registration's
+        count, brings it back (decided before ``_nodes`` holds that registration)."""
+        back: list[str] = []
+        resized: list[d.NodeJoined] = []
+        for n, e in new.nodes.items():
+            o = old.nodes.get(n)
+            if o is None or o is e:  # copy on write: an entry the decision did not touch is the same object
+                continue
+            if e.status is d.NodeState.UP and o.status is not d.NodeState.UP and n not in self._nodes:
+                back.append(n)
+            info = self._nodes.get(n)
+            if (o.status is d.NodeState.ISOLATED and e.status in (d.NodeState.UP, d.NodeState.DRAINED)
+                    and info is not None and info.gpus != e.gpus):
+                resized.append(d.NodeJoined(ts=ts, node=n, gpus=info.gpus))
         if back:
             self._lost_nodes.difference_update(back)
             if self._registrations_due is None:  # one pending covers these too: never postpone it
                 self._expect_registrations()
+        return resized
 
     def _written(self, event: d.Event, ops: int, write_s: float) -> None:
         """Log a wide or slow decision write (a reconfiguration spanning many nodes): bench/scale.py reads it."""
