@@ -646,11 +646,13 @@ class _Run:
             if seen.gpus != gpus:
                 self._node_set(node, gpus=gpus)  # an operator's drain outlives agent restarts
         elif seen.drained:  # lost or isolated while drained: back drained, until NodeUndrained
-            self._node_set(node, gpus=gpus, status=NodeState.DRAINED, reason=seen.drained, drained="")
+            self._node_set(node, gpus=gpus, status=NodeState.DRAINED, reason=seen.drained, drained="",
+                           suspected_by="")
         elif seen.status is not NodeState.UP or seen.gpus != gpus:
             if gpus < seen.gpus:  # its GPUs are numbered anew: a rank may be on one it no longer has
                 self._relaunch_on(node, f"node {node} re-registered with {gpus} GPUs (had {seen.gpus})")
-            self._node_set(node, gpus=gpus, status=NodeState.UP, reason="")
+            # back from isolation (a repair) as an undrain brings it: no suspicion left to settle
+            self._node_set(node, gpus=gpus, status=NodeState.UP, reason="", suspected_by="")
             self.replan = True
 
     def _back_in_service(self, node: str) -> None:

@@ -6,6 +6,8 @@ isolated), each out of service until an operator undrained it."""
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator import decision as d
 from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, K, M, Sim, one, only, running_cluster
 
@@ -132,6 +134,20 @@ def test_an_undrain_clears_the_suspicion() -> None:
     sim.confirm_all(_escalate(sim))
     sim.feed(d.NodeUndrained(ts=sim.ts(), node=first))
     assert _statuses(sim)[first] == ("up", "")
+
+
+@pytest.mark.parametrize("drained", [False, True])
+def test_a_node_back_by_its_node_joined_carries_no_suspicion(drained: bool) -> None:
+    """``NodeJoined`` brings an isolated node back (the simulator's repair) as an undrain does: it left
+    the mark on a node in service, and the task's next failure elsewhere would take it for one of its
+    suspects."""
+    sim = crash_loop()
+    first = min(sim.state.tasks[JOB].placement)
+    sim.confirm_all(_escalate(sim))
+    if drained:
+        sim.feed(d.NodeDrained(ts=sim.ts(), node=first, reason="maintenance"))
+    sim.join(first, 8)
+    assert _statuses(sim)[first] == ("drained" if drained else "up", "")
 
 
 def test_the_suspicion_survives_the_state_codec_and_older_states_load() -> None:
