@@ -611,6 +611,10 @@ class _Run:
         seen = self.state.nodes.get(node)
         if seen is None:
             return  # never joined: nothing runs there
+        if suspected_by and self._restarting_on(node, suspected_by):
+            # A second task's ranks died there too: its restart is superseded by this very isolation
+            # (every task on the node reconfigures), so its own failure there could never be counted.
+            suspected_by = ""
         if (seen.status is NodeState.ISOLATED and status is NodeState.ISOLATED and seen.suspected_by
                 and seen.suspected_by != suspected_by and not liveness):
             self._node_set(node, suspected_by="")  # its own fault, or a second task's failure: it stands
@@ -634,6 +638,18 @@ class _Run:
         for name in self._tasks_on(node):
             ranks = tuple(self.state.tasks[name].ranks_on(node))
             self._fire(name, _T.SEV1, _Fault(reason, node=node, ranks=ranks))
+
+    def _restarting_on(self, node: str, name: str) -> bool:
+        """Whether a task other than ``name`` has a restart under way for a fault on ``node`` (its first
+        fault's node: peers that died in a collective the fault broke say nothing of theirs). One whose
+        fault followed it is excepted: its failures are its own."""
+        for other in self._tasks_on(node):
+            entry = self.state.tasks[other]
+            o = entry.outstanding
+            if (other != name and not entry.fault_followed and o is not None and o.kind is ActionKind.RESTART
+                    and o.node == node):
+                return True
+        return False
 
     def _on_join(self, node: str, gpus: int) -> None:
         self._back_in_service(node)

@@ -188,3 +188,56 @@ def test_a_failure_that_names_no_node_brings_the_suspected_node_back() -> None:
     sim.feed(d.ActionFailed(ts=sim.ts(), action_id=pending.action_id, reason="assign timed out"))
     sim.feed(d.TaskCancelled(ts=sim.ts(), task=JOB))
     assert all(status == "up" for status, _ in _statuses(sim).values()), _statuses(sim)
+
+
+def _two_tasks(b_gpus: int = 4) -> Sim:
+    """Tasks ``a`` (4 GPUs, on n1) and ``b`` (on n1, and n2 when it has more than 4), both past step 3."""
+    sim = running_cluster({"n1": 8, "n2": 8, "n3": 8},
+                          {"a": {"min_gpus": 4, "max_gpus": 4}, "b": {"min_gpus": b_gpus, "max_gpus": b_gpus}},
+                          Sim(d.DecisionSettings(max_restarts_without_progress=9)))
+    assert sim.state.tasks["a"].ranks_on("n1") and sim.state.tasks["b"].ranks_on("n1")
+    sim.progress("a", 3)
+    sim.progress("b", 3)
+    return sim
+
+
+def _kill(sim: Sim, task: str, node: str, restart_epoch: int | None = None) -> list[d.Action]:
+    e = sim.state.tasks[task]
+    return sim.incident(node, SEV2_KIND, task=task, rank=e.ranks_on(node)[0], generation=e.generation,
+                        restart_epoch=restart_epoch)
+
+
+def test_a_second_tasks_restart_there_makes_the_isolation_stand() -> None:
+    """Two tasks' ranks died on n1; a's relaunch dies too and n1 is isolated, which reconfigures b and
+    drops its restart there: b's failure on n1 could never be counted, and a's failing again elsewhere
+    brought n1 back. The rule 'a second task's failure there makes the isolation stand' never fired."""
+    sim = _two_tasks()
+    restart = one(_kill(sim, "a", "n1"), d.RestartRanks)
+    one(_kill(sim, "b", "n1"), d.RestartRanks)
+    assert one(_kill(sim, "a", "n1", restart.restart_epoch), d.IsolateNode).node == "n1"
+    assert _statuses(sim)["n1"] == ("isolated", "")
+    pending = sim.state.tasks["a"].outstanding
+    assert pending is not None
+    sim.feed(d.ActionFailed(ts=sim.ts(), action_id=pending.action_id, reason="assign timed out"))
+    assert sim.state.nodes["n1"].status is d.NodeState.ISOLATED
+
+
+def test_two_restarts_there_that_miss_their_deadline_together_make_the_isolation_stand() -> None:
+    sim = _two_tasks()
+    _kill(sim, "a", "n1")
+    _kill(sim, "b", "n1")
+    sim.feed(d.Tick(ts=sim.ts(1000)))
+    assert _statuses(sim)["n1"] == ("isolated", "")
+
+
+def test_a_second_tasks_restart_for_a_fault_elsewhere_leaves_the_suspicion_open() -> None:
+    """b's rank died on n2, and its peer on n1 in the collective that broke: n1 is no fault of b's."""
+    sim = _two_tasks(b_gpus=12)
+    restart = one(_kill(sim, "b", "n2"), d.RestartRanks)
+    peer = sim.state.tasks["b"].ranks_on("n1")[0]
+    sim.incident("n1", SEV2_KIND, task="b", rank=peer, generation=sim.state.tasks["b"].generation)
+    assert sim.state.tasks["b"].relaunching.get("n1"), "the restart widened to the peer on n1"
+    assert restart.node == "n2"
+    restart = one(_kill(sim, "a", "n1"), d.RestartRanks)
+    _kill(sim, "a", "n1", restart.restart_epoch)
+    assert _statuses(sim)["n1"] == ("isolated", "a")
