@@ -3,8 +3,8 @@
 Layout under ``<job>/rank-<rank>/``::
 
     iter-<iteration>/<write>/shard-<i>.bin    chunk i of the tensor bytes (the checksummed chunks of SnapshotInfo)
-    iter-<iteration>/<write>/meta.bin         the metadata bytes (<write>: a random id per write)
-    manifest-<iteration>.json         {"format", "crc32", "body": {"info", "meta", "shards": [...]}}
+    iter-<iteration>/<write>/meta.bin         the metadata bytes (<write>: g<generation>-<a random id>)
+    manifest-<iteration>-g<generation>.json   {"format", "crc32", "body": {"info", "meta", "shards": [...]}}
 
 and, per job, ``<job>/persisted/rank-<rank>-<iteration>`` (empty): one marker per published manifest,
 written after it and deleted before it, so that one listing tells every rank's persisted iterations.
@@ -13,6 +13,13 @@ Retention reads them: a rank never deletes an iteration the other ranks may stil
 Shards and metadata are written (durably) first, the manifest last: an iteration exists only once its
 manifest does, so a writer killed mid-way leaves the previous manifest the newest valid one. Each
 manifest carries a CRC of its own body and the CRC of every shard; a reader checks them all.
+
+Generations: a writer refuses (StaleGeneration) when storage holds any manifest of the rank written by
+a newer task generation, checked before the upload, again before the manifest is written and once more
+after it (then it deletes its own). The generation is in the manifest's name, so two generations
+writing one iteration never replace each other's manifest: a reader takes the newest generation's
+(the name without one, of the first layout, counts as the oldest). Retention of an older generation
+leaves a newer one's writes alone.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from ckpt.codec import byte_view, crc
 from unicron.kernel import jsontext
 from unicron.kernel.errors import InvalidRecord
 
-_MANIFEST_RX = re.compile(r"manifest-(\d{12})\.json$")
-_ITER_RX = re.compile(r"iter-(\d{12})/")
+_MANIFEST_RX = re.compile(r"manifest-(\d{12})(?:-g(\d{12}))?\.json$")
+#: a write's directory (generation: none in the first layouts), or a file of the layout without one
+_WRITE_RX = re.compile(r"iter-(\d{12})/(?:(?:g(\d{12})-)?[0-9a-f]+/|[^/]+$)")
 _MARKER_RX = re.compile(r"/persisted/rank-(\d{5})-(\d{12})$")
 
 
@@ -40,8 +48,19 @@ def rank_prefix(job: str, rank: int) -> str:
     return f"{job}/rank-{rank:05d}/"
 
 
-def manifest_key(job: str, rank: int, iteration: int) -> str:
-    return f"{rank_prefix(job, rank)}manifest-{iteration:012d}.json"
+def manifest_key(job: str, rank: int, iteration: int, generation: int = 0) -> str:
+    return f"{rank_prefix(job, rank)}manifest-{iteration:012d}-g{generation:012d}.json"
+
+
+def _manifests(storage: Storage, job: str, rank: int) -> dict[int, list[tuple[int, str]]]:
+    """Iteration -> (generation by its name, key) of each of its manifests, newest generation first
+    (-1: a name of the first layout, without one)."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for key in storage.list(f"{rank_prefix(job, rank)}manifest-"):
+        m = _MANIFEST_RX.search(key)
+        if m:
+            out.setdefault(int(m.group(1)), []).append((-1 if m.group(2) is None else int(m.group(2)), key))
+    return {it: sorted(v, reverse=True) for it, v in out.items()}
 
 
 def marker_key(job: str, rank: int, iteration: int) -> str:
@@ -60,13 +79,13 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
     """Write ``snap`` (shards, metadata, the manifest, then its marker); then apply retention (see
     :func:`apply_retention`, which ``world_size`` is passed to)."""
     info = snap.info
-    held = iterations(storage, info.job, info.rank)  # listed once for both (a remote listing is I/O)
+    held = _manifests(storage, info.job, info.rank)  # listed once for both (a remote listing is I/O)
     _check_generation(storage, info, held)
-    discard_newer(storage, info.job, info.rank, info.iteration, held)  # linear timeline: newer ones were abandoned
+    discard_newer(storage, info.job, info.rank, info.iteration, sorted(held))  # linear timeline: newer ones were abandoned
     # a directory of this write's own: two writers of one iteration (a stopping incarnation still
     # persisting it, and its relaunch that restored an older one and reached it again) replaced each
     # other's shards, and the manifest left named bytes the other wrote (both were told "persisted")
-    base = f"{_iter_prefix(info.job, info.rank, info.iteration)}{uuid.uuid4().hex[:12]}/"
+    base = f"{_iter_prefix(info.job, info.rank, info.iteration)}g{info.generation:012d}-{uuid.uuid4().hex[:12]}/"
     shards = []
     for i, (off, n) in enumerate(info.chunks()):
         key = f"{base}shard-{i:05d}.bin"
@@ -78,45 +97,71 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
         "meta": {"key": f"{base}meta.bin", "length": info.meta_len, "crc32": info.meta_crc},
         "shards": shards,
     }
-    key = manifest_key(info.job, info.rank, info.iteration)
+    key = manifest_key(info.job, info.rank, info.iteration, info.generation)
+    # a newer generation may have persisted during the upload (a stop snapshot of gigabytes takes minutes)
+    try:
+        _check_generation(storage, info, _manifests(storage, info.job, info.rank))
+    except StaleGeneration:
+        _delete_prefix(storage, base)
+        raise
     storage.write(key, _canonical({"format": 1, "crc32": crc(_canonical(body)), "body": body}))
     storage.write(marker_key(info.job, info.rank, info.iteration), b"")
-    apply_retention(storage, info.job, info.rank, keep, world_size)
+    # ... or between that check and the write: readers take the newest generation's manifest, but ours
+    # would be the newest of its iteration for a reader, and an older generation's retention could follow
+    held = _manifests(storage, info.job, info.rank)
+    try:
+        _check_generation(storage, info, held)
+    except StaleGeneration:
+        storage.delete(key)
+        if len(held.get(info.iteration, [])) <= 1:  # the marker says "some manifest of it exists"
+            storage.delete(marker_key(info.job, info.rank, info.iteration))
+        _delete_prefix(storage, base)
+        raise
+    for _, other in held.get(info.iteration, [])[1:]:  # an older generation's of this iteration: superseded
+        storage.delete(other)
+    apply_retention(storage, info.job, info.rank, keep, world_size, info.generation)
     return key
 
 
-def _check_generation(storage: Storage, info: SnapshotInfo, persisted: Sequence[int]) -> None:
-    """StaleGeneration when storage holds this iteration or a newer one of the rank written by a newer
-    task generation: the late snapshot of a stopping generation replaced its relaunch's, and deleted
-    the newer ones as an abandoned timeline. (Two generations persisting at the same moment can still
-    pass each other's check: the window is one manifest write.) ``persisted``: the rank's iterations."""
-    for it in persisted:
-        if it < info.iteration:
-            continue
-        try:
-            held, _ = _read_manifest(storage, info.job, info.rank, it)
-        except CheckpointCorrupt:
-            continue  # a damaged manifest says nothing of its writer
-        if held.generation > info.generation:
-            raise StaleGeneration(
-                f"not persisted: iteration {info.iteration} of generation {info.generation} for "
-                f"{info.job!r} rank {info.rank}, and storage holds iteration {it} of generation {held.generation}")
+def _delete_prefix(storage: Storage, prefix: str) -> None:
+    for k in storage.list(prefix):
+        storage.delete(k)
+
+
+def _check_generation(storage: Storage, info: SnapshotInfo, persisted: dict[int, list[tuple[int, str]]]) -> None:
+    """StaleGeneration when storage holds a snapshot of the rank written by a newer task generation, at
+    any iteration: that generation restored an older state and trained on, so this one (the late
+    snapshot of a stopping generation) is of an abandoned timeline; persisted, it replaced its relaunch's
+    or, dropping newer iterations as abandoned and older ones by retention, deleted them.
+    ``persisted``: the rank's manifests (:func:`_manifests`)."""
+    for it, entries in sorted(persisted.items()):
+        for gen, key in entries:
+            if gen < 0:  # a name of the first layout: its body says
+                try:
+                    gen = _read_manifest(storage, info.job, info.rank, it, key)[0].generation
+                except CheckpointCorrupt:
+                    continue  # a damaged manifest says nothing of its writer
+            if gen > info.generation:
+                raise StaleGeneration(
+                    f"not persisted: iteration {info.iteration} of generation {info.generation} for "
+                    f"{info.job!r} rank {info.rank}, and storage holds iteration {it} of generation {gen}")
 
 
 def iterations(storage: Storage, job: str, rank: int) -> list[int]:
     """Iterations with a published manifest, oldest first (the manifests are not verified here)."""
-    out = []
-    for key in storage.list(f"{rank_prefix(job, rank)}manifest-"):
-        m = _MANIFEST_RX.search(key)
-        if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
+    return sorted(_manifests(storage, job, rank))
 
 
 def _read_manifest(
-    storage: Storage, job: str, rank: int, iteration: int
+    storage: Storage, job: str, rank: int, iteration: int, key: str | None = None
 ) -> tuple[SnapshotInfo, dict[str, Any]]:
-    key = manifest_key(job, rank, iteration)
+    """The manifest ``key``, or else the newest generation's of ``iteration``, checked."""
+    named: int | None = None
+    if key is None:
+        entries = _manifests(storage, job, rank).get(iteration)
+        if not entries:
+            raise CheckpointCorrupt(f"missing: no manifest of iteration {iteration} under {rank_prefix(job, rank)}")
+        named, key = entries[0]
     try:
         raw = jsontext.parse(storage.read(key), key)
         body = raw["body"]
@@ -133,9 +178,10 @@ def _read_manifest(
         raise CheckpointCorrupt(f"manifest {key} vanished") from exc
     except (ValueError, KeyError, TypeError, InvalidRecord) as exc:
         raise CheckpointCorrupt(f"{key} unreadable: {exc}") from exc
-    if (info.job, info.rank, info.iteration) != (job, rank, iteration):
+    if (info.job, info.rank, info.iteration) != (job, rank, iteration) or named not in (None, -1, info.generation):
         raise CheckpointCorrupt(
-            f"stale: {key} describes job {info.job!r} rank {info.rank} iteration {info.iteration}"
+            f"stale: {key} describes job {info.job!r} rank {info.rank} iteration {info.iteration} "
+            f"generation {info.generation}"
         )
     expect = [(o, n, c) for (o, n), c in zip(info.chunks(), info.chunk_crcs, strict=True)]
     try:
@@ -151,7 +197,7 @@ def _read_manifest(
 
 
 def generation(storage: Storage, job: str, rank: int, iteration: int) -> int:
-    """The task generation that wrote the rank's persisted ``iteration`` (its manifest, checked)."""
+    """The task generation that wrote the rank's persisted ``iteration`` (the newest's manifest, checked)."""
     return _read_manifest(storage, job, rank, iteration)[0].generation
 
 
@@ -227,20 +273,28 @@ def _needed_line(storage: Storage, job: str, world_size: int) -> tuple[int, int 
 
 def _delete_iteration(storage: Storage, job: str, rank: int, iteration: int) -> None:
     storage.delete(marker_key(job, rank, iteration))  # before its manifest: a marker never outlives it
-    storage.delete(manifest_key(job, rank, iteration))  # first: never a manifest naming deleted shards
-    for key in storage.list(_iter_prefix(job, rank, iteration)):
-        storage.delete(key)
+    for key in storage.list(f"{rank_prefix(job, rank)}manifest-{iteration:012d}"):
+        storage.delete(key)  # first: never a manifest naming deleted shards
+    _delete_prefix(storage, _iter_prefix(job, rank, iteration))
 
 
-def apply_retention(storage: Storage, job: str, rank: int, keep: int, world_size: int = 0) -> list[int]:
+def apply_retention(
+    storage: Storage, job: str, rank: int, keep: int, world_size: int = 0, generation: int | None = None
+) -> list[int]:
     """Delete all but the newest ``keep`` manifests (with their shards), and orphaned shards of writes
     that died before their manifest (older than the newest manifest). Returns deleted iterations.
 
     Never deleted, whatever ``keep`` says: the newest iteration every rank has persisted, and any from
     the oldest of the ranks' newest ones on (a rank whose persists fail or lag would otherwise find the
     others' copies of its newest gone, and storage alone could restore nothing). The ranks are those
-    with markers (below ``world_size`` when it is given; one of them without any keeps everything)."""
-    its = iterations(storage, job, rank)
+    with markers (below ``world_size`` when it is given; one of them without any keeps everything).
+
+    ``generation``: the caller's; nothing is deleted once storage holds a newer generation's manifest
+    of the rank, and no write of a newer generation is taken for an orphan (it may be in progress)."""
+    manifests = _manifests(storage, job, rank)
+    if generation is not None and any(g > generation for v in manifests.values() for g, _ in v):
+        return []
+    its = sorted(manifests)
     old = its[:-keep] if keep > 0 else []
     if old:
         needed = _needed_line(storage, job, world_size)
@@ -256,11 +310,13 @@ def apply_retention(storage: Storage, job: str, rank: int, keep: int, world_size
         kept = set(its) - set(gone)
         orphans = set()
         for key in storage.list(f"{rank_prefix(job, rank)}iter-"):
-            m = _ITER_RX.search(key)
-            if m and int(m.group(1)) not in kept and int(m.group(1)) < its[-1]:
-                orphans.add(int(m.group(1)))
-        for it in sorted(orphans):
-            _delete_iteration(storage, job, rank, it)
+            m = _WRITE_RX.search(key)
+            if not m or int(m.group(1)) in kept or int(m.group(1)) >= its[-1]:
+                continue
+            if generation is None or (-1 if m.group(2) is None else int(m.group(2))) <= generation:
+                orphans.add(key[: m.end()])
+        for prefix in sorted(orphans):
+            _delete_prefix(storage, prefix)
     return gone
 
 

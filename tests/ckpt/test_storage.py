@@ -8,12 +8,21 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from ckpt.api import CheckpointCorrupt, Snapshot, SnapshotInfo, Storage, StorageUnavailable
+from ckpt.api import (
+    Buffer,
+    CheckpointCorrupt,
+    Snapshot,
+    SnapshotInfo,
+    StaleGeneration,
+    Storage,
+    StorageUnavailable,
+)
 from ckpt.codec import byte_view, chunk_crcs, crc
 from ckpt.persist import apply_retention, iterations, load, manifest_key, persist
 from ckpt.storage import FilesystemStorage, MemoryStorage
@@ -276,3 +285,76 @@ def test_two_writers_of_one_iteration_never_leave_a_torn_snapshot(tmp_path: Path
     assert not errors
     # both writers were told their snapshot is persisted; whichever manifest is left must load
     load(base, "job-1", 2, 2)
+
+
+def _of_generation(snap: Snapshot, generation: int, iteration: int | None = None) -> Snapshot:
+    info = dataclasses.replace(snap.info, generation=generation, iteration=iteration or snap.info.iteration)
+    return Snapshot(info, snap.meta, snap.data)
+
+
+class _Hooked(FilesystemStorage):
+    """Runs ``hook`` once, just before the first write whose key holds ``at``."""
+
+    def __init__(self, root: Path, at: str, hook: Callable[[], None]) -> None:
+        super().__init__(root)
+        self.at = at
+        self.hook: Callable[[], None] | None = hook
+
+    def write(self, key: str, data: Buffer) -> None:
+        if self.at in key and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        super().write(key, data)
+
+
+@pytest.mark.parametrize("during", ["upload", "manifest"])
+def test_a_newer_generation_persisting_during_an_older_ones_write_is_kept(tmp_path: Path, during: str) -> None:
+    """Generation 1's stop snapshot of 50 uploads slowly; generation 2 (restored 49) persists its own 50
+    meanwhile. The check ran before the upload only, and generation 1's manifest landed over generation
+    2's: storage served the abandoned 50. Now the older writer checks again before and after its manifest
+    (whose name holds its generation: it never replaces another's) and withdraws."""
+    root = tmp_path / "s"
+    fast = FilesystemStorage(root)
+    persist(fast, _of_generation(_snap(49), 1), keep=2)
+    newer = _of_generation(_snap(50), 2)
+
+    def newer_persists() -> None:
+        persist(fast, newer, keep=2)
+
+    # "upload": between two shards; "manifest": after the older writer's last check, before its manifest
+    slow = _Hooked(root, "/shard-00001" if during == "upload" else "/manifest-", newer_persists)
+    with pytest.raises(StaleGeneration):
+        persist(slow, _of_generation(_snap(51), 1, iteration=50), keep=2)
+    got = load(fast, "job-1", 2, 50)
+    assert got.info.generation == 2 and bytes(got.data) == bytes(newer.data)
+    assert fast.list("job-1/rank-00002/manifest-") == [manifest_key("job-1", 2, 49, 1), manifest_key("job-1", 2, 50, 2)]
+    assert all("/g000000000002-" in k or "iter-000000000049" in k for k in fast.list("job-1/rank-00002/iter-"))
+
+
+def test_an_older_generations_retention_leaves_a_newer_ones_writes_alone(tmp_path: Path) -> None:
+    """Generation 2 restored 40 and is uploading 45 when generation 1's late persist of 50 ends: its
+    retention took generation 2's shards of 45 for an orphan (older than its newest manifest)."""
+    storage = FilesystemStorage(tmp_path / "s")
+    for it in (40, 49):
+        persist(storage, _of_generation(_snap(it), 1), keep=2)
+    newer = _of_generation(_snap(45), 2)
+    storage.write(f"job-1/rank-00002/iter-{45:012d}/g{2:012d}-0123456789ab/shard-00000.bin", b"x")  # in progress
+    persist(storage, _of_generation(_snap(50), 1), keep=2)
+    assert storage.list(f"job-1/rank-00002/iter-{45:012d}/")
+    persist(storage, newer, keep=5)  # its manifest lands: generation 1 may delete nothing of the rank now
+    with pytest.raises(StaleGeneration):
+        persist(storage, _of_generation(_snap(51), 1), keep=1)
+    assert load(storage, "job-1", 2, 45).info.generation == 2
+
+
+def test_a_manifest_named_without_its_generation_is_still_read(storage: Storage) -> None:
+    """Storage written before the generation was in the manifest's name keeps being restorable."""
+    persist(storage, _of_generation(_snap(7), 3), keep=2)
+    key = manifest_key("job-1", 2, 7, 3)
+    storage.write(f"job-1/rank-00002/manifest-{7:012d}.json", storage.read(key))
+    storage.delete(key)
+    assert iterations(storage, "job-1", 2) == [7] and load(storage, "job-1", 2, 7).info.generation == 3
+    with pytest.raises(StaleGeneration):  # its body names its generation
+        persist(storage, _of_generation(_snap(8), 2), keep=2)
+    persist(storage, _of_generation(_snap(8), 3), keep=1)
+    assert iterations(storage, "job-1", 2) == [8]
