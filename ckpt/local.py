@@ -162,7 +162,7 @@ def evict_idle(shared_root: Path, keep: Path, need: int, idle_s: float) -> int:
 
     What goes is a job's that ended or moved elsewhere an hour ago: a writer holds its directory's
     lock for as long as it runs, and a live job snapshots far more often. Each removal holds the
-    directory's lock, so a writer arriving meanwhile waits, then finds the directory gone and starts
+    directory's lock, and judges its idleness again once it holds it, so a writer arriving meanwhile waits, then finds the directory gone and starts
     a new one (:meth:`LocalStore.lock`)."""
     now = time.time()
     candidates: list[tuple[float, Path]] = []
@@ -187,8 +187,13 @@ def evict_idle(shared_root: Path, keep: Path, need: int, idle_s: float) -> int:
             os.close(fd)
             continue  # a live process writes here
         try:
+            # judged idle when listed: its writer may have come back, written and exited since
+            if time.time() - _last_write(d) < idle_s:
+                continue
             size = _allocated(d)
             shutil.rmtree(d, ignore_errors=True)
+        except OSError:  # removed meanwhile by another writer's eviction
+            continue
         finally:
             os.close(fd)
         freed += size

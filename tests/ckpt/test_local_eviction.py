@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.api import CheckpointError
-from ckpt.local import LocalStore
+from ckpt.local import LocalStore, evict_idle
 from ckpt.manager import CheckpointConfig
 from unicron.kernel.errors import ConfigError
 
@@ -115,6 +115,22 @@ def test_a_writer_waiting_on_a_directory_being_evicted_starts_a_new_one(tmp_path
         LocalStore(d).lock(wait_s=0.1)
     store.prepare(0, 1024)
     store.close()
+
+
+def test_a_directory_written_after_it_was_listed_is_not_evicted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idleness was judged when listing only: a rank whose process came back, wrote a snapshot and
+    exited (a crash; its restart is about to restore it) before the eviction took its lock lost it."""
+    other = _leave_snapshot(tmp_path, "other", 0, MiB, age_s=7200)
+    real = fcntl.flock
+
+    def comes_back_first(fd: int, op: int) -> None:
+        if not (other / "slot-fresh").exists():
+            (other / "slot-fresh").write_bytes(b"new")  # written now, its writer gone again
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", comes_back_first)
+    assert evict_idle(tmp_path, tmp_path / "running" / "rank-00000", MiB, idle_s=3600) == 0
+    assert (other / "slot-fresh").exists()
 
 
 def test_a_negative_idle_time_is_a_config_error() -> None:
