@@ -118,6 +118,10 @@ class FilesystemStorage(Storage):
     def list(self, prefix: str) -> list[str]:
         head = prefix.rpartition("/")[0]
         base = self.root / check_key(head) if head else self.root
+        # a missing job directory holds nothing; a missing root (a shared filesystem not mounted, its
+        # mount point gone) says nothing of what the storage holds: taken for empty, it was a fresh start
+        if not self.root.is_dir():
+            raise StorageUnavailable(f"listing {self.describe()}/{prefix}: the storage root is missing")
         out = []
 
         def unreadable(exc: OSError) -> None:  # os.walk skipped it: an I/O error listed as "holds nothing"

@@ -184,6 +184,16 @@ def test_list_reports_an_unreadable_directory(tmp_path: Path, monkeypatch: pytes
         storage.list("job-1/rank-00002/manifest-")
 
 
+def test_a_missing_root_is_unreachable_not_empty(tmp_path: Path) -> None:
+    """The root gone (a shared filesystem not mounted, its mount point removed) listed as "holds nothing",
+    and the job started afresh; a missing job directory under a present root is still empty."""
+    storage = FilesystemStorage(tmp_path / "s")
+    assert storage.list("other-job/rank-00000/manifest-") == []
+    (tmp_path / "s").rmdir()
+    with pytest.raises(StorageUnavailable, match="root is missing"):
+        storage.list("job-1/rank-00002/manifest-")
+
+
 def test_a_failed_write_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """write() creates .name.tmp-XXXX and never removes it when a write or fsync fails (ENOSPC): list()
     and retention ignore hidden files, so the partial bytes stay on the (full) disk for good."""
