@@ -38,7 +38,7 @@ from agent.marker import FailureMarker
 from agent.metrics import AgentMetrics
 from agent.prefork import Prefork, with_torchrun_threads
 from agent.progress import LogProgress, Progress
-from agent.ranks import RankServer
+from agent.ranks import RankServer, Sender
 from agent.reconciler import Outcome, TaskReconciler
 from agent.settings import AgentSettings
 from ckpt.placement import replica_targets
@@ -410,10 +410,13 @@ class Agent:
         rec = self._task(task) if task is not None else None
         if rec is not None and generation is None:
             generation = rec.latest.generation
+        # the rank's launch epoch only in the generation the node runs now: a process of the previous
+        # one (stopping) is not the rank's current process
+        current = rec is not None and rank is not None and generation == rec.latest.generation
         report = Report(method=method, kind=kind, node=self.node, message=message[:2000], task=task, gpu=gpu,
                         rank=rank, step=step, generation=generation, handled=handled,
-                        restart_epoch=rec.launch_epoch(rank) if rec is not None and rank is not None else None,
-                        source_ts=source_ts or time.time())
+                        restart_epoch=rec.launch_epoch(rank) if current and rec is not None and rank is not None
+                        else None, source_ts=source_ts or time.time())
         log.warning("report", node=self.node, task=task, rank=rank, gpu=gpu, step=step, kind=kind.value,
                     method=method.value, message=message[:200])
         assert self.publisher is not None
@@ -464,13 +467,34 @@ class Agent:
     def mark_failed(self, store: StoreAddress, rank: int, wait_s: float = 0.0) -> bool:
         return self.marker.mark(store.host, store.port, rank, wait_s)
 
-    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float, *, generation: int,
+                       pid: int) -> None:
+        if not self._from_current(task, rank, generation, (pid,), kind, line, ts):
+            return
         # the rank's last step: a line says none, and without one the coordinator cannot tell the echo
         # of an in-place resize (a survivor's broken call to the old store) from a new fault
         rec = self._task(task)
         self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, line, task=task,
                     rank=rank, gpu=self._gpu_of(task, rank), step=rec.step_of(rank) if rec is not None else None,
-                    source_ts=ts)
+                    source_ts=ts, generation=generation)
+
+    def _from_current(self, task: str, rank: int, generation: int, pids: tuple[int, ...], kind: ErrorKind,
+                      message: str, ts: float, handled: bool = False) -> bool:
+        """Whether a rank's error comes from its current process. One of the generation stopping here (it
+        fails on its way out: its peers are gone) is published as that generation's, which the
+        coordinator takes for stale; it was credited to the new generation, a launch fault against a
+        healthy task. One of a replaced process of this generation is dropped: the relaunch answered it."""
+        rec = self._task(task)
+        if rec is None:
+            return True  # a task no longer here: published as before, with no generation to blame
+        if generation != rec.latest.generation:
+            self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, message, task=task,
+                        rank=rank, source_ts=ts, handled=handled, generation=generation)
+            return False
+        if rec.has_rank(rank) and not rec.has_rank(rank, *pids):
+            log.info("dropped a replaced process's error", task=task, rank=rank, pids=list(pids), kind=kind.value)
+            return False
+        return True
 
     def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, mono: float,
                       pid: int) -> None:
@@ -549,20 +573,31 @@ class Agent:
             self.hang_watcher.add((rec.task, rank), mon)
         return mon
 
-    def _on_rank_message(self, task: str, rank: int, msg: protocol.Message) -> None:
+    def _on_rank_message(self, sender: Sender, msg: protocol.Message) -> None:
+        task, rank = sender.task, sender.rank
         rec = self._task(task)
         if isinstance(msg, protocol.Stopped):
-            self._on_stopped(rec, task, rank, msg)
+            self._on_stopped(rec, sender, msg)
             return
         if rec is None or not rec.has_rank(rank):
             # A rank of no task of ours (a stale process, or a forged message): nothing to report.
             log.warning("dropped a message from an unknown task or rank", node=self.node, task=task, rank=rank,
                         type=msg.TYPE)
             return
+        if isinstance(msg, protocol.ExceptionReport):
+            kind = self._exception_kind(msg)
+            if not self._from_current(task, rank, sender.generation, sender.pids(), kind, msg.message, msg.ts,
+                                      handled=not msg.fatal):
+                return
+        elif sender.generation != rec.latest.generation or not rec.has_rank(rank, *sender.pids()):
+            # progress of a process the rank no longer runs: not its current process's (a relaunched
+            # rank credited with its predecessor's step was taken for recovered)
+            log.info("dropped a message from a replaced process", task=task, rank=rank, pid=sender.pid,
+                     generation=sender.generation, type=msg.TYPE)
+            return
         self._reporting_tasks.add(task)
         mon = self._monitor(rec, rank)
         if isinstance(msg, protocol.ExceptionReport):
-            kind = self._exception_kind(msg)
             self.report(severity.method_of(DetectionMethod.EXCEPTION_PROPAGATION, kind), kind, msg.message, task=task, rank=rank,
                         gpu=self._gpu_of(task, rank), step=msg.step, source_ts=msg.ts, handled=not msg.fatal)
             if not msg.fatal and mon is not None:
@@ -589,11 +624,12 @@ class Agent:
             log.info("rank regrouped", task=task, rank=rank, epoch=msg.epoch, ok=msg.ok, detail=msg.detail,
                      baseline="reset" if forgot else "kept")
 
-    def _on_stopped(self, rec: TaskReconciler | None, task: str, rank: int, msg: protocol.Stopped) -> None:
+    def _on_stopped(self, rec: TaskReconciler | None, sender: Sender, msg: protocol.Stopped) -> None:
         """Noted before the rank may exit: its exit 0 must never be published without it. A rank of a
         task this node no longer runs (we stopped it: its exit is asked for) is answered all the same,
         or it would wait out its timeout."""
-        if rec is not None and rec.has_rank(rank):
+        task, rank = sender.task, sender.rank
+        if rec is not None and sender.generation == rec.latest.generation and rec.has_rank(rank, *sender.pids()):
             rec.record_stopped(rank, msg.step)
             log.info("rank stopped before its end", task=task, rank=rank, step=msg.step, snapshot=msg.snapshot)
         self.send_to_rank(task, rank, protocol.StopNoted(step=msg.step))

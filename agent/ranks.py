@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol, wire
@@ -19,8 +20,36 @@ from unicron.kernel.errors import InvalidRecord
 
 log = ulog.get(__name__)
 
-#: on_message(task, rank, message)
-MessageHandler = Callable[[str, int, protocol.Message], None]
+
+
+@dataclass(frozen=True)
+class Sender:
+    """Who a connection's messages come from, as its ``Hello`` said: a process of a generation. A
+    rank's old process (a replaced one, or a generation being stopped) may still be heard after its
+    successor was launched: its messages are not its successor's."""
+
+    task: str
+    rank: int
+    pid: int
+    generation: int
+    #: the process group of ``pid`` when it said hello: the process the agent launched (a group leader,
+    #: ``Supervisor``), when the rank is its child (a wrapper script's python); ``pid`` if unknown
+    group: int
+
+    def pids(self) -> tuple[int, int]:
+        """The pids the agent may know this sender's process by."""
+        return self.pid, self.group
+
+
+def _group_of(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except (OSError, OverflowError):  # gone already, or a nonsense pid: known by its own pid only
+        return pid
+
+
+#: on_message(sender, message)
+MessageHandler = Callable[[Sender, protocol.Message], None]
 
 
 class RankServer:
@@ -78,7 +107,7 @@ class RankServer:
                 sock.close()
 
     def _serve(self, conn: wire.LineSocket) -> None:
-        who: tuple[str, int] | None = None
+        sender: Sender | None = None
         try:
             while True:
                 try:
@@ -93,26 +122,27 @@ class RankServer:
                 try:
                     msg = protocol.parse(wire.decode(line))
                 except InvalidRecord as exc:
+                    who = None if sender is None else (sender.task, sender.rank)
                     log.warning("rank socket: bad message skipped", who=str(who), error=str(exc))
                     continue
                 if isinstance(msg, protocol.Hello):
                     with self._lock:
                         # a second hello renames the connection: its old name must not outlive it
                         # (connected() would list a rank that is gone, send() would write to a closed socket)
-                        if who is not None and self._conns.get(who) is conn:
-                            del self._conns[who]
-                        who = (msg.task, msg.rank)
-                        self._conns[who] = conn
-                if who is None:
+                        if sender is not None and self._conns.get((sender.task, sender.rank)) is conn:
+                            del self._conns[(sender.task, sender.rank)]
+                        sender = Sender(msg.task, msg.rank, msg.pid, msg.generation, _group_of(msg.pid))
+                        self._conns[(sender.task, sender.rank)] = conn
+                if sender is None:
                     log.warning("rank socket: message before hello skipped", type=msg.TYPE)
                     continue
                 try:
-                    self.on_message(who[0], who[1], msg)
+                    self.on_message(sender, msg)
                 except Exception:
                     log.exception("rank socket: handler failed", type=msg.TYPE)
         finally:
-            if who is not None:
+            if sender is not None:
                 with self._lock:
-                    if self._conns.get(who) is conn:
-                        del self._conns[who]
+                    if self._conns.get((sender.task, sender.rank)) is conn:
+                        del self._conns[(sender.task, sender.rank)]
             conn.close()

@@ -139,7 +139,8 @@ class TaskHost(Protocol):
         """The rank's process is gone: stop judging its iteration timings (``monitor``: the one this
         process was judged by; a newer process of the same rank may already have its own)."""
 
-    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None: ...
+    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float, *, generation: int,
+                       pid: int) -> None: ...
 
     def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, mono: float,
                       pid: int) -> None:
@@ -298,10 +299,11 @@ class TaskReconciler:
 
     # --- observation ------------------------------------------------------------------------------
 
-    def has_rank(self, rank: int, pid: int | None = None) -> bool:
-        """The rank is this task's here (and, with ``pid``, that is its current process)."""
+    def has_rank(self, rank: int, *pids: int) -> bool:
+        """The rank is this task's here (and, with ``pids``, one of them is its current process's: not
+        while it is being launched, when a line its predecessor left may still be read)."""
         with self._lock:
-            return rank in self._ranks and (pid is None or self.launched_pid.get(rank) == pid)
+            return rank in self._ranks and (not pids or self.launched_pid.get(rank) in pids)
 
     def launch_epoch(self, rank: int) -> int | None:
         """The restart epoch the rank's newest process was launched under; None before its first launch."""
@@ -966,8 +968,9 @@ class TaskReconciler:
                          f"rank {ex.rank} exited abnormally ({what}){cause}", task=a.task, rank=ex.rank, gpu=gpu,
                          step=step, source_ts=ex.ts, generation=a.generation)
 
-    def _on_stderr_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
-        self.host.stderr_matched(self.task, rank, kind, line, ts)
+    def _on_stderr_match(self, rank: int, pid: int, kind: ErrorKind, line: str, ts: float) -> None:
+        # this reconciler's generation: the host's current one may be the next, launched meanwhile
+        self.host.stderr_matched(self.task, rank, kind, line, ts, generation=self.latest.generation, pid=pid)
 
     def _on_line(self, rank: int, pid: int, line: str, mono: float) -> None:
         progress = self.parser.progress(line)

@@ -95,8 +95,8 @@ class ProcStatus:
 
 
 ExitCallback = Callable[[RankExit], None]
-#: on_stderr_match(rank, kind, line, ts)
-MatchCallback = Callable[[int, ErrorKind, str, float], None]
+#: on_stderr_match(rank, pid, kind, line, ts) (``pid``: the process that wrote it, as for on_line)
+MatchCallback = Callable[[int, int, ErrorKind, str, float], None]
 #: stderr_sink(rank, line): where forwarded stderr lines go
 StderrSink = Callable[[int, str], None]
 #: on_line(rank, pid, line, mono): every output line of a rank, stdout and stderr, with its arrival's
@@ -331,7 +331,7 @@ class Supervisor:
         proc.last_report[kind] = now
         if self._on_match is not None:
             try:
-                self._on_match(proc.rank, kind, line, ts)
+                self._on_match(proc.rank, proc.pid, kind, line, ts)
             except Exception:
                 log.exception("on_stderr_match callback failed", rank=proc.rank)
 

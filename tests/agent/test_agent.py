@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -19,6 +20,7 @@ from typing import TypeVar
 import pytest
 
 from agent.daemon import Agent
+from agent.reconciler import RankState, TaskReconciler
 from agent.settings import AgentSettings
 from agent.sidecar import StoreSidecar
 from unicron.cluster.etcd_server import EtcdServer
@@ -313,6 +315,84 @@ def test_a_forged_rank_message_for_an_unknown_task_is_dropped(agents: dict[str, 
     wait_for(lambda: "real" in reports(), 10, "the real rank's report")
     time.sleep(0.3)
     assert reports() == ["real"]
+
+
+# A rank that, asked to stop (SIGTERM), fails as a rank of a configuration being torn down does: its
+# collective breaks (its peers elsewhere exited) and the error reaches the agent.
+FAILS_ON_ITS_WAY_OUT = [sys.executable, "-c", (
+    "import signal, time\n"
+    "from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect(); c.install_excepthook()\n"
+    "def h(*_): raise RuntimeError('NCCL communicator was aborted on rank 0: peer exited')\n"
+    "signal.signal(signal.SIGTERM, h)\n"
+    "while True: time.sleep(0.05)\n"
+)]
+
+
+def test_an_error_of_a_stopping_generation_is_reported_as_that_generations(agents: dict[str, Agent],
+                                                                           store: Store) -> None:
+    """A generation-1 rank failing within its stop grace, once generation 2 was assigned, was reported as
+    generation 2's (the socket kept only task and rank of its Hello; the stderr match took the node's
+    current generation): the coordinator blamed the new, healthy generation for a launch fault."""
+    assign(store, "a0", task("old", FAILS_ON_ITS_WAY_OUT, [0], 1, store_node="a0", generation=1))
+    server = agents["a0"].rank_server
+    assert server is not None
+    wait_for(lambda: ("old", 0) in server.connected(), 60, "the generation-1 rank connected")
+    assign(store, "a0", task("old", SLEEPER, [0], 1, store_node="a0", generation=2))
+
+    def errors() -> list[Report]:
+        kvs, _ = store.get_prefix(KEYS.reports())
+        return [r for r in (Report.from_json(kv.value) for kv in kvs) if "NCCL" in r.message]
+
+    wait_for(errors, 30, "its error")
+    time.sleep(0.3)  # any other report of it (stderr) by now
+    assert {(r.generation, r.restart_epoch) for r in errors()} == {(1, None)}
+
+
+def test_a_stderr_error_of_another_process_than_the_ranks_current_one_is_not_the_current_ones(tmp_path: Path) -> None:
+    """The stderr path, as the socket's: a stopping generation's line is that generation's, a replaced
+    process's line of this generation is dropped (no etcd: the agent is not run, its reports are kept)."""
+    agent = Agent(AgentSettings(node="a0", etcd="127.0.0.1:1", gpu_backend="simulated", gpus=2, run_dir=str(tmp_path),
+                                replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"))
+    published: list[Report] = []
+    agent.publisher = types.SimpleNamespace(publish=published.append)  # type: ignore[assignment]
+    rec = TaskReconciler(task("t", SLEEPER, [0], 1, store_node="elsewhere", generation=2), agent, None)
+    with agent._tasks_lock:
+        agent._tasks["t"] = rec
+    with rec._lock:
+        rec._ranks[0], rec.launched_pid[0] = RankState.HEALTHY, 4242
+    try:
+        line = "RuntimeError: CUDA error: an illegal memory access was encountered"
+        for generation, pid in ((1, 1111), (2, 1111), (2, 4242)):
+            agent.stderr_matched("t", 0, ErrorKind.CUDA_ERROR, line, time.time(), generation=generation, pid=pid)
+        assert [r.generation for r in published] == [1, 2]  # the old generation's, and the current process's
+    finally:
+        rec.stop("test over").wait(10)
+
+
+def test_a_replaced_process_progress_is_not_credited_to_the_rank(agents: dict[str, Agent], store: Store) -> None:
+    """A message of a process the rank no longer runs (its predecessor's, read after the relaunch) was
+    credited to the current one: its step, and an iteration it never completed."""
+    assign(store, "a0", task("cur", SLEEPER, [0], 1, store_node="a0"))
+
+    def rank(step: bool = False) -> RankStatus | None:
+        st = status(store, "a0")
+        return next((r for r in st.ranks if r.task == "cur" and (r.step is not None or not step)), None) if st else None
+
+    pid = wait_for(rank, 60, "the rank running").pid
+
+    def send(sender: int, msg: protocol.Message) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(agents["a0"].socket_path)
+            conn = wire.LineSocket(s)
+            conn.send(protocol.Hello(task="cur", rank=0, local_rank=0, pid=sender, generation=1).to_wire())
+            conn.send(msg.to_wire())
+            time.sleep(0.1)
+
+    send(os.getpid(), protocol.IterEnd(step=500, duration_s=1.0))  # not the rank's process (nor of its group)
+    send(pid, protocol.IterStart(step=7))  # control: the rank's own, read after the other
+    st = wait_for(lambda: rank(step=True), 10, "the rank's step")
+    assert (st.step, st.advanced) == (7, False)
 
 
 def test_a_second_agent_with_a_held_node_name_refuses_to_start(agents: dict[str, Agent], etcd_server: EtcdServer,

@@ -17,11 +17,11 @@ def test_a_stopped_rank_server_leaves_no_thread_in_accept_and_the_next_one_gets_
     its thread stayed in accept() after close(), on a descriptor number the new server was given, and
     it dropped the ranks' messages as an unknown task's (seen in tests/agent/test_agent.py under load)."""
     got: list[tuple[str, str]] = []
-    old = RankServer(str(tmp_path / "old.sock"), lambda task, rank, msg: got.append(("old", task))).start()
+    old = RankServer(str(tmp_path / "old.sock"), lambda sender, msg: got.append(("old", sender.task))).start()
     time.sleep(0.1)  # its thread is in accept() by now
     old.stop()
     assert not old._thread.is_alive()
-    new = RankServer(str(tmp_path / "new.sock"), lambda task, rank, msg: got.append(("new", task))).start()
+    new = RankServer(str(tmp_path / "new.sock"), lambda sender, msg: got.append(("new", sender.task))).start()
     try:
         for i in range(20):
             with socket.socket(socket.AF_UNIX) as s:
@@ -41,7 +41,7 @@ def test_rank_server_survives_a_transient_accept_error(tmp_path: Path) -> None:
     server's acceptor for good: no rank (a relaunched one included) could report to its agent again.
     Now the failure is logged and accept() retried: the rank that connected meanwhile is heard."""
     got: list[str] = []
-    server = RankServer(str(tmp_path / "r.sock"), lambda task, rank, msg: got.append(task)).start()
+    server = RankServer(str(tmp_path / "r.sock"), lambda sender, msg: got.append(sender.task)).start()
     s = socket.socket(socket.AF_UNIX)  # its descriptor taken before the table fills
     try:
         time.sleep(0.05)  # the acceptor is in accept()

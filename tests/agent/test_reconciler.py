@@ -90,7 +90,8 @@ class RecordingHost:
     def forget_rank(self, task: str, rank: int, monitor: IterationMonitor | None) -> None:
         pass
 
-    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+    def stderr_matched(self, task: str, rank: int, kind: ErrorKind, line: str, ts: float, *, generation: int,
+                       pid: int) -> None:
         pass
 
     def rank_progress(self, task: str, rank: int, progress: Progress | None, phase: str | None, ts: float,

@@ -44,7 +44,7 @@ class Events:
             self.exit_list.append((exit, seen))
             self.cond.notify_all()
 
-    def on_match(self, rank: int, kind: ErrorKind, line: str, ts: float) -> None:
+    def on_match(self, rank: int, pid: int, kind: ErrorKind, line: str, ts: float) -> None:
         with self.cond:
             self.order.append("match")
             self.matches.append((rank, kind, line, ts))

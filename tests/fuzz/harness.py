@@ -365,7 +365,7 @@ def run_rank_server(fuzz: Fuzz, examples: int) -> None:
     inbox = _Inbox()
     with tempfile.TemporaryDirectory() as tmp, thread_crashes(fuzz, "rank_server"):
         path = os.path.join(tmp, "agent.sock")
-        server = RankServer(path, lambda task, rank, msg: inbox.put((task, rank, msg))).start()
+        server = RankServer(path, lambda sender, msg: inbox.put((sender.task, sender.rank, msg))).start()
         marker = iter(range(10**9, 2 * 10**9))
         try:
             def one(example: tuple[str, Any, str], garbage_first: bool) -> None:

@@ -117,7 +117,7 @@ def test_the_planner_with_no_usable_node_plans_nothing() -> None:
 def test_a_second_hello_does_not_leave_the_first_name_registered() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "agent.sock")
-        server = RankServer(path, lambda task, rank, msg: None).start()
+        server = RankServer(path, lambda sender, msg: None).start()
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(path)

@@ -49,7 +49,7 @@ def test_an_exception_with_a_long_message_still_reaches_the_agent(tmp_path: Path
     list) makes a line the agent refuses (wire.MAX_LINE): the rank's exception report is lost, and the
     agent learns of the failure only from the exit, classified as a plain abnormal exit."""
     got: list[protocol.Message] = []
-    server = RankServer(str(tmp_path / "a.sock"), lambda task, rank, msg: got.append(msg)).start()
+    server = RankServer(str(tmp_path / "a.sock"), lambda sender, msg: got.append(msg)).start()
     client = AgentClient(rank=0, local_rank=0, task="t", socket_path=str(tmp_path / "a.sock")).connect()
     try:
         try:
