@@ -5,11 +5,15 @@ millisecond, and polls the GPU's health every ``health_interval_s``. A health po
 turning bad (new uncorrected ECC errors, an NVLink link down, a pending page retirement, a recovery
 action requested by the driver) also produces an event, unless an event of the same kind was already
 delivered for that GPU since the previous poll (the driver usually announces the same fault first).
-A backend failure is logged and retried with exponential backoff; it never ends the thread.
+A backend failure is logged and retried with exponential backoff; it never ends the thread. While
+the GPU's queries fail its health reads ``ok=False``; a lost GPU is reported at once, any other
+failure once it persists for ``report_after_failures`` attempts in a row (a GPU that answers only
+errors was otherwise never reported, and the node's status kept its last good poll).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +57,8 @@ class GpuMonitor:
     """Runs one thread per GPU of ``backend``; callbacks run on those threads (keep them short).
 
     ``on_event(GpuEvent)``: a reportable fault (informational events are only logged).
-    ``on_health(GpuHealth)``: every successful health poll (for the node's status summary).
+    ``on_health(GpuHealth)``: every health poll (for the node's status summary); ``ok=False`` for one
+    that failed.
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class GpuMonitor:
         health_interval_s: float = 2.0,
         max_block_s: float = 0.25,
         backoff_s: tuple[float, float] = (0.05, 5.0),
+        report_after_failures: int = 5,
     ) -> None:
         if health_interval_s <= 0:
             raise ConfigError(f"health_interval_s must be > 0, got {health_interval_s}")
@@ -76,6 +82,8 @@ class GpuMonitor:
         # NVML waits cannot be interrupted: bounding each wait bounds how long stop() takes.
         self._max_block = max_block_s
         self._backoff = backoff_s
+        # with the default backoff, 5 failures in a row take 1.5 s: past a transient error
+        self._report_after = max(1, report_after_failures)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._latest: dict[int, GpuHealth] = {}
@@ -102,7 +110,7 @@ class GpuMonitor:
         self._threads = []
 
     def latest_health(self) -> list[GpuHealth]:
-        """The most recent successful poll of each GPU, in GPU order."""
+        """The most recent poll of each GPU, in GPU order (``ok=False`` while its polls fail)."""
         with self._latest_lock:
             return [self._latest[g] for g in sorted(self._latest)]
 
@@ -142,6 +150,8 @@ class _GpuWorker:
         self.next_poll = time.monotonic()  # poll at once: the baseline
         self.delay = monitor._backoff[0]
         self.lost_reported = False
+        self.failures = 0  # backend failures in a row
+        self.failure_reported = False
         self.last_kind_ts: dict[ErrorKind, float] = {}
         # kinds the latest poll found turned bad: the driver's event for the same fault may still be
         # queued (a poll right after a backoff sees the counter first), and is then not reported again
@@ -164,12 +174,14 @@ class _GpuWorker:
             self._lost(exc)
         except Exception as exc:  # a backend fault must never end the GPU's thread
             log.warning("GPU backend error; will retry", gpu=self.gpu, retry_s=self.delay, error=str(exc))
+            self._failed(exc)
             self._back_off()
 
     def _poll(self) -> None:
         self.next_poll = time.monotonic() + self.m._interval
         health = self.m.backend.health(self.gpu)
-        self.lost_reported = False
+        self.lost_reported = self.failure_reported = False
+        self.failures = 0
         self.m._record_health(health)
         self.polled = set()
         for event in health_transitions(self.prev, health):
@@ -188,7 +200,22 @@ class _GpuWorker:
     def _delivered_since_poll(self, kind: ErrorKind) -> bool:
         return self.prev is not None and self.last_kind_ts.get(kind, -1.0) >= self.prev_poll_ts
 
+    def _failed(self, exc: Exception) -> None:
+        """A backend call failed: the GPU shows unhealthy until a poll answers, and is reported once
+        the failures persist."""
+        self.failures += 1
+        self._record_unhealthy()
+        if self.failures >= self.m._report_after and not self.failure_reported and not self.lost_reported:
+            self.failure_reported = True
+            self._forward(GpuEvent(self.gpu, ErrorKind.GPU_DRIVER_ERROR, None,
+                                   f"GPU answers only errors ({self.failures} in a row): {exc}"))
+
+    def _record_unhealthy(self) -> None:
+        blank = GpuHealth(self.gpu, False, None, None, [], False, None)
+        self.m._record_health(dataclasses.replace(self.prev or blank, ok=False, ts=time.time()))
+
     def _lost(self, exc: GpuLost) -> None:
+        self._record_unhealthy()
         if not self.lost_reported:
             self.lost_reported = True
             # the driver announces a GPU falling off the bus (XID 79) before NVML answers "lost": one fault

@@ -86,9 +86,15 @@ def recovery_action_name(code: int) -> str:
     return RECOVERY_ACTIONS.get(code, f"unknown({code})")
 
 
+#: the GPU is gone until a reset or reboot: no retry brings it back, so it is reported at once
+_GONE = (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED, pynvml.NVML_ERROR_GPU_NOT_FOUND)
+
+
 def translate_error(exc: pynvml.NVMLError, what: str) -> GpuError:
-    """An NVML error as this project's exception: a lost GPU is :class:`GpuLost`, the rest transient."""
-    if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+    """An NVML error as this project's exception: a lost GPU (fallen off the bus, needing a reset, or
+    no longer found) is :class:`GpuLost`; the rest may be transient (the monitor reports them when they
+    persist)."""
+    if exc.value in _GONE:
         return GpuLost(f"{what}: {exc}")
     return GpuError(f"{what}: {exc}")
 

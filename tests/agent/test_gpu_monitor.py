@@ -134,6 +134,26 @@ def test_backend_errors_are_retried_and_do_not_end_the_thread() -> None:
         monitor.stop()
 
 
+def test_a_gpu_that_answers_only_errors_is_reported_once_and_shown_unhealthy_until_it_answers() -> None:
+    """A failure that persists (NVML_ERROR_UNKNOWN on every query) was retried for ever: never reported,
+    and the status kept the GPU's last good poll."""
+    backend = SimulatedBackend(1)
+    rec = Recorder()
+    monitor = GpuMonitor(backend, rec.on_event, rec.on_health, 0.02, backoff_s=(0.005, 0.01))
+    monitor.start()
+    try:
+        rec.wait_health(lambda h: h.gpu == 0 and h.ok)
+        backend.fail_health(0, times=30)
+        (event,) = rec.wait_events(1)
+        assert event.kind is ErrorKind.GPU_DRIVER_ERROR and "only errors" in event.message
+        assert not monitor.latest_health()[0].ok
+        rec.health.clear()
+        rec.wait_health(lambda h: h.ok)  # answers again
+        assert len(rec.events) == 1
+    finally:
+        monitor.stop()
+
+
 def test_lost_gpu_reported_once_then_recovers() -> None:
     backend = SimulatedBackend(1)
     rec = Recorder()
@@ -145,8 +165,9 @@ def test_lost_gpu_reported_once_then_recovers() -> None:
         assert event.kind is ErrorKind.GPU_DRIVER_ERROR and "lost" in event.message
         time.sleep(0.1)  # many failed retries meanwhile
         assert len(rec.events) == 1
+        assert not monitor.latest_health()[0].ok  # not its last good poll
         backend.set_lost(0, False)
-        rec.wait_health(lambda h: h.gpu == 0)
+        rec.wait_health(lambda h: h.gpu == 0 and h.ok)
     finally:
         monitor.stop()
 

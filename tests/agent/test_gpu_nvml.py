@@ -70,6 +70,12 @@ def test_lost_gpu_is_distinguished() -> None:
     assert type(other) is GpuError
 
 
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_RESET_REQUIRED, pynvml.NVML_ERROR_GPU_NOT_FOUND])
+def test_a_gpu_that_needs_a_reset_or_is_gone_is_lost(code: int) -> None:
+    """Retrying cannot bring these back: they were transient errors, never reported."""
+    assert isinstance(nvml.translate_error(pynvml.NVMLError(code), "GPU 1: ECC"), GpuLost)
+
+
 def _nvml_error(code: int) -> Callable[..., Any]:
     def fail(*_: object) -> Any:
         raise pynvml.NVMLError(code)
