@@ -9,14 +9,19 @@ A backend failure is logged and retried with exponential backoff; it never ends 
 the GPU's queries fail its health reads ``ok=False``; a lost GPU is reported at once, any other
 failure once it persists for ``report_after_failures`` attempts in a row (a GPU that answers only
 errors was otherwise never reported, and the node's status kept its last good poll).
+
+A watchdog thread notices a backend call that does not return (a wedged GPU or driver: NVML calls
+block): after ``stall_s`` the GPU is reported once and shows ``ok=False``. Its thread, blocked in the
+call, polled and delivered nothing more, for good, and nothing said so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from agent.gpu.api import RECOVERY_NONE, GpuBackend, GpuEvent, GpuHealth, GpuLost
 from unicron.kernel import log as ulog
@@ -70,6 +75,7 @@ class GpuMonitor:
         max_block_s: float = 0.25,
         backoff_s: tuple[float, float] = (0.05, 5.0),
         report_after_failures: int = 5,
+        stall_s: float | None = None,
     ) -> None:
         if health_interval_s <= 0:
             raise ConfigError(f"health_interval_s must be > 0, got {health_interval_s}")
@@ -84,6 +90,13 @@ class GpuMonitor:
         self._backoff = backoff_s
         # with the default backoff, 5 failures in a row take 1.5 s: past a transient error
         self._report_after = max(1, report_after_failures)
+        # a health poll takes milliseconds and an event wait at most max_block_s: a call this long is stuck
+        self._stall_s = stall_s if stall_s is not None else max(4 * health_interval_s, 8 * max_block_s)
+        if self._stall_s <= 0:
+            raise ConfigError(f"stall_s must be > 0, got {stall_s}")
+        #: gpu -> when its thread's backend call in progress began (monotonic); absent between calls
+        self._calling: dict[int, float] = {}
+        self._stalled: set[int] = set()  # GPUs whose stuck call was reported
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._latest: dict[int, GpuHealth] = {}
@@ -97,6 +110,9 @@ class GpuMonitor:
             t = threading.Thread(target=self._run, args=(gpu,), name=f"gpu-monitor-{gpu}", daemon=True)
             self._threads.append(t)
             t.start()
+        watchdog = threading.Thread(target=self._watch, name="gpu-watchdog", daemon=True)
+        self._threads.append(watchdog)
+        watchdog.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop and join the threads (the backend stays open: close it after this)."""
@@ -120,6 +136,37 @@ class GpuMonitor:
         worker = _GpuWorker(self, gpu)
         while not self._stop.is_set():
             worker.step()
+
+    @contextlib.contextmanager
+    def _call(self, gpu: int) -> Iterator[None]:
+        """A backend call of ``gpu``'s thread, timed for the watchdog."""
+        with self._latest_lock:
+            self._calling[gpu] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._latest_lock:
+                del self._calling[gpu]
+                self._stalled.discard(gpu)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self._interval, self._stall_s / 4)):
+            self.check_stalled()
+
+    def check_stalled(self) -> None:
+        """Report each GPU whose backend call has not returned for ``stall_s`` (once per call)."""
+        now = time.monotonic()
+        with self._latest_lock:
+            stuck = {g: now - t for g, t in self._calling.items() if now - t >= self._stall_s and g not in self._stalled}
+            self._stalled |= set(stuck)
+            latest = {g: self._latest.get(g) for g in stuck}
+        for gpu, age in sorted(stuck.items()):
+            log.error("GPU monitoring stalled: a backend call does not return", gpu=gpu, age_s=round(age, 1))
+            prev = latest[gpu]
+            self._record_health(GpuHealth(gpu, False, None, None, [], False, None) if prev is None
+                                else dataclasses.replace(prev, ok=False, ts=time.time()))
+            self._deliver(GpuEvent(gpu, ErrorKind.GPU_DRIVER_ERROR, None,
+                                   f"GPU does not answer: a driver call has not returned for {age:.0f} s"))
 
     def _deliver(self, event: GpuEvent) -> None:
         if not event.reportable:
@@ -162,7 +209,8 @@ class _GpuWorker:
             if time.monotonic() >= self.next_poll:
                 self._poll()
             timeout = min(max(0.0, self.next_poll - time.monotonic()), self.m._max_block)
-            event = self.m.backend.wait_event(self.gpu, timeout)
+            with self.m._call(self.gpu):
+                event = self.m.backend.wait_event(self.gpu, timeout)
             if event is not None and event.reportable and event.kind in self.polled:
                 self.polled.discard(event.kind)  # the driver's own report of what the poll found
                 log.info("GPU event already reported from the health poll", gpu=self.gpu, kind=event.kind.value,
@@ -179,7 +227,8 @@ class _GpuWorker:
 
     def _poll(self) -> None:
         self.next_poll = time.monotonic() + self.m._interval
-        health = self.m.backend.health(self.gpu)
+        with self.m._call(self.gpu):
+            health = self.m.backend.health(self.gpu)
         self.lost_reported = self.failure_reported = False
         self.failures = 0
         self.m._record_health(health)

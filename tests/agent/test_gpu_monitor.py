@@ -154,6 +154,44 @@ def test_a_gpu_that_answers_only_errors_is_reported_once_and_shown_unhealthy_unt
         monitor.stop()
 
 
+class WedgedBackend(SimulatedBackend):
+    """GPU 1's health query blocks while ``wedged`` is set (an NVML call on a GPU that stopped answering)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.wedged = threading.Event()
+        self.release = threading.Event()
+
+    def health(self, gpu: int) -> GpuHealth:
+        if gpu == 1 and self.wedged.is_set():
+            self.release.wait(10.0)
+        return super().health(gpu)
+
+
+def test_a_driver_call_that_does_not_return_is_reported_once_and_the_gpu_shown_unhealthy() -> None:
+    """One GPU's thread blocked in a call that never returned: nothing polled or delivered that GPU's
+    events again, nothing was reported, and the status kept its last good poll."""
+    backend = WedgedBackend()
+    rec = Recorder()
+    monitor = GpuMonitor(backend, rec.on_event, rec.on_health, 0.02, stall_s=0.3)
+    monitor.start()
+    try:
+        rec.wait_health(lambda h: h.gpu == 1 and h.ok)
+        backend.wedged.set()
+        (event,) = rec.wait_events(1)
+        assert (event.gpu, event.kind) == (1, ErrorKind.GPU_DRIVER_ERROR) and "not returned" in event.message
+        assert [h.ok for h in monitor.latest_health()] == [True, False]
+        time.sleep(0.4)
+        assert len(rec.events) == 1  # once per stuck call
+        backend.release.set()
+        rec.health.clear()
+        rec.wait_health(lambda h: h.gpu == 1 and h.ok)  # it answers again
+    finally:
+        backend.release.set()
+        monitor.stop()
+        backend.close()
+
+
 def test_lost_gpu_reported_once_then_recovers() -> None:
     backend = SimulatedBackend(1)
     rec = Recorder()
