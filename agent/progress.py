@@ -25,12 +25,19 @@ checkpoint save``: training goes on while the save finalizes, many iterations la
 success line as the end left every hang in between unjudged). A progress line ends any phase a log
 line began: the job is training.
 
-Megatron-LM evaluates right after the progress line of every ``--eval-interval``-th iteration and
-prints nothing until it is done (then its ``validation loss at iteration N`` box): with a short log
-interval the silence read as a hang, and every evaluation cost a restart. The job's own flags tell
-when (``--eval-interval``, Megatron's default 1000; ``--eval-iters 0``: none), so that progress line
-begins an ``eval`` phase, which the validation line ends, or else the next progress line (no
-validation data: nothing was evaluated). Like a checkpoint, the phase has no bound of its own.
+Megatron-LM evaluates right after every ``--eval-interval``-th iteration and prints nothing until it
+is done (then its ``validation loss at iteration N`` box): with a short log interval the silence read
+as a hang, and every evaluation cost a restart. It prints a progress line only every
+``--log-interval``-th iteration (before evaluating, when both fall on one): an evaluation after
+iteration E falls between the lines of iterations I and I + log interval when I <= E < I + log
+interval. The job's own flags tell both (``--eval-interval``, Megatron's default 1000; ``--eval-iters
+0``: none; ``--log-interval``, default 100), so the progress line before an evaluation begins an
+``eval`` phase, which the validation line ends, or else the next progress line (no validation data:
+nothing was evaluated). Like a checkpoint, the phase has no bound of its own. Trade-off: when the
+evaluation does not follow the line at once (E > I), the training iterations between the line and
+the evaluation are inside the phase: a hang there is not judged by the hang rule (the silence looks
+the same as the evaluation's); a collective stuck there ends at its NCCL timeout, an exit the agent
+reports. Taking the evaluation for a hang instead cost a restart per evaluation.
 """
 
 from __future__ import annotations
@@ -56,8 +63,10 @@ MEGATRON_SAVE_END = re.compile(r"\bsuccessfully saved checkpoint (from|at) itera
 MEGATRON_SAVE_SCHEDULED = re.compile(r"\bscheduled an async checkpoint save at iteration\s+\d+")
 #: the end of Megatron-LM's evaluation (``evaluate_and_print_results``, on the last rank)
 MEGATRON_EVAL_END = re.compile(r"\bvalidation loss at iteration\s+\d+")
-#: Megatron-LM's default (``megatron/training/arguments.py``): an evaluation every 1000 iterations
+#: Megatron-LM's defaults (``megatron/training/arguments.py``): an evaluation every 1000 iterations,
+#: a progress line every 100
 MEGATRON_EVAL_INTERVAL = 1000
+MEGATRON_LOG_INTERVAL = 100
 PHASE_CHECKPOINT = "checkpoint"
 
 
@@ -104,15 +113,26 @@ def megatron_eval_interval(argv: Sequence[str]) -> int:
         return MEGATRON_EVAL_INTERVAL
 
 
+def megatron_log_interval(argv: Sequence[str]) -> int:
+    """Iterations between the progress lines of a Megatron-LM job, from its own flags."""
+    try:
+        return max(1, int(_flag(argv, "--log-interval") or MEGATRON_LOG_INTERVAL))
+    except ValueError:  # not a number: Megatron would refuse it; its default is the best guess
+        return MEGATRON_LOG_INTERVAL
+
+
 class LineParser:
     """Recognises progress and phase lines: Megatron-LM's, plus a job's own regexes (its env's
     ``UNICRON_PROGRESS_REGEX``, ``UNICRON_SAVE_START_REGEX``, ``UNICRON_SAVE_END_REGEX``)."""
 
     def __init__(self, custom: re.Pattern[str] | None = None, eval_interval: int = 0,
-                 save_start: re.Pattern[str] | None = None, save_end: re.Pattern[str] | None = None) -> None:
-        """``eval_interval``: Megatron-LM's ``--eval-interval`` of the job (0: it does not evaluate)."""
+                 save_start: re.Pattern[str] | None = None, save_end: re.Pattern[str] | None = None,
+                 log_interval: int = 1) -> None:
+        """``eval_interval``: Megatron-LM's ``--eval-interval`` of the job (0: it does not evaluate);
+        ``log_interval``: its ``--log-interval``."""
         self.patterns = (custom, MEGATRON_ITERATION) if custom is not None else (MEGATRON_ITERATION,)
         self.eval_interval = eval_interval
+        self.log_interval = max(1, log_interval)
         self.save_start, self.save_end = save_start, save_end
 
     def progress(self, line: str) -> Progress | None:
@@ -137,8 +157,12 @@ class LineParser:
         return None
 
     def evaluates_after(self, p: Progress) -> bool:
-        """Whether Megatron-LM evaluates right after this progress line."""
-        return p.megatron and self.eval_interval > 0 and p.iteration % self.eval_interval == 0
+        """Whether Megatron-LM evaluates before its next progress line: after this line's iteration, or
+        after one before the next line's (it evaluates whether or not the iteration printed a line)."""
+        if not p.megatron or self.eval_interval <= 0:
+            return False
+        next_eval = -(-p.iteration // self.eval_interval) * self.eval_interval  # the first at or after it
+        return next_eval < p.iteration + self.log_interval
 
     def phase(self, line: str) -> PhaseLine | None:
         """The phase a line begins (a save; training after an evaluation or a save), or None."""

@@ -48,7 +48,7 @@ from typing import Protocol
 
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
-from agent.progress import LineParser, PhaseLine, Progress, megatron_eval_interval
+from agent.progress import LineParser, PhaseLine, Progress, megatron_eval_interval, megatron_log_interval
 from agent.sidecar import START_TIMEOUT_S, StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, RankStillRunning, Supervisor
 from unicron.kernel import log as ulog
@@ -263,7 +263,8 @@ class TaskReconciler:
                 return None
 
         return LineParser(own(patterns.ENV_PROGRESS_REGEX, self.host.progress_regex), megatron_eval_interval(a.argv),
-                          own(patterns.ENV_SAVE_START_REGEX), own(patterns.ENV_SAVE_END_REGEX))
+                          own(patterns.ENV_SAVE_START_REGEX), own(patterns.ENV_SAVE_END_REGEX),
+                          log_interval=megatron_log_interval(a.argv))
 
     # --- requests (any thread; never block) -------------------------------------------------------
 
@@ -986,7 +987,7 @@ class TaskReconciler:
             # is finalizing, or a save's end line had another format
             self.host.rank_progress(self.task, rank, None, protocol.PHASE_TRAIN, mono, pid)
         self.host.rank_progress(self.task, rank, progress, None, mono, pid)
-        if self.parser.evaluates_after(progress):  # Megatron-LM evaluates now, printing nothing until done
+        if self.parser.evaluates_after(progress):  # Megatron-LM evaluates before its next line, silent until done
             with self._log_phase_lock:
                 self._log_phase = PhaseLine(protocol.PHASE_EVAL, progress.iteration)
             self.host.rank_progress(self.task, rank, None, protocol.PHASE_EVAL, mono, pid)

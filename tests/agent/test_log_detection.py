@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from agent.daemon import Agent
+from agent.reconciler import RankState, TaskReconciler
+from agent.settings import AgentSettings
 from tests.agent.test_agent import KEYS, assign, settings, status, task, wait_for
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import protocol
@@ -83,6 +85,43 @@ def test_a_megatron_evaluation_is_no_hang_and_a_hang_after_it_still_is(agent: Ag
 
     found = wait_for(hang, 30, "the hang after the evaluations")
     assert found.step == 35, f"a hang reported at step {found.step}: {found.message}"
+
+
+def megatron_line(iteration: int) -> str:
+    return (f" [2025-08-01 07:19:37] iteration {iteration:8d}/{100000:8d} | consumed samples: {iteration * 64:12d} |"
+            " elapsed time per iteration (ms): 1000.0 | learning rate: 1.5E-04 |")
+
+
+def test_a_megatron_evaluation_between_its_progress_lines_is_no_hang(tmp_path: Path) -> None:
+    """Megatron-LM evaluates after every --eval-interval-th iteration whether or not it printed that
+    iteration's line (one every --log-interval): with lines every 10 and evaluations every 25, those
+    after 25, 75, 125 ... fell between lines, and their silence was judged a hang (a restart each).
+    A hang after them is still found. (No etcd: the reconciler's line handling and the rank's monitor.)"""
+    argv = ["python", "pretrain_gpt.py", "--log-interval", "10", "--eval-interval", "25", "--eval-iters", "100"]
+    agent = Agent(AgentSettings(node="a0", etcd="127.0.0.1:1", gpu_backend="simulated", gpus=1,
+                                run_dir=str(tmp_path), replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"))
+    rec = TaskReconciler(task("mega", argv, [0], 1, store_node="elsewhere"), agent, None)
+    with agent._tasks_lock:
+        agent._tasks["mega"] = rec
+    with rec._lock:  # rank 0 runs as pid 4242 (as _launch leaves it)
+        rec._ranks[0], rec.launched_pid[0] = RankState.HEALTHY, 4242
+    try:
+        hangs: list[int] = []
+        t = 1000.0
+        for it in range(1, 201):
+            t += 1.0  # a 1 s training iteration
+            if it % 10 == 0:
+                rec._on_line(0, 4242, megatron_line(it), t)
+            if it % 25 == 0:  # Megatron: `if args.eval_interval and iteration % args.eval_interval == 0`
+                mon = rec.monitors[0]
+                hangs += [it for dt in range(1, 36) if mon.check(t + dt)]  # the watcher's view of a 35 s evaluation
+                t += 35.0
+                rec._on_line(0, 4242, f" validation loss at iteration {it} | lm loss value: 1.0E+01 |", t)
+        assert hangs == []
+        found = rec.monitors[0].check(t + 60.0)  # silence after the line of 200 and its evaluation
+        assert [f.kind for f in found] == [ErrorKind.TASK_HANG]
+    finally:
+        rec.stop("test over").wait(10)
 
 
 def test_a_hang_while_an_async_save_finalizes_is_found(agent: Agent, store: Store) -> None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from agent.iterations import IterationMonitor, IterationSettings
-from agent.progress import LineParser, LogProgress, PhaseLine, Progress, megatron_eval_interval
+from agent.progress import (
+    LineParser,
+    LogProgress,
+    PhaseLine,
+    Progress,
+    megatron_eval_interval,
+    megatron_log_interval,
+)
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.patterns import (
     ENV_PROGRESS_REGEX,
@@ -136,6 +143,16 @@ def test_megatrons_evaluation_schedule_comes_from_the_jobs_flags() -> None:
     custom = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r"^step (?P<iteration>\d+)"), eval_interval=200)
     q = custom.progress("step 200 loss 1.0")
     assert q is not None and not custom.evaluates_after(q)  # a job's own line: Megatron's schedule is not its
+
+
+def test_a_megatron_evaluation_between_two_progress_lines_begins_at_the_first() -> None:
+    """It evaluates after iteration E whether or not E printed a line: the line of I is the last before
+    the evaluation when I <= E < I + log interval (at E = I + log interval, that line comes first)."""
+    assert megatron_log_interval(["pretrain_gpt.py", "--log-interval", "10"]) == 10
+    assert megatron_log_interval(["pretrain_gpt.py"]) == 100  # Megatron's default
+    parser = LineParser(eval_interval=25, log_interval=10)
+    evaluating = [i for i in range(10, 160, 10) if parser.evaluates_after(Progress(i, 1.0, megatron=True))]
+    assert evaluating == [20, 50, 70, 100, 120, 150]
 
 
 def test_a_jobs_own_save_lines_bracket_a_checkpoint_phase() -> None:
