@@ -3,9 +3,11 @@ data-parallel replica and restored by every rank of the shard, whatever the job'
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tests.runtime.conftest import Runner, train_args, wait_for
+from tests.runtime.test_failures import assert_exact
 from unicron.cluster.launch import LocalJob
 from unicron.runtime.checkpoint import TorchSaveCheckpointer
 from unicron.runtime.compare import bitwise_equal, max_rel_diff
@@ -90,3 +92,48 @@ def test_a_rank_dying_while_the_job_resumes_is_recovered_in_place(runner: Runner
     assert [e["it"] for e in done.events(0, "restored")] == [2]
     assert done.result(0)["iterations"] == done.result(1, incarnation=2)["iterations"] == 5
     assert done.events(0, "restore_retried"), "the fault must land in the resume's decision"
+
+
+def test_tp2_single_replica_losing_a_rank_restores_the_checkpoint(runner: Runner, tmp_path: Path) -> None:
+    """TP=2 x DP=1 (one replica): rank 1 dies in iteration 2 and is restarted. No complete replica
+    survives, so the agreed epoch has no member; before, nobody was left to admit anyone and every
+    rank waited out its join timeout ("not admitted"), again after every restart. Now the joiners
+    (the excluded survivor, the restarted rank) form the next epoch themselves, restore the newest
+    checkpoint and redo the iteration: the parameters of a failure-free run."""
+    ck = ["--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1"]
+    plain = train_args(4, "float64", False, "--tp", "2", "--join-timeout", "30")
+    done = runner.run(2, [*plain, *ck], faults={1: "die@2:mb1"}, restart={1: 0.2}, timeout=60)
+    assert done.codes == {0: 0, 1: 0}, done.job.logs()
+    reasons = [(e.members, e.reason) for e in done.job.epochs()]
+    assert reasons[-2:] == [((), "failure"), ((0, 1), "restart")], reasons
+    assert [e["it"] for e in done.events(0, "restored")] == [2]
+    for rank in (0, 1):
+        assert_exact(done.params(rank), runner.reference(plain, world=2, blocks=1, rank=rank), False, "float64")
+
+
+def test_complementary_shards_surviving_restore_the_checkpoint(runner: Runner, tmp_path: Path) -> None:
+    """TP=2 x DP=2: ranks 0 and 3 die in one iteration, so survivors 1 and 2 hold complementary
+    shards and no complete replica (before: the job never finished). The first complete replica of
+    joiners forms the restart epoch and restores; the other is admitted at a boundary."""
+    ck = ["--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1"]
+    plain = train_args(4, "float64", False, "--tp", "2", "--join-timeout", "30")
+    done = runner.run(4, [*plain, *ck], faults={0: "die@2:mb1", 3: "die@2:mb1"}, restart={0: 0.2, 3: 0.2},
+                      timeout=90)
+    assert done.codes == {0: 0, 1: 0, 2: 0, 3: 0}, done.job.logs()
+    assert any(e.reason == "restart" for e in done.job.epochs()), done.job.epochs()
+    trained = [r for r in range(4) if done.result(r)["mode"] == "finished"]
+    assert len(trained) >= 2, [done.result(r)["mode"] for r in range(4)]
+    for rank in trained:  # each shard against the failure-free TP=2 run's
+        ref = runner.reference(plain, world=2, blocks=2, rank=rank % 2)
+        assert_exact(done.params(rank), ref, False, "float64")
+
+
+def test_no_complete_replica_without_a_checkpointer_fails_fast(runner: Runner) -> None:
+    """TP=2 x DP=1 with no checkpointer: rank 1's death leaves nothing to restore from. The survivor
+    exits at once naming the cause, where it waited out the join timeout to say "not admitted"."""
+    t0 = time.monotonic()
+    done = runner.run(2, train_args(4, "float64", False, "--tp", "2", "--join-timeout", "60"),
+                      faults={1: "die@1:mb1"}, timeout=50)
+    assert done.codes == {0: 1, 1: -9}, done.job.logs()
+    assert time.monotonic() - t0 < 30
+    assert "no complete replica survived" in done.job.logs()

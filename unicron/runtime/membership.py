@@ -22,6 +22,16 @@ was presumed dead) gets :class:`Excluded` and rejoins later like a restarted pro
 an epoch that includes it. Survivors admit complete replicas of joiners at an iteration boundary, never
 in a failure regroup mid-iteration (the joiner holds none of the iteration's reduced buckets).
 
+**No complete replica survives** (every replica lost a rank: a TP group of one replica, or two
+replicas losing complementary shards): the agreed epoch has no member, so nobody is left to admit
+anyone. The ranks asking to join (the excluded survivors and the restarted processes) then form the
+next epoch themselves, reason ``restart``, as soon as their complete replicas include the proposer
+(first proposal wins; those left out are admitted at a boundary as usual). Nobody in it holds state,
+so all restore the newest checkpoint every rank holds, as a ``--resume`` launch does
+(``Trainer._restore_everyone``), and the iteration in progress is redone. Without a checkpointer
+the wait is pointless: :class:`NoCompleteReplica` ends it at once. A member of a ``restart`` epoch
+that could not form (one died at its barrier) regroups from it as a member would.
+
 **Failure marks** (``failed/<rank>``): the agent learns of a rank's death first (it is the parent) and
 the survivors regroup faster when told at once than when they wait for a heartbeat to go stale. The
 key, its incarnation rule (incarnation ``i`` is dead once ``failed >= i``, or once ``started/<rank>``
@@ -92,6 +102,15 @@ class JobFinished(Exception):
 
 class RegroupFailed(PermanentError):
     """No membership could be agreed and formed before the regroup deadline."""
+
+
+class NoCompleteReplica(PermanentError):
+    """Every replica lost a rank and nothing can restore one: no checkpointer is configured, or no rank
+    holds a checkpoint. Fatal at once: waiting to be admitted would only run out the join timeout."""
+
+
+RESTART_REASON = "restart"
+"""Reason of an epoch the joiners formed themselves after one with no member (module docstring)."""
 
 
 @dataclass
@@ -396,15 +415,20 @@ class Membership:
         raise RegroupFailed(f"rank {self.rank}: no epoch after {current.epoch} formed within "
                             f"{self.settings.regroup_timeout_s:.0f}s")
 
-    def join(self, timeout_s: float) -> Groups | None:
+    def join(self, timeout_s: float, restorable: bool = True) -> Groups | None:
         """As a restarted or excluded process: ask to join and wait for an epoch that includes us.
         None once this process is asked to leave (its ``leave/<rank>``, written when the poll reads the
         agent's Leave): nobody would admit it. A leaver whose store moved regrouped there after the
         others and found itself excluded before it read the Leave; it waited to be admitted until the
-        agent's leave timeout (60 s) killed it."""
+        agent's leave timeout (60 s) killed it.
+
+        When the newest epoch has no member, the joiners form the next one (module docstring, "No
+        complete replica survives"); ``restorable``: whether its members could restore a checkpoint,
+        else :class:`NoCompleteReplica` is raised at once."""
         self.store.set(keys.join_key(self.rank), str(self.incarnation))
         deadline = time.monotonic() + timeout_s
         seen = -1
+        newest: EpochRecord | None = None
         while time.monotonic() < deadline:
             if self.store.check([FINISHED_KEY]):
                 raise JobFinished(_int(self.store.get(FINISHED_KEY)))
@@ -413,14 +437,36 @@ class Membership:
                 return None
             rec = self.latest(seen)
             if rec is not None:
-                seen = rec.epoch
-                if self.rank in rec.members and rec.incarnations.get(self.rank) == self.incarnation:
-                    try:
-                        return self._enter(rec, time.monotonic() + self.settings.regroup_timeout_s)
-                    except _MovedOn:
-                        continue
+                seen, newest = rec.epoch, rec
+            elif newest is not None and not newest.members:
+                if not restorable:
+                    raise NoCompleteReplica(
+                        f"epoch {newest.epoch}: no complete replica survived (every replica lost a rank) and "
+                        "no checkpointer is configured (--ckpt) to restore one; relaunch the job")
+                rec = self._restart(newest)
+                if rec is not None:
+                    seen, newest = rec.epoch, rec
+            if rec is not None and self.rank in rec.members and rec.incarnations.get(self.rank) == self.incarnation:
+                try:
+                    return self._enter(rec, time.monotonic() + self.settings.regroup_timeout_s)
+                except _MovedOn as moved:
+                    abandoned = moved.record
+                if abandoned.reason != RESTART_REASON:
+                    continue  # its members (holding state) agree the next epoch and admit us again
+                try:  # every member of a restart epoch is a joiner: nobody else would form the next
+                    return self.regroup(abandoned, RESTART_REASON, assume_same=True, admit=True)
+                except Excluded:
+                    continue
             time.sleep(self.settings.poll_s * 4)
         raise RegroupFailed(f"rank {self.rank}: not admitted to the job within {timeout_s:.0f}s")
+
+    def _restart(self, empty: EpochRecord) -> EpochRecord | None:
+        """After an epoch with no member: propose the joiners' complete replicas as the next epoch, once
+        they include this rank; the agreed record (another joiner's may win), or None (not yet)."""
+        asking = self.joiners(())
+        if self.rank not in asking:
+            return None
+        return self._propose(EpochRecord(empty.epoch + 1, tuple(sorted(asking)), asking, RESTART_REASON))
 
     def _proposal(self, base: EpochRecord, dead: set[int], reason: str, admit: bool) -> EpochRecord:
         leaving = self.leaving(base)

@@ -32,7 +32,9 @@ Lifecycle of a rank (:class:`RankMode`)::
     TRAINING --last iteration committed--> FINISHED
 
 A rank holds a valid replica's state in TRAINING, RECOVERING, STOPPING and FINISHED; in JOINING it
-has (at most) a model whose parameters are about to be overwritten. Time in RECOVERING and JOINING is
+has (at most) a model whose parameters are about to be overwritten: by a replica's, or by the
+checkpoint's when no member of the epoch holds state (a ``--resume`` launch, or an epoch the joiners
+formed after no complete replica survived: :mod:`unicron.runtime.membership`). Time in RECOVERING and JOINING is
 reported to the agent as the ``regroup`` phase, which its hang detection does not judge.
 """
 
@@ -83,7 +85,14 @@ from unicron.runtime.grads import (
 from unicron.runtime.heartbeat import STOP_KEY, Heartbeat
 from unicron.runtime.hostloss import HostLoss
 from unicron.runtime.job import BatchT, Job, grad_dtype
-from unicron.runtime.membership import CommSettings, Excluded, Groups, JobFinished, Membership
+from unicron.runtime.membership import (
+    CommSettings,
+    Excluded,
+    Groups,
+    JobFinished,
+    Membership,
+    NoCompleteReplica,
+)
 from unicron.runtime.model import rebind_groups
 from unicron.runtime.plan import BatchLayout, Plan, Topology, initial_plan, mb_seed, seed_rng
 from unicron.runtime.preempt import Preemption, save_persistent
@@ -885,15 +894,18 @@ class Trainer(Generic[BatchT]):
             self._break(None)
         self.mode = RankMode.JOINING
         with self.client.phase(protocol.PHASE_REGROUP):
+            groups: Groups | None = None
             while True:
-                try:
-                    groups = self.membership.join(self.sched.join_timeout_s)
-                except STORE_ERRORS as exc:  # the store moved while we waited: ask again there
-                    self._move_store(exc)
-                    continue
-                if groups is None:  # asked to leave while waiting: nobody admits us
-                    self._left()
-                    return
+                if groups is None:
+                    try:
+                        groups = self.membership.join(self.sched.join_timeout_s,
+                                                      restorable=self.checkpointer is not None)
+                    except STORE_ERRORS as exc:  # the store moved while we waited: ask again there
+                        self._move_store(exc)
+                        continue
+                    if groups is None:  # asked to leave while waiting: nobody admits us
+                        self._left()
+                        return
                 if self._held is None:
                     self._setup(groups)
                 else:
@@ -903,10 +915,24 @@ class Trainer(Generic[BatchT]):
                 try:
                     self._agree()
                 except CommFailure:
+                    groups = self._regroup_joined()
                     continue
                 break
         self._recovered()
         self._regroup_done(self.groups.record, RegroupReason.JOIN, t0)
+
+    def _regroup_joined(self) -> Groups | None:
+        """The agreement of the epoch this rank was admitted to failed: regroup from it as its other
+        members do. Waiting to be admitted again instead left a restart epoch (membership, "No complete
+        replica survives") stuck: all its members were joiners, so none would propose the next. None:
+        left out of the next epoch (or the store moved): wait to be admitted."""
+        try:
+            return self.membership.regroup(self.groups.record, RegroupReason.FAILURE.value)
+        except Excluded:
+            return None
+        except STORE_ERRORS as exc:
+            self._move_store(exc)
+            return None
 
     def _status(self) -> RankStatus:
         holds = self.holds_state
@@ -1026,8 +1052,9 @@ class Trainer(Generic[BatchT]):
         self._collective("state", lambda: source.transfer(
             self.state, self.groups.dp, dp_ranks, [], dp_ranks, self.rank))
         outcomes = self._world_ints("restore", int(source.outcome))
-        if all(o == Outcome.NOTHING for o in outcomes):
-            raise RuntimeInvariantError(f"no state source could serve joiners {dp_ranks}")
+        if all(o == Outcome.NOTHING for o in outcomes):  # every rank sees it: all stop alike
+            raise NoCompleteReplica(f"epoch {self.groups.record.epoch}: no member holds a replica's state "
+                                    "and no rank holds a checkpoint to restore; relaunch the job")
         if all(o == Outcome.SERVED for o in outcomes):
             return 0
         assert self.checkpointer is not None
