@@ -94,6 +94,48 @@ def test_a_rank_dying_while_the_job_resumes_is_recovered_in_place(runner: Runner
     assert done.events(0, "restore_retried"), "the fault must land in the resume's decision"
 
 
+#: rank 1's first process sees the last collective of the ``--resume`` restore fail after its peer's
+#: succeeded, as a ring all-gather can when a third rank dies in it (the trigger simulated; the rest
+#: is the real runtime)
+LAST_RESTORE_FAILS = """
+import sys
+from unicron.runtime import scheduler
+
+restored = scheduler.Trainer._restored_iterations
+fired = []
+
+def failing_once(self):
+    out = restored(self)
+    if self.rank == 1 and self.incarnation == 1 and not fired:
+        fired.append(1)
+        self._broken("restore", RuntimeError("[gloo] simulated: Connection closed by peer"))
+    return out
+
+scheduler.Trainer._restored_iterations = failing_once
+from unicron.runtime.train import main
+sys.exit(main())
+"""
+
+
+def test_a_restore_that_failed_on_one_rank_only_takes_the_state_of_its_peer(runner: Runner, tmp_path: Path) -> None:
+    """The restore's last collective fails on rank 1 only: rank 0 trains already and meets rank 1 in
+    its regroup's agreement (a status all-gather). rank 1's retry first decided again whether any
+    checkpoint exists (a one-int all-gather): gloo aborted rank 1 on the size mismatch. Now every
+    attempt enters through the status exchange; rank 1 takes rank 0's state and both train on."""
+    script = tmp_path / "last_restore_fails.py"
+    script.write_text(LAST_RESTORE_FAILS)
+    ckpt = ["--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1"]
+    first = runner.run(2, train_args(2, "float64", False, *ckpt))
+    assert first.codes == {0: 0, 1: 0}, first.job.logs()
+    done = runner.run(2, train_args(4, "float64", False, *ckpt, "--resume"), script=str(script), timeout=60)
+    assert done.codes == {0: 0, 1: 0}, done.job.logs()
+    assert done.events(1, "restore_retried"), "the simulated failure must land in the restore"
+    assert done.result(0)["iterations"] == done.result(1)["iterations"] == 4
+    assert bitwise_equal(done.params(0), done.params(1))
+    diff = max_rel_diff(done.params(1), runner.reference(train_args(4, "float64", False), world=2, blocks=2))
+    assert diff <= 1e-12, f"max rel diff {diff:.3e} against the uninterrupted run"
+
+
 def test_tp2_single_replica_losing_a_rank_restores_the_checkpoint(runner: Runner, tmp_path: Path) -> None:
     """TP=2 x DP=1 (one replica): rank 1 dies in iteration 2 and is restarted. No complete replica
     survives, so the agreed epoch has no member; before, nobody was left to admit anyone and every

@@ -486,18 +486,19 @@ class Trainer(Generic[BatchT]):
         they have, nobody holds state (JOINING), so a rank dying meanwhile makes the others regroup
         without it and decide again; its restart joins once they train. Before, the failed collective
         escaped as a traceback, every restarted process was a joiner, and nobody was left to admit one.
-        False when this rank was excluded by such a regroup and joined instead."""
+        False when this rank was excluded by such a regroup and joined instead.
+
+        Every attempt enters through the agreement's status exchange, the first collective of any
+        member's recovery: a peer whose last collective of the restore succeeded (where ours failed) is
+        training already and meets us in its regroup's agreement, which gives us its state. Deciding
+        on the checkpoint first (one int against its status row) aborted gloo on the size mismatch."""
         while True:
             self.mode = RankMode.JOINING
             if self.faults.armed:
                 self.faults.at(self.it, "resume")
             try:
-                if self._any_checkpoint():
-                    self._agree()  # no member holds state: every rank restores its checkpoint
-                    self._recovered()
-                else:
-                    self.mode = RankMode.TRAINING  # a first launch: the initial state is everyone's
-                    self._new_iteration(self.groups.record)
+                self._agree(at_start=True)  # no state holder: decide on the checkpoint, restore it
+                self._recovered()
                 return True
             except CommFailure:
                 self._event("restore_retried", it=self.it)
@@ -947,10 +948,16 @@ class Trainer(Generic[BatchT]):
         self._collective("agree", lambda: self.groups.world.allgather([rows], [mine]).wait())
         return table_of(rows)
 
-    def _agree(self) -> None:
-        """Recovery steps agree -> transfer -> resume, collectively over the new epoch's groups."""
+    def _agree(self, at_start: bool = False) -> None:
+        """Recovery steps agree -> transfer -> resume, collectively over the new epoch's groups.
+        ``at_start`` (``--resume``): with no state holder, the ranks first decide whether any checkpoint
+        exists (none: a first launch starts afresh)."""
         table = self._exchange_status()
         if not state_holders(table):
+            if at_start and not self._any_checkpoint():
+                self._new_iteration(self.groups.record)  # a first launch: the initial state is everyone's
+                self.mode = RankMode.RECOVERING
+                return
             self._restore_everyone()
             return
         nb = len(self.prog.bounds)
