@@ -98,6 +98,27 @@ def test_inplace_reattempt_then_failure_and_rejoin(runner: Runner) -> None:
     assert bitwise_equal(done.params(2, incarnation=2), done.params(0)), "a rejoined replica must equal the others"
 
 
+def test_regroups_delete_the_rendezvous_keys_of_older_epochs(runner: Runner) -> None:
+    """Epochs 0 -> 1 (a sev3 reattempt, same members) -> 2 (rank 3 died): once past an epoch's
+    barrier, each member deletes what it wrote for older ones (ready key, gloo rendezvous keys: W²
+    bytes a group) and the lowest member those of the dead rank. Before, every epoch's stayed in the
+    store sidecar for the job's life. The small epoch records stay (a joiner bisects over them)."""
+    faults = {1: "raise@1:mb1:connection_refused_reset", 3: "die@2:mb1"}
+    done = runner.run(4, train_args(4, "float32", False), faults=faults)
+    assert done.codes == {0: 0, 1: 0, 2: 0, 3: -9}, done.job.logs()
+    epochs = [(e.epoch, e.members, e.reason) for e in done.job.epochs()]
+    assert epochs == [(0, (0, 1, 2, 3), "start"), (1, (0, 1, 2, 3), "reattempt"), (2, (0, 1, 2), "failure")], epochs
+
+    def present(key: str) -> bool:
+        return bool(done.job._store.check([key]))
+
+    for g in (0, 1):
+        left = [k for r in range(4) for k in (f"e{g}/dp/0/{r}", f"epoch/{g}/ready/{r}") if present(k)]
+        assert not left, f"epoch {g}'s keys stayed: {left}"
+        assert present(f"epoch/{g}")
+    assert all(present(k) for r in range(3) for k in (f"e2/dp/0/{r}", f"epoch/2/ready/{r}"))
+
+
 def test_a_joiner_waiting_during_a_failure_regroup_is_admitted_only_at_the_boundary(runner: Runner) -> None:
     """Iteration 2: rank 3 dies before bucket 2 (buckets 0 and 1 final everywhere) and is restarted at
     once; rank 1 stalls there 6 s, then dies. The survivors' failure regroup used to admit the waiting

@@ -9,6 +9,7 @@ groups are typed by :class:`CommGroup`, the protocol of what we call on them.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
@@ -29,7 +30,7 @@ from torch._C._distributed_c10d import Store as RendezvousStore
 __all__ = [
     "CPU", "CommGroup", "HashStore", "PrefixStore", "RendezvousStore", "TCPStore", "Work", "allreduce_max", "broadcast_flat",
     "broken_group",
-    "ensure_torch_distributed", "new_group", "solo_group",
+    "ensure_torch_distributed", "group_keys", "new_group", "solo_group",
 ]
 
 CPU = torch.device("cpu")
@@ -67,6 +68,20 @@ def new_group(
         opts._timeout = timeout
         return cast(CommGroup, ProcessGroupNCCL(scoped, rank, size, opts))
     return cast(CommGroup, ProcessGroupGloo(scoped, rank, size, timeout))
+
+
+def group_keys(backend: str, prefix: str, rank: int) -> list[str]:
+    """The store keys group member ``rank`` writes when a group rendezvouses under ``prefix``, for its
+    owner to delete once nobody builds that group any more (each holds this rank's addresses for every
+    peer: ~8 bytes a peer, so a group's keys grow as size²). gloo: one per device,
+    ``<prefix>/<device>/<rank>``; the devices are ``GLOO_SOCKET_IFNAME``'s interfaces, else one (as
+    torch's ``ProcessGroupGloo`` constructor reads it). NCCL writes one small unique id per
+    communicator, not per rank: none listed."""
+    if backend != "gloo":
+        return []
+    ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    devices = len(ifnames.split(",")) if len(ifnames) > 1 else 1
+    return [f"{prefix}/{i}/{rank}" for i in range(devices)]
 
 
 def broadcast_flat(

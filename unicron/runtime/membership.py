@@ -15,6 +15,12 @@ After a failure (or to admit joiners) the survivors move to the next epoch:
    survivor adopts it, so all end with the same member list.
 3. **Barrier**: members check in under ``epoch/<g+1>/ready/<rank>`` while watching for a member dying
    or a newer epoch appearing (then they move on to that one), and only then build their groups.
+4. **Sweep**: once past the barrier nobody builds an older epoch's groups any more, so each member
+   deletes the keys it wrote for older epochs (its ``ready`` key, its gloo rendezvous keys: ~8·W
+   bytes each, a group's grow as W²), and the lowest member deletes those of the previous epoch's
+   members left out of this one (dead or excluded). Before, every regroup left its W² bytes in the
+   store for the job's life (~8.6 MB an epoch at W=1024). The ``epoch/<g>`` records stay: a joiner
+   bisects over them (:meth:`Membership.latest`), and a moved store is re-seeded with them.
 
 A rank asked to leave (``leave/<rank>``, an in-place shrink) is left out of the next proposal; it gets
 :class:`Excluded` and exits. Any other rank left out of an agreed epoch (its replica lost a rank, or it
@@ -69,7 +75,7 @@ from typing import Any, TextIO
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import PermanentError, UnicronError
 from unicron.runtime import store as keys
-from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group, new_group, solo_group
+from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group, group_keys, new_group, solo_group
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.heartbeat import StalenessJudge
 from unicron.runtime.plan import Topology
@@ -277,6 +283,8 @@ class Membership:
         #: read once at its barrier: a survivor told that ranks were lost cuts their hosts from here,
         #: without a store call (the store may have been lost with them; :mod:`unicron.runtime.hostloss`)
         self.hosts: Mapping[int, str] = {}
+        #: store keys this rank wrote for epochs it has not swept yet: epoch -> keys (module docstring, "Sweep")
+        self._written: dict[int, list[str]] = {}
 
     def use(self, store: RendezvousStore) -> None:
         """Go on with a moved store (its heartbeat counters start anew: so does their judge)."""
@@ -502,7 +510,26 @@ class Membership:
         self.hosts = self._hosts_of(rec)
         groups = self._build(rec)
         self.timing.update(barrier_s=t1 - t0, build_s=time.monotonic() - t1)
+        self._sweep(rec)
         return groups
+
+    def _sweep(self, rec: EpochRecord) -> None:
+        """Past ``rec``'s barrier: delete the keys of older epochs (module docstring, "Sweep")."""
+        stale = [k for e in sorted(self._written) if e < rec.epoch for k in self._written.pop(e)]
+        if self.rank == min(rec.members) and rec.epoch > 0 and (prev := self._read(rec.epoch - 1)) is not None:
+            for r in prev.members:
+                if r not in rec.members:
+                    stale += self._keys_of(prev, r)
+        for key in stale:
+            self.store.delete_key(key)
+
+    def _keys_of(self, rec: EpochRecord, rank: int) -> list[str]:
+        """The keys member ``rank`` of ``rec`` writes to enter it: its ready key and rendezvous keys."""
+        out = [_ready_key(rec.epoch, rank)]
+        for name, ranks in self._group_specs(rec, rank):
+            if len(ranks) > 1:  # a one-rank gloo group is the solo placeholder: no rendezvous
+                out += group_keys(self.settings.backend, name, ranks.index(rank))
+        return out
 
     def _hosts_of(self, rec: EpochRecord) -> dict[int, str]:
         """The members' hosts, in one store call where each published one (a member always does
@@ -513,6 +540,8 @@ class Membership:
         return {r: self.store.get(k).decode() for r, k in wanted.items() if self.store.check([k])}
 
     def _barrier(self, rec: EpochRecord, deadline: float) -> None:
+        # all this rank will write for the epoch, noted first: an abandoned epoch's are swept too
+        self._written[rec.epoch] = self._keys_of(rec, self.rank)
         self.store.set(_ready_key(rec.epoch, self.rank), str(self.incarnation))
         want = [_ready_key(rec.epoch, r) for r in rec.members]
         while time.monotonic() < deadline:
@@ -538,22 +567,27 @@ class Membership:
             self.settings.collective_timeout_s,
         )
 
+    def _group_specs(self, rec: EpochRecord, rank: int) -> list[tuple[str, list[int]]]:
+        """(store prefix, global ranks) of the groups ``rank`` builds in ``rec``: world, dp, tp (one
+        group, the data-parallel one, when tp == 1)."""
+        g, members = rec.epoch, list(rec.members)
+        dp_ranks = self.topo.dp_peers(members, rank)
+        if self.topo.tp == 1:
+            return [(f"e{g}/dp", members)]
+        replica = self.topo.replica_of(rank)
+        return [(f"e{g}/world", members), (f"e{g}/dp{self.topo.tp_rank(rank)}", dp_ranks),
+                (f"e{g}/tp{replica}", self.topo.ranks_of(replica))]
+
     def _build(self, rec: EpochRecord) -> Groups:
-        g = rec.epoch
-        members = list(rec.members)
-        dp_ranks = self.topo.dp_peers(members, self.rank)
-        replica = self.topo.ranks_of(self.topo.replica_of(self.rank))
+        dp_ranks = self.topo.dp_peers(list(rec.members), self.rank)
         try:
-            if self.topo.tp == 1:
-                world = dp = self._group(f"e{g}/dp", members)
-                tp = solo_group()
-            else:
-                world = self._group(f"e{g}/world", members)
-                dp = self._group(f"e{g}/dp{self.topo.tp_rank(self.rank)}", dp_ranks)
-                tp = self._group(f"e{g}/tp{self.topo.replica_of(self.rank)}", replica)
+            built = [self._group(name, ranks) for name, ranks in self._group_specs(rec, self.rank)]
         except RuntimeError as exc:
-            log.warning("building the groups failed", rank=self.rank, epoch=g, error=str(exc))
+            log.warning("building the groups failed", rank=self.rank, epoch=rec.epoch, error=str(exc))
             raise _MovedOn(rec) from exc
+        if self.topo.tp == 1:
+            return Groups(rec, built[0], built[0], solo_group(), dp_ranks)
+        world, dp, tp = built
         return Groups(rec, world, dp, tp, dp_ranks)
 
 
