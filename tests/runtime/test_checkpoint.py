@@ -170,6 +170,21 @@ def test_complementary_shards_surviving_restore_the_checkpoint(runner: Runner, t
         assert_exact(done.params(rank), ref, False, "float64")
 
 
+def test_joiners_restore_the_checkpoint_when_every_member_died(runner: Runner, tmp_path: Path) -> None:
+    """DP=2: rank 1 dies (restarted late), then rank 0, the last member, dies before admitting it:
+    the newest epoch's members are all dead and nobody wrote an empty epoch. Before, the restarted
+    ranks waited out the join timeout for an admission nobody could give; now they form the restart
+    epoch, restore the checkpoint and train to the parameters of a failure-free run."""
+    ck = ["--ckpt", "torch-save", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1"]
+    plain = train_args(4, "float64", False, "--join-timeout", "20")
+    done = runner.run(2, [*plain, *ck], faults={1: "die@1:mb1", 0: "die@2:start"}, restart={0: 0.2, 1: 2.0},
+                      timeout=60)
+    assert done.codes == {0: 0, 1: 0}, done.job.logs()
+    assert [(e.members, e.reason) for e in done.job.epochs()][1:3] == [((0,), "failure"), ((0,), "restart")]
+    assert [e["it"] for e in done.events(0, "restored")] == [2]
+    assert_exact(done.params(0), runner.reference(plain, world=2, blocks=2), False, "float64")
+
+
 def test_no_complete_replica_without_a_checkpointer_fails_fast(runner: Runner) -> None:
     """TP=2 x DP=1 with no checkpointer: rank 1's death leaves nothing to restore from. The survivor
     exits at once naming the cause, where it waited out the join timeout to say "not admitted"."""

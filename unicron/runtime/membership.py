@@ -30,7 +30,8 @@ in a failure regroup mid-iteration (the joiner holds none of the iteration's red
 
 **No complete replica survives** (every replica lost a rank: a TP group of one replica, or two
 replicas losing complementary shards): the agreed epoch has no member, so nobody is left to admit
-anyone. The ranks asking to join (the excluded survivors and the restarted processes) then form the
+anyone; the same when every member of the newest epoch is known dead (the last ones died before they
+admitted the joiners, or all at once: nobody wrote an empty epoch). The ranks asking to join (the excluded survivors and the restarted processes) then form the
 next epoch themselves, reason ``restart``, as soon as their complete replicas include the proposer
 (first proposal wins; those left out are admitted at a boundary as usual). Nobody in it holds state,
 so all restore the newest checkpoint every rank holds, as a ``--resume`` launch does
@@ -446,7 +447,7 @@ class Membership:
             rec = self.latest(seen)
             if rec is not None:
                 seen, newest = rec.epoch, rec
-            elif newest is not None and not newest.members:
+            elif newest is not None and self._all_gone(newest):
                 if not restorable:
                     raise NoCompleteReplica(
                         f"epoch {newest.epoch}: no complete replica survived (every replica lost a rank) and "
@@ -467,6 +468,11 @@ class Membership:
                     continue
             time.sleep(self.settings.poll_s * 4)
         raise RegroupFailed(f"rank {self.rank}: not admitted to the job within {timeout_s:.0f}s")
+
+    def _all_gone(self, rec: EpochRecord) -> bool:
+        """Whether no member of ``rec`` is left to admit anyone: it has none, or every one is known dead
+        (the last members died before they admitted the joiners). Stops at the first live member."""
+        return all(self._gone(r, rec.incarnations.get(r, 1)) for r in rec.members)
 
     def _restart(self, empty: EpochRecord) -> EpochRecord | None:
         """After an epoch with no member: propose the joiners' complete replicas as the next epoch, once
