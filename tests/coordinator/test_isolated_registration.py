@@ -12,7 +12,12 @@ from coordinator import decision as d
 from coordinator.causes import classify
 from coordinator.daemon import Coordinator
 from coordinator.tasks import parse_task_spec
-from tests.coordinator.test_takeover import _close, _crash_and_fail_restart, _leading_coordinator
+from tests.coordinator.test_takeover import (
+    _close,
+    _crash_and_fail_restart,
+    _leading_coordinator,
+    _run_job_on_eight_gpus,
+)
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.etcd import WatchEvent
 from unicron.kernel.types import DetectionMethod, ErrorKind, NodeInfo, Report
@@ -62,14 +67,7 @@ def test_a_suspected_node_released_when_the_fault_followed_the_task_has_its_new_
     try:
         for i, n in enumerate(("n0", "n1", "n2")):
             _register(c, n, 8, 100 + i)
-        spec = parse_task_spec({"name": "job", "command": ["python", "x.py"], "recovery": "inprocess",
-                                "min_gpus": 8, "max_gpus": 8}, None)
-        c._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
-        out = c.state.tasks["job"].outstanding
-        assert out is not None
-        c._decide(d.ActionSucceeded(ts=time.time(), action_id=out.action_id))
-        c._decide(d.ProgressMade(ts=time.time(), task="job", step=3, generation=c.state.tasks["job"].generation))
-        first = min(c.state.tasks["job"].placement)
+        first = _run_job_on_eight_gpus(c)
         _crash_and_fail_restart(c, first, "i1")
         assert c.state.nodes[first].suspected_by == "job"
         _register(c, first, 4, 200)

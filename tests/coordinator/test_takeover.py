@@ -497,6 +497,18 @@ def test_a_node_back_in_service_without_an_agent_is_found_lost(etcd_server: Etcd
         _close(b)
 
 
+def _run_job_on_eight_gpus(c: Coordinator) -> str:
+    """Submit an in-process task "job" of 8 GPUs, confirm its start and a step: its first node."""
+    spec = parse_task_spec({"name": "job", "command": ["python", "x.py"], "recovery": "inprocess",
+                            "min_gpus": 8, "max_gpus": 8}, None)
+    c._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+    out = c.state.tasks["job"].outstanding
+    assert out is not None
+    c._decide(d.ActionSucceeded(ts=time.time(), action_id=out.action_id))
+    c._decide(d.ProgressMade(ts=time.time(), task="job", step=3, generation=c.state.tasks["job"].generation))
+    return min(c.state.tasks["job"].placement)
+
+
 def _crash_and_fail_restart(c: Coordinator, node: str, tag: str) -> None:
     """A rank of ``job`` on ``node`` dies, and the process its restart relaunched dies too."""
     for epoch in (False, True):
@@ -520,14 +532,7 @@ def test_progress_that_resets_the_restart_budget_and_confirms_a_suspicion_is_wri
     try:
         for n in ("n0", "n1", "n2"):
             a._decide(d.NodeJoined(ts=time.time(), node=n, gpus=8))
-        spec = parse_task_spec({"name": "job", "command": ["python", "x.py"], "recovery": "inprocess",
-                                "min_gpus": 8, "max_gpus": 8}, None)
-        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
-        out = a.state.tasks["job"].outstanding
-        assert out is not None
-        a._decide(d.ActionSucceeded(ts=time.time(), action_id=out.action_id))
-        a._decide(d.ProgressMade(ts=time.time(), task="job", step=3, generation=a.state.tasks["job"].generation))
-        first = min(a.state.tasks["job"].placement)
+        first = _run_job_on_eight_gpus(a)
         _crash_and_fail_restart(a, first, "i1")
         assert (a.state.nodes[first].status, a.state.nodes[first].suspected_by) == (d.NodeState.ISOLATED, "job")
         out = a.state.tasks["job"].outstanding
