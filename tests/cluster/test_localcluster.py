@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -102,6 +103,20 @@ def test_a_failed_etcd_start_names_a_log_that_still_exists(taken_port: int, tmp_
         pass
     named = re.search(r"see (\S+)", str(err.value))
     assert named is not None and os.path.exists(named.group(1)), str(err.value)
+
+
+def test_a_port_taken_between_its_choice_and_etcds_bind_is_replaced() -> None:
+    """free_port() races other processes: an outgoing connection can take the chosen port as its
+    ephemeral source port before etcd binds it (a fresh clone's run: 'bind: address already in use').
+    A server whose ports were chosen for it, never reached by anyone, takes others."""
+    server = EtcdServer()
+    chosen = server.client_port
+    with socket.create_server((server.host, chosen)):  # what the racing connection holds
+        try:
+            server.start()
+            assert server.client_port != chosen and server.proc is not None
+        finally:
+            server.cleanup()
 
 
 def test_wait_ready_does_not_take_another_etcd_on_its_port_for_its_own(etcd_server: EtcdServer) -> None:

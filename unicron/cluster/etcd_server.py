@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath, tls
 from unicron.kernel.errors import ConfigError, StartFailed, StoreRejected
 from unicron.kernel.net import free_port
@@ -36,6 +37,16 @@ def etcd_binary() -> str:
     if path is None:
         raise ConfigError("etcd binary not found: install Debian's etcd-server (apt-get install etcd-server)")
     return path
+
+
+log = ulog.get(__name__)
+
+#: tries at binding freshly chosen ports (free_port races other processes' connections)
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(error: str) -> bool:
+    return "address already in use" in error or "another etcd answers" in error
 
 
 class EtcdServer:
@@ -57,6 +68,9 @@ class EtcdServer:
         self.tls_config = tls.TLSConfig.from_dir(tls_dir, self.SERVER_CERT) if tls_dir else None
         self.name = name
         self.client_port, self.peer_port = ports or (free_port(host), free_port(host))
+        #: the ports chosen here (None: the caller's): only these may be replaced when taken
+        self._chosen = None if ports is not None else (self.client_port, self.peer_port)
+        self._started_once = False
         self.launcher = list(launcher)
         #: ``name=peer-url,...`` of every member (set by :class:`EtcdCluster`; default: this one alone)
         self.initial_cluster = f"{name}={self.peer_url}"
@@ -76,13 +90,34 @@ class EtcdServer:
         return f"{'https' if self.tls_config else 'http'}://{self.host}:{self.peer_port}"
 
     def start(self, timeout_s: float = 15.0) -> EtcdServer:
-        self.launch()
-        try:
-            self.wait_ready(timeout_s)
-        except BaseException:
-            self.stop()  # one that never became ready must not run on
-            raise
-        return self
+        for attempt in range(PORT_ATTEMPTS):
+            self.launch()
+            try:
+                self.wait_ready(timeout_s)
+            except StartFailed as exc:
+                self.stop()  # one that never became ready must not run on
+                if not self._may_move_ports() or attempt == PORT_ATTEMPTS - 1 or not _port_taken(str(exc)):
+                    raise
+                # free_port() raced: an outgoing connection took the port as its ephemeral source port
+                # (a fresh clone's run, two test workers: "bind: address already in use"); a server
+                # nobody has reached yet may take other ones
+                log.info("etcd ports taken before it bound them; trying others", ports=(self.client_port,
+                                                                                         self.peer_port))
+                self.client_port, self.peer_port = self._chosen = free_port(self.host), free_port(self.host)
+                self.initial_cluster = f"{self.name}={self.peer_url}"
+                shutil.rmtree(Path(self.data_dir) / "data", ignore_errors=True)
+            except BaseException:
+                self.stop()
+                raise
+            else:
+                self._started_once = True
+                return self
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _may_move_ports(self) -> bool:
+        """Only a lone server whose ports were chosen here and that never ran (no client knows them)."""
+        return (self._chosen == (self.client_port, self.peer_port) and not self._started_once
+                and self.initial_cluster == f"{self.name}={self.peer_url}")
 
     def launch(self) -> None:
         """Start the process without waiting (a cluster member is ready only once a quorum runs)."""
