@@ -271,7 +271,7 @@ def _parse_weight(value: Any) -> float:
     return float(value)
 
 
-def _parse_env(value: Any) -> dict[str, str]:
+def _parse_env(value: Any, stored: bool = False) -> dict[str, str]:
     if not isinstance(value, dict):
         raise InvalidRecord(f"task.env: expected an object of string to string, got {type(value).__name__}")
     for k, v in value.items():
@@ -285,7 +285,7 @@ def _parse_env(value: Any) -> dict[str, str]:
             raise InvalidRecord(f"task.env: name {_show(k)} contains a NUL byte (\\u0000); remove it")
         _check_os_string(k, "task.env")
         _check_os_string(v, f"task.env.{k}")
-        if k in patterns.JOB_REGEXES and v:
+        if k in patterns.JOB_REGEXES and v and not stored:  # a running task's spec loads as it was accepted
             try:
                 patterns.compile_job_regex(k, v)
             except ConfigError as exc:  # the agent would ignore it: hangs and saves unseen
@@ -428,7 +428,7 @@ def parse_task_spec(
         )
     model_raw = data.get("model")
     model = None if model_raw is None else parse_model(model_raw)
-    env = _parse_env(data.get("env", {}))
+    env = _parse_env(data.get("env", {}), stored)
     _check_launch_size(command, env)
     recovery = _parse_recovery(data.get("recovery"), command)
     if model is not None and not stored:

@@ -249,3 +249,13 @@ def test_a_key_given_twice_in_a_spec_is_refused_naming_it() -> None:
     with pytest.raises(InvalidRecord, match=r"^job.json: key 'name' is given twice in one object; keep one$"):
         load_spec_json('{"name": "t", "command": ["python", "x.py"], "name": "u"}', "job.json")
     assert load_spec_json('{"name": "t", "model": {"layers": 2}, "layers": 3}', "job.json")["layers"] == 3
+
+
+def test_a_stored_spec_with_a_job_regex_accepted_before_its_check_still_loads() -> None:
+    """The job-format regexes are checked at submission since 28de02e; a spec a leader accepted before
+    (a progress regex without its iteration group) must still load from its state, or the new leader
+    leaves the running task out and stops its ranks."""
+    data = task(env={"UNICRON_PROGRESS_REGEX": r"^step (\d+)"})
+    with pytest.raises(InvalidRecord, match="UNICRON_PROGRESS_REGEX"):
+        parse_task_spec(data, None)
+    assert parse_task_spec(data, None, stored=True).env["UNICRON_PROGRESS_REGEX"] == r"^step (\d+)"
