@@ -118,8 +118,9 @@ class FilesystemStorage(Storage):
     def list(self, prefix: str) -> list[str]:
         head = prefix.rpartition("/")[0]
         base = self.root / check_key(head) if head else self.root
-        # a missing job directory holds nothing; a missing root (a shared filesystem not mounted, its
-        # mount point gone) says nothing of what the storage holds: taken for empty, it was a fresh start
+        # a missing job directory holds nothing; a root gone since __init__ created it (a shared filesystem
+        # unmounted under a running job) says nothing of what the storage holds: taken for empty, it was a
+        # fresh start (one not mounted at __init__ is created there: docs/ckpt.md, "Known limit")
         if not self.root.is_dir():
             raise StorageUnavailable(f"listing {self.describe()}/{prefix}: the storage root is missing")
         out = []
