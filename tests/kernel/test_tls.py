@@ -300,3 +300,18 @@ def test_a_revocation_list_not_of_this_ca_or_damaged_is_named_at_start(
     (d / tls.CRL_FILE).write_text("garbage")
     with pytest.raises(ConfigError, match="not a PEM revocation list"):
         tls.TLSConfig.from_dir(d, "coordinator")
+
+
+def test_a_revocation_list_damaged_after_start_leaves_the_one_read_in_force(cert_dir: Path, tmp_path: Path) -> None:
+    """The list is read when the daemon starts: one damaged later (a copy half done when the first peer
+    arrives) refused every peer with a ConfigError, which the link's handshake did not catch."""
+    d = tmp_path / "certs"
+    shutil.copytree(cert_dir, d)
+    revoked = x509.load_pem_x509_certificate((d / "node1.crt").read_bytes())
+    tls.revoke(d, "node1")
+    server = tls.TLSConfig.from_dir(d, "coordinator")
+    (d / tls.CRL_FILE).write_text("-----BEGIN X509 CRL-----\ntrunc")
+    node2 = x509.load_pem_x509_certificate((d / "node2.crt").read_bytes())
+    assert server.admit(node2) == tls.Peer(tls.Role.NODE, "node2")
+    with pytest.raises(tls.Unauthorized, match="revoked"):
+        server.admit(revoked)

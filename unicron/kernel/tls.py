@@ -35,8 +35,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError, PermanentError
 from unicron.kernel.net import check_host, ip_literal
+
+log = ulog.get(__name__)
 
 #: the environment variables every Unicron process reads its certificate from (flags override them)
 ENV_DIR, ENV_NAME = "UNICRON_TLS_DIR", "UNICRON_TLS_NAME"
@@ -292,9 +295,11 @@ class Revocations:
         self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
         self._checked = -math.inf
         self._lock = threading.Lock()
-        self._refresh(time.monotonic(), strict=True)
+        # not strict: TLSConfig.from_dir checked the list at start; one damaged since (a copy half done
+        # when the first peer arrives) must leave what was read in force, not refuse every peer
+        self._refresh(time.monotonic())
 
-    def _refresh(self, now: float, strict: bool = False) -> None:
+    def _refresh(self, now: float) -> None:
         self._checked = now
         try:
             st = self.path.stat()
@@ -305,8 +310,7 @@ class Revocations:
         try:
             crl = read_crl(self.path, self._ca)
         except (ConfigError, OSError):
-            if strict:
-                raise
+            log.warning("revocation list unreadable; the last one read stays in force", path=str(self.path))
             return  # the last valid list stays (a copy in progress, a damaged file)
         self._serials = self._serials | {e.serial_number for e in crl}
         self._seen = (st.st_mtime_ns, st.st_size)
@@ -379,6 +383,7 @@ class TLSConfig:
         read_private_key(cfg.key, remedy)
         if (crl := d / CRL_FILE).exists():
             read_crl(crl, ca)  # a damaged list is named at start, not taken for "nothing revoked"
+        cfg.revocations()  # read now, while known good: a later damaged copy leaves this one in force
         return cfg
 
     def peer(self) -> Peer:
