@@ -254,6 +254,10 @@ def persisted_by_rank(storage: Storage, job: str) -> dict[int, set[int]]:
     return out
 
 
+#: how far (in multiples of ``keep``) retention keeps iterations a lagging rank may still persist
+LAG_WINDOW = 4
+
+
 def _needed_line(storage: Storage, job: str, world_size: int) -> tuple[int, int | None] | None:
     """(line, common): the oldest of the ranks' newest persisted iterations (any rank may still persist
     an iteration from there on), and the newest iteration every rank holds (None: none). None when a
@@ -284,10 +288,11 @@ def apply_retention(
     """Delete all but the newest ``keep`` manifests (with their shards), and orphaned shards of writes
     that died before their manifest (older than the newest manifest). Returns deleted iterations.
 
-    Never deleted, whatever ``keep`` says: the newest iteration every rank has persisted, and any from
-    the oldest of the ranks' newest ones on (a rank whose persists fail or lag would otherwise find the
-    others' copies of its newest gone, and storage alone could restore nothing). The ranks are those
-    with markers (below ``world_size`` when it is given; one of them without any keeps everything).
+    Never deleted, whatever ``keep`` says: the newest iteration every rank has persisted, and, among the
+    newest ``keep * LAG_WINDOW``, any from the oldest of the ranks' newest ones on (a rank whose persists
+    fail or lag would otherwise find the others' copies of its newest gone, and storage alone could
+    restore nothing). The ranks are those with markers (below ``world_size`` when it is given; while one
+    of them has none, the newest ``keep * LAG_WINDOW`` are kept).
 
     ``generation``: the caller's; nothing is deleted once storage holds a newer generation's manifest
     of the rank, and no write of a newer generation is taken for an orphan (it may be in progress)."""
@@ -297,12 +302,16 @@ def apply_retention(
     its = sorted(manifests)
     old = its[:-keep] if keep > 0 else []
     if old:
+        # what a lagging rank may still need is kept only so far back: a rank that stopped persisting
+        # for good (left in an in-place shrink, excluded before its first persist) held the line down
+        # and storage grew by a snapshot per persist for the rest of the job
+        waiting = set(its[-keep * LAG_WINDOW:])
         needed = _needed_line(storage, job, world_size)
         if needed is None:
-            old = []
+            old = [it for it in old if it not in waiting]
         else:
             line, common = needed
-            old = [it for it in old if it < line and it != common]
+            old = [it for it in old if it != common and (it < line or it not in waiting)]
     gone = old
     for it in gone:
         _delete_iteration(storage, job, rank, it)

@@ -24,7 +24,7 @@ from ckpt.api import (
     StorageUnavailable,
 )
 from ckpt.codec import byte_view, chunk_crcs, crc
-from ckpt.persist import apply_retention, iterations, load, manifest_key, persist
+from ckpt.persist import LAG_WINDOW, apply_retention, iterations, load, manifest_key, persist
 from ckpt.storage import FilesystemStorage, MemoryStorage
 from tests.ckpt.storage_contract import StorageContract
 
@@ -368,3 +368,26 @@ def test_a_manifest_named_without_its_generation_is_still_read(storage: Storage)
         persist(storage, _of_generation(_snap(8), 2), keep=2)
     persist(storage, _of_generation(_snap(8), 3), keep=1)
     assert iterations(storage, "job-1", 2) == [8]
+
+
+@pytest.mark.parametrize("rank1_persisted", [(1, 2), ()])
+def test_a_rank_that_stopped_persisting_for_good_leaves_retention_bounded(
+        tmp_path: Path, rank1_persisted: tuple[int, ...]) -> None:
+    """Rank 1 left (an in-place shrink) after persisting 1 and 2, or was excluded before its first
+    persist: its markers held the retention line down, and rank 0 kept every snapshot it persisted (40
+    of 40 here; review of this session's diff). What a lagging rank may still need is kept only among
+    the newest keep x LAG_WINDOW, and the newest common iteration stays."""
+    st = FilesystemStorage(tmp_path / "s")
+
+    def of_rank(it: int, rank: int) -> Snapshot:
+        s = _snap(it)
+        return Snapshot(dataclasses.replace(s.info, rank=rank), s.meta, s.data)
+
+    for it in rank1_persisted:
+        persist(st, of_rank(it, 0), keep=2, world_size=2)
+        persist(st, of_rank(it, 1), keep=2, world_size=2)
+    for it in range(len(rank1_persisted) + 1, 41):
+        persist(st, of_rank(it, 0), keep=2, world_size=2)
+    held = iterations(st, "job-1", 0)
+    common = [2] if rank1_persisted else []
+    assert held == [*common, *range(41 - 2 * LAG_WINDOW, 41)], held
