@@ -119,7 +119,9 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
         raise
     for _, other in held.get(info.iteration, [])[1:]:  # an older generation's of this iteration: superseded
         storage.delete(other)
-    apply_retention(storage, info.job, info.rank, keep, world_size, info.generation)
+    for it in list(held):  # what is left of the listing just read (retention needs no other)
+        held[it] = held[it][:1]
+    apply_retention(storage, info.job, info.rank, keep, world_size, info.generation, held)
     return key
 
 
@@ -283,7 +285,8 @@ def _delete_iteration(storage: Storage, job: str, rank: int, iteration: int) -> 
 
 
 def apply_retention(
-    storage: Storage, job: str, rank: int, keep: int, world_size: int = 0, generation: int | None = None
+    storage: Storage, job: str, rank: int, keep: int, world_size: int = 0, generation: int | None = None,
+    manifests: dict[int, list[tuple[int, str]]] | None = None,
 ) -> list[int]:
     """Delete all but the newest ``keep`` manifests (with their shards), and orphaned shards of writes
     that died before their manifest (older than the newest manifest). Returns deleted iterations.
@@ -295,8 +298,10 @@ def apply_retention(
     of them has none, the newest ``keep * LAG_WINDOW`` are kept).
 
     ``generation``: the caller's; nothing is deleted once storage holds a newer generation's manifest
-    of the rank, and no write of a newer generation is taken for an orphan (it may be in progress)."""
-    manifests = _manifests(storage, job, rank)
+    of the rank, and no write of a newer generation is taken for an orphan (it may be in progress).
+    ``manifests``: the rank's, as the caller just listed them (a remote listing is I/O)."""
+    if manifests is None:
+        manifests = _manifests(storage, job, rank)
     if generation is not None and any(g > generation for v in manifests.values() for g, _ in v):
         return []
     its = sorted(manifests)
