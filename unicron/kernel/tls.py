@@ -7,7 +7,7 @@ peer's :class:`Peer` (role and name) from its certificate.
 
 A certificate names its holder in the subject: ``CN`` is the identity (a node's name, an operator's
 user name, ``coordinator``) and ``OU`` the role. TLS itself checks that the certificate was signed by
-the cluster CA; what is read here is only trusted because of that check, so :func:`peer_from_der` is
+the cluster CA; what is read here is only trusted because of that check, so :meth:`TLSConfig.admit` is
 called only on certificates a handshake verified.
 
 Files in a certificate directory: ``ca.crt`` (and ``ca.key`` on the machine that issues), and
@@ -339,10 +339,6 @@ def peer_of(cert: x509.Certificate) -> Peer:
     except ValueError:
         raise Unauthorized(f"certificate {subject.rfc4514_string()!r}: unknown role {ous[0].value!r}") from None
     return Peer(role, str(cns[0].value), cert.serial_number)
-
-
-def peer_from_der(der: bytes) -> Peer:
-    return peer_of(x509.load_der_x509_certificate(der))
 
 
 def peer_from_pem(pem: bytes) -> Peer:
