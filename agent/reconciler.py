@@ -529,6 +529,8 @@ class TaskReconciler:
                             port=sidecar.port, restart_epoch=_store_epoch(a), store_epoch=a.store_epoch)
         with self._lock:
             self._sidecar, self._store = sidecar, addr
+        threading.Thread(target=self._watch_store, args=(sidecar, addr), name=f"store-watch-{a.task}",
+                         daemon=True).start()
         backoff = 0.05
         while True:
             with self._wake:
@@ -545,6 +547,21 @@ class TaskReconciler:
         with self._lock:
             self._published_revision = revision
         return addr
+
+    def _watch_store(self, sidecar: StoreSidecar, addr: StoreAddress) -> None:
+        """Report the hosted sidecar's death while it is still the task's store (not stopped by us, not
+        replaced): the ranks' store calls fail and they wait for ``StoreMoved``, which the coordinator's
+        fresh store brings (``store_lost``). Unreported, their waits and stderr read as hangs and
+        network faults, and restarts onto the dead store ended in a healthy node isolated."""
+        code = sidecar.proc.wait()
+        with self._lock:
+            if self._sidecar is not sidecar or sidecar.stopping or self._stop_requested:
+                return
+        log.error("store sidecar died", task=self.task, pid=sidecar.proc.pid, exit_code=code,
+                  store=f"{addr.host}:{addr.port}", store_epoch=addr.store_epoch)
+        self.host.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.STORE_LOST,
+                         f"the store sidecar of task {self.task} at {addr.host}:{addr.port} (pid "
+                         f"{sidecar.proc.pid}) exited with {code}", task=self.task, generation=addr.generation)
 
     def _await_store(self, a: TaskAssignment, moved: bool = False) -> StoreAddress | None:
         """The store ``a`` names, once published; None if a stop comes first, or a newer attempt of a
@@ -635,8 +652,9 @@ class TaskReconciler:
         specs = {s.rank: s for s in a.ranks}
         errors: list[str] = []
         if a.store_epoch > applied.store_epoch:
-            if a.store_node != self.host.node:
-                self._give_up_store()
+            # whatever this node hosts is the old store: a move to another node, or a fresh store here
+            # (the old one's sidecar died)
+            self._give_up_store()
             store = self._move_store(a)
             with self._wake:
                 superseded = store is None and not self._stop_pending()
@@ -709,8 +727,9 @@ class TaskReconciler:
             pending[0].stop()
 
     def _move_store(self, a: TaskAssignment) -> StoreAddress | None:
-        """The store left its node (lost, isolated or drained) and this resize names another: that
-        node's agent starts a sidecar (or takes its spare) and publishes it; every agent hands the
+        """The store left its node (lost, isolated or drained) and this resize names another, or its
+        sidecar died and the resize names a fresh one: that node's agent starts a sidecar (or takes
+        its spare) and publishes it; every agent hands the
         address to its running ranks (``StoreMoved``), before any of them is asked to leave or any
         joiner starts (both need the new store)."""
         spare = self._take_spare() if a.store_node == self.host.node else None
@@ -739,9 +758,9 @@ class TaskReconciler:
 
     def _give_up_store(self) -> None:
         """The store moved off this node while it still serves (drained: its ranks leave, they are not
-        lost). Stop it before anything else, as the loss of the node would: a rank that has not yet
-        heard of the move fails on it and waits for ``StoreMoved`` instead of agreeing an epoch on a
-        store its peers have left."""
+        lost), or its sidecar died and a fresh one replaces it. Stop it before anything else, as the
+        loss of the node would: a rank that has not yet heard of the move fails on it and waits for
+        ``StoreMoved`` instead of agreeing an epoch on a store its peers have left."""
         with self._lock:
             sidecar, store, revision = self._sidecar, self._store, self._published_revision
             self._sidecar, self._published_revision = None, 0

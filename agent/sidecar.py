@@ -41,6 +41,8 @@ class StoreSidecar:
         #: the read end of its stdout, where it says it listens; held open while it runs (closed, a later
         #: print of the sidecar's would fail)
         self._stdout = stdout
+        #: set before the agent stops it: an exit then is no loss of the store
+        self.stopping = False
 
     @classmethod
     def start(cls, host: str, task: str, timeout_s: float = START_TIMEOUT_S,
@@ -82,6 +84,7 @@ class StoreSidecar:
         return error
 
     def stop(self) -> None:
+        self.stopping = True
         stop_process(self.proc, grace_s=1.0)
         if self._stdout is not None:
             self._stdout.close()

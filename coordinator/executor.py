@@ -210,9 +210,10 @@ class Executor:
             specs[node] = sorted(kept + [RankSpec(rank=r, local_rank=locals_[i], gpu=free[i])
                                          for i, r in enumerate(new)], key=lambda s: s.rank)
         nodes = sorted(placement, key=lambda n: placement[n][0])
-        # A store moved to another node (its node is gone) starts at this membership epoch: that
-        # node's agent starts a sidecar and publishes it, every agent hands the address to its ranks.
-        moved = bool(action.store_node) and action.store_node != template.store_node
+        # A store moved to another node (its node is gone), or a fresh one (its sidecar died), starts at
+        # this membership epoch: that node's agent starts a sidecar and publishes it, every agent hands
+        # the address to its ranks.
+        moved = bool(action.store_node) and (action.store_node != template.store_node or action.fresh_store)
         store_node, store_epoch = ((action.store_node, action.membership_epoch) if moved
                                    else (template.store_node, template.store_epoch))
         spare = self._spare_store_node(template.recovery, placement, store_node)

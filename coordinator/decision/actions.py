@@ -88,7 +88,9 @@ class ResizeInPlace:
     from a healthy replica; ``leaving`` ranks, on nodes still in service, are asked to leave at an
     iteration boundary; ``lost`` ranks went with their node (the task's store node marks them failed).
     ``store_node`` hosts the task's store in the new membership: a node other than the previous one
-    when that one is gone (its agent starts a fresh sidecar, the survivors move to it)."""
+    when that one is gone (its agent starts a fresh sidecar, the survivors move to it); with
+    ``fresh_store`` (the old store's sidecar died) a new store even on the same node, and nothing else
+    changes."""
 
     action_id: str
     task: str
@@ -103,6 +105,7 @@ class ResizeInPlace:
     world_size: int
     reason: str
     store_node: str = ""
+    fresh_store: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,7 +44,7 @@ from coordinator.decision.events import (
     TaskUpdated,
     Tick,
 )
-from coordinator.decision.resize import InPlace, plan_in_place
+from coordinator.decision.resize import InPlace, launch_store_node, plan_in_place, store_move
 from coordinator.decision.settings import DecisionSettings
 from coordinator.decision.state import (
     ACTIVE_PHASES,
@@ -501,6 +501,7 @@ class _Run:
             world_size=entry.world_size,
             reason=fault.reason,
             store_node=plan.store_node,
+            fresh_store=plan.fresh_store,
         )
         self.actions.append(action)
         # confirmed by a step completed after it (the generation stays: older steps say nothing), where
@@ -588,6 +589,9 @@ class _Run:
             trigger = SEVERITY_TRIGGER[inc.severity]
             if trigger is _T.SEV3 and _echo_of_resize(entry, inc, self.state.now, self.settings.resize_echo_s):
                 trigger = _T.RESIZE_ECHO
+            if inc.kind is ErrorKind.STORE_LOST and not entry.spec.restarts_whole:
+                self._store_lost(name, entry, inc, reason)
+                continue
             if inc.kind is ErrorKind.FENCED:
                 trigger = _T.STOPPED
             elif _restart_died(entry, inc, event):
@@ -599,6 +603,20 @@ class _Run:
             elif trigger is _T.SEV2 and _launching(entry, inc, event.generation):
                 trigger = _T.LAUNCH_FAULT
             self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
+
+    def _store_lost(self, name: str, entry: TaskEntry, inc: Incident, reason: str) -> None:
+        """The task's store sidecar died on a node still in service: the same membership goes on with
+        a fresh store, which the running ranks re-seed (an in-place resize that changes nothing else);
+        where no in-place change is allowed now, a new generation, which brings its own store. (Taken
+        for a rank's fault, it restarted ranks onto the dead store, and the failed restart isolated a
+        healthy node.) A task whose recovery is ``restart`` gets a fresh store with its next attempt."""
+        if inc.node != (entry.store_node or launch_store_node(entry.placement)):
+            return  # the store has moved on since
+        if self._may_resize(entry, _T.STORE_LOST):
+            self._fire(name, _T.STORE_LOST, _Fault(reason, node=inc.node,
+                                                   in_place=store_move(entry.placement, inc.node)))
+        else:
+            self._fire(name, _T.STOPPED, _Fault(f"its store was lost: {reason}", node=inc.node))
 
     def _node_down(self, node: str, status: NodeState, reason: str, liveness: bool = False,
                    suspected_by: str = "") -> None:
@@ -868,24 +886,30 @@ class _Run:
         """The in-place change to ``new``, where the task's phase, recovery mode and outstanding action
         allow one (an Assign not yet confirmed may have ranks that never ran; a restart relaunches
         ranks of the membership it knows)."""
-        if not self.settings.in_place_resize:
-            return None
-        if (entry.phase, _T.RESIZED_IN_PLACE) not in TRANSITIONS or entry.spec.restarts_whole:
-            return None
-        if not entry.confirmed:
-            return None  # a rank of the generation may never have started: it could not join
-        o = entry.outstanding
-        if o is not None and o.kind not in (ActionKind.RESIZE, ActionKind.REATTEMPT):
-            return None
-        gone = {n for n, e in self.state.nodes.items() if e.status in (NodeState.LOST, NodeState.ISOLATED)}
-        if not set(entry.relaunching) <= gone:
-            # A restart under way (its outstanding action cleared by this re-plan) relaunches ranks. One
-            # for a node now gone relaunches nothing: a peer's hang report named the rank of a node cut
-            # off a moment before its loss was found (resize soak, seed 11), and the loss relaunched the
-            # task as a new generation.
+        if not self._may_resize(entry, _T.RESIZED_IN_PLACE):
             return None
         return plan_in_place(entry.placement, new, world_size=entry.world_size, unit=entry.spec.unit,
-                             tp=entry.spec.tp_size, gone=gone, store_node=entry.store_node)
+                             tp=entry.spec.tp_size, gone=self._gone(), store_node=entry.store_node)
+
+    def _may_resize(self, entry: TaskEntry, trigger: Trigger) -> bool:
+        """Whether the task's phase, recovery mode and outstanding action allow a change in place now."""
+        if not self.settings.in_place_resize:
+            return False
+        if (entry.phase, trigger) not in TRANSITIONS or entry.spec.restarts_whole:
+            return False
+        if not entry.confirmed:
+            return False  # a rank of the generation may never have started: it could not join
+        o = entry.outstanding
+        if o is not None and o.kind not in (ActionKind.RESIZE, ActionKind.REATTEMPT):
+            return False
+        # A restart under way (its outstanding action cleared by this re-plan) relaunches ranks. One
+        # for a node now gone relaunches nothing: a peer's hang report named the rank of a node cut
+        # off a moment before its loss was found (resize soak, seed 11), and the loss relaunched the
+        # task as a new generation.
+        return set(entry.relaunching) <= self._gone()
+
+    def _gone(self) -> set[str]:
+        return {n for n, e in self.state.nodes.items() if e.status in (NodeState.LOST, NodeState.ISOLATED)}
 
     def _plan(
         self, specs: list[TaskSpec], usable: dict[str, int]

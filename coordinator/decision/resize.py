@@ -37,6 +37,8 @@ class InPlace:
     lost: tuple[int, ...]
     store_node: str = ""
     """The node hosting the task's store in the new membership (a new one when the old one is gone)."""
+    fresh_store: bool = False
+    """A new store even where ``store_node`` is the old one's node (its sidecar died there)."""
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -92,6 +94,14 @@ def plan_in_place(
         store_node = next(n for n, ranks in sorted(final.items(), key=lambda kv: min(kv[1]))
                           if set(ranks) & survivors)
     return InPlace(final, joiners, leaving, lost, store_node)
+
+
+def store_move(placement: Mapping[str, Sequence[int]], store_node: str) -> InPlace:
+    """The same membership on a fresh store, the old one's sidecar having died on a node still in
+    service: hosted by the node :func:`successor_store_node` names (where the spare store waits), or
+    by the same node when no other holds ranks. The survivors re-seed it as after a lost store node."""
+    final = {n: sorted(r) for n, r in sorted(placement.items()) if r}
+    return InPlace(final, (), (), (), successor_store_node(final, store_node) or store_node, fresh_store=True)
 
 
 def successor_store_node(placement: Mapping[str, Sequence[int]], store_node: str) -> str:

@@ -36,6 +36,8 @@ class Trigger(enum.StrEnum):
     RESIZED = "resized"  # a reconfiguration gave the task a different placement (or a fresh one)
     # ... a different data-parallel size that keeps its layout and a complete replica: no rank stops
     RESIZED_IN_PLACE = "resized_in_place"
+    # the task's store sidecar died on a node still in service: the same membership on a fresh store
+    STORE_LOST = "store_lost"
     UNPLACED = "unplaced"  # a reconfiguration gave the task no GPUs
     FINISHED = "finished"
     # every rank stopped before the task's end, unasked, or a node's fence killed its ranks: the generation
@@ -90,6 +92,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RUNNING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RUNNING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),  # ④ join / ⑤ finish / ⑥ launch elsewhere
         (_P.RUNNING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),  # ③ / ④ / ⑤ without a restart
+        (_P.RUNNING, _T.STORE_LOST): (_P.RECONFIGURING, _R.RESIZE),  # a fresh store, nothing else changes
         (_P.RUNNING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RUNNING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RUNNING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
@@ -108,6 +111,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.REATTEMPTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
         (_P.REATTEMPTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.REATTEMPTING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),
+        (_P.REATTEMPTING, _T.STORE_LOST): (_P.RECONFIGURING, _R.RESIZE),
         (_P.REATTEMPTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.REATTEMPTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.REATTEMPTING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
@@ -154,6 +158,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         # only while no Assign is out (the engine checks): its ranks may not run yet
         (_P.RECONFIGURING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),
+        (_P.RECONFIGURING, _T.STORE_LOST): (_P.RECONFIGURING, _R.RESIZE),  # as above: no Assign out
         (_P.RECONFIGURING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RECONFIGURING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
         (_P.RECONFIGURING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),

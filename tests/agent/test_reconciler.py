@@ -507,3 +507,30 @@ def test_a_save_ends_at_a_later_progress_line_not_at_its_own_iterations(
     rec._on_line(1, 2, MEGATRON_LINE.format(21), 2.2)  # training goes on: nothing more to end
     assert host.phases == [PHASE_CHECKPOINT, protocol.PHASE_TRAIN, PHASE_CHECKPOINT, protocol.PHASE_TRAIN]
     rec.stop("end").wait(10)
+
+
+def test_a_hosted_store_sidecar_that_dies_is_reported_and_a_fresh_one_hosted_at_the_next_store_epoch(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Unreported, the ranks waited for a ``StoreMoved`` nobody sent; their waits and their stderr read
+    as hangs and network faults, and restarts onto the dead store ended in this node isolated. A sidecar
+    the agent stops itself (a move, the task's stop) is no loss."""
+    host = RecordingHost(str(tmp_path))
+    a = assignment([0], store_node="n0")
+    rec = TaskReconciler(a, host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    assert rec.started.wait(90) and rec.started.ok, rec.started.detail
+    first = rec.store_address()
+    assert first is not None and rec._sidecar is not None
+    os.kill(rec._sidecar.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not host.reports and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [(r.kind, r.task) for r in host.reports] == [(ErrorKind.STORE_LOST, "t")], host.reports
+    fresh = dataclasses.replace(a, membership_epoch=1, store_epoch=1, members=RankSet.of([0]))
+    assert rec.apply(fresh).wait(90) and rec.applied is fresh
+    moved = rec.store_address()
+    assert moved is not None and moved.store_epoch == 1 and moved.port != first.port
+    assert rec._sidecar is not None and running(rec._sidecar.proc.pid)
+    assert rec.stop("end").wait(10)
+    time.sleep(0.5)  # the watcher of the sidecar the stop ended has seen its exit
+    assert len(host.reports) == 1, host.reports

@@ -36,7 +36,7 @@ from coordinator.decision import (
     Trigger,
 )
 from coordinator.tasks import TaskSpec
-from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, SEV3_KIND, Sim
+from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, SEV3_KIND, STORE_LOST_KIND, Sim
 
 #: responses whose re-plan moves the task as it can: in place (the survivors go on) or a new generation
 RESHAPED = {Response.ESCALATE}
@@ -157,6 +157,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
         return lambda sim: sim.join("n3")
     if trigger is T.RESIZED_IN_PLACE:
         return _resize_in_place if phase is P.RECONFIGURING else _drain_n2
+    if trigger is T.STORE_LOST:
+        return _store_lost_in_a_resize if phase is P.RECONFIGURING else _store_lost
     if trigger is T.UNPLACED:
         return lambda sim: sim.submit("vip", min_gpus=16, weight=2.0)
     if trigger is T.FINISHED:
@@ -188,12 +190,27 @@ def _drain_n2(sim: Sim) -> list[Action]:
     return sim.feed(NodeDrained(ts=sim.ts(), node="n2"))
 
 
-def _resize_in_place(sim: Sim) -> list[Action]:
-    """From a launch not yet confirmed (no in-place resize: its ranks may never have run): confirm it,
-    shrink in place (RECONFIGURING again, with the resize out), then grow back in place."""
+def _confirm_and_drain_n2(sim: Sim) -> None:
+    """From a launch not yet confirmed (no in-place change: its ranks may never have run): confirm it
+    and shrink in place: RECONFIGURING again, with the resize out."""
     sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(JOB)))
     _drain_n2(sim)
     assert sim.phase(JOB) is P.RECONFIGURING
+
+
+def _store_lost(sim: Sim) -> list[Action]:
+    """The task's store sidecar dies on n1 (rank 0's node hosts the store), the node still in service."""
+    return sim.incident("n1", STORE_LOST_KIND, task=JOB)
+
+
+def _store_lost_in_a_resize(sim: Sim) -> list[Action]:
+    _confirm_and_drain_n2(sim)
+    return _store_lost(sim)
+
+
+def _resize_in_place(sim: Sim) -> list[Action]:
+    """Shrunk in place with the resize out, then grown back in place."""
+    _confirm_and_drain_n2(sim)
     return sim.feed(NodeUndrained(ts=sim.ts(), node="n2"))
 
 

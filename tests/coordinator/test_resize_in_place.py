@@ -16,13 +16,22 @@ from coordinator.decision import (
     Reattempt,
     ResizeInPlace,
     RestartRanks,
+    RestartTask,
     TaskPhase,
     Tick,
 )
-from coordinator.decision.resize import plan_in_place, successor_store_node
+from coordinator.decision.resize import plan_in_place, store_move, successor_store_node
 from coordinator.decision.table import Trigger
 from tests.coordinator.test_causes import status
-from tests.coordinator.test_decision import SEV3_KIND, Sim, one, only, running_cluster
+from tests.coordinator.test_decision import (
+    SEV2_KIND,
+    SEV3_KIND,
+    STORE_LOST_KIND,
+    Sim,
+    one,
+    only,
+    running_cluster,
+)
 from tests.coordinator.test_executor import Driven
 from unicron.kernel.types import DetectionMethod, ErrorKind, RankStatus
 
@@ -458,3 +467,67 @@ def test_a_survivors_failed_reconcile_during_a_grow_does_not_isolate_the_joiners
     sim, _ = _grown_back()
     acts = [a for ev in _failed_reconcile(sim, "n3", JOB) for a in sim.feed(ev)]
     assert one(acts, IsolateNode).node == "n3"
+
+
+# --- a store sidecar that dies on a node still in service ----------------------------------------
+
+
+def test_a_store_move_keeps_the_membership_and_names_the_spares_node_or_the_same_one() -> None:
+    placement = {"b": [2, 3], "a": [0, 1]}
+    moved = store_move(placement, "a")
+    assert moved.placement == {"a": [0, 1], "b": [2, 3]} and moved.store_node == "b" and moved.fresh_store
+    assert (moved.joiners, moved.leaving, moved.lost) == ((), (), ())
+    assert store_move({"a": [0, 1]}, "a").store_node == "a"  # no other node: a fresh sidecar on the same one
+
+
+def test_a_dead_store_sidecar_moves_the_store_in_place_and_restarts_nothing() -> None:
+    """(Taken for a sev2 it restarted ranks onto the dead store, and the failed restart isolated the
+    healthy node; reproduced with a SIGKILLed sidecar, tests/integration/test_store_lost.py.)"""
+    sim = Driven(IN_PLACE)
+    for n in ("n1", "n2", "n3"):
+        sim.join(n, 2)
+    sim.submit(JOB, min_gpus=2)
+    sim.confirm_outstanding()
+    sim.progress(JOB, 5)
+    gen = sim.state.tasks[JOB].generation
+    acts = sim.incident("n1", STORE_LOST_KIND, task=JOB, generation=gen)
+    move = one(acts, ResizeInPlace, JOB)
+    assert not only(acts, IsolateNode) and not only(acts, RestartRanks) and not only(acts, Assign)
+    assert move.generation == gen and move.members == (0, 1, 2, 3, 4, 5)
+    assert (move.joiners, move.leaving, move.lost) == ((), (), ())
+    assert move.store_node == "n2" and move.fresh_store  # the spare's node
+    records = {n: sim.executor.desired[n][JOB] for n in ("n1", "n2", "n3")}
+    assert {(r.store_node, r.store_epoch) for r in records.values()} == {("n2", move.membership_epoch)}
+    assert [s.rank for s in records["n1"].ranks] == [0, 1]  # every rank stays where it runs
+    sim.progress(JOB, 6)
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+    # the same report again, or one from the old store's node, is of a store that has moved on
+    assert sim.incident("n1", STORE_LOST_KIND, task=JOB, generation=gen) == []
+
+
+def test_a_dead_store_sidecar_of_a_one_node_task_gets_a_fresh_one_there() -> None:
+    sim = Driven(IN_PLACE)
+    sim.join("n1", 2)
+    sim.submit(JOB, min_gpus=2)
+    sim.confirm_outstanding()
+    sim.progress(JOB, 5)
+    move = one(sim.incident("n1", STORE_LOST_KIND, task=JOB), ResizeInPlace, JOB)
+    assert move.store_node == "n1" and move.fresh_store
+    record = sim.executor.desired["n1"][JOB]
+    assert (record.store_node, record.store_epoch) == ("n1", move.membership_epoch) and record.store_epoch > 0
+
+
+def test_a_dead_store_sidecar_where_no_in_place_change_is_allowed_relaunches_the_task() -> None:
+    """A restart task's next attempt brings a fresh store; with in-place resizes off, or a restart under
+    way (its relaunched ranks wait on the dead store), a new generation does."""
+    restart = _three_nodes(recovery="restart", max_gpus=6)
+    assert one(restart.incident("n1", STORE_LOST_KIND, task=JOB), RestartTask, JOB)
+    off = running_cluster({"n1": 2, "n2": 2}, {JOB: {"min_gpus": 2}}, Sim(DecisionSettings(in_place_resize=False)))
+    off.progress(JOB, 5)
+    gen = off.state.tasks[JOB].generation
+    relaunch = one(off.incident("n1", STORE_LOST_KIND, task=JOB), Assign, JOB)
+    assert relaunch.generation > gen
+    restarting = _three_nodes()
+    one(restarting.incident("n2", SEV2_KIND, task=JOB, rank=2), RestartRanks, JOB)
+    acts = restarting.incident("n1", STORE_LOST_KIND, task=JOB)
+    assert one(acts, Assign, JOB) and not only(acts, ResizeInPlace) and not only(acts, IsolateNode)

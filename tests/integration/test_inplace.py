@@ -7,7 +7,8 @@ default mode's summation order follows the data-parallel split, and its rounding
 iterations this machine happens to run before the test stops them). The node comes
 back: the task grows back in place, the re-hosted rank crashes as it starts and is relaunched alone,
 joins from a healthy replica, and still no survivor restarts; then the node is drained: its rank leaves at a boundary (the agent's ``Leave``)
-and the rest go on; then a sev1 (XID 79) isolates a node whose agent stays up: its rank is killed
+and the rest go on; then the store's sidecar is SIGKILLed on a node that stays in service: the store
+moves in place and nothing else changes; then a sev1 (XID 79) isolates a node whose agent stays up: its rank is killed
 as a lost node's would be, and the last one trains on. The same shrink with TP=2 (a node other than the store's lost),
 then a drain of the store's node: the store is handed over in place and that replica leaves.
 
@@ -145,7 +146,7 @@ def check_exact(out: Path, tmp: Path, tp: int, blocks: int, rank: int = 0) -> li
     return [int(e["dp"]) for e in its]
 
 
-def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolation_shrink(
+def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_a_store_lost_and_an_isolation_shrink(
         cluster: LocalCluster, tmp_path: Path) -> None:
     """One cluster for the three moves (each test's cluster start and reference run cost ~30 s)."""
     c, out = cluster, tmp_path / "out"
@@ -190,7 +191,8 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolati
     assert "Assign" not in actions_since(c, t0)
 
     drained = drain_leaves(c, grown, survivors, leaver=0)
-    isolated = isolation_kills(c, {1: survivors[1]}, faulty=2)
+    store_lost = store_sidecar_dies(c, stepping(c, {1, 2}, 0))
+    isolated = isolation_kills(c, {1: survivors[1]}, faulty=2)  # the store's node now: it moves back
 
     stop_training(c)
     dps = check_exact(out, tmp_path, tp=1, blocks=3, rank=1)
@@ -201,7 +203,8 @@ def test_node_lost_shrinks_in_place_its_return_grows_back_a_drain_and_an_isolati
     # killed with its node's isolation: no work-conserving stop, so no outputs of its own
     assert not (out / "rank2.json").exists(), result(out, 2)
     print(f"shrink (kill -> survivors 2 steps on) {shrink_s:.1f} s; grow (agent start -> joiner steps) "
-          f"{grow_s:.1f} s; drain {drained:.1f} s; isolation {isolated:.1f} s; dp per iteration {dps}")
+          f"{grow_s:.1f} s; store sidecar lost {store_lost:.1f} s; drain {drained:.1f} s; isolation "
+          f"{isolated:.1f} s; dp per iteration {dps}")
 
 
 def confirmed(c: LocalCluster, since: float, phase: str, by: str) -> None:
@@ -209,6 +212,27 @@ def confirmed(c: LocalCluster, since: float, phase: str, by: str) -> None:
     c.wait_for(lambda: any(f"{phase} --progress--> running" in str(r.get("edge")) and by in str(r.get("edge"))
                            for r in c.coordinator_log(since) if r.get("event") == "transition"),
                10.0, f"{phase} confirmed {by}")
+
+
+def store_sidecar_dies(c: LocalCluster, before: dict[int, dict[str, Any]]) -> float:
+    """The store's sidecar is SIGKILLed on a node that stays in service: a fresh store on the spare's
+    node, re-seeded by the running ranks, and nothing else: no rank restarts, no node is isolated.
+    (Before, the ranks' waits for a new store read as hangs and their stderr as network faults:
+    reattempts, a restart onto the dead store, then the healthy node isolated.)"""
+    assert c.store is not None
+    node = store_node(c)
+    kv = c.store.get(c.keys.store("job"))
+    assert kv is not None
+    port = StoreAddress.from_json(kv.value).port
+    pid = next(int(r["pid"]) for r in c.agent_log(node)
+               if r.get("event") == "store sidecar listening" and r.get("port") == port)
+    t0 = time.time()
+    os.kill(pid, signal.SIGKILL)
+    after = stepping(c, set(before), max(r["step"] for r in before.values()) + 2)
+    assert {r: after[r]["pid"] for r in before} == {r: before[r]["pid"] for r in before}, "a rank was restarted"
+    assert actions_since(c, t0) == ["ResizeInPlace"]
+    assert store_node(c) != node  # the spare's node hosts the fresh store
+    return time.time() - t0
 
 
 def drain_leaves(c: LocalCluster, before: dict[int, dict[str, Any]], survivors: dict[int, Any],

@@ -51,8 +51,9 @@ class DetectionMethod(enum.StrEnum):
 
 class ErrorKind(enum.StrEnum):
     """Error statuses of paper Table 1, plus DEGRADATION (a slow but completed iteration: recorded, not
-    acted on) and FENCED (no fault of the rank: its agent killed it, the node cut off from the control
-    plane, ``agent/fence.py``)."""
+    acted on), FENCED (no fault of the rank: its agent killed it, the node cut off from the control
+    plane, ``agent/fence.py``) and STORE_LOST (the task's store sidecar died on a node still in service:
+    the store moves, no rank is at fault)."""
 
     LOST_CONNECTION = "lost_connection"
     EXITED_ABNORMALLY = "exited_abnormally"
@@ -70,10 +71,12 @@ class ErrorKind(enum.StrEnum):
     TASK_HANG = "task_hang"
     DEGRADATION = "degradation"
     FENCED = "fenced"
+    STORE_LOST = "store_lost"
 
 
 #: The kinds a rank, a trace or an operator's injection can raise: Table 1's statuses, not the agent's own.
-FAULT_KINDS: tuple[ErrorKind, ...] = tuple(k for k in ErrorKind if k not in (ErrorKind.DEGRADATION, ErrorKind.FENCED))
+FAULT_KINDS: tuple[ErrorKind, ...] = tuple(
+    k for k in ErrorKind if k not in (ErrorKind.DEGRADATION, ErrorKind.FENCED, ErrorKind.STORE_LOST))
 
 
 @functools.cache

@@ -562,16 +562,18 @@ class Trainer(Generic[BatchT]):
 
     def _move_store(self, exc: BaseException | None) -> None:
         """Go on with the task's store on another node: wait for the agent's ``StoreMoved`` (its node
-        was lost; an in-place resize named another, whose agent started a fresh one), connect, re-seed
-        it with what this rank holds, and point the membership and the heartbeat at it."""
+        was lost, or its sidecar died; an in-place resize named a new one, whose agent started it), connect, re-seed
+        it with what this rank holds, and point the membership and the heartbeat at it. The wait is a
+        recovery (the regroup phase), not a hang of the iteration."""
         t_wait = time.time()
         deadline = time.monotonic() + self.comm.regroup_timeout_s
-        while self.moved is None:
-            if not self.client.enabled or time.monotonic() > deadline:
-                raise StoreLost(f"rank {self.rank}: the task's store failed ({exc}) and the agent named no "
-                                f"new one within {self.comm.regroup_timeout_s:.0f}s") from exc
-            self._read_instructions()
-            time.sleep(self.comm.poll_s * 4)
+        with self.client.phase(protocol.PHASE_REGROUP):
+            while self.moved is None:
+                if not self.client.enabled or time.monotonic() > deadline:
+                    raise StoreLost(f"rank {self.rank}: the task's store failed ({exc}) and the agent named "
+                                    f"no new one within {self.comm.regroup_timeout_s:.0f}s") from exc
+                self._read_instructions()
+                time.sleep(self.comm.poll_s * 4)
         msg, self.moved = self.moved, None
         t0 = time.time()
         store = connect_store(msg.host, msg.port)
