@@ -4,11 +4,13 @@ another CA's, gets nothing."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import make_certs
 from unicron.cli import main as cli
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import etcdauth, tls
@@ -119,8 +121,8 @@ def test_the_cli_tells_a_tls_mismatch_from_etcd_not_running(
 
 def test_a_revoked_nodes_etcd_user_is_gone_for_the_connection_it_holds(
         secure_etcd: EtcdServer, cert_dir: Path) -> None:
-    """``unicron certs revoke --etcd``: etcd takes a certificate's CN as its user, and etcd does not
-    read Unicron's revocation list; deleting the user is what refuses the revoked node there."""
+    """``unicron certs revoke --etcd``: etcd takes a certificate's CN as its user; deleting the user
+    refuses the revoked node's connection at once (the list refuses its next handshakes)."""
     admin = tls.TLSConfig.from_dir(cert_dir, etcdauth.ROOT)
     node1 = store(secure_etcd, tls.TLSConfig.from_dir(cert_dir, "node1"))
     peer = tls.Peer(tls.Role.NODE, "node1")
@@ -133,3 +135,49 @@ def test_a_revoked_nodes_etcd_user_is_gone_for_the_connection_it_holds(
     finally:
         node1.close()
         etcdauth.setup(secure_etcd.endpoint, admin, KEYS, [peer])  # the module's other tests use node1
+
+
+def _copied(src: Path, dst: Path, name: str) -> tls.TLSConfig:
+    """A holder's certificate as it was stolen, kept outside DIR (revoking moves DIR's copy aside)."""
+    dst.mkdir(exist_ok=True)
+    for f in ("ca.crt", f"{name}.crt", f"{name}.key"):
+        shutil.copy(src / f, dst / f)
+    return tls.TLSConfig(dst / "ca.crt", dst / f"{name}.crt", dst / f"{name}.key")
+
+
+def _refused(server: EtcdServer, cfg: tls.TLSConfig) -> bool:
+    s = store(server, cfg)
+    try:
+        s.put(KEYS.status("node1"), "{}")
+        return False
+    except (StoreRejected, StoreUnavailable):
+        return True
+    finally:
+        s.close()
+
+
+def test_etcd_refuses_a_revoked_certificate_by_the_list_after_its_name_is_issued_again_and_roots_too(
+        tmp_path: Path) -> None:
+    """etcd grants by the certificate's CN: before etcd read the CA's list (``--client-crl-file``), a
+    revoked node certificate worked again once the name was re-issued and ``etcd-auth`` re-run (the
+    documented flow), and ``root``'s could not be revoked at all (its user cannot be deleted)."""
+    d = make_certs(tmp_path / "ca")
+    server = EtcdServer(tls_dir=str(d)).start()
+    try:
+        auth = ["certs", "etcd-auth", "--dir", str(d), "--etcd", server.endpoint, "--prefix", KEYS.prefix]
+        assert cli.main(auth) == 0
+        stolen = _copied(d, tmp_path / "stolen", "node1")
+        stolen_root = _copied(d, tmp_path / "stolen", etcdauth.ROOT)
+        assert not _refused(server, stolen)
+        revoke = ["certs", "revoke", "--dir", str(d), "--etcd", server.endpoint, "--prefix", KEYS.prefix]
+        assert cli.main([*revoke, "node1"]) == 0
+        assert cli.main(["certs", "issue", "--role", "node", "node1", "--dir", str(d)]) == 0
+        assert cli.main(auth) == 0
+        assert _refused(server, stolen)
+        assert not _refused(server, tls.TLSConfig.from_dir(d, "node1"))  # the new certificate works
+        assert cli.main([*revoke, etcdauth.ROOT]) == 0
+        assert _refused(server, stolen_root)
+        assert cli.main(["certs", "issue", "--role", "etcd", etcdauth.ROOT, "--dir", str(d)]) == 0
+        assert cli.main(auth) == 0  # the new root administers etcd
+    finally:
+        server.cleanup()

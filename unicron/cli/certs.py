@@ -87,8 +87,13 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     with _writing(args.dir):
         crl, peer, serial = tls.revoke(directory, args.name)
     print(f"revoked the certificate of {peer} (serial {serial:x}): copy {crl} next to ca.crt on the "
-          "coordinator's and every node's machine (read within a second; no restart)")
-    if args.etcd:
+          "coordinator's and every node's machine, and where etcd's --client-crl-file names it "
+          "(read within a second, by etcd at each connection; no restart)")
+    if args.etcd and peer.name == etcdauth.ROOT:
+        # etcd cannot delete its root user while auth is on; the list is what refuses the old certificate
+        print(f"etcd user {peer.name!r} kept (etcd's administrator): etcd refuses the revoked certificate by "
+              "the list; issue a new root certificate to administer etcd")
+    elif args.etcd:
         admin = tls.TLSConfig.from_dir(directory, etcdauth.ROOT)
         found = etcdauth.revoke(args.etcd, admin, Keyspace(args.prefix), peer)
         print(f"etcd user {peer.name!r} " + ("deleted" if found else "was not there") + f" at {args.etcd}")

@@ -133,10 +133,14 @@ class EtcdServer:
         ]
         if self.tls_config is not None:
             cert, key, ca = str(self.tls_config.cert), str(self.tls_config.key), str(self.tls_config.ca)
+            # etcd grants by the certificate's CN: without the CA's revocation list a revoked certificate
+            # came back to life when its name was issued again (etcd reads the list at each handshake)
+            crl = str(tls.ensure_crl(Path(ca).parent))
             argv += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+                     "--client-crl-file", crl,
                      # members talk to each other with the same certificate, and take only the CA's
                      "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
-                     "--peer-client-cert-auth"]
+                     "--peer-client-cert-auth", "--peer-crl-file", crl]
         with open(self.log_path, "ab") as log:
             # in its own session (a signal to the owner's group is not etcd's), yet it dies with its owner:
             # a SIGKILLed test run left etcd running, and its data dir, for good

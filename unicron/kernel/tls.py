@@ -132,6 +132,7 @@ def init_ca(directory: Path, name: str = "unicron cluster CA", force: bool = Fal
     )
     _write(directory / CA_KEY, _key_pem(key), private=True)
     _write(directory / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _sign_crl(directory, cert, key, [])  # a new CA revokes nothing yet; etcd needs the file from its start
     return directory / CA_CERT
 
 
@@ -265,20 +266,37 @@ def revoke(directory: Path, name: str) -> tuple[Path, Peer, int]:
     cert = read_certificate(crt, "it is not one 'unicron certs issue' wrote; remove it")
     peer = peer_of(cert)
     path = directory / CRL_FILE
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject).last_update(now)
-               .next_update(now + datetime.timedelta(days=CA_DAYS)))
-    if path.exists():
-        for entry in read_crl(path, ca_cert):
-            if entry.serial_number != cert.serial_number:
-                builder = builder.add_revoked_certificate(entry)
-    entry = (x509.RevokedCertificateBuilder().serial_number(cert.serial_number).revocation_date(now).build())
-    crl = builder.add_revoked_certificate(entry).sign(ca_key, hashes.SHA256())
-    _write(path, crl.public_bytes(serialization.Encoding.PEM), private=False)
+    kept = [e for e in read_crl(path, ca_cert) if e.serial_number != cert.serial_number] if path.exists() else []
+    entry = (x509.RevokedCertificateBuilder().serial_number(cert.serial_number)
+             .revocation_date(datetime.datetime.now(datetime.UTC)).build())
+    _sign_crl(directory, ca_cert, ca_key, [*kept, entry])
     for f in (crt, directory / f"{name}.key"):
         if f.exists():
             os.replace(f, f.with_name(f.name + ".revoked"))
     return path, peer, cert.serial_number
+
+
+def _sign_crl(directory: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
+              revoked: list[x509.RevokedCertificate]) -> Path:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject).last_update(now)
+               .next_update(now + datetime.timedelta(days=CA_DAYS)))
+    for entry in revoked:
+        builder = builder.add_revoked_certificate(entry)
+    path = directory / CRL_FILE
+    _write(path, builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), private=False)
+    return path
+
+
+def ensure_crl(directory: Path) -> Path:
+    """The CA's ``revoked.crl`` in ``directory``, written empty where there is none yet (a CA made before
+    ``init`` wrote one): etcd, started with ``--client-crl-file``, refuses every client while the file
+    it names is missing. Needs the CA key only to write it."""
+    path = directory / CRL_FILE
+    if not path.exists():
+        ca_cert, ca_key = _load_ca(directory)
+        _sign_crl(directory, ca_cert, ca_key, [])
+    return path
 
 
 class Revocations:
