@@ -42,27 +42,28 @@ reports. Taking the evaluation for a hang instead cost a restart per evaluation.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.iterations import IterationMonitor
+from unicron.kernel.patterns import JobRegex
 from unicron.kernel.protocol import PHASE_TRAIN
 
-#: Megatron-LM's training_log line (also ``==> iteration`` as some forks print it)
-MEGATRON_ITERATION = re.compile(
+#: Megatron-LM's training_log line (also ``==> iteration`` as some forks print it); in linear time as a
+#: job's own (a 64 KiB line of repeated ``iteration 1/ 2 |`` took Python's ``re`` a second)
+MEGATRON_ITERATION = JobRegex(
     r"\biteration\s+(?P<iteration>\d+)\s*/\s*(?P<total>\d+)\s*\|"
     r".*?elapsed time per iteration \(ms\):\s*(?P<elapsed_ms>\d+(?:\.\d*)?)"
 )
 #: Megatron-LM's save_checkpoint brackets (printed by rank 0)
-MEGATRON_SAVE_START = re.compile(r"\bsaving checkpoint at iteration\s+(?P<iteration>\d+)")
-MEGATRON_SAVE_END = re.compile(r"\bsuccessfully saved checkpoint (from|at) iteration\s+\d+")
+MEGATRON_SAVE_START = JobRegex(r"\bsaving checkpoint at iteration\s+(?P<iteration>\d+)")
+MEGATRON_SAVE_END = JobRegex(r"\bsuccessfully saved checkpoint (from|at) iteration\s+\d+")
 #: with ``--async-save`` the save's synchronous part ends here and training goes on; the success line
 #: comes when a later iteration finalizes the save
-MEGATRON_SAVE_SCHEDULED = re.compile(r"\bscheduled an async checkpoint save at iteration\s+\d+")
+MEGATRON_SAVE_SCHEDULED = JobRegex(r"\bscheduled an async checkpoint save at iteration\s+\d+")
 #: the end of Megatron-LM's evaluation (``evaluate_and_print_results``, on the last rank)
-MEGATRON_EVAL_END = re.compile(r"\bvalidation loss at iteration\s+\d+")
+MEGATRON_EVAL_END = JobRegex(r"\bvalidation loss at iteration\s+\d+")
 #: Megatron-LM's defaults (``megatron/training/arguments.py``): an evaluation every 1000 iterations,
 #: a progress line every 100
 MEGATRON_EVAL_INTERVAL = 1000
@@ -125,8 +126,8 @@ class LineParser:
     """Recognises progress and phase lines: Megatron-LM's, plus a job's own regexes (its env's
     ``UNICRON_PROGRESS_REGEX``, ``UNICRON_SAVE_START_REGEX``, ``UNICRON_SAVE_END_REGEX``)."""
 
-    def __init__(self, custom: re.Pattern[str] | None = None, eval_interval: int = 0,
-                 save_start: re.Pattern[str] | None = None, save_end: re.Pattern[str] | None = None,
+    def __init__(self, custom: JobRegex | None = None, eval_interval: int = 0,
+                 save_start: JobRegex | None = None, save_end: JobRegex | None = None,
                  log_interval: int = 1) -> None:
         """``eval_interval``: Megatron-LM's ``--eval-interval`` of the job (0: it does not evaluate);
         ``log_interval``: its ``--log-interval``."""
@@ -139,19 +140,18 @@ class LineParser:
         if "iteration" not in line and len(self.patterns) == 1:
             return None  # the cheap test first: most output lines are not progress lines
         for rx in self.patterns:
-            m = rx.search(line)
-            if m is None:
+            groups = rx.search(line)
+            if groups is None:
                 continue
             try:
-                iteration = int(m.group("iteration"))
-                groups = m.groupdict()
-                if groups.get("elapsed_ms") is not None:
-                    per = float(groups["elapsed_ms"]) / 1000.0
-                elif groups.get("elapsed_s") is not None:
-                    per = float(groups["elapsed_s"])
+                iteration = int(groups["iteration"] or "")
+                if (ms := groups.get("elapsed_ms")) is not None:
+                    per: float | None = float(ms) / 1000.0
+                elif (sec := groups.get("elapsed_s")) is not None:
+                    per = float(sec)
                 else:
                     per = None
-            except (TypeError, ValueError):
+            except (KeyError, TypeError, ValueError):
                 continue  # a group matched something that is not a number: not a progress line
             return Progress(iteration, per, megatron=rx is MEGATRON_ITERATION)
         return None
@@ -166,19 +166,19 @@ class LineParser:
 
     def phase(self, line: str) -> PhaseLine | None:
         """The phase a line begins (a save; training after an evaluation or a save), or None."""
-        if self.save_start is not None and (m := self.save_start.search(line)) is not None:
-            it = m.groupdict().get("iteration")
-            return PhaseLine(PHASE_CHECKPOINT, int(it) if it is not None and it.isdigit() else None)
-        if self.save_end is not None and self.save_end.search(line):
+        if self.save_start is not None and (g := self.save_start.search(line)) is not None:
+            it = g.get("iteration")
+            return PhaseLine(PHASE_CHECKPOINT, int(it) if it is not None and it.isascii() and it.isdigit() else None)
+        if self.save_end is not None and self.save_end.matches(line):
             return PhaseLine(PHASE_TRAIN)
-        if "validation loss" in line and MEGATRON_EVAL_END.search(line):
+        if "validation loss" in line and MEGATRON_EVAL_END.matches(line):
             return PhaseLine(PHASE_TRAIN)
         if "checkpoint" not in line:
             return None
-        if MEGATRON_SAVE_END.search(line) or MEGATRON_SAVE_SCHEDULED.search(line):
+        if MEGATRON_SAVE_END.matches(line) or MEGATRON_SAVE_SCHEDULED.matches(line):
             return PhaseLine(PHASE_TRAIN)
-        if (m := MEGATRON_SAVE_START.search(line)) is not None:
-            return PhaseLine(PHASE_CHECKPOINT, int(m.group("iteration")))
+        if (g := MEGATRON_SAVE_START.search(line)) is not None:
+            return PhaseLine(PHASE_CHECKPOINT, int(g["iteration"] or 0))
         return None
 
 

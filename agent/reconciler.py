@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import re
 import signal
 import threading
 import time
@@ -254,7 +253,7 @@ class TaskReconciler:
     def _line_parser(self, a: TaskAssignment) -> LineParser:
         """Megatron-LM's lines, plus the task's own regexes (its env; the progress one also the agent's)."""
 
-        def own(name: str, fallback: str = "") -> re.Pattern[str] | None:
+        def own(name: str, fallback: str = "") -> patterns.JobRegex | None:
             pattern = a.env.get(name) or fallback
             try:
                 return patterns.compile_job_regex(name, pattern) if pattern else None

@@ -18,6 +18,7 @@ from unicron.kernel.patterns import (
     ENV_PROGRESS_REGEX,
     ENV_SAVE_END_REGEX,
     ENV_SAVE_START_REGEX,
+    MAX_MATCHED_CHARS,
     compile_job_regex,
 )
 from unicron.kernel.protocol import PHASE_TRAIN
@@ -77,6 +78,28 @@ def test_custom_regex_with_and_without_elapsed_time() -> None:
 def test_bad_custom_regex_is_a_config_error(pattern: str) -> None:
     with pytest.raises(ConfigError):
         compile_job_regex(ENV_PROGRESS_REGEX, pattern)
+
+
+@pytest.mark.timeout(20)
+def test_a_jobs_regex_is_matched_in_linear_time_and_on_a_lines_start_only() -> None:
+    """The agent matches every output line on its reader threads, and Python's backtracking ``re`` held
+    the GIL for the whole match: ``(a+)+$`` on a line of 40 a's never returns there (2^40 paths), and
+    one such line stalled the agent's heartbeat until its node was isolated."""
+    nested = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r"^(?P<iteration>\d+)(a+)+$"))
+    assert nested.progress("1" + "a" * 40 + "b") is None
+    assert nested.progress("7" + "a" * 40) == Progress(7, None)
+    greedy = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r".*step (?P<iteration>\d+)"))
+    assert greedy.progress("x" * 65536) is None
+    assert greedy.progress("step 3 " + "x" * 65536) == Progress(3, None)
+    assert greedy.progress("x" * (MAX_MATCHED_CHARS + 1) + " step 3") is None  # past the start: not one
+    assert LineParser().progress("iteration 1/ 2 |" * 4096) is None  # Megatron's own, as long
+
+
+def test_a_regex_re2_cannot_match_in_linear_time_is_refused_naming_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"^UNICRON_PROGRESS_REGEX: .* RE2 .*lookaround"):
+        compile_job_regex(ENV_PROGRESS_REGEX, r"(?<=step )(?P<iteration>\d+)")
+    with pytest.raises(ConfigError, match="backreferences"):
+        compile_job_regex(ENV_SAVE_END_REGEX, r"(saved)\1")
 
 
 def feeder() -> tuple[IterationMonitor, LogProgress]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 
+import re2
+
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.types import ErrorKind
 
@@ -88,13 +90,50 @@ ENV_SAVE_END_REGEX = "UNICRON_SAVE_END_REGEX"
 JOB_REGEXES: dict[str, bool] = {ENV_PROGRESS_REGEX: True, ENV_SAVE_START_REGEX: False, ENV_SAVE_END_REGEX: False}
 
 
-def compile_job_regex(name: str, pattern: str) -> re.Pattern[str]:
+#: a line is matched on its first characters only: a progress or save line is a few hundred long, and
+#: a longer one (a dumped tensor, a progress bar) is neither
+MAX_MATCHED_CHARS = 4096
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused pattern is our ConfigError, not a line on stderr
+
+
+class JobRegex:
+    r"""A regex of a job's output format (its own progress or save lines, or Megatron-LM's), matched in
+    linear time (RE2) on at most :data:`MAX_MATCHED_CHARS` of a line. The agent matches every output
+    line on its reader threads, and Python's backtracking ``re`` holds the GIL for the whole match:
+    one job's regex (``(a+)+$``, or just ``.*step (?P<iteration>\d+)`` on a 64 KiB line) stalled the
+    agent's heartbeat for seconds, the node was isolated, and the task moved on to stall the next
+    node. RE2 takes Python's syntax without backreferences and lookaround. Raises ``re2.error``."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self._rx = re2.compile(pattern, options=_RE2_OPTIONS)
+        self.names: frozenset[str] = frozenset(self._rx.groupindex)
+
+    def matches(self, line: str) -> bool:
+        return self._rx.search(line[:MAX_MATCHED_CHARS]) is not None
+
+    def search(self, line: str) -> dict[str, str | None] | None:
+        """The named groups of the first match in ``line`` (None when a group took no part; {} when the
+        regex names none), or None when it does not match."""
+        m = self._rx.search(line[:MAX_MATCHED_CHARS])
+        if m is None:
+            return None
+        groups: dict[str, str | None] = m.groupdict()
+        return groups
+
+
+def compile_job_regex(name: str, pattern: str) -> JobRegex:
     """The regex a job-format variable ``name`` holds; ConfigError (one line: the variable, the
-    pattern, what is wrong) unless it compiles and has the groups the variable needs."""
+    pattern, what is wrong) unless RE2 compiles it and it has the groups the variable needs."""
     try:
-        rx = re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(f"{name}: {pattern!r} is not a regular expression: {exc}") from exc
-    if JOB_REGEXES.get(name, False) and "iteration" not in rx.groupindex:
+        rx = JobRegex(pattern)
+    except (re2.error, ValueError, OverflowError, RecursionError) as exc:
+        why = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ConfigError(f"{name}: {pattern!r} is not a regular expression RE2 accepts ({why}); job regexes "
+                          "are matched in linear time: Python's syntax without backreferences or lookaround") \
+            from exc
+    if JOB_REGEXES.get(name, False) and "iteration" not in rx.names:
         raise ConfigError(f"{name}: {pattern!r} has no (?P<iteration>...) group")
     return rx
