@@ -141,6 +141,19 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path:
     assert not (tmp_path / "never").exists()
 
 
+def test_a_bad_workload_or_trace_name_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """'case²' passed str.isdigit() and failed int(); 'case' + 5,000 digits passed it and hit int()'s
+    4,300-digit limit; a name past the system's NAME_MAX failed Path.exists(): three tracebacks."""
+    for flag, spec, message in (("--workload", "case\u00b2", "is neither case1..case5 nor an existing file"),
+                                ("--workload", "case" + "1" * 5000, "'case11111111111111111111'... is not a Table 3 case"),
+                                ("--workload", "case9", "case9 is not a Table 3 case"),
+                                ("--workload", "x" * 5000, "'xxxx"),  # the CLI cuts the line
+                                ("--trace", "x" * 5000, "'xxxx")):
+        assert main(["simulate", flag, spec, "--out", str(tmp_path), "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"unicron simulate: {flag}: ") and err.count("\n") == 1 and message in err
+
+
 def test_workload_and_trace_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048,
              "vocab_size": 51200, "global_batch_size": 512, "micro_batch_size": 2}

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from plans.table3 import CASES
 from sim import trace as traces
 from sim import workload as workloads
 from sim.costs import CostSettings
@@ -39,18 +40,29 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=cmd_simulate)
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name past the system's limits (ENAMETOOLONG) names no file
+        return False
+
+
 def load_trace(spec: str, seed: int, n_nodes: int) -> traces.Trace:
     path = Path(spec)
-    if spec not in ("trace-a", "trace-b") and path.exists():
+    if spec not in ("trace-a", "trace-b") and _exists(path):
         return traces.read(path, n_nodes=n_nodes)
     return traces.named(spec, seed)
 
 
 def load_workload(spec: str) -> workloads.Workload:
-    if spec.startswith("case") and spec[4:].isdigit():
-        return workloads.case(int(spec[4:]))
+    number = spec[4:] if spec.startswith("case") else ""
+    # '²'.isdigit(), but int() refuses it, and 4,300 digits or more too: ASCII digits, a few of them
+    if number.isascii() and number.isdigit():
+        if len(number) > 9:
+            raise InvalidRecord(f"--workload: {spec[:24]!r}... is not a Table 3 case; known: case1..case{len(CASES)}")
+        return workloads.case(int(number))
     path = Path(spec)
-    if not path.exists():
+    if not _exists(path):
         raise InvalidRecord(f"--workload: {spec!r} is neither case1..case5 nor an existing file")
     return workloads.from_file(path, n_nodes=16)
 
