@@ -894,7 +894,9 @@ class Agent:
         for kv in kvs:
             try:
                 info = NodeInfo.from_json(kv.value)
-            except InvalidRecord:
+            except InvalidRecord as exc:  # a bad replica_addr among them: no peer for our ranks to crash on
+                log.warning("a node's registration is unreadable; its replica server is no checkpoint peer",
+                            key=kv.key, error=str(exc))
                 continue
             if info.replica_addr:
                 addrs[info.node] = info.replica_addr

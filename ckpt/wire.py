@@ -67,6 +67,7 @@ def recv_header(sock: socket.socket, deadline: float | None = None) -> dict[str,
 def parse_addr(addr: str, what: str = "address") -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) -> (host, port)."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    # isascii: int() refuses some characters isdigit() accepts ("²"); 5 digits: no 4300-digit int()
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 <= int(port) < 65536:
         raise InvalidRecord(f"{what}: {addr!r} is not host:port")
     return host.strip("[]"), int(port)

@@ -20,8 +20,9 @@ import grpc
 from coordinator.tasks import TaskSpec, load_spec_json, parse_task_spec
 from unicron.kernel import log as ulog
 from unicron.kernel import tls
+from unicron.kernel.address import ip_literal
 from unicron.kernel.errors import ConfigError, InvalidRecord, NotLeader, PermanentError, TemporaryError
-from unicron.kernel.net import WILDCARDS, ip_literal
+from unicron.kernel.net import WILDCARDS
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 

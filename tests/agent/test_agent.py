@@ -26,7 +26,7 @@ from agent.sidecar import StoreSidecar
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import protocol, wire
 from unicron.kernel.errors import StoreUnavailable
-from unicron.kernel.etcd import Lease, Store
+from unicron.kernel.etcd import KeyValue, Lease, Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import interface_of, route_address
 from unicron.kernel.types import (
@@ -368,6 +368,19 @@ def test_a_stderr_error_of_another_process_than_the_ranks_current_one_is_not_the
         assert [r.generation for r in published] == [1, 2]  # the old generation's, and the current process's
     finally:
         rec.stop("test over").wait(10)
+
+
+def test_a_peer_registered_with_a_bad_replica_address_is_no_checkpoint_peer(tmp_path: Path) -> None:
+    """a1's '10.0.0.2:²' went into a0's ranks' UNICRON_CKPT_PEERS and each crashed at launch; a2's comma
+    added a peer. Their registrations are unreadable now: a0's ring successor is a3 (no etcd: not run)."""
+    agent = Agent(AgentSettings(node="a0", etcd="127.0.0.1:1", gpu_backend="simulated", gpus=2, run_dir=str(tmp_path),
+                                replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"))
+    registered = {"a0": "127.0.0.1:7000", "a1": "10.0.0.2:\u00b2", "a2": "10.0.0.3:7002,10.0.0.9:1", "a3": "10.0.0.4:7003"}
+    kvs = [KeyValue(KEYS.node(n), json.dumps({"node": n, "host": "h", "gpus": 2, "gpu_backend": "simulated",
+                                              "agent_pid": 1, "started_ts": 0.0, "replica_addr": addr}).encode(), 1, 1, 0)
+           for n, addr in registered.items()]
+    agent.store = types.SimpleNamespace(get_prefix=lambda prefix: (kvs, 1))  # type: ignore[assignment]
+    assert agent._replica_peers() == ["10.0.0.4:7003"]
 
 
 def test_a_replaced_process_progress_is_not_credited_to_the_rank(agents: dict[str, Agent], store: Store) -> None:

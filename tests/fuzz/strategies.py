@@ -52,6 +52,7 @@ OVERRIDES: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (protocol.Phase, "name"): st.sampled_from(protocol.PHASES),
     (link.LinkHello, "node"): st.text(min_size=1, max_size=12),
     (NodeInfo, "gpus"): st.integers(0, 16),
+    (NodeInfo, "replica_addr"): st.sampled_from(["", "10.0.0.2:7000", "[::1]:7001", "node-1:65535"]),
     (Injection, "iterations"): st.integers(1, MAX_SLOW_ITERATIONS),
     (Injection, "delay_s"): st.floats(0.0, 3600.0),
     # sorted, disjoint ranges, as RankSet.of builds them (arbitrary nested lists are invalid ones)

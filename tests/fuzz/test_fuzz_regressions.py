@@ -107,6 +107,19 @@ def test_a_node_record_refuses_a_gpu_count_no_node_has(gpus: int) -> None:
     assert NodeInfo.from_dict({**info, "gpus": 8}).gpus == 8
 
 
+@pytest.mark.parametrize("addr", ["10.0.0.2:\u00b2", "10.0.0.2:7000,10.0.0.9:7000", "10.0.0.2:0", "10.0.0.2:65536",
+                                  "10.0.0.2", "h :7000", "[fe80::1%a,b]:7000", "[fe80::1%a b]:7000", "-h:7000",
+                                  "10.0.0.2:" + "1" * 5000])
+def test_a_node_record_refuses_a_replica_address_peers_cannot_dial(addr: str) -> None:
+    # other nodes' agents pass it to their ranks in UNICRON_CKPT_PEERS: "10.0.0.2:²" crashed each of
+    # them at launch, a comma added peers
+    info = {"node": "n", "host": "h", "gpus": 8, "gpu_backend": "simulated", "agent_pid": 1, "started_ts": 0.0}
+    with pytest.raises(InvalidRecord, match=r"^NodeInfo\.replica_addr: .* is not host:port"):
+        NodeInfo.from_dict({**info, "replica_addr": addr})
+    for good in ("", "10.0.0.2:7000", "[::1]:7001", "[fe80::1%eth0]:7002", "node-1.example:65535"):
+        assert NodeInfo.from_dict({**info, "replica_addr": good}).replica_addr == good
+
+
 def test_the_planner_with_no_usable_node_plans_nothing() -> None:
     # a valid spec with a model was refused ("cluster.gpus_per_node: must be >= 1") by a coordinator
     # with no node yet, and a modelled task made every decision fail once the last node was lost

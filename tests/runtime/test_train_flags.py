@@ -162,3 +162,8 @@ def test_replica_peers_that_are_not_host_port_are_a_config_error_naming_the_vari
     with pytest.raises(ConfigError, match=r"UNICRON_CKPT_PEERS='127.0.0.1:7000, garbage': 'garbage' is not "
                                           r"host:port; expected .* comma-separated host:port"):
         make_checkpointer("memory", str(tmp_path), "job", 0)
+    # '²'.isdigit() held and int() raised ValueError: a traceback in every rank of the node
+    for port in ("\u00b2", "1" * 5000):
+        monkeypatch.setenv("UNICRON_CKPT_PEERS", f"10.0.0.2:{port}")
+        with pytest.raises(ConfigError, match=r"^environment variable UNICRON_CKPT_PEERS=.* is not host:port"):
+            make_checkpointer("memory", str(tmp_path), "job", 0)

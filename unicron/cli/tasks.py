@@ -23,11 +23,11 @@ import grpc
 from coordinator.tasks import MAX_SPEC_BYTES, load_spec_json
 from unicron.cli.common import add_cluster_flags, at_least, emit, one_line, open_store, tls_config
 from unicron.kernel import jsontext, tls
+from unicron.kernel.address import host_port
 from unicron.kernel.config import finite_float
 from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, TemporaryError, UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.net import host_port
 from unicron.kernel.proto import coordinator_pb2 as pb
 from unicron.kernel.proto import coordinator_pb2_grpc as pb_grpc
 

@@ -42,6 +42,7 @@ from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
 
 from unicron.kernel import log as ulog
+from unicron.kernel.address import host_port
 from unicron.kernel.errors import (
     ConfigError,
     LeaseLost,
@@ -50,7 +51,6 @@ from unicron.kernel.errors import (
     StoreUnavailable,
     UnicronError,
 )
-from unicron.kernel.net import host_port
 from unicron.kernel.tls import TLSConfig
 
 log = ulog.get(__name__)

@@ -2,44 +2,22 @@
 
 from __future__ import annotations
 
-import ipaddress
-import re
 import socket
 
 import psutil
 
+from unicron.kernel.address import is_host
 from unicron.kernel.errors import ConfigError
 
 #: listen addresses that mean "every interface": never an address to give a peer
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_.])?")
-
-
-def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The IP address ``host`` writes (``[v6]`` too); None for a host name (or anything else)."""
-    try:
-        return ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
-    except ValueError:
-        return None
-
-
 def check_host(host: str, flag: str) -> None:
     """ConfigError naming ``flag`` unless ``host`` is an IP address ([v6] too) or a host name: a value
     published for peers to dial (in the leader key, a node's registration) that nobody can dial broke
     them far from the flag, or was refused by every client reading it."""
-    if ip_literal(host) is None and not _HOST_NAME.fullmatch(host):
+    if not is_host(host):
         raise ConfigError(f"{flag}: {host!r} is neither an IP address nor a host name; give one peers can dial")
-
-
-def host_port(address: str) -> tuple[str, int] | None:
-    """``host:port`` (``[v6]:port`` too, brackets kept) -> (host, port) with a port in 1-65535; None for
-    anything else. gRPC would dial a port over 65535 modulo 65536: another port, maybe another server's."""
-    host, sep, port = address.rpartition(":")
-    # isascii: int() refuses some characters isdigit() accepts ("²"); 5 digits: no 4300-digit int()
-    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 < int(port) < 65536:
-        return None
-    return host, int(port)
 
 
 def family_of(host: str) -> socket.AddressFamily:

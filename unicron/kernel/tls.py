@@ -36,8 +36,9 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from unicron.kernel import log as ulog
+from unicron.kernel.address import ip_literal
 from unicron.kernel.errors import ConfigError, PermanentError
-from unicron.kernel.net import check_host, ip_literal
+from unicron.kernel.net import check_host
 
 log = ulog.get(__name__)
 

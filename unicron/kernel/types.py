@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Self
 
-from unicron.kernel import jsontext
+from unicron.kernel import address, jsontext
 from unicron.kernel.errors import InvalidRecord
 
 
@@ -377,6 +377,11 @@ class NodeInfo(Record):
         # "more than the cluster's -N GPUs", a huge one a plan over that many GPUs (found by the fuzz)
         if not 0 <= self.gpus <= MAX_NODE_GPUS:
             raise InvalidRecord(f"NodeInfo.gpus: {self.gpus} is not a GPU count in [0, {MAX_NODE_GPUS}]")
+        # other nodes' agents hand it to their ranks in UNICRON_CKPT_PEERS: "h:²" crashed every one of
+        # them at launch, "h:1,x:2" added a peer nobody placed there
+        if self.replica_addr and not address.dialable(self.replica_addr):
+            raise InvalidRecord(f"NodeInfo.replica_addr: {self.replica_addr!r} is not host:port "
+                                "(an IP address or host name, a port in 1-65535)")
 
 
 @dataclass(frozen=True)
