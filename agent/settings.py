@@ -97,6 +97,9 @@ class AgentSettings:
         if self.gpu_backend not in ("auto", "nvml", "simulated"):
             raise ConfigError("--gpu-backend / UNICRON_GPU_BACKEND must be auto, nvml or simulated")
         if self.progress_regex:
-            patterns.compile_job_regex(patterns.ENV_PROGRESS_REGEX, self.progress_regex)
+            try:
+                patterns.compile_job_regex(patterns.ENV_PROGRESS_REGEX, self.progress_regex)
+            except ConfigError as exc:  # its message names the variable; an operator may have typed the flag
+                raise ConfigError(f"--progress-regex / {exc}") from exc
         if self.tls_dir:
             tls.load(self.tls_dir, self.node, tls.Role.NODE)

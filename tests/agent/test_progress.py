@@ -13,6 +13,7 @@ from agent.progress import (
     megatron_eval_interval,
     megatron_log_interval,
 )
+from agent.settings import AgentSettings
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.patterns import (
     ENV_PROGRESS_REGEX,
@@ -100,6 +101,18 @@ def test_a_regex_re2_cannot_match_in_linear_time_is_refused_naming_the_variable(
         compile_job_regex(ENV_PROGRESS_REGEX, r"(?<=step )(?P<iteration>\d+)")
     with pytest.raises(ConfigError, match="backreferences"):
         compile_job_regex(ENV_SAVE_END_REGEX, r"(saved)\1")
+
+
+@pytest.mark.parametrize("pattern", ["(?P<iteration>a{99999999999999999999})", "(" * 3000 + "(?P<iteration>a)" + ")" * 3000])
+def test_a_regex_past_pythons_limits_is_no_traceback(pattern: str) -> None:
+    """Python's re raised OverflowError (a huge count) and RecursionError (deep nesting), not re.error:
+    they escaped as tracebacks, from Submit and from the agent's start. RE2 takes both and matches them
+    in linear time; a refused one's error stays one line, naming the flag at the agent's start."""
+    assert compile_job_regex(ENV_PROGRESS_REGEX, pattern).matches("x" * 65536) is False
+    AgentSettings(node="a0", etcd="127.0.0.1:1", progress_regex=pattern).validate()
+    with pytest.raises(ConfigError, match=r"^--progress-regex / UNICRON_PROGRESS_REGEX: .* RE2 ") as err:
+        AgentSettings(node="a0", etcd="127.0.0.1:1", progress_regex="(?<=x)" + pattern).validate()
+    assert len(str(err.value)) < 300
 
 
 def feeder() -> tuple[IterationMonitor, LogProgress]:

@@ -90,6 +90,10 @@ def test_json_round_trip_including_the_example() -> None:
          r"task.env.UNICRON_PROGRESS_REGEX: .* has no \(\?P<iteration>\.\.\.\) group"),
         ({"env": {"UNICRON_SAVE_START_REGEX": "saving (model"}}, None, None,
          "task.env.UNICRON_SAVE_START_REGEX: 'saving \\(model' is not a regular expression"),
+        ({"env": {"UNICRON_PROGRESS_REGEX": "(?<=step )(?P<iteration>\\d+)"}}, None, None,
+         "task.env.UNICRON_PROGRESS_REGEX: .* RE2 accepts .* lookaround"),
+        ({"env": {"UNICRON_SAVE_START_REGEX": "(?<=x)" + "(" * 3000 + ")" * 3000}}, None, None,
+         r"task.env.UNICRON_SAVE_START_REGEX: '\(\?<=x\)\(\(\(.*\.\.\. \(6006 characters\) is not"),
         ({"model": {**MODEL, "depth": 3}}, None, None, r"task.model: unknown field\(s\) \['depth'\]"),
         (
             {"model": {k: v for k, v in MODEL.items() if k != "vocab_size"}},

@@ -124,6 +124,11 @@ class JobRegex:
         return groups
 
 
+def _brief(pattern: str) -> str:
+    """``pattern`` as an error shows it: repr, cut to a line's length (a nesting error's can be 6,000 characters)."""
+    return repr(pattern) if len(pattern) <= 80 else f"{pattern[:60]!r}... ({len(pattern)} characters)"
+
+
 def compile_job_regex(name: str, pattern: str) -> JobRegex:
     """The regex a job-format variable ``name`` holds; ConfigError (one line: the variable, the
     pattern, what is wrong) unless RE2 compiles it and it has the groups the variable needs."""
@@ -131,9 +136,9 @@ def compile_job_regex(name: str, pattern: str) -> JobRegex:
         rx = JobRegex(pattern)
     except (re2.error, ValueError, OverflowError, RecursionError) as exc:
         why = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
-        raise ConfigError(f"{name}: {pattern!r} is not a regular expression RE2 accepts ({why}); job regexes "
+        raise ConfigError(f"{name}: {_brief(pattern)} is not a regular expression RE2 accepts ({why}); job regexes "
                           "are matched in linear time: Python's syntax without backreferences or lookaround") \
             from exc
     if JOB_REGEXES.get(name, False) and "iteration" not in rx.names:
-        raise ConfigError(f"{name}: {pattern!r} has no (?P<iteration>...) group")
+        raise ConfigError(f"{name}: {_brief(pattern)} has no (?P<iteration>...) group")
     return rx
