@@ -16,9 +16,10 @@ line of a later iteration ends the save): a save longer than a few intervals rea
 
 The unit the monitor sees is one *logging interval*: a line closes the interval that the previous
 line opened, and its duration is ``(iterations since the previous line) x elapsed`` (or, with no
-elapsed group, the wall time between the lines). The hang rule then reads "no progress line for 3x
-the usual interval", which is the paper's 3 x D_iter when a job logs every iteration; the sustained
-1.1x degradation rule is unchanged. Megatron's ``saving checkpoint at iteration`` ...
+elapsed group, or one that is not a positive finite number, the wall time between the lines). The
+hang rule then reads "no progress line for 3x the usual interval", which is the paper's 3 x D_iter
+when a job logs every iteration; the sustained 1.1x degradation rule is unchanged. Megatron's
+``saving checkpoint at iteration`` ...
 ``successfully saved checkpoint`` lines bracket a non-training phase (Megatron pauses its timer for
 it, and so does the hang clock). With ``--async-save`` the phase ends at ``scheduled an async
 checkpoint save``: training goes on while the save finalizes, many iterations later (taking the
@@ -42,6 +43,7 @@ reports. Taking the evaluation for a hang instead cost a restart per evaluation.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,6 +155,10 @@ class LineParser:
                     per = None
             except (KeyError, TypeError, ValueError):
                 continue  # a group matched something that is not a number: not a progress line
+            if per is not None and not (math.isfinite(per) and per > 0):
+                # "inf" made the baseline infinite (no hang ever found again), "0" a zero one (every
+                # pause a hang), "nan" dropped the interval: the line's arrival time is a sane duration
+                per = None
             return Progress(iteration, per, megatron=rx is MEGATRON_ITERATION)
         return None
 

@@ -142,6 +142,25 @@ def test_without_elapsed_time_the_wall_time_between_lines_is_the_interval() -> N
     assert mon.baseline() == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("elapsed", ["inf", "1e999", "nan", "0", "0.0", "-1"])
+def test_an_elapsed_time_that_is_no_duration_falls_back_to_the_lines_arrival(elapsed: str) -> None:
+    """A regex whose elapsed group matched "inf" fed an infinite interval: the baseline became inf and
+    no hang was ever found again; "0" made a zero baseline, every pause a hang."""
+    parser = LineParser(compile_job_regex(ENV_PROGRESS_REGEX, r"step (?P<iteration>\d+) took (?P<elapsed_s>\S+)s"))
+    assert parser.progress(f"step 30 took {elapsed}s") == Progress(30, None)
+    mon, feed = feeder()
+    t = 0.0
+    for n in range(1, 9):  # a line a second, each of 10 iterations of 0.1 s, every other one with `elapsed`
+        p = parser.progress(f"step {10 * n} took {elapsed if n % 2 else '0.1'}s")
+        assert p is not None
+        feed.feed(p, t)
+        t += 1.0
+    last = t - 1.0
+    assert mon.baseline() == pytest.approx(1.0)
+    assert mon.check(last + 2.9) == []
+    assert [f.kind for f in mon.check(last + 3.0)] == [ErrorKind.TASK_HANG]
+
+
 def test_a_sustained_slowdown_in_the_lines_is_a_degradation() -> None:
     mon = IterationMonitor(IterationSettings(warmup_iterations=1, min_samples=3, window=5, baseline_window=50))
     feed = LogProgress(mon)
