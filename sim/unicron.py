@@ -4,7 +4,7 @@ Every decision is ``DecisionCore.handle`` with the live coordinator's ``WafAlloc
 ``place``); the simulator only plays the daemon's part: it turns trace failures into the core's events
 (every failure, a lost node included, -> a ``Report`` classified by ``coordinator.causes.classify``
 and raised as ``IncidentRaised``, as the daemon does; a repair -> ``NodeJoined`` for a
-lost node, ``NodeUndrained`` for an isolated one), carries out the actions by charging their cost
+lost node, ``NodeUndrained`` for an isolated one, once the failure has been detected), carries out the actions by charging their cost
 (:class:`sim.costs.CostSettings`), and confirms each tracked action with ``ActionSucceeded`` and a
 ``ProgressMade`` at the current generation when its transition ends.
 """
@@ -55,6 +55,10 @@ class UnicronSim(Simulation):
         self.steps: dict[str, int] = {t: 0 for t in self.tasks}
         self.faulted: set[str] = set()  # tasks that lost work in the failure being handled
         self.isolated: set[str] = set()
+        # sev1 detections still to come per node, and the nodes repaired before theirs came: the core
+        # isolates such a node only at detection, so the repair is applied then, not lost
+        self.detecting: dict[str, int] = {}
+        self.repaired_early: set[str] = set()
         self.actions_log: list[d.Action] = []
         self._incident = 0
 
@@ -188,6 +192,8 @@ class UnicronSim(Simulation):
             run.token += 1
         iteration = min((self.workload.iteration_s(t, self.tasks[t].gpus) for t in hit), default=1.0)
         delay = self.costs.unicron_detect_s(f.kind, iteration)
+        if f.severity == 1:
+            self.detecting[f.node] = self.detecting.get(f.node, 0) + 1
         self.at(self.now + delay, lambda: self._detected(f, hit))
 
     def _detected(self, f: Failure, hit: list[str]) -> None:
@@ -201,14 +207,29 @@ class UnicronSim(Simulation):
             run = self.tasks[name]
             if run.status == DETECT:
                 run.status = RUN if run.gpus > 0 else IDLE
+        if f.severity == 1:
+            self.detecting[f.node] -= 1
+            if not self.detecting[f.node]:
+                del self.detecting[f.node]
+                early = f.node in self.repaired_early
+                self.repaired_early.discard(f.node)
+                # a node that failed again since its early repair waits for that failure's own repair
+                if early and f.node not in self.down:
+                    self._rejoin(f.node)
 
     def on_repair(self, f: Failure) -> None:
-        node = self.state.nodes.get(f.node)
-        if node is not None and node.status is d.NodeState.ISOLATED:
-            self.feed(d.NodeUndrained(ts=self.now, node=f.node))
+        if f.node in self.detecting:
+            self.repaired_early.add(f.node)  # applied when the detection has isolated the node
+            return
+        self._rejoin(f.node)
+
+    def _rejoin(self, node: str) -> None:
+        entry = self.state.nodes.get(node)
+        if entry is not None and entry.status is d.NodeState.ISOLATED:
+            self.feed(d.NodeUndrained(ts=self.now, node=node))
         else:
-            self.feed(d.NodeJoined(ts=self.now, node=f.node, gpus=self.workload.gpus_per_node))
-        self.isolated.discard(f.node)
+            self.feed(d.NodeJoined(ts=self.now, node=node, gpus=self.workload.gpus_per_node))
+        self.isolated.discard(node)
 
 
 def initial_placement(sim: UnicronSim) -> dict[str, dict[str, int]]:

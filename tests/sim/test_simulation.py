@@ -86,6 +86,21 @@ def test_sev2_restarts_ranks_in_place_without_a_new_plan() -> None:
     assert sim.state.tasks[restarts[0].task].phase is d.TaskPhase.RUNNING
 
 
+@pytest.mark.parametrize(("kind", "repair_s"), [("ecc_error", 0.0), ("lost_connection", 0.5)])
+def test_a_node_repaired_before_detection_is_back_after_it(kind: str, repair_s: float) -> None:
+    """The repair came first (the node still up: a no-op NodeJoined), then detection isolated the node
+    and nothing undrained it: a 0-second outage cost a node for the rest of the run."""
+    _, node = biggest_task()
+    trace = one_failure(node, 1, kind, repair_s=repair_s)
+    sim = UnicronSim(case(5), trace, CostSettings())
+    uni = sim.run()
+    meg = simulate(trace, case(5), ["megatron"])["megatron"]
+    assert [a.node for a in sim.actions_log if isinstance(a, d.IsolateNode)] == [node]  # still detected
+    assert sim.state.nodes[node].status is d.NodeState.UP and uni.available_gpus[-1] == 128
+    assert uni.accumulated / uni.ideal >= meg.accumulated / meg.ideal
+    assert uni.lost_sub_healthy < 1e-6 * uni.ideal
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_megatron_loses_more_work_than_unicron(seed: int) -> None:
     results = simulate(tr.trace_a(seed), case(5), ["unicron", "megatron"])
