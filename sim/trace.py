@@ -118,7 +118,8 @@ def read(path: Path, n_nodes: int | None = None, gpus_per_node: int = 8) -> Trac
     except OSError as exc:
         raise InvalidRecord(f"trace: cannot read {path}: {exc.strerror}") from exc
     header: dict[str, object] = {}
-    failures: list[Failure] = []
+    header_where = f"trace {path.name}"
+    failures: list[tuple[Failure, str]] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -128,24 +129,39 @@ def read(path: Path, n_nodes: int | None = None, gpus_per_node: int = 8) -> Trac
         except json.JSONDecodeError as exc:
             raise InvalidRecord(f"{where}: not JSON ({exc.msg})") from None
         if isinstance(data, dict) and "trace" in data:
-            header = data
+            header, header_where = data, where
             continue
-        failures.append(Failure.from_dict(data, where))
-    failures.sort()
+        failures.append((Failure.from_dict(data, where), where))
     duration = header.get("duration_s")
     if duration is None:
-        duration = max((f.time_s + f.repair_s for f in failures), default=0.0)
+        duration = max((f.time_s + f.repair_s for f, _ in failures), default=0.0)
     if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 < duration < math.inf:
         raise InvalidRecord(f"trace {path.name}: a duration of {duration!r} s covers nothing to simulate; give "
                             'failures, or a header line {"trace": NAME, "duration_s": SECONDS} with SECONDS > 0')
     nodes = header.get("n_nodes", n_nodes)
-    if not isinstance(nodes, int):
-        nodes = 1 + max((int("".join(c for c in f.node if c.isdigit()) or 0) for f in failures), default=0)
+    if nodes is None:
+        nodes = 1 + max((int("".join(c for c in f.node if c.isdigit()) or 0) for f, _ in failures), default=0)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise InvalidRecord(f"{header_where}.n_nodes: expected the cluster's number of nodes, a positive integer; got {nodes!r}")
     gpn = header.get("gpus_per_node", gpus_per_node)
-    if not isinstance(gpn, int) or gpn < 1:
-        raise InvalidRecord(f"trace {path.name}: gpus_per_node: expected a positive integer, got {gpn!r}")
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+        raise InvalidRecord(f"{header_where}.gpus_per_node: expected the GPUs of a node, a positive integer; got {gpn!r}")
+    # the simulation would pass over a failure outside the cluster or the period without a word and
+    # still count it: a mistyped trace has to fail here instead
+    names = {node_name(i) for i in range(nodes)}
+    for f, where in failures:
+        if f.node not in names:
+            raise InvalidRecord(f"{where}.node: {f.node!r} is not one of the trace's {nodes} nodes "
+                                f"({node_name(0)}..{node_name(nodes - 1)}); name one of them, or give the "
+                                "cluster's size in the header's n_nodes")
+        if f.gpu >= gpn:
+            raise InvalidRecord(f"{where}.gpu: {f.gpu} is not below the {gpn} GPUs per node; give an index "
+                                "below it, or the GPUs per node in the header's gpus_per_node")
+        if "duration_s" in header and f.time_s >= duration:
+            raise InvalidRecord(f"{where}.time_s: {f.time_s:g} is not before the trace's end "
+                                f"(duration_s {duration:g}); fix the time or the header's duration_s")
     name = header.get("trace", path.stem)
-    return Trace(str(name), float(duration), nodes, gpn, tuple(failures))
+    return Trace(str(name), float(duration), nodes, gpn, tuple(sorted(f for f, _ in failures)))
 
 
 def _draw(

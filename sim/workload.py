@@ -119,7 +119,7 @@ def from_file(path: Path, n_nodes: int, gpus_per_node: int = 8) -> Workload:
         raise InvalidRecord(f"--workload: {path} is not JSON ({exc.msg})") from None
     if isinstance(data, dict):
         nodes = data.get("n_nodes", n_nodes)
-        if not isinstance(nodes, int) or nodes < 1:
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise InvalidRecord(f"workload.n_nodes: expected a positive integer, got {nodes!r}")
         n_nodes, data = nodes, data.get("tasks")
     if not isinstance(data, list) or not data:

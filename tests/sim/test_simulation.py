@@ -169,6 +169,20 @@ def test_a_bad_workload_or_trace_name_is_one_line(capsys: pytest.CaptureFixture[
         assert err.startswith(f"unicron simulate: {flag}: ") and err.count("\n") == 1 and message in err
 
 
+def test_cli_refuses_a_failure_off_the_cluster(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """It ran, printing efficiency 1.000 for a failure on node099 of a 16-node trace."""
+    (tmp_path / "t.jsonl").write_text(
+        '{"trace": "t", "duration_s": 86400, "n_nodes": 16, "gpus_per_node": 8}\n'
+        '{"time_s": 100, "node": "node099", "gpu": 0, "severity": 1, "kind": "lost_connection", "repair_s": 500}\n')
+    assert main(["simulate", "--trace", str(tmp_path / "t.jsonl"), "--workload", "case5",
+                 "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("unicron simulate: trace t.jsonl line 2.node: 'node099' is not one of") and err.count("\n") == 1
+    (tmp_path / "w.json").write_text(json.dumps({"n_nodes": True, "tasks": [{"name": "x"}]}))
+    assert main(["simulate", "--workload", str(tmp_path / "w.json"), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    assert "workload.n_nodes: expected a positive integer, got True" in capsys.readouterr().err
+
+
 def test_workload_and_trace_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048,
              "vocab_size": 51200, "global_batch_size": 512, "micro_batch_size": 2}

@@ -40,6 +40,45 @@ def test_bad_records_name_the_field(tmp_path: Path, line: str, field: str) -> No
         tr.read(path)
 
 
+HEADER = '{"trace": "t", "duration_s": 86400, "n_nodes": 16, "gpus_per_node": 8}\n'
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (HEADER + '{"time_s": 100, "node": "node099", "gpu": 0, "severity": 1, "kind": "lost_connection"}',
+     r"^trace t.jsonl line 2.node: 'node099' is not one of the trace's 16 nodes \(node000..node015\)"),
+    (HEADER + '{"time_s": 100, "node": "node003", "gpu": 12, "severity": 2, "kind": "cuda_error"}',
+     r"^trace t.jsonl line 2.gpu: 12 is not below the 8 GPUs per node"),
+    (HEADER + '{"time_s": 100000, "node": "node003", "gpu": 1, "severity": 1, "kind": "ecc_error"}',
+     r"^trace t.jsonl line 2.time_s: 100000 is not before the trace's end \(duration_s 86400\)"),
+    (HEADER + '{"time_s": 86400, "node": "node003", "gpu": 1, "severity": 3, "kind": "link_flapping"}',
+     r"^trace t.jsonl line 2.time_s: 86400 is not before"),
+    ('{"time_s": 100, "node": "gpu-node-3", "gpu": 1, "severity": 2, "kind": "cuda_error"}',
+     r"^trace t.jsonl line 1.node: 'gpu-node-3' is not one of the trace's 4 nodes"),
+    ('{"trace": "t", "duration_s": 86400, "n_nodes": true}', r"^trace t.jsonl line 1.n_nodes: .* got True$"),
+    ('{"trace": "t", "duration_s": 86400, "n_nodes": 0}', r"^trace t.jsonl line 1.n_nodes: .* got 0$"),
+    ('{"trace": "t", "duration_s": 86400, "n_nodes": "16"}', r"^trace t.jsonl line 1.n_nodes: .* got '16'$"),
+    ('{"trace": "t", "duration_s": 86400, "gpus_per_node": true}', r"^trace t.jsonl line 1.gpus_per_node: "),
+])
+def test_a_failure_outside_the_cluster_or_the_period_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    """The simulation passed over such a failure without a word (counted as on a node down or idle
+    GPUs) and still counted it as a failure; a boolean n_nodes was read as 1 node."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(text + "\n")
+    with pytest.raises(InvalidRecord, match=message) as raised:
+        tr.read(path)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_file_without_header_is_checked_against_the_cluster_given(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"time_s": 5, "node": "node005", "gpu": 3, "severity": 2, "kind": "cuda_error"}\n')
+    with pytest.raises(InvalidRecord, match=r"line 1\.node: 'node005' is not one of the trace's 4 nodes"):
+        tr.read(path, n_nodes=4)
+    with pytest.raises(InvalidRecord, match=r"line 1\.gpu: 3 is not below the 2 GPUs per node"):
+        tr.read(path, n_nodes=8, gpus_per_node=2)
+    assert tr.read(path, n_nodes=8).failures[0].node == "node005"
+
+
 def test_trace_a_counts_and_repairs() -> None:
     trace = tr.trace_a(seed=1)
     assert trace.count(1) == 10 and trace.count(2) + trace.count(3) == 33

@@ -47,10 +47,10 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def load_trace(spec: str, seed: int, n_nodes: int) -> traces.Trace:
+def load_trace(spec: str, seed: int, n_nodes: int, gpus_per_node: int) -> traces.Trace:
     path = Path(spec)
     if spec not in ("trace-a", "trace-b") and _exists(path):
-        return traces.read(path, n_nodes=n_nodes)
+        return traces.read(path, n_nodes=n_nodes, gpus_per_node=gpus_per_node)
     return traces.named(spec, seed)
 
 
@@ -74,7 +74,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     systems = parse_systems(args.systems)
     workload = load_workload(args.workload)
-    trace = load_trace(args.trace, args.seed, workload.n_nodes)
+    trace = load_trace(args.trace, args.seed, workload.n_nodes, workload.gpus_per_node)
     try:  # before the simulation: its hours of model time should not end in a write that cannot happen
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
