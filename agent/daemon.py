@@ -193,7 +193,7 @@ class Agent:
         self.backend = open_backend(settings.gpu_backend, simulated_gpus=settings.gpus)
         self.gpu_monitor = GpuMonitor(self.backend, on_event=self._on_gpu_event, on_health=self._on_gpu_health,
                                       health_interval_s=settings.health_interval_s)
-        self.socket_path = os.path.join(settings.run_dir, f"{settings.node}.sock")
+        self.socket_path = settings.socket_path
         # Bound only once this agent holds the node's registration: a duplicate must not take it over.
         self.rank_server: RankServer | None = None
         self._link: LinkClient | None = None
@@ -201,7 +201,7 @@ class Agent:
         self.link_token = secrets.token_hex(16)  # proves on the link that this process registered the node
         modules = [m.strip() for m in settings.prefork.split(",") if m.strip()]
         helpers = [m for m in HELPER_MODULES if m not in modules]
-        self.prefork = (Prefork([*modules, *helpers], os.path.join(settings.run_dir, f"{settings.node}.pf"),
+        self.prefork = (Prefork([*modules, *helpers], settings.prefork_path,
                                 preexec=parentdeath.preexec(signal.SIGKILL), warm_wait_s=settings.prefork_wait_s)
                         if modules else None)
         self.marker = FailureMarker(preexec=parentdeath.preexec(signal.SIGKILL), prefork=self.prefork)

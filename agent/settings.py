@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
@@ -10,6 +11,11 @@ from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.etcd import parse_endpoints
 from unicron.kernel.net import check_host
+
+UNIX_PATH_MAX = 107
+"""Bytes of a Unix socket's path (Linux's sun_path is 108 with the terminating NUL)."""
+PID_DIGITS = 7
+"""Digits of the largest pid (Linux's PID_MAX_LIMIT, 4194304): the spawner binds ``<node>.pf.<pid>`` first."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,8 @@ class AgentSettings:
     health_interval_s: float = setting(1.0, "UNICRON_HEALTH_INTERVAL", "seconds between GPU health polls", above=0)
     """XID/ECC events arrive at once regardless; this is for counters and NVLink state."""
     run_dir: str = setting("/tmp/unicron", "UNICRON_RUN_DIR", "directory for the ranks' Unix socket and logs")
-    """Created if missing."""
+    """Created if missing. Its sockets' paths (``<node>.sock``, ``<node>.pf.<pid>``) must fit a Unix
+    socket's 107 bytes: a longer one is refused at start."""
     hang_factor: float = setting(3.0, "UNICRON_HANG_FACTOR", "an iteration longer than this x the mean is a hang")
     """The paper's 3x D_iter."""
     warmup_iterations: int = setting(5, "UNICRON_WARMUP_ITERATIONS", "iterations before hang detection starts", least=0)
@@ -83,9 +90,29 @@ class AgentSettings:
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 
+    @property
+    def socket_path(self) -> str:
+        """The Unix socket the node's ranks report to."""
+        return os.path.join(self.run_dir, f"{self.node}.sock")
+
+    @property
+    def prefork_path(self) -> str:
+        """The warm spawner's Unix socket."""
+        return os.path.join(self.run_dir, f"{self.node}.pf")
+
     def validate(self) -> None:
         if not self.node or any(not (c.isalnum() or c in "-_.") for c in self.node):
             raise ConfigError(f"--node / UNICRON_NODE: bad node name {self.node!r}; use letters, digits, - _ .")
+        # checked here: the agent binds its sockets only once registered, and a bind that fails then
+        # leaves a node the coordinator takes for lost
+        sockets = {self.socket_path: len(os.fsencode(self.socket_path))}
+        if any(m.strip() for m in self.prefork.split(",")):
+            sockets[f"{self.prefork_path}.PID"] = len(os.fsencode(self.prefork_path)) + 1 + PID_DIGITS
+        for path, size in sockets.items():
+            if size > UNIX_PATH_MAX:
+                raise ConfigError(f"--run-dir / UNICRON_RUN_DIR {self.run_dir!r}: the agent's socket {path!r} would be "
+                                  f"{size} bytes, over the {UNIX_PATH_MAX} a Unix socket's path may have; "
+                                  "use a shorter run directory")
         parse_endpoints(self.etcd)
         for host, flag in ((self.advertise_host, "--advertise-host / UNICRON_ADVERTISE_HOST"),
                            (self.replica_host, "--replica-host / UNICRON_REPLICA_HOST")):

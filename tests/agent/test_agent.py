@@ -25,7 +25,7 @@ from agent.settings import AgentSettings
 from agent.sidecar import StoreSidecar
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import protocol, wire
-from unicron.kernel.errors import StoreUnavailable
+from unicron.kernel.errors import ConfigError, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, Lease, Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import interface_of, route_address
@@ -425,6 +425,33 @@ def test_a_second_agent_with_a_held_node_name_refuses_to_start(agents: dict[str,
     after = store.get(KEYS.node("a0"))
     assert after is not None and before is not None and after.mod_revision == before.mod_revision
     assert sock.stat().st_ino == inode  # the original's socket was not replaced
+
+
+def test_a_run_dir_too_long_for_the_socket_is_refused_before_registering(etcd_server: EtcdServer, store: Store,
+                                                                         tmp_path: Path) -> None:
+    """The agent registered, then its socket's bind failed (AF_UNIX path too long) with a traceback,
+    and the coordinator saw the node lost."""
+    run_dir = tmp_path / ("r" * max(1, 120 - len(str(tmp_path))))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent.main", "--node", "long0", "--etcd", etcd_server.endpoint, "--prefix", PREFIX,
+         "--gpu-backend", "simulated", "--run-dir", str(run_dir), "--replica-budget-mb", "0", "--prefork", ""],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"unicron-agent: --run-dir / UNICRON_RUN_DIR {str(run_dir)!r}: the agent's socket "
+                           f"{str(run_dir / 'long0.sock')!r} would be {len(str(run_dir)) + 11} bytes, over the 107 a "
+                           "Unix socket's path may have; use a shorter run directory\n")
+    assert store.get(KEYS.node("long0")) is None and not run_dir.exists()
+
+
+def test_the_warm_spawners_socket_must_fit_too(tmp_path: Path) -> None:
+    """It binds ``<node>.pf.<pid>``: six bytes past the ranks' socket, with a pid of up to seven digits."""
+    run_dir = "/" + "d" * (107 - len("/a0.sock") - 1)
+    assert len(AgentSettings(node="a0", run_dir=run_dir, prefork="").socket_path) == 107
+    AgentSettings(node="a0", run_dir=run_dir, prefork="").validate()
+    with pytest.raises(ConfigError, match=r"socket '/d+/a0\.pf\.PID' would be 113 bytes"):
+        AgentSettings(node="a0", run_dir=run_dir).validate()
 
 
 @pytest.mark.parametrize("revoke_reaches_etcd", [True, False])
