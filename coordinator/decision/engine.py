@@ -486,7 +486,9 @@ class _Run:
         entry.recovery_step = entry.resized_step = entry.last_step
         entry.resized_at = self.state.now
         self._add_joiners(entry, plan)
-        entry.relaunching = {}  # only a restart on a node now gone can be under way (see _in_place)
+        # only a restart on a node now gone, or of a grow's pending joiners, can be under way (see
+        # _may_resize): the joiners are waited for as such (_add_joiners)
+        entry.relaunching = {}
         entry.reason = fault.reason
         action = ResizeInPlace(
             action_id=self._id(),
@@ -888,8 +890,17 @@ class _Run:
         ranks of the membership it knows)."""
         if not self._may_resize(entry, _T.RESIZED_IN_PLACE):
             return None
-        return plan_in_place(entry.placement, new, world_size=entry.world_size, unit=entry.spec.unit,
+        plan = plan_in_place(entry.placement, new, world_size=entry.world_size, unit=entry.spec.unit,
                              tp=entry.spec.tp_size, gone=self._gone(), store_node=entry.store_node)
+        if plan is None:
+            return None
+        # A grow's joiners that have not joined hold no state: they cannot be the replica that
+        # survives (a node lost during a grow could leave only them)
+        held = set(plan.members) - set(plan.joiners) - set(entry.joiners)
+        unit = entry.spec.unit
+        if not any(all(x in held for x in range(r // unit * unit, (r // unit + 1) * unit)) for r in held):
+            return None
+        return plan
 
     def _may_resize(self, entry: TaskEntry, trigger: Trigger) -> bool:
         """Whether the task's phase, recovery mode and outstanding action allow a change in place now."""
@@ -905,8 +916,12 @@ class _Run:
         # A restart under way (its outstanding action cleared by this re-plan) relaunches ranks. One
         # for a node now gone relaunches nothing: a peer's hang report named the rank of a node cut
         # off a moment before its loss was found (resize soak, seed 11), and the loss relaunched the
-        # task as a new generation.
-        return set(entry.relaunching) <= self._gone()
+        # task as a new generation. Nor does one of a grow's joiners that died at its start: it never
+        # held state, and stays a pending joiner of the new membership (its agent launches a joiner
+        # that is not running at the resize's epoch); refused, a node lost ~1 s after such a crash
+        # killed every survivor and restarted the task from its checkpoint.
+        gone = self._gone()
+        return all(n in gone or set(ranks) <= set(entry.joiners) for n, ranks in entry.relaunching.items())
 
     def _gone(self) -> set[str]:
         return {n for n, e in self.state.nodes.items() if e.status in (NodeState.LOST, NodeState.ISOLATED)}

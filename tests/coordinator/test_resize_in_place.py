@@ -12,6 +12,7 @@ from coordinator.decision import (
     NodeDrained,
     NodeJoined,
     NodeLost,
+    NodeUndrained,
     ProgressMade,
     Reattempt,
     ResizeInPlace,
@@ -24,6 +25,7 @@ from coordinator.decision.resize import plan_in_place, store_move, successor_sto
 from coordinator.decision.table import Trigger
 from tests.coordinator.test_causes import status
 from tests.coordinator.test_decision import (
+    SEV1_KIND,
     SEV2_KIND,
     SEV3_KIND,
     STORE_LOST_KIND,
@@ -348,6 +350,38 @@ def test_a_restart_of_a_joiner_whose_peer_joiner_never_joins_isolates_the_missin
         assert sim.phase(JOB) is TaskPhase.RESTARTING
         acts = sim.feed(Tick(ts=sim.ts(IN_PLACE.restart_deadline_s + 1)))
         assert one(acts, IsolateNode).node == blamed, proven
+
+
+def test_a_node_lost_while_a_grows_crashed_joiner_is_relaunched_shrinks_in_place() -> None:
+    """Reviewers' run: shrunk off n2, n2 undrained and grown back, its joiner crashed at its start and
+    was being restarted when n3 was lost. The restart (on a node still in service) refused the in-place
+    shrink: a new generation killed every survivor and restarted the task from its checkpoint."""
+    sim = running_cluster({"n1": 1, "n2": 1, "n3": 1}, {JOB: {"min_gpus": 1}}, Sim(IN_PLACE))
+    sim.progress(JOB, 5)
+    gen = sim.state.tasks[JOB].generation
+    assert one(sim.incident("n2", SEV1_KIND), ResizeInPlace, JOB).lost == (1,)
+    sim.progress(JOB, 6)
+    grow = one(sim.feed(NodeUndrained(ts=sim.ts(), node="n2")), ResizeInPlace, JOB)
+    assert grow.joiners == (1,)
+    one(sim.incident("n2", DIED, task=JOB, rank=1, generation=gen, step=6), RestartRanks, JOB)
+    acts = sim.feed(NodeLost(ts=sim.ts(), node="n3", reason="heartbeat timeout"))
+    assert not only(acts, Assign)
+    shrink = one(acts, ResizeInPlace, JOB)
+    assert shrink.generation == gen and shrink.members == (0, 1) and shrink.lost == (2,)
+    entry = sim.state.tasks[JOB]
+    assert entry.relaunching == {} and entry.joiners == [1]
+    # confirmed once the relaunched joiner completed an iteration, not by rank 0's steps alone
+    _step(sim, 8)
+    assert sim.phase(JOB) is TaskPhase.RECONFIGURING
+    _step(sim, 9, joined=(1,))
+    assert sim.phase(JOB) is TaskPhase.RUNNING
+    # pending joiners are no surviving replica: with the only rank holding state lost, a new generation
+    sim = _joiner_restarted()
+    sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="heartbeat timeout"))
+    assert one(sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="heartbeat timeout")), Assign, JOB)
+    sim, _ = _grown_back()
+    sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="heartbeat timeout"))
+    assert one(sim.feed(NodeLost(ts=sim.ts(), node="n1", reason="heartbeat timeout")), Assign, JOB)
 
 
 def test_a_survivor_restarted_during_a_grow_is_not_confirmed_by_the_joiners_alone() -> None:
