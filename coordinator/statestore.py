@@ -42,18 +42,21 @@ def _changed(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
 
 
 def steps_only(old: d.CoreState, new: d.CoreState) -> bool:
-    """Whether ``new`` differs from ``old`` only in the clock and tasks' last steps: what a successor
-    re-observes (the clock, the statuses' steps), so a decision that changed nothing else need not be
-    written. Progress that also reset a restart budget or confirmed a suspicion must be: left unwritten,
+    """Whether ``new`` differs from ``old`` only in the clock (and the GPU-hours run until it) and
+    tasks' last steps (and the last report of a step rate that goes on measuring from the same first
+    one): what a successor re-observes (the clock, the statuses' steps), so a decision that changed
+    nothing else need not be written. Progress that also reset a restart budget or confirmed a suspicion must be: left unwritten,
     a new leader loaded the old restart count and suspect, and failed a healthy task or put back a node
     that should have stayed isolated. Entries are copied on write: one not touched is the same object."""
     if new.nodes.keys() != old.nodes.keys() or new.tasks.keys() != old.tasks.keys():
         return False
-    if new.retired_generation != old.retired_generation:
+    if new.retired_generation != old.retired_generation or new.failures != old.failures:
         return False
     if any((o := old.nodes[n]) is not e and o != e for n, e in new.nodes.items()):
         return False
-    return all((was := old.tasks[t]) is e or replace(was, last_step=e.last_step) == e for t, e in new.tasks.items())
+    return all((was := old.tasks[t]) is e or replace(
+        was, last_step=e.last_step, rate=e.rate if e.rate is not None and e.rate.same_window(was.rate) else was.rate,
+    ) == e for t, e in new.tasks.items())
 
 
 def state_writes(keys: Keyspace, written: d.CoreState | None, new: d.CoreState,

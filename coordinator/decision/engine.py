@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from coordinator.allocation import Allocator, EvenAllocator
+from coordinator.allocation import Allocator, EvenAllocator, model_spec
 from coordinator.decision.actions import (
     Action,
     ActionKind,
@@ -56,6 +56,7 @@ from coordinator.decision.state import (
     TaskPhase,
 )
 from coordinator.decision.table import BUDGETED, SEVERITY_TRIGGER, TRANSITIONS, Response, Trigger
+from coordinator.decision.throughput import StepRate, achieved_flops
 from coordinator.placement import place
 from coordinator.tasks import TaskSpec
 from unicron.kernel.errors import PermanentError
@@ -152,8 +153,7 @@ class _Run:
     def __init__(self, core: DecisionCore, state: CoreState) -> None:
         self.settings = core.settings
         self.allocator = core.allocator
-        self.state = CoreState(now=state.now, counter=state.counter, nodes=dict(state.nodes), tasks=dict(state.tasks),
-                               retired_generation=state.retired_generation)
+        self.state = dataclasses.replace(state, nodes=dict(state.nodes), tasks=dict(state.tasks))
         self._own_tasks: set[str] = set()  # entries of self.state that are this run's copies
         self._own_nodes: set[str] = set()
         self.actions: list[Action] = []
@@ -223,6 +223,7 @@ class _Run:
         ]
 
     def handle(self, event: Event) -> None:
+        self._expose(event)
         self.state.now = max(self.state.now, event.ts)
         self._expire()
         match event:
@@ -256,8 +257,54 @@ class _Run:
                 pass
         if self.replan:
             self._reconfigure()
+        if isinstance(event, ProgressMade):
+            self._measure(event)
+        for name in self._own_tasks:
+            entry = self.state.tasks[name]
+            if entry.rate is not None and (entry.phase is not TaskPhase.RUNNING or entry.outstanding is not None):
+                # a step rate spans uninterrupted training only: a pause to recover (a reattempt keeps
+                # the generation and the GPUs) is the failure's cost, D_transition, not a slower T(t, x)
+                entry.rate = None
         if self.ended or (isinstance(event, Tick) and len(self.state.tasks) > self.settings.ended_tasks_kept):
             self._retire()  # on a tick too: a lowered setting, or a state kept from before retirement
+
+    # -- the planner's measured inputs (coordinator.grounding reads them) -------------------------------
+
+    def _expose(self, event: Event) -> None:
+        """The failure rate's inputs, kept in the state so that a new leader plans with them: the
+        GPU-hours the usable nodes ran until ``event``, and the failures (a lost node is one)."""
+        usable = sum(e.gpus for e in self.state.nodes.values() if e.status is NodeState.UP)
+        self.state.gpu_hours += max(event.ts - self.state.now, 0.0) * usable / 3600.0
+        if (isinstance(event, IncidentRaised) and not self._leftover(event)) or isinstance(event, NodeLost):
+            self.state.failures += 1
+            self.state.failure_gpu_hours = self.state.gpu_hours
+
+    def _leftover(self, event: IncidentRaised) -> bool:
+        """Whether an incident is no failure to count: a degradation, or a task's report from a
+        configuration already replaced (the failure that replaced it was counted; a node's sev1 is
+        the node's own, whatever the generation)."""
+        inc = event.incident
+        if inc.severity is None:
+            return True
+        entry = self.state.tasks.get(inc.task or "")
+        return (inc.severity is not Severity.SEV1 and entry is not None and event.generation is not None
+                and event.generation < entry.generation)
+
+    def _measure(self, event: ProgressMade) -> None:
+        """T(t, x): the task's achieved FLOP/s at its GPU count, from uninterrupted training at the
+        configuration the decision left it in."""
+        entry = self.state.tasks.get(event.task)
+        if (entry is None or entry.spec.model is None or event.generation != entry.generation
+                or entry.phase is not TaskPhase.RUNNING or entry.outstanding is not None):
+            return
+        entry = self._task(event.task)
+        gpus = len(entry.all_ranks())
+        rate = (StepRate(entry.generation, gpus, (event.ts, event.step), (event.ts, event.step))
+                if entry.rate is None else entry.rate.advance(entry.generation, gpus, event.ts, event.step))
+        flops = achieved_flops(model_spec(entry.spec).flops_per_iteration, rate)
+        entry.rate = None if flops is None and rate.steps_per_s() is not None else rate  # absurd: afresh
+        if flops is not None and gpus > 0:
+            entry.measured = entry.measured.with_point(gpus, flops)
 
     # -- the table ----------------------------------------------------------------------------------
 

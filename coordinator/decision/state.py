@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 from coordinator.decision.actions import ActionKind
+from coordinator.decision.throughput import Measured, StepRate
 from coordinator.tasks import TaskSpec, parse_task_spec
 from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.types import MAX_NODE_GPUS, conforms
@@ -120,6 +121,10 @@ class TaskEntry:
     ended_at: float = 0.0
     """When the task left the active phases (the core's clock; 0 while active, and for a task that ended
     before this existed): the oldest ended tasks are retired first (``DecisionSettings.ended_tasks_kept``)."""
+    rate: StepRate | None = None
+    """The steps of uninterrupted training at the current configuration (None during a recovery)."""
+    measured: Measured = field(default_factory=Measured)
+    """Achieved FLOP/s per GPU count, T(t, x) as measured (:mod:`coordinator.decision.throughput`)."""
 
     def ranks_on(self, node: str) -> list[int]:
         return self.placement.get(node, [])
@@ -138,6 +143,13 @@ class CoreState:
     """The highest generation of any task entry retired from ``tasks``: a task submitted under a name
     the state no longer holds starts above it, so late records of a retired run under that name stay
     stale without the state keeping every name it ever saw."""
+    failures: int = 0
+    """Incidents that stopped a task (a severity; a lost node is one), for the planner's failure rate."""
+    gpu_hours: float = 0.0
+    """GPU-hours the usable nodes ran, up to ``now``: the failure rate's exposure."""
+    failure_gpu_hours: float = 0.0
+    """``gpu_hours`` at the latest failure: the rate is re-estimated at a failure, not at each decision
+    (every new estimate re-plans the lookup table), so a new leader must know the one it was made with."""
 
     def resumed(self, earliest_deadline: float) -> CoreState:
         """This state as a coordinator taking the lead adopts it: no outstanding action's deadline
@@ -158,6 +170,9 @@ class CoreState:
             "now": self.now,
             "counter": self.counter,
             "retired_generation": self.retired_generation,
+            "failures": self.failures,
+            "gpu_hours": self.gpu_hours,
+            "failure_gpu_hours": self.failure_gpu_hours,
             "nodes": {
                 n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason, "drained": e.drained,
                     **({"suspected_by": e.suspected_by} if e.suspected_by else {})}
@@ -174,7 +189,11 @@ class CoreState:
         with _where("top level"):
             state = cls(now=float(_typed(data["now"], float, "now")), counter=_typed(data["counter"], int, "counter"),
                         # absent in states written before it existed
-                        retired_generation=_typed(data.get("retired_generation", 0), int, "retired_generation"))
+                        retired_generation=_typed(data.get("retired_generation", 0), int, "retired_generation"),
+                        failures=_typed(data.get("failures", 0), int, "failures"),
+                        gpu_hours=float(_typed(data.get("gpu_hours", 0.0), float, "gpu_hours")),
+                        failure_gpu_hours=float(_typed(data.get("failure_gpu_hours", 0.0), float,
+                                                       "failure_gpu_hours")))
             nodes = _typed(data["nodes"], dict[str, dict[str, Any]], "nodes")
             tasks = _typed(data["tasks"], dict[str, dict[str, Any]], "tasks")
         for n, e in nodes.items():
@@ -199,6 +218,9 @@ def _task_to_dict(e: TaskEntry) -> dict[str, object]:
     out["placement"] = {n: list(r) for n, r in e.placement.items()}
     out["failed_ranks"] = list(e.failed_ranks)
     out["joiners"] = list(e.joiners)
+    out["rate"] = None if e.rate is None else {"generation": e.rate.generation, "gpus": e.rate.gpus,
+                                               "first": list(e.rate.first), "last": list(e.rate.last)}
+    out["measured"] = {str(g): f for g, f in sorted(e.measured.flops.items())}  # JSON keys are strings
     o = e.outstanding
     out["outstanding"] = (
         None
@@ -264,7 +286,24 @@ def _member(kind: type[E], value: Any, where: str) -> E:
 
 
 #: TaskEntry fields stored as plain JSON values (the others are parsed below)
-_PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding"}
+_PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured"}
+
+
+def _rate(value: Any, where: str) -> StepRate | None:
+    if value is None:
+        return None
+    o = _typed(value, dict[str, Any], where)
+    return StepRate(_typed(o["generation"], int, f"{where}.generation"), _gpus(o["gpus"], f"{where}.gpus"),
+                    _point(o["first"], f"{where}.first"), _point(o["last"], f"{where}.last"))
+
+
+def _point(value: Any, where: str) -> tuple[float, int]:
+    """A (time, step) report of a :class:`StepRate`."""
+    point = _typed(value, list[float], where)
+    if len(point) != 2 or not isinstance(point[1], int):
+        raise InvalidRecord(f"decision state: {where}: bad value {value!r:.80} (expected [time, step]); "
+                            "delete the state key to start afresh")
+    return float(point[0]), point[1]
 
 
 def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
@@ -275,6 +314,10 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw.setdefault("submitted_at", 0.0)  # likewise; 0: every kept measurement is taken as this run's
     raw.setdefault("ended_at", 0.0)  # likewise; 0: retired before any task that ended since
     raw.setdefault("fault_followed", False)  # likewise
+    raw["rate"] = _rate(raw.get("rate"), _path("tasks", name, "rate"))  # likewise (absent: None)
+    where = _path("tasks", name, "measured")
+    raw["measured"] = Measured({_gpus(int(g), where): float(f)
+                                for g, f in _typed(raw.get("measured", {}), dict[str, float], where).items()})
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):
         _typed(raw[key], hints[key], _path("tasks", name, key))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -10,16 +11,15 @@ import pytest
 from coordinator import decision as d
 from coordinator.allocation import WafAllocator, model_spec
 from coordinator.costs import CostTracker
+from coordinator.decision.throughput import Measured, StepRate, achieved_flops
 from coordinator.grounding import (
     Exposure,
     Grounding,
-    Measured,
-    StepRate,
-    achieved_flops,
     failures,
     reliability,
     transition_times,
 )
+from coordinator.statestore import steps_only
 from coordinator.tasks import TaskSpec
 from plans.api import ReliabilityModel
 from sim.workload import gpt3_task
@@ -114,8 +114,10 @@ def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None
     g, spec, state = _measured(list(range(1, 6)))  # one step every 2 s at 8 GPUs
     expected = model_spec(spec).flops_per_iteration / 2.0
     assert g.achieved_flops("a") == pytest.approx(expected)
-    inc = dataclasses.replace(_incident(3, "reconfigure", 42.0, ["a"]))
-    g.decided(state, d.Tick(ts=30.0), inc, [inc])
+    inc = dataclasses.replace(_incident(3, "reconfigure", 42.0, ["a"]), node="n9")  # a node the task is not on
+    event = d.IncidentRaised(ts=30.0, incident=inc, generation=None)
+    state, _ = d.DecisionCore().handle(state, event)
+    g.decided(state, event, inc, [inc])
     assert g.transition_s == {"a": 42.0} and g.failed == 1
     alloc = WafAllocator("A800")
     assert g.apply(alloc)
@@ -213,3 +215,49 @@ def test_an_absurd_step_is_not_measured_and_the_next_reports_are() -> None:
     alloc = WafAllocator("A800")
     g.apply(alloc)  # the calibration takes it (it refused inf with an error)
     assert alloc.calibration["a"].measured == {8: pytest.approx(model_spec(spec).flops_per_iteration / 2.0)}
+
+
+def test_a_new_leader_plans_with_the_failures_exposure_and_flops_its_predecessor_measured() -> None:
+    """Reviewers' failover: the leader counted failures and measured FLOP/s that only it held; a
+    standby seeding from the incident records and the state restarted them at zero, so the planner's
+    D_running and T(t, x) moved and it reconfigured healthy tasks. Both now come from the state."""
+    sim = Grounded()
+    for n in ("n1", "n2", "n3", "n4"):
+        sim.join(n)
+    tasks = [gpt3_task("a", "1.3B", 1.0), gpt3_task("b", "7B", 1.0)]
+    for t in tasks:
+        sim.confirm_all(sim.feed(d.TaskSubmitted(ts=sim.ts(), spec=t)))
+    step = 0
+    for i in range(6):  # a few hours of training, a fault now and then: measured and counted
+        for _ in range(5):
+            step += 1
+            for t in tasks:
+                sim.progress(t.name, step)
+        node = min(sim.state.tasks["a"].placement)
+        sim.ok(one(sim.incident(node, SEV3_KIND, task="a", rank=0, step=step), d.Reattempt))
+        sim.t += 3000.0 * (i + 1)
+    leader = sim.grounding
+    assert leader.failed == 6 and leader.measured.keys() == {"a", "b"}
+    assert leader.reliability() != leader.prior
+    stored = d.CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict())))  # what etcd holds
+    standby = Grounding(ReliabilityModel())
+    standby.seed(sim.records.values(), stored)
+    assert (standby.failed, standby.exposure.gpu_hours) == (leader.failed, leader.exposure.gpu_hours)
+    assert standby.reliability() == leader.reliability()
+    assert standby.measured == leader.measured and standby.rates == leader.rates
+    assert standby.transition_s == leader.transition_s
+    for gpus, current, faulted in ((32, {"a": 16, "b": 16}, set()), (24, {"a": 16, "b": 16}, {"b"}),
+                                   (40, {"a": 8, "b": 24}, set())):
+        plans = []
+        for g in (leader, standby):
+            alloc = WafAllocator("A800")
+            g.apply(alloc)
+            plans.append(alloc.allocate(tasks, gpus, 8, current, faulted))
+        assert plans[0] == plans[1], (gpus, current, faulted)
+    # a step rate that only moves its last report is no reason for a state write (the standby goes on
+    # measuring from the same first report); one that starts measuring is
+    started = sim.state
+    sim.progress("a", step + 1)
+    advanced = sim.state
+    sim.progress("a", step + 2)
+    assert not steps_only(started, advanced) and steps_only(advanced, sim.state)

@@ -35,8 +35,8 @@ def test_a_decision_writes_only_the_entries_it_changed() -> None:
     puts, deletes = state_writes(KEYS, old, new)
     assert sorted(puts) == [KEYS.state(), KEYS.state_node("n007")]
     assert deletes == [KEYS.state_task("wide")]  # retired
-    assert json.loads(puts[KEYS.state()]) == {"now": 6.0, "counter": 9, "retired_generation": 2, "nodes": {},
-                                              "tasks": {}}
+    assert json.loads(puts[KEYS.state()]) == {"now": 6.0, "counter": 9, "retired_generation": 2, "failures": 0,
+                                              "gpu_hours": 0.0, "failure_gpu_hours": 0.0, "nodes": {}, "tasks": {}}
 
 
 def test_what_is_written_reads_back_as_the_state(store: Store) -> None:
