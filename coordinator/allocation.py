@@ -21,6 +21,7 @@ from plans.api import (
     TaskDemand,
     WafPlanner,
     gpu_type,
+    runs_nowhere,
 )
 from unicron.kernel import log as ulog
 
@@ -207,6 +208,14 @@ class WafAllocator:
             return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         cluster = ClusterSpec(gpu_type=self.gpu, n_gpus=healthy_gpus, gpus_per_node=gpus_per_node)
         demands = self._demands(tasks, current, faulted)
+        # A layout the throughput model finds no configuration of that fits in memory got 0 GPUs for
+        # ever, on an empty cluster too (Megatron runs it with a distributed optimizer, which the
+        # model ignores): planned as a task without a model description instead
+        unfit = [dem.name for dem in demands if runs_nowhere(cluster, dem, self.planner.cost)]
+        if unfit:
+            log.info("tasks whose layout the throughput model finds no configuration of that fits in GPU "
+                     "memory: allocating evenly", tasks=unfit)
+            return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
         result = self.lookup.answer(cluster, demands, self.planner) if self.lookup is not None else None
         if result is None:
             result = self.planner.plan(cluster, demands)

@@ -5,7 +5,7 @@ from plans.hardware import GPU_TYPES, GpuType, gpu_type
 from plans.lookup import LookupTable
 from plans.models import GPT3, ModelSpec, gpt3
 from plans.planner import Planner, WafPlanner
-from plans.problem import ClusterSpec, TaskDemand, unmet_minimums
+from plans.problem import ClusterSpec, TaskDemand, runs_nowhere, unmet_minimums
 from plans.result import PlanResult, evaluate
 from plans.throughput import Calibration, CostModel, ParallelConfig, ThroughputCurve
 from plans.waf import ReliabilityModel
@@ -33,5 +33,6 @@ __all__ = [
     "evaluate",
     "gpt3",
     "gpu_type",
+    "runs_nowhere",
     "unmet_minimums",
 ]

@@ -128,6 +128,13 @@ def smallest_runnable(task: TaskDemand, curve: ThroughputCurve, unit: int) -> in
     return None
 
 
+def runs_nowhere(cluster: ClusterSpec, task: TaskDemand, cost: CostModel) -> bool:
+    """Whether the model gives the task F = 0 at every GPU count: no configuration of its layout fits
+    in memory (or its bounds leave none). The memory model has no distributed optimizer (§8), so a
+    layout Megatron runs with one (a 7B model at TP1 x PP1) is among them."""
+    return smallest_runnable(task, task_curve(task, cluster, cost), 1) is None
+
+
 def unmet_minimums(
     cluster: ClusterSpec, tasks: Sequence[TaskDemand], cost: CostModel, unit: int = 1
 ) -> list[str]:

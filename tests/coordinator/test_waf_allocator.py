@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from coordinator import decision as d
 from coordinator.allocation import Allocator, EvenAllocator, WafAllocator, task_demand
 from coordinator.tasks import TaskSpec, parse_task_spec
-from plans.api import ClusterSpec, WafPlanner, gpu_type
+from plans.api import ClusterSpec, WafPlanner, gpu_type, runs_nowhere
 from plans.result import evaluate
 
 GPT = {
@@ -33,7 +34,10 @@ def test_is_an_allocator_and_answers_are_runnable() -> None:
 
 
 def test_beats_even_split_on_the_planners_own_objective() -> None:
-    tasks = [spec("a", "1p3b"), spec("b", "1p3b", weight=0.5), spec("c", "7b", weight=2.0)]
+    # elastic, and 7B at TP2: this once held only because the planner gave a 7B at TP1, which its
+    # memory model fits nowhere, 0 GPUs (now such a task is split evenly)
+    tasks = [spec("a", "1p3b", recovery="inprocess"), spec("b", "1p3b", weight=0.5, recovery="inprocess"),
+             spec("c", "7b", weight=2.0, tp=2, recovery="inprocess")]
     waf = WafAllocator("A800").allocate(tasks, 64, 8, {}, set())
     even = EvenAllocator().allocate(tasks, 64, 8, {}, set())
     cluster = ClusterSpec(gpu_type=gpu_type("A800"), n_gpus=64, gpus_per_node=8)
@@ -66,3 +70,21 @@ def test_gpus_above_a_tasks_max_gpus_go_to_another_task() -> None:
 def test_tasks_without_a_model_fall_back_to_even() -> None:
     tasks = [spec("a", "1p3b", model=False), spec("b", "7b", model=False)]
     assert WafAllocator().allocate(tasks, 16, 8, {}, set()) == EvenAllocator().allocate(tasks, 16, 8, {}, set())
+
+
+def test_a_layout_the_memory_model_rejects_is_planned_as_a_task_without_a_model() -> None:
+    """Reviewers' run: a 7B task pinned to TP1 x PP1 (Megatron runs it with a distributed optimizer,
+    which the planner's memory model ignores) got 0 GPUs at every count, and waited for ever on an
+    empty 128-GPU cluster, told that no placement fit the usable nodes."""
+    big = spec("big", "7b")
+    assert runs_nowhere(ClusterSpec(gpu_type("A800"), 128, 8), task_demand(big, {}, set()), WafPlanner().cost)
+    assert WafAllocator("A800").allocate([big], 128, 8, {}, set())["big"] > 0
+    tasks = [big, spec("a", "1p3b")]
+    counts = WafAllocator("A800").allocate(tasks, 64, 8, {}, set())
+    assert counts == EvenAllocator().allocate(tasks, 64, 8, {}, set()) and counts["big"] > 0
+    core = d.DecisionCore(allocator=WafAllocator("A800"))
+    state = core.initial_state()
+    for i in range(16):
+        state, _ = core.handle(state, d.NodeJoined(ts=1.0, node=f"n{i:02d}", gpus=8))
+    state, actions = core.handle(state, d.TaskSubmitted(ts=2.0, spec=big))
+    assert [type(a) for a in actions] == [d.Assign] and state.tasks["big"].phase is d.TaskPhase.RECONFIGURING
