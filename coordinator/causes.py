@@ -95,15 +95,21 @@ class InPlaceRecovery:
         return InPlaceRecovery(max(self.ts, report.source_ts), max(steps) if steps else None)
 
 
-def regroup_echo(report: Report, last: InPlaceRecovery | None, grace_s: float) -> bool:
+def regroup_echo(report: Report, last: InPlaceRecovery | None, grace_s: float,
+                 statuses: Mapping[str, NodeStatus]) -> bool:
     """Whether a hang report is the echo of a rank's in-place recovery: the peers sat in the broken
     iteration's collective while the ranks regrouped, and their detectors may fire meanwhile. Only a
     hang within ``grace_s`` of the recovery, in the iteration it broke or the next: a hang of a later
     iteration is a new fault (the detectors reset at the regroup), which before this step condition
-    waited out ``hang_repeat_s`` (60 s) whenever it came within the grace (resize soak, ``rank_hang``)."""
+    waited out ``hang_repeat_s`` (60 s) whenever it came within the grace (resize soak, ``rank_hang``).
+    Never while a rank of the task is stopped (a SIGSTOP, a debugger: the reporter, or the culprit
+    :func:`hang_culprit` names): no regroup explains a frozen process, and dismissed as an echo it
+    held the task at a fraction of its ranks until ``hang_repeat_s`` reported it again."""
     if report.kind is not ErrorKind.TASK_HANG or report.task is None or last is None:
         return False
     if report.source_ts - last.ts > grace_s:
+        return False
+    if any(r.state == "stopped" for _, r in _task_ranks(report, statuses)):
         return False
     return report.step is None or last.step is None or report.step <= last.step + 1
 

@@ -596,7 +596,7 @@ class Coordinator:
         last = self._last_handled.get(report.task) if report.task is not None else None
         if report.handled and report.task is not None:
             self._last_handled[report.task] = (last or causes.InPlaceRecovery(report.source_ts, report.step)).after(report)
-        elif causes.regroup_echo(report, last, self.settings.regroup_grace_s):
+        elif causes.regroup_echo(report, last, self.settings.regroup_grace_s, self._statuses):
             report = dataclasses.replace(report, handled=True, message=f"{report.message} (during an in-place regroup)")
         elif (held := causes.held_by_phase(report, self._statuses)) is not None:
             report = dataclasses.replace(report, handled=True, message=f"{report.message} ({held})")

@@ -416,13 +416,31 @@ def test_a_hang_echoes_an_in_place_recovery_only_in_the_iteration_it_broke_and_w
                            (9, 101.0, False),  # a later iteration: a new hang (the detectors reset at the regroup)
                            (7, 110.5, False)):  # past the grace
         report = dataclasses.replace(hang("n0", 0), step=step, source_ts=ts)
-        assert causes.regroup_echo(report, last, grace_s=10.0) is echo, (step, ts)
-    assert not causes.regroup_echo(hang("n0", 0), None, grace_s=10.0)  # no recovery in place yet
+        assert causes.regroup_echo(report, last, grace_s=10.0, statuses={}) is echo, (step, ts)
+    assert not causes.regroup_echo(hang("n0", 0), None, grace_s=10.0, statuses={})  # no recovery in place yet
     crash = dataclasses.replace(hang("n0", 0), kind=ErrorKind.CUDA_ERROR, source_ts=101.0)
-    assert not causes.regroup_echo(crash, last, grace_s=10.0)  # only hangs echo
+    assert not causes.regroup_echo(crash, last, grace_s=10.0, statuses={})  # only hangs echo
     # later handled reports move the record on: the latest time, the highest step
     moved = last.after(dataclasses.replace(sev3, step=5, source_ts=103.0)).after(dataclasses.replace(sev3, step=None))
     assert moved == causes.InPlaceRecovery(103.0, 7)
+
+
+def test_a_hang_while_a_rank_of_the_task_is_stopped_is_no_regroup_echo() -> None:
+    """A rank frozen (SIGSTOP) during a node-loss shrink: its peers' or its own hang report within the
+    grace was dismissed as an echo, and the task trained on without it until ``hang_repeat_s``."""
+    last = causes.InPlaceRecovery(100.0, 7)
+    report = dataclasses.replace(hang("n0", 0), step=7, source_ts=101.0)
+    frozen = {"n0": status("n0", rank([0], 1)), "n1": status("n1", rank([1], 1, state="stopped"))}
+    assert causes.regroup_echo(report, last, grace_s=10.0, statuses={"n0": status("n0", rank([0], 1))})
+    assert not causes.regroup_echo(report, last, grace_s=10.0, statuses=frozen)  # a peer is stopped
+    assert causes.hang_culprit(report, frozen).rank == 1  # ... and the report goes to it
+    own = dataclasses.replace(hang("n1", 1), step=7, source_ts=101.0)
+    assert not causes.regroup_echo(own, last, grace_s=10.0, statuses=frozen)  # its own report
+    # a stopped process of an older generation or of another task is no culprit of this hang
+    old = {"n1": status("n1", rank([1], 0, state="stopped"))}
+    other = {"n1": status("n1", [RankStatus(task="u", generation=1, rank=1, pid=1, state="stopped")])}
+    assert causes.regroup_echo(report, last, grace_s=10.0, statuses=old)
+    assert causes.regroup_echo(report, last, grace_s=10.0, statuses=other)
 
 
 def test_a_pending_grows_joiners_are_named_once_their_own_process_completed_an_iteration() -> None:
