@@ -52,6 +52,7 @@ from unicron.kernel.errors import (
     StoreClosed,
     StoreUnavailable,
     TemporaryError,
+    UnicronError,
 )
 from unicron.kernel.etcd import KeyValue, Lease, PrefixWatch, Store, WatchEvent, connect_with_retry
 from unicron.kernel.keyspace import Keyspace
@@ -207,6 +208,10 @@ class Coordinator:
         self._written_state: d.CoreState | None = None
         #: the state entry keys etcd held at the load, while ``_written_state`` is unknown
         self._stored_entries: list[str] = []
+        #: etcd outages seen (StoreUnavailable, any thread), and how many of them the adopted state has
+        #: given their grace (_decide): the count moves on, the grace is given once
+        self._etcd_outages = 0
+        self._outages_graced = 0
         self.executor = Executor(self.keys, self._spec, self._node_gpus,
                                  max_restarts=self.core.settings.max_restarts_without_progress,
                                  spare_stores=settings.spare_stores and settings.in_place_resize)
@@ -230,7 +235,7 @@ class Coordinator:
                                         "coordinator", tls_config=self.tls_config)
         if self.store is None:
             return 0
-        self.store.on_error = self.metrics.etcd.error
+        self.store.on_error = self._etcd_error
         self._metrics_server = umetrics.serve(self.metrics.registry, self.settings.metrics_host,
                                               self.settings.metrics_port, "unicron-coordinator")
         if self.alerts is not None:
@@ -331,6 +336,12 @@ class Coordinator:
             while not lease.lost.is_set() and not self.stop_event.wait(0.5):
                 pass
 
+    def _etcd_error(self, exc: UnicronError) -> None:
+        """The store's ``on_error`` (any thread): counted, and an outage gives the deadlines a grace."""
+        self.metrics.etcd.error(exc)
+        if isinstance(exc, StoreUnavailable):
+            self._etcd_outages += 1
+
     def _withdraw(self) -> None:
         lease = self._announce_lease
         if lease is not None:
@@ -398,6 +409,7 @@ class Coordinator:
                 log.warning("etcd unavailable while handling input; will retry", input=type(item).__name__,
                             error=str(exc))
                 self.metrics.etcd.retry("input")
+                self._etcd_outages += 1  # (a store's error observer may count it too: one grace all the same)
                 self.stop_event.wait(0.2)
                 self._inbox.put(item)
             except PermanentError as exc:
@@ -739,7 +751,16 @@ class Coordinator:
         state only once that write landed. Returns those incidents by id. ``incident``: the one the
         event stands for when it is not an ``IncidentRaised`` (a lease gone is a ``NodeLost``), so its
         action is costed and it counts as a failure all the same."""
-        state, actions, edges = self.core.explain(self.state, event)
+        outages = self._etcd_outages
+        base = self.state
+        if outages != self._outages_graced:
+            # etcd was unreachable since the last adopted decision. A leader that kept its lease through
+            # it is in a new leader's place: what confirms the outstanding actions (the ranks' statuses,
+            # the agents' results) waits in the agents' retries and the watches' resumption, and the
+            # first decision after the outage (the retried tick) expired a restart whose ranks had
+            # stepped all along. The grace is part of this decision: written with it, adopted with it.
+            base = base.resumed(time.time() + self.settings.registration_grace_s)
+        state, actions, edges = self.core.explain(base, event)
         draft, changed = execute(self.executor, state, actions)
         writes = dict(puts or {})
         # a retired task's spec record goes with its state entry (DecisionSettings.ended_tasks_kept)
@@ -769,6 +790,7 @@ class Coordinator:
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
         resized = self._check_returning(self.state, state, event.ts)
         self.state, self.executor, self.costs = state, draft, costs
+        self._outages_graced = outages
         for edge in edges:
             log.info("transition", edge=str(edge))
         for action in actions:

@@ -28,6 +28,7 @@ from coordinator.daemon import (
 )
 from coordinator.leader import Leadership
 from coordinator.settings import CoordinatorSettings
+from coordinator.statestore import read_state
 from coordinator.tasks import parse_task_spec
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable
@@ -63,9 +64,18 @@ class FlakyStore(Store):
 
 @pytest.fixture
 def coord(etcd_server: EtcdServer) -> Iterator[tuple[Coordinator, FlakyStore]]:
-    settings = CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/tx")
+    yield from leading(CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/tx"))
+
+
+@pytest.fixture
+def quick(etcd_server: EtcdServer) -> Iterator[tuple[Coordinator, FlakyStore]]:
+    """A leader whose restarts have a deadline of 1 s."""
+    yield from leading(CoordinatorSettings(etcd=etcd_server.endpoint, prefix="/tx", restart_deadline_s=1.0))
+
+
+def leading(settings: CoordinatorSettings) -> Iterator[tuple[Coordinator, FlakyStore]]:
     c = Coordinator(settings)
-    store = FlakyStore(etcd_server.endpoint)
+    store = FlakyStore(settings.etcd)
     c.store = store
     c.leadership = Leadership(store, c.keys, "test", ttl_s=3, on_deposed=c.stop)
     assert c.leadership.campaign(threading.Event())
@@ -158,6 +168,37 @@ def test_a_failed_write_leaves_memory_as_it_was_and_the_restart_is_written_later
     assert after.tasks[0].restart_epoch == 1 and after.revision > before.revision
     assert c.state.tasks["t"].phase is d.TaskPhase.RESTARTING and c.state.tasks["t"].restart_epoch == 1
     assert incidents(c) == 1
+
+
+def test_a_restart_outlasting_an_etcd_outage_gets_a_grace_after_it(quick: tuple[Coordinator, FlakyStore]) -> None:
+    """A leader that keeps its lease through an etcd outage is in a new leader's place when etcd returns:
+    the relaunched ranks' statuses are still in their agents' retries. Before, the retried tick, the
+    first decision written after the outage, expired the restart and isolated a healthy node."""
+    c, store = quick
+    running(c)
+    node = next(n for n, r in c.state.tasks["t"].placement.items() if r)
+    feed(c, report_input(c, sev2(node)))
+    settle(c)
+    assert c.state.tasks["t"].phase is d.TaskPhase.RESTARTING
+    store.fail = 1_000_000  # etcd goes down ...
+    time.sleep(1.2)  # ... for longer than the restart's deadline
+    feed(c, CoreEvent(d.Tick(ts=time.time())))  # the ticker's tick: its decision cannot be written, retried
+    time.sleep(0.5)
+    store.fail = 0  # etcd is back
+    time.sleep(1.0)  # the loop retries its input every 0.2 s
+    settle(c)
+    back = time.time()
+    entry = c.state.tasks["t"]
+    assert entry.phase is d.TaskPhase.RESTARTING, entry.reason
+    assert c.state.nodes[node].status is d.NodeState.UP
+    assert entry.outstanding is not None and entry.outstanding.deadline > back + 5.0  # the registration grace
+    stored, _, _ = read_state(store, c.keys)  # written with the decision that adopted it: a successor loads it
+    assert stored is not None and stored.tasks["t"].outstanding == entry.outstanding
+    feed(c, CoreEvent(d.ProgressMade(ts=time.time(), task="t", step=2, generation=entry.generation,
+                                     restart_epoch=entry.restart_epoch)))  # the statuses arrive
+    settle(c)
+    assert c.state.tasks["t"].phase.value == "running"  # (mypy narrowed the enum above)
+    assert c.state.tasks["t"].outstanding is None
 
 
 def test_a_report_seen_twice_is_one_incident(coord: tuple[Coordinator, FlakyStore]) -> None:
