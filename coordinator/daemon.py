@@ -163,9 +163,35 @@ KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JS
 CALL_WAIT_S = 10.0  # how long an API call waits for the decision loop to start it
 
 
+class CoreClock:
+    """The decision core's time: the wall clock's at an anchor, moved on by the monotonic clock since.
+
+    A step of the host's wall clock (a bad NTP source, an operator) does not move it: stamped with
+    ``time.time()``, a step forward and back left the core's clock (``max(now, event.ts)``) in the
+    future for the step's length, so no deadline fired meanwhile, and a step forward alone expired
+    every outstanding action at once. Records shown to people (an incident's detection time, an
+    alert's) keep the wall clock. Thread-safe: the watch threads stamp their inputs with it."""
+
+    def __init__(self, wall: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._wall, self._monotonic = wall, monotonic
+        self._anchor = (wall(), monotonic())
+
+    def anchor(self, at_least: float) -> None:
+        """Anchor anew at the wall clock, or at ``at_least`` (a loaded state's clock) if that is later:
+        the core's time never runs back, and re-anchored behind it, it would stand still again."""
+        self._anchor = (max(self._wall(), at_least), self._monotonic())
+
+    def __call__(self) -> float:
+        wall, mono = self._anchor  # one tuple: a concurrent anchor() is seen whole or not at all
+        return wall + (self._monotonic() - mono)
+
+
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
+        #: the time of every event the decision core is given (and of the state's deadlines)
+        self.clock = CoreClock()
         self.tls_config = tls.load(settings.tls_dir, settings.tls_name)
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()
@@ -384,11 +410,11 @@ class Coordinator:
         self._registrations_due = time.monotonic() + self.settings.registration_grace_s
 
     def _enqueue(self, make: Callable[[WatchEvent, float], WatchInput], ev: WatchEvent) -> None:
-        self._inbox.put(make(ev, time.time()))
+        self._inbox.put(make(ev, self.clock()))
 
     def _resync(self, make: Callable[[WatchEvent, float], WatchInput], kvs: list[KeyValue]) -> None:
         for kv in kvs:
-            self._inbox.put(make(WatchEvent("put", kv.key, kv.value, kv.mod_revision), time.time()))
+            self._inbox.put(make(WatchEvent("put", kv.key, kv.value, kv.mod_revision), self.clock()))
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -486,7 +512,7 @@ class Coordinator:
             return None
 
     def _on_link_goodbye(self, node: str, reason: str, ts: float) -> None:
-        self._inbox.put(LinkGoodbye(node, reason, ts))
+        self._inbox.put(LinkGoodbye(node, reason, self.clock()))  # a core event's time (the link's is wall)
 
     def _handle_link_goodbye(self, node: str, reason: str, ts: float) -> None:
         """A planned stop is a drain, not a failure: the node's tasks move without an incident, and
@@ -628,6 +654,8 @@ class Coordinator:
         deletes = ([report_key] if report_key else []) + expired
         if event is None:
             event = causes.raised(incident, report.generation, report.restart_epoch)
+            if event is not None:  # the core's time, not the incident's (wall-clock) detection time
+                event = dataclasses.replace(event, ts=self.clock())
         if event is None:
             self.leadership.write(puts=puts, deletes=deletes)
         else:
@@ -731,7 +759,8 @@ class Coordinator:
         self.grounding.seed(self.recent_incidents, self.state)
         self.grounding.apply(self.allocator)
         # the agents' confirmations of the gap are read once the watches start: the registration grace
-        self.state = self.state.resumed(time.time() + self.settings.registration_grace_s)
+        self.clock.anchor(self.state.now)
+        self.state = self.state.resumed(self.clock() + self.settings.registration_grace_s)
 
     def _spec(self, task: str) -> TaskSpec | None:
         entry = self.state.tasks.get(task)
@@ -739,7 +768,7 @@ class Coordinator:
 
     def _ticker(self) -> None:
         while not self.stop_event.wait(1.0):
-            self._inbox.put(CoreEvent(d.Tick(ts=time.time())))
+            self._inbox.put(CoreEvent(d.Tick(ts=self.clock())))
 
     def _node_gpus(self, node: str) -> int:
         return _gpus_in(self.state, node)
@@ -759,7 +788,7 @@ class Coordinator:
             # the agents' results) waits in the agents' retries and the watches' resumption, and the
             # first decision after the outage (the retried tick) expired a restart whose ranks had
             # stepped all along. The grace is part of this decision: written with it, adopted with it.
-            base = base.resumed(time.time() + self.settings.registration_grace_s)
+            base = base.resumed(self.clock() + self.settings.registration_grace_s)
         state, actions, edges = self.core.explain(base, event)
         draft, changed = execute(self.executor, state, actions)
         writes = dict(puts or {})
@@ -797,7 +826,7 @@ class Coordinator:
             log.warning("action", action=type(action).__name__, **{
                 k: v for k, v in d.to_dict(action).items() if k != "type" and isinstance(v, str | int | float)})
             if isinstance(action, d.Alert):
-                self._alert(action, event.ts)
+                self._alert(action, time.time())  # for people: the wall clock
         self._observe(state, event, actions, costed, raised)
         for joined in resized:
             try:
@@ -902,7 +931,7 @@ class Coordinator:
             old = self.state.tasks.get(spec.name)
             if old is not None and old.phase in d.ACTIVE_PHASES:
                 raise api.AlreadyExists(f"task {spec.name!r} is active; cancel it first or pick another name")
-            self._decide(d.TaskSubmitted(ts=time.time(), spec=spec),
+            self._decide(d.TaskSubmitted(ts=self.clock(), spec=spec),
                          puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
         self._call(run)
 
@@ -911,7 +940,7 @@ class Coordinator:
             old = self.state.tasks.get(spec.name)
             if old is None or old.phase not in d.ACTIVE_PHASES:
                 raise api.NotFound(f"no active task {spec.name!r} to update; submit it instead")
-            self._decide(d.TaskUpdated(ts=time.time(), spec=spec),
+            self._decide(d.TaskUpdated(ts=self.clock(), spec=spec),
                          puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
         self._call(run)
 
@@ -920,7 +949,7 @@ class Coordinator:
             entry = self.state.tasks.get(name)
             if entry is None or entry.phase not in d.ACTIVE_PHASES:
                 raise api.NotFound(f"no active task {name!r}; see 'unicron tasks'")
-            self._decide(d.TaskCancelled(ts=time.time(), task=name), deletes=[self.keys.task(name)])
+            self._decide(d.TaskCancelled(ts=self.clock(), task=name), deletes=[self.keys.task(name)])
         self._call(run)
 
     def tasks(self) -> list[dict[str, Any]]:
@@ -952,10 +981,10 @@ class Coordinator:
             self._decide(event, deletes=[self.keys.drain(node)])
 
     def drain(self, node: str) -> None:
-        self._call(lambda: self._node_event(node, d.NodeDrained(ts=time.time(), node=node)))
+        self._call(lambda: self._node_event(node, d.NodeDrained(ts=self.clock(), node=node)))
 
     def undrain(self, node: str) -> None:
-        self._call(lambda: self._node_event(node, d.NodeUndrained(ts=time.time(), node=node)))
+        self._call(lambda: self._node_event(node, d.NodeUndrained(ts=self.clock(), node=node)))
 
     def incidents(self, limit: int) -> list[dict[str, Any]]:
         if not self.ready.is_set():

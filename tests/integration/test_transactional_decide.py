@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 
 import pytest
 
+from coordinator import daemon
 from coordinator import decision as d
 from coordinator.daemon import (
     Call,
     Coordinator,
+    CoreClock,
     CoreEvent,
     Input,
     LinkLost,
@@ -199,6 +202,50 @@ def test_a_restart_outlasting_an_etcd_outage_gets_a_grace_after_it(quick: tuple[
     settle(c)
     assert c.state.tasks["t"].phase.value == "running"  # (mypy narrowed the enum above)
     assert c.state.tasks["t"].outstanding is None
+
+
+def test_a_wall_clock_step_on_the_leaders_host_holds_back_no_deadline(
+        quick: tuple[Coordinator, FlakyStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's clock steps forward an hour and back (a bad NTP source) while the leader ticks. Its
+    events were stamped with the wall clock, so the core's clock stayed an hour ahead and a restart
+    that never confirmed was not escalated at its deadline (nor for the hour)."""
+    c, _ = quick
+    running(c)
+    offset = [0.0]
+    real = time.time
+    monkeypatch.setattr(daemon, "time", types.SimpleNamespace(time=lambda: real() + offset[0],
+                                                              monotonic=time.monotonic))
+    threading.Thread(target=c._ticker, daemon=True).start()  # ends with the coordinator
+    offset[0] = 3600.0
+    time.sleep(2.5)  # ticks meanwhile
+    offset[0] = 0.0
+    time.sleep(1.2)
+    node = next(n for n, r in c.state.tasks["t"].placement.items() if r)
+    feed(c, report_input(c, sev2(node)))
+    settle(c)
+    assert c.state.tasks["t"].phase is d.TaskPhase.RESTARTING
+    deadline = time.monotonic() + 10  # the restart's deadline is 1 s; ticks come every 1 s
+    while c.state.nodes[node].status is d.NodeState.UP and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert c.state.nodes[node].status is d.NodeState.ISOLATED, "the unconfirmed restart was not escalated"
+    assert c.state.now < real() + 60
+
+
+def test_the_cores_clock_follows_the_monotonic_clock_from_its_anchor() -> None:
+    wall, mono = [1000.0], [5.0]
+    clock = CoreClock(wall=lambda: wall[0], monotonic=lambda: mono[0])
+    assert clock() == 1000.0
+    mono[0] += 2.0
+    wall[0] += 3600.0 + 2.0  # a step forward ...
+    assert clock() == 1002.0
+    wall[0] -= 3600.0  # ... and back
+    mono[0] += 1.0
+    assert clock() == 1003.0
+    clock.anchor(at_least=0.0)  # a new anchor (a state loaded): the wall clock's time
+    assert clock() == wall[0]
+    clock.anchor(at_least=wall[0] + 50.0)  # never behind the loaded state's clock
+    mono[0] += 1.0
+    assert clock() == wall[0] + 51.0
 
 
 def test_a_report_seen_twice_is_one_incident(coord: tuple[Coordinator, FlakyStore]) -> None:
