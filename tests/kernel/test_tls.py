@@ -163,7 +163,8 @@ def test_a_key_written_over_an_existing_file_is_private(tmp_path: Path) -> None:
     tls.init_ca(tmp_path, force=True)
     assert (tmp_path / "n1.key").stat().st_mode & 0o777 == 0o600
     assert (tmp_path / tls.CA_KEY).stat().st_mode & 0o777 == 0o600
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca.crt", "ca.key", "n1.crt", "n1.key"]
+    # the CA's revocation list is init's too (etcd's --client-crl-file needs it from the start)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca.crt", "ca.key", "n1.crt", "n1.key", tls.CRL_FILE]
 
 
 @pytest.mark.parametrize("damaged", [tls.CA_KEY, tls.CA_CERT])
