@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from coordinator.decision.actions import ActionKind
 from coordinator.decision.throughput import Measured, StepRate
 from coordinator.tasks import TaskSpec, parse_task_spec
+from plans.problem import MAX_CLUSTER_GPUS
 from unicron.kernel.errors import InvalidRecord
 from unicron.kernel.types import MAX_NODE_GPUS, conforms
 
@@ -245,12 +246,12 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
-def _gpus(value: Any, where: str) -> int:
-    """A node's GPU count, bounded as its registration (NodeInfo) is: a damaged one would raise or
-    mislead the planner later, inside the leader's loop."""
+def _gpus(value: Any, where: str, bound: int = MAX_NODE_GPUS) -> int:
+    """A node's GPU count, bounded as its registration (NodeInfo) is (a task's, with ``bound``, as the
+    planner's cluster is): a damaged one would raise or mislead the planner later, inside the leader's loop."""
     count: int = _typed(value, int, where)
-    if not 0 <= count <= MAX_NODE_GPUS:
-        raise InvalidRecord(f"decision state: {where}: {count} is not a GPU count in [0, {MAX_NODE_GPUS}]; "
+    if not 0 <= count <= bound:
+        raise InvalidRecord(f"decision state: {where}: {count} is not a GPU count in [0, {bound}]; "
                             "delete the state key to start afresh")
     return count
 
@@ -293,7 +294,10 @@ def _rate(value: Any, where: str) -> StepRate | None:
     if value is None:
         return None
     o = _typed(value, dict[str, Any], where)
-    return StepRate(_typed(o["generation"], int, f"{where}.generation"), _gpus(o["gpus"], f"{where}.gpus"),
+    # a task's count, not a node's: a task on more than one node's worth of GPUs failed to load, and a
+    # new leader dropped the cluster's largest task
+    return StepRate(_typed(o["generation"], int, f"{where}.generation"),
+                    _gpus(o["gpus"], f"{where}.gpus", MAX_CLUSTER_GPUS),
                     _point(o["first"], f"{where}.first"), _point(o["last"], f"{where}.last"))
 
 
@@ -316,7 +320,7 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw.setdefault("fault_followed", False)  # likewise
     raw["rate"] = _rate(raw.get("rate"), _path("tasks", name, "rate"))  # likewise (absent: None)
     where = _path("tasks", name, "measured")
-    raw["measured"] = Measured({_gpus(int(g), where): float(f)
+    raw["measured"] = Measured({_gpus(int(g), where, MAX_CLUSTER_GPUS): float(f)
                                 for g, f in _typed(raw.get("measured", {}), dict[str, float], where).items()})
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):

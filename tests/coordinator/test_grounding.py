@@ -261,3 +261,20 @@ def test_a_new_leader_plans_with_the_failures_exposure_and_flops_its_predecessor
     advanced = sim.state
     sim.progress("a", step + 2)
     assert not steps_only(started, advanced) and steps_only(advanced, sim.state)
+
+
+def test_a_task_on_more_than_one_nodes_worth_of_gpus_survives_a_leader_change() -> None:
+    """Its step rate's GPU count was checked as a node's (at most 1024): a task of 2048 GPUs that had
+    made one step could not be read back, and the next leader dropped the cluster's largest task."""
+    sim = Grounded()
+    for n in ("n1", "n2", "n3"):
+        sim.join(n, 1024)
+    big = gpt3_task("big", "13B", 1.0)
+    sim.confirm_all(sim.feed(d.TaskSubmitted(ts=sim.ts(), spec=dataclasses.replace(big, min_gpus=2048))))
+    for step in (1, 2):
+        sim.progress("big", step)
+    assert sim.gpus("big") and sum(sim.gpus("big").values()) >= 2048
+    rate = sim.state.tasks["big"].rate
+    assert rate is not None and rate.gpus >= 2048
+    stored = d.CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict())))
+    assert stored.tasks["big"].rate == rate
