@@ -234,8 +234,8 @@ class Coordinator:
         self._written_state: d.CoreState | None = None
         #: the state entry keys etcd held at the load, while ``_written_state`` is unknown
         self._stored_entries: list[str] = []
-        #: etcd outages seen (StoreUnavailable, any thread), and how many of them the adopted state has
-        #: given their grace (_decide): the count moves on, the grace is given once
+        #: etcd outages seen (a decision or input that failed with StoreUnavailable), and how many of them
+        #: the adopted state has given their grace (_decide): the count moves on, the grace is given once
         self._etcd_outages = 0
         self._outages_graced = 0
         self.executor = Executor(self.keys, self._spec, self._node_gpus,
@@ -363,10 +363,11 @@ class Coordinator:
                 pass
 
     def _etcd_error(self, exc: UnicronError) -> None:
-        """The store's ``on_error`` (any thread): counted, and an outage gives the deadlines a grace."""
+        """The store's ``on_error`` (any thread): counted in the metrics only. A call that failed and
+        was retried (a keepalive, a watch's resubscription, one load-shed request) is no outage: taken
+        for one, it gave every deadline a new grace, and errors every few seconds kept an unconfirmed
+        restart from ever escalating. An outage is a decision or input that failed (``run``)."""
         self.metrics.etcd.error(exc)
-        if isinstance(exc, StoreUnavailable):
-            self._etcd_outages += 1
 
     def _withdraw(self) -> None:
         lease = self._announce_lease
@@ -435,7 +436,7 @@ class Coordinator:
                 log.warning("etcd unavailable while handling input; will retry", input=type(item).__name__,
                             error=str(exc))
                 self.metrics.etcd.retry("input")
-                self._etcd_outages += 1  # (a store's error observer may count it too: one grace all the same)
+                self._etcd_outages += 1  # the next decision that lands gives the deadlines a grace (_decide)
                 self.stop_event.wait(0.2)
                 self._inbox.put(item)
             except PermanentError as exc:

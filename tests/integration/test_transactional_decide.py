@@ -204,6 +204,25 @@ def test_a_restart_outlasting_an_etcd_outage_gets_a_grace_after_it(quick: tuple[
     assert c.state.tasks["t"].outstanding is None
 
 
+def test_failed_etcd_calls_the_store_retried_by_itself_give_no_grace(quick: tuple[Coordinator, FlakyStore]) -> None:
+    """Only a decision or input that failed is an outage. Counted from the store's error observer (a
+    keepalive, a watch's resubscription), one such error every few seconds gave every deadline a new
+    grace, and an unconfirmed restart never escalated (diff review #2)."""
+    c, _ = quick
+    running(c)
+    node = next(n for n, r in c.state.tasks["t"].placement.items() if r)
+    feed(c, report_input(c, sev2(node)))
+    settle(c)
+    assert c.state.tasks["t"].phase is d.TaskPhase.RESTARTING  # deadline 1 s; nothing confirms it
+    deadline = time.monotonic() + 8.0
+    while c.state.nodes[node].status is d.NodeState.UP and time.monotonic() < deadline:
+        c._etcd_error(StoreUnavailable("etcd lease keepalive failed: DEADLINE_EXCEEDED (one call)"))
+        feed(c, CoreEvent(d.Tick(ts=c.clock())))
+        settle(c)
+        time.sleep(0.3)
+    assert c.state.nodes[node].status is not d.NodeState.UP, "the unconfirmed restart was never escalated"
+
+
 def test_a_wall_clock_step_on_the_leaders_host_holds_back_no_deadline(
         quick: tuple[Coordinator, FlakyStore], monkeypatch: pytest.MonkeyPatch) -> None:
     """The host's clock steps forward an hour and back (a bad NTP source) while the leader ticks. Its
