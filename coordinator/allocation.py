@@ -209,13 +209,18 @@ class WafAllocator:
         cluster = ClusterSpec(gpu_type=self.gpu, n_gpus=healthy_gpus, gpus_per_node=gpus_per_node)
         demands = self._demands(tasks, current, faulted)
         # A layout the throughput model finds no configuration of that fits in memory got 0 GPUs for
-        # ever, on an empty cluster too (Megatron runs it with a distributed optimizer, which the
-        # model ignores): planned as a task without a model description instead
-        unfit = [dem.name for dem in demands if runs_nowhere(cluster, dem, self.planner.cost)]
+        # ever, on an empty cluster too (Megatron runs it with a distributed optimizer, which the model
+        # ignores). Such a task gets what the plan of the others leaves idle, evenly: sending every
+        # task to the even split for it shrank a weight-2 task to make room for a weight-0.5 one
+        unfit = {dem.name for dem in demands if runs_nowhere(cluster, dem, self.planner.cost)}
         if unfit:
             log.info("tasks whose layout the throughput model finds no configuration of that fits in GPU "
-                     "memory: allocating evenly", tasks=unfit)
-            return self.fallback.allocate(tasks, healthy_gpus, gpus_per_node, current, faulted)
+                     "memory: they get the GPUs the plan leaves idle", tasks=sorted(unfit))
+            modelled = [t for t in tasks if t.name not in unfit]
+            counts = self.allocate(modelled, healthy_gpus, gpus_per_node, current, faulted) if modelled else {}
+            left = healthy_gpus - sum(counts.values())
+            rest = self.fallback.allocate([t for t in tasks if t.name in unfit], left, gpus_per_node, current, faulted)
+            return {**counts, **rest}
         result = self.lookup.answer(cluster, demands, self.planner) if self.lookup is not None else None
         if result is None:
             result = self.planner.plan(cluster, demands)

@@ -79,9 +79,15 @@ def test_a_layout_the_memory_model_rejects_is_planned_as_a_task_without_a_model(
     big = spec("big", "7b")
     assert runs_nowhere(ClusterSpec(gpu_type("A800"), 128, 8), task_demand(big, {}, set()), WafPlanner().cost)
     assert WafAllocator("A800").allocate([big], 128, 8, {}, set())["big"] > 0
-    tasks = [big, spec("a", "1p3b")]
-    counts = WafAllocator("A800").allocate(tasks, 64, 8, {}, set())
-    assert counts == EvenAllocator().allocate(tasks, 64, 8, {}, set()) and counts["big"] > 0
+    # beside modelled tasks it gets what their plan leaves idle: none of theirs (diff review #3: it sent
+    # every task to the even split, and a weight-2 task was shrunk for a weight-0.5 one)
+    others = [spec("c", "7b", weight=2.0, tp=2, recovery="inprocess")]
+    alone = WafAllocator("A800").allocate(others, 64, 8, {}, set())
+    counts = WafAllocator("A800").allocate([*others, spec("tiny", "7b", weight=0.5)], 64, 8, {"c": alone["c"]}, set())
+    assert alone == {"c": 64} and counts == {"c": 64, "tiny": 0}
+    small = [spec("a", "1p3b")]
+    counts = WafAllocator("A800").allocate([big, *small], 64, 8, {}, set())
+    assert counts["a"] == WafAllocator("A800").allocate(small, 64, 8, {}, set())["a"] < 64 and counts["big"] > 0
     core = d.DecisionCore(allocator=WafAllocator("A800"))
     state = core.initial_state()
     for i in range(16):
