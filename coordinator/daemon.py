@@ -872,7 +872,7 @@ class Coordinator:
                  costed: Sequence[Incident], raised: Incident | None) -> None:
         """Metrics, the in-memory incident list and the planner's measured inputs after an adopted
         decision (never before: a decision whose write failed teaches the planner nothing)."""
-        self.grounding.decided(state, event, raised, costed)
+        self.grounding.decided(state, event, costed)
         try:
             self.grounding.apply(self.allocator)
         except InvalidRecord as exc:  # a measurement the planner refuses: the decision stands, adopted

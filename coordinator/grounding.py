@@ -142,11 +142,9 @@ class Grounding:
         """The failure model as of the last failure observed."""
         return self._reliability
 
-    def decided(
-        self, state: d.CoreState, event: d.Event, raised: Incident | None, costed: Iterable[Incident]
-    ) -> None:
-        """One adopted decision: the state after it, its event, the incident it was for (counted by
-        the state), the incidents whose recovery cost changed (``coordinator.costs``)."""
+    def decided(self, state: d.CoreState, event: d.Event, costed: Iterable[Incident]) -> None:
+        """One adopted decision: the state after it (which counts the failures), its event, the
+        incidents whose recovery cost changed (``coordinator.costs``)."""
         add_transitions(self._transitions, costed, self.window)
         for task in set(self._transitions):
             entry = state.tasks.get(task)

@@ -77,7 +77,7 @@ class UnicronSim(Simulation):
         # by the live coordinator: it is not part of the decision's time
         self.result.decide_ms.append((time.perf_counter() - started - (self.lookup.solve_s - solved)) * 1000)
         self.tracker, costed = self.tracker.step(before, self.state, event.ts, raised)
-        self.grounding.decided(self.state, event, raised, costed)
+        self.grounding.decided(self.state, event, costed)
         self.grounding.apply(self.allocator)
         self.lookup.build_pending()
         self.actions_log.extend(actions)

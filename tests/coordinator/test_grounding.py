@@ -42,7 +42,7 @@ class Grounded(Sim):
         raised = event.incident if isinstance(event, d.IncidentRaised) else None
         self.tracker, costed = self.tracker.step(before, self.state, event.ts, raised)
         self.records.update((i.incident_id, i) for i in costed)
-        self.grounding.decided(self.state, event, raised, costed)
+        self.grounding.decided(self.state, event, costed)
         return actions
 
 
@@ -104,7 +104,7 @@ def _measured(steps: list[int]) -> tuple[Grounding, TaskSpec, d.CoreState]:
     for i, step in enumerate(steps):
         event = d.ProgressMade(ts=10.0 + 2 * i, task="a", step=step, generation=gen)
         state, _ = core.handle(state, event)
-        g.decided(state, event, None, [])
+        g.decided(state, event, [])
         flops = g.achieved_flops("a")
         assert flops is None or math.isfinite(flops)
     return g, spec, state
@@ -117,7 +117,7 @@ def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None
     inc = dataclasses.replace(_incident(3, "reconfigure", 42.0, ["a"]), node="n9")  # a node the task is not on
     event = d.IncidentRaised(ts=30.0, incident=inc, generation=None)
     state, _ = d.DecisionCore().handle(state, event)
-    g.decided(state, event, inc, [inc])
+    g.decided(state, event, [inc])
     assert g.transition_s == {"a": 42.0} and g.failed == 1
     alloc = WafAllocator("A800")
     assert g.apply(alloc)
@@ -162,7 +162,7 @@ def test_a_resubmitted_task_starts_without_the_old_runs_measurements() -> None:
     def feed(event: d.Event) -> list[d.Action]:
         nonlocal state
         state, actions = core.handle(state, event)
-        g.decided(state, event, None, [])
+        g.decided(state, event, [])
         return actions
 
     feed(d.NodeJoined(ts=0.0, node="n1", gpus=8))
