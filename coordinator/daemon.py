@@ -243,6 +243,9 @@ class Coordinator:
                                  spare_stores=settings.spare_stores and settings.in_place_resize)
         self._seen: dict[tuple[str, int], int] = {}  # (task, generation) -> last step sent as progress
         self._last_handled: dict[str, causes.InPlaceRecovery] = {}  # task -> a rank's latest in-place recovery
+        #: task -> the hang report last dismissed as a regroup echo, with when (monotonic) it stops counting:
+        #: a status read after it that shows a rank of the task stopped makes it a hang after all
+        self._echoes: dict[str, tuple[Report, float]] = {}
         self._api_server: grpc.Server | None = None
         self.metrics = CoordinatorMetrics()
         self._metrics_server: umetrics.MetricsServer | None = None
@@ -588,6 +591,8 @@ class Coordinator:
         self._seen = {k: v for k, v in self._seen.items() if (e := tasks.get(k[0])) is not None and k[1] >= e.generation}
         for task in [t for t in self._last_handled if t not in tasks]:
             del self._last_handled[task]
+        for task in [t for t in self._echoes if t not in tasks]:
+            del self._echoes[task]
 
     def _check_registrations(self, ts: float) -> None:
         """Once, a grace after this leader could first see registrations: the state's nodes in service
@@ -636,6 +641,8 @@ class Coordinator:
         if report.handled and report.task is not None:
             self._last_handled[report.task] = (last or causes.InPlaceRecovery(report.source_ts, report.step)).after(report)
         elif causes.regroup_echo(report, last, self.settings.regroup_grace_s, self._statuses):
+            assert report.task is not None
+            self._echoes[report.task] = (report, time.monotonic() + self.settings.regroup_grace_s)
             report = dataclasses.replace(report, handled=True, message=f"{report.message} (during an in-place regroup)")
         elif (held := causes.held_by_phase(report, self._statuses)) is not None:
             report = dataclasses.replace(report, handled=True, message=f"{report.message} ({held})")
@@ -694,6 +701,7 @@ class Coordinator:
             log.warning("ignoring garbage node status", key=ev.key, error=str(exc))
             return
         self._statuses[node] = status
+        self._recheck_echoes(status)
         for made in causes.progress(status, self.state, self._seen, ts):
             self._decide(made)
             assert made.generation is not None
@@ -706,6 +714,21 @@ class Coordinator:
             else:
                 log.info("every rank of the task exited 0: finished", task=ended.task)
             self._decide(ended)
+
+    def _recheck_echoes(self, status: NodeStatus) -> None:
+        """A hang report dismissed as a regroup echo is a hang after all when a status read after it
+        shows a rank of its task stopped (a SIGSTOP within the grace): the report can reach this
+        leader before the status that shows the frozen rank (statuses come every second), and
+        dismissed it held the task at a fraction of its ranks until ``hang_repeat_s`` reported it again."""
+        for task, (report, until) in list(self._echoes.items()):
+            if time.monotonic() > until:
+                del self._echoes[task]
+            elif any(r.task == task and report.generation in (None, r.generation) and r.state == "stopped"
+                     for r in status.ranks):
+                del self._echoes[task]
+                log.warning("a hang taken for a regroup echo is a hang: a rank of its task is stopped",
+                            task=task, node=status.node, report=report.report_id)
+                self._record(dataclasses.replace(report, report_id=f"{report.report_id}-stopped"), report_key=None)
 
     def _on_result(self, ev: WatchEvent, ts: float) -> None:
         """An agent's reconcile result: the outcome of the actions it carried out."""

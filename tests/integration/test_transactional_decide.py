@@ -361,6 +361,39 @@ def test_a_hang_after_an_in_place_recovery_is_acted_on_once_it_is_a_later_iterat
     assert assignment(c, node).tasks[0].restart_epoch == 1
 
 
+def test_a_hang_taken_for_a_regroup_echo_restarts_the_rank_a_later_status_shows_stopped(
+        coord: tuple[Coordinator, FlakyStore]) -> None:
+    """A rank SIGSTOPped right after an in-place recovery: its peer's hang report can reach the leader
+    before the status that shows the frozen rank, and was dismissed as the regroup's echo; the task
+    then sat at a fraction of its ranks until the hang was reported again 60 s later. The status that
+    shows the rank stopped now makes that report a hang: the stopped rank is restarted."""
+    c, _ = coord
+    running(c, recovery="inprocess")
+    gen = c.state.tasks["t"].generation
+    (waiting, waiting_rank), (frozen, frozen_rank) = sorted((n, r[0]) for n, r in c.state.tasks["t"].placement.items())
+    now = time.time()
+    feed(c, report_input(c, Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.CONNECTION_REFUSED_RESET,
+                                   node=waiting, task="t", rank=waiting_rank, step=5, generation=gen, handled=True,
+                                   source_ts=now)))
+    feed(c, report_input(c, Report(method=DetectionMethod.STATISTICAL_MONITORING, kind=ErrorKind.TASK_HANG,
+                                   node=waiting, task="t", rank=waiting_rank, step=5, generation=gen,
+                                   source_ts=now + 0.5)))
+    settle(c)
+    assert c.recent_incidents[-1].handled and assignment(c, frozen).tasks[0].restart_epoch == 0
+    st = NodeStatus(node=frozen, ts=time.time(), generation=gen, task="t", gpu_health=[],
+                    ranks=[RankStatus(task="t", generation=gen, rank=frozen_rank, pid=1, state="stopped", step=5)])
+    feed(c, StatusChanged(WatchEvent("put", c.keys.status(frozen), st.to_json().encode(), 0), time.time()))
+    settle(c)
+    inc = c.recent_incidents[-1]
+    assert (inc.node, inc.rank, inc.severity, inc.handled) == (frozen, frozen_rank, Severity.SEV2, False), inc
+    assert assignment(c, frozen).tasks[0].restart_epoch == 1  # only the stopped rank relaunches
+    assert assignment(c, waiting).tasks[0].restart_epoch == 0
+    # once acted on, the report is not acted on again by the next status
+    feed(c, StatusChanged(WatchEvent("put", c.keys.status(frozen), st.to_json().encode(), 0), time.time()))
+    settle(c)
+    assert assignment(c, frozen).tasks[0].restart_epoch == 1
+
+
 def test_a_restart_confirmed_while_no_coordinator_led_is_not_escalated_by_the_next_leader(
         etcd_server: EtcdServer) -> None:
     """The leader dies right after deciding a restart; the relaunched rank makes progress within the
