@@ -423,11 +423,15 @@ class Coordinator:
     # --- the loop ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        retry: Input | None = None
         while not self.stop_event.is_set():
-            try:
-                item = self._inbox.get(timeout=0.5)
-            except queue.Empty:
-                continue
+            if retry is not None:
+                item, retry = retry, None
+            else:
+                try:
+                    item = self._inbox.get(timeout=0.5)
+                except queue.Empty:
+                    continue
             try:
                 if self.leadership is not None and self.leadership.must_reload:
                     self._reload()  # before any input queued meanwhile is decided on the old state
@@ -441,7 +445,9 @@ class Coordinator:
                 self.metrics.etcd.retry("input")
                 self._etcd_outages += 1  # the next decision that lands gives the deadlines a grace (_decide)
                 self.stop_event.wait(0.2)
-                self._inbox.put(item)
+                # Next, not behind what came meanwhile: a lease's loss retried after the node's new
+                # registration left the registered node lost.
+                retry = item
             except PermanentError as exc:
                 # Retrying cannot help (e.g. the executor refused a placement): drop it, memory unchanged.
                 log.error("input refused; dropped", input=type(item).__name__, error=str(exc))

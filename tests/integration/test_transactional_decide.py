@@ -394,6 +394,23 @@ def test_a_hang_taken_for_a_regroup_echo_restarts_the_rank_a_later_status_shows_
     assert assignment(c, frozen).tasks[0].restart_epoch == 1
 
 
+def test_an_input_retried_after_a_failed_write_is_decided_before_the_inputs_queued_behind_it(
+        coord: tuple[Coordinator, FlakyStore]) -> None:
+    """A node's lease expires and its agent registers again; the loss's write fails (etcd briefly
+    down). The retried loss went to the back of the inbox, behind the registration: decided after it,
+    it left the registered node lost and its task moved off it for good."""
+    c, store = coord
+    running(c)
+    node = next(n for n, r in c.state.tasks["t"].placement.items() if r)
+    store.fail = 1
+    store.on_fail = lambda: register(c, node, 99)  # the agent's new registration arrives meanwhile
+    feed(c, NodeChanged(WatchEvent("delete", c.keys.node(node), b"", 0), time.time()))
+    settle(c)
+    settle(c)
+    assert store.fail == 0
+    assert c.state.nodes[node].status is d.NodeState.UP, c.state.nodes[node]
+
+
 def test_a_restart_confirmed_while_no_coordinator_led_is_not_escalated_by_the_next_leader(
         etcd_server: EtcdServer) -> None:
     """The leader dies right after deciding a restart; the relaunched rank makes progress within the
