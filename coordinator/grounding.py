@@ -4,8 +4,9 @@ T(t, x)); pure functions the daemon and the simulator both call.
 * D_transition per task: the median of its own last :data:`TRANSITION_WINDOW` reconfigurations, from
   the incidents' Eq. 1 terms (:mod:`coordinator.costs`: action issued -> the tasks run again). An
   incident that reconfigured several tasks gives each of them its time (until the last one ran).
-* The failure rate: :meth:`plans.waf.ReliabilityModel.observe` with the incidents that stopped a task
-  (sev1-3; a degradation is not a failure) over the GPU-hours the cluster was exposed (:class:`Exposure`).
+* The failure rate: :meth:`plans.waf.ReliabilityModel.observe` with the failures the decision core
+  counted (a node taken out of service, or an incident that started a recovery; not a degradation, nor
+  a consequence merged into a recovery under way) over the GPU-hours the cluster was exposed.
 * T(t, x): the achieved FLOP/s of a task at its GPU count, from the steps its ranks report (the model's
   useful FLOPs per step, :attr:`plans.models.ModelSpec.flops_per_iteration`, times measured steps per
   second), measured by the decision core into the task's entry (:mod:`coordinator.decision.throughput`);
@@ -60,11 +61,6 @@ def transition_times(incidents: Iterable[Incident], window: int = TRANSITION_WIN
     kept: Transitions = {}
     add_transitions(kept, incidents, window)
     return medians(kept)
-
-
-def failures(incidents: Iterable[Incident]) -> int:
-    """Incidents that stopped a task (a severity): the events the failure rate counts."""
-    return sum(1 for inc in incidents if inc.severity is not None)
 
 
 @dataclass(frozen=True)

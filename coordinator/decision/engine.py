@@ -226,6 +226,10 @@ class _Run:
         self._expose(event)
         self.state.now = max(self.state.now, event.ts)
         self._expire()
+        fired = len(self.transitions)  # the edges from here on are the event's own (not the expiries')
+        down = _down_node(event)
+        in_service = down is not None and down in self.state.nodes and self.state.nodes[down].status in (
+            NodeState.UP, NodeState.DRAINED)
         match event:
             case IncidentRaised():
                 self._on_incident(event)
@@ -255,6 +259,7 @@ class _Run:
                 self._on_progress(event)
             case Tick():
                 pass
+        self._count_failure(event, fired, in_service)
         if self.replan:
             self._reconfigure()
         if isinstance(event, ProgressMade):
@@ -271,11 +276,23 @@ class _Run:
     # -- the planner's measured inputs (coordinator.grounding reads them) -------------------------------
 
     def _expose(self, event: Event) -> None:
-        """The failure rate's inputs, kept in the state so that a new leader plans with them: the
-        GPU-hours the usable nodes ran until ``event``, and the failures (a lost node is one)."""
+        """The failure rate's exposure, kept in the state so that a new leader plans with it: the
+        GPU-hours the usable nodes ran until ``event``."""
         usable = sum(e.gpus for e in self.state.nodes.values() if e.status is NodeState.UP)
         self.state.gpu_hours += max(event.ts - self.state.now, 0.0) * usable / 3600.0
-        if (isinstance(event, IncidentRaised) and not self._leftover(event)) or isinstance(event, NodeLost):
+
+    def _count_failure(self, event: Event, fired: int, in_service: bool) -> None:
+        """The failure rate's count: a node the event took out of service (``in_service``: it was
+        before), or an incident that started a recovery. An incident merged into the recovery under
+        way (the peers' crashes and hangs that one rank's death sets off) is its consequence: counted,
+        one killed rank of a 4-rank task read as 12 failures and the planner held back GPUs."""
+        if _down_node(event) is not None:
+            counts = in_service
+        elif isinstance(event, IncidentRaised) and not self._leftover(event):
+            counts = any(t.response is not _R.MERGE for t in self.transitions[fired:])
+        else:
+            return
+        if counts:
             self.state.failures += 1
             self.state.failure_gpu_hours = self.state.gpu_hours
 
@@ -1069,6 +1086,15 @@ def _waiting_reason(spec: TaskSpec, nodes: Mapping[str, int], counts: Mapping[st
     if holders:
         return f"waiting for GPUs: needs at least {min_gpus}; the plan gives the {usable} usable to {holders}"
     return f"waiting for GPUs: no placement of {min_gpus} fits the usable nodes (tp_size, batch split)"
+
+
+def _down_node(event: Event) -> str | None:
+    """The node an event takes out of service: a sev1's, a lost one's."""
+    if isinstance(event, NodeLost):
+        return event.node
+    if isinstance(event, IncidentRaised) and event.incident.severity is Severity.SEV1:
+        return event.incident.node
+    return None
 
 
 def _echo_of_resize(entry: TaskEntry, inc: Incident, now: float, window_s: float) -> bool:

@@ -145,7 +145,8 @@ class CoreState:
     the state no longer holds starts above it, so late records of a retired run under that name stay
     stale without the state keeping every name it ever saw."""
     failures: int = 0
-    """Incidents that stopped a task (a severity; a lost node is one), for the planner's failure rate."""
+    """Failures for the planner's failure rate: nodes taken out of service and incidents that started a
+    recovery (``DecisionCore._count_failure``)."""
     gpu_hours: float = 0.0
     """GPU-hours the usable nodes ran, up to ``now``: the failure rate's exposure."""
     failure_gpu_hours: float = 0.0

@@ -15,7 +15,6 @@ from coordinator.decision.throughput import Measured, StepRate, achieved_flops
 from coordinator.grounding import (
     Exposure,
     Grounding,
-    failures,
     reliability,
     transition_times,
 )
@@ -23,7 +22,7 @@ from coordinator.statestore import steps_only
 from coordinator.tasks import TaskSpec
 from plans.api import ReliabilityModel
 from sim.workload import gpt3_task
-from tests.coordinator.test_decision import SEV1_KIND, SEV3_KIND, Sim, one, running_cluster
+from tests.coordinator.test_decision import SEV1_KIND, SEV2_KIND, SEV3_KIND, Sim, one, running_cluster
 from unicron.kernel.types import DetectionMethod, ErrorKind, Incident, Severity
 
 
@@ -66,12 +65,29 @@ def test_transition_is_the_median_of_the_tasks_last_reconfigurations() -> None:
 def test_failure_rate_follows_the_failures_over_the_exposure() -> None:
     exposure = Exposure().advance(0.0, 128).advance(3600.0, 64).advance(7200.0, 64)
     assert exposure.gpu_hours == pytest.approx(128 + 64)
-    incs = [_incident(1, None, None, []), _incident(2, None, None, [], severity=None)]
-    assert failures(incs) == 1  # a degradation is not a failure
     prior = ReliabilityModel()
     calm, rough = reliability(prior, 0, exposure), reliability(prior, 50, exposure)
     assert calm.gpu_failure_rate_per_hour < prior.gpu_failure_rate_per_hour < rough.gpu_failure_rate_per_hour
     assert rough == prior.observe(50, 192.0)
+
+
+def test_one_fault_and_the_incidents_it_sets_off_are_one_failure() -> None:
+    """Docs review: a killed rank's peers crash and hang after it; each of their incidents, merged into
+    the recovery under way, was counted as a failure (one kill of a 4-rank task read as 12), which
+    inflated the planner's failure rate. A degradation, a node already out of service, are none either."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"recovery": "restart"}})
+    gen = sim.state.tasks["job"].generation
+    assert any(isinstance(a, d.RestartTask) for a in sim.incident("n1", SEV2_KIND, task="job", rank=0, generation=gen))
+    for rank in range(1, 16):  # every peer's crash that follows: merged
+        assert sim.incident("n1" if rank < 8 else "n2", SEV2_KIND, task="job", rank=rank, generation=gen) == []
+    sim.incident("n2", (DetectionMethod.STATISTICAL_MONITORING, ErrorKind.DEGRADATION), task="job", rank=9)
+    assert sim.state.failures == 1
+    sim.incident("n2", SEV1_KIND)  # a node taken out of service: a failure
+    sim.incident("n2", SEV1_KIND)  # its second report: the node is out already
+    sim.feed(d.NodeLost(ts=sim.ts(), node="n2", reason="lease expired"))
+    assert sim.state.failures == 2
+    sim.feed(d.NodeLost(ts=sim.ts(), node="n1", reason="lease expired"))
+    assert sim.state.failures == 3 and sim.state.failure_gpu_hours == sim.state.gpu_hours
 
 
 def test_step_rate_restarts_with_a_new_configuration() -> None:
@@ -115,8 +131,10 @@ def test_grounding_feeds_the_allocator_what_adopted_decisions_measured() -> None
     expected = model_spec(spec).flops_per_iteration / 2.0
     assert g.achieved_flops("a") == pytest.approx(expected)
     inc = dataclasses.replace(_incident(3, "reconfigure", 42.0, ["a"]), node="n9")  # a node the task is not on
+    core = d.DecisionCore()
+    state, _ = core.handle(state, d.NodeJoined(ts=29.0, node="n9", gpus=8))
     event = d.IncidentRaised(ts=30.0, incident=inc, generation=None)
-    state, _ = d.DecisionCore().handle(state, event)
+    state, _ = core.handle(state, event)
     g.decided(state, event, [inc])
     assert g.transition_s == {"a": 42.0} and g.failed == 1
     alloc = WafAllocator("A800")
