@@ -95,12 +95,17 @@ class PreforkUnavailable(TemporaryError):
 
 
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_")
+#: torch's, read as ``import torch`` runs (torch/__init__.py ``_logging._init_logs``,
+#: torch/distributed/__init__.py ``set_debug_level_from_env``, c10's log level): forked, a rank asking
+#: for DETAIL collective checks or INFO c10d logs to debug a hang silently got the spawner's settings
+_STARTUP_VARS = frozenset({"TORCH_DISTRIBUTED_DEBUG", "TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT",
+                           "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"})
 
 
 def startup_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables read once, when the interpreter, the loader or the OpenMP runtime start: a forked
-    rank lives with the spawner's."""
-    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
+    """The variables read once, when the interpreter, the loader, the OpenMP runtime or ``import torch``
+    run: a forked rank lives with the spawner's."""
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES) or k in _STARTUP_VARS}
 
 
 def with_torchrun_threads(env: Mapping[str, str]) -> dict[str, str]:

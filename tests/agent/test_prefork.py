@@ -184,6 +184,19 @@ def test_a_script_runs_forked_as_python_script_would_run_it(prefork: Prefork, tm
     assert (tmp_path / "out.log").read_text().strip() == "['train.py', '--steps', '5'] train.py __main__ True 42"
 
 
+@pytest.mark.parametrize("var", ["TORCH_DISTRIBUTED_DEBUG", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "OMP_NUM_THREADS"])
+def test_a_rank_asking_for_what_torch_reads_at_import_is_not_forked(prefork: Prefork, tmp_path: Path,
+                                                                     var: str) -> None:
+    """Jobs review: forked from a spawner that had imported torch, a rank's TORCH_DISTRIBUTED_DEBUG=DETAIL
+    (collective checks to debug a hang) silently read OFF; such a rank is exec'd instead."""
+    (tmp_path / "train.py").write_text("")
+    argv = [PY, "train.py"]
+    env = prefork.env
+    assert prefork.eligible(argv, env, str(tmp_path))
+    env[var] = "DETAIL" if var == "TORCH_DISTRIBUTED_DEBUG" else "7"
+    assert not prefork.eligible(argv, env, str(tmp_path))
+
+
 @pytest.mark.parametrize("safe_path", [False, True])
 def test_a_rank_gets_the_sys_path_python_would_give_its_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 safe_path: bool) -> None:
