@@ -116,7 +116,7 @@ def test_sev2_restarts_only_the_failed_rank_which_rejoins(cluster: LocalCluster)
     trains_past(cluster, top_step(cluster))
 
 
-def test_sev1_isolates_the_node_and_reconfigures_then_the_node_rejoins(cluster: LocalCluster) -> None:
+def test_sev1_isolates_the_node_and_reconfigures_then_the_undrained_node_rejoins(cluster: LocalCluster) -> None:
     trains_past(cluster, top_step(cluster))
     # rank 0's node, whose agent hosts the task's store: with a replica left on another host the task
     # shrinks in place and the store moves to that host; with none left it is a new generation
@@ -143,9 +143,11 @@ def test_sev1_isolates_the_node_and_reconfigures_then_the_node_rejoins(cluster: 
         assert "Assign" in acts, acts
     cluster.agents[node].wait()
     t_join = time.time()
-    cluster.start_agent(node)  # repaired: the node joins again (④), a reconfiguration trigger
+    cluster.start_agent(node)  # repaired; a node isolated by a sev1 stays so until an operator returns it
     cluster.wait_registered(node)
-
     cluster.wait_for(lambda: any(r.get("event") == "node registered" and r.get("node") == node
-                                 for r in cluster.coordinator_log(t_join)), 30.0, "the coordinator to take the node back")
+                                 for r in cluster.coordinator_log(t_join)), 30.0, "the coordinator to see the node")
+    assert cluster.node_state(node) == "isolated"
+    assert cli(["undrain", node]) == 0  # the operator returns it (④), a reconfiguration trigger
+    cluster.wait_for(lambda: cluster.node_state(node) == "up", 30.0, "the node back in service")
     trains_past(cluster, top_step(cluster))

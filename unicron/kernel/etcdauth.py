@@ -59,8 +59,9 @@ def grants(keys: Keyspace, peer: Peer) -> list[Grant]:
     if peer.role is Role.COORDINATOR:
         return [Grant(READWRITE, everything.key, prefix=True)]
     if peer.role is Role.OPERATOR:
-        return [everything, Grant(READWRITE, keys.injections("")[:-1], prefix=True),
-                Grant(READWRITE, keys.drains(), prefix=True)]
+        # drain/ is the coordinator's record of a drain decided through its API: an operator's write
+        # there would drain nothing, so it is not granted
+        return [everything, Grant(READWRITE, keys.injections("")[:-1], prefix=True)]
     if peer.role is Role.NODE:
         n = peer.name
         return [everything, Grant(READWRITE, keys.node(n)), Grant(READWRITE, keys.status(n)),

@@ -1,28 +1,7 @@
 """The etcd keyspace, in one place. Every key is ``<prefix>/<area>/...``; the default prefix is /unicron.
 
-=========================  ===========  ====================================================
-key                        written by   value
-=========================  ===========  ====================================================
-nodes/<node>               agent        NodeInfo JSON, under the agent's lease
-status/<node>              agent        NodeStatus JSON, under the agent's lease
-reports/<node>/<id>        agent        Report JSON (no lease: survives the agent's death);
-                                        deleted by the coordinator once recorded
-incidents/<id>             coordinator  Incident JSON
-leader                     coordinator  leader's address, under its lease (fencing guard)
-coordinators/<link addr>   coordinator  every coordinator's address, leader or standby, under a
-                                        lease of its own: where agents look for the leader while
-                                        etcd is down (agent/link.py)
-tasks/<task>               coordinator  TaskSpec JSON (the task set)
-state                      coordinator  decision-core state JSON (survives restarts)
-assign/<node>              coordinator  NodeAssignment JSON (desired state, with generation)
-results/<node>             agent        AssignmentResult JSON (observed state)
-stores/<task>              agent        StoreAddress JSON of the task's store sidecar, under the
-                                        lease of the agent of the assignment's store_node (a
-                                        newer store_epoch when the store moved off a lost node)
-inject/<node>/<id>         CLI          fault-injection request for that node's agent
-drain/<node>               CLI/API,     present while the node is drained: "1" by an operator,
-                           coordinator  "goodbye" while its agent is away after a planned stop
-=========================  ===========  ====================================================
+Each key's writer, value and lifetime: docs/architecture.md, "etcd keyspace" (one table, kept there
+only, so that it cannot disagree with a copy here).
 """
 
 from __future__ import annotations
