@@ -97,6 +97,8 @@ def test_agent_unit_keeps_gpus_reachable_and_ranks_owned() -> None:
     unit = _parse(UNITS / "unicron-agent.service")
     assert unit["Service.KillMode"] == ["mixed"]
     assert unit["Service.RuntimeDirectory"] == ["unicron"]
+    # the ranks' logs live there: removed with the unit, the logs of a crash went with the agent
+    assert unit["Service.RuntimeDirectoryPreserve"] == ["yes"]
     assert unit["Service.PrivateDevices"] == ["no"]
     # each of these would restrict /dev (an allow-list without the GPUs) or block loading nvidia-uvm
     for key in ("Service.DeviceAllow", "Service.DevicePolicy", "Service.ProtectClock",

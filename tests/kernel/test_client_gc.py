@@ -114,3 +114,25 @@ def test_a_held_back_end_is_dropped_once_the_next_collection_starts(pair: tuple[
     msgs = agent.wait_for(5)  # in order: the microbatch comes after anything sent before it
     assert agent.phases() == ["gc", "gc", "train"]
     assert [type(m) for m in msgs[1:]] == [protocol.Phase] * 3 + [protocol.MicrobatchDone]
+
+
+def test_a_process_the_rank_forked_says_nothing_on_the_ranks_connection(pair: tuple[AgentClient, Agent]) -> None:
+    """Agent review: a DataLoader worker forked by the rank inherits its socket and its gc hook; its
+    full collections sent phases the agent took for the rank's own (a `train` phase in the middle of
+    a checkpoint restarted the hang clock and reported a hang)."""
+    import os
+
+    client, agent = pair
+    pid = os.fork()
+    if pid == 0:  # the worker: collections, and what it might send through the inherited client
+        try:
+            gc.collect()
+            client.send(protocol.Phase(name=protocol.PHASE_TRAIN))
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    with client.phase(protocol.PHASE_CHECKPOINT):
+        pass
+    got = agent.wait_for(3)
+    assert agent.phases() == [protocol.PHASE_CHECKPOINT, protocol.PHASE_TRAIN], got
+    assert client.enabled  # the rank's own connection is untouched

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import gc
 import os
 import queue
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 import traceback as tb
+import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
@@ -123,7 +125,17 @@ class AgentClient:
         self._reader = threading.Thread(target=self._read_loop, name="unicron-client", daemon=True)
         self._reader.start()
         gc.callbacks.append(self._on_gc)
+        os.register_at_fork(after_in_child=functools.partial(_forget_in_child, weakref.ref(self)))
         return self
+
+    def _forget_in_child(self) -> None:
+        """In a process this one forked (a DataLoader worker): not the rank, so it says nothing on the
+        rank's connection. Its collections sent phases there, which the agent took for the rank's own:
+        a `train` phase in the middle of a checkpoint restarted the hang clock and reported a hang.
+        The socket is only dropped, never shut down: the connection is the parent's too."""
+        self._conn = None
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):
@@ -304,3 +316,10 @@ def _one_line(exc: BaseException) -> str:
     except Exception:
         text = "<exception str() failed>"
     return f"{type(exc).__name__}: {text}"
+
+
+def _forget_in_child(client: weakref.ref[AgentClient]) -> None:
+    """``os.register_at_fork`` hook: a client still alive forgets its connection in the child."""
+    alive = client()
+    if alive is not None:
+        alive._forget_in_child()
