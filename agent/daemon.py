@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 
-from agent import launchenv, marker, sidecar
+from agent import launchenv, logcap, marker, sidecar
 from agent.fence import Contact, Fence
 from agent.gpu.api import GpuEvent, GpuHealth
 from agent.gpu.factory import open_backend
@@ -269,6 +269,8 @@ class Agent:
                  socket=self.socket_path, advertise_host=self.advertise_host)
         while not self.stop_event.wait(self.settings.status_interval_s):
             self._write_status()
+            if self.settings.rank_log_max_mb:
+                logcap.cap_all(self._logs_dir(), self.settings.rank_log_max_mb << 20)
         self._shutdown()
         return 0
 
@@ -547,8 +549,11 @@ class Agent:
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
         return self.rank_server is not None and self.rank_server.send(task, rank, msg)
 
+    def _logs_dir(self) -> str:
+        return os.path.join(self.settings.run_dir, "logs")
+
     def rank_log_path(self, task: str, rank: int) -> str:
-        log_dir = os.path.join(self.settings.run_dir, "logs", task)
+        log_dir = os.path.join(self._logs_dir(), task)
         os.makedirs(log_dir, exist_ok=True)
         return os.path.join(log_dir, f"rank{rank}.log")
 

@@ -874,3 +874,19 @@ def test_a_hang_right_after_a_fault_handled_in_place_is_found_at_the_iteration_r
     rec = agents["a0"]._task("reattempt")
     assert rec is not None and (mon := rec.monitors.get(0)) is not None
     assert mon.baseline() == pytest.approx(0.05, rel=0.5)  # what it learned before the fault stayed
+
+
+def test_the_agent_rotates_a_rank_log_past_its_cap(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """A rank's log in the run dir (memory under systemd) is bounded at every status write."""
+    agent = Agent(dataclasses.replace(settings(etcd_server, "a0", tmp_path), rank_log_max_mb=1))
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    try:
+        assert agent.ready.wait(30)
+        log_path = Path(agent.rank_log_path("t", 0))
+        log_path.write_bytes(b"x" * (2 << 20))
+        wait_for(lambda: log_path.stat().st_size == 0 or None, 20.0, "the rank's log rotated")
+        assert Path(f"{log_path}.1").stat().st_size == 2 << 20
+    finally:
+        agent.stop()
+        th.join(30)
