@@ -193,13 +193,16 @@ class _GpuWorker:
         self.m = monitor
         self.gpu = gpu
         self.prev: GpuHealth | None = None
-        self.prev_poll_ts = 0.0
+        #: time.monotonic() of the previous poll and of each kind's latest delivery: which came first is
+        #: what dedups a poll against the driver's events, and wall-clock stamps (a GpuEvent's ts) got
+        #: that wrong after a clock step: an event stamped an hour ahead hid every later fault of its kind
+        self.prev_poll_at = 0.0
         self.next_poll = time.monotonic()  # poll at once: the baseline
         self.delay = monitor._backoff[0]
         self.lost_reported = False
         self.failures = 0  # backend failures in a row
         self.failure_reported = False
-        self.last_kind_ts: dict[ErrorKind, float] = {}
+        self.last_kind_at: dict[ErrorKind, float] = {}
         # kinds the latest poll found turned bad: the driver's event for the same fault may still be
         # queued (a poll right after a backoff sees the counter first), and is then not reported again
         self.polled: set[ErrorKind] = set()
@@ -229,6 +232,7 @@ class _GpuWorker:
         self.next_poll = time.monotonic() + self.m._interval
         with self.m._call(self.gpu):
             health = self.m.backend.health(self.gpu)
+        polled_at = time.monotonic()
         self.lost_reported = self.failure_reported = False
         self.failures = 0
         self.m._record_health(health)
@@ -239,15 +243,15 @@ class _GpuWorker:
             self._forward(event)
             if event.reportable:
                 self.polled.add(event.kind)
-        self.prev, self.prev_poll_ts = health, health.ts
+        self.prev, self.prev_poll_at = health, polled_at
 
     def _forward(self, event: GpuEvent) -> None:
         if event.reportable:
-            self.last_kind_ts[event.kind] = event.ts
+            self.last_kind_at[event.kind] = time.monotonic()
         self.m._deliver(event)
 
     def _delivered_since_poll(self, kind: ErrorKind) -> bool:
-        return self.prev is not None and self.last_kind_ts.get(kind, -1.0) >= self.prev_poll_ts
+        return self.prev is not None and self.last_kind_at.get(kind, -1.0) >= self.prev_poll_at
 
     def _failed(self, exc: Exception) -> None:
         """A backend call failed: the GPU shows unhealthy until a poll answers, and is reported once
@@ -268,7 +272,7 @@ class _GpuWorker:
         if not self.lost_reported:
             self.lost_reported = True
             # the driver announces a GPU falling off the bus (XID 79) before NVML answers "lost": one fault
-            if self.last_kind_ts.get(ErrorKind.GPU_DRIVER_ERROR, -1.0) < self.prev_poll_ts:
+            if self.last_kind_at.get(ErrorKind.GPU_DRIVER_ERROR, -1.0) < self.prev_poll_at:
                 self._forward(GpuEvent(self.gpu, ErrorKind.GPU_DRIVER_ERROR, None, f"GPU lost: {exc}"))
         log.warning("GPU lost; will retry", gpu=self.gpu, retry_s=self.delay, error=str(exc))
         self._back_off()

@@ -312,3 +312,20 @@ def test_a_gpu_that_falls_off_the_bus_after_its_xid_79_is_reported_once() -> Non
     finally:
         monitor.stop()
         backend.close()
+
+
+def test_a_driver_event_stamped_before_a_clock_step_back_hides_no_later_fault(
+    sim: tuple[SimulatedBackend, Recorder, GpuMonitor],
+) -> None:
+    """Agent review: the poll's dedup compared wall-clock stamps, so an event read while the host's
+    clock was an hour ahead (then stepped back) hid every fault of its kind the polls found for that
+    hour: here an NVLink going down."""
+    backend, rec, _ = sim
+    ahead = GpuEvent(0, ErrorKind.NVLINK_ERROR, None, "NVLink error", ts=time.time() + 3600)
+    with backend._lock:
+        backend._push(backend._state(0), ahead)
+    rec.wait_events(1)
+    n = len(rec.health)
+    rec.wait_health(lambda h: h.gpu == 0 and rec.health.index(h) >= n)  # a poll after its delivery
+    backend.set_nvlink_down(0, 3)
+    assert [e.kind for e in rec.wait_events(2)] == [ErrorKind.NVLINK_ERROR] * 2
