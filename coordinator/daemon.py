@@ -825,6 +825,11 @@ class Coordinator:
         # a retired task's spec record goes with its state entry (DecisionSettings.ended_tasks_kept)
         retired = {self.keys.task(t) for t in self.state.tasks.keys() - state.tasks.keys()}
         deletes = [*deletes, *sorted(retired - set(deletes))]
+        for t, e in state.tasks.items():
+            # a task's spec record follows its entry: a failed update rolled back must show the spec that runs
+            was, key = self.state.tasks.get(t), self.keys.task(t)
+            if was is not None and was.spec is not e.spec and was.spec != e.spec and key not in writes:
+                writes[key] = json.dumps(e.spec.to_dict())
         raised = event.incident if isinstance(event, d.IncidentRaised) else incident
         costs, costed = self.costs.step(self.state, state, event.ts, raised)
         for inc in costed:

@@ -179,6 +179,7 @@ class _Run:
             _R.FAIL: self._do_fail,
             _R.RELAUNCH: self._do_relaunch,
             _R.RELAUNCH_UPDATED: self._do_relaunch_updated,
+            _R.ROLLBACK: self._do_rollback,
             _R.RELEASE: self._do_release,
             _R.STOP_RELEASE: self._do_stop_release,
             _R.WITHDRAW: self._do_withdraw,
@@ -517,6 +518,20 @@ class _Run:
         self._force_replan(name, entry, fault)
         self.relaunched.add(name)
 
+    def _do_rollback(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
+        """The updated spec cannot launch (a typo in its command, say) and never completed a step: the
+        task goes back to the spec it ran with, relaunched as a new generation that restores the
+        update's on-demand snapshot. Not the job's failure: no restart is counted. The previous spec is
+        dropped, so its own launch failing after this fails the task (no loop)."""
+        previous = entry.previous_spec
+        assert previous is not None  # the trigger fires only with one
+        changes = ", ".join(previous.launch_changes(entry.spec)) or "spec"
+        entry.spec, entry.previous_spec = previous, None
+        message = (f"task {name}: update failed ({changes}): {fault.reason}; rolled back to the spec it ran "
+                   "with and relaunched from the update's snapshot")
+        self._do_relaunch_updated(name, entry, dataclasses.replace(fault, reason=message))
+        self._alert(message, task=name)
+
     def _do_assign(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
         assert fault.placement is not None
         if entry.spec.restarts_whole and entry.placement:  # running (or lost a node): a relaunch, not a launch
@@ -820,6 +835,12 @@ class _Run:
         entry = self._task(spec.name)
         entry.spec = spec
         if changes and entry.placement:
+            # what to go back to should the new spec fail to launch: the spec that ran (a second update
+            # before the first made a step keeps the first's; a spec that never stepped is nothing to keep)
+            if entry.previous_spec is None and entry.last_step is not None:
+                entry.previous_spec = old.spec
+            elif entry.previous_spec == spec:  # the user put it back: nothing else to go back to
+                entry.previous_spec = None
             self._fire(spec.name, _T.UPDATED, _Fault(f"spec updated ({', '.join(changes)})"))
         self.replan = True
 
@@ -852,7 +873,9 @@ class _Run:
             return
         name, o = found
         reason = f"{o.kind.value} {event.action_id} failed: {event.reason}"
-        if event.cause is FailureCause.TASK:
+        if event.cause is FailureCause.TASK and self.state.tasks[name].previous_spec is not None:
+            self._fire(name, _T.UPDATE_FAILED, _Fault(reason))  # an update's command: back to the one that ran
+        elif event.cause is FailureCause.TASK:
             # the command itself cannot run: retrying elsewhere would only spread the failure over
             # healthy nodes, so the task fails at once and every node stays in service
             self._fire(name, _T.TASK_ERROR, _Fault(reason, fatal=True))
@@ -875,6 +898,9 @@ class _Run:
             self._confirm_suspicion(event.task)
         if event.generation is None or event.generation != entry.generation:
             return
+        if entry.previous_spec is not None:  # the updated spec trained: its failures are ordinary ones now
+            entry = self._task(event.task)
+            entry.previous_spec = None
         # a reattempt, restart or in-place resize keeps the generation: only a step past it proves it
         # worked, or, for a restart, an iteration completed by a process it launched (which may redo
         # steps from the job's checkpoint: waiting for it to pass the fault would outlast the deadline)

@@ -126,6 +126,10 @@ class TaskEntry:
     """The steps of uninterrupted training at the current configuration (None during a recovery)."""
     measured: Measured = field(default_factory=Measured)
     """Achieved FLOP/s per GPU count, T(t, x) as measured (:mod:`coordinator.decision.throughput`)."""
+    previous_spec: TaskSpec | None = None
+    """The spec the task ran with before an update that relaunched it, while the updated spec has not
+    completed a step: should the update's launch fail through the task's own fault (its new command
+    cannot start), the task goes back to it instead of failing (``update_failed`` -> ``rollback``)."""
 
     def ranks_on(self, node: str) -> list[int]:
         return self.placement.get(node, [])
@@ -216,6 +220,7 @@ class CoreState:
 def _task_to_dict(e: TaskEntry) -> dict[str, object]:
     out = {f.name: getattr(e, f.name) for f in fields(e)}
     out["spec"] = e.spec.to_dict()
+    out["previous_spec"] = None if e.previous_spec is None else e.previous_spec.to_dict()
     out["phase"] = e.phase.value
     out["placement"] = {n: list(r) for n, r in e.placement.items()}
     out["failed_ranks"] = list(e.failed_ranks)
@@ -288,7 +293,7 @@ def _member(kind: type[E], value: Any, where: str) -> E:
 
 
 #: TaskEntry fields stored as plain JSON values (the others are parsed below)
-_PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured"}
+_PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured", "previous_spec"}
 
 
 def _rate(value: Any, where: str) -> StepRate | None:
@@ -311,6 +316,18 @@ def _point(value: Any, where: str) -> tuple[float, int]:
     return float(point[0]), point[1]
 
 
+def _spec(name: str, value: Any, key: str) -> TaskSpec:
+    """Task ``name``'s stored spec at ``key`` of its entry."""
+    try:
+        spec = parse_task_spec(value, None, stored=True)
+    except InvalidRecord as exc:  # its message names the spec's field; say whose spec it is
+        raise InvalidRecord(f"decision state: {_path('tasks', name, key)}: {exc}") from exc
+    if spec.name != name:  # the core finds a task's entry by its spec's name
+        raise InvalidRecord(f"decision state: {_path('tasks', name, key, 'name')}: {spec.name!r} is not "
+                            "the entry's name; delete the state key to start afresh")
+    return spec
+
+
 def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw = dict(d)
     raw.setdefault("relaunching", {})  # absent in states written before it existed
@@ -326,13 +343,9 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     hints = typing.get_type_hints(TaskEntry)
     for key in _PLAIN & set(raw):
         _typed(raw[key], hints[key], _path("tasks", name, key))
-    try:
-        raw["spec"] = parse_task_spec(raw["spec"], None, stored=True)
-    except InvalidRecord as exc:  # its message names the spec's field; say whose spec it is
-        raise InvalidRecord(f"decision state: {_path('tasks', name, 'spec')}: {exc}") from exc
-    if raw["spec"].name != name:  # the core finds a task's entry by its spec's name
-        raise InvalidRecord(f"decision state: {_path('tasks', name, 'spec', 'name')}: {raw['spec'].name!r} is not "
-                            "the entry's name; delete the state key to start afresh")
+    raw["spec"] = _spec(name, raw["spec"], "spec")
+    previous = raw.get("previous_spec")  # absent in states written before it existed: no update to undo
+    raw["previous_spec"] = None if previous is None else _spec(name, previous, "previous_spec")
     raw["phase"] = _member(TaskPhase, raw["phase"], _path("tasks", name, "phase"))
     o = raw["outstanding"]
     if o is not None:

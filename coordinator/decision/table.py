@@ -46,6 +46,9 @@ class Trigger(enum.StrEnum):
     CANCELLED = "cancelled"
     # the user replaced the task's spec with one its running ranks cannot take (command, env, layout)
     UPDATED = "updated"
+    # the launch of an updated spec failed through the task's own fault (its new command cannot start)
+    # before that spec completed a step: the update failed, not the job
+    UPDATE_FAILED = "update_failed"
 
 
 class Response(enum.StrEnum):
@@ -68,6 +71,9 @@ class Response(enum.StrEnum):
     # a new spec: re-plan with this task forced to a new generation (no in-place), which stops the
     # running ranks with an on-demand snapshot and launches the new command from it; no budget spent
     RELAUNCH_UPDATED = "relaunch_updated"
+    # back to the spec the task ran with before the update, relaunched as a new generation from the
+    # update's snapshot (which that spec's command restores), with an Alert; no budget spent
+    ROLLBACK = "rollback"
 
 
 
@@ -109,6 +115,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.REATTEMPTING, _T.REATTEMPTS_SPENT): (_P.RESTARTING, _R.RESTART),  # upgraded to sev2
         (_P.REATTEMPTING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.REATTEMPTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
+        (_P.REATTEMPTING, _T.UPDATE_FAILED): (_P.RECONFIGURING, _R.ROLLBACK),  # the job goes on as before
         (_P.REATTEMPTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.REATTEMPTING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),
         (_P.REATTEMPTING, _T.STORE_LOST): (_P.RECONFIGURING, _R.RESIZE),
@@ -135,6 +142,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RESTARTING, _T.PROGRESS): (_P.RUNNING, _R.RECOVERED),
         (_P.RESTARTING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.ESCALATE),  # upgraded to sev1
         (_P.RESTARTING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
+        (_P.RESTARTING, _T.UPDATE_FAILED): (_P.RECONFIGURING, _R.ROLLBACK),  # the job goes on as before
         (_P.RESTARTING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         (_P.RESTARTING, _T.UNPLACED): (_P.PENDING, _R.STOP),
         (_P.RESTARTING, _T.FINISHED): (_P.FINISHED, _R.RELEASE),
@@ -155,6 +163,7 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RECONFIGURING, _T.ACTION_FAILED): (_P.RECONFIGURING, _R.REASSIGN),
         (_P.RECONFIGURING, _T.NO_PROGRESS): (_P.FAILED, _R.FAIL),
         (_P.RECONFIGURING, _T.TASK_ERROR): (_P.FAILED, _R.FAIL),  # no retry, no node isolated
+        (_P.RECONFIGURING, _T.UPDATE_FAILED): (_P.RECONFIGURING, _R.ROLLBACK),  # the job goes on as before
         (_P.RECONFIGURING, _T.RESIZED): (_P.RECONFIGURING, _R.ASSIGN),
         # only while no Assign is out (the engine checks): its ranks may not run yet
         (_P.RECONFIGURING, _T.RESIZED_IN_PLACE): (_P.RECONFIGURING, _R.RESIZE),

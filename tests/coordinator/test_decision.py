@@ -24,6 +24,7 @@ from coordinator.decision import (
     DecisionCore,
     DecisionSettings,
     Event,
+    FailureCause,
     IncidentRaised,
     IsolateNode,
     MarkTaskFailed,
@@ -345,6 +346,71 @@ def test_a_new_weight_or_gpu_bound_only_re_plans() -> None:
     acts = updated(sim, "a", max_gpus=8)  # a smaller bound: the planner shrinks it, like any re-plan
     assert [t.trigger for t in sim.transitions] == [Trigger.RESIZED_IN_PLACE]  # even off the store's node
     assert one(acts, ResizeInPlace, "a").generation == gen and sum(sim.gpus("a").values()) == 8
+
+
+def _cannot_start(sim: Sim, action: Action) -> list[Action]:
+    return sim.feed(ActionFailed(ts=sim.ts(), action_id=action.action_id, reason="exec: 'pythn': not found",
+                                 cause=FailureCause.TASK))
+
+
+def test_an_update_whose_command_cannot_start_rolls_back_to_the_spec_the_task_ran_with() -> None:
+    """A typo in an updated command failed the whole job (TASK_ERROR -> failed). The update's own
+    relaunch failing to start is the update's failure: the task goes back to the spec it ran with and is
+    relaunched (a new generation restoring the update's snapshot), with an Alert; the old spec failing
+    to start in turn is not rolled back again (no loop)."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {}})
+    sim.progress("a", 40)
+    before = sim.state.tasks["a"]
+    assign = one(updated(sim, "a", command=["pythn", "pretrain_gpt.py"], tp_size=2, min_gpus=2), Assign, "a")
+    assert sim.state.tasks["a"].spec.tp_size == 2
+    # a new leader taking over here keeps what to roll back to
+    sim.state = CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict())))
+    acts = _cannot_start(sim, assign)
+    assert not only(acts, MarkTaskFailed) and not only(acts, StopTask)
+    relaunch = one(acts, Assign, "a")
+    after = sim.state.tasks["a"]
+    assert after.spec == before.spec and after.previous_spec is None
+    assert relaunch.generation == assign.generation + 1 and sim.phase("a") is TaskPhase.RECONFIGURING
+    assert after.restarts == before.restarts  # the update's failure is not the job's
+    alert = one(acts, Alert, "a").message
+    assert "update" in alert and "pythn" in alert and "rolled back" in alert
+    assert sim.transitions[0].trigger is Trigger.UPDATE_FAILED
+    # the spec it ran with cannot start either (its executable went away): failed as before, no loop
+    acts = _cannot_start(sim, relaunch)
+    assert one(acts, MarkTaskFailed, "a") and sim.phase("a") is TaskPhase.FAILED
+
+
+def test_an_update_that_made_progress_is_not_rolled_back() -> None:
+    """Once the updated command completed a step, its failures are ordinary ones: a later launch failure
+    fails the task as any would (the update was confirmed)."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {}})
+    sim.progress("a", 40)
+    assign = one(updated(sim, "a", command=["python", "pretrain_gpt.py", "--new"]), Assign, "a")
+    assert sim.state.tasks["a"].previous_spec is not None
+    sim.progress("a", 40, current_generation=False)  # a step of no known generation confirms nothing
+    assert sim.state.tasks["a"].previous_spec is not None
+    sim.ok(assign)
+    sim.progress("a", 41)
+    assert sim.phase("a") is TaskPhase.RUNNING and sim.state.tasks["a"].previous_spec is None
+    restart = one(sim.incident("n1", SEV2_KIND, task="a", rank=1), RestartRanks, "a")
+    acts = _cannot_start(sim, restart)
+    assert one(acts, MarkTaskFailed, "a") and sim.phase("a") is TaskPhase.FAILED
+    assert sim.state.tasks["a"].spec.command[-1] == "--new"
+
+
+def test_a_second_update_before_the_first_stepped_rolls_back_to_the_spec_that_ran() -> None:
+    sim = running_cluster({"n1": 8}, {"a": {}})
+    sim.progress("a", 40)
+    ran = sim.state.tasks["a"].spec
+    updated(sim, "a", command=["python", "pretrain_gpt.py", "--one"])
+    assign = one(updated(sim, "a", command=["pythn", "pretrain_gpt.py"]), Assign, "a")
+    one(_cannot_start(sim, assign), Assign, "a")
+    assert sim.state.tasks["a"].spec == ran and sim.phase("a") is TaskPhase.RECONFIGURING
+    # an update back to the spec that ran leaves nothing else to go back to: its failure is the task's
+    updated(sim, "a", command=["python", "pretrain_gpt.py", "--one"])
+    assign = one(updated(sim, "a", command=list(ran.command)), Assign, "a")
+    assert sim.state.tasks["a"].previous_spec is None
+    assert one(_cannot_start(sim, assign), MarkTaskFailed, "a")
 
 
 def test_an_update_of_a_pending_task_replaces_its_spec_and_one_of_an_unknown_task_alerts() -> None:

@@ -64,6 +64,7 @@ EMITS: dict[Response, set[type[Action]]] = {
     R.STOP_RELEASE: {StopTask},
     R.WITHDRAW: set(),
     R.RELAUNCH_UPDATED: {Assign},
+    R.ROLLBACK: {Assign, Alert},
 }
 
 
@@ -140,6 +141,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
                 ts=sim.ts(), action_id=sim.outstanding(JOB), reason="cannot start", cause=FailureCause.TASK
             )
         )
+    if trigger is T.UPDATE_FAILED:
+        return _update_cannot_start
     if trigger is T.PROGRESS:
         return lambda sim: sim.progress(JOB, 100)
     if trigger is T.REATTEMPTS_SPENT:
@@ -183,6 +186,19 @@ def _new_command(sim: Sim) -> list[Action]:
     old = sim.state.tasks[JOB].spec
     new = TaskSpec(**{**{f.name: getattr(old, f.name) for f in fields(old)}, "command": (*old.command, "--new")})
     return sim.feed(TaskUpdated(ts=sim.ts(), spec=new))
+
+
+def _update_cannot_start(sim: Sim) -> list[Action]:
+    """The outstanding action fails to launch an updated spec not yet stepped (the update is put on
+    record directly: reaching it by events would leave the phase under test)."""
+    old = sim.state.tasks[JOB].spec
+    sim.state.tasks[JOB].spec = TaskSpec(**{**{f.name: getattr(old, f.name) for f in fields(old)},
+                                            "command": (*old.command, "--new")})
+    sim.state.tasks[JOB].previous_spec = old
+    acts = sim.feed(ActionFailed(ts=sim.ts(), action_id=sim.outstanding(JOB), reason="cannot start",
+                                 cause=FailureCause.TASK))
+    assert sim.state.tasks[JOB].spec == old
+    return acts
 
 
 def _drain_n2(sim: Sim) -> list[Action]:

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,6 +185,39 @@ def test_a_new_tp_size_relaunches_the_task_and_reshards_the_on_demand_snapshot(
         split = [line for r in (0, 1) for line in log_lines(c, name, r) if RESTORED.match(line)]
         assert all(line.endswith("resharded from TP 1 to 2 (4 micro-batches of 2)") for line in split), split
         assert len({str(r["node"]) for r in c.running_ranks(name).values()}) == 1  # a TP group stays on a node
+    finally:
+        cli(["cancel", name])
+
+
+def test_an_update_whose_command_cannot_start_rolls_back_and_the_job_trains_on(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """``unicron update`` with a typo in the command (an executable that does not exist): the ranks stop
+    with their snapshot, the new command cannot be executed, and the task goes back to the command it
+    ran with, relaunched from that snapshot (0 iterations redone), with an alert; its spec record shows
+    the command that runs. Before, the task was failed: one bad update lost a job that trained fine."""
+    c, name = cluster, f"{TASK}-bad-update"
+    submit(c, tmp_path, name)
+    try:
+        c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
+        gen = max(int(r.get("generation") or 0) for r in c.running_ranks(name).values())
+        spec = tmp_path / f"{name}.json"
+        good = json.loads(spec.read_text())
+        spec.write_text(json.dumps({**good, "command": [str(tmp_path / "no-such-python"), *good["command"][1:]]}))
+        since = time.time()
+        assert cli(["update", str(spec)]) == 0
+        wait_relaunched(c, name, gen + 1)  # the update's generation launched nothing: the rollback's runs
+        at = stops(c, name)
+        assert at[0] and at[0] == at[1], at
+        n = at[0][-1]
+        assert_restored_at(c, name, n, at)
+        c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the rolled-back task to train on", poll_s=0.1)
+        alerts = [a for a in c.actions(since) if a.get("action") == "Alert" and a.get("task") == name]
+        assert any("update failed" in str(a.get("message")) and "rolled back" in str(a.get("message"))
+                   for a in alerts), alerts
+        assert not [a for a in c.actions(since) if a.get("action") == "MarkTaskFailed" and a.get("task") == name]
+        assert c.store is not None
+        kv = c.store.get(c.keys.task(name))
+        assert kv is not None and json.loads(kv.value)["command"] == good["command"]
     finally:
         cli(["cancel", name])
 

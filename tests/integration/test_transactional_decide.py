@@ -7,6 +7,7 @@ The store is a real :class:`Store` on a real etcd; only its fenced transaction c
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import types
@@ -27,16 +28,18 @@ from coordinator.daemon import (
     NodeChanged,
     Reelected,
     ReportSeen,
+    ResultSeen,
     StatusChanged,
 )
 from coordinator.leader import Leadership
 from coordinator.settings import CoordinatorSettings
 from coordinator.statestore import read_state
-from coordinator.tasks import parse_task_spec
+from coordinator.tasks import TaskSpec, parse_task_spec
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import StoreUnavailable
 from unicron.kernel.etcd import Lease, Store, WatchEvent
 from unicron.kernel.types import (
+    AssignmentResult,
     DetectionMethod,
     ErrorKind,
     NodeAssignment,
@@ -45,6 +48,7 @@ from unicron.kernel.types import (
     RankStatus,
     Report,
     Severity,
+    TaskResult,
 )
 
 
@@ -135,6 +139,11 @@ def assignment(c: Coordinator, node: str) -> NodeAssignment:
     kv = c.store.get(c.keys.assignment(node))
     assert kv is not None
     return NodeAssignment.from_json(kv.value)
+
+
+def argv(c: Coordinator, node: str) -> list[str]:
+    """The command task ``t``'s record for ``node`` launches."""
+    return next(a.argv for a in assignment(c, node).tasks if a.task == "t")
 
 
 def incidents(c: Coordinator) -> int:
@@ -559,3 +568,32 @@ def test_a_lost_node_whose_link_drops_again_comes_back_when_its_agent_registers(
     register(c, "n1", 7)
     settle(c)
     assert c.state.nodes["n1"].status is d.NodeState.UP
+
+
+def test_an_update_that_cannot_start_is_rolled_back_in_the_records_too(coord: tuple[Coordinator, FlakyStore]) -> None:
+    """``unicron update`` with a command that cannot be executed: an agent's result says so. The task
+    goes back to the spec it ran with, and so do its spec record (what operators read) and the
+    relaunch's node records; before, the task failed and the record kept the spec that never ran."""
+    c, store = coord
+    running(c, recovery="inprocess")
+    c.ready.set()  # the API's calls run on the loop, as a leader's do
+    old = c.state.tasks["t"].spec
+    c.update(TaskSpec.from_dict({**old.to_dict(), "command": ["pythn", "x.py"]}))
+    t = c.state.tasks["t"]
+    node = sorted(t.placement)[0]
+    assert argv(c, node)[0] == "pythn"
+    result = AssignmentResult(node=node, revision=assignment(c, node).revision, ok=False,
+                              detail="task t: cannot execute 'pythn': no such file", tasks={
+                                  "t": TaskResult(generation=t.generation, restart_epoch=0, regroup_epoch=0,
+                                                  ranks={}, cannot_start="no such file: 'pythn'")})
+    store.put(c.keys.result(node), result.to_json())
+    feed(c, ResultSeen(WatchEvent("put", c.keys.result(node), result.to_json().encode(), 0), time.time()))
+    settle(c)
+    after = c.state.tasks["t"]
+    assert after.phase is d.TaskPhase.RECONFIGURING and after.spec == old, after
+    assert after.generation == t.generation + 1
+    kv = store.get(c.keys.task("t"))
+    assert kv is not None and TaskSpec.from_dict(json.loads(kv.value)) == old
+    assert all(argv(c, n)[0] == "python" for n in after.placement)
+    stored, _, _ = read_state(store, c.keys)
+    assert stored is not None and stored.tasks["t"].spec == old  # a new leader resumes with the spec that runs
