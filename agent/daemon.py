@@ -47,7 +47,15 @@ from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
 from unicron.kernel import parentdeath, patterns, protocol, severity, tls
 from unicron.kernel.errors import ConfigError, InvalidRecord, PermanentError, StoreUnavailable, UnicronError
-from unicron.kernel.etcd import Lease, PrefixWatch, Store, WatchEvent, connect_with_retry, parse_endpoints
+from unicron.kernel.etcd import (
+    KeyValue,
+    Lease,
+    PrefixWatch,
+    Store,
+    WatchEvent,
+    connect_with_retry,
+    parse_endpoints,
+)
 from unicron.kernel.inject import Fault, Injection
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import interface_of, route_address
@@ -393,16 +401,32 @@ class Agent:
             (self.keys.assignment(self.node), self._on_assignment_event),
             (self.keys.injections(self.node), self._on_injection_event),
         ):
-            try:
-                kvs, rev = self.store.get_prefix(prefix)
-            except StoreUnavailable:
-                kvs, rev = [], None
+            listed = self._list(prefix)
+            if listed is None:  # stopping
+                return
+            kvs, rev = listed
             for kv in kvs:
                 handler(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
             self._watches.append(
-                self.store.watch_prefix(prefix, handler, start_revision=None if rev is None else rev + 1,
-                                        known=[kv.key for kv in kvs])
+                self.store.watch_prefix(prefix, handler, start_revision=rev + 1, known=[kv.key for kv in kvs])
             )
+
+    def _list(self, prefix: str) -> tuple[list[KeyValue], int] | None:
+        """Every record under ``prefix`` and the revision it was read at, retried until etcd answers
+        (None: stopping). A watch started "from now" after one failed listing never delivered the
+        records already there: the node ignored its assignment (or the store address its ranks wait
+        for) until the coordinator happened to rewrite it."""
+        assert self.store is not None
+        backoff = 0.1
+        while not self.stop_event.is_set():
+            try:
+                return self.store.get_prefix(prefix)
+            except StoreUnavailable as exc:
+                log.warning("listing waits for etcd", prefix=prefix, error=str(exc))
+                self.metrics.etcd.retry("listing")
+                self.stop_event.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+        return None
 
     # --- reports -----------------------------------------------------------------------------
 

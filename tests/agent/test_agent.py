@@ -890,3 +890,38 @@ def test_the_agent_rotates_a_rank_log_past_its_cap(etcd_server: EtcdServer, tmp_
     finally:
         agent.stop()
         th.join(30)
+
+
+@pytest.mark.parametrize("failing", ["stores", "assign"])
+def test_a_failed_listing_at_start_is_retried_and_the_records_already_in_etcd_applied(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    """One etcd error on the agent's first listing of stores/ or assign/<node>: before, its watch began
+    "from now" and the records already there never arrived (the node's ranks were not launched until the
+    coordinator rewrote the key). Now the listing is retried and the watch starts from its revision."""
+    store.put(KEYS.store("t"), StoreAddress(task="t", generation=1, node="zz", host="127.0.0.1", port=1).to_json())
+    assign(store, "a0", task("t", SLEEPER, [0, 1], 2, store_node="zz"))
+    target = {"stores": KEYS.stores(), "assign": KEYS.assignment("a0")}[failing]
+    real = Store.get_prefix
+    failed: list[str] = []
+
+    def flaky(self: Store, prefix: str) -> tuple[list[KeyValue], int]:
+        if prefix == target and not failed:  # one deadline, on the agent's first listing of it
+            failed.append(prefix)
+            raise StoreUnavailable(f"etcd get prefix {prefix} failed: DEADLINE_EXCEEDED (injected)")
+        return real(self, prefix)
+
+    monkeypatch.setattr(Store, "get_prefix", flaky)
+    agent = Agent(settings(etcd_server, "a0", tmp_path))
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    try:
+        assert agent.ready.wait(30) and failed == [target]
+
+        def running() -> bool:
+            st = status(store, "a0")
+            return st is not None and sorted((r.rank, r.state) for r in st.ranks) == [(0, "running"), (1, "running")]
+
+        wait_for(running, 30, "a0's two ranks running")
+    finally:
+        agent.stop()
+        th.join(30)
