@@ -380,10 +380,19 @@ class Agent:
             log.error("another agent took this node's name while our lease was lost; stopping", reason=str(exc))
             self.stop()
             return
+        lease = self.lease
         with self._tasks_lock:
             hosted = [rec for rec in self._tasks.values() if rec.hosts_store()]
-        for rec in hosted:  # their addresses went with the old lease
-            rec.republish()
+        # Their addresses went with the old lease, and the task's other nodes launch nothing without
+        # them: retried until etcd takes them (one failed put right after an outage lost one for good),
+        # while this lease lasts (a newer one's re-registration republishes them itself).
+        backoff = 0.1
+        while hosted and self.lease is lease and not self.stop_event.is_set():
+            hosted = [rec for rec in hosted if not rec.republish()]
+            if hosted:
+                self.metrics.etcd.retry("store")
+                self.stop_event.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
 
     def _read_leader_link(self) -> str | None:
         """The leader key's link address; raises StoreUnavailable/StoreClosed when etcd cannot say."""

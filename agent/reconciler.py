@@ -337,19 +337,21 @@ class TaskReconciler:
         with self._lock:
             return self._sidecar is not None and self._published_revision > 0
 
-    def republish(self) -> None:
-        """Publish the hosted store's address again (it went with a lost lease)."""
+    def republish(self) -> bool:
+        """Publish the hosted store's address again (it went with a lost lease); False when etcd did not
+        take it (the caller retries)."""
         with self._lock:
             addr = self._store if self._sidecar is not None else None
         if addr is None:
-            return
+            return True
         try:
             revision = self.host.publish_store(addr)
         except StoreUnavailable as exc:
             log.warning("could not republish the store address", task=self.task, error=str(exc))
-            return
+            return False
         with self._lock:
             self._published_revision = revision
+        return True
 
     def cannot_start(self) -> str:
         """Why the task's command could not be executed on this node ("" if it could)."""

@@ -925,3 +925,36 @@ def test_a_failed_listing_at_start_is_retried_and_the_records_already_in_etcd_ap
     finally:
         agent.stop()
         th.join(30)
+
+
+def test_a_store_address_is_republished_after_reregistering_though_the_first_put_fails(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path) -> None:
+    """The agent's lease expired (an etcd pause) and stores/<task> of the store it hosts went with it.
+    Before, the agent republished it once after re-registering: one more etcd error then and the key
+    stayed absent (the task's other nodes waited for it for good). Now it retries until a put succeeds."""
+    agent = Agent(settings(etcd_server, "a1", tmp_path))
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    assert agent.ready.wait(30)
+    try:
+        assign(store, "a1", task("t", SLEEPER, [0], 1, store_node="a1"))
+        wait_for(lambda: store.get(KEYS.store("t")), 60, "the store address")
+        real = agent.publish_store
+        calls: list[StoreAddress] = []
+
+        def first_put_fails(addr: StoreAddress) -> int:  # etcd still flaky right after it came back
+            calls.append(addr)
+            if len(calls) == 1:
+                raise StoreUnavailable("etcd put failed: DEADLINE_EXCEEDED (injected)")
+            return real(addr)
+
+        agent.publish_store = first_put_fails  # type: ignore[method-assign]
+        old = agent.lease
+        assert old is not None
+        store.client.revoke_lease(old.lease_id)  # as if it expired in the outage: stores/t goes with it
+        wait_for(lambda: agent.lease is not old and store.get(KEYS.node("a1")), 30, "the re-registration")
+        kv = wait_for(lambda: store.get(KEYS.store("t")), 20, "stores/t republished")
+        assert len(calls) >= 2 and agent.lease is not None and kv.lease == agent.lease.lease_id
+    finally:
+        agent.stop()
+        th.join(30)
