@@ -155,7 +155,8 @@ def event_from_nvml(gpu: int, event_type: int, event_data: int, ts: float) -> Gp
 
 
 class NvmlBackend(GpuBackend):
-    """All GPUs NVML sees on this node. Raises :class:`GpuBackendUnavailable` without NVML/driver."""
+    """All GPUs NVML sees on this node. Raises :class:`GpuBackendUnavailable` without NVML/driver, and
+    :class:`GpuError` when listing the GPUs fails otherwise."""
 
     name = "nvml"
 
@@ -170,8 +171,12 @@ class NvmlBackend(GpuBackend):
             self._handles: list[Any | None] = []  # None: the GPU was lost already
             self._links: list[list[int]] = []
             self._event_sets: list[Any | None] = []
+            self._gone: dict[int, str] = {}  # GPU -> why it could not be opened
             for gpu in range(count):
                 self._open_gpu(gpu)
+        except GpuError:  # a GPU's optional read failed (translated already)
+            pynvml.nvmlShutdown()
+            raise
         except pynvml.NVMLError as exc:
             pynvml.nvmlShutdown()
             if exc.value in _UNAVAILABLE:
@@ -179,17 +184,20 @@ class NvmlBackend(GpuBackend):
             raise translate_error(exc, "NVML setup") from exc
 
     def _open_gpu(self, gpu: int) -> None:
-        """Open ``gpu``. One lost already is kept without a handle: the agent starts, and the GPU's health
-        polls raise GpuLost, which the monitor reports as it does for a GPU lost later."""
+        """Open ``gpu``. One lost already (fallen off the bus, needing a reset, or not found: ``_GONE``)
+        is kept without a handle: the agent starts, and the GPU's health polls raise GpuLost, which the
+        monitor reports as it does for a GPU lost later. (Only GPU_IS_LOST was tolerated: one GPU
+        needing a reset ended the whole node's agent before it registered.)"""
         try:
             handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
             links = self._active_links(gpu, handle)
             event_set = self._register_events(gpu, handle)  # last: nothing to free when the others fail
         except (pynvml.NVMLError, GpuLost) as exc:
-            if isinstance(exc, pynvml.NVMLError) and exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
+            if isinstance(exc, pynvml.NVMLError) and exc.value not in _GONE:
                 raise
             log.error("GPU lost already at agent start", gpu=gpu, error=str(exc))
             handle, links, event_set = None, [], None
+            self._gone[gpu] = str(exc)
         self._handles.append(handle)
         self._links.append(links)
         self._event_sets.append(event_set)
@@ -246,7 +254,7 @@ class NvmlBackend(GpuBackend):
     def health(self, gpu: int) -> GpuHealth:
         h = self._handles[gpu]
         if h is None:
-            raise GpuLost(f"GPU {gpu}: lost since the agent started")
+            raise GpuLost(f"GPU {gpu}: lost since the agent started ({self._gone.get(gpu, 'no handle')})")
         ecc, volatile = pynvml.nvmlDeviceGetTotalEccErrors, pynvml.NVML_VOLATILE_ECC
         sbe = optional(f"GPU {gpu}: ECC", ecc, h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, volatile)
         dbe = optional(f"GPU {gpu}: ECC", ecc, h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, volatile)

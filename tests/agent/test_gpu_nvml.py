@@ -4,13 +4,19 @@ pynvml's real exception classes and ctypes structures), and a real-GPU test mark
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
 
-from agent.gpu import GpuBackendUnavailable, GpuError, GpuLost, SimulatedBackend, nvml, open_backend
+from agent.gpu import GpuError, GpuEvent, GpuLost, SimulatedBackend, nvml, open_backend
+from agent.gpu.monitor import GpuMonitor
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.types import ErrorKind
 
@@ -40,8 +46,42 @@ def test_auto_falls_back_to_simulated_with_a_logged_reason(caplog: pytest.LogCap
 
 @no_nvml
 def test_explicit_nvml_without_a_driver_is_a_clear_error() -> None:
-    with pytest.raises(GpuBackendUnavailable, match="NVML cannot start"):
+    with pytest.raises(ConfigError, match=r"UNICRON_GPU_BACKEND nvml: NVML cannot start.*--gpu-backend simulated"):
         open_backend("nvml")
+
+
+AGENT_WITH_NVML = """
+import sys, pynvml
+def fail(*_):
+    raise pynvml.NVMLError({code})
+pynvml.{call} = fail
+from agent.main import main
+sys.exit(main(["--node", "n1", "--etcd", "127.0.0.1:1", "--advertise-host", "127.0.0.1", "--gpu-backend", "{kind}",
+               "--run-dir", {run!r}, "--prefork", "", "--replica-budget-mb", "0"]))
+"""
+
+
+@pytest.mark.parametrize(("kind", "call", "code", "reason"), [
+    ("nvml", "nvmlInit", pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "NVML cannot start: NVML Shared Library Not Found"),
+    ("nvml", "nvmlInit", pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH, "NVML cannot start: RM has detected"),
+    ("auto", "nvmlDeviceGetCount", pynvml.NVML_ERROR_UNKNOWN, "NVML setup: Unknown Error"),
+], ids=["library-missing", "driver-mismatch", "count-fails"])
+def test_an_nvml_that_cannot_start_ends_the_agent_with_one_line(tmp_path: Path, kind: str, call: str, code: int,
+                                                                 reason: str) -> None:
+    """GpuBackendUnavailable (or a GpuError listing the GPUs) came out of Agent.__init__ as a traceback,
+    in a loop under systemd; now it is a ConfigError: one line saying what to check, exit 2."""
+    if kind == "auto" and not HAVE_NVML:  # nvmlInit must succeed for the count to be asked
+        script = AGENT_WITH_NVML.replace("pynvml.{call} = fail", "pynvml.nvmlInit = pynvml.nvmlShutdown = "
+                                         "lambda: None\npynvml.{call} = fail")
+    else:
+        script = AGENT_WITH_NVML
+    proc = subprocess.run([sys.executable, "-c", script.format(code=code, call=call, kind=kind, run=str(tmp_path))],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("{")]  # JSON log lines aside
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"unicron-agent: --gpu-backend / UNICRON_GPU_BACKEND {kind}: "), \
+        proc.stderr
+    assert reason in lines[0]
 
 
 def test_unknown_backend_kind_names_the_choices() -> None:
@@ -83,13 +123,16 @@ def _nvml_error(code: int) -> Callable[..., Any]:
     return fail
 
 
+@pytest.mark.parametrize("lost", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED,
+                                  pynvml.NVML_ERROR_GPU_NOT_FOUND], ids=["lost", "reset-required", "not-found"])
 @pytest.mark.parametrize("lost_in", ["nvmlDeviceGetHandleByIndex", "nvmlDeviceGetSupportedEventTypes"])
 def test_a_gpu_lost_before_the_agent_starts_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatch,
-                                                                  lost_in: str) -> None:
+                                                                  lost_in: str, lost: int) -> None:
     """One GPU lost already (NVML_ERROR_GPU_IS_LOST while opening it) made the backend raise GpuLost,
     which open_backend let out: the agent crash-looped under systemd. The backend now opens; that GPU's
-    health polls raise GpuLost, which the GPU monitor reports as for a GPU lost later."""
-    lost = pynvml.NVML_ERROR_GPU_IS_LOST
+    health polls raise GpuLost, which the GPU monitor reports as for a GPU lost later. The same for a
+    GPU needing a reset or no longer found (only GPU_IS_LOST was tolerated: one GPU answering
+    RESET_REQUIRED took the whole node's agent down before it registered)."""
     for name, fn in {"nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
                      "nvmlDeviceGetHandleByIndex": lambda i: f"handle{i}",
                      "nvmlDeviceGetSupportedEventTypes": lambda h: 0,
@@ -107,6 +150,16 @@ def test_a_gpu_lost_before_the_agent_starts_is_reported_not_fatal(monkeypatch: p
         with pytest.raises(GpuLost, match="GPU 1"):
             backend.health(1)
         assert backend.wait_event(1, 0.01) is None
+        events: list[GpuEvent] = []
+        monitor = GpuMonitor(backend, on_event=events.append, on_health=lambda h: None, health_interval_s=0.05)
+        monitor.start()
+        try:  # reported once, as a GPU driver error (sev1): the node is taken out of service
+            deadline = time.monotonic() + 10
+            while not events and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert [(e.gpu, e.kind) for e in events] == [(1, ErrorKind.GPU_DRIVER_ERROR)]
+        finally:
+            monitor.stop()
     finally:
         backend.close()
 
