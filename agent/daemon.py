@@ -22,6 +22,7 @@ import queue
 import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -136,6 +137,13 @@ def _link_address(record: bytes) -> str | None:
     return link if isinstance(link, str) and link else None
 
 
+def run_dir_error(run_dir: str, exc: OSError) -> str:
+    """The one line an agent that cannot use its run directory exits with."""
+    return (f"--run-dir / UNICRON_RUN_DIR {run_dir!r}: {exc.strerror or exc}"
+            f"{f' ({exc.filename})' if exc.filename and exc.filename != run_dir else ''}; name a directory "
+            "this user can write, with free space and inodes")
+
+
 def default_advertise_host(etcd: str) -> str:
     """This host's address on its route to etcd: the network the other nodes share with it. (Not the
     hostname's address: /etc/hosts often maps it to loopback, 127.0.1.1 on a stock Debian, 127.0.0.1
@@ -228,10 +236,16 @@ class Agent:
         if self.tls_config is None:
             log.warning(tls.plaintext_warning("this agent's replica server or link, or etcd"), node=self.node)
         try:  # before registering: a node the coordinator sees can take ranks
-            os.makedirs(self.settings.run_dir, exist_ok=True)
+            os.makedirs(os.path.join(self.settings.run_dir, "logs"), exist_ok=True)
+            # A file made and removed: the socket bound once registered needs an inode there too, and a
+            # full filesystem failed that bind only after the node had registered (a traceback, the
+            # node flapping under systemd). (Not the socket itself: bound before the registration is
+            # held, a second agent of the node would replace the running one's.)
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=self.settings.run_dir)
+            os.close(fd)
+            os.unlink(probe)
         except OSError as exc:
-            raise ConfigError(f"--run-dir / UNICRON_RUN_DIR {self.settings.run_dir!r}: {exc.strerror}; name a "
-                              "directory this user can write") from exc
+            raise ConfigError(run_dir_error(self.settings.run_dir, exc)) from exc
         store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
                                    f"agent of node {self.node}", tls_config=self.tls_config)
         if store is None:
@@ -249,16 +263,16 @@ class Agent:
         except NodeNameTaken as exc:
             log.error("refusing to start", node=self.node, reason=str(exc))
             print(f"unicron-agent: {exc}", file=sys.stderr, flush=True)
-            if self.replicas is not None:
-                self.replicas.stop()
-            if self._metrics_server is not None:
-                self._metrics_server.stop()
-            store.close()
+            self._abandon_start()
             return 2
+        try:
+            self.rank_server = RankServer(self.socket_path, self._on_rank_message).start()
+        except OSError as exc:  # the probe passed (the disk filled since, or the path is a directory)
+            self._abandon_start()  # its registration too: no node that cannot take ranks stays registered
+            raise ConfigError(run_dir_error(self.settings.run_dir, exc)) from exc
         self.publisher = ReportPublisher(store, self.keys, self.stop_event,
                                          on_retry=lambda: self.metrics.etcd.retry("report"))
         threading.Thread(target=self._result_writer, name="result-writer", daemon=True).start()
-        self.rank_server = RankServer(self.socket_path, self._on_rank_message).start()
         self.marker.start()
         if self.prefork is not None:
             self.prefork.start()
@@ -284,6 +298,19 @@ class Agent:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def _abandon_start(self) -> None:
+        """Undo what run() started before it gave up: the servers, its registration (if it has one),
+        the etcd connection."""
+        if self.replicas is not None:
+            self.replicas.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+        if self.lease is not None:
+            with contextlib.suppress(StoreUnavailable):
+                self.lease.revoke()
+        if self.store is not None:
+            self.store.close()
 
     def _shutdown(self) -> None:
         for w in self._watches:

@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -108,6 +108,67 @@ def test_an_agent_run_dir_that_cannot_be_made_is_one_line_before_it_registers(
         assert store.get(Keyspace().node("rundir")) is None  # it never registered
     finally:
         store.close()
+
+
+def _agent_in(etcd_server: EtcdServer, run_dir: Path, node: str) -> tuple[str, bool]:
+    """The agent's one line and whether etcd was written at all (nodes/<node> or anything else)."""
+    store = Store(etcd_server.endpoint)
+    try:
+        before = store.get_prefix("/")[1]
+        line = _one_line(_daemon("agent.main", "--etcd", etcd_server.endpoint, "--node", node, "--gpu-backend",
+                                 "simulated", "--run-dir", str(run_dir), "--prefork", "", "--replica-budget-mb", "0"))
+        assert store.get(Keyspace().node(node)) is None
+        return line, store.get_prefix("/")[1] != before
+    finally:
+        store.close()
+
+
+def test_an_agent_whose_logs_dir_cannot_be_made_is_one_line_before_it_registers(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """logs/ was made only at a rank's launch: the node registered and took ranks it could not log."""
+    (tmp_path / "logs").write_text("x")
+    line, written = _agent_in(etcd_server, tmp_path, "nologs")
+    assert line.startswith(f"unicron-agent: --run-dir / UNICRON_RUN_DIR {str(tmp_path)!r}: ") and not written
+
+
+def test_an_agent_whose_socket_cannot_be_bound_withdraws_its_registration(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """Its socket's path is a directory: the bind, made once registered, failed with a traceback (exit 1)
+    and left nodes/<node> to its lease. Now: one line, exit 2, the registration revoked."""
+    (tmp_path / "nosock.sock" / "x").mkdir(parents=True)
+    line, _ = _agent_in(etcd_server, tmp_path, "nosock")
+    assert line.startswith(f"unicron-agent: --run-dir / UNICRON_RUN_DIR {str(tmp_path)!r}: Is a directory")
+
+
+@pytest.fixture
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs with no inode left (root only)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=16", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (mnt / "run").mkdir()
+        for i in range(64):
+            try:
+                (mnt / f"f{i}").touch()
+            except OSError:
+                break
+        else:
+            pytest.fail("the tmpfs did not run out of inodes")
+        yield mnt / "run"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_an_agent_on_a_full_run_dir_is_one_line_and_never_registers(etcd_server: EtcdServer, full_fs: Path) -> None:
+    """The agent registered, then died binding its socket (OSError ENOSPC, a traceback) in a loop under
+    systemd: the node flapped in the coordinator. Now it stops before writing anything to etcd."""
+    line, written = _agent_in(etcd_server, full_fs, "full0")
+    assert line.startswith(f"unicron-agent: --run-dir / UNICRON_RUN_DIR {str(full_fs)!r}: No space left on device")
+    assert not written
+
 
 
 @pytest.mark.parametrize("flag", ["--link-port", "--api-port"])
