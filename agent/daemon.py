@@ -236,7 +236,7 @@ class Agent:
         if self.tls_config is None:
             log.warning(tls.plaintext_warning("this agent's replica server or link, or etcd"), node=self.node)
         try:  # before registering: a node the coordinator sees can take ranks
-            os.makedirs(os.path.join(self.settings.run_dir, "logs"), exist_ok=True)
+            os.makedirs(self._logs_dir(), exist_ok=True)
             # A file made and removed: the socket bound once registered needs an inode there too, and a
             # full filesystem failed that bind only after the node had registered (a traceback, the
             # node flapping under systemd). (Not the socket itself: bound before the registration is
