@@ -33,6 +33,7 @@ from coordinator.decision.events import (
     FailureCause,
     IncidentRaised,
     NodeDrained,
+    NodeForgotten,
     NodeJoined,
     NodeLost,
     NodeUndrained,
@@ -242,6 +243,8 @@ class _Run:
                 self._on_drain(event.node, event.reason)
             case NodeUndrained():
                 self._on_undrain(event.node)
+            case NodeForgotten():
+                self._on_forget(event.node)
             case TaskSubmitted():
                 self._on_submit(event.spec)
             case TaskUpdated():
@@ -809,6 +812,22 @@ class _Run:
             self._node_set(node, status=NodeState.UP, reason="", suspected_by="")
             self.replan = True
 
+    def _on_forget(self, node: str) -> None:
+        """The node's entry goes (``unicron forget``): a node retired for good otherwise stayed lost or
+        isolated for ever, walked by every decision. Refused while it is up or an active task still
+        names it: its ranks, a restart or an action waiting on it, its store."""
+        entry = self.state.nodes.get(node)
+        if entry is None:
+            raise PermanentError(f"no node {node!r} to forget; see 'unicron nodes'")
+        if entry.status is NodeState.UP:
+            raise PermanentError(f"node {node} is up; drain it and stop its agent first")
+        holding = [t for t, e in sorted(self.state.tasks.items()) if e.phase in ACTIVE_PHASES and _names(e, node)]
+        if holding:
+            raise PermanentError(f"node {node} still holds task(s) {', '.join(holding)}; wait until they have "
+                                 "moved off it (see 'unicron tasks')")
+        del self.state.nodes[node]
+        self._own_nodes.discard(node)
+
     def _on_submit(self, spec: TaskSpec) -> None:
         old = self.state.tasks.get(spec.name)
         if old is not None and old.phase in ACTIVE_PHASES:
@@ -1112,6 +1131,14 @@ def _waiting_reason(spec: TaskSpec, nodes: Mapping[str, int], counts: Mapping[st
     if holders:
         return f"waiting for GPUs: needs at least {min_gpus}; the plan gives the {usable} usable to {holders}"
     return f"waiting for GPUs: no placement of {min_gpus} fits the usable nodes (tp_size, batch split)"
+
+
+def _names(entry: TaskEntry, node: str) -> bool:
+    """Whether a task entry refers to ``node`` (placed there, even with no ranks left, relaunching or
+    waiting there, its store there): such a node cannot be forgotten."""
+    o = entry.outstanding
+    return (node in entry.placement or node in entry.relaunching or entry.store_node == node
+            or (o is not None and (o.node == node or node in o.waiting)))
 
 
 def _down_node(event: Event) -> str | None:

@@ -60,6 +60,17 @@ class NodeUndrained:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeForgotten:
+    """An operator removes a node for good (``unicron forget``: its hardware was swapped, it was
+    renamed): its entry goes. Refused (:class:`~unicron.kernel.errors.PermanentError`) while the node
+    is up or a task still refers to it; the daemon also refuses it while the node is registered. A
+    node of that name that registers later is a new node."""
+
+    ts: float
+    node: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class TaskSubmitted:
     """A task joins the task set: reconfigure ⑥ (it stays pending if its minimum does not fit)."""
 
@@ -169,6 +180,7 @@ Event = (
     | NodeLost
     | NodeDrained
     | NodeUndrained
+    | NodeForgotten
     | TaskSubmitted
     | TaskUpdated
     | TaskFinished
