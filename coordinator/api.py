@@ -73,6 +73,11 @@ class ControlPlane(Protocol):
     def undrain(self, node: str) -> None:
         """Schedule on ``node`` again. :class:`NotFound` if unknown. Idempotent."""
 
+    def forget(self, node: str) -> None:
+        """Remove ``node`` for good (retired, renamed): its state entry and records go.
+        :class:`NotFound` if unknown; :class:`PermanentError` (one line saying what to do) while it is
+        registered or up, or a task still holds it."""
+
     def incidents(self, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` incidents (``Incident.to_dict()``), oldest first; 0 means all kept."""
 
@@ -107,7 +112,7 @@ def _dumps(record: dict[str, Any]) -> str:
 
 
 #: the RPCs that change the cluster: only an operator certificate may call them (with TLS)
-MUTATING_RPCS = frozenset({"Submit", "Cancel", "Drain", "Undrain"})
+MUTATING_RPCS = frozenset({"Submit", "Cancel", "Drain", "Undrain", "Forget"})
 
 
 def authorize(tls_config: tls.TLSConfig, context: Any, rpc: str) -> tls.Peer:
@@ -193,6 +198,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return pb.NodeReply()
 
         return self._run(context, "Undrain", undrain)
+
+    def Forget(self, request: pb.NodeRequest, context: Any) -> pb.NodeReply:
+        def forget() -> pb.NodeReply:
+            self.cp.forget(_required(request.node, "node"))
+            log.info("node forgotten", node=request.node)
+            return pb.NodeReply()
+
+        return self._run(context, "Forget", forget)
 
     def ListIncidents(self, request: pb.ListIncidentsRequest, context: Any) -> pb.IncidentList:
         return self._run(

@@ -822,6 +822,13 @@ class Coordinator:
         state, actions, edges = self.core.explain(base, event)
         draft, changed = execute(self.executor, state, actions)
         writes = dict(puts or {})
+        forgotten = event.node if isinstance(event, d.NodeForgotten) and event.node not in state.nodes else None
+        if forgotten is not None:
+            # its records go with its state entry, in this very write; none may be written back later
+            draft.forget(forgotten)
+            changed.discard(forgotten)
+            deletes = [*deletes, self.keys.assignment(forgotten), self.keys.result(forgotten),
+                       self.keys.drain(forgotten)]
         # a retired task's spec record goes with its state entry (DecisionSettings.ended_tasks_kept)
         retired = {self.keys.task(t) for t in self.state.tasks.keys() - state.tasks.keys()}
         deletes = [*deletes, *sorted(retired - set(deletes))]
@@ -855,6 +862,8 @@ class Coordinator:
         resized = self._check_returning(self.state, state, event.ts)
         self.state, self.executor, self.costs = state, draft, costs
         self._outages_graced = outages
+        if forgotten is not None:
+            self._forget_records(forgotten)
         for edge in edges:
             log.info("transition", edge=str(edge))
         for action in actions:
@@ -1017,6 +1026,36 @@ class Coordinator:
 
     def drain(self, node: str) -> None:
         self._call(lambda: self._node_event(node, d.NodeDrained(ts=self.clock(), node=node)))
+
+    def forget(self, node: str) -> None:
+        self._call(lambda: self._forget(node))
+
+    def _forget(self, node: str) -> None:
+        """A node retired for good leaves the state, its ``assign/``, ``results/`` and ``drain/``
+        records in the same write. Only a node no agent holds: registered, it would come back as the
+        node it was (its agent's results read against a forgotten record). The core refuses an up
+        node, and one a task still names."""
+        entry = self.state.nodes.get(node)
+        if entry is None:
+            raise api.NotFound(f"no node {node!r}; see 'unicron nodes'")
+        assert self.store is not None
+        # etcd's word, not only the watch's: a registration still queued behind this call counts
+        if node in self._nodes or self._link_alive(node) or self.store.get(self.keys.node(node)) is not None:
+            if entry.status is d.NodeState.UP:
+                raise PermanentError(f"node {node} is up; drain it and stop its agent first")
+            raise PermanentError(f"node {node} is {entry.status.value} but its agent is still registered; "
+                                 "stop its agent first")
+        self._decide(d.NodeForgotten(ts=self.clock(), node=node))
+
+    def _forget_records(self, node: str) -> None:
+        """What this leader remembers of a forgotten node: a node of that name registering later is
+        a new node, judged on nothing of the old one's."""
+        self._nodes.pop(node, None)
+        self._link_tokens.pop(node, None)
+        self._lost_nodes.discard(node)
+        self._statuses.pop(node, None)
+        self._status_reader.forget(node)
+        self._results.pop(node, None)
 
     def undrain(self, node: str) -> None:
         self._call(lambda: self._node_event(node, d.NodeUndrained(ts=self.clock(), node=node)))

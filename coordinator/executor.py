@@ -109,6 +109,12 @@ class Executor:
                 return changed
         return set()
 
+    def forget(self, node: str) -> None:
+        """Drop ``node``'s record: a node forgotten for good (``unicron forget``) has its
+        ``assign/<node>`` deleted, and no later decision may write it back."""
+        self.desired.pop(node, None)
+        self.isolated.discard(node)
+
     def record(self, node: str) -> tuple[str, str]:
         """The (key, JSON) to write for ``node``'s desired state, at a fresh revision."""
         self.revision += 1

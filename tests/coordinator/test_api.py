@@ -101,6 +101,14 @@ class FakeControlPlane:
         self._known(node)
         self.drained.discard(node)
 
+    def forget(self, node: str) -> None:
+        self._check()
+        self._known(node)
+        if node not in self.drained:  # the daemon's refusal of a node in service, in one line
+            raise PermanentError(f"node {node} is up; drain it and stop its agent first")
+        self.node_names.remove(node)
+        self.drained.discard(node)
+
     def incidents(self, limit: int) -> list[dict[str, Any]]:
         self._check()
         return self.incident_log[-limit:] if limit else list(self.incident_log)
@@ -212,6 +220,9 @@ def test_refusals_map_to_their_status_codes(stub: Any, spec: dict[str, Any]) -> 
         (lambda: stub.Cancel(pb.CancelRequest(name="nope"), timeout=5), grpc.StatusCode.NOT_FOUND),
         (lambda: stub.Cancel(pb.CancelRequest(name=""), timeout=5), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda: stub.Drain(pb.NodeRequest(node="n9"), timeout=5), grpc.StatusCode.NOT_FOUND),
+        (lambda: stub.Forget(pb.NodeRequest(node="n9"), timeout=5), grpc.StatusCode.NOT_FOUND),
+        (lambda: stub.Forget(pb.NodeRequest(node=""), timeout=5), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: stub.Forget(pb.NodeRequest(node="n1"), timeout=5), grpc.StatusCode.FAILED_PRECONDITION),
         (lambda: stub.ListTasks(pb.ListTasksRequest(name="nope"), timeout=5), grpc.StatusCode.NOT_FOUND),
     ]
     for rpc, code in calls:
@@ -249,6 +260,22 @@ def test_drain_undrain_and_incident_limit(stub: Any, plane: FakeControlPlane) ->
     assert got == plane.incident_log[-2:]
     everything = stub.ListIncidents(pb.ListIncidentsRequest(), timeout=5).incident_json
     assert len(everything) == len(plane.incident_log)
+
+
+def test_cli_forget_removes_a_node_and_a_refusal_is_one_line(
+    unicron: Any, api: str, plane: FakeControlPlane,
+) -> None:
+    code, out, err = unicron("forget", "n1", "--api", api)
+    assert (code, out) == (1, "") and err == "unicron forget: node n1 is up; drain it and stop its agent first\n"
+    assert unicron("drain", "n1", "--api", api)[0] == 0
+    code, out, err = unicron("forget", "n1", "--api", api, "--json")
+    assert code == 0 and json.loads(out) == {"node": "n1", "forgotten": True}, err
+    assert plane.node_names == ["n2"]
+    code, _, err = unicron("forget", "n1", "--api", api)
+    assert code == 1 and "no node named 'n1'" in err and "\n" not in err.rstrip("\n")
+    with pytest.raises(SystemExit) as usage:
+        unicron("forget", "--api", api)
+    assert usage.value.code == 2
 
 
 def test_serve_refuses_a_taken_port(plane: FakeControlPlane, api: str) -> None:
@@ -511,10 +538,11 @@ def test_cli_bad_etcd_endpoint_is_one_line(unicron: Any) -> None:
 @pytest.mark.parametrize("argv", [("cancel", "t\udcff", "--api", "127.0.0.1:1"),
                                   ("drain", "n\udcff", "--api", "127.0.0.1:1"),
                                   ("undrain", "n\udcff", "--api", "127.0.0.1:1"),
+                                  ("forget", "n\udcff", "--api", "127.0.0.1:1"),
                                   ("tasks", "t\udcff", "--api", "127.0.0.1:1"),
                                   ("inject", "kill-rank", "--node", "n\udcff", "--etcd", "127.0.0.1:1"),
                                   ("nodes", "--prefix", "/u\udcff", "--etcd", "127.0.0.1:1")],
-                         ids=["cancel", "drain", "undrain", "tasks", "inject", "nodes-prefix"])
+                         ids=["cancel", "drain", "undrain", "forget", "tasks", "inject", "nodes-prefix"])
 def test_cli_an_argument_that_is_not_utf8_is_one_line(unicron: Any, argv: tuple[str, ...]) -> None:
     """A byte the locale cannot decode (Python keeps it as a lone surrogate) failed with a traceback when
     the name was encoded into a request or an etcd key, or was blamed on a node's registration."""

@@ -1,6 +1,6 @@
 """The coordinator's gRPC API with mutual TLS: who may call what, over real gRPC with real certificates.
 
-Mutating RPCs (submit, cancel, drain, undrain) take an operator certificate; a node's or the
+Mutating RPCs (submit, cancel, drain, undrain, forget) take an operator certificate; a node's or the
 coordinator's certificate, one from another CA, or none are refused, and the CLI says why in one line.
 """
 
@@ -59,6 +59,7 @@ def test_only_an_operator_mutates(api: str, plane: FakeControlPlane, cert_dir: P
     for name in ("node1", "coordinator"):
         assert call(api, creds(cert_dir, name), "Submit", submit) == grpc.StatusCode.PERMISSION_DENIED
         assert call(api, creds(cert_dir, name), "Drain", pb.NodeRequest(node="n1")) == grpc.StatusCode.PERMISSION_DENIED
+        assert call(api, creds(cert_dir, name), "Forget", pb.NodeRequest(node="n1")) == grpc.StatusCode.PERMISSION_DENIED
     # read-only calls are open to any certificate the cluster CA signed
     assert call(api, creds(cert_dir, "node1"), "ListTasks", pb.ListTasksRequest()) == grpc.StatusCode.OK
     # no certificate, or another CA's: the handshake fails, nothing is served
@@ -66,7 +67,7 @@ def test_only_an_operator_mutates(api: str, plane: FakeControlPlane, cert_dir: P
     foreign = tls.TLSConfig(cert_dir / "ca.crt", foreign_cert_dir / "operator.crt", foreign_cert_dir / "operator.key")
     stranger = call(api, foreign.grpc_channel_credentials(), "Submit", submit)
     assert plain == stranger == grpc.StatusCode.UNAVAILABLE
-    assert plane.specs == {} and plane.drained == set()
+    assert plane.specs == {} and plane.drained == set() and plane.node_names == ["n1", "n2"]
     assert call(api, creds(cert_dir, "operator"), "Submit", submit) == grpc.StatusCode.OK
     assert call(api, creds(cert_dir, "operator"), "Drain", pb.NodeRequest(node="n1")) == grpc.StatusCode.OK
     assert list(plane.specs) == ["gpt-1p3b"] and plane.drained == {"n1"}

@@ -1,4 +1,4 @@
-"""``unicron submit|update|cancel|tasks|drain|undrain``: the task set and drains, through the coordinator's API.
+"""``unicron submit|update|cancel|tasks|drain|undrain|forget``: the task set, drains and retired nodes, through the coordinator's API.
 
 These commands go through the leading coordinator's gRPC API (docs/api.md), because the coordinator
 validates specs against the cluster and acts on the change. Its address is the ``api`` field of the
@@ -65,6 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_api_flags(p)
     p.add_argument("node", metavar="NODE")
     p.set_defaults(func=cmd_undrain)
+    p = sub.add_parser("forget", help="remove a node retired for good (hardware swapped, renamed): lost, isolated "
+                       "or drained, its agent stopped, no task on it; a node of that name that registers later is new")
+    add_api_flags(p)
+    p.add_argument("node", metavar="NODE")
+    p.set_defaults(func=cmd_forget)
 
 
 def add_api_flags(p: argparse.ArgumentParser) -> None:
@@ -246,6 +251,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_undrain(args: argparse.Namespace) -> int:
     call(args, "Undrain", pb.NodeRequest(node=args.node))
     return _done(args, f"undrained node {args.node}", {"node": args.node, "drained": False})
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    call(args, "Forget", pb.NodeRequest(node=args.node))
+    return _done(args, f"forgot node {args.node}", {"node": args.node, "forgotten": True})
 
 
 def _cell(value: Any) -> Any:

@@ -62,7 +62,7 @@ ETCD_SUPERUSER = "root"
 
 
 class Role(StrEnum):
-    OPERATOR = "operator"  #: the CLI: submit, cancel, drain, undrain
+    OPERATOR = "operator"  #: the CLI: submit, cancel, drain, undrain, forget
     NODE = "node"  #: an agent; the certificate's CN is its node name
     COORDINATOR = "coordinator"  #: the coordinator daemon
     ETCD = "etcd"  #: etcd's server certificate and its admin (CN=root); no Unicron channel accepts it

@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=coordinator__pb2.NodeRequest.SerializeToString,
                 response_deserializer=coordinator__pb2.NodeReply.FromString,
                 _registered_method=True)
+        self.Forget = channel.unary_unary(
+                '/unicron.v1.Coordinator/Forget',
+                request_serializer=coordinator__pb2.NodeRequest.SerializeToString,
+                response_deserializer=coordinator__pb2.NodeReply.FromString,
+                _registered_method=True)
         self.ListIncidents = channel.unary_unary(
                 '/unicron.v1.Coordinator/ListIncidents',
                 request_serializer=coordinator__pb2.ListIncidentsRequest.SerializeToString,
@@ -117,6 +122,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Forget(self, request, context):
+        """Remove a node retired for good (hardware swapped, renamed): its entry and records go. Refused
+        (FAILED_PRECONDITION) while its agent is registered, it is up, or a task still holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListIncidents(self, request, context):
         """Recorded incidents, oldest first.
         """
@@ -154,6 +167,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Undrain': grpc.unary_unary_rpc_method_handler(
                     servicer.Undrain,
+                    request_deserializer=coordinator__pb2.NodeRequest.FromString,
+                    response_serializer=coordinator__pb2.NodeReply.SerializeToString,
+            ),
+            'Forget': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forget,
                     request_deserializer=coordinator__pb2.NodeRequest.FromString,
                     response_serializer=coordinator__pb2.NodeReply.SerializeToString,
             ),
@@ -323,6 +341,33 @@ class Coordinator:
             request,
             target,
             '/unicron.v1.Coordinator/Undrain',
+            coordinator__pb2.NodeRequest.SerializeToString,
+            coordinator__pb2.NodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unicron.v1.Coordinator/Forget',
             coordinator__pb2.NodeRequest.SerializeToString,
             coordinator__pb2.NodeReply.FromString,
             options,
