@@ -13,6 +13,11 @@ process's GIL could not keep 1,000 nodes' leases on time).
 3. soak: the cluster runs with nothing injected for ``--soak-s``; ``false_node_losses`` counts the
    node-loss incidents the coordinator raised meanwhile (target 0), ``coordinator_cpu_pct`` is the
    coordinator process's CPU time (``/proc/<pid>/stat``) over the soak's wall time (target <= 50);
+   a false loss is the coordinator's only if the fleet fed the node in time: one where the fleet itself
+   sent the node no heartbeat for the whole timeout (its shared heartbeat thread starved: the harness,
+   not the agent) counts in ``false_node_losses_fleet_late`` instead (``hollow.fleet_silent``), and
+   ``fleet_late_sends`` / ``fleet_send_gap_max_s`` say how late the fleet's heartbeats ran (gaps over
+   0.5 s between two sends to a node; 0.0: none);
 4. ``--kills`` nodes die one at a time (their link closes, their lease is no longer refreshed) and as
    many hang (heartbeats stop, the link stays open): the clock starts at the kill, here, and stops
    at the coordinator's "incident" log line for that node (stamped after the decision's fenced write
@@ -44,11 +49,13 @@ from typing import Any
 # the repository first: bench/ckpt.py would shadow the ckpt package
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from coordinator.settings import CoordinatorSettings
 from coordinator.statestore import read_state
 from unicron.cli.main import main as cli
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.cluster.hollow import FleetProcesses
+from unicron.cluster.hollow import FleetProcesses, SendGap, fleet_silent
 from unicron.cluster.localcluster import LocalCluster
+from unicron.kernel.config import from_args
 from unicron.kernel.errors import StoreUnavailable
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
@@ -117,6 +124,19 @@ class LogTail:
             time.sleep(0.05)
             found = next((r for r in self.poll() if pred(r)), None)
         return found
+
+
+def false_losses(losses: list[dict[str, Any]], gaps: list[SendGap], timeout_s: float) -> tuple[int, list[dict[str, Any]]]:
+    """``losses`` (node-loss incidents with nothing injected) split: how many are the coordinator's, and
+    each one the fleet's own silence explains (``fleet_silent``: it sent the node nothing for the whole
+    heartbeat timeout before the loss), with that gap. A closed connection is never the fleet's lateness."""
+    blamed: list[dict[str, Any]] = []
+    for r in losses:
+        gap = (fleet_silent(gaps, str(r.get("node")), float(r.get("source_ts", r["ts"])), timeout_s)
+               if "heartbeat timeout" in str(r.get("message", "")) else None)
+        if gap is not None:
+            blamed.append({"node": r.get("node"), "fleet_gap_s": round(gap, 3)})
+    return len(losses) - len(blamed), blamed
 
 
 def up_nodes(c: LocalCluster) -> int:
@@ -214,16 +234,23 @@ def main() -> None:
         tail.poll()
         losses = [r for r in tail.lines if r.get("event") == "incident" and r.get("kind") == "lost_connection"
                   and t0 <= r["ts"] <= t1]
-        out[f"false_node_losses_{int(soak_s)}s"] = len(losses)
         # before the soak (the join and the task's placement over every node): false too, said apart
-        out["false_node_losses_before_soak"] = sum(
-            1 for r in tail.lines if r.get("event") == "incident" and r.get("kind") == "lost_connection"
-            and r["ts"] < t0)
+        before = [r for r in tail.lines if r.get("event") == "incident" and r.get("kind") == "lost_connection"
+                  and r["ts"] < t0]
+        # the harness's own lateness is not the coordinator's: a loss the fleet's silence explains is apart
+        gaps = fleet.late_sends()
+        timeout_s = from_args(CoordinatorSettings).heartbeat_timeout_s
+        out[f"false_node_losses_{int(soak_s)}s"], late_soak = false_losses(losses, gaps, timeout_s)
+        out["false_node_losses_before_soak"], late_before = false_losses(before, gaps, timeout_s)
+        out["false_node_losses_fleet_late"] = late_before + late_soak
+        out["fleet_late_sends"] = len(gaps)
+        out["fleet_send_gap_max_s"] = round(max((b - a for _, a, b in gaps), default=0.0), 3)
         out["coordinator_cpu_pct"] = round(100 * (cpu1 - cpu0) / (t1 - t0), 1)
         out["hollow_process_cpu_pct"] = round(100 * (own1 - own0) / (t1 - t0), 1)  # the fleet and the bench
         out["etcd_cpu_pct"] = round(100 * (etcd1 - etcd0) / (t1 - t0), 1)
         out["loadavg_1m"] = [load0, loadavg()]
-        progress(f"soak {soak_s:.0f}s: {len(losses)} false node losses, coordinator CPU "
+        progress(f"soak {soak_s:.0f}s: {out[f'false_node_losses_{int(soak_s)}s']} false node losses "
+                 f"({len(out['false_node_losses_fleet_late'])} more the fleet's lateness explains), coordinator CPU "
                  f"{out['coordinator_cpu_pct']}%, hollow process {out['hollow_process_cpu_pct']}%")
 
         # --- node losses ----------------------------------------------------------------------

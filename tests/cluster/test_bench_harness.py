@@ -202,6 +202,27 @@ def test_scale_a_node_loss_never_reported_is_in_the_percentiles_not_skipped() ->
     json.loads(json.dumps(out, allow_nan=False))  # strict JSON: no Infinity
 
 
+def test_scale_a_false_loss_is_the_fleets_only_when_it_sent_the_node_nothing_for_the_whole_timeout() -> None:
+    """bench/scale.py counted every false node loss against the coordinator, also one its own hollow
+    fleet could have caused (a shared heartbeat thread starved on a 2-core machine). Now a heartbeat
+    timeout is the harness's only when the fleet's stamped send gap spans the whole timeout before it;
+    a gap that ended or began within the timeout, or a closed connection, stays the coordinator's."""
+    import scale  # type: ignore[import-not-found,unused-ignore]
+
+    def loss(node: str, ts: float, why: str = "agent heartbeat timeout") -> dict[str, Any]:
+        return {"event": "incident", "kind": "lost_connection", "node": node, "source_ts": ts, "ts": ts + 0.3,
+                "message": why}
+
+    gaps = [("n1", 100.0, 101.5),   # nothing sent to n1 from 100.0 to 101.5: the fleet's silence
+            ("n2", 100.5, 101.2),   # n2 fed 0.6 s before its loss: the coordinator's
+            ("n3", 99.0, 100.9)]    # n3's gap ended before its loss: the coordinator's
+    losses = [loss("n1", 101.2), loss("n2", 101.1), loss("n3", 101.0), loss("n4", 101.0),
+              loss("n1", 101.3, "agent connection closed")]
+    product, blamed = scale.false_losses(losses, gaps, 1.0)
+    assert product == 4
+    assert blamed == [{"node": "n1", "fleet_gap_s": 1.5}]
+
+
 def test_redistribute_delay_is_the_failed_iterations_excess_over_the_jobs_usual_one(tmp_path: Path) -> None:
     """bench/redistribute.py's delay: (end of F - end of F-1) minus the median of the job's earlier
     iterations, with the restart's F-1 read from the killed launch's ``--log-iterations`` lines (the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from unicron.cluster.etcd_server import EtcdServer
-from unicron.cluster.hollow import FleetProcesses, HollowFleet, SimulatedTask
+from unicron.cluster.hollow import FleetProcesses, HollowFleet, SimulatedTask, fleet_silent
+from unicron.kernel import wire
 from unicron.kernel.errors import StartFailed
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
@@ -97,3 +99,29 @@ def test_a_stopped_hollow_fleet_leaves_no_temp_dir(
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     HollowFleet(etcd_server.endpoint, 1, 2, prefix=prefix).start().stop()
     assert not list(tmp_path.glob("unicron-hollow-*"))
+
+
+def test_a_starved_fleet_stamps_its_late_heartbeats(etcd_server: EtcdServer, prefix: str) -> None:
+    """The fleet's one heartbeat thread serves every node of its process: when it is held up (here by its
+    own lock, as by the GIL of a process answering a wide Assign), the nodes' heartbeats are late through
+    no fault of the agent or the coordinator. The gap is stamped, so bench/scale.py can tell such a loss
+    from the coordinator's (``fleet_silent``)."""
+    fleet = HollowFleet(etcd_server.endpoint, 1, 2, prefix=prefix, heartbeat_s=0.05, late_s=0.5).start()
+    ours, theirs = socket.socketpair()
+    try:
+        with fleet._lock:
+            fleet._conns["hollow0000"] = wire.LineSocket(ours)  # its link, as the connector would make it
+        assert _wait(lambda: theirs.recv(65536), 2.0)
+        time.sleep(0.2)
+        assert fleet.late_sends() == []  # fed every 0.05 s
+        with fleet._lock:  # the heartbeat thread cannot take its round's connections
+            stalled = time.time()
+            time.sleep(1.2)
+        time.sleep(0.3)
+        gaps = fleet.late_sends()
+        assert [g for g in gaps if g[0] == "hollow0000" and g[1] <= stalled and g[2] >= stalled + 1.2], gaps
+        assert fleet_silent(gaps, "hollow0000", stalled + 1.1, 1.0) is not None  # its silence
+        assert fleet_silent(gaps, "hollow0000", stalled + 1.1, 2.0) is None  # not the whole timeout
+    finally:
+        fleet.stop()
+        theirs.close()

@@ -19,10 +19,17 @@ written many per etcd transaction, as are the agents' assignment results (the re
 leases are the real ones; a thread and a call per record and per lease cost more CPU than the
 coordinator's). :class:`FleetProcesses` splits a
 fleet over several such processes: at 1,000 nodes one process's GIL let leases lapse.
+
+The fleet is not the agent: its shared heartbeat thread may itself be starved (a process of 250 nodes
+answering an Assign over every node, on a machine of 2 cores). It stamps every gap between two sends
+to a node longer than ``late_s`` (:meth:`HollowFleet.late_sends`), so that a node loss the coordinator
+declares can be told the harness's fault (nothing was sent to the node for the whole timeout) or the
+coordinator's (:func:`fleet_silent`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import multiprocessing
@@ -50,6 +57,22 @@ from unicron.kernel.types import RankStatus, TaskAssignment
 log = ulog.get(__name__)
 
 KEEPALIVE_BATCH = 100  # leases refreshed per stream
+#: gaps between two heartbeats sent to a node kept for :meth:`HollowFleet.late_sends` (the latest)
+LATE_SENDS_KEPT = 10_000
+
+#: a gap in the heartbeats the fleet sent to one node: (node, wall time of the send before, of the send after)
+SendGap = tuple[str, float, float]
+
+
+def fleet_silent(gaps: Iterable[SendGap], node: str, ts: float, timeout_s: float) -> float | None:
+    """The fleet's send gap that explains ``node``'s heartbeat timeout declared at ``ts`` (wall time),
+    or None: the harness is to blame only when it sent the node nothing for the whole ``timeout_s``
+    before ``ts`` (its last send at or before ``ts - timeout_s``, its next one at or after ``ts``).
+    Otherwise the coordinator lost a node that was fed in time."""
+    for n, start, end in gaps:
+        if n == node and start <= ts - timeout_s and end >= ts:
+            return end - start
+    return None
 
 
 class SimulatedTask:
@@ -192,9 +215,11 @@ class HollowFleet:
 
     def __init__(self, etcd: str, n: int, gpus: int, prefix: str = "/unicron", name: str = "hollow",
                  heartbeat_s: float = 0.1, status_interval_s: float = 1.0, iter_s: float = 1.0,
-                 status_threads: int = 4, run_dir: str | None = None, first: int = 0) -> None:
+                 status_threads: int = 4, run_dir: str | None = None, first: int = 0,
+                 late_s: float = 0.5) -> None:
         """Nodes ``<name><first>`` .. ``<name><first + n - 1>`` (``first``: this slice of a fleet
-        split over processes, :class:`FleetProcesses`)."""
+        split over processes, :class:`FleetProcesses`); a gap between two heartbeats sent to a node
+        longer than ``late_s`` is stamped (:meth:`late_sends`)."""
         self.keys = Keyspace(prefix)
         self.store = Store(etcd)
         # the keepalives' own client: a call that times out marks its client's endpoint failed for a
@@ -206,6 +231,9 @@ class HollowFleet:
         # out by the hundred and took the client's endpoint down with them
         node_store = _FleetStore(self.store, self._batch, (self.keys.statuses(), self.keys.results()))
         self.heartbeat_s = heartbeat_s
+        self.late_s = late_s
+        self._last_send: dict[str, float] = {}  # node -> wall time of its last heartbeat send
+        self._late: collections.deque[SendGap] = collections.deque(maxlen=LATE_SENDS_KEPT)
         self.status_interval_s = status_interval_s
         self.status_threads = status_threads
         self._own_run_dir = not run_dir  # made here: removed by stop()
@@ -304,6 +332,18 @@ class HollowFleet:
         with self._lock:
             return len(self._conns)
 
+    def late_sends(self) -> list[SendGap]:
+        """Every gap longer than ``late_s`` between two heartbeats this fleet sent to one node (the
+        latest :data:`LATE_SENDS_KEPT`), and the gap still open now of each connected node that is not
+        hung. A hung or killed node's silence is the fault injected, not lateness."""
+        now = time.time()
+        with self._lock:
+            current = [n for n in self._conns if n not in self._hung]
+        gaps = list(self._late)
+        gaps += [(n, self._last_send[n], now) for n in current
+                 if n in self._last_send and now - self._last_send[n] > self.late_s]
+        return gaps
+
     # --- the shared loops ------------------------------------------------------------------------
 
     def _on_assignment(self, ev: WatchEvent) -> None:
@@ -350,6 +390,12 @@ class HollowFleet:
                         if self._conns.get(node) is conn:
                             del self._conns[node]
                     conn.close()
+                    continue
+                sent = time.time()  # wall time: the coordinator's log stamps its losses in it
+                before = self._last_send.get(node)
+                if before is not None and sent - before > self.late_s:
+                    self._late.append((node, before, sent))
+                self._last_send[node] = sent
             next_ts += self.heartbeat_s
             self._stop.wait(max(0.0, next_ts - time.monotonic()))
             next_ts = max(next_ts, time.monotonic() - self.heartbeat_s)
@@ -432,7 +478,7 @@ def _serve_slice(conn: Connection, etcd: str, first: int, n: int, gpus: int, opt
     until told to stop or until the parent goes (the pipe closes)."""
     fleet = HollowFleet(etcd, n, gpus, first=first, **options).start()
     calls: dict[str, Callable[..., object]] = {"kill": fleet.kill, "hang": fleet.hang, "live": fleet.live,
-                                               "connected": fleet.connected}
+                                               "connected": fleet.connected, "late_sends": fleet.late_sends}
     conn.send(("ready", None))
     try:
         while True:
@@ -521,6 +567,10 @@ class FleetProcesses:
 
     def connected(self) -> int:
         return sum(int(self._call(i, "connected")) for i in range(len(self._conns)))
+
+    def late_sends(self) -> list[SendGap]:
+        """Every process's :meth:`HollowFleet.late_sends`."""
+        return [(str(n), float(a), float(b)) for i in range(len(self._conns)) for n, a, b in self._call(i, "late_sends")]
 
     def stop(self) -> None:
         """Each process stops its slice (leases revoked), in parallel; one that does not is killed."""
