@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import os
 import signal
 import threading
 import time
@@ -82,6 +83,12 @@ SPARE_DELAY_S = 20.0
 LEAVE_WAIT_S = 60.0
 #: ``TaskAssignment.recovery`` of a task whose every rank is relaunched together
 RECOVERY_RESTART = "restart"
+
+
+def stderr_log_path(log_path: str) -> str:
+    """Where a rank's stderr is appended: beside its stdout log ``rank<R>.log``, as ``rank<R>.err`` (the
+    stdout log stays the job's own output, as torchrun's ``stdout.log``/``stderr.log`` split it)."""
+    return os.path.splitext(log_path)[0] + ".err"
 
 
 def _store_epoch(a: TaskAssignment) -> int:
@@ -245,7 +252,7 @@ class TaskReconciler:
         self._log_phase: PhaseLine | None = None
         self._log_phase_lock = threading.Lock()  # each rank's stdout and stderr have a reader thread
         self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
-                                     on_line=self._on_line)
+                                     on_line=self._on_line, task=self.task)
         self.started = self._submit(_Command(assignment, "assigned", Outcome(self.task)))
         self._thread = threading.Thread(target=self._run, name=f"reconcile-{self.task}", daemon=True)
         self._thread.start()
@@ -615,8 +622,9 @@ class TaskReconciler:
             # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
             self._forget_progress(spec.rank)
         try:
-            self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store),
-                                   stdout_path=self.host.rank_log_path(a.task, spec.rank))
+            log_path = self.host.rank_log_path(a.task, spec.rank)
+            self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store), stdout_path=log_path,
+                                   stderr_path=stderr_log_path(log_path))
         except RankStillRunning as exc:  # its predecessor would not die: this node's trouble, and it still runs
             log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
             return str(exc)

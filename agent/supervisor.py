@@ -4,8 +4,8 @@ Each rank runs as a child process in its own process group. Per child:
 
 * a **waiter thread** blocked in ``waitpid`` learns of the exit the moment the kernel reaps it (no
   poll loop) and calls ``on_exit`` with a :class:`RankExit` saying whether the agent asked for it;
-* a **stderr reader thread** forwards every line (rank-prefixed) to the agent's stderr or a sink and
-  calls ``on_stderr_match`` when :func:`unicron.kernel.patterns.match` recognises a Table 1 status (at most
+* a **stderr reader thread** forwards every line (prefixed with the task and rank) to the agent's
+  stderr or a sink, appends it to the rank's stderr log (``stderr_path``) and calls ``on_stderr_match`` when :func:`unicron.kernel.patterns.match` recognises a Table 1 status (at most
   once per kind per ``match_interval_s``, so a rank spewing the same error does not flood reports);
 * with ``on_line``, every line of stdout and stderr is also handed to it (progress lines of
   uninstrumented jobs, :mod:`agent.progress`): stdout then goes through a pipe and a **stdout reader
@@ -109,12 +109,14 @@ class RankStillRunning(PermanentError):
     """A launch of a rank whose previous process has not exited (the node's trouble, not the command's)."""
 
 
-def _stderr_writer() -> StderrSink:
+def _stderr_writer(task: str = "") -> StderrSink:
     lock = threading.Lock()
+    # the task's name: a node runs ranks of several tasks, and "[rank 0]" alone named no one's traceback
+    prefix = f"{task} rank" if task else "rank"
 
     def write(rank: int, line: str) -> None:
         with lock:
-            sys.stderr.write(f"[rank {rank}] {line}\n")
+            sys.stderr.write(f"[{prefix} {rank}] {line}\n")
             sys.stderr.flush()
 
     return write
@@ -147,6 +149,7 @@ class RankProcess:
         self.reader: threading.Thread | None = None
         self.stdout: IO[bytes] | None = None  # read end of the stdout pipe (with ``on_line``)
         self.stdout_file: IO[bytes] | None = None  # the log the stdout reader appends to
+        self.stderr_file: IO[bytes] | None = None  # the log the stderr reader appends to (``stderr_path``)
         self.waiter: threading.Thread | None = None
 
     def status(self) -> ProcStatus:
@@ -179,11 +182,13 @@ class Supervisor:
         pdeathsig: bool = True,
         prefork: Prefork | None = None,
         on_line: LineCallback | None = None,
+        task: str = "",
     ) -> None:
+        """``task``: the name the default stderr sink puts before each forwarded line's rank."""
         self._on_exit = on_exit
         self._on_line = on_line
         self._on_match = on_stderr_match
-        self._sink = stderr_sink or _stderr_writer()
+        self._sink = stderr_sink or _stderr_writer(task)
         self._match_interval = match_interval_s
         # A dying rank prints its error right before exiting: give its reader this long to reach EOF
         # so the stderr match is reported (and RankExit.stderr_kind set) before the exit itself.
@@ -204,9 +209,11 @@ class Supervisor:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         stdout_path: str | None = None,
+        stderr_path: str | None = None,
     ) -> RankProcess:
         """Start ``argv`` as ``rank``. ``env`` is the child's whole environment (None: the agent's);
-        ``stdout_path``: append stdout there (None: inherit the agent's stdout). stderr is piped.
+        ``stdout_path``: append stdout there (None: inherit the agent's stdout). stderr is piped, and
+        with ``stderr_path`` also appended there.
         Raises PermanentError when the command cannot be executed, RankStillRunning when the rank's
         previous process lives on, OSError when this node cannot start a process now (NODE_ERRNOS) or
         open ``stdout_path``."""
@@ -220,7 +227,8 @@ class Supervisor:
         prefork = self._prefork if self._prefork is not None and self._prefork.eligible(argv, env, cwd) else None
         if prefork is not None:
             prefork.await_warm()
-        proc = self._spawner.submit(self._spawn, rank, list(argv), env, cwd, stdout_path, prefork).result()
+        proc = self._spawner.submit(self._spawn, rank, list(argv), env, cwd, stdout_path, prefork,
+                                    stderr_path).result()
         with self._lock:
             self._procs[rank] = proc
         proc.reader = threading.Thread(
@@ -246,11 +254,18 @@ class Supervisor:
         cwd: str | None,
         stdout_path: str | None,
         prefork: Prefork | None,
+        stderr_path: str | None = None,
     ) -> RankProcess:
         """``prefork``: the spawner, when it can run ``argv`` (else None: a new process)."""
         # Opened here, also for a reader thread: a log that cannot be opened fails the launch (the log is
         # the agent's file, so as an OSError, the node's trouble), not the rank at its first print.
         log_file = open(stdout_path, "ab", buffering=0) if stdout_path else None  # noqa: SIM115
+        try:
+            err_file = open(stderr_path, "ab", buffering=0) if stderr_path else None  # noqa: SIM115
+        except OSError:
+            if log_file is not None:
+                log_file.close()
+            raise
         pipe_read: IO[bytes] | None = None
         try:
             with contextlib.ExitStack() as stack:
@@ -277,11 +292,14 @@ class Supervisor:
                 pipe_read.close()
             if log_file is not None:
                 log_file.close()
+            if err_file is not None:
+                err_file.close()
             if isinstance(exc, OSError) and exc.errno in NODE_ERRNOS:
                 raise
             raise PermanentError(f"rank {rank}: cannot start {argv[0]!r}: {exc}") from exc
         proc = RankProcess(rank, popen)
         proc.stdout, proc.stdout_file = pipe_read, log_file if pipe_read is not None else None
+        proc.stderr_file = err_file
         return proc
 
     # --- per-child threads -----------------------------------------------------------------------
@@ -289,6 +307,7 @@ class Supervisor:
     def _read_stderr(self, proc: RankProcess) -> None:
         stream = proc.popen.stderr
         assert stream is not None
+        out, unlogged = proc.stderr_file, False
         for raw in iter(lambda: stream.readline(65536), b""):
             ts, mono = time.time(), time.monotonic()
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
@@ -296,11 +315,19 @@ class Supervisor:
                 self._sink(proc.rank, line)
             except Exception:
                 log.exception("stderr sink failed", rank=proc.rank)
+            if out is not None and not unlogged:
+                try:
+                    out.write(raw)
+                except OSError as exc:  # a full disk: said once, and the reading (matches, exits) goes on
+                    unlogged = True
+                    log.warning("rank stderr not logged", rank=proc.rank, error=str(exc))
             kind = patterns.match(line)
             if kind is not None:
                 self._matched(proc, kind, line, ts)
             self._line(proc, line, mono)
         stream.close()
+        if out is not None:
+            out.close()
 
     def _read_stdout(self, proc: RankProcess) -> None:
         stream, out = proc.stdout, proc.stdout_file

@@ -183,6 +183,23 @@ def test_a_rank_that_dies_before_it_is_counted_healthy_stays_failed_and_unwatche
     assert host.launched == [] and rec.monitor(0, lambda: IterationMonitor(IterationSettings()))[0] is None
 
 
+def test_a_ranks_stderr_goes_into_its_tasks_log(tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Before, the reconciler's supervisor forwarded a rank's stderr to the agent's stderr only, with no
+    task named: the traceback of a failed rank was in none of its task's files."""
+    host = RecordingHost(str(tmp_path))
+    argv = [sys.executable, "-c", "import sys; print('Traceback: ValueError: boom', file=sys.stderr); sys.exit(2)"]
+    rec = TaskReconciler(assignment([0], argv=argv), host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(rec.latest))
+    assert rec.started.wait(10)
+    assert rec.supervisor.wait(0, 10) is not None
+    err = tmp_path / "t-0.err"
+    deadline = time.monotonic() + 10  # the stderr reader may finish after the exit was handled
+    while (not err.exists() or not err.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert err.read_text() == "Traceback: ValueError: boom\n"
+
+
 class _Answers:
     def __init__(self) -> None:
         self.puts: list[tuple[str, str]] = []

@@ -173,6 +173,25 @@ def test_stderr_lines_are_forwarded_and_matched_with_rate_limit(sup: Supervisor,
     assert ev.lines == [(5, "step 1 ok"), (5, nccl), (5, ima), (5, ima), (5, ima)]
 
 
+def test_stderr_is_appended_to_the_ranks_stderr_log_and_forwarded_with_its_task(
+        ev: Events, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Before, a rank's stderr reached only the agent's own stderr as ``[rank N] ...``: on a node running
+    two tasks nobody could tell whose traceback it was, and the task's logs never had it."""
+    s = Supervisor(ev.on_exit, ev.on_match, task="alpha")
+    try:
+        code = "import sys; print('out line'); print('RuntimeError: bad batch', file=sys.stderr); sys.exit(1)"
+        s.launch(0, py(code), stdout_path=str(tmp_path / "rank0.log"), stderr_path=str(tmp_path / "rank0.err"))
+        ev.exits(1)
+        reader = s._procs[0].reader
+        assert reader is not None
+        reader.join(10)  # its last line may be written after the exit was handled
+    finally:
+        s.close(grace_s=1.0)
+    assert (tmp_path / "rank0.err").read_text() == "RuntimeError: bad batch\n"
+    assert (tmp_path / "rank0.log").read_text() == "out line\n"  # stdout's log is the job's output alone
+    assert "[alpha rank 0] RuntimeError: bad batch" in capfd.readouterr().err
+
+
 def test_exit_runs_thread_pool_shutdown_and_atexit_as_a_new_process_would(sup: Supervisor, ev: Events) -> None:
     code = ("import atexit, sys\n"
             "from concurrent.futures import ThreadPoolExecutor\n"
