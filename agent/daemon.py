@@ -932,9 +932,10 @@ class Agent:
         self._retired[name] = rec
         return rec.stop(reason, kill)
 
-    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
+    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, error_file: str) -> dict[str, str]:
         env = launchenv.rank_env(with_torchrun_threads(os.environ), a, spec, store, node=self.node,
-                                 socket_path=self.socket_path, set_cuda=self.backend.name != "simulated")
+                                 socket_path=self.socket_path, set_cuda=self.backend.name != "simulated",
+                                 error_file=error_file)
         if self._gloo_ifname and "GLOO_SOCKET_IFNAME" not in env:
             # gloo binds the address the hostname resolves to, often 127.0.0.1 (Debian's /etc/hosts):
             # peers on other hosts could not connect. The advertised address's interface is reachable.

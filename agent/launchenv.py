@@ -9,7 +9,9 @@ Checked against torch 2.13's own elastic agent, so that an unmodified script wri
   remaining_restarts``: restarts of the worker group so far), TORCHELASTIC_MAX_RESTARTS,
   TORCHELASTIC_RUN_ID (the rendezvous id, stable across restarts; ``dist.is_torchelastic_launched()``
   in ``distributed_c10d.py`` tests only that it exists), TORCHELASTIC_USE_AGENT_STORE (``str(bool)``)
-  and TORCH_NCCL_ASYNC_ERROR_HANDLING (default "1"); ``_set_local_rank_env`` sets LOCAL_RANK and, in
+  and TORCH_NCCL_ASYNC_ERROR_HANDLING (default "1"); ``multiprocessing/api.py`` (``_get_log_dests``)
+  sets TORCHELASTIC_ERROR_FILE, a fresh file per attempt and worker (:mod:`agent.errorfile`);
+  ``_set_local_rank_env`` sets LOCAL_RANK and, in
   its default ("traditional") mode, leaves CUDA_VISIBLE_DEVICES as the agent's own.
 * ``torch/distributed/elastic/agent/server/api.py`` (``_assign_worker_ranks``): with one role, ROLE_RANK
   is the global rank and ROLE_WORLD_SIZE the world size; ``run.py`` documents ROLE_NAME's default,
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from agent.errorfile import ENV_ERROR_FILE
 from unicron.kernel import protocol
 from unicron.kernel.types import RankSpec, StoreAddress, TaskAssignment
 
@@ -49,8 +52,10 @@ def visible_devices(a: TaskAssignment) -> str:
     return ",".join(str(s.gpu) for s in sorted(a.ranks, key=lambda s: s.local_rank))
 
 
-def torchrun_env(a: TaskAssignment, spec: RankSpec, store: StoreAddress, *, set_cuda: bool) -> dict[str, str]:
-    """The torchrun variables of rank ``spec`` of task ``a`` whose store sidecar is ``store``."""
+def torchrun_env(a: TaskAssignment, spec: RankSpec, store: StoreAddress, *, set_cuda: bool,
+                 error_file: str | None = None) -> dict[str, str]:
+    """The torchrun variables of rank ``spec`` of task ``a`` whose store sidecar is ``store``;
+    ``error_file``: this launch's error file (:func:`agent.errorfile.path_for`), None: not set."""
     env = {
         "RANK": str(spec.rank),
         "LOCAL_RANK": str(spec.local_rank),
@@ -70,6 +75,9 @@ def torchrun_env(a: TaskAssignment, spec: RankSpec, store: StoreAddress, *, set_
         # Ranks are clients of the sidecar's store, never its host (see the module docstring).
         "TORCHELASTIC_USE_AGENT_STORE": str(True),
     }
+    if error_file is not None:
+        # where a @record-decorated main writes its exception (unset, it writes nothing)
+        env[ENV_ERROR_FILE] = error_file
     if set_cuda:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(a)
         # RankSpec.gpu is an NVML index (PCI bus order); CUDA's default order is "fastest first".
@@ -78,7 +86,7 @@ def torchrun_env(a: TaskAssignment, spec: RankSpec, store: StoreAddress, *, set_
 
 
 def rank_env(base: Mapping[str, str], a: TaskAssignment, spec: RankSpec, store: StoreAddress, *, node: str,
-             socket_path: str, set_cuda: bool) -> dict[str, str]:
+             socket_path: str, set_cuda: bool, error_file: str | None = None) -> dict[str, str]:
     """The whole environment of a rank: ``base`` (the agent's), the task's own variables, then the
     launch variables, which the task's cannot override (a wrong RANK or MASTER_PORT breaks the job)."""
     env = dict(base)
@@ -88,7 +96,7 @@ def rank_env(base: Mapping[str, str], a: TaskAssignment, spec: RankSpec, store: 
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("CUDA_VISIBLE_DEVICES", None)  # the agent's own never leaks into a rank
     env.update(a.env)
-    env.update(torchrun_env(a, spec, store, set_cuda=set_cuda))
+    env.update(torchrun_env(a, spec, store, set_cuda=set_cuda, error_file=error_file))
     env.update({
         protocol.ENV_SOCKET: socket_path, "UNICRON_TASK": a.task, "UNICRON_GENERATION": str(a.generation),
         "UNICRON_NODE": node, protocol.ENV_STORE_EPOCH: str(store.store_epoch),

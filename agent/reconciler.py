@@ -46,6 +46,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent import errorfile
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
 from agent.progress import LineParser, PhaseLine, Progress, megatron_eval_interval, megatron_log_interval
@@ -124,7 +125,8 @@ class TaskHost(Protocol):
     #: the agent's default progress regex for uninstrumented jobs ("" = Megatron-LM's lines only)
     progress_regex: str
 
-    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]: ...
+    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, error_file: str) -> dict[str, str]:
+        """The rank's environment; ``error_file``: its TORCHELASTIC_ERROR_FILE (:mod:`agent.errorfile`)."""
 
     def rank_log_path(self, task: str, rank: int) -> str: ...
 
@@ -245,6 +247,8 @@ class TaskReconciler:
         #: rank -> its current process's pid (absent while it is being launched): a line of its
         #: predecessor read late is not this process's progress
         self.launched_pid: dict[int, int] = {}
+        #: rank -> the TORCHELASTIC_ERROR_FILE of its newest launch (read when that process fails)
+        self.error_files: dict[int, str] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
         # the non-training phase a line of the job's output began (a Megatron save or evaluation); it
@@ -621,12 +625,21 @@ class TaskReconciler:
             # A new process has made no step yet: its predecessor's last step, published with the
             # new launch epoch, confirmed the restart before it ran (issue #19 item 1).
             self._forget_progress(spec.rank)
+        previous: str | None = None
         try:
             log_path = self.host.rank_log_path(a.task, spec.rank)
-            self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store), stdout_path=log_path,
-                                   stderr_path=stderr_log_path(log_path))
+            error_file = errorfile.path_for(os.path.dirname(log_path), a, spec.rank)
+            errorfile.prepare(error_file)
+            with self._lock:  # before the launch: a process that dies at once is read by its own file
+                previous = self.error_files.get(spec.rank)
+                self.error_files[spec.rank] = error_file
+            self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store, error_file),
+                                   stdout_path=log_path, stderr_path=stderr_log_path(log_path))
         except RankStillRunning as exc:  # its predecessor would not die: this node's trouble, and it still runs
             log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
+            with self._lock:  # the file the predecessor's failure is read from
+                if previous is not None:
+                    self.error_files[spec.rank] = previous
             return str(exc)
         except UnicronError as exc:  # the command cannot run: the task's failure
             log.error("rank could not start", task=a.task, rank=spec.rank, error=str(exc))
@@ -854,6 +867,7 @@ class TaskReconciler:
                 self.launched_epoch.pop(r, None)
                 self.launched_membership.pop(r, None)
                 self.launched_pid.pop(r, None)
+                self.error_files.pop(r, None)
                 mon = self.monitors.pop(r, None)
             self.host.forget_rank(a.task, r, mon)
         return errors

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import reconciler
+from agent import errorfile, reconciler
 from agent import supervisor as sup
 from agent.daemon import Agent
 from agent.iterations import HangWatcher, IterationMonitor, IterationSettings
@@ -60,8 +60,9 @@ class RecordingHost:
     phases: list[str] = field(default_factory=list)  # the phases of rank_progress calls, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
-        return {**os.environ, "RANK": str(spec.rank), "MASTER_ADDR": store.host, "MASTER_PORT": str(store.port)}
+    def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, error_file: str) -> dict[str, str]:
+        return {**os.environ, "RANK": str(spec.rank), "MASTER_ADDR": store.host, "MASTER_PORT": str(store.port),
+                "TORCHELASTIC_ERROR_FILE": error_file}
 
     def rank_log_path(self, task: str, rank: int) -> str:
         if rank in self.full_disk_for:
@@ -198,6 +199,28 @@ def test_a_ranks_stderr_goes_into_its_tasks_log(tmp_path: Path, reconcilers: lis
     while (not err.exists() or not err.read_text()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert err.read_text() == "Traceback: ValueError: boom\n"
+
+
+def test_each_launch_gets_a_fresh_error_file_in_its_tasks_log_directory(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """The rank sees TORCHELASTIC_ERROR_FILE under the task's log directory, with no earlier launch's
+    file there: what the agent reads after its failure is its own."""
+    host = RecordingHost(str(tmp_path))
+    a = assignment([0], argv=[sys.executable, "-c", "import os, sys; p = os.environ['TORCHELASTIC_ERROR_FILE'];"
+                                                    " print(p, os.path.exists(p)); sys.exit(0)"])
+    stale = Path(errorfile.path_for(str(tmp_path), a, 0))
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"message": "an earlier launch\'s"}')
+    rec = TaskReconciler(a, host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(rec.latest))
+    assert rec.started.wait(10)
+    assert rec.supervisor.wait(0, 10) is not None
+    out = tmp_path / "t-0.log"
+    deadline = time.monotonic() + 10  # the stdout reader may finish after the exit was handled
+    while not out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert out.read_text() == f"{stale} False\n"
 
 
 class _Answers:
@@ -420,9 +443,9 @@ def test_a_restart_superseded_before_its_store_came_does_not_launch_its_ranks_on
     launches: list[tuple[int, int]] = []  # (the assignment's restart epoch, its store's)
 
     class Host(RecordingHost):
-        def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress) -> dict[str, str]:
+        def rank_env(self, a: TaskAssignment, spec: RankSpec, store: StoreAddress, error_file: str) -> dict[str, str]:
             launches.append((a.restart_epoch, store.restart_epoch))
-            return super().rank_env(a, spec, store)
+            return super().rank_env(a, spec, store, error_file)
 
     a = assignment([0], recovery="restart")
     rec = TaskReconciler(a, Host(str(tmp_path)), None, stop_grace_s=0.5)

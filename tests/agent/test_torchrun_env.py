@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import errorfile
 from agent.daemon import Agent
 from agent.launchenv import rank_env, torchrun_env, visible_devices
 from agent.sidecar import StoreSidecar
@@ -78,6 +80,25 @@ def test_rank_env_layers_and_precedence() -> None:
     # With simulated GPUs the machine's devices are not the task's: nothing is set.
     sim = rank_env(base, a, a.ranks[0], STORE, node="n0", socket_path="/s", set_cuda=False)
     assert "CUDA_VISIBLE_DEVICES" not in sim and "CUDA_DEVICE_ORDER" not in sim
+
+
+def test_the_error_file_is_set_as_torch_sets_it_a_fresh_one_per_launch(tmp_path: Path) -> None:
+    """Before, TORCHELASTIC_ERROR_FILE was never set: a ``@record``-decorated main wrote nothing."""
+    a = two_node_task([RankSpec(rank=2, local_rank=0, gpu=5)], group_rank=1)
+    path = errorfile.path_for(str(tmp_path / "logs" / "t"), a, 2)
+    assert path == str(tmp_path / "logs" / "t" / "gen3" / "attempt_2" / "rank2" / "error.json")
+    env = rank_env({"TORCHELASTIC_ERROR_FILE": "/agent/own"}, a, a.ranks[0], STORE, node="n0", socket_path="/s",
+                   set_cuda=False, error_file=path)
+    assert env["TORCHELASTIC_ERROR_FILE"] == path  # the rank's own, not the agent's
+    # another attempt, generation or rank: another file
+    others = {errorfile.path_for("/l", a, 3), errorfile.path_for("/l", dataclasses.replace(a, restart_epoch=3), 2),
+              errorfile.path_for("/l", dataclasses.replace(a, generation=4), 2), errorfile.path_for("/l", a, 2)}
+    assert len(others) == 4
+    # a file already at the path (an earlier launch at the same epochs) is gone before the launch
+    errorfile.prepare(path)
+    Path(path).write_text('{"message": "stale"}')
+    errorfile.prepare(path)
+    assert not Path(path).exists() and Path(path).parent.is_dir()
 
 
 def test_init_process_group_needs_the_agent_store_variable(tmp_path: Path) -> None:
