@@ -998,6 +998,7 @@ class TaskReconciler:
                     RankState.FAILED if ex.abnormal else RankState.STOPPED)
             mon = self.monitors.pop(ex.rank, None)
             a, store, step = self.applied, self._store, self.steps.get(ex.rank)
+            error_file = self.error_files.get(ex.rank)
         self.host.forget_rank(a.task, ex.rank, mon)
         if stopping or not ex.abnormal:  # exit 0, an exit we asked for, or a rank told to leave
             log.info("rank exited", task=a.task, rank=ex.rank, returncode=ex.returncode, requested=ex.requested)
@@ -1005,11 +1006,17 @@ class TaskReconciler:
         if store is not None:
             self.host.mark_failed(store, ex.rank)
         what = f"signal {ex.signal}" if ex.signal else f"exit code {ex.returncode}"
-        cause = f"; stderr showed {ex.stderr_kind.value}" if ex.stderr_kind else ""
+        # what a @record-decorated main wrote: the exception, which "exit code 1" alone never named
+        error = errorfile.summary(error_file) if error_file else None
+        # Table 1's patterns classify it as they do stderr lines (the kind stays exited_abnormally: the
+        # coordinator's restart decisions key on it); the stderr's match, seen first, is kept
+        kind = ex.stderr_kind or (patterns.match(error) if error else None)
+        source = "stderr" if ex.stderr_kind else "error file"
+        cause = f"; {source} showed {kind.value}" if kind else ""
         gpu = next((s.gpu for s in a.ranks if s.rank == ex.rank), None)
         self.host.report(DetectionMethod.PROCESS_SUPERVISION, ErrorKind.EXITED_ABNORMALLY,
-                         f"rank {ex.rank} exited abnormally ({what}){cause}", task=a.task, rank=ex.rank, gpu=gpu,
-                         step=step, source_ts=ex.ts, generation=a.generation)
+                         f"rank {ex.rank} exited abnormally ({what}){': ' + error if error else ''}{cause}",
+                         task=a.task, rank=ex.rank, gpu=gpu, step=step, source_ts=ex.ts, generation=a.generation)
 
     def _on_stderr_match(self, rank: int, pid: int, kind: ErrorKind, line: str, ts: float) -> None:
         # this reconciler's generation: the host's current one may be the next, launched meanwhile

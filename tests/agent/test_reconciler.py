@@ -223,6 +223,28 @@ def test_each_launch_gets_a_fresh_error_file_in_its_tasks_log_directory(
     assert out.read_text() == f"{stale} False\n"
 
 
+def test_an_abnormal_exit_is_reported_with_the_exception_its_error_file_names(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Before, the report said only "rank 0 exited abnormally (exit code 1)": the exception a ``@record``
+    main wrote (torch's format, here written by hand) was never read. Table 1's patterns classify it as
+    they classify stderr lines."""
+    code = ("import json, os, sys\n"
+            "data = {'message': {'message': 'RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1\\nunhandled system"
+            " error', 'extraInfo': {'py_callstack': 'Traceback', 'timestamp': '1'}}}\n"
+            "json.dump(data, open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w'))\n"
+            "sys.exit(1)\n")
+    host = RecordingHost(str(tmp_path))
+    rec = TaskReconciler(assignment([0], argv=[sys.executable, "-c", code]), host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(rec.latest))
+    assert rec.started.wait(10)
+    assert rec.supervisor.wait(0, 10) is not None
+    assert [(r.kind, r.message) for r in host.reports] == [
+        (ErrorKind.EXITED_ABNORMALLY, "rank 0 exited abnormally (exit code 1): RuntimeError: NCCL error in: "
+                                      "ProcessGroupNCCL.cpp:1 unhandled system error; error file showed "
+                                      "other_network_error")]
+
+
 class _Answers:
     def __init__(self) -> None:
         self.puts: list[tuple[str, str]] = []
