@@ -1,7 +1,8 @@
 """Ranks' logs bounded on disk.
 
 A rank writes its stdout straight into ``logs/<task>/rank<R>.log`` (the agent opened it with O_APPEND
-and handed the descriptor over, or appends what it parsed from a pipe), for weeks; in the systemd
+and handed the descriptor over, or appends what it parsed from a pipe; its stderr goes, through the
+agent, into ``rank<R>.err``), for weeks; in the systemd
 layout that directory is memory (``/run``), so an unbounded log ends as the node's OOM. Past the cap
 a log's content is copied to ``<log>.1`` (replacing the one before) and the log is truncated in
 place, as logrotate's ``copytruncate`` does: the rank keeps its descriptor, and with O_APPEND its next
@@ -19,6 +20,7 @@ from unicron.kernel import log as ulog
 log = ulog.get(__name__)
 
 ROTATED_SUFFIX = ".1"
+LOG_SUFFIXES = (".log", ".err")  # a rank's stdout and stderr (agent/supervisor.py)
 
 
 def cap(path: str, max_bytes: int) -> bool:
@@ -37,7 +39,8 @@ def cap(path: str, max_bytes: int) -> bool:
 
 
 def cap_all(logs_dir: str, max_bytes: int) -> int:
-    """Cap every task's rank logs under ``logs_dir`` (``<task>/*.log``); how many were rotated."""
+    """Cap every task's rank logs under ``logs_dir`` (``<task>/rank<R>.log`` and ``.err``); how many
+    were rotated."""
     rotated = 0
     try:
         tasks = [e.path for e in os.scandir(logs_dir) if e.is_dir(follow_symlinks=False)]
@@ -45,7 +48,8 @@ def cap_all(logs_dir: str, max_bytes: int) -> int:
         return 0  # no logs yet
     for task_dir in tasks:
         try:
-            logs = [e.path for e in os.scandir(task_dir) if e.name.endswith(".log") and e.is_file(follow_symlinks=False)]
+            logs = [e.path for e in os.scandir(task_dir) if e.name.endswith(LOG_SUFFIXES)
+                    and e.is_file(follow_symlinks=False)]
         except OSError:
             continue  # a task's directory removed meanwhile
         rotated += sum(cap(p, max_bytes) for p in logs)

@@ -24,6 +24,8 @@ def test_a_log_past_its_cap_is_kept_once_and_the_rank_writes_on_from_its_start(t
         subprocess.run([sys.executable, "-c", f"import os; os.write({fd}, b'after')"], pass_fds=(fd,), check=True)
         assert path.read_bytes() == b"after"  # at the new end, not at offset 5000 behind a hole
         assert logcap.cap_all(str(tmp_path / "logs"), 4096) == 0  # under the cap: left alone
+        (task / "rank0.err").write_bytes(b"e" * 5000)  # the rank's stderr, as bounded
+        assert logcap.cap_all(str(tmp_path / "logs"), 4096) == 1 and (task / "rank0.err.1").stat().st_size == 5000
     finally:
         os.close(fd)
 
