@@ -12,7 +12,9 @@ Retention reads them: a rank never deletes an iteration the other ranks may stil
 
 Shards and metadata are written (durably) first, the manifest last: an iteration exists only once its
 manifest does, so a writer killed mid-way leaves the previous manifest the newest valid one. Each
-manifest carries a CRC of its own body and the CRC of every shard; a reader checks them all.
+manifest carries a CRC of its own body and the CRC of every shard; a reader checks them all. A write
+that fails removes what it wrote and sweeps dead writers' orphans (best-effort): on a full filesystem
+their bytes made every later persist fail.
 
 Generations: a writer refuses (StaleGeneration) when storage holds any manifest of the rank written by
 a newer task generation, checked before the upload, again before the manifest is written and once more
@@ -35,8 +37,10 @@ import torch
 
 from ckpt.api import CheckpointCorrupt, ObjectMissing, Snapshot, SnapshotInfo, StaleGeneration, Storage
 from ckpt.codec import byte_view, crc
-from unicron.kernel import jsontext
+from unicron.kernel import jsontext, log
 from unicron.kernel.errors import InvalidRecord
+
+_log = log.get("ckpt.persist")
 
 _MANIFEST_RX = re.compile(r"manifest-(\d{12})(?:-g(\d{12}))?\.json$")
 #: a write's directory (generation: none in the first layouts), or a file of the layout without one
@@ -86,36 +90,34 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
     # persisting it, and its relaunch that restored an older one and reached it again) replaced each
     # other's shards, and the manifest left named bytes the other wrote (both were told "persisted")
     base = f"{_iter_prefix(info.job, info.rank, info.iteration)}g{info.generation:012d}-{uuid.uuid4().hex[:12]}/"
-    shards = []
-    for i, (off, n) in enumerate(info.chunks()):
-        key = f"{base}shard-{i:05d}.bin"
-        storage.write(key, snap.data[off : off + n])
-        shards.append({"key": key, "offset": off, "length": n, "crc32": info.chunk_crcs[i]})
-    storage.write(f"{base}meta.bin", snap.meta)
-    body = {
-        "info": info.to_dict(),
-        "meta": {"key": f"{base}meta.bin", "length": info.meta_len, "crc32": info.meta_crc},
-        "shards": shards,
-    }
     key = manifest_key(info.job, info.rank, info.iteration, info.generation)
-    # a newer generation may have persisted during the upload (a stop snapshot of gigabytes takes minutes)
+    written = False  # whether the manifest may be this write's
     try:
+        shards = []
+        for i, (off, n) in enumerate(info.chunks()):
+            shard = f"{base}shard-{i:05d}.bin"
+            storage.write(shard, snap.data[off : off + n])
+            shards.append({"key": shard, "offset": off, "length": n, "crc32": info.chunk_crcs[i]})
+        storage.write(f"{base}meta.bin", snap.meta)
+        body = {
+            "info": info.to_dict(),
+            "meta": {"key": f"{base}meta.bin", "length": info.meta_len, "crc32": info.meta_crc},
+            "shards": shards,
+        }
+        # a newer generation may have persisted during the upload (a stop snapshot of gigabytes takes minutes)
         _check_generation(storage, info, _manifests(storage, info.job, info.rank))
-    except StaleGeneration:
-        _delete_prefix(storage, base)
-        raise
-    storage.write(key, _canonical({"format": 1, "crc32": crc(_canonical(body)), "body": body}))
-    storage.write(marker_key(info.job, info.rank, info.iteration), b"")
-    # ... or between that check and the write: readers take the newest generation's manifest, but ours
-    # would be the newest of its iteration for a reader, and an older generation's retention could follow
-    held = _manifests(storage, info.job, info.rank)
-    try:
+        written = True
+        storage.write(key, _canonical({"format": 1, "crc32": crc(_canonical(body)), "body": body}))
+        storage.write(marker_key(info.job, info.rank, info.iteration), b"")
+        # ... or between that check and the write: readers take the newest generation's manifest, but ours
+        # would be the newest of its iteration for a reader, and an older generation's retention could follow
+        held = _manifests(storage, info.job, info.rank)
         _check_generation(storage, info, held)
-    except StaleGeneration:
-        storage.delete(key)
-        if len(held.get(info.iteration, [])) <= 1:  # the marker says "some manifest of it exists"
-            storage.delete(marker_key(info.job, info.rank, info.iteration))
-        _delete_prefix(storage, base)
+    except BaseException:
+        # a write that failed (a full filesystem) left its shards behind, and nothing collected them
+        # until a persist succeeded: they kept the filesystem full and persistence stopped for good
+        _withdraw(storage, info, base, key if written else None)
+        _sweep_after_failure(storage, info)
         raise
     for _, other in held.get(info.iteration, [])[1:]:  # an older generation's of this iteration: superseded
         storage.delete(other)
@@ -128,6 +130,40 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
 def _delete_prefix(storage: Storage, prefix: str) -> None:
     for k in storage.list(prefix):
         storage.delete(k)
+
+
+def _withdraw(storage: Storage, info: SnapshotInfo, base: str, manifest: str | None) -> None:
+    """Remove what a failed write left, best-effort (the storage may be what failed): the ``manifest``
+    key if it holds this write's (None: not written; another writer of the iteration and generation may
+    hold the key), with the marker when no other manifest of the iteration is left, then the shards
+    (never before a manifest naming them)."""
+    try:
+        if manifest is not None and _names(storage, manifest, base):
+            if [k for _, k in _manifests(storage, info.job, info.rank).get(info.iteration, [])] == [manifest]:
+                storage.delete(marker_key(info.job, info.rank, info.iteration))  # "some manifest of it exists"
+            storage.delete(manifest)
+        _delete_prefix(storage, base)
+    except Exception as exc:  # the write's own error is the one to report
+        _log.warning("could not remove a failed write", write=base, error=str(exc))
+
+
+def _names(storage: Storage, manifest: str, base: str) -> bool:
+    """Whether the manifest ``manifest`` names the shards of the write ``base`` (a random id: unambiguous)."""
+    try:
+        return base.encode() in storage.read(manifest)
+    except ObjectMissing:
+        return False
+
+
+def _sweep_after_failure(storage: Storage, info: SnapshotInfo) -> None:
+    """Remove dead writers' orphaned writes now (best-effort), not only after the next successful
+    persist: on a full filesystem their bytes are what makes every persist fail."""
+    try:
+        held = _manifests(storage, info.job, info.rank)
+        if held and not any(g > info.generation for v in held.values() for g, _ in v):
+            _sweep_orphans(storage, info.job, info.rank, info.generation, sorted(held), set(held))
+    except Exception as exc:
+        _log.warning("could not sweep orphaned writes", job=info.job, rank=info.rank, error=str(exc))
 
 
 def _check_generation(storage: Storage, info: SnapshotInfo, persisted: dict[int, list[tuple[int, str]]]) -> None:
@@ -321,17 +357,25 @@ def apply_retention(
     for it in gone:
         _delete_iteration(storage, job, rank, it)
     if its:
-        kept = set(its) - set(gone)
-        orphans = set()
-        for key in storage.list(f"{rank_prefix(job, rank)}iter-"):
-            m = _WRITE_RX.search(key)
-            if not m or int(m.group(1)) in kept or int(m.group(1)) >= its[-1]:
-                continue
-            if generation is None or (-1 if m.group(2) is None else int(m.group(2))) <= generation:
-                orphans.add(key[: m.end()])
-        for prefix in sorted(orphans):
-            _delete_prefix(storage, prefix)
+        _sweep_orphans(storage, job, rank, generation, its, set(its) - set(gone))
     return gone
+
+
+def _sweep_orphans(
+    storage: Storage, job: str, rank: int, generation: int | None, its: list[int], kept: set[int]
+) -> None:
+    """Delete the writes that died before their manifest: those of an iteration older than the newest
+    manifest (``its``: the rank's iterations, ascending) and not ``kept``, and of no newer generation
+    than ``generation`` (a newer one's may be in progress)."""
+    orphans = set()
+    for key in storage.list(f"{rank_prefix(job, rank)}iter-"):
+        m = _WRITE_RX.search(key)
+        if not m or int(m.group(1)) in kept or int(m.group(1)) >= its[-1]:
+            continue
+        if generation is None or (-1 if m.group(2) is None else int(m.group(2))) <= generation:
+            orphans.add(key[: m.end()])
+    for prefix in sorted(orphans):
+        _delete_prefix(storage, prefix)
 
 
 def discard_newer(

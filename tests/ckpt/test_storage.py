@@ -391,3 +391,75 @@ def test_a_rank_that_stopped_persisting_for_good_leaves_retention_bounded(
     held = iterations(st, "job-1", 0)
     common = [2] if rank1_persisted else []
     assert held == [*common, *range(41 - 2 * LAG_WINDOW, 41)], held
+
+
+class _Capacity(FilesystemStorage):
+    """A filesystem of ``capacity`` bytes shared with another tenant (``other`` bytes): a write that
+    does not fit fails as a full disk does (OSError ENOSPC, its temporary removed)."""
+
+    def __init__(self, root: Path, capacity: int) -> None:
+        super().__init__(root)
+        self.capacity = capacity
+        self.other = 0
+
+    def used(self) -> int:
+        return self.other + sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+    def write(self, key: str, data: Buffer) -> None:
+        if self.used() + memoryview(data).nbytes > self.capacity:
+            err = OSError(errno.ENOSPC, "No space left on device")
+            raise StorageUnavailable(f"writing {self.describe()}/{key}: {err}") from err
+        super().write(key, data)
+
+
+def test_a_persist_that_failed_on_a_full_disk_leaves_nothing_and_the_next_ones_succeed(tmp_path: Path) -> None:
+    """Another tenant's transient file filled the disk during the persist of 4: its shards stayed, only
+    a successful persist's retention would have removed them, and they kept the disk full, so every
+    later persist failed although the tenant freed its space (reviewer's repro_enospc_orphans.py)."""
+    st = _Capacity(tmp_path / "s", capacity=1 << 30)
+    for it in (1, 2, 3):
+        persist(st, _snap(it), keep=2)
+    st.capacity = st.used() + 10_000 + 4_000  # room for one more snapshot (10,000 bytes) beside the two kept
+    held = st.list("")
+    st.other = 8_000
+    with pytest.raises(StorageUnavailable, match="No space left"):
+        persist(st, _snap(4), keep=2)
+    assert st.list("") == held, "the failed write left objects behind"
+    st.other = 0
+    for it in (5, 6, 7):
+        persist(st, _snap(it), keep=2)
+    assert iterations(st, "job-1", 2) == [6, 7]
+
+
+def test_a_failed_persist_sweeps_a_dead_writers_orphans(tmp_path: Path) -> None:
+    """A writer that died mid-upload of 2 after 3 was persisted left shards that fill the disk: only a
+    successful persist's retention swept them, and none could succeed any more. A failed persist sweeps
+    them too (by the same rules), so the next one fits."""
+    st = _Capacity(tmp_path / "s", capacity=1 << 30)
+    for it in (1, 3):
+        persist(st, _snap(it), keep=2)
+    dead = f"job-1/rank-00002/iter-{2:012d}/g{0:012d}-0123456789ab/"
+    for i in range(2):
+        st.write(f"{dead}shard-{i:05d}.bin", b"x" * 4096)
+    st.capacity = st.used() + 6_000
+    with pytest.raises(StorageUnavailable, match="No space left"):
+        persist(st, _snap(4), keep=2)
+    assert not st.list(dead)
+    persist(st, _snap(5), keep=2)
+    assert iterations(st, "job-1", 2) == [3, 5]
+
+
+def test_a_failed_manifest_write_leaves_another_writers_manifest_of_the_key(tmp_path: Path) -> None:
+    """Two writers of one iteration and generation name the same manifest key: the one whose manifest
+    write fails withdraws its shards, never the other's manifest (which then named nothing, or nothing
+    at all was left of the iteration)."""
+    st = FilesystemStorage(tmp_path / "s")
+    persist(st, _snap(2), keep=2)
+
+    def full() -> None:
+        raise StorageUnavailable("writing the manifest: [Errno 28] No space left on device")
+
+    with pytest.raises(StorageUnavailable):
+        persist(_Hooked(tmp_path / "s", "/manifest-", full), _snap(2), keep=2)
+    assert load(st, "job-1", 2, 2).info.iteration == 2
+    assert len({k.split("/")[3] for k in st.list("job-1/rank-00002/iter-")}) == 1  # one write's shards
