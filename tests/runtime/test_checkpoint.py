@@ -194,3 +194,34 @@ def test_no_complete_replica_without_a_checkpointer_fails_fast(runner: Runner) -
     assert done.codes == {0: 1, 1: -9}, done.job.logs()
     assert time.monotonic() - t0 < 30
     assert "no complete replica survived" in done.job.logs()
+
+
+#: the write of iteration 2's checkpoint fails as on a full disk (ENOSPC in its fsync)
+FULL_DISK_AT_2 = """
+import errno, os, sys
+real = os.fsync
+
+def fsync(fd):
+    if "/it2.pt." in os.readlink(f"/proc/self/fd/{fd}"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    real(fd)
+
+os.fsync = fsync
+from unicron.runtime.train import main
+sys.exit(main())
+"""
+
+
+def test_a_torch_save_checkpoint_failing_on_a_full_disk_leaves_training_going(runner: Runner, tmp_path: Path) -> None:
+    """The save's OSError killed the rank with a traceback, and its relaunch died again at the same
+    save: a crash loop, then a sev1. Now the rank logs one line and trains on, as memory mode does for a
+    failed persist; the previous checkpoint stays and the next one is saved."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK_AT_2)
+    ck = tmp_path / "ck"
+    done = runner.run(1, train_args(3, "float64", False, "--ckpt", "torch-save", "--ckpt-dir", str(ck),
+                                     "--ckpt-every", "1"), script=str(script), timeout=60)
+    assert done.codes == {0: 0}, done.job.logs()
+    assert done.result(0)["iterations"] == 3
+    assert [e["it"] for e in done.events(0, "checkpoint_failed")] == [2]
+    assert held(ck) == [1, 3] and not list((ck / "tp0").glob("*.tmp"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt.api import NoValidCheckpoint
+from ckpt.api import NoValidCheckpoint, StorageUnavailable
 from unicron.kernel.errors import ConfigError
 from unicron.runtime import cli, train
 from unicron.runtime.checkpoint import TorchSaveCheckpointer, make_checkpointer
@@ -175,6 +175,37 @@ def test_a_torch_save_writer_killed_mid_save_leaves_no_temp_file_once_its_rank_r
         for p in (dead0, dead1, live0):
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("fails_in", ["fsync", "torch.save"])
+def test_a_torch_save_that_fails_on_a_full_disk_leaves_no_temp_file_and_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails_in: str) -> None:
+    """A full disk: the save raised a bare OSError (or torch's RuntimeError "unexpected pos", the ENOSPC
+    in its chain) that killed the rank, and left its partial temp file to keep the disk full. Now it
+    removes the file and raises StorageUnavailable naming the directory and the OS error."""
+    import errno
+    import os
+
+    ck = TorchSaveCheckpointer(str(tmp_path), rank=0)
+    ck.save({"w": torch.ones(8)}, 1)
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    if fails_in == "fsync":
+        def fsync(fd: int) -> None:
+            raise enospc
+        monkeypatch.setattr(os, "fsync", fsync)
+    else:
+        def save(obj: object, f: Any) -> None:
+            f.write(b"partial")
+            try:
+                raise enospc
+            except OSError:  # as torch's stream writer reports its write's failure
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0") from None
+        monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(StorageUnavailable, match=rf"not saved in {tmp_path}/tp0: \[Errno 28\] No space left"):
+        ck.save({"w": torch.zeros(8)}, 2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "tp0").iterdir()) == ["it1.pt"]
+    assert torch.equal(ck.restore().state["w"], torch.ones(8))
 
 
 def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, Tier, TierAttempt
+from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, StorageUnavailable, Tier, TierAttempt
 from ckpt.storage import fsync_dir
 from unicron.kernel.config import from_args
 from unicron.kernel.errors import ConfigError, InvalidRecord
@@ -46,6 +46,17 @@ def _process_gone(pid: int) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def _why(exc: BaseException) -> str:
+    """The OS error behind ``exc`` (torch.save's RuntimeError "unexpected pos" hides the ENOSPC in its
+    chain), else its first line."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return f"[Errno {seen.errno}] {seen.strerror or os.strerror(seen.errno)}"
+        seen = seen.__cause__ or seen.__context__
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 class TorchSaveCheckpointer(Checkpointer):
@@ -119,12 +130,19 @@ class TorchSaveCheckpointer(Checkpointer):
         # Unique per writer: after a regroup the previous writer may still be finishing a save. The
         # rank, host and pid name it so that remove_orphans can tell a dead writer's from a live one's.
         tmp = f"{self._path(iteration)}.{self.rank}.{_host_tag()}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # else a node crash can leave the renamed file torn
-        os.replace(tmp, self._path(iteration))
-        fsync_dir(self.dir)  # the rename itself
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())  # else a node crash can leave the renamed file torn
+            os.replace(tmp, self._path(iteration))
+            fsync_dir(self.dir)  # the rename itself
+        except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+            # a full disk: the partial temp file kept it full (remove_orphans spares a live writer's own),
+            # and the traceback killed the rank at every relaunch; the previous checkpoint stays
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise StorageUnavailable(f"checkpoint of iteration {iteration} not saved in {self.dir}: {_why(exc)}") from exc
         for old in self.held()[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):  # pruned by a concurrent writer
                 os.remove(self._path(old))

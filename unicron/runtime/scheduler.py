@@ -53,7 +53,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckpt.api import Checkpointer
+from ckpt.api import Checkpointer, StorageUnavailable
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
 from unicron.kernel.client import AgentClient, InjectedFault
@@ -748,11 +748,18 @@ class Trainer(Generic[BatchT]):
         if not self._ckpt_writer():
             return False
         t0 = time.time()
-        with self.client.phase(protocol.PHASE_CHECKPOINT):
-            if stopping and self.preempt.snapshot:
-                save_persistent(self.checkpointer, self.state.state_dict(), self.it)
-            else:
-                self.checkpointer.save(self.state.state_dict(), self.it)
+        try:
+            with self.client.phase(protocol.PHASE_CHECKPOINT):
+                if stopping and self.preempt.snapshot:
+                    save_persistent(self.checkpointer, self.state.state_dict(), self.it)
+                else:
+                    self.checkpointer.save(self.state.state_dict(), self.it)
+        except StorageUnavailable as exc:
+            # as memory mode's failed persist: the previous checkpoint stays and training goes on (a
+            # full disk killed the rank here at every relaunch: a crash loop, then a sev1)
+            self.log.warning("checkpoint not saved", step=self.it, error=str(exc))
+            self._event("checkpoint_failed", it=self.it, error=str(exc))
+            return False
         self._event("checkpoint", it=self.it, seconds=time.time() - t0)
         return True
 
@@ -761,9 +768,13 @@ class Trainer(Generic[BatchT]):
         if self.checkpointer is None or not self.preempt.snapshot:
             return
         t0 = time.time()
-        with self.client.phase(protocol.PHASE_CHECKPOINT):
-            self.preempt.save(self.checkpointer, self.state.state_dict, self.it,
-                              writer=self._ckpt_writer(), already_saved=saved)
+        try:
+            with self.client.phase(protocol.PHASE_CHECKPOINT):
+                self.preempt.save(self.checkpointer, self.state.state_dict, self.it,
+                                  writer=self._ckpt_writer(), already_saved=saved)
+        except StorageUnavailable as exc:  # the stop goes on: its relaunch resumes the previous checkpoint
+            self.log.warning("stop snapshot not saved", step=self.it, error=str(exc))
+            return
         self._event("stop_snapshot", it=self.it, seconds=time.time() - t0)
 
     def _tail_flags(self) -> tuple[bool, bool]:
