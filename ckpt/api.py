@@ -342,6 +342,13 @@ class Storage(ABC):
     def size(self, key: str) -> int:
         """Length of the object; raises ObjectMissing."""
 
+    def list_incomplete(self, prefix: str) -> list[str]:
+        """Sorted keys starting with ``prefix`` whose write began and has not completed (in progress, or
+        its writer killed) and left something behind (a filesystem's temporaries); once no object is
+        left beside them, deleting such a key removes it. None where a failed write leaves nothing
+        (defined before list(), whose name would shadow the builtin in its annotation)."""
+        return []
+
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Sorted keys starting with ``prefix``."""

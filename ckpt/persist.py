@@ -368,7 +368,9 @@ def _sweep_orphans(
     manifest (``its``: the rank's iterations, ascending) and not ``kept``, and of no newer generation
     than ``generation`` (a newer one's may be in progress)."""
     orphans = set()
-    for key in storage.list(f"{rank_prefix(job, rank)}iter-"):
+    under = f"{rank_prefix(job, rank)}iter-"
+    # with the writes that left only a temporary (killed in their first shard): list() shows none of them
+    for key in storage.list(under) + storage.list_incomplete(under):
         m = _WRITE_RX.search(key)
         if not m or int(m.group(1)) in kept or int(m.group(1)) >= its[-1]:
             continue
@@ -376,6 +378,8 @@ def _sweep_orphans(
             orphans.add(key[: m.end()])
     for prefix in sorted(orphans):
         _delete_prefix(storage, prefix)
+        if left := storage.list_incomplete(prefix):  # nothing beside them now: deleting one removes them
+            storage.delete(left[0])
 
 
 def discard_newer(

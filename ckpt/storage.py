@@ -115,7 +115,13 @@ class FilesystemStorage(Storage):
         except OSError as exc:
             raise StorageUnavailable(f"reading {self.describe()}/{key}: {exc}") from exc
 
-    def list(self, prefix: str) -> list[str]:
+    def list_incomplete(self, prefix: str) -> list[str]:  # before list(): it would shadow the builtin here
+        # a write directory holding only a killed writer's temporary was invisible to list(), so the
+        # orphan sweep never found it and its bytes (up to a chunk) stayed for good
+        return self._walk(prefix, incomplete=True)
+
+    def _walk(self, prefix: str, incomplete: bool) -> list[str]:
+        """The keys under ``prefix``: of the objects, or (``incomplete``) of the temporaries' writes."""
         head = prefix.rpartition("/")[0]
         base = self.root / check_key(head) if head else self.root
         # a missing job directory holds nothing; a root gone since __init__ created it (a shared filesystem
@@ -133,12 +139,19 @@ class FilesystemStorage(Storage):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
-                if name.startswith("."):
-                    continue  # temporaries of writes in progress (or killed)
+                if name.startswith(_TMP_MARK):  # temporaries of writes in progress (or killed): no objects
+                    if not (incomplete and _is_temporary(name)):
+                        continue
+                    name = name[len(_TMP_MARK) :].rpartition(".tmp-")[0]  # the key being written
+                elif incomplete:
+                    continue
                 key = name if rel == "." else f"{rel}/{name}"
                 if key.startswith(prefix):
                     out.append(key)
-        return sorted(out)
+        return sorted(set(out))
+
+    def list(self, prefix: str) -> list[str]:
+        return self._walk(prefix, incomplete=False)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -156,12 +169,17 @@ class FilesystemStorage(Storage):
             raise StorageUnavailable(f"deleting {self.describe()}/{key}: {exc}") from exc
 
 
+def _is_temporary(name: str) -> bool:
+    return name.startswith(_TMP_MARK) and ".tmp-" in name
+
+
 def _only_abandoned(directory: Path) -> bool:
     """Whether ``directory`` is empty once the temporaries left in it are removed: a writer killed
     mid-write leaves one, which kept its iteration's directory (and bytes) for ever. Called for a
-    directory whose last object was just deleted, so no write into it is in progress."""
+    directory whose last object was just deleted, or one the caller judged abandoned (it deleted one of
+    its :meth:`FilesystemStorage.list_incomplete` keys), so no write into it is in progress."""
     entries = list(directory.iterdir())
-    if any(not (e.name.startswith(_TMP_MARK) and ".tmp-" in e.name and e.is_file()) for e in entries):
+    if any(not (_is_temporary(e.name) and e.is_file()) for e in entries):
         return False
     for e in entries:
         e.unlink(missing_ok=True)

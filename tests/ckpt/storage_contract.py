@@ -58,6 +58,11 @@ class StorageContract:
         assert storage.list("j/r3/") == []
         assert len(storage.list("")) == 5
 
+    def test_completed_writes_are_not_incomplete(self, storage: Storage) -> None:
+        storage.write("a/b", b"1")
+        storage.write("a/b", b"2")
+        assert storage.list_incomplete("") == []
+
     def test_delete(self, storage: Storage) -> None:
         storage.write("d/x", b"1")
         storage.write("d/y", b"2")
