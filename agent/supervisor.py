@@ -3,7 +3,9 @@
 Each rank runs as a child process in its own process group. Per child:
 
 * a **waiter thread** blocked in ``waitpid`` learns of the exit the moment the kernel reaps it (no
-  poll loop) and calls ``on_exit`` with a :class:`RankExit` saying whether the agent asked for it;
+  poll loop), SIGKILLs what is left of the rank's process group (after a requested stop, once the
+  stop's grace is over: a wrapper script's python child outlives its shell) and calls ``on_exit``
+  with a :class:`RankExit` saying whether the agent asked for it;
 * a **stderr reader thread** forwards every line (prefixed with the task and rank) to the agent's
   stderr or a sink, appends it to the rank's stderr log (``stderr_path``) and calls ``on_stderr_match`` when :func:`unicron.kernel.patterns.match` recognises a Table 1 status (at most
   once per kind per ``match_interval_s``, so a rank spewing the same error does not flood reports);
@@ -38,7 +40,7 @@ from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
 from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath, patterns
 from unicron.kernel.errors import ConfigError, PermanentError
-from unicron.kernel.procs import STOPPED_STATES, proc_state
+from unicron.kernel.procs import STOPPED_STATES, group_alive, proc_state
 from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
@@ -48,6 +50,8 @@ RUNNING, STOPPED, EXITED = "running", "stopped", "exited"
 #: why a start fails that is this node's passing state (no memory, no process or descriptor slots, a
 #: full disk for the log), not the command's: raised as the OSError, which names no fault of the task
 NODE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+#: how often a rank's group is looked at while its members have their stop's grace
+GROUP_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ class RankProcess:
         self.pid = popen.pid
         self.state = RUNNING
         self.requested = False
+        #: time.monotonic() by which a requested stop's group must be gone (None: no grace running):
+        #: the waiter gives the members left after the leader's exit until then (see Supervisor._wait)
+        self.grace_deadline: float | None = None
         self.exit: RankExit | None = None
         self.exited = threading.Event()
         self.last_kind: ErrorKind | None = None
@@ -365,6 +372,8 @@ class Supervisor:
     def _wait(self, proc: RankProcess) -> None:
         returncode = proc.popen.wait()  # blocks in waitpid: the exit is seen when it happens
         ts = time.time()
+        if proc.requested:
+            self._await_group(proc)
         # Helpers the rank left behind in its group (data loader workers, ...) must not keep the GPU.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -380,6 +389,17 @@ class Supervisor:
             self._on_exit(proc.exit)
         except Exception:
             log.exception("on_exit callback failed", rank=proc.rank)
+
+    def _await_group(self, proc: RankProcess) -> None:
+        """After the leader of a rank asked to stop exited, give the rest of its group the stop's grace,
+        as torchrun does: a wrapper script's shell exits on SIGTERM at once while its python child
+        still saves a checkpoint in its handler (killed at once, that save was torn). Returns when the
+        group is empty or at the deadline, which a later SIGKILL request moves to now. Polls with no
+        lock held: a blocking wait must not hold up the supervisor's other callers."""
+        while (deadline := proc.grace_deadline) is not None and time.monotonic() < deadline:
+            if not group_alive(proc.pid):
+                return
+            time.sleep(GROUP_POLL_S)
 
     # --- control ---------------------------------------------------------------------------------
 
@@ -403,13 +423,18 @@ class Supervisor:
 
     def kill(self, rank: int, sig: int = signal.SIGKILL, grace_s: float = 10.0) -> None:
         """Ask ``rank`` to exit (an expected exit, not a failure). With SIGTERM (or any signal other
-        than SIGKILL), SIGKILL follows after ``grace_s`` if the rank is still alive; a stopped rank is
-        continued so that it gets the signal."""
+        than SIGKILL), SIGKILL follows after ``grace_s`` if the rank is still alive, or any process of
+        its group (a wrapper script's python outlives its shell), whose exit is reported only then; a
+        stopped rank is continued so that it gets the signal."""
         proc = self._get(rank)
         with self._lock:
             if proc.state == EXITED:
                 return
             proc.requested = True
+            now = time.monotonic()
+            until = now if sig == signal.SIGKILL else now + grace_s
+            # a SIGKILL ends a grace under way; a second SIGTERM does not lengthen it
+            proc.grace_deadline = until if proc.grace_deadline is None else min(proc.grace_deadline, until)
         if self._signal(proc, sig) and sig != signal.SIGKILL:
             # A stopped process holds the signal pending until it is continued, and a rank may be
             # stopped by anyone (a SIGSTOP from outside, not only stop()): continue it as systemd

@@ -5,6 +5,7 @@ contract is the same for both."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from agent.prefork import Prefork, PreforkedProcess
 from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, RankStillRunning, Supervisor
 from unicron.kernel.errors import PermanentError
-from unicron.kernel.procs import proc_state
+from unicron.kernel.procs import group_alive, proc_state
 from unicron.kernel.types import ErrorKind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -376,6 +377,85 @@ def test_helpers_left_in_the_ranks_group_are_killed_when_it_exits(sup: Superviso
     ev.exits(1)
     helper = int(ev.lines[0][1])
     assert _wait_dead(helper, 2.0)
+
+
+#: a wrapper script's python: saves "a checkpoint" for a second in its SIGTERM handler (or ignores SIGTERM)
+WRAPPED_CHILD = """
+import pathlib, signal, sys, time
+def stop(*_):
+    time.sleep(1.0)
+    pathlib.Path(sys.argv[1]).write_text("saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[2] == "ignore" else stop)
+print("ready", file=sys.stderr, flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _wrapped(tmp_path: Path, on_term: str) -> tuple[list[str], Path]:
+    """A rank command as many jobs have it: bash running a script that runs python (a Megatron launcher)."""
+    child, saved = tmp_path / "child.py", tmp_path / "saved"
+    child.write_text(WRAPPED_CHILD)
+    script = tmp_path / "train.sh"
+    script.write_text(f"#!/bin/bash\n{shlex.quote(PY)} {shlex.quote(str(child))} {shlex.quote(str(saved))} {on_term}\n"
+                      "echo wrapper done\n")
+    return ["bash", str(script)], saved
+
+
+def _ready(ev: Events, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (0, "ready") not in ev.lines:
+        assert time.monotonic() < deadline, "the wrapped child never installed its handler"
+        time.sleep(0.02)
+
+
+def test_a_wrapper_scripts_python_gets_the_stops_grace_and_the_exit_waits_for_it(ev: Events, tmp_path: Path) -> None:
+    """bash exits on SIGTERM at once; the python it runs saves a checkpoint in its handler. Before, the
+    group was SIGKILLed as soon as bash exited and the save was cut short (torchrun waits its grace)."""
+    argv, saved = _wrapped(tmp_path, "save")
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink)
+    try:
+        proc = sup.launch(0, argv)
+        _ready(ev)
+        t0 = time.monotonic()
+        sup.kill(0, signal.SIGTERM, grace_s=10.0)
+        ((exit, _),) = ev.exits(1, timeout_s=15.0)
+        assert saved.exists() and saved.read_text() == "saved", "the wrapped python was killed inside its grace"
+        assert exit.requested and not exit.abnormal
+        assert time.monotonic() - t0 < 8.0, "the exit waited out the whole grace of an emptied group"
+        assert not group_alive(proc.pid), "the exit was reported while its group still ran"
+    finally:
+        sup.close(grace_s=1.0)
+
+
+def test_a_wrapped_python_that_ignores_sigterm_is_killed_at_the_end_of_the_grace(ev: Events, tmp_path: Path) -> None:
+    argv, _ = _wrapped(tmp_path, "ignore")
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink)
+    try:
+        proc = sup.launch(0, argv)
+        _ready(ev)
+        t0 = time.monotonic()
+        sup.kill(0, signal.SIGTERM, grace_s=0.5)
+        ((exit, _),) = ev.exits(1, timeout_s=10.0)
+        assert time.monotonic() - t0 >= 0.5
+        assert exit.requested and not group_alive(proc.pid)
+    finally:
+        sup.close(grace_s=1.0)
+
+
+def test_a_sigkill_ends_the_grace_of_a_wrapped_python(ev: Events, tmp_path: Path) -> None:
+    argv, saved = _wrapped(tmp_path, "save")
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink)
+    try:
+        proc = sup.launch(0, argv)
+        _ready(ev)
+        sup.kill(0, signal.SIGTERM, grace_s=30.0)
+        sup.kill(0, signal.SIGKILL)
+        ((exit, _),) = ev.exits(1, timeout_s=10.0)
+        assert exit.requested and not group_alive(proc.pid) and not saved.exists()
+    finally:
+        sup.close(grace_s=1.0)
 
 
 AGENT = """

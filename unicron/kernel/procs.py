@@ -4,6 +4,7 @@ network, a supervised rank): is its owner still running on this host, and is it 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 
 def pid_alive(pid: int) -> bool:
@@ -39,3 +40,52 @@ def proc_state(pid: int) -> str | None:
             return fh.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` that name a process and its group."""
+
+    pid: int
+    """The process."""
+    state: str
+    """The kernel's one-letter state (see :func:`proc_state`)."""
+    pgid: int
+    """Its process group."""
+    start_ticks: int
+    """When it started, in clock ticks since the boot: with the pid, it names one process (pids are reused)."""
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """``pid``'s :class:`ProcStat`; None where there is no such process, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, as in proc_state
+        return ProcStat(pid, fields[0], int(fields[2]), int(fields[19]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def group_members(pgid: int) -> list[ProcStat]:
+    """The processes of group ``pgid`` that have not ended (zombies left out), from /proc."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    found = (proc_stat(int(name)) for name in names if name.isdigit())
+    return [st for st in found if st is not None and st.pgid == pgid and st.state not in DEAD_STATES]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that has not ended. Signal 0 to the group counts its
+    zombies too (orphans reaped late, or never where PID 1 reaps nothing), so /proc has the last word."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not os.path.isdir("/proc/self"):
+        return True
+    return bool(group_members(pgid))
