@@ -39,6 +39,7 @@ from agent.marker import FailureMarker
 from agent.metrics import AgentMetrics
 from agent.prefork import Prefork, with_torchrun_threads
 from agent.progress import LogProgress, Progress
+from agent.rankgroups import RankGroups
 from agent.ranks import RankServer, Sender
 from agent.reconciler import Outcome, TaskReconciler
 from agent.settings import AgentSettings
@@ -210,6 +211,7 @@ class Agent:
         self.gpu_monitor = GpuMonitor(self.backend, on_event=self._on_gpu_event, on_health=self._on_gpu_health,
                                       health_interval_s=settings.health_interval_s)
         self.socket_path = settings.socket_path
+        self.rank_groups = RankGroups(settings.rank_groups_dir)
         # Bound only once this agent holds the node's registration: a duplicate must not take it over.
         self.rank_server: RankServer | None = None
         self._link: LinkClient | None = None
@@ -246,6 +248,9 @@ class Agent:
             os.unlink(probe)
         except OSError as exc:
             raise ConfigError(run_dir_error(self.settings.run_dir, exc)) from exc
+        # Before etcd: the ranks' children a SIGKILLed predecessor left running train on as duplicates
+        # of the ranks the coordinator relaunched elsewhere (agent/rankgroups.py)
+        self.rank_groups.kill_orphans()
         store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
                                    f"agent of node {self.node}", tls_config=self.tls_config)
         if store is None:
@@ -918,7 +923,7 @@ class Agent:
                 if rec is not None:
                     outcomes.append(self._retire(name, f"reconfigured to generation {a.generation}"))
                 new = TaskReconciler(a, self, self.prefork, previous=self._retired.pop(name, None),
-                                     stop_grace_s=self.settings.stop_grace_s)
+                                     stop_grace_s=self.settings.stop_grace_s, groups=self.rank_groups)
                 self._tasks[name] = new
                 new.offer_store(self._stores.get(name))
                 outcomes.append(new.started)

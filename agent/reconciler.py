@@ -50,6 +50,7 @@ from agent import errorfile
 from agent.iterations import IterationMonitor
 from agent.prefork import Prefork
 from agent.progress import LineParser, PhaseLine, Progress, megatron_eval_interval, megatron_log_interval
+from agent.rankgroups import RankGroups
 from agent.sidecar import START_TIMEOUT_S, StoreSidecar
 from agent.supervisor import ProcStatus, RankExit, RankStillRunning, Supervisor
 from unicron.kernel import log as ulog
@@ -205,7 +206,8 @@ def _gone_with_the_store(a: TaskAssignment) -> list[int]:
 
 class TaskReconciler:
     def __init__(self, assignment: TaskAssignment, host: TaskHost, prefork: Prefork | None,
-                 previous: TaskReconciler | None = None, stop_grace_s: float = STOP_GRACE_S) -> None:
+                 previous: TaskReconciler | None = None, stop_grace_s: float = STOP_GRACE_S,
+                 groups: RankGroups | None = None) -> None:
         self.task = assignment.task
         self.stop_grace_s = stop_grace_s
         self.host = host
@@ -256,7 +258,7 @@ class TaskReconciler:
         self._log_phase: PhaseLine | None = None
         self._log_phase_lock = threading.Lock()  # each rank's stdout and stderr have a reader thread
         self.supervisor = Supervisor(on_exit=self._on_exit, on_stderr_match=self._on_stderr_match, prefork=prefork,
-                                     on_line=self._on_line, task=self.task)
+                                     on_line=self._on_line, task=self.task, groups=groups)
         self.started = self._submit(_Command(assignment, "assigned", Outcome(self.task)))
         self._thread = threading.Thread(target=self._run, name=f"reconcile-{self.task}", daemon=True)
         self._thread.start()

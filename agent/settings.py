@@ -42,7 +42,8 @@ class AgentSettings:
     health_interval_s: float = setting(1.0, "UNICRON_HEALTH_INTERVAL", "seconds between GPU health polls", above=0)
     """XID/ECC events arrive at once regardless; this is for counters and NVLink state."""
     run_dir: str = setting("/tmp/unicron", "UNICRON_RUN_DIR", "directory for the ranks' Unix socket and logs")
-    """Created if missing. Its sockets' paths (``<node>.sock``, ``<node>.pf.<pid>``) must fit a Unix
+    """Created if missing. Also holds ``<node>.groups/``, the records of the ranks' process groups that
+    the agent's next start kills if it died without clean-up (:mod:`agent.rankgroups`). Its sockets' paths (``<node>.sock``, ``<node>.pf.<pid>``) must fit a Unix
     socket's 107 bytes: a longer one is refused at start."""
     rank_log_max_mb: int = setting(256, "UNICRON_RANK_LOG_MAX_MB",
                                    "size (MiB) past which a rank's log is rotated to <log>.1 (0: never)", least=0)
@@ -98,6 +99,11 @@ class AgentSettings:
     def socket_path(self) -> str:
         """The Unix socket the node's ranks report to."""
         return os.path.join(self.run_dir, f"{self.node}.sock")
+
+    @property
+    def rank_groups_dir(self) -> str:
+        """Where the ranks' process groups are recorded while they live (:mod:`agent.rankgroups`)."""
+        return os.path.join(self.run_dir, f"{self.node}.groups")
 
     @property
     def prefork_path(self) -> str:

@@ -18,7 +18,11 @@ by SIGKILL (or OOM) runs no clean-up code; without this its ranks would stay ali
 holding their GPUs and their NCCL communicators, while the coordinator (which sees the node's lease
 expire) restarts the task elsewhere. The kernel sends the signal when the *thread* that forked the
 child exits, so all children are forked from one long-lived spawner thread owned by the supervisor,
-never from whichever (possibly short-lived) thread called :meth:`Supervisor.launch`.
+never from whichever (possibly short-lived) thread called :meth:`Supervisor.launch`. The kernel
+does not pass the signal on to the child's own children (a wrapper script's python, data-loader
+workers): with ``groups``, each rank's process group is recorded under the agent's run dir while it
+lives, and the agent's next start SIGKILLs the groups a dead agent left (:mod:`agent.rankgroups`;
+under the shipped systemd unit, systemd kills them before that: ``KillMode=mixed``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from agent.prefork import Prefork, PreforkedProcess, PreforkUnavailable
+from agent.rankgroups import RankGroups
 from unicron.kernel import log as ulog
 from unicron.kernel import parentdeath, patterns
 from unicron.kernel.errors import ConfigError, PermanentError
@@ -190,6 +195,7 @@ class Supervisor:
         prefork: Prefork | None = None,
         on_line: LineCallback | None = None,
         task: str = "",
+        groups: RankGroups | None = None,
     ) -> None:
         """``task``: the name the default stderr sink puts before each forwarded line's rank."""
         self._on_exit = on_exit
@@ -202,6 +208,7 @@ class Supervisor:
         self._stderr_grace = stderr_grace_s
         self._preexec = parentdeath.preexec(signal.SIGKILL) if pdeathsig else None
         self._prefork = prefork
+        self._groups = groups  # where each rank's process group is recorded while it lives (module docstring)
         self._procs: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         # The one long-lived thread that forks every child (see the module docstring on PDEATHSIG).
@@ -236,6 +243,8 @@ class Supervisor:
             prefork.await_warm()
         proc = self._spawner.submit(self._spawn, rank, list(argv), env, cwd, stdout_path, prefork,
                                     stderr_path).result()
+        if self._groups is not None:
+            self._groups.add(proc.pid)  # before the waiter starts, which removes the record
         with self._lock:
             self._procs[rank] = proc
         proc.reader = threading.Thread(
@@ -377,6 +386,8 @@ class Supervisor:
         # Helpers the rank left behind in its group (data loader workers, ...) must not keep the GPU.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if self._groups is not None:
+            self._groups.remove(proc.pid)
         if proc.reader is not None:
             proc.reader.join(self._stderr_grace)
         with self._lock:

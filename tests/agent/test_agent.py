@@ -29,6 +29,7 @@ from unicron.kernel.errors import ConfigError, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, Lease, Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.net import interface_of, route_address
+from unicron.kernel.procs import pid_alive
 from unicron.kernel.types import (
     AssignmentResult,
     ErrorKind,
@@ -425,6 +426,47 @@ def test_a_second_agent_with_a_held_node_name_refuses_to_start(agents: dict[str,
     after = store.get(KEYS.node("a0"))
     assert after is not None and before is not None and after.mod_revision == before.mod_revision
     assert sock.stat().st_ino == inode  # the original's socket was not replaced
+
+
+def test_a_wrapped_ranks_python_left_by_a_sigkilled_agent_is_killed_when_the_agent_starts_again(
+    etcd_server: EtcdServer, store: Store, tmp_path: Path,
+) -> None:
+    """PR_SET_PDEATHSIG reaches the rank's shell, not the python its wrapper script runs: before, that
+    python trained on after the agent's SIGKILL (and the coordinator's relaunch elsewhere: the rank
+    twice). The agent's next start kills it, before it registers (agent/rankgroups.py)."""
+    pidfile = tmp_path / "child.pid"
+    child_code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = tmp_path / "train.sh"
+    script.write_text(f"#!/bin/bash\n{sys.executable} -c {json.dumps(child_code)}\necho wrapper done\n")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "agent.main", "--node", "a0", "--etcd", etcd_server.endpoint, "--prefix", PREFIX,
+         "--gpu-backend", "simulated", "--run-dir", str(run_dir), "--replica-budget-mb", "0", "--prefork", "",
+         "--advertise-host", "127.0.0.1"], env=env, stderr=subprocess.DEVNULL)
+    child = 0
+    try:
+        assign(store, "a0", task("wrapped", ["bash", str(script)], [0], 1, "a0"))
+        child = wait_for(lambda: int(text) if pidfile.exists() and (text := pidfile.read_text()) else None, 60,
+                         "the wrapped python")
+        first.kill()
+        first.wait()
+        store.delete(KEYS.assignment("a0"))  # the restarted agent has nothing to launch
+        assert pid_alive(child), "control: the orphan outlives the agent"
+        second = Agent(settings(etcd_server, "a0", run_dir))
+        th = threading.Thread(target=second.run, daemon=True)
+        th.start()
+        try:
+            wait_for(lambda: not pid_alive(child), 30, "the orphan's end")
+        finally:
+            second.stop()
+            th.join(30)
+        assert os.listdir(run_dir / "a0.groups") == []
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if child and pid_alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_a_run_dir_too_long_for_the_socket_is_refused_before_registering(etcd_server: EtcdServer, store: Store,

@@ -53,6 +53,8 @@ class ProcStat:
     """The kernel's one-letter state (see :func:`proc_state`)."""
     pgid: int
     """Its process group."""
+    sid: int
+    """Its session."""
     start_ticks: int
     """When it started, in clock ticks since the boot: with the pid, it names one process (pids are reused)."""
 
@@ -62,7 +64,7 @@ def proc_stat(pid: int) -> ProcStat | None:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, as in proc_state
-        return ProcStat(pid, fields[0], int(fields[2]), int(fields[19]))
+        return ProcStat(pid, fields[0], int(fields[2]), int(fields[3]), int(fields[19]))
     except (OSError, IndexError, ValueError):
         return None
 
@@ -89,3 +91,12 @@ def group_alive(pgid: int) -> bool:
     if not os.path.isdir("/proc/self"):
         return True
     return bool(group_members(pgid))
+
+
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``): start times count from the boot; "" without /proc."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
