@@ -945,22 +945,35 @@ class Agent:
             # gloo binds the address the hostname resolves to, often 127.0.0.1 (Debian's /etc/hosts):
             # peers on other hosts could not connect. The advertised address's interface is reachable.
             env["GLOO_SOCKET_IFNAME"] = self._gloo_ifname
-        peers = self._replica_peers()
-        if peers:
-            env["UNICRON_CKPT_PEERS"] = ",".join(peers)
+        env.update(self._replica_env())
         if self.tls_config is not None:
             # the ranks reach peers' replica servers as this node (same host, same user as the agent)
             env[tls.ENV_DIR], env[tls.ENV_NAME] = self.settings.tls_dir, self.node
         return env
 
-    def _replica_peers(self) -> list[str]:
-        """Replica servers of the next node(s) on the GEMINI ring: losing this node never loses both
-        copies of a rank's in-memory snapshot."""
+    def _replica_env(self) -> dict[str, str]:
+        """The ranks' checkpoint peers: ``UNICRON_CKPT_PEERS``, the replica servers of the next node(s)
+        on the GEMINI ring (losing this node never loses both copies of a rank's in-memory snapshot),
+        which their pushes go to; ``UNICRON_CKPT_RESTORE_PEERS``, every node's (this node's first), which
+        a restore also asks: a rank relaunched here after its node's loss has its replica on the
+        successor of the node it ran on before, not on ours."""
+        addrs = self._replica_addrs()
+        env: dict[str, str] = {}
+        if self.node in addrs and (push := [addrs[n] for n in replica_targets(self.node, addrs)]):
+            env["UNICRON_CKPT_PEERS"] = ",".join(push)
+        if addrs:
+            ring = sorted(addrs)
+            i = ring.index(self.node) if self.node in addrs else 0
+            env["UNICRON_CKPT_RESTORE_PEERS"] = ",".join(addrs[n] for n in ring[i:] + ring[:i])
+        return env
+
+    def _replica_addrs(self) -> dict[str, str]:
+        """node -> the replica server address its registration gives (readable ones only)."""
         assert self.store is not None
         try:
             kvs, _ = self.store.get_prefix(self.keys.nodes())
         except StoreUnavailable:
-            return []
+            return {}
         addrs: dict[str, str] = {}
         for kv in kvs:
             try:
@@ -971,9 +984,7 @@ class Agent:
                 continue
             if info.replica_addr:
                 addrs[info.node] = info.replica_addr
-        if self.node not in addrs:
-            return []
-        return [addrs[n] for n in replica_targets(self.node, addrs)]
+        return addrs
 
     # --- fault injection ---------------------------------------------------------------------
 

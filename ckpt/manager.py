@@ -8,7 +8,8 @@ thread, then flip the local pointer), *replicate* (send it to the peers' replica
 with it, and the newest published slot is never overwritten, so a valid local snapshot always exists
 once the first one is published.
 
-``restore()`` follows the nearest principle: local memory, then each peer, then remote storage; every
+``restore()`` follows the nearest principle: local memory, then each peer (the push peers, then the
+restore peers: a relaunched rank's replica is on the successor of the node it ran on before), then remote storage; every
 copy is verified against the checksums computed at the source, and a missing, partial, stale or
 corrupt copy is skipped with its reason logged, and so is one a newer task generation superseded (it
 holds a copy at that iteration or an older one: it restored that and trained on). The timeline is linear: restoring iteration k discards
@@ -233,22 +234,48 @@ def _superseded(claims: Sequence[Mapping[int, int | None]], iteration: int, gene
     return f"stale: generation {generation}'s copy; generation {g} holds iteration {it} (an abandoned timeline)"
 
 
+def _list_all(sources: Sequence[Source]) -> list[dict[int, int | None] | Exception]:
+    """Each source's ``held()``, or the error that kept it from answering; asked in parallel, so a
+    restore that asks every node's replica server waits for the slowest one, not for their sum."""
+
+    def held(s: Source) -> dict[int, int | None] | Exception:
+        try:
+            return s.held()
+        except (UnicronError, OSError) as exc:
+            return exc
+
+    if len(sources) <= 2:
+        return [held(s) for s in sources]
+    with ThreadPoolExecutor(min(16, len(sources)), thread_name_prefix="ckpt-list") as pool:
+        return list(pool.map(held, sources))
+
+
 _STOP = object()
 
 
 class CheckpointManager(Checkpointer):
     """One rank's hierarchical in-memory checkpointing (see the module docstring).
 
-    ``peers``: the replica servers holding this rank's replicas (``placement.replica_targets``);
-    ``storage``: remote persistence, or None.
+    ``peers``: the replica servers this rank pushes its replicas to (``placement.replica_targets`` of
+    the node it runs on); ``storage``: remote persistence, or None; ``restore_peers``: further replica
+    servers that restore and ``available()`` also ask, after ``peers`` (a rank relaunched on another
+    node finds its replica on the successor of the node it ran on before, not of this one).
     """
 
     def __init__(
-        self, config: CheckpointConfig, peers: Sequence[ReplicaStore] = (), storage: Storage | None = None
+        self, config: CheckpointConfig, peers: Sequence[ReplicaStore] = (), storage: Storage | None = None,
+        restore_peers: Sequence[ReplicaStore] = (),
     ) -> None:
         config.validate()
         self.config = config
         self.peers = list(peers)
+        known = {p.describe() for p in self.peers}
+        #: asked on restore only, each server once (``peers`` first: the nearest order is kept)
+        self.restore_peers: list[ReplicaStore] = []
+        for p in restore_peers:
+            if p.describe() not in known:
+                known.add(p.describe())
+                self.restore_peers.append(p)
         self.storage = storage
         if config.persist_every and storage is None:
             raise ConfigError("CheckpointConfig.persist_every is set but no storage was given")
@@ -549,7 +576,7 @@ class CheckpointManager(Checkpointer):
     def _sources(self) -> list[Source]:
         job, rank = self.config.job, self.config.rank
         out: list[Source] = [LocalSource(self._store, job, rank)]
-        out += [PeerSource(p, job, rank) for p in self.peers]
+        out += [PeerSource(p, job, rank) for p in (*self.peers, *self.restore_peers)]
         if self.storage is not None:
             out.append(RemoteSource(self.storage, job, rank))
         return out
@@ -558,12 +585,7 @@ class CheckpointManager(Checkpointer):
         """(tier, source, iterations claimed) per source, nearest first; None where unreachable. Lets
         the runtime agree with the other ranks on an iteration every rank can restore."""
         sources = self._sources()
-        held: list[dict[int, int | None] | None] = []
-        for s in sources:
-            try:
-                held.append(s.held())
-            except (UnicronError, OSError):
-                held.append(None)
+        held = [h if isinstance(h, dict) else None for h in _list_all(sources)]
         claims = [h for h in held if h is not None]
         return [
             (s.tier.value, s.describe(),
@@ -587,13 +609,13 @@ class CheckpointManager(Checkpointer):
         # sources that could not be listed or read for now: what they hold may be valid, so a fallback to
         # an older iteration discards nothing there (an I/O hiccup deleted the newest durable snapshot)
         out_of_reach: set[str] = set()
-        for i, s in enumerate(sources):
-            try:
-                claims[i] = s.held()
-            except (UnicronError, OSError) as exc:
+        for i, (s, listed) in enumerate(zip(sources, _list_all(sources), strict=True)):
+            if isinstance(listed, dict):
+                claims[i] = listed
+            else:
                 claims[i] = {}
                 out_of_reach.add(s.describe())
-                attempts.append(TierAttempt(s.tier, s.describe(), None, f"unreachable: {exc}"))
+                attempts.append(TierAttempt(s.tier, s.describe(), None, f"unreachable: {listed}"))
         # a copy a newer generation superseded (it restored an older state and trained on) is of an
         # abandoned timeline, whatever tier is nearest: e.g. a node's memory out of reach meanwhile
         everything = list(claims.values())
@@ -648,7 +670,11 @@ class CheckpointManager(Checkpointer):
                         reason=str(exc),
                     )
                     continue
-                self._discard_newer(it, skip=out_of_reach)
+                # a restore peer that listed nothing newer is not asked again (every node's server is one)
+                only = {p.describe() for p in self.restore_peers}
+                quiet = {src.describe() for j, src in enumerate(sources)
+                         if src.describe() in only and not any(x > it for x in claims[j])}
+                self._discard_newer(it, skip=out_of_reach | quiet)
                 self._last = it
                 restored = Restored(
                     state, it, s.tier, s.describe(), tuple(attempts), time.perf_counter() - t0
@@ -691,7 +717,7 @@ class CheckpointManager(Checkpointer):
         gone: dict[str, list[int]] = {}
         if local := self._store.withdraw_newer(iteration):
             gone["local"] = local
-        for peer in self.peers:
+        for peer in (*self.peers, *self.restore_peers):  # wherever a copy of the abandoned future may be
             if peer.describe() in skip:
                 continue
             try:

@@ -381,7 +381,25 @@ def test_a_peer_registered_with_a_bad_replica_address_is_no_checkpoint_peer(tmp_
                                               "agent_pid": 1, "started_ts": 0.0, "replica_addr": addr}).encode(), 1, 1, 0)
            for n, addr in registered.items()]
     agent.store = types.SimpleNamespace(get_prefix=lambda prefix: (kvs, 1))  # type: ignore[assignment]
-    assert agent._replica_peers() == ["10.0.0.4:7003"]
+    assert agent._replica_env() == {"UNICRON_CKPT_PEERS": "10.0.0.4:7003",
+                                    "UNICRON_CKPT_RESTORE_PEERS": "127.0.0.1:7000,10.0.0.4:7003"}
+
+
+def test_ranks_are_given_every_nodes_replica_server_to_restore_from(tmp_path: Path) -> None:
+    """A rank relaunched on a0 after n1's loss has its replica on n1's ring successor (n2), and its
+    ranks were given a0's successor only: they restarted from scratch while n2 held the replica."""
+    agent = Agent(AgentSettings(node="a0", etcd="127.0.0.1:1", gpu_backend="simulated", gpus=2, run_dir=str(tmp_path),
+                                replica_budget_mb=0, prefork="", advertise_host="127.0.0.1"))
+    registered = {"n2": "10.0.0.2:7002", "a0": "10.0.0.1:7000", "n3": "10.0.0.3:7003"}
+    kvs = [KeyValue(KEYS.node(n), json.dumps({"node": n, "host": "h", "gpus": 2, "gpu_backend": "simulated",
+                                              "agent_pid": 1, "started_ts": 0.0, "replica_addr": addr}).encode(), 1, 1, 0)
+           for n, addr in registered.items()]
+    agent.store = types.SimpleNamespace(get_prefix=lambda prefix: (kvs, 1))  # type: ignore[assignment]
+    env = agent.rank_env(TaskAssignment(task="t", generation=2, argv=["true"], env={}, world_size=1,
+                                        ranks=[RankSpec(0, 0, 0)], store_node="a0"),
+                         RankSpec(0, 0, 0), StoreAddress(task="t", generation=2, node="a0", host="127.0.0.1", port=1))
+    assert env["UNICRON_CKPT_PEERS"] == "10.0.0.2:7002"  # pushes: a0's ring successor only
+    assert env["UNICRON_CKPT_RESTORE_PEERS"] == "10.0.0.1:7000,10.0.0.2:7002,10.0.0.3:7003"  # this node's first
 
 
 def test_a_replaced_process_progress_is_not_credited_to_the_rank(agents: dict[str, Agent], store: Store) -> None:

@@ -681,3 +681,55 @@ def test_a_nearer_copy_of_an_abandoned_generation_is_not_restored(make_config: M
         assert_same(filled_state(100), r.state)
         assert any("generation 0's copy; generation 1 holds iteration 100" in a.reason for a in r.skipped), r.skipped
         assert m.restore().iteration == 100  # the newest: not the abandoned 120
+
+
+def test_a_rank_relaunched_on_another_node_restores_from_the_replica_of_its_previous_node(
+    make_config: Make, replica_server: ReplicaServer
+) -> None:
+    """Ranks push to their node's ring successor, and restore asked only that node's successor: a rank
+    relaunched on another node after its node's loss never asked the server holding its replica (a
+    review's DP=1 task restarted from iteration 0 while node2 held its iterations 2, 4, 6). Restore
+    now also asks the restore peers (every node's replica server, from the agent)."""
+    other = ReplicaServer("127.0.0.1:0", 64 << 20).start()
+    try:
+        was, now = ReplicaClient(replica_server.address), ReplicaClient(other.address)
+        with CheckpointManager(make_config(node="node-a", generation=1), peers=[was]) as m:
+            for it in (2, 4, 6):
+                assert m.save(filled_state(it), it).result(30).replicas == (replica_server.address,)
+        # node-a lost with its memory; the relaunch on node-c pushes to its own successor
+        with CheckpointManager(make_config(node="node-c", generation=2), peers=[now],
+                               restore_peers=[ReplicaClient(other.address), was]) as m:
+            assert [(tier, src, its) for tier, src, its in m.available()][1:] == [
+                ("peer", other.address, []), ("peer", replica_server.address, [2, 4, 6])]
+            r = m.restore()
+            assert (r.tier, r.source, r.iteration) == (Tier.PEER, replica_server.address, 6)
+            assert_same(filled_state(6), r.state)
+    finally:
+        other.stop()
+
+
+def test_restore_peers_never_bring_back_an_abandoned_older_generation(
+    make_config: Make, replica_server: ReplicaServer
+) -> None:
+    """Generation 1 replicated 2, 4, 6 to server A; its relaunch (generation 2), with A out of its
+    reach, restored 2 elsewhere and trained on, replicating 3 and 4 to server B. Generation 3, asking
+    both, restores generation 2's 4, never generation 1's newer 6 (an abandoned timeline)."""
+    other = ReplicaServer("127.0.0.1:0", 64 << 20).start()
+    try:
+        a, b = ReplicaClient(replica_server.address), ReplicaClient(other.address)
+        with CheckpointManager(make_config(node="node-a", generation=1), peers=[a]) as m:
+            for it in (2, 4, 6):
+                m.save(filled_state(it), it).result(30)
+        with CheckpointManager(make_config(node="node-b", generation=2), peers=[b]) as m:
+            for it in (3, 4):
+                assert m.save(filled_state(it + 100), it).result(30).replicas == (other.address,)
+        with CheckpointManager(make_config(node="node-c", generation=3), restore_peers=[a, b]) as m:
+            assert [its for _, _, its in m.available()] == [[], [2], [3, 4]]  # 2: the shared past
+            r = m.restore()
+            assert (r.source, r.iteration) == (other.address, 4)
+            assert_same(filled_state(104), r.state)
+            assert any("generation 1's copy; generation 2 holds iteration" in x.reason for x in r.skipped), r.skipped
+        # the abandoned future is gone from the restore peer too (the linear timeline)
+        assert [i.iteration for i in replica_server.memory.list("job-1")] == [2, 4]
+    finally:
+        other.stop()

@@ -167,3 +167,22 @@ def test_replica_peers_that_are_not_host_port_are_a_config_error_naming_the_vari
         monkeypatch.setenv("UNICRON_CKPT_PEERS", f"10.0.0.2:{port}")
         with pytest.raises(ConfigError, match=r"^environment variable UNICRON_CKPT_PEERS=.* is not host:port"):
             make_checkpointer("memory", str(tmp_path), "job", 0)
+
+
+def test_the_restore_peers_the_agent_names_are_asked_on_restore(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The manager was built with UNICRON_CKPT_PEERS only (this node's ring successor), so a rank relaunched
+    on another node never asked the server that held its replica. Pushes still go to the ring successor."""
+    from ckpt.manager import CheckpointManager
+    from unicron.runtime.checkpoint import make_checkpointer
+    monkeypatch.setenv("UNICRON_CKPT_PEERS", "127.0.0.1:7001")
+    monkeypatch.setenv("UNICRON_CKPT_RESTORE_PEERS", "127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002")
+    m = make_checkpointer("memory", str(tmp_path), "job", 0, storage="none")
+    assert isinstance(m, CheckpointManager)
+    try:
+        assert [p.describe() for p in m.peers] == ["127.0.0.1:7001"]
+        assert [p.describe() for p in m.restore_peers] == ["127.0.0.1:7000", "127.0.0.1:7002"]
+    finally:
+        m.close()
+    monkeypatch.setenv("UNICRON_CKPT_RESTORE_PEERS", "garbage")
+    with pytest.raises(ConfigError, match=r"^environment variable UNICRON_CKPT_RESTORE_PEERS='garbage': 'garbage' is not"):
+        make_checkpointer("memory", str(tmp_path), "job", 0, storage="none")

@@ -28,6 +28,9 @@ from unicron.kernel.errors import ConfigError, InvalidRecord
 KINDS = ("none", "torch-save", "memory")
 ENV_CKPT_PEERS = "UNICRON_CKPT_PEERS"
 """Comma-separated host:port of the replica servers that hold this rank's in-memory snapshots."""
+ENV_CKPT_RESTORE_PEERS = "UNICRON_CKPT_RESTORE_PEERS"
+"""Comma-separated host:port of every replica server a restore asks (a relaunched rank's replica is on
+the successor of the node it ran on before)."""
 
 
 def _host_tag() -> str:
@@ -242,18 +245,25 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage
         name = re.sub(r"[^A-Za-z0-9._-]", "-", job or "local")[:128] or "local"
         local = os.path.join(directory, f"rank-{rank}") if directory else ""
         tls_config = tls.from_env()  # the node's certificate, when the agent runs with --tls-dir
-        # Peer nodes' replica servers (GEMINI placement), given by the agent that launched us.
-        raw = os.environ.get(ENV_CKPT_PEERS, "")
-        peers = []
-        for addr in (a.strip() for a in raw.split(",")):
-            if not addr:
-                continue
-            try:
-                peers.append(ReplicaClient(addr, tls_config=tls_config))
-            except InvalidRecord as exc:  # the variable's value, not a bug: one line, not a traceback
-                raise ConfigError(f"environment variable {ENV_CKPT_PEERS}={raw!r}: {addr!r} is not host:port; "
-                                  "expected the peers' replica servers as comma-separated host:port (the agent "
-                                  "sets it)") from exc
+        def clients(var: str) -> list[ReplicaClient]:
+            raw = os.environ.get(var, "")
+            out = []
+            for addr in (a.strip() for a in raw.split(",")):
+                if not addr:
+                    continue
+                try:
+                    out.append(ReplicaClient(addr, tls_config=tls_config))
+                except InvalidRecord as exc:  # the variable's value, not a bug: one line, not a traceback
+                    raise ConfigError(f"environment variable {var}={raw!r}: {addr!r} is not host:port; "
+                                      "expected the peers' replica servers as comma-separated host:port (the "
+                                      "agent sets it)") from exc
+            return out
+
+        # Peer nodes' replica servers (GEMINI placement), given by the agent that launched us: the ring
+        # successors of our node get our pushes; a restore asks every node's (our replica may be on the
+        # successor of the node this rank ran on before a relaunch)
+        peers = clients(ENV_CKPT_PEERS)
+        restore_peers = clients(ENV_CKPT_RESTORE_PEERS)
         root = storage_root(storage, directory)
         try:
             remote = FilesystemStorage(root) if root else None
@@ -263,5 +273,5 @@ def make_checkpointer(kind: str, directory: str, job: str, rank: int, *, storage
         given: dict[str, str | int] = {"local_dir": local} if local else {}
         config = from_args(CheckpointConfig, None, job=name, rank=rank, world_size=world_size,
                            persist_every=persist_every if remote is not None else 0, **given)
-        return CheckpointManager(config, peers=peers, storage=remote)
+        return CheckpointManager(config, peers=peers, storage=remote, restore_peers=restore_peers)
     raise ConfigError(f"--ckpt {kind!r}: choose one of {KINDS}")
