@@ -323,6 +323,11 @@ class ReplicaStore(ABC):
     def describe(self) -> str:
         """Where this store is (an address), for logs and error messages."""
 
+    def abort(self) -> bool:
+        """Cut short the calls in flight (from another thread), if this store can: True once none of
+        them reads its snapshot's bytes any more (they fail); False when it cannot (the caller waits)."""
+        return False
+
 
 class Storage(ABC):
     """Remote persistent storage: a filesystem path, or an object store implementing the same contract.

@@ -5,8 +5,9 @@ slot (CPU: a plain copy; GPU: asynchronous copies into the pinned slot, see :met
 background stages then take each snapshot in turn: *publish* (checksum the slot off the training
 thread, then flip the local pointer), *replicate* (send it to the peers' replica servers) and *persist*
 (every ``persist_every`` snapshots, to remote storage). A slot is reused only once every stage is done
-with it, and the newest published slot is never overwritten, so a valid local snapshot always exists
-once the first one is published.
+with it (a save() that needs the slot the replicate stage holds abandons its pushes still in flight: a
+missed replica, never a stall on a frozen peer), and the newest published slot is never overwritten, so a
+valid local snapshot always exists once the first one is published.
 
 ``restore()`` follows the nearest principle: local memory, then each peer (the push peers, then the
 restore peers: a relaunched rank's replica is on the successor of the node it ran on before), then remote storage; every
@@ -25,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from ckpt.api import (
     CheckpointError,
     NoValidCheckpoint,
     ReplicaStore,
+    ReplicaUnavailable,
     Restored,
     SaveOutcome,
     Snapshot,
@@ -125,6 +127,11 @@ class CheckpointConfig:
         IDLE_DIR_S, "UNICRON_CKPT_LOCAL_IDLE_S",
         "seconds unwritten before an unheld rank directory in /dev/shm may give up its space to a full writer",
     )
+    #: a peer whose push failed (unreachable, frozen, or too slow to finish before a newer save needed its
+    #: slot) gets no push for this long, doubled per further failure up to 8x: a dead peer costs nothing
+    peer_backoff_s: float = setting(
+        10.0, "UNICRON_CKPT_PEER_BACKOFF_S", "seconds a replica peer whose push failed is skipped (doubling, up to 8x)"
+    )
     #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
     safe_globals: str = setting(
         "", "UNICRON_CKPT_SAFE_GLOBALS", "extra module:Name globals allowed in a state"
@@ -144,6 +151,7 @@ class CheckpointConfig:
             ("checksum_threads", self.checksum_threads >= 1, "must be >= 1"),
             ("copy_threads", self.copy_threads >= 1, "must be >= 1"),
             ("local_idle_s", self.local_idle_s >= 0, "must be >= 0"),
+            ("peer_backoff_s", self.peer_backoff_s >= 0, "must be >= 0"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -214,6 +222,10 @@ class _Job:
     copied: threading.Event = field(default_factory=threading.Event)
     #: GPU: fence() ran before any modification, so later ones are ordered after the copies
     fenced_clean: bool = False
+    #: a save() needs this job's slot: its pushes still in flight are abandoned
+    abandon: bool = False
+    #: set when a push ends or the job is abandoned (the replicate stage waits on it)
+    wake: threading.Event = field(default_factory=threading.Event)
 
 
 def _changed(job: _Job) -> list[int]:
@@ -304,6 +316,13 @@ class CheckpointManager(Checkpointer):
         self._persist_pending = False
         self._stream: Any = None
         self._fence_job: _Job | None = None
+        # one pusher per peer, so a peer still busy with an abandoned push delays no other
+        self._pushers = [ThreadPoolExecutor(1, thread_name_prefix="ckpt-push") for _ in self.peers]
+        self._pushing: list[Future[None] | None] = [None] * len(self.peers)
+        #: per peer: (no push before this time.monotonic(), consecutive failures)
+        self._down: list[tuple[float, int]] = [(0.0, 0)] * len(self.peers)
+        #: the job in the replicate stage (under _cv): what _acquire_slot abandons when it needs its slot
+        self._replicating: _Job | None = None
         self._closed = False
         self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(3)]
         stages = (self._publish, self._replicate, self._persist)
@@ -439,6 +458,12 @@ class CheckpointManager(Checkpointer):
                     slot = min(free, key=lambda s: pub[s].iteration if s in pub else -1)
                     self._busy[slot] = True
                     return slot
+                rep = self._replicating
+                if rep is not None and rep.slot != newest and not rep.abandon:
+                    # replication never holds a slot save() needs: a frozen peer stalled every save for
+                    # the client's whole timeout (60 s). Its pushes still in flight are abandoned.
+                    rep.abandon = True
+                    rep.wake.set()
                 self._cv.wait()
 
     def _release(self, slot: int) -> None:
@@ -525,19 +550,74 @@ class CheckpointManager(Checkpointer):
 
     def _replicate(self, job: _Job) -> bool:
         snap = self._snapshot(job)
-        for peer in self.peers:
+        with self._cv:
+            self._replicating = job
+            self._cv.notify_all()  # a save() waiting for a slot may need this job's
+        try:
+            started = self._start_pushes(job, snap)
+            while True:  # until every push ended, or a save() needs the slot
+                job.wake.clear()
+                with self._cv:
+                    abandon = job.abandon
+                if abandon or all(f.done() for f in started.values()):
+                    break
+                job.wake.wait()
+        finally:
+            with self._cv:
+                self._replicating = None
+        for i, fut in started.items():
+            peer = self.peers[i]
+            # a store that cannot cut its push short (an in-process one, quick) is waited for
+            if not fut.done() and peer.abort() and not fut.done():
+                self._push_failed(i, job, "abandoned: a newer save needed its slot before the push ended")
+                continue
             try:
-                peer.put(snap)
-                job.replicas.append(peer.describe())
+                fut.result()
             except UnicronError as exc:
-                job.errors.append(f"replicate to {peer.describe()}: {exc}")
-                self._log.warning(
-                    "replication failed", iteration=job.iteration, peer=peer.describe(), error=str(exc)
-                )
+                self._push_failed(i, job, str(exc), down=isinstance(exc, ReplicaUnavailable))
             except Exception as exc:  # a bug in one peer's client must not cost the others or persistence
                 job.errors.append(f"replicate to {peer.describe()}: {type(exc).__name__}: {exc}")
                 self._log.exception("replication failed", iteration=job.iteration, peer=peer.describe())
+            else:
+                job.replicas.append(peer.describe())
+                if self._down[i][1]:
+                    self._log.info("replica peer back", peer=peer.describe())
+                self._down[i] = (0.0, 0)
         return job.persist_due
+
+    def _start_pushes(self, job: _Job, snap: Snapshot) -> dict[int, Future[None]]:
+        """Start the push to each peer that is neither backing off after a failure nor still busy with
+        an abandoned push (each such one is a missed replica); returns the pushes started, by peer."""
+        started: dict[int, Future[None]] = {}
+        now = time.monotonic()
+        for i, peer in enumerate(self.peers):
+            until, _ = self._down[i]
+            prev = self._pushing[i]
+            if now < until:
+                job.errors.append(f"replicate to {peer.describe()}: skipped: down after a failed push, "
+                                  f"tried again in {until - now:.1f}s")
+                continue
+            if prev is not None and not prev.done():
+                self._push_failed(i, job, "skipped: still busy with an abandoned push")
+                continue
+            fut = self._pushers[i].submit(peer.put, snap)
+            fut.add_done_callback(lambda _: job.wake.set())
+            self._pushing[i] = started[i] = fut
+        return started
+
+    def _push_failed(self, i: int, job: _Job, why: str, down: bool = True) -> None:
+        """Record a missed replica; ``down``: the peer gets no push for its backoff (a refusal, e.g. a
+        full budget, is the peer's answer, and the next snapshot may fit)."""
+        peer = self.peers[i].describe()
+        job.errors.append(f"replicate to {peer}: {why}")
+        if not down:
+            self._log.warning("replication failed", iteration=job.iteration, peer=peer, error=why)
+            return
+        failures = self._down[i][1] + 1
+        backoff = self.config.peer_backoff_s * 2 ** min(failures - 1, 3)
+        self._down[i] = (time.monotonic() + backoff, failures)
+        self._log.warning("replication failed; no push to this peer for a while", iteration=job.iteration,
+                          peer=peer, error=why, backoff_s=backoff)
 
     def _persist(self, job: _Job) -> bool:
         if not job.persist_due:
@@ -757,6 +837,8 @@ class CheckpointManager(Checkpointer):
         if self._pool is not None:
             self._pool.shutdown()
         self._copy_pool.shutdown()
+        for pusher in self._pushers:  # an abandoned push still connecting gives up by itself
+            pusher.shutdown(wait=False)
         self._store.close()
 
     def __enter__(self) -> CheckpointManager:

@@ -50,6 +50,9 @@ from unicron.kernel.errors import ConfigError, InvalidRecord, UnicronError
 log = ulog.get(__name__)
 
 Key = tuple[str, int, int]
+#: a client's limit for connecting and for the server's first answer, which a live server gives at once:
+#: a frozen or cut-off one is found in seconds, not in the transfer's timeout
+CONNECT_TIMEOUT_S = 5.0
 #: a rank that pushed nothing for this long gives up its newest snapshot when the budget needs the room
 #: (checkpoints come every few minutes while a job runs; a stopped job's is persisted remotely)
 IDLE_RANK_S = 3600.0
@@ -366,38 +369,96 @@ class ReplicaServer:
 # --------------------------------------------------------------------------------------------- client
 
 
-class ReplicaClient(ReplicaStore):
-    """Training side's handle on one peer's :class:`ReplicaServer` (a connection per request)."""
+class _Call:
+    """One request in flight, as :meth:`ReplicaClient.abort` sees it."""
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, tls_config: tls.TLSConfig | None = None) -> None:
+    __slots__ = ("aborted", "sending", "sock")
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.aborted = False
+        #: sending a snapshot's bytes (the caller's buffer)
+        self.sending = False
+
+
+class ReplicaClient(ReplicaStore):
+    """Training side's handle on one peer's :class:`ReplicaServer` (a connection per request).
+
+    ``connect_timeout_s`` bounds connecting (TLS handshake included) and the server's first answer;
+    ``timeout_s`` every later reply, plus 100 MB/s for a transfer (:func:`transfer_timeout`)."""
+
+    def __init__(self, addr: str, timeout_s: float = 60.0, tls_config: tls.TLSConfig | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.addr = addr
         self._target = wire.parse_addr(addr, "ReplicaClient addr")
         self.timeout_s = timeout_s
+        self.connect_timeout_s = min(connect_timeout_s, timeout_s)
         self._ssl = tls_config.client_context() if tls_config is not None else None
+        self._calls: set[_Call] = set()
+        self._calls_cv = threading.Condition()
 
     def describe(self) -> str:
         return self.addr
 
+    def abort(self) -> bool:
+        """Cut short every call in flight: each fails with ReplicaUnavailable, and once this returns
+        none sends its snapshot's bytes any more (their buffer may be reused). One still connecting
+        gives up within ``connect_timeout_s`` without sending them."""
+        with self._calls_cv:
+            for c in self._calls:
+                c.aborted = True
+                if c.sock is not None:
+                    with contextlib.suppress(OSError):
+                        c.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked sendall/recv at once
+            while any(c.sending for c in self._calls):
+                self._calls_cv.wait()
+        return True
+
+    def _track(self, call: _Call, sock: socket.socket | None, sending: bool = False) -> None:
+        with self._calls_cv:
+            if call.aborted:
+                raise ConnectionAbortedError("aborted")
+            call.sock, call.sending = sock, sending
+
     def _call(self, header: dict[str, Any], body: Any = None) -> Any:
+        call = _Call()
+        with self._calls_cv:
+            self._calls.add(call)
         try:
-            with socket.create_connection(self._target, timeout=self.timeout_s) as raw:
+            with socket.create_connection(self._target, timeout=self.connect_timeout_s) as raw:
+                self._track(call, raw)
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock = (self._ssl.wrap_socket(raw, server_hostname=self._target[0]) if self._ssl is not None
                         else raw)
+                self._track(call, sock)  # the TLS socket took over the descriptor
+                sock.settimeout(self.timeout_s)
                 wire.send(sock, header)
-                reply = wire.recv_header(sock, time.monotonic() + self.timeout_s)
-                return body(sock, reply) if body is not None else reply
+                # a live server answers a request at once: a frozen one (SIGSTOP, a cut-off host, whose
+                # kernel may still accept the connection) held a push's slot for the whole timeout
+                reply = wire.recv_header(sock, time.monotonic() + self.connect_timeout_s)
+                return body(sock, reply, call) if body is not None else reply
         except (OSError, InvalidRecord) as exc:
             raise ReplicaUnavailable(f"replica server {self.addr}: {exc}") from exc
+        finally:
+            with self._calls_cv:
+                self._calls.discard(call)
+                call.sending = False
+                self._calls_cv.notify_all()
 
     def put(self, snapshot: Snapshot) -> None:
-        def body(sock: socket.socket, reply: dict[str, Any]) -> dict[str, Any]:
+        def body(sock: socket.socket, reply: dict[str, Any], call: _Call) -> dict[str, Any]:
             if not reply.get("ok"):
                 return reply
             sock.settimeout(transfer_timeout(self.timeout_s, snapshot.info.nbytes))
-            sock.sendall(snapshot.meta)
-            if len(snapshot.data):
-                sock.sendall(snapshot.data)
+            self._track(call, sock, sending=True)
+            try:
+                sock.sendall(snapshot.meta)
+                if len(snapshot.data):
+                    sock.sendall(snapshot.data)
+            finally:
+                with self._calls_cv:
+                    call.sending = False
+                    self._calls_cv.notify_all()
             return wire.recv_header(sock, time.monotonic() + self.timeout_s)
 
         reply = self._call({"op": "put", "info": snapshot.info.to_dict()}, body)
@@ -405,7 +466,7 @@ class ReplicaClient(ReplicaStore):
             raise ReplicaRejected(f"replica server {self.addr}: {reply.get('error')}")
 
     def get(self, job: str, rank: int, iteration: int) -> Snapshot | None:
-        def body(sock: socket.socket, reply: dict[str, Any]) -> Snapshot | None:
+        def body(sock: socket.socket, reply: dict[str, Any], call: _Call) -> Snapshot | None:
             if not reply.get("ok"):
                 if reply.get("missing"):
                     return None

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +17,10 @@ import torch
 
 from ckpt.api import Snapshot, Tier
 from ckpt.codec import decode
-from ckpt.manager import CheckpointConfig, CheckpointManager
+from ckpt.manager import CheckpointConfig, CheckpointManager, SaveTicket
 from ckpt.persist import iterations as persisted_iterations
 from ckpt.persist import load as load_persisted
+from ckpt.replica import ReplicaClient
 from ckpt.storage import FilesystemStorage
 from tests.ckpt.helpers import assert_same, filled_state
 
@@ -156,3 +158,42 @@ def test_kill_during_persistence_keeps_previous_manifest(make_config: Make, tmp_
 
 def _decode(snap: Snapshot) -> Any:
     return decode(snap.meta, torch.frombuffer(snap.data, dtype=torch.uint8), private=True)
+
+
+def test_a_frozen_peer_never_stalls_save_and_gets_pushes_again_once_thawed(make_config: Make) -> None:
+    """A frozen ring peer (its process SIGSTOPped; a cut-off host's kernel may still accept connections)
+    held each push for the client's whole timeout (60 s), and the push held its slot: the next save but
+    one waited for it on the training thread. Now a save() that needs the slot abandons the push (a
+    missed replica), the peer is skipped for a backoff, and pushes resume once it answers again."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ckpt.replica", "--listen", "127.0.0.1:0", "--budget-bytes", "64M"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    try:
+        addr = _wait_line(server, "listening on").split()[-1]
+        peer = ReplicaClient(addr)  # as the runtime builds it
+        cfg = make_config()
+        cfg.peer_backoff_s = 0.5
+        with CheckpointManager(cfg, peers=[peer]) as m:
+            assert m.save(filled_state(1), 1).result(30).replicas == (addr,)
+            server.send_signal(signal.SIGSTOP)
+            tickets: list[SaveTicket] = []
+            saver = threading.Thread(target=lambda: tickets.extend(m.save(filled_state(i), i) for i in range(2, 8)))
+            try:
+                saver.start()
+                saver.join(10)  # generous under load; a stalled save took 60 s
+                assert not saver.is_alive(), f"6 saves with a frozen peer still blocked after 10 s ({len(tickets)} done)"
+            finally:
+                server.send_signal(signal.SIGCONT)  # on a failure too: the stalled pushes end, the manager closes
+                saver.join(120)
+            outcomes = [t.result(30) for t in tickets]
+            assert all(o.published and o.replicas == () and o.errors for o in outcomes), outcomes
+            deadline, it = time.monotonic() + 60, 8
+            while (out := m.save(filled_state(it), it).result(30)).replicas != (addr,):
+                assert time.monotonic() < deadline, f"no push reached the thawed peer: {out.errors}"
+                time.sleep(0.1)  # the peer's backoff runs out
+                it += 1
+        assert max(i.iteration for i in ReplicaClient(addr).list("job-1")) == it
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -291,3 +291,19 @@ def test_a_peer_trickling_a_snapshot_does_not_stall_the_restore() -> None:
         assert time.monotonic() - t0 < 4.0
     finally:
         listener.close()
+
+
+def test_a_server_that_accepts_but_never_answers_is_found_within_the_connect_timeout() -> None:
+    """A frozen server's kernel still accepts connections: the client waited its whole timeout (60 s)
+    for the first answer, which a live server gives at once. Now that answer has the connect timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)  # never accepted: the backlog completes the handshake, as for a SIGSTOPped server
+    try:
+        client = ReplicaClient(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=600, connect_timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaUnavailable, match=r"timed out|before the deadline"):
+            client.list("j")
+        assert time.monotonic() - t0 < 60  # 600 s before
+    finally:
+        listener.close()
