@@ -397,7 +397,8 @@ def test_ranks_are_given_every_nodes_replica_server_to_restore_from(tmp_path: Pa
     agent.store = types.SimpleNamespace(get_prefix=lambda prefix: (kvs, 1))  # type: ignore[assignment]
     env = agent.rank_env(TaskAssignment(task="t", generation=2, argv=["true"], env={}, world_size=1,
                                         ranks=[RankSpec(0, 0, 0)], store_node="a0"),
-                         RankSpec(0, 0, 0), StoreAddress(task="t", generation=2, node="a0", host="127.0.0.1", port=1))
+                         RankSpec(0, 0, 0), StoreAddress(task="t", generation=2, node="a0", host="127.0.0.1", port=1),
+                         str(tmp_path / "error.json"))
     assert env["UNICRON_CKPT_PEERS"] == "10.0.0.2:7002"  # pushes: a0's ring successor only
     assert env["UNICRON_CKPT_RESTORE_PEERS"] == "10.0.0.1:7000,10.0.0.2:7002,10.0.0.3:7003"  # this node's first
 
