@@ -165,6 +165,11 @@ def fenced_placement(a: TaskAssignment, fenced: Mapping[str, tuple[int, int]]) -
     return (a.generation, a.membership_epoch) <= fenced.get(a.task, (-1, -1))
 
 
+#: replica servers a rank's restore asks besides its push peers (this node's and the next ones on the
+#: ring): past it, a replica on a farther node is not found and the rank restores from storage
+MAX_RESTORE_PEERS = 1024
+
+
 class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
@@ -964,7 +969,10 @@ class Agent:
         if addrs:
             ring = sorted(addrs)
             i = ring.index(self.node) if self.node in addrs else 0
-            env["UNICRON_CKPT_RESTORE_PEERS"] = ",".join(addrs[n] for n in ring[i:] + ring[:i])
+            # bounded: one environment string may hold 128 KiB (Linux's MAX_ARG_STRLEN; past it the
+            # rank cannot be exec'd), and each restore lists every server named
+            nearest = (ring[i:] + ring[:i])[:MAX_RESTORE_PEERS]
+            env["UNICRON_CKPT_RESTORE_PEERS"] = ",".join(addrs[n] for n in nearest)
         return env
 
     def _replica_addrs(self) -> dict[str, str]:

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import pytest
 
+from agent import daemon
 from agent.daemon import Agent
 from agent.reconciler import RankState, TaskReconciler
 from agent.settings import AgentSettings
@@ -401,6 +402,17 @@ def test_ranks_are_given_every_nodes_replica_server_to_restore_from(tmp_path: Pa
                          str(tmp_path / "error.json"))
     assert env["UNICRON_CKPT_PEERS"] == "10.0.0.2:7002"  # pushes: a0's ring successor only
     assert env["UNICRON_CKPT_RESTORE_PEERS"] == "10.0.0.1:7000,10.0.0.2:7002,10.0.0.3:7003"  # this node's first
+    # at most MAX_RESTORE_PEERS, the nearest on the ring: a cluster of 8,000 nodes named them all in one
+    # environment string of ~150 KiB, past what exec takes (128 KiB)
+    registered.update({f"n{i:04d}": f"10.1.{i // 250}.{i % 250}:7000" for i in range(8000)})
+    kvs[:] = [KeyValue(KEYS.node(n), json.dumps({"node": n, "host": "h", "gpus": 2, "gpu_backend": "simulated",
+                                                 "agent_pid": 1, "started_ts": 0.0, "replica_addr": addr}).encode(), 1, 1, 0)
+              for n, addr in registered.items()]
+    many = agent.rank_env(TaskAssignment(task="t", generation=2, argv=["true"], env={}, world_size=1,
+                                         ranks=[RankSpec(0, 0, 0)], store_node="a0"),
+                          RankSpec(0, 0, 0), StoreAddress(task="t", generation=2, node="a0", host="127.0.0.1", port=1),
+                          str(tmp_path / "error.json"))["UNICRON_CKPT_RESTORE_PEERS"].split(",")
+    assert len(many) == daemon.MAX_RESTORE_PEERS and many[0] == "10.0.0.1:7000"
 
 
 def test_a_replaced_process_progress_is_not_credited_to_the_rank(agents: dict[str, Agent], store: Store) -> None:
