@@ -731,10 +731,10 @@ class Coordinator:
                 del self._echoes[task]
             elif any(r.task == task and report.generation in (None, r.generation) and r.state == "stopped"
                      for r in status.ranks):
-                del self._echoes[task]
                 log.warning("a hang taken for a regroup echo is a hang: a rank of its task is stopped",
                             task=task, node=status.node, report=report.report_id)
                 self._record(dataclasses.replace(report, report_id=f"{report.report_id}-stopped"), report_key=None)
+                del self._echoes[task]  # only once recorded: a failed write retries this status, and it again
 
     def _on_result(self, ev: WatchEvent, ts: float) -> None:
         """An agent's reconcile result: the outcome of the actions it carried out."""

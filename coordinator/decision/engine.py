@@ -293,7 +293,8 @@ class _Run:
         if _down_node(event) is not None:
             counts = in_service
         elif isinstance(event, IncidentRaised) and not self._leftover(event):
-            counts = any(t.response is not _R.MERGE for t in self.transitions[fired:])
+            # a peer's death that widens the restart under way is the same burst (as for its budget)
+            counts = any(t.response is not _R.MERGE and t.cause is not _T.PEER_DIED for t in self.transitions[fired:])
         else:
             return
         if counts:

@@ -90,6 +90,17 @@ def test_one_fault_and_the_incidents_it_sets_off_are_one_failure() -> None:
     assert sim.state.failures == 3 and sim.state.failure_gpu_hours == sim.state.gpu_hours
 
 
+def test_the_ranks_of_one_node_dying_together_are_one_failure_of_an_in_place_task() -> None:
+    """Diff review: an in-place task's peers' deaths widen the restart under way (peer_died -> restart,
+    one burst spending one restart): each was counted as a failure, 8 for one node's processes."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"job": {"command": ["python", "-m", "unicron.runtime.x"]}})
+    gen = sim.state.tasks["job"].generation
+    for rank in range(8):
+        sim.incident("n1", SEV2_KIND, task="job", rank=rank, generation=gen)
+    assert any(t.cause is d.Trigger.PEER_DIED for t in sim.transitions)
+    assert sim.state.failures == 1
+
+
 def test_step_rate_restarts_with_a_new_configuration() -> None:
     rate = StepRate(1, 8, (0.0, 10), (0.0, 10)).advance(1, 8, 2.0, 12)
     assert rate.steps_per_s() is None  # fewer than three steps

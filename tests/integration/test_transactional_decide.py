@@ -376,7 +376,7 @@ def test_a_hang_taken_for_a_regroup_echo_restarts_the_rank_a_later_status_shows_
     before the status that shows the frozen rank, and was dismissed as the regroup's echo; the task
     then sat at a fraction of its ranks until the hang was reported again 60 s later. The status that
     shows the rank stopped now makes that report a hang: the stopped rank is restarted."""
-    c, _ = coord
+    c, store = coord
     running(c, recovery="inprocess")
     gen = c.state.tasks["t"].generation
     (waiting, waiting_rank), (frozen, frozen_rank) = sorted((n, r[0]) for n, r in c.state.tasks["t"].placement.items())
@@ -391,8 +391,11 @@ def test_a_hang_taken_for_a_regroup_echo_restarts_the_rank_a_later_status_shows_
     assert c.recent_incidents[-1].handled and assignment(c, frozen).tasks[0].restart_epoch == 0
     st = NodeStatus(node=frozen, ts=time.time(), generation=gen, task="t", gpu_health=[],
                     ranks=[RankStatus(task="t", generation=gen, rank=frozen_rank, pid=1, state="stopped", step=5)])
+    store.fail = 1  # the first write of it fails (etcd briefly away): the retried status acts on it all the same
     feed(c, StatusChanged(WatchEvent("put", c.keys.status(frozen), st.to_json().encode(), 0), time.time()))
     settle(c)
+    settle(c)
+    assert store.fail == 0
     inc = c.recent_incidents[-1]
     assert (inc.node, inc.rank, inc.severity, inc.handled) == (frozen, frozen_rank, Severity.SEV2, False), inc
     assert assignment(c, frozen).tasks[0].restart_epoch == 1  # only the stopped rank relaunches
