@@ -273,12 +273,12 @@ class Agent:
         except NodeNameTaken as exc:
             log.error("refusing to start", node=self.node, reason=str(exc))
             print(f"unicron-agent: {exc}", file=sys.stderr, flush=True)
-            self._abandon_start()
+            self._release()
             return 2
         try:
             self.rank_server = RankServer(self.socket_path, self._on_rank_message).start()
         except OSError as exc:  # the probe passed (the disk filled since, or the path is a directory)
-            self._abandon_start()  # its registration too: no node that cannot take ranks stays registered
+            self._release()  # its registration too: no node that cannot take ranks stays registered
             raise ConfigError(run_dir_error(self.settings.run_dir, exc)) from exc
         self.publisher = ReportPublisher(store, self.keys, self.stop_event,
                                          on_retry=lambda: self.metrics.etcd.retry("report"))
@@ -309,9 +309,9 @@ class Agent:
     def stop(self) -> None:
         self.stop_event.set()
 
-    def _abandon_start(self) -> None:
-        """Undo what run() started before it gave up: the servers, its registration (if it has one),
-        the etcd connection."""
+    def _release(self) -> None:
+        """Stop the servers, revoke the registration (if there is one) and close etcd: the end of a
+        stop, and all there is to undo of a start that gave up."""
         if self.replicas is not None:
             self.replicas.stop()
         if self._metrics_server is not None:
@@ -340,15 +340,7 @@ class Agent:
         self.marker.stop()
         if self.prefork is not None:
             self.prefork.close()
-        if self.replicas is not None:
-            self.replicas.stop()
-        if self._metrics_server is not None:
-            self._metrics_server.stop()
-        if self.lease is not None:
-            with contextlib.suppress(StoreUnavailable):
-                self.lease.revoke()
-        if self.store is not None:
-            self.store.close()
+        self._release()
 
     def _register(self) -> None:
         """Create ``nodes/<node>`` under a fresh lease; retried until etcd answers. Raises
