@@ -55,8 +55,9 @@ RUNNING, STOPPED, EXITED = "running", "stopped", "exited"
 #: why a start fails that is this node's passing state (no memory, no process or descriptor slots, a
 #: full disk for the log), not the command's: raised as the OSError, which names no fault of the task
 NODE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
-#: how often a rank's group is looked at while its members have their stop's grace
-GROUP_POLL_S = 0.02
+#: how often a rank's group is looked at while its members have their stop's grace: first soon (most
+#: groups empty at once), then less often (a look reads every process's /proc stat while any is left)
+GROUP_POLL_S = (0.02, 0.25)
 
 
 @dataclass(frozen=True)
@@ -407,10 +408,12 @@ class Supervisor:
         still saves a checkpoint in its handler (killed at once, that save was torn). Returns when the
         group is empty or at the deadline, which a later SIGKILL request moves to now. Polls with no
         lock held: a blocking wait must not hold up the supervisor's other callers."""
+        poll = GROUP_POLL_S[0]
         while (deadline := proc.grace_deadline) is not None and time.monotonic() < deadline:
             if not group_alive(proc.pid):
                 return
-            time.sleep(GROUP_POLL_S)
+            time.sleep(poll)
+            poll = min(poll * 2, GROUP_POLL_S[1])
 
     # --- control ---------------------------------------------------------------------------------
 
