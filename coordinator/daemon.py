@@ -12,6 +12,7 @@ once that write landed. A failed write leaves memory as it was, and the input is
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -414,11 +415,25 @@ class Coordinator:
         self._registrations_due = time.monotonic() + self.settings.registration_grace_s
 
     def _enqueue(self, make: Callable[[WatchEvent, float], WatchInput], ev: WatchEvent) -> None:
+        if make is NodeChanged:
+            self._learn_token(ev)
         self._inbox.put(make(ev, self.clock()))
 
     def _resync(self, make: Callable[[WatchEvent, float], WatchInput], kvs: list[KeyValue]) -> None:
         for kv in kvs:
-            self._inbox.put(make(WatchEvent("put", kv.key, kv.value, kv.mod_revision), self.clock()))
+            self._enqueue(make, WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+
+    def _learn_token(self, ev: WatchEvent) -> None:
+        """On the watch's thread, in etcd's order: the token a node's link hello must carry. Not on the
+        loop, which retries an input whose write failed before any input behind it: with etcd down
+        after a takeover, a node whose registration waited behind it had its hello refused and fenced
+        its ranks (the link must be verifiable without etcd, chaos seed 97)."""
+        node = self.keys.tail(ev.key, self.keys.nodes())
+        if ev.kind == "delete":
+            self._link_tokens.pop(node, None)
+            return
+        with contextlib.suppress(InvalidRecord):  # the loop logs it
+            self._link_tokens[node] = NodeInfo.from_json(ev.value).link_token
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -556,16 +571,12 @@ class Coordinator:
         if ev.kind == "delete":
             self._registration_gone(node, causes.LEASE_EXPIRED, "lease expired", ts)
             self._nodes.pop(node, None)
-            self._link_tokens.pop(node, None)
             return
         try:
             info = NodeInfo.from_json(ev.value)
         except InvalidRecord as exc:
             log.warning("ignoring garbage node record", key=ev.key, error=str(exc))
             return
-        # Before any decision: one that cannot be written (etcd down) retries this input, and until then
-        # the node's link must still be verifiable without etcd (a new leader's first inputs, chaos seed 97).
-        self._link_tokens[node] = info.link_token
         previous = self._nodes.get(node)
         if previous is None or previous.agent_pid != info.agent_pid or previous.started_ts != info.started_ts:
             log.info("node registered", node=node, gpus=info.gpus, backend=info.gpu_backend)

@@ -423,6 +423,30 @@ def test_an_input_retried_after_a_failed_write_is_decided_before_the_inputs_queu
     assert c.state.nodes[node].status is d.NodeState.UP, c.state.nodes[node]
 
 
+def test_a_registration_queued_behind_a_failing_input_is_verifiable_at_once(
+        coord: tuple[Coordinator, FlakyStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Etcd down right after a takeover: the loop retries the input whose write failed before any behind
+    it, and a node's registration queued behind it was not read, so its link hello was refused and the
+    node fenced its ranks (test_failover, seed 97's double fault). The token is learnt as the watch
+    delivers the record."""
+    c, store = coord
+    running(c)
+    store.fail = 10**6  # every decision's write fails: the loop holds its first failing input
+    monkeypatch.setattr(store, "get", lambda *a, **k: (_ for _ in ()).throw(StoreUnavailable("etcd down (test)")))
+    feed(c, NodeChanged(WatchEvent("delete", c.keys.node("n1"), b"", 0), time.time()))  # n1's lease gone
+    deadline = time.monotonic() + 10
+    while store.fail == 10**6 and time.monotonic() < deadline:  # the loop is at it
+        time.sleep(0.01)
+    info = NodeInfo(node="n2", host="localhost", gpus=1, gpu_backend="simulated", agent_pid=7, started_ts=7.0,
+                    link_token="t0k3n")
+    c._enqueue(NodeChanged, WatchEvent("put", c.keys.node("n2"), info.to_json().encode(), 0))
+    try:
+        assert c._verify_link("n2", info.link_token)
+        assert not c._verify_link("n2", "forged")
+    finally:
+        store.fail = 0
+
+
 def test_a_restart_confirmed_while_no_coordinator_led_is_not_escalated_by_the_next_leader(
         etcd_server: EtcdServer) -> None:
     """The leader dies right after deciding a restart; the relaunched rank makes progress within the
