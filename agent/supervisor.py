@@ -58,6 +58,9 @@ NODE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE,
 #: how often a rank's group is looked at while its members have their stop's grace: first soon (most
 #: groups empty at once), then less often (a look reads every process's /proc stat while any is left)
 GROUP_POLL_S = (0.02, 0.25)
+#: how long a rank's exit waits for the rest of its group to die of the SIGKILL that ends it: a relaunch
+#: must not meet the old helpers still holding the GPU (a member in uninterruptible sleep may outlast it)
+KILLED_GROUP_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -387,6 +390,10 @@ class Supervisor:
         # Helpers the rank left behind in its group (data loader workers, ...) must not keep the GPU.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        killed_by = time.monotonic() + KILLED_GROUP_WAIT_S
+        if not _await_empty(proc.pid, lambda: killed_by):
+            log.warning("the rank's process group outlived its SIGKILL", rank=proc.rank, pid=proc.pid,
+                        waited_s=KILLED_GROUP_WAIT_S)
         if self._groups is not None:
             self._groups.remove(proc.pid)
         if proc.reader is not None:
@@ -408,12 +415,7 @@ class Supervisor:
         still saves a checkpoint in its handler (killed at once, that save was torn). Returns when the
         group is empty or at the deadline, which a later SIGKILL request moves to now. Polls with no
         lock held: a blocking wait must not hold up the supervisor's other callers."""
-        poll = GROUP_POLL_S[0]
-        while (deadline := proc.grace_deadline) is not None and time.monotonic() < deadline:
-            if not group_alive(proc.pid):
-                return
-            time.sleep(poll)
-            poll = min(poll * 2, GROUP_POLL_S[1])
+        _await_empty(proc.pid, lambda: proc.grace_deadline)
 
     # --- control ---------------------------------------------------------------------------------
 
@@ -524,3 +526,16 @@ class Supervisor:
         """Terminate all ranks (:meth:`terminate_all`) and release the spawner thread."""
         self.terminate_all(grace_s, sig)
         self._spawner.shutdown(wait=True)
+
+
+def _await_empty(pgid: int, deadline: Callable[[], float | None]) -> bool:
+    """Whether group ``pgid`` emptied before ``deadline()`` (monotonic; read at each look, so that a
+    SIGKILL request can move it), polling with no lock held."""
+    poll = GROUP_POLL_S[0]
+    while group_alive(pgid):
+        until = deadline()
+        if until is None or time.monotonic() >= until:
+            return False
+        time.sleep(min(poll, max(0.0, until - time.monotonic())))
+        poll = min(poll * 2, GROUP_POLL_S[1])
+    return True

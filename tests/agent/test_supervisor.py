@@ -458,6 +458,35 @@ def test_a_sigkill_ends_the_grace_of_a_wrapped_python(ev: Events, tmp_path: Path
         sup.close(grace_s=1.0)
 
 
+#: a helper of the rank whose memory takes the kernel a while to free once it is SIGKILLed
+HEAVY_HELPER = """
+import sys, time
+held = b"x" * (768 << 20)  # written, so its pages are the process's own
+print("ready", file=sys.stderr, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_ranks_exit_is_reported_once_its_group_has_died(ev: Events, tmp_path: Path) -> None:
+    """The exit was reported right after the group's SIGKILL, while its helpers were still dying (CI failed
+    on it): a relaunch must not meet them still holding the GPU."""
+    helper = tmp_path / "helper.py"
+    helper.write_text(HEAVY_HELPER)
+    script = tmp_path / "train.sh"
+    script.write_text(f"#!/bin/bash\n{shlex.quote(PY)} {shlex.quote(str(helper))} &\nwait\n")
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink)
+    try:
+        for attempt in range(3):  # the kernel may free the memory before a look; three chances to see it
+            proc = sup.launch(0, ["bash", str(script)])
+            _ready(ev, timeout_s=30.0)
+            ev.lines.clear()
+            sup.kill(0, signal.SIGKILL)
+            ((exit, _),) = ev.exits(attempt + 1, timeout_s=10.0)[attempt:]
+            assert exit.requested and not group_alive(proc.pid), "the exit was reported while its group still died"
+    finally:
+        sup.close(grace_s=1.0)
+
+
 AGENT = """
 import sys, time
 from unicron.kernel import log as ulog
