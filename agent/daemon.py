@@ -1004,7 +1004,8 @@ class Agent:
             answer = req.answered(ok=False, detail=f"{type(exc).__name__}: {exc}")
         assert self.store is not None
         with contextlib.suppress(StoreUnavailable):
-            self.store.put(ev.key, answer.to_json())
+            # under the node's lease: an answer its asker died before deleting goes with this agent
+            self.store.put(ev.key, answer.to_json(), lease=self.lease)
 
     def inject(self, req: Injection) -> str:
         """Execute one fault-injection request (see ``unicron inject``). Returns what was done."""

@@ -17,6 +17,9 @@ from unicron.kernel.types import ErrorKind, Record, new_id
 
 #: the most iterations one 'slow' injection may delay (over eleven days of one-second iterations)
 MAX_SLOW_ITERATIONS = 1_000_000
+#: the TTL of a request's lease (seconds): kept alive while its asker waits, it bounds how long the
+#: request of an asker that died outlives it
+REQUEST_LEASE_TTL_S = 5
 
 
 class Fault(enum.StrEnum):
@@ -63,9 +66,18 @@ class Injection(Record):
 
 
 def request(store: Store, keys: Keyspace, node: str, req: Injection, timeout_s: float = 5.0) -> Injection:
-    """Ask ``node``'s agent to execute ``req``; returns the agent's answer (``executed_ts`` set)."""
+    """Ask ``node``'s agent to execute ``req``; returns the agent's answer (``executed_ts`` set).
+
+    The request lives under a lease of the asker's: an asker killed before its ``finally`` left the
+    request behind, and the node's agent executed it whenever it next started (a rank killed hours
+    after the drill). Now it expires with the asker."""
     key = keys.injection(node, new_id())
-    store.put(key, req.to_json())
+    lease = store.lease(REQUEST_LEASE_TTL_S)
+    try:
+        store.put(key, req.to_json(), lease=lease)
+    except BaseException:
+        lease.revoke()
+        raise
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -76,5 +88,8 @@ def request(store: Store, keys: Keyspace, node: str, req: Injection, timeout_s: 
                     return answer
             time.sleep(0.01)
     finally:
-        store.delete(key)
+        try:
+            store.delete(key)
+        finally:
+            lease.revoke()
     raise TemporaryError(f"node {node}'s agent did not execute the injection within {timeout_s}s")
