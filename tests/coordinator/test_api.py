@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -778,10 +779,48 @@ def test_cli_inject_on_an_agent_of_another_user_is_one_line(
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(inject_cli, "os", _FakeOs(kill))
-    _register(store, Keyspace(prefix), "n1")
+    _register(store, Keyspace(prefix), "n1", **_this_process_as_agent())
     code, _, err = unicron("inject", "silence-node", "--node", "n1", "--etcd", etcd_server.endpoint, "--prefix", prefix)
     _one_line(code, err, "inject")
-    assert "agent pid 4242 of node n1: not permitted" in err
+    assert f"agent pid {os.getpid()} of node n1: not permitted" in err
+
+
+def _this_process_as_agent() -> dict[str, Any]:
+    """Registration fields naming this test process, on this host, as a node's agent."""
+    return {"agent_pid": os.getpid(), "hostname": socket.gethostname(), "started_ts": time.time()}
+
+
+def test_cli_inject_kill_node_refuses_an_agent_of_another_host(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the pid of an agent on another host was signalled here, whatever local process had that
+    number (etcd, the coordinator). Now: one line naming the agent's host, nothing sent."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(inject_cli, "os", _FakeOs(lambda p, s: sent.append((p, s))))
+    _register(store, Keyspace(prefix), "n1", **{**_this_process_as_agent(), "hostname": "gpu-node-17"})
+    code, _, err = unicron("inject", "kill-node", "--node", "n1", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    assert sent == []
+    _one_line(code, err, "inject")
+    assert "node n1's agent runs on host gpu-node-17" in err
+
+
+def test_cli_inject_kill_node_refuses_a_pid_reused_since_the_agent_registered(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead agent's pid may name a process started since: it is not signalled."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(inject_cli, "os", _FakeOs(lambda p, s: sent.append((p, s))))
+    newer = subprocess.Popen(["sleep", "30"])
+    try:
+        _register(store, Keyspace(prefix), "n1", **{**_this_process_as_agent(), "agent_pid": newer.pid,
+                                                     "started_ts": time.time() - 60.0})
+        code, _, err = unicron("inject", "kill-node", "--node", "n1", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+        assert sent == []
+        _one_line(code, err, "inject")
+        assert f"pid {newer.pid} is no longer node n1's agent" in err
+    finally:
+        newer.kill()
+        newer.wait()
 
 
 @pytest.mark.parametrize("value", ["[]", "7", "not json"], ids=["list", "number", "garbage"])

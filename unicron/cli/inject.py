@@ -2,7 +2,8 @@
 
 ``kill-node`` (SIGKILL the node's agent) and ``silence-node`` (SIGSTOP it; ``--resume`` sends
 SIGCONT) act on the agent's process directly, so they work only on the machine the agent runs on
-(the local demo, tests, benchmarks). Every other fault is executed by the node's agent: the
+(the local demo, tests, benchmarks, or a shell on the node): refused elsewhere, and for a pid that no
+longer names the registered agent. Every other fault is executed by the node's agent: the
 request goes to ``inject/<node>/<id>`` in etcd and the agent writes back when it executed it.
 """
 
@@ -12,11 +13,13 @@ import argparse
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
 
 from unicron.cli.common import add_cluster_flags, at_least, open_store
+from unicron.kernel import procs
 from unicron.kernel.config import finite_float
 from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.etcd import Store
@@ -59,13 +62,17 @@ def node_record(store: Store, keys: Keyspace, node: str) -> bytes:
     return kv.value
 
 
-def agent_pid(store: Store, keys: Keyspace, node: str) -> int:
+def _record(store: Store, keys: Keyspace, node: str) -> dict[str, object]:
     try:
         record = json.loads(node_record(store, keys, node))
     except ValueError:  # UnicodeDecodeError included
         record = None
     if not isinstance(record, dict):
         raise InvalidRecord(f"node {node!r}: its registration is not a JSON object")
+    return record
+
+
+def agent_pid(record: dict[str, object], node: str) -> int:
     pid = record.get("agent_pid")
     # os.kill(0) signals the operator's own process group, -1 every process it may signal, 1 is init;
     # True is an int to isinstance
@@ -74,8 +81,31 @@ def agent_pid(store: Store, keys: Keyspace, node: str) -> int:
     return pid
 
 
+#: how much later than its registration's ``started_ts`` a process may seem to have started and still
+#: be that agent (the boot time in /proc/stat is whole seconds)
+START_SLACK_S = 2.0
+
+
+def _check_here(record: dict[str, object], node: str, pid: int) -> None:
+    """Refuse unless ``pid`` on this machine is the agent that registered ``node``: the pid is the agent's
+    host's, so run elsewhere the command signalled whatever local process had that number (etcd, the
+    coordinator), and a dead agent's pid may since name another process."""
+    host, here = record.get("hostname"), socket.gethostname()
+    if host != here:
+        raise PermanentError(f"node {node}'s agent runs on host {host or '(not recorded)'}, not on {here}; "
+                             "run this command there")
+    started, registered = procs.started_at(pid), record.get("started_ts")
+    if started is None:
+        raise PermanentError(f"agent pid {pid} of node {node} is not running on this machine; nothing signalled")
+    if not isinstance(registered, int | float) or started > registered + START_SLACK_S:
+        raise PermanentError(f"pid {pid} is no longer node {node}'s agent (it started after the agent "
+                             "registered: the agent is dead); nothing signalled")
+
+
 def signal_agent(store: Store, keys: Keyspace, node: str, sig: signal.Signals) -> tuple[int, float]:
-    pid = agent_pid(store, keys, node)
+    record = _record(store, keys, node)
+    pid = agent_pid(record, node)
+    _check_here(record, node, pid)
     try:
         os.kill(pid, sig)
     except ProcessLookupError as exc:

@@ -69,6 +69,20 @@ def proc_stat(pid: int) -> ProcStat | None:
         return None
 
 
+def started_at(pid: int) -> float | None:
+    """When ``pid`` started, in wall-clock seconds (the boot's time plus its start ticks); None where
+    there is no such process, or no /proc."""
+    st = proc_stat(pid)
+    if st is None:
+        return None
+    try:
+        with open("/proc/stat") as fh:
+            btime = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    return btime + st.start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def group_members(pgid: int) -> list[ProcStat]:
     """The processes of group ``pgid`` that have not ended (zombies left out), from /proc."""
     try:
