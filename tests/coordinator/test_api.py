@@ -669,6 +669,18 @@ def test_cli_status_shows_each_ranks_own_generation(
     assert [(r["rank"], r["generation"]) for r in json.loads(out)] == [(0, 3), (1, 5)]
 
 
+def test_cli_status_of_an_unknown_task_is_an_error_and_of_a_known_one_without_ranks_is_not(
+    unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str,
+) -> None:
+    """Before: a mistyped task name printed "(none)" and exited 0, as a task with no ranks does."""
+    store.put(Keyspace(prefix).task("waiting"), json.dumps({"name": "waiting"}))
+    code, _, err = unicron("status", "nosuch", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    _one_line(code, err, "status")
+    assert "no task named 'nosuch'" in err
+    code, _, err = unicron("status", "waiting", "--etcd", etcd_server.endpoint, "--prefix", prefix)
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("cmd", ["nodes", "status", "incidents"])
 def test_cli_records_that_are_not_objects_do_not_crash_nodes_status_or_incidents(
     unicron: Any, etcd_server: EtcdServer, store: Store, prefix: str, cmd: str,

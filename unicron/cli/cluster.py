@@ -25,7 +25,7 @@ from unicron.cli.common import (
 )
 from unicron.cli.tasks import ApiClient, api_flag, leader_api
 from unicron.kernel.config import finite_float
-from unicron.kernel.errors import UnicronError
+from unicron.kernel.errors import PermanentError, UnicronError
 from unicron.kernel.etcd import Store
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.proto import coordinator_pb2 as pb
@@ -122,6 +122,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     store, keys = open_store(args)
     try:
         statuses = read_json_prefix(store, keys.statuses())
+        # a mistyped or retired task name read as a task with no ranks, exit 0: a script polling it never knew
+        known = not args.task or store.get(keys.task(args.task)) is not None
     finally:
         store.close()
     rows = []
@@ -134,6 +136,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                          # the rank's own: a node runs ranks of several tasks and generations
                          "generation": r.get("generation")})
     rows.sort(key=lambda r: (str(r["task"]), r["rank"] if isinstance(r["rank"], int) else -1))
+    if not rows and not known:
+        raise PermanentError(f"no task named {args.task!r} (see 'unicron tasks')")
     return emit(args, rows, ["task", "rank", "node", "pid", "state", "step", "generation"])
 
 
