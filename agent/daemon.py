@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from agent import launchenv, logcap, marker, sidecar
 from agent.fence import Contact, Fence
@@ -43,7 +43,7 @@ from agent.rankgroups import RankGroups
 from agent.ranks import RankServer, Sender
 from agent.reconciler import Outcome, TaskReconciler
 from agent.settings import AgentSettings
-from ckpt.placement import replica_targets
+from ckpt.placement import replica_targets, restore_order
 from ckpt.replica import ReplicaServer
 from unicron.kernel import log as ulog
 from unicron.kernel import metrics as umetrics
@@ -165,9 +165,13 @@ def fenced_placement(a: TaskAssignment, fenced: Mapping[str, tuple[int, int]]) -
     return (a.generation, a.membership_epoch) <= fenced.get(a.task, (-1, -1))
 
 
-#: replica servers a rank's restore asks besides its push peers (this node's and the next ones on the
-#: ring): past it, a replica on a farther node is not found and the rank restores from storage
+#: replica servers a rank's restore is given (``UNICRON_CKPT_RESTORE_PEERS``): one environment string
+#: may hold 128 KiB (Linux's MAX_ARG_STRLEN; past it the rank cannot be exec'd), and each restore lists
+#: every server named. The holders of the rank's replicas (its previous placement's) come first, so
+#: the bound drops only the farthest of the rest.
 MAX_RESTORE_PEERS = 1024
+#: ``RankSpec.previous_nodes`` whose replica holders a restore asks (the coordinator names two)
+PREVIOUS_NODES_ASKED = 4
 
 
 class Agent:
@@ -942,29 +946,28 @@ class Agent:
             # gloo binds the address the hostname resolves to, often 127.0.0.1 (Debian's /etc/hosts):
             # peers on other hosts could not connect. The advertised address's interface is reachable.
             env["GLOO_SOCKET_IFNAME"] = self._gloo_ifname
-        env.update(self._replica_env())
+        env.update(self._replica_env(spec.previous_nodes))
         if self.tls_config is not None:
             # the ranks reach peers' replica servers as this node (same host, same user as the agent)
             env[tls.ENV_DIR], env[tls.ENV_NAME] = self.settings.tls_dir, self.node
         return env
 
-    def _replica_env(self) -> dict[str, str]:
-        """The ranks' checkpoint peers: ``UNICRON_CKPT_PEERS``, the replica servers of the next node(s)
+    def _replica_env(self, previous_nodes: Sequence[str] = ()) -> dict[str, str]:
+        """A rank's checkpoint peers: ``UNICRON_CKPT_PEERS``, the replica servers of the next node(s)
         on the GEMINI ring (losing this node never loses both copies of a rank's in-memory snapshot),
-        which their pushes go to; ``UNICRON_CKPT_RESTORE_PEERS``, every node's (this node's first), which
-        a restore also asks: a rank relaunched here after its node's loss has its replica on the
-        successor of the node it ran on before, not on ours."""
+        which its pushes go to; ``UNICRON_CKPT_RESTORE_PEERS``, which a restore also asks: this node's,
+        then those holding the replicas it pushed from ``previous_nodes`` (a rank relaunched here after
+        its node's loss has its replica on the successor of the node it ran on before, not on ours),
+        then the rest nearest first, at most ``MAX_RESTORE_PEERS``."""
         addrs = self._replica_addrs()
         env: dict[str, str] = {}
         if self.node in addrs and (push := [addrs[n] for n in replica_targets(self.node, addrs)]):
             env["UNICRON_CKPT_PEERS"] = ",".join(push)
         if addrs:
-            ring = sorted(addrs)
-            i = ring.index(self.node) if self.node in addrs else 0
-            # bounded: one environment string may hold 128 KiB (Linux's MAX_ARG_STRLEN; past it the
-            # rank cannot be exec'd), and each restore lists every server named
-            nearest = (ring[i:] + ring[:i])[:MAX_RESTORE_PEERS]
-            env["UNICRON_CKPT_RESTORE_PEERS"] = ",".join(addrs[n] for n in nearest)
+            # a forged record's long list costs no more than the few the coordinator writes
+            previous = previous_nodes[:PREVIOUS_NODES_ASKED]
+            nodes = restore_order(self.node, addrs, previous, limit=MAX_RESTORE_PEERS)
+            env["UNICRON_CKPT_RESTORE_PEERS"] = ",".join(addrs[n] for n in nodes)
         return env
 
     def _replica_addrs(self) -> dict[str, str]:

@@ -23,6 +23,10 @@ from unicron.kernel.errors import InvalidRecord, PermanentError
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeAssignment, RankSet, RankSpec, TaskAssignment
 
+#: the nodes a rank's RankSpec names as where it ran before (``previous_nodes``): the newest, and the
+#: one before in case the rank was relaunched and lost again before it pushed a snapshot from there
+PREVIOUS_NODES_KEPT = 2
+
 
 class Executor:
     def __init__(self, keys: Keyspace, specs: Callable[[str], TaskSpec | None],
@@ -71,20 +75,28 @@ class Executor:
         checking free GPUs against the decision's final occupancy. Meant for a draft: a refused action
         may leave it half changed."""
         changed: set[str] = set()
+        # where each reassigned task's ranks ran, read before they leave the records (an isolation in
+        # the same decision clears its node's too)
+        before = {a.task: self._previous_nodes(a.task) for a in actions if isinstance(a, d.Assign)}
         for action in actions:
             if isinstance(action, d.Assign):
                 changed |= self._remove_task(action.task)
             elif isinstance(action, d.ResizeInPlace):
                 changed |= self._drop_leavers(action)
         for action in actions:
-            changed |= self._resize(action) if isinstance(action, d.ResizeInPlace) else self.apply(action)
+            if isinstance(action, d.ResizeInPlace):
+                changed |= self._resize(action)
+            elif isinstance(action, d.Assign):
+                changed |= self._assign(action, before[action.task])
+            else:
+                changed |= self.apply(action)
         return changed
 
     def apply(self, action: d.Action) -> set[str]:
         """Update the desired state for ``action``; returns the nodes whose record changed."""
         match action:
             case d.Assign():
-                return self._assign(action)
+                return self._assign(action, self._previous_nodes(action.task))
             case d.ResizeInPlace():
                 return self._drop_leavers(action) | self._resize(action)
             case d.StopTask():
@@ -134,7 +146,19 @@ class Executor:
         used = {r.gpu for name, t in self.desired.get(node, {}).items() if name != task for r in t.ranks}
         return [g for g in range(self.node_gpus(node)) if g not in used]
 
-    def _assign(self, action: d.Assign) -> set[str]:
+    def _previous_nodes(self, task: str) -> dict[int, list[str]]:
+        """rank -> the nodes it ran on (``RankSpec.previous_nodes`` of its next placement): its node in
+        the current records, then the ones its spec names, at most ``PREVIOUS_NODES_KEPT``."""
+        out: dict[int, list[str]] = {}
+        for node, tasks in self.desired.items():
+            record = tasks.get(task)
+            for spec in record.ranks if record is not None else ():
+                out[spec.rank] = list(dict.fromkeys([node, *spec.previous_nodes]))[:PREVIOUS_NODES_KEPT]
+        return out
+
+    def _assign(self, action: d.Assign, previous: Mapping[int, list[str]]) -> set[str]:
+        """``previous``: where each rank ran before (:meth:`_previous_nodes`, read before the task left
+        the records): its replicas are on those nodes' ring successors, which its restore asks."""
         spec = self.specs(action.task)
         if spec is None:
             return set()
@@ -157,7 +181,8 @@ class Executor:
         # torchrun numbers nodes (GROUP_RANK) so that lower ranks sit on lower-numbered nodes.
         nodes = sorted(placement, key=lambda n: placement[n][0])
         for node, ranks in sorted(placement.items()):
-            specs = [RankSpec(rank=r, local_rank=i, gpu=free[node][i]) for i, r in enumerate(ranks)]
+            specs = [RankSpec(rank=r, local_rank=i, gpu=free[node][i], previous_nodes=previous.get(r, []))
+                     for i, r in enumerate(ranks)]
             self.isolated.discard(node)  # placed on again: back in service
             self.desired.setdefault(node, {})[action.task] = TaskAssignment(
                 task=action.task, generation=action.generation, argv=list(spec.command),

@@ -415,6 +415,36 @@ def test_ranks_are_given_every_nodes_replica_server_to_restore_from(tmp_path: Pa
     assert len(many) == daemon.MAX_RESTORE_PEERS and many[0] == "10.0.0.1:7000"
 
 
+def test_a_restore_asks_the_holder_of_the_ranks_replica_however_far_round_the_ring_it_is(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path) -> None:
+    """On 1,200 nodes a rank relaunched on a0 was given the 1,024 servers nearest a0 on the ring: its
+    replica, pushed from n1100 (lost since) to n1101, was never asked and it restored from storage."""
+    registered = {"a0": "10.0.0.1:7000", **{f"n{i:04d}": f"10.1.{i // 250}.{i % 250}:7000" for i in range(1200)
+                                           if i != 1100}}
+    records = [(KEYS.node(n), json.dumps({"node": n, "host": "h", "gpus": 2, "gpu_backend": "simulated",
+                                          "agent_pid": 1, "started_ts": 0.0, "replica_addr": addr}), None)
+               for n, addr in registered.items()]
+    for i in range(0, len(records), 128):
+        store.put_many(records[i:i + 128])
+    agent = Agent(settings(etcd_server, "a0", tmp_path))
+    agent.store = store
+    spec = RankSpec(rank=5, local_rank=0, gpu=0, previous_nodes=["n1100"])
+    env = agent.rank_env(TaskAssignment(task="t", generation=3, argv=["true"], env={}, world_size=8, ranks=[spec],
+                                        store_node="a0"),
+                         spec, StoreAddress(task="t", generation=3, node="a0", host="127.0.0.1", port=1),
+                         str(tmp_path / "error.json"))
+    peers = env["UNICRON_CKPT_RESTORE_PEERS"].split(",")
+    holder = registered["n1101"]
+    assert peers[:2] == ["10.0.0.1:7000", holder]  # this node's, then the replica's holder
+    assert len(peers) == daemon.MAX_RESTORE_PEERS and len(set(peers)) == len(peers)  # still bounded
+    # a rank with no previous placement (a first launch) is given the nearest ones, as before
+    env = agent.rank_env(TaskAssignment(task="t", generation=1, argv=["true"], env={}, world_size=8,
+                                        ranks=[RankSpec(5, 0, 0)], store_node="a0"),
+                         RankSpec(5, 0, 0), StoreAddress(task="t", generation=1, node="a0", host="127.0.0.1", port=1),
+                         str(tmp_path / "error.json"))
+    assert holder not in env["UNICRON_CKPT_RESTORE_PEERS"].split(",")
+
+
 def test_a_replaced_process_progress_is_not_credited_to_the_rank(agents: dict[str, Agent], store: Store) -> None:
     """A message of a process the rank no longer runs (its predecessor's, read after the relaunch) was
     credited to the current one: its step, and an iteration it never completed."""

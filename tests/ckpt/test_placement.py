@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.placement import replica_plan, replica_targets
+from ckpt.placement import previous_holders, replica_plan, replica_targets, restore_order
 from unicron.kernel.errors import ConfigError
 
 
@@ -32,3 +32,20 @@ def test_single_node_has_no_peer_and_unknown_node_is_an_error() -> None:
     assert replica_targets("solo", ["solo"]) == []
     with pytest.raises(ConfigError, match="not among"):
         replica_targets("x", ["a", "b"])
+
+
+def test_a_restore_asks_the_previous_placements_holders_first_past_any_bound() -> None:
+    """2,000 nodes: the rank ran on n1500 (lost since), which pushed to n1501; a bound of 1,024 in
+    ring order from this node (n0000) left n1501 out."""
+    nodes = [f"n{i:04d}" for i in range(2000) if i != 1500]
+    order = restore_order("n0000", nodes, ["n1500"], limit=1024)
+    assert order[:2] == ["n0000", "n1501"] and len(order) == len(set(order)) == 1024
+    assert order[2:5] == ["n1502", "n0001", "n0002"]  # the next one too (a node may have joined between)
+    assert order[-1] == "n1021"  # then the nearest on the ring, as before
+    # a node that registered between n1500 and n1501 since the push is first on the ring now
+    assert previous_holders(["n1500"], [*nodes, "n1500a"]) == ["n1500a", "n1501"]
+    # the rank never moved: its own node's successors, once each; no previous placement: the ring
+    assert restore_order("n0000", nodes, ["n0000"], limit=4) == ["n0000", "n0001", "n0002", "n0003"]
+    assert restore_order("n0000", nodes, limit=3) == ["n0000", "n0001", "n0002"]
+    # a node not registered (yet) starts from the ring's first, as the agent did
+    assert restore_order("zz", ["b", "a"], ["a"]) == ["b", "a"]

@@ -246,3 +246,24 @@ def test_a_resize_of_a_task_the_executor_runs_nowhere_is_refused() -> None:
     waited out its deadline for ranks nothing ran); now it is refused."""
     with pytest.raises(PermanentError, match="no ranks assigned"):
         executor({"n0": 2}).apply(resize({"n0": (0, 1)}, 1))
+
+
+def test_a_reassigned_rank_is_told_where_it_ran_before_its_replica_holders_are_found_from_it() -> None:
+    """The agent gave a relaunched rank the 1,024 replica servers nearest its new node: on a larger
+    cluster the one holding its replica (its previous node's successor) was not among them. Its
+    RankSpec now names the nodes it ran on, newest first, even when that node is isolated in the same
+    decision and its record cleared."""
+    ex = executor({"n0": 2, "n1": 2, "n2": 2, "n3": 2})
+    ex.apply(assign("t", {"n0": (0, 1), "n1": (2, 3)}))
+    ex.apply_all([d.IsolateNode(action_id="i", node="n1", reason="xid 79"),
+                  assign("t", {"n0": (0, 1), "n2": (2, 3)}, generation=2)])
+    previous = {s.rank: s.previous_nodes for t in ("n0", "n2") for s in ex.desired[t]["t"].ranks}
+    assert previous == {0: ["n0"], 1: ["n0"], 2: ["n1"], 3: ["n1"]}
+    # lost again before it saved there: the node before is still named (its replica may be there alone)
+    ex.apply(assign("t", {"n0": (0, 1), "n3": (2, 3)}, generation=3))
+    previous = {s.rank: s.previous_nodes for t in ("n0", "n3") for s in ex.desired[t]["t"].ranks}
+    assert previous == {0: ["n0"], 1: ["n0"], 2: ["n2", "n1"], 3: ["n2", "n1"]}
+    ex.apply(assign("t", {"n1": (0, 1), "n2": (2, 3)}, generation=4))  # a few only: the newest two
+    assert [s.previous_nodes for s in ex.desired["n2"]["t"].ranks] == [["n3", "n2"], ["n3", "n2"]]
+    _, value = ex.record("n2")
+    assert NodeAssignment.from_json(value).tasks[0].ranks[0].previous_nodes == ["n3", "n2"]  # round trip

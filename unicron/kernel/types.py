@@ -459,6 +459,10 @@ class RankSpec(Record):
     rank: int
     local_rank: int
     gpu: int
+    #: the nodes the rank ran on in the task's earlier placements, newest first (the coordinator keeps
+    #: a few): it pushed its in-memory replicas from there, so a restore asks their ring successors
+    #: (``ckpt.placement.restore_order``), wherever they are on a ring of thousands of nodes
+    previous_nodes: list[str] = field(default_factory=list)
 
 
 #: the largest rank id a :class:`RankSet` takes from a record: a forged range must not make a reader
