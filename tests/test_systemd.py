@@ -119,3 +119,15 @@ def test_env_examples_name_only_real_settings(example: str, settings: type[Any])
             names.append(line.split("=", 1)[0])
     assert names, f"{example} names no setting"
     assert set(names) <= known, f"{example}: unknown settings {sorted(set(names) - known)}"
+
+
+def test_the_coordinators_dynamic_user_is_given_its_tls_key_as_a_credential() -> None:
+    """``DynamicUser=yes`` cannot read root's 0600 key in UNICRON_TLS_DIR (what 'unicron certs issue'
+    writes and docs/api.md copies there): the coordinator exited with a traceback and was restarted
+    every 2 s forever. The unit passes the key of the example's directory and default name instead."""
+    unit = _parse(UNITS / "unicron-coordinator.service")
+    assert unit["Service.DynamicUser"] == ["yes"]
+    env = dict(line.split("=", 1) for line in (UNITS / "coordinator.env.example").read_text().splitlines()
+               if line.startswith("UNICRON_TLS_DIR="))
+    name = next(f.default for f in dataclasses.fields(CoordinatorSettings) if f.name == "tls_name")
+    assert unit["Service.LoadCredential"] == [f"{name}.key:{env['UNICRON_TLS_DIR']}/{name}.key"]

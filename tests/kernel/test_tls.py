@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from unicron.cli import certs as certs_cli
 from unicron.cli import main as cli
 from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_certs_cli_issues_a_role_certificate_with_its_sans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -316,3 +321,63 @@ def test_a_revocation_list_damaged_after_start_leaves_the_one_read_in_force(cert
     assert server.admit(node2) == tls.Peer(tls.Role.NODE, "node2")
     with pytest.raises(tls.Unauthorized, match="revoked"):
         server.admit(revoked)
+
+
+def _unreadable_to_this_process(path: Path) -> list[str]:
+    """Make ``path`` unreadable; the command prefix under which it is so. Root reads any file through
+    CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH, so as root the command runs without them (the access a
+    systemd dynamic user has to root's 0600 key)."""
+    path.chmod(0)
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot drop the capabilities that read any file")
+    return ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def _tls_dir_with_an_unreadable_key(cert_dir: Path, tmp_path: Path, name: str) -> tuple[Path, list[str]]:
+    d = tmp_path / "tls"
+    d.mkdir()
+    for f in ("ca.crt", f"{name}.crt", f"{name}.key"):
+        shutil.copy(cert_dir / f, d / f)
+    return d, _unreadable_to_this_process(d / f"{name}.key")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNICRON_") and k != "CREDENTIALS_DIRECTORY"}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_a_key_the_daemon_cannot_read_stops_it_with_one_line_and_exit_2(cert_dir: Path, tmp_path: Path) -> None:
+    """The documented deployment: root's 0600 key, read by the coordinator's DynamicUser. Before: a
+    PermissionError traceback, and under systemd a restart every 2 s forever; now one line naming the
+    file, why and what to do, and the exit status of a configuration error."""
+    d, prefix = _tls_dir_with_an_unreadable_key(cert_dir, tmp_path, "coordinator")
+    proc = subprocess.run([*prefix, sys.executable, "-m", "coordinator.main"], capture_output=True, text=True,
+                          timeout=60, env=_clean_env(UNICRON_TLS_DIR=str(d), UNICRON_ETCD="127.0.0.1:1"))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{d / 'coordinator.key'}: cannot read it (Permission denied)" in proc.stderr
+    assert "LoadCredential=" in proc.stderr
+
+
+def test_the_cli_with_a_key_it_cannot_read_says_so_in_one_line(cert_dir: Path, tmp_path: Path) -> None:
+    d, prefix = _tls_dir_with_an_unreadable_key(cert_dir, tmp_path, "operator")
+    proc = subprocess.run([*prefix, sys.executable, "-m", "unicron.cli.main", "nodes", "--tls-dir", str(d),
+                           "--etcd", "127.0.0.1:1"], capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{d / 'operator.key'}: cannot read it (Permission denied)" in proc.stderr
+
+
+def test_a_key_systemd_passed_as_a_credential_is_read_before_the_directorys(cert_dir: Path, tmp_path: Path) -> None:
+    """``LoadCredential=coordinator.key:...``: systemd copies the key where the unit's user may read it
+    and names that directory in $CREDENTIALS_DIRECTORY; the certificates stay in the TLS directory."""
+    d, prefix = _tls_dir_with_an_unreadable_key(cert_dir, tmp_path, "coordinator")
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    shutil.copy(cert_dir / "coordinator.key", credentials / "coordinator.key")
+    probe = (f"from unicron.kernel import tls; cfg = tls.load({str(d)!r}, 'coordinator', tls.Role.COORDINATOR); "
+             "assert cfg is not None; print(cfg.key); cfg.server_context()")
+    proc = subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          env=_clean_env(CREDENTIALS_DIRECTORY=str(credentials)))
+    assert proc.returncode == 0 and proc.stdout.strip() == str(credentials / "coordinator.key"), proc.stderr

@@ -21,6 +21,7 @@ import math
 import os
 import secrets
 import ssl
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,10 @@ LEAF_DAYS = 825
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: the longest CN X.509 allows (ub-common-name, RFC 5280); a certificate name is its CN
 MAX_NAME_CHARS = 64
+#: systemd's directory of the credentials it gave a unit (``LoadCredential=``): a daemon whose user may
+#: not read the root-owned key in its TLS directory (the coordinator's unit has ``DynamicUser=yes``) is
+#: given the key there, under the name NAME.key, and looks there first (docs/api.md, "Running under systemd")
+CREDENTIALS_ENV = "CREDENTIALS_DIRECTORY"
 #: etcd's superuser: with client-certificate auth etcd takes a certificate's CN as its user, so a
 #: certificate of this name is etcd's admin whatever its role; only the etcd role may have it
 ETCD_SUPERUSER = "root"
@@ -169,18 +174,40 @@ def _check_superuser(name: str, role: Role) -> None:
                           f"{role.value} another name")
 
 
+def _unreadable(path: Path, exc: OSError, remedy: str) -> ConfigError:
+    """The one line for a TLS file that exists but cannot be read (its mode or owner, an I/O error)."""
+    if isinstance(exc, PermissionError):
+        remedy = (f"this process (uid {os.geteuid()}) may not read it: make it readable by that user "
+                  "(chown), or under systemd give the unit the key with LoadCredential= (docs/api.md, "
+                  "'Running under systemd')")
+    return ConfigError(f"TLS: {path}: cannot read it ({exc.strerror or type(exc).__name__}); {remedy}")
+
+
+def read_tls_file(path: Path, remedy: str) -> bytes:
+    """The bytes of a certificate, key or list; :class:`ConfigError` naming the file, why it cannot be
+    read and ``remedy`` (a traceback at start, and under systemd a restart every few seconds, before)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"TLS: {path} missing; {remedy}") from None
+    except OSError as exc:
+        raise _unreadable(path, exc, remedy) from None
+
+
 def read_certificate(path: Path, remedy: str) -> x509.Certificate:
     """The PEM certificate in ``path``; :class:`ConfigError` naming the file (and ``remedy``) if it is not one."""
+    data = read_tls_file(path, remedy)
     try:
-        return x509.load_pem_x509_certificate(path.read_bytes())
+        return x509.load_pem_x509_certificate(data)
     except ValueError:
         raise ConfigError(f"TLS: {path}: not a PEM certificate; {remedy}") from None
 
 
 def read_private_key(path: Path, remedy: str) -> PrivateKeyTypes:
     """The unencrypted PEM private key in ``path``; :class:`ConfigError` naming the file if it is not one."""
+    data = read_tls_file(path, remedy)
     try:
-        return serialization.load_pem_private_key(path.read_bytes(), password=None)
+        return serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):  # TypeError: a key with a passphrase
         raise ConfigError(f"TLS: {path}: not a PEM private key without a passphrase; {remedy}") from None
 
@@ -188,11 +215,11 @@ def read_private_key(path: Path, remedy: str) -> PrivateKeyTypes:
 def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA certificate and key in ``directory`` (the machine that issues)."""
     remedy = f"restore it, or create a new CA with 'unicron certs init --force {directory}' (and reissue every certificate)"
-    try:
-        ca_cert = read_certificate(directory / CA_CERT, remedy)
-        ca_key = read_private_key(directory / CA_KEY, remedy)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{exc.filename}: no CA there; run 'unicron certs init {directory}' first") from exc
+    for path in (directory / CA_CERT, directory / CA_KEY):
+        if not path.exists():
+            raise ConfigError(f"{path}: no CA there; run 'unicron certs init {directory}' first")
+    ca_cert = read_certificate(directory / CA_CERT, remedy)
+    ca_key = read_private_key(directory / CA_KEY, remedy)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ConfigError(f"{directory / CA_KEY}: not an EC key written by 'unicron certs init'")
     return ca_cert, ca_key
@@ -244,8 +271,9 @@ def read_crl(path: Path, ca: x509.Certificate) -> x509.CertificateRevocationList
     """The CA-signed revocation list in ``path``; :class:`ConfigError` naming the file unless it is one
     the cluster CA signed (anyone who can write the file must not be able to revoke or unrevoke)."""
     remedy = "copy the CA's revoked.crl again (written by 'unicron certs revoke')"
+    data = read_tls_file(path, remedy)
     try:
-        crl = x509.load_pem_x509_crl(path.read_bytes())
+        crl = x509.load_pem_x509_crl(data)
     except ValueError:
         raise ConfigError(f"TLS: {path}: not a PEM revocation list; {remedy}") from None
     public = ca.public_key()
@@ -385,13 +413,21 @@ class TLSConfig:
 
     @classmethod
     def from_dir(cls, directory: str | Path, name: str) -> TLSConfig:
-        """``DIR/ca.crt``, ``DIR/NAME.crt``, ``DIR/NAME.key``; :class:`ConfigError` naming a file missing or not PEM."""
+        """``DIR/ca.crt``, ``DIR/NAME.crt``, ``DIR/NAME.key`` (the key from systemd's credentials directory
+        where the unit passed one: :func:`key_path`); :class:`ConfigError` naming a file missing,
+        unreadable or not PEM."""
         d = Path(directory)
-        cfg = cls(d / CA_CERT, d / f"{name}.crt", d / f"{name}.key")
+        cfg = cls(d / CA_CERT, d / f"{name}.crt", key_path(d, name))
         remedy = f"create it with 'unicron certs init {d}' / 'unicron certs issue --role ROLE {name} --dir {d}'"
         for path in (cfg.ca, cfg.cert, cfg.key):
-            if not path.is_file():
-                raise ConfigError(f"TLS: {path} missing; {remedy}")
+            try:
+                found = path.stat()
+            except FileNotFoundError:
+                raise ConfigError(f"TLS: {path} missing; {remedy}") from None
+            except OSError as exc:  # a directory this user may not search: not "missing"
+                raise _unreadable(path, exc, remedy) from None
+            if not stat.S_ISREG(found.st_mode):
+                raise ConfigError(f"TLS: {path}: not a file; {remedy}")
         # parsed here, so a damaged file is named now, not taken later for a peer refusing the handshake
         ca = read_certificate(cfg.ca, remedy)
         read_certificate(cfg.cert, remedy)
@@ -403,7 +439,7 @@ class TLSConfig:
 
     def peer(self) -> Peer:
         """Who this configuration's own certificate names."""
-        return peer_from_pem(self.cert.read_bytes())
+        return peer_from_pem(read_tls_file(self.cert, "restore it"))
 
     def revocations(self) -> Revocations:
         """The revocation list next to this configuration's CA (one reader per CA file and process)."""
@@ -463,6 +499,17 @@ class TLSConfig:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.ca))
         ctx.load_cert_chain(str(self.cert), str(self.key))
         return ctx
+
+
+def key_path(directory: Path, name: str) -> Path:
+    """Where NAME's key is read from: the systemd credential NAME.key when the unit was given one
+    (``LoadCredential=NAME.key:...``; the coordinator's dynamic user cannot read root's 0600 key in the
+    TLS directory), else ``DIR/NAME.key``. Certificates and the revocation list stay in the directory:
+    they are public, and the list is read again there while the daemon runs."""
+    credentials = os.environ.get(CREDENTIALS_ENV, "")
+    if credentials and (given := Path(credentials) / f"{name}.key").exists():
+        return given
+    return directory / f"{name}.key"
 
 
 _REVOCATIONS: dict[Path, Revocations] = {}
