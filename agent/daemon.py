@@ -179,6 +179,8 @@ class Agent:
         self.settings = settings
         self.node = settings.node
         self.tls_config = tls.load(settings.tls_dir, settings.node)
+        if self.tls_config is not None:
+            self.tls_config.warn_if_expiring()
         self.advertise_host = settings.advertise_host or default_advertise_host(settings.etcd)
         self._gloo_ifname = interface_of(self.advertise_host)
         self.keys = Keyspace(settings.prefix)

@@ -194,6 +194,8 @@ class Coordinator:
         #: the time of every event the decision core is given (and of the state's deadlines)
         self.clock = CoreClock()
         self.tls_config = tls.load(settings.tls_dir, settings.tls_name)
+        if self.tls_config is not None:
+            self.tls_config.warn_if_expiring()
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()
         self.ready = threading.Event()

@@ -4,18 +4,21 @@ another CA's, gets nothing."""
 
 from __future__ import annotations
 
+import datetime
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from tests.conftest import make_certs
 from unicron.cli import main as cli
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import etcdauth, tls
 from unicron.kernel.errors import StoreRejected, StoreUnavailable
-from unicron.kernel.etcd import Store
+from unicron.kernel.etcd import Store, connect_error, unreachable_remedy
 from unicron.kernel.keyspace import Keyspace
 
 KEYS = Keyspace("/sec")
@@ -181,3 +184,29 @@ def test_etcd_refuses_a_revoked_certificate_by_the_list_after_its_name_is_issued
         assert cli.main(auth) == 0  # the new root administers etcd
     finally:
         server.cleanup()
+
+
+def test_a_handshake_refused_for_the_certificate_says_tls_not_start_etcd(
+        secure_etcd: EtcdServer, cert_dir: Path, foreign_cert_dir: Path, tmp_path: Path) -> None:
+    """A certificate that stops fitting while a daemon runs (it expires; from_dir refuses one at start)
+    read "etcd unreachable ... Hint: start etcd" with etcd running; now the hint is about TLS."""
+    ca = tmp_path / "ca"
+    shutil.copytree(cert_dir, ca)
+    crt, _ = tls.issue(ca, tls.Role.OPERATOR, "expired", days=0)  # valid until the second it was issued
+    expires = x509.load_pem_x509_certificate(crt.read_bytes()).not_valid_after_utc
+    while datetime.datetime.now(datetime.UTC) <= expires:
+        time.sleep(0.1)
+    fits = {  # gRPC words these "Failed to create security handshaker" and "Unwrap failed (TSI_...)"
+        "expired": tls.TLSConfig(ca / "ca.crt", ca / "expired.crt", ca / "expired.key"),
+        "another key": tls.TLSConfig(ca / "ca.crt", ca / "operator.crt", ca / "node1.key"),
+        "another CA": tls.TLSConfig(ca / "ca.crt", foreign_cert_dir / "operator.crt", foreign_cert_dir / "operator.key"),
+    }
+    for what, cfg in fits.items():
+        client = store(secure_etcd, cfg)
+        try:
+            with pytest.raises(StoreUnavailable) as caught:
+                client.revision()
+        finally:
+            client.close()
+        remedy = unreachable_remedy(connect_error(caught.value), tls=True)
+        assert remedy.startswith("the TLS handshake with etcd failed"), (what, str(caught.value), remedy)

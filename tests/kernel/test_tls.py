@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import shutil
 import socket
@@ -9,10 +11,12 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
 
 from unicron.cli import certs as certs_cli
 from unicron.cli import main as cli
@@ -381,3 +385,81 @@ def test_a_key_systemd_passed_as_a_credential_is_read_before_the_directorys(cert
     proc = subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                           env=_clean_env(CREDENTIALS_DIRECTORY=str(credentials)))
     assert proc.returncode == 0 and proc.stdout.strip() == str(credentials / "coordinator.key"), proc.stderr
+
+
+def _holder_dir(cert_dir: Path, tmp_path: Path, name: str = "operator") -> Path:
+    d = tmp_path / "holder"
+    d.mkdir()
+    for f in ("ca.crt", f"{name}.crt", f"{name}.key"):
+        shutil.copy(cert_dir / f, d / f)
+    return d
+
+
+def test_a_key_not_of_its_certificate_is_named_at_start(cert_dir: Path, tmp_path: Path) -> None:
+    """Before: loaded, and every handshake failed as "etcd unreachable; start etcd", retried forever."""
+    d = _holder_dir(cert_dir, tmp_path)
+    shutil.copy(cert_dir / "node1.key", d / "operator.key")  # a copy mix-up after a re-issue
+    with pytest.raises(ConfigError, match=f"{d / 'operator.key'} is not the key of {d / 'operator.crt'}"):
+        tls.load(str(d), "operator")
+
+
+def test_a_certificate_of_another_ca_is_named_at_start(cert_dir: Path, foreign_cert_dir: Path, tmp_path: Path) -> None:
+    d = _holder_dir(cert_dir, tmp_path)
+    for f in ("operator.crt", "operator.key"):  # the CA was re-created with 'certs init --force' elsewhere
+        shutil.copy(foreign_cert_dir / f, d / f)
+    with pytest.raises(ConfigError, match=f"{d / 'operator.crt'} was not issued by the CA in {d / 'ca.crt'}"):
+        tls.load(str(d), "operator")
+
+
+def test_an_expired_certificate_is_named_at_start(cert_dir: Path, tmp_path: Path) -> None:
+    ca = tmp_path / "ca"
+    shutil.copytree(cert_dir, ca)
+    crt, _ = tls.issue(ca, tls.Role.OPERATOR, "old", days=0)  # valid until the second it was issued
+    expires = x509.load_pem_x509_certificate(crt.read_bytes()).not_valid_after_utc
+    while datetime.datetime.now(datetime.UTC) <= expires:
+        time.sleep(0.1)
+    with pytest.raises(ConfigError, match=f"{crt} expired on .* UTC; issue it again"):
+        tls.load(str(ca), "old")
+
+
+def test_a_certificate_not_valid_yet_is_named_at_start(cert_dir: Path, tmp_path: Path) -> None:
+    """A clock behind the CA's (a machine without NTP): the handshake fails as for an expired one."""
+    ca = tmp_path / "ca"
+    shutil.copytree(cert_dir, ca)
+    crt, _ = tls.issue(ca, tls.Role.OPERATOR, "early")
+    ca_cert, ca_key = tls._load_ca(ca)
+    issued = x509.load_pem_x509_certificate(crt.read_bytes())
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
+    builder = (x509.CertificateBuilder().subject_name(issued.subject).issuer_name(ca_cert.subject)
+               .public_key(issued.public_key()).serial_number(issued.serial_number)
+               .not_valid_before(later).not_valid_after(later + datetime.timedelta(days=1)))
+    crt.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    with pytest.raises(ConfigError, match=f"{crt} is not valid before .* check this machine's clock"):
+        tls.load(str(ca), "early")
+
+
+def test_certs_days_sets_the_validity_and_a_daemon_warns_a_month_ahead(
+    cert_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Certificates expired together after LEAF_DAYS (825, undocumented, no flag) with no warning."""
+    ca = tmp_path / "ca"
+    assert cli.main(["certs", "init", str(ca), "--days", "400"]) == 0
+    assert cli.main(["certs", "issue", "--role", "coordinator", "coordinator", "--dir", str(ca), "--days", "10"]) == 0
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error
+        cli.main(["certs", "issue", "--role", "operator", "operator", "--dir", str(ca), "--days", "0"])
+    assert refused.value.code == 2 and "at least 1" in capsys.readouterr().err
+    now = datetime.datetime.now(datetime.UTC)
+    for name, days in (("ca", 400), ("coordinator", 10)):
+        left = x509.load_pem_x509_certificate((ca / f"{name}.crt").read_bytes()).not_valid_after_utc - now
+        assert abs(left - datetime.timedelta(days=days)) < datetime.timedelta(hours=1), (name, left)
+    daemon = subprocess.Popen([sys.executable, "-m", "coordinator.main"], stderr=subprocess.PIPE, text=True,
+                              env=_clean_env(UNICRON_TLS_DIR=str(ca), UNICRON_ETCD="127.0.0.1:1"))
+    try:
+        assert daemon.stderr is not None
+        lines = [daemon.stderr.readline() for _ in range(3)]  # the warning comes before etcd is dialled
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+    warned = [json.loads(line) for line in lines if "expires soon" in line]
+    assert len(warned) == 1 and warned[0]["path"] == str(ca / "coordinator.crt"), lines
+    assert 9 < warned[0]["days_left"] <= 10 and warned[0]["level"] == "warning"

@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q = certs.add_parser("init", help="create a cluster CA (ca.crt, ca.key) in DIR")
     q.add_argument("dir", metavar="DIR")
     q.add_argument("--force", action="store_true", help="replace an existing CA (every issued certificate stops working)")
+    q.add_argument("--days", type=_days, default=tls.CA_DAYS,
+                   help=f"how long the CA is valid; every certificate stops working with it (default {tls.CA_DAYS})")
     q.set_defaults(func=cmd_init)
     q = certs.add_parser("issue", help="issue NAME.crt / NAME.key for a role, signed by the CA in --dir")
     q.add_argument("name", metavar="NAME", help="the holder: a node's name, an operator's user name, 'coordinator'")
@@ -39,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="a DNS name or IP address the holder serves on (repeatable; NAME and loopback are always in)")
     q.add_argument("--force", action="store_true",
                    help="replace an existing NAME.crt / NAME.key (its holder's certificate stops working)")
+    q.add_argument("--days", type=_days, default=tls.LEAF_DAYS,
+                   help=f"how long the certificate is valid (default {tls.LEAF_DAYS}); daemons warn 30 days before")
     q.set_defaults(func=cmd_issue)
     q = certs.add_parser("revoke", help="revoke NAME's certificate: add it to DIR/revoked.crl (copy that next to "
                                          "ca.crt everywhere) and, with --etcd, delete its etcd user")
@@ -59,6 +63,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q.set_defaults(func=cmd_etcd_auth)
 
 
+def _days(text: str) -> int:
+    try:
+        days = int(text)
+    except ValueError:
+        days = 0
+    if days < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of days, at least 1")
+    return days
+
+
 @contextlib.contextmanager
 def _writing(directory: str) -> Iterator[None]:
     """An unwritable directory is one line naming it, not a traceback."""
@@ -70,14 +84,15 @@ def _writing(directory: str) -> Iterator[None]:
 
 def cmd_init(args: argparse.Namespace) -> int:
     with _writing(args.dir):
-        path = tls.init_ca(Path(args.dir), force=args.force)
+        path = tls.init_ca(Path(args.dir), force=args.force, days=args.days)
     print(f"CA written: {path} (keep {Path(args.dir) / tls.CA_KEY} on this machine only)")
     return 0
 
 
 def cmd_issue(args: argparse.Namespace) -> int:
     with _writing(args.dir):
-        crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host, force=args.force)
+        crt, key = tls.issue(Path(args.dir), tls.Role(args.role), args.name, hosts=args.host, days=args.days,
+                             force=args.force)
     print(f"{args.role} certificate for {args.name!r}: {crt} {key}")
     return 0
 

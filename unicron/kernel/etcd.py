@@ -111,6 +111,12 @@ def unreachable_remedy(error: str, tls: bool) -> str:
     read as etcd not running unless told apart."""
     if tls and "Handshake" in error:
         return "is etcd serving TLS there? point --etcd at its TLS port, or drop --tls-dir / UNICRON_TLS_DIR"
+    if tls and ("handshaker" in error or "TSI_" in error):
+        # gRPC's words for a handshake that failed on the certificates: ours refused by etcd (expired,
+        # another CA's, its key not matching) or etcd's refused by our ca.crt; etcd is running
+        return ("the TLS handshake with etcd failed: check that --tls-dir's certificate and key belong together, "
+                "are issued by the CA etcd trusts (its ca.crt) and are not expired ('openssl x509 -noout -dates -in "
+                "NAME.crt'), and that this machine's clock is right")
     if not tls and "Socket closed" in error:
         return "does etcd require TLS? pass --tls-dir / UNICRON_TLS_DIR"
     return "start it or pass --etcd / UNICRON_ETCD"
@@ -612,8 +618,9 @@ def connect_with_retry(endpoints: str, timeout_s: float, stop: threading.Event, 
             return store
         except StoreUnavailable as exc:
             store.close()
-            log.error("etcd unreachable; retrying. Hint: start etcd or fix --etcd / UNICRON_ETCD",
-                      who=who, endpoints=endpoints, error=str(exc), retry_s=backoff)
+            # the hint from gRPC's own words: a TLS failure is not "start etcd"
+            log.error("etcd unreachable; retrying", who=who, endpoints=endpoints, error=str(exc), retry_s=backoff,
+                      hint=unreachable_remedy(connect_error(exc), tls_config is not None))
             stop.wait(backoff)
             backoff = min(backoff * 2, 1.0)
     return None

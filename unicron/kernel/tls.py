@@ -31,9 +31,10 @@ from typing import Any
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from unicron.kernel import log as ulog
@@ -51,8 +52,11 @@ CA_KEY = "ca.key"
 CRL_FILE = "revoked.crl"
 #: the O of every certificate this module issues
 ORGANIZATION = "unicron"
+#: how long a CA and a certificate are valid by default ('unicron certs init|issue --days'); the
+#: certificates issued together expire together, so every daemon warns a month ahead
 CA_DAYS = 3650
 LEAF_DAYS = 825
+EXPIRY_WARNING_DAYS = 30
 #: the hosts every leaf certificate serves besides its own name (the local demo and tests dial loopback)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: the longest CN X.509 allows (ub-common-name, RFC 5280); a certificate name is its CN
@@ -116,8 +120,9 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def init_ca(directory: Path, name: str = "unicron cluster CA", force: bool = False) -> Path:
-    """Create ``ca.crt`` / ``ca.key`` in ``directory``; refuses to overwrite an existing CA unless ``force``."""
+def init_ca(directory: Path, name: str = "unicron cluster CA", force: bool = False, days: int = CA_DAYS) -> Path:
+    """Create ``ca.crt`` / ``ca.key`` in ``directory``, valid for ``days``; refuses to overwrite an
+    existing CA unless ``force``."""
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / CA_CERT).exists() and not force:
         raise ConfigError(f"{directory / CA_CERT} exists: this directory has a CA already (pass --force to replace it)")
@@ -128,7 +133,7 @@ def init_ca(directory: Path, name: str = "unicron cluster CA", force: bool = Fal
     cert = (
         x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
                                      key_encipherment=False, data_encipherment=False, key_agreement=False,
@@ -430,12 +435,24 @@ class TLSConfig:
                 raise ConfigError(f"TLS: {path}: not a file; {remedy}")
         # parsed here, so a damaged file is named now, not taken later for a peer refusing the handshake
         ca = read_certificate(cfg.ca, remedy)
-        read_certificate(cfg.cert, remedy)
-        read_private_key(cfg.key, remedy)
+        cert = read_certificate(cfg.cert, remedy)
+        key = read_private_key(cfg.key, remedy)
+        _check_holder(cfg, name, ca, cert, key)
         if (crl := d / CRL_FILE).exists():
             read_crl(crl, ca)  # a damaged list is named at start, not taken for "nothing revoked"
         cfg.revocations()  # read now, while known good: a later damaged copy leaves this one in force
         return cfg
+
+    def warn_if_expiring(self, within_days: int = EXPIRY_WARNING_DAYS) -> None:
+        """Log a warning for the CA or own certificate that expires within ``within_days``: certificates
+        issued together expire together, and then every daemon's handshakes fail at once."""
+        now = datetime.datetime.now(datetime.UTC)
+        for path in (self.ca, self.cert):
+            expires = read_certificate(path, "restore it").not_valid_after_utc
+            if expires - now < datetime.timedelta(days=within_days):
+                log.warning("TLS certificate expires soon; issue a new one ('unicron certs issue --force') and "
+                            "copy it here before then, or every handshake fails", path=str(path),
+                            expires=expires.isoformat(), days_left=round((expires - now) / datetime.timedelta(days=1), 1))
 
     def peer(self) -> Peer:
         """Who this configuration's own certificate names."""
@@ -499,6 +516,37 @@ class TLSConfig:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.ca))
         ctx.load_cert_chain(str(self.cert), str(self.key))
         return ctx
+
+
+def _public_der(key: PublicKeyTypes) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _check_holder(cfg: TLSConfig, name: str, ca: x509.Certificate, cert: x509.Certificate,
+                  key: PrivateKeyTypes) -> None:
+    """:class:`ConfigError` unless ``key`` is ``cert``'s, the CA issued ``cert`` and both are within their
+    dates: otherwise every handshake fails, which gRPC reports as the peer unreachable ("start etcd"),
+    and a daemon retried it forever."""
+    reissue = (f"issue it again on the CA's machine ('unicron certs issue --force --role ROLE {name} --dir CA_DIR') "
+               f"and copy ca.crt, {name}.crt and {name}.key here")
+    if _public_der(cert.public_key()) != _public_der(key.public_key()):
+        raise ConfigError(f"TLS: {cfg.key} is not the key of {cfg.cert} (another holder's key, or one from an "
+                          f"earlier issue); copy the {name}.key issued with it, or {reissue}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ConfigError(f"TLS: {cfg.cert} was not issued by the CA in {cfg.ca} (another CA's certificate, or the CA "
+                          f"was re-created with 'unicron certs init --force'); copy this cluster's ca.crt here, "
+                          f"or {reissue}") from None
+    now = datetime.datetime.now(datetime.UTC)
+    for path, c in ((cfg.ca, ca), (cfg.cert, cert)):
+        if now < c.not_valid_before_utc:
+            raise ConfigError(f"TLS: {path} is not valid before {c.not_valid_before_utc:%Y-%m-%d %H:%M} UTC and it "
+                              f"is {now:%Y-%m-%d %H:%M} UTC here: check this machine's clock")
+        if now > c.not_valid_after_utc:
+            renew = ("create a new CA ('unicron certs init --force') and issue every certificate again" if c is ca
+                     else reissue)
+            raise ConfigError(f"TLS: {path} expired on {c.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; {renew}")
 
 
 def key_path(directory: Path, name: str) -> Path:
