@@ -812,7 +812,8 @@ class CheckpointManager(Checkpointer):
             discarded = False
             if self.storage.describe() not in skip:
                 try:
-                    if remote := persist.discard_newer(self.storage, job, rank, iteration):
+                    if remote := persist.discard_newer(self.storage, job, rank, iteration,
+                                                          generation=self.config.generation):
                         gone[self.storage.describe()] = remote
                     discarded = True
                 except UnicronError as exc:

@@ -56,11 +56,11 @@ def manifest_key(job: str, rank: int, iteration: int, generation: int = 0) -> st
     return f"{rank_prefix(job, rank)}manifest-{iteration:012d}-g{generation:012d}.json"
 
 
-def _manifests(storage: Storage, job: str, rank: int) -> dict[int, list[tuple[int, str]]]:
+def _manifests(storage: Storage, job: str, rank: int, start: str = "manifest-") -> dict[int, list[tuple[int, str]]]:
     """Iteration -> (generation by its name, key) of each of its manifests, newest generation first
-    (-1: a name of the first layout, without one)."""
+    (-1: a name of the first layout, without one). ``start``: of the keys whose name starts so."""
     out: dict[int, list[tuple[int, str]]] = {}
-    for key in storage.list(f"{rank_prefix(job, rank)}manifest-"):
+    for key in storage.list(f"{rank_prefix(job, rank)}{start}"):
         m = _MANIFEST_RX.search(key)
         if m:
             out.setdefault(int(m.group(1)), []).append((-1 if m.group(2) is None else int(m.group(2)), key))
@@ -85,7 +85,7 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
     info = snap.info
     held = _manifests(storage, info.job, info.rank)  # listed once for both (a remote listing is I/O)
     _check_generation(storage, info, held)
-    discard_newer(storage, info.job, info.rank, info.iteration, sorted(held))  # linear timeline: newer ones were abandoned
+    discard_newer(storage, info.job, info.rank, info.iteration, sorted(held), info.generation)  # linear timeline
     # a directory of this write's own: two writers of one iteration (a stopping incarnation still
     # persisting it, and its relaunch that restored an older one and reached it again) replaced each
     # other's shards, and the manifest left named bytes the other wrote (both were told "persisted")
@@ -313,11 +313,34 @@ def _needed_line(storage: Storage, job: str, world_size: int) -> tuple[int, int 
     return line, max(common, default=None)
 
 
-def _delete_iteration(storage: Storage, job: str, rank: int, iteration: int) -> None:
+def _write_generation(match: re.Match[str]) -> int:
+    """The generation of the write a :data:`_WRITE_RX` match names (-1: a layout without one)."""
+    return -1 if match.group(2) is None else int(match.group(2))
+
+
+def _delete_iteration(storage: Storage, job: str, rank: int, iteration: int, generation: int | None = None) -> None:
+    """Delete the rank's ``iteration``: what ``generation`` or an older one wrote of it (None: all). A
+    newer generation's writer may be writing that iteration right now (its relaunch restored an older
+    state and reached it again): deleting the whole iteration tore its shards under it, and its manifest
+    then named bytes that were gone, while it was told "persisted"."""
+    def ours(gen: int) -> bool:
+        return generation is None or gen <= generation
+
     storage.delete(marker_key(job, rank, iteration))  # before its manifest: a marker never outlives it
-    for key in storage.list(f"{rank_prefix(job, rank)}manifest-{iteration:012d}"):
-        storage.delete(key)  # first: never a manifest naming deleted shards
-    _delete_prefix(storage, _iter_prefix(job, rank, iteration))
+    for gen, key in _manifests_of(storage, job, rank, iteration):
+        if ours(gen):
+            storage.delete(key)  # first: never a manifest naming deleted shards
+    for key in storage.list(_iter_prefix(job, rank, iteration)):
+        m = _WRITE_RX.search(key)
+        if m is None or ours(_write_generation(m)):
+            storage.delete(key)
+    if _manifests_of(storage, job, rank, iteration):  # a newer generation's landed: its marker stays
+        storage.write(marker_key(job, rank, iteration), b"")
+
+
+def _manifests_of(storage: Storage, job: str, rank: int, iteration: int) -> list[tuple[int, str]]:
+    """(generation by its name, key) of each manifest of the rank's ``iteration`` (see :func:`_manifests`)."""
+    return _manifests(storage, job, rank, f"manifest-{iteration:012d}").get(iteration, [])
 
 
 def apply_retention(
@@ -355,7 +378,7 @@ def apply_retention(
             old = [it for it in old if it != common and (it < line or it not in waiting)]
     gone = old
     for it in gone:
-        _delete_iteration(storage, job, rank, it)
+        _delete_iteration(storage, job, rank, it, generation)
     if its:
         _sweep_orphans(storage, job, rank, generation, its, set(its) - set(gone))
     return gone
@@ -383,11 +406,13 @@ def _sweep_orphans(
 
 
 def discard_newer(
-    storage: Storage, job: str, rank: int, iteration: int, held: Sequence[int] | None = None
+    storage: Storage, job: str, rank: int, iteration: int, held: Sequence[int] | None = None,
+    generation: int | None = None,
 ) -> list[int]:
     """Delete persisted iterations newer than ``iteration`` (an abandoned timeline after a rollback).
-    ``held``: the rank's iterations when the caller listed them already."""
+    ``held``: the rank's iterations when the caller listed them already; ``generation``: the caller's,
+    whose deletions leave a newer generation's writes alone (see :func:`_delete_iteration`)."""
     newer = [it for it in (iterations(storage, job, rank) if held is None else held) if it > iteration]
     for it in newer:
-        _delete_iteration(storage, job, rank, it)
+        _delete_iteration(storage, job, rank, it, generation)
     return newer

@@ -493,3 +493,24 @@ def test_a_write_killed_in_its_first_shard_is_collected(tmp_path: Path) -> None:
     assert iterations(st, "job-1", 2) == [5, 6]
     assert not dead.parent.exists(), f"left: {sorted(p.name for p in dead.parent.rglob('*'))}"
     assert newer.exists() and in_progress.exists()
+
+
+def test_an_older_generations_retention_never_tears_a_newer_ones_write_of_the_iteration(tmp_path: Path) -> None:
+    """Generation 2 restored 39 and is writing 40 again when generation 1's late persist of 50 lands:
+    its retention deleted iteration 40 whole, generation 2's shards written so far with it, and
+    generation 2's manifest then named shards that were gone (it was told "persisted"). Deletion takes
+    only what the deleting generation or an older one wrote."""
+    root = tmp_path / "s"
+    fast = FilesystemStorage(root)
+    for it in (40, 49):
+        persist(fast, _of_generation(_snap(it), 1), keep=2)
+
+    def older_persists() -> None:  # in the middle of generation 2's upload
+        persist(fast, _of_generation(_snap(50), 1), keep=1)
+        assert not fast.list(manifest_key("job-1", 2, 40, 1))  # its retention deleted its own 40
+
+    newer = _of_generation(_snap(40), 2)
+    persist(_Hooked(root, "/shard-00001", older_persists), newer, keep=5)
+    got = load(fast, "job-1", 2, 40)
+    assert got.info.generation == 2 and bytes(got.data) == bytes(newer.data)
+    assert fast.list(f"job-1/persisted/rank-00002-{40:012d}")  # its marker: it is persisted
