@@ -299,6 +299,13 @@ class Checkpointer(ABC):
         Raises :class:`NoValidCheckpoint` listing every tier tried when none is valid.
         """
 
+    def resume_from(self, iteration: int) -> None:
+        """The state is now that of ``iteration``, put together without this checkpointer's
+        :meth:`restore` of it (resharded from every rank's snapshots of another tensor-parallel size):
+        the next ``save()`` follows it, whatever this checkpointer restored before (a newer snapshot of
+        its own that the reshard could not use). One that keeps no count has nothing to do."""
+        return None  # deliberately concrete, as fence()
+
 
 class ReplicaStore(ABC):
     """Agent side: holds other ranks' snapshots in memory, serves them back, drops them."""

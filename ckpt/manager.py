@@ -770,6 +770,15 @@ class CheckpointManager(Checkpointer):
                 return restored
         raise NoValidCheckpoint(self.config.job, self.config.rank, iteration, attempts)
 
+    def resume_from(self, iteration: int) -> None:
+        """The state is that of ``iteration`` without a restore of it here (a reshard put it together
+        from every rank's snapshots): saves go on after it, and whatever the tiers hold newer than it is
+        discarded, as a restore of it does (a newer snapshot restored for the reshard and not used set
+        the count ahead, and the save of the next iteration was refused: the rank died)."""
+        self.wait()
+        self._discard_newer(iteration, skip=set())
+        self._last = iteration
+
     def _load(self, source: Source, iteration: int, into: Any, claims: Sequence[Mapping[int, int | None]]) -> Any:
         # training is stopped during a restore: verify with every core, not the background budget
         workers = max(self.config.checksum_threads, min(8, os.cpu_count() or 1))

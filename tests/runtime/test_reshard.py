@@ -217,3 +217,26 @@ def test_a_relaunch_with_another_tp_size_restores_the_snapshot_resharded(
     for rank in range(new_tp):  # each shard of the new layout
         diff = max_rel_diff(second.params(rank), runner.reference(reference, world=2, blocks=2, rank=rank))
         assert diff <= 1e-12, f"shard {rank}: max rel diff {diff:.3e}"
+
+
+def test_a_reshard_to_an_older_iteration_than_a_rank_restored_saves_on_from_it(runner: Runner, tmp_path: Path) -> None:
+    """Four ranks at TP 2 snapshot every iteration to 4, and only rank 2 still holds 4 (the others lost
+    it, as ranks killed before their snapshot of 4 was published). Relaunched at TP 1, rank 2 restores
+    its 4 (the newest claimed) but the reshard takes 3, the newest every shard holds: rank 2's
+    checkpointer still counted 4 restored, refused the save of 4 and the rank died."""
+    from ckpt.manager import CheckpointConfig, CheckpointManager
+    from ckpt.storage import FilesystemStorage
+
+    ck = tmp_path / "ck"
+    ckpt = ["--ckpt", "memory", "--ckpt-dir", str(ck), "--ckpt-every", "1", "--resume"]
+    first = runner.run(4, train_args(4, "float64", False, "--tp", "2", *ckpt))
+    assert first.codes == dict.fromkeys(range(4), 0), first.job.logs()
+    for rank in (0, 1, 3):  # restoring 3 discards their 4 in every tier
+        cfg = CheckpointConfig(job="local", rank=rank, local_dir=str(ck / f"rank-{rank}"))
+        with CheckpointManager(cfg, storage=FilesystemStorage(ck / "persisted")) as m:
+            assert m.restore(iteration=3).iteration == 3
+    second = runner.run(4, train_args(6, "float64", False, "--tp", "1", *ckpt))
+    assert second.codes == dict.fromkeys(range(4), 0), second.job.logs()
+    for rank in range(4):
+        assert [(e["it"], e["resharded_from"]) for e in second.events(rank, "restored")] == [(3, 2)]
+        assert [e["it"] for e in second.events(rank, "checkpoint")] == [4, 5, 6]

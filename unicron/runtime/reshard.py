@@ -255,4 +255,5 @@ def restore_resharded(state: ReplicaState, checkpointer: Checkpointer, world: Co
     for (_, target), value in zip(buffers, values, strict=True):
         target.copy_(value)
     state.iteration = iteration
+    checkpointer.resume_from(iteration)  # it may have restored a newer one of its own, unused
     return (served.tier.value if served is not None else "replica"), old_tp
