@@ -161,7 +161,7 @@ def _sweep_after_failure(storage: Storage, info: SnapshotInfo) -> None:
     try:
         held = _manifests(storage, info.job, info.rank)
         if held and not any(g > info.generation for v in held.values() for g, _ in v):
-            _sweep_orphans(storage, info.job, info.rank, info.generation, sorted(held), set(held))
+            _sweep_orphans(storage, info.job, info.rank, info.generation, held, set(held))
     except Exception as exc:
         _log.warning("could not sweep orphaned writes", job=info.job, rank=info.rank, error=str(exc))
 
@@ -348,7 +348,7 @@ def apply_retention(
     manifests: dict[int, list[tuple[int, str]]] | None = None,
 ) -> list[int]:
     """Delete all but the newest ``keep`` manifests (with their shards), and orphaned shards of writes
-    that died before their manifest (older than the newest manifest). Returns deleted iterations.
+    that died before their manifest (see :func:`_sweep_orphans`). Returns deleted iterations.
 
     Never deleted, whatever ``keep`` says: the newest iteration every rank has persisted, and, among the
     newest ``keep * LAG_WINDOW``, any from the oldest of the ranks' newest ones on (a rank whose persists
@@ -380,29 +380,67 @@ def apply_retention(
     for it in gone:
         _delete_iteration(storage, job, rank, it, generation)
     if its:
-        _sweep_orphans(storage, job, rank, generation, its, set(its) - set(gone))
+        _sweep_orphans(storage, job, rank, generation, manifests, set(its) - set(gone))
     return gone
 
 
 def _sweep_orphans(
-    storage: Storage, job: str, rank: int, generation: int | None, its: list[int], kept: set[int]
+    storage: Storage, job: str, rank: int, generation: int | None, manifests: dict[int, list[tuple[int, str]]],
+    kept: set[int],
 ) -> None:
-    """Delete the writes that died before their manifest: those of an iteration older than the newest
-    manifest (``its``: the rank's iterations, ascending) and not ``kept``, and of no newer generation
-    than ``generation`` (a newer one's may be in progress)."""
+    """Delete the writes that died before their manifest, none of a newer generation than ``generation``
+    (a newer one's may be in progress). ``manifests``: the rank's (:func:`_manifests`, not empty).
+
+    * Of an iteration older than the newest manifest: those not ``kept``.
+    * At the newest manifest's iteration or above: those of an older generation than some manifest of
+      the rank that no manifest names. Their writer, alive or killed, can never complete them (it checks
+      for a newer generation's manifest before and after its own); a write of the newest generation may
+      still be in progress, so it stays. They stayed for good before: a writer killed there (SIGKILL
+      mid-persist) left its shards beside every later relaunch that trained no further."""
+    newest = max(manifests)
+    newest_generation = max(g for entries in manifests.values() for g, _ in entries)
+    named: set[str] | None = None  # the writes the newest iteration's manifests name, read when needed
     orphans = set()
     under = f"{rank_prefix(job, rank)}iter-"
     # with the writes that left only a temporary (killed in their first shard): list() shows none of them
     for key in storage.list(under) + storage.list_incomplete(under):
         m = _WRITE_RX.search(key)
-        if not m or int(m.group(1)) in kept or int(m.group(1)) >= its[-1]:
+        if not m:
             continue
-        if generation is None or (-1 if m.group(2) is None else int(m.group(2))) <= generation:
-            orphans.add(key[: m.end()])
+        it, gen, write = int(m.group(1)), _write_generation(m), key[: m.end()]
+        if generation is not None and gen > generation:
+            continue
+        if it < newest:
+            if it in kept:
+                continue
+        elif gen >= newest_generation:
+            continue
+        elif it == newest:
+            if named is None:
+                named = _named_writes(storage, [k for _, k in manifests[newest]])
+            if write in named or not named:  # named, or a manifest unreadable: which write it names is unknown
+                continue
+        orphans.add(write)
     for prefix in sorted(orphans):
         _delete_prefix(storage, prefix)
         if left := storage.list_incomplete(prefix):  # nothing beside them now: deleting one removes them
             storage.delete(left[0])
+
+
+def _named_writes(storage: Storage, manifests: list[str]) -> set[str]:
+    """The writes (:data:`_WRITE_RX`) whose shards or metadata ``manifests`` name; empty when one of them
+    cannot be read (gone, damaged): then any write may be its."""
+    named = set()
+    for key in manifests:
+        try:
+            body = jsontext.parse(storage.read(key), key)["body"]
+            keys = [body["meta"]["key"], *(shard["key"] for shard in body["shards"])]
+        except (ObjectMissing, ValueError, KeyError, TypeError, InvalidRecord):
+            return set()
+        for k in keys:
+            if isinstance(k, str) and (m := _WRITE_RX.search(k)):
+                named.add(k[: m.end()])
+    return named
 
 
 def discard_newer(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from ckpt.api import Snapshot, Tier
@@ -197,3 +198,62 @@ def test_a_frozen_peer_never_stalls_save_and_gets_pushes_again_once_thawed(make_
     finally:
         server.terminate()
         server.wait(10)
+
+
+@pytest.mark.parametrize("relaunch_reaches", [2, 3])
+def test_a_write_killed_above_the_newest_manifest_is_swept_by_the_next_generation(
+        make_config: Make, tmp_path: Path, relaunch_reaches: int) -> None:
+    """Generation 1 persisted 1 and is SIGKILLed while persisting 3. Its relaunch (generation 2)
+    restores 1 from storage and persists 2 (the write killed is above its newest manifest), or 2 and 3
+    (at it): the sweep took only writes below the newest manifest, so the killed one's shards stayed for
+    good beside a job that trained no further. A write of the current generation there stays: it may be
+    another live writer's."""
+    remote = tmp_path / "remote"
+    cfg = make_config(generation=1)
+    child = _spawn(
+        """
+        import sys, time
+        from ckpt.manager import CheckpointConfig, CheckpointManager
+        from ckpt.storage import FilesystemStorage
+        from tests.ckpt.helpers import filled_state
+
+        class SlowStorage(FilesystemStorage):  # a slow remote store: each shard takes a while to land
+            def write(self, key, data):
+                if "/shard-" in key:
+                    time.sleep(0.2)
+                super().write(key, data)
+
+        cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=4096, generation=1)
+        m = CheckpointManager(cfg, storage=SlowStorage(sys.argv[2]))
+        assert m.save(filled_state(1, 5 * 4096), 1).result().persisted
+        assert m.save(filled_state(2, 5 * 4096), 2).result().persisted is None  # persist_every 0
+        m.save(filled_state(3, 5 * 4096), 3, persist=True)
+        print("persisting 3", flush=True)
+        time.sleep(60)
+        """,
+        cfg.local_dir,
+        str(remote),
+    )
+    _wait_line(child, "persisting 3")
+    rank_dir = remote / "job-1" / "rank-00000"
+    deadline = time.monotonic() + 20
+    while not any(rank_dir.glob(f"iter-{3:012d}/g{1:012d}-*/shard-*.bin")):
+        assert time.monotonic() < deadline, "the child never started persisting iteration 3"
+        time.sleep(0.02)
+    _kill(child)
+    storage = FilesystemStorage(remote)
+    assert persisted_iterations(storage, "job-1", 0) == [1]  # the killed write is no checkpoint
+    live = rank_dir / f"iter-{9:012d}" / f"g{2:012d}-00000000000a"  # generation 2's, maybe in progress
+    live.mkdir(parents=True)
+    (live / ".shard-00000.bin.tmp-0badf00d").write_bytes(b"z" * 4096)
+    relaunch = make_config(node="node-b", generation=2)  # another node: storage is all there is
+    with CheckpointManager(relaunch, storage=storage) as m:
+        r = m.restore()
+        assert (r.iteration, r.tier) == (1, Tier.REMOTE)
+        for it in range(2, relaunch_reaches + 1):
+            assert m.save(filled_state(it, 5 * 4096), it, persist=True).result(30).persisted
+    assert persisted_iterations(storage, "job-1", 0) == [1, 2, 3][:relaunch_reaches][-2:]  # keep_remote 2
+    left = sorted(p.relative_to(rank_dir).as_posix() for p in rank_dir.glob("iter-*/*"))
+    assert not [w for w in left if f"/g{1:012d}-" in w and w.startswith(f"iter-{3:012d}")], left
+    assert live.exists()
+    assert load_persisted(storage, "job-1", 0, relaunch_reaches).info.generation == 2
