@@ -294,7 +294,9 @@ class _Run:
             counts = in_service
         elif isinstance(event, IncidentRaised) and not self._leftover(event):
             # a peer's death that widens the restart under way is the same burst (as for its budget)
-            counts = any(t.response is not _R.MERGE and t.cause is not _T.PEER_DIED for t in self.transitions[fired:])
+            # an update's command that crashed is the user's change failing, not the cluster's: no failure
+            counts = any(t.response is not _R.MERGE and t.cause not in (_T.PEER_DIED, _T.UPDATE_FAILED)
+                         for t in self.transitions[fired:])
         else:
             return
         if counts:
@@ -523,10 +525,11 @@ class _Run:
         self.relaunched.add(name)
 
     def _do_rollback(self, name: str, entry: TaskEntry, fault: _Fault) -> None:
-        """The updated spec cannot launch (a typo in its command, say) and never completed a step: the
-        task goes back to the spec it ran with, relaunched as a new generation that restores the
-        update's on-demand snapshot. Not the job's failure: no restart is counted. The previous spec is
-        dropped, so its own launch failing after this fails the task (no loop)."""
+        """The updated spec cannot launch (a typo in its command, say) or crashed (an ImportError in the
+        new script), and never completed a step: the task goes back to the spec it ran with, relaunched
+        as a new generation that restores the update's on-demand snapshot. Not the job's failure: no
+        restart is counted. The previous spec is dropped, so its own launch failing after this fails
+        the task (no loop)."""
         previous = entry.previous_spec
         assert previous is not None  # the trigger fires only with one
         changes = ", ".join(previous.launch_changes(entry.spec)) or "spec"
@@ -671,6 +674,12 @@ class _Run:
                 continue  # a leftover of a replaced configuration
             on_node = entry.ranks_on(inc.node)
             ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
+            if _update_failed(entry, inc, event.generation):
+                # the new command crashed before its first step (an ImportError, a bad flag): restarting
+                # it would only fail again until the budget failed the job that trained fine before
+                why = f"{reason}: {inc.message}" if inc.message else reason  # the exit and its exception
+                self._fire(name, _T.UPDATE_FAILED, _Fault(why, node=inc.node, ranks=ranks))
+                continue
             trigger = SEVERITY_TRIGGER[inc.severity]
             if trigger is _T.SEV3 and _echo_of_resize(entry, inc, self.state.now, self.settings.resize_echo_s):
                 trigger = _T.RESIZE_ECHO
@@ -1213,6 +1222,15 @@ def _launching(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:
     if generation != entry.generation or o is None:
         return False
     return o.kind is ActionKind.ASSIGN or (o.kind is ActionKind.RESIZE and inc.kind is ErrorKind.EXITED_ABNORMALLY)
+
+
+def _update_failed(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:
+    """Whether a process of an updated spec that has not completed a step yet failed (the task still
+    keeps the spec it ran with: ``previous_spec``). Only a report of the current generation, the one
+    running the new spec, counts; a node's fault (sev1, handled before) and the loss of the task's store
+    or a fenced write are not the spec's doing."""
+    return (entry.previous_spec is not None and generation is not None and generation == entry.generation
+            and inc.kind not in (ErrorKind.STORE_LOST, ErrorKind.FENCED))
 
 
 def _restart_died(entry: TaskEntry, inc: Incident, event: IncidentRaised) -> bool:

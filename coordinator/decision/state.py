@@ -129,7 +129,8 @@ class TaskEntry:
     previous_spec: TaskSpec | None = None
     """The spec the task ran with before an update that relaunched it, while the updated spec has not
     completed a step: should the update's launch fail through the task's own fault (its new command
-    cannot start), the task goes back to it instead of failing (``update_failed`` -> ``rollback``)."""
+    cannot start), or a process of its generation fail (the new command crashed), the task goes back to
+    it instead of failing or restarting the new command (``update_failed`` -> ``rollback``)."""
 
     def ranks_on(self, node: str) -> list[int]:
         return self.placement.get(node, [])

@@ -46,8 +46,8 @@ class Trigger(enum.StrEnum):
     CANCELLED = "cancelled"
     # the user replaced the task's spec with one its running ranks cannot take (command, env, layout)
     UPDATED = "updated"
-    # the launch of an updated spec failed through the task's own fault (its new command cannot start)
-    # before that spec completed a step: the update failed, not the job
+    # the launch of an updated spec failed through the task's own fault (its new command cannot start),
+    # or one of its processes failed, before that spec completed a step: the update failed, not the job
     UPDATE_FAILED = "update_failed"
 
 
@@ -104,6 +104,8 @@ TRANSITIONS: Mapping[tuple[TaskPhase, Trigger], tuple[TaskPhase, Response]] = Ma
         (_P.RUNNING, _T.STOPPED): (_P.RECONFIGURING, _R.RELAUNCH),
         (_P.RUNNING, _T.CANCELLED): (_P.CANCELLED, _R.STOP_RELEASE),
         (_P.RUNNING, _T.UPDATED): (_P.RECONFIGURING, _R.RELAUNCH_UPDATED),
+        # the updated spec's ranks started (the Assign confirmed) and one failed before any step
+        (_P.RUNNING, _T.UPDATE_FAILED): (_P.RECONFIGURING, _R.ROLLBACK),
         # reattempting
         (_P.REATTEMPTING, _T.RESIZE_ECHO): (_P.REATTEMPTING, _R.MERGE),  # part of the resize already done
         (_P.REATTEMPTING, _T.SEV3): (_P.REATTEMPTING, _R.MERGE),

@@ -38,6 +38,7 @@ from coordinator.decision import (
     Reattempt,
     ResizeInPlace,
     RestartRanks,
+    RestartTask,
     StopTask,
     TaskCancelled,
     TaskFinished,
@@ -396,6 +397,53 @@ def test_an_update_that_made_progress_is_not_rolled_back() -> None:
     acts = _cannot_start(sim, restart)
     assert one(acts, MarkTaskFailed, "a") and sim.phase("a") is TaskPhase.FAILED
     assert sim.state.tasks["a"].spec.command[-1] == "--new"
+
+
+@pytest.mark.parametrize(("recovery", "confirmed"), [("inprocess", True), ("inprocess", False), ("restart", True)])
+def test_an_update_whose_command_crashes_before_its_first_step_rolls_back(recovery: str, confirmed: bool) -> None:
+    """The new command starts but its process dies before any step (an ImportError in the new script, a
+    bad flag). Before, that was an ordinary rank failure: the broken spec was restarted (or, launching,
+    relaunched) until the restart budget failed the job that trained fine before. Now it is the update's
+    failure: back to the spec that ran, relaunched from the update's snapshot, with an Alert naming the
+    crash; no restart counted, no failure counted for the planner, no node suspected."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {"recovery": recovery}})
+    sim.progress("a", 40)
+    before, failures = sim.state.tasks["a"], sim.state.failures
+    assign = one(updated(sim, "a", command=["python", "pretrain_gpt.py", "--no-such-flag"]), Assign, "a")
+    if confirmed:  # the ranks started (their agents confirmed the Assign), then one died
+        sim.ok(assign)
+        assert sim.phase("a") is TaskPhase.RUNNING
+    crash = sim.incident("n1", SEV2_KIND, task="a", rank=0, generation=assign.generation)
+    assert not only(crash, RestartRanks) and not only(crash, MarkTaskFailed) and not only(crash, IsolateNode)
+    relaunch = one(crash, Assign, "a")
+    after = sim.state.tasks["a"]
+    assert after.spec == before.spec and after.previous_spec is None
+    assert relaunch.generation == assign.generation + 1 and sim.phase("a") is TaskPhase.RECONFIGURING
+    assert after.restarts == before.restarts and sim.state.failures == failures
+    assert sim.transitions[0].trigger is Trigger.UPDATE_FAILED
+    alert = one(crash, Alert, "a").message
+    assert "update failed (command)" in alert and "exited_abnormally on n1" in alert and "rolled back" in alert
+    # the crashed generation's other ranks dying too are leftovers: the rollback stands
+    assert not sim.incident("n2", SEV2_KIND, task="a", rank=8, generation=assign.generation)
+    # the spec put back crashing in turn is an ordinary failure (no loop back to the broken update)
+    sim.ok(relaunch)
+    again = sim.incident("n1", SEV2_KIND, task="a", rank=0, generation=relaunch.generation)
+    assert sim.transitions[0].trigger is not Trigger.UPDATE_FAILED and sim.state.tasks["a"].spec == before.spec
+    assert only(again, RestartRanks) or only(again, RestartTask)
+
+
+def test_a_node_fault_during_an_update_is_the_nodes_not_the_updates() -> None:
+    """A sev1 (or a store's loss) while the updated spec has not stepped says nothing of the spec: the
+    task reconfigures as for any node fault and keeps the updated spec (and what to roll back to)."""
+    sim = running_cluster({"n1": 8, "n2": 8, "n3": 8}, {"a": {"min_gpus": 16, "max_gpus": 16}})
+    sim.progress("a", 40)
+    assign = one(updated(sim, "a", command=["python", "pretrain_gpt.py", "--new"]), Assign, "a")
+    sim.ok(assign)
+    node = sorted(sim.state.tasks["a"].placement)[0]
+    sim.incident(node, SEV1_KIND, generation=assign.generation)
+    entry = sim.state.tasks["a"]
+    assert entry.spec.command[-1] == "--new" and entry.previous_spec is not None
+    assert Trigger.UPDATE_FAILED not in {t.trigger for t in sim.transitions}
 
 
 def test_a_second_update_before_the_first_stepped_rolls_back_to_the_spec_that_ran() -> None:

@@ -141,8 +141,8 @@ def _drive(phase: TaskPhase, trigger: Trigger) -> Callable[[Sim], list[Action]]:
                 ts=sim.ts(), action_id=sim.outstanding(JOB), reason="cannot start", cause=FailureCause.TASK
             )
         )
-    if trigger is T.UPDATE_FAILED:
-        return _update_cannot_start
+    if trigger is T.UPDATE_FAILED:  # running: no action is out, the updated ranks started and one died
+        return _update_crashed if phase is P.RUNNING else _update_cannot_start
     if trigger is T.PROGRESS:
         return lambda sim: sim.progress(JOB, 100)
     if trigger is T.REATTEMPTS_SPENT:
@@ -197,6 +197,18 @@ def _update_cannot_start(sim: Sim) -> list[Action]:
     sim.state.tasks[JOB].previous_spec = old
     acts = sim.feed(ActionFailed(ts=sim.ts(), action_id=sim.outstanding(JOB), reason="cannot start",
                                  cause=FailureCause.TASK))
+    assert sim.state.tasks[JOB].spec == old
+    return acts
+
+
+def _update_crashed(sim: Sim) -> list[Action]:
+    """A rank of the current generation running an updated spec not yet stepped dies (the update is put
+    on record directly, as above)."""
+    old = sim.state.tasks[JOB].spec
+    sim.state.tasks[JOB].spec = TaskSpec(**{**{f.name: getattr(old, f.name) for f in fields(old)},
+                                            "command": (*old.command, "--new")})
+    sim.state.tasks[JOB].previous_spec = old
+    acts = sim.incident("n1", SEV2_KIND, task=JOB, generation=sim.state.tasks[JOB].generation)
     assert sim.state.tasks[JOB].spec == old
     return acts
 

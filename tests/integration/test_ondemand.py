@@ -222,6 +222,38 @@ def test_an_update_whose_command_cannot_start_rolls_back_and_the_job_trains_on(
         cli(["cancel", name])
 
 
+def test_an_update_whose_command_crashes_before_its_first_step_rolls_back_and_the_job_trains_on(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """``unicron update`` with a command that starts but dies before any step (a flag the script does not
+    know: argparse exits 2 in both ranks). The task goes back to the command it ran with, relaunched from
+    the update's snapshot (0 iterations redone), with an alert naming the crash. Before, the crash was an
+    ordinary rank failure: the broken command was restarted until the budget failed the job."""
+    c, name = cluster, f"{TASK}-crash-update"
+    submit(c, tmp_path, name)
+    try:
+        c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
+        gen = max(int(r.get("generation") or 0) for r in c.running_ranks(name).values())
+        spec = tmp_path / f"{name}.json"
+        good = json.loads(spec.read_text())
+        spec.write_text(json.dumps({**good, "command": [*good["command"], "--no-such-flag"]}))
+        since = time.time()
+        assert cli(["update", str(spec)]) == 0
+        wait_relaunched(c, name, gen + 1)  # the update's generation crashed: the rollback's runs
+        at = stops(c, name)
+        assert at[0] and at[0] == at[1], at
+        n = at[0][-1]
+        assert_restored_at(c, name, n, at)
+        c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the rolled-back task to train on", poll_s=0.1)
+        alerts = [str(a.get("message")) for a in c.actions(since) if a.get("action") == "Alert" and a.get("task") == name]
+        assert any("update failed" in a and "exited abnormally" in a and "rolled back" in a for a in alerts), alerts
+        assert not [a for a in c.actions(since) if a.get("action") == "MarkTaskFailed" and a.get("task") == name]
+        assert c.store is not None
+        kv = c.store.get(c.keys.task(name))
+        assert kv is not None and json.loads(kv.value)["command"] == good["command"]
+    finally:
+        cli(["cancel", name])
+
+
 def test_a_rank_sigtermed_by_somebody_else_goes_on_from_the_snapshot_and_is_not_finished(
         cluster: LocalCluster, tmp_path: Path) -> None:
     """A SIGTERM its agent did not send (an operator, another scheduler): both ranks stop at one
