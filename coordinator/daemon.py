@@ -1016,6 +1016,8 @@ class Coordinator:
                 "name": name, "phase": e.phase.value, "weight": e.spec.weight, "min_gpus": e.spec.min_gpus,
                 "gpus": len(e.all_ranks()), "generation": e.generation, "nodes": sorted(e.placement),
                 "restarts": e.restarts, "step": e.last_step, "reason": e.reason,
+                # the last relaunching update's outcome, which 'unicron update --wait' waits for
+                "update": None if e.update is None else e.update.value, "update_reason": e.update_reason,
                 "incidents": costs.get(name, (0, 0.0))[0], "recovery_s": round(costs.get(name, (0, 0.0))[1], 3),
                 # measured (None until measured): the planner's D_transition and T(t, x) inputs
                 "transition_s": _rounded(self.grounding.transition_s.get(name)),

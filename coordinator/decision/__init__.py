@@ -80,6 +80,7 @@ from coordinator.decision.state import (
     Outstanding,
     TaskEntry,
     TaskPhase,
+    UpdateOutcome,
 )
 from coordinator.decision.table import BUDGETED, SEVERITY_TRIGGER, TRANSITIONS, Response, Trigger
 
@@ -127,6 +128,7 @@ __all__ = [
     "Tick",
     "Transition",
     "Trigger",
+    "UpdateOutcome",
     "from_dict",
     "to_dict",
 ]

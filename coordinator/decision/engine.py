@@ -55,6 +55,7 @@ from coordinator.decision.state import (
     Outstanding,
     TaskEntry,
     TaskPhase,
+    UpdateOutcome,
 )
 from coordinator.decision.table import BUDGETED, SEVERITY_TRIGGER, TRANSITIONS, Response, Trigger
 from coordinator.decision.throughput import StepRate, achieved_flops
@@ -536,6 +537,7 @@ class _Run:
         entry.spec, entry.previous_spec = previous, None
         message = (f"task {name}: update failed ({changes}): {fault.reason}; rolled back to the spec it ran "
                    "with and relaunched from the update's snapshot")
+        entry.update, entry.update_reason = UpdateOutcome.ROLLED_BACK, message
         self._do_relaunch_updated(name, entry, dataclasses.replace(fault, reason=message))
         self._alert(message, task=name)
 
@@ -858,12 +860,17 @@ class _Run:
         if old is None or old.phase not in ACTIVE_PHASES:
             self._alert(f"task {spec.name} is not in the task set; submit it instead", task=spec.name)
             return
-        if spec == old.spec:
-            return
         changes = old.spec.launch_changes(spec)
         entry = self._task(spec.name)
+        if not (changes and entry.placement) and entry.update is not UpdateOutcome.PENDING:
+            # this update relaunches nothing, so an earlier one's outcome is not its own to report (one
+            # still pending is: its spec is part of this one)
+            entry.update, entry.update_reason = None, ""
+        if spec == old.spec:
+            return
         entry.spec = spec
         if changes and entry.placement:
+            entry.update, entry.update_reason = UpdateOutcome.PENDING, ""  # until a step or a rollback
             # what to go back to should the new spec fail to launch: the spec that ran (a second update
             # before the first made a step keeps the first's; a spec that never stepped is nothing to keep)
             if entry.previous_spec is None and entry.last_step is not None:
@@ -927,9 +934,12 @@ class _Run:
             self._confirm_suspicion(event.task)
         if event.generation is None or event.generation != entry.generation:
             return
-        if entry.previous_spec is not None:  # the updated spec trained: its failures are ordinary ones now
+        if entry.previous_spec is not None or entry.update is UpdateOutcome.PENDING:
+            # the updated spec trained: its failures are ordinary ones now, and the update is confirmed
             entry = self._task(event.task)
             entry.previous_spec = None
+            if entry.update is UpdateOutcome.PENDING:
+                entry.update = UpdateOutcome.CONFIRMED
         # a reattempt, restart or in-place resize keeps the generation: only a step past it proves it
         # worked, or, for a restart, an iteration completed by a process it launched (which may redo
         # steps from the job's checkpoint: waiting for it to pass the fault would outlast the deadline)

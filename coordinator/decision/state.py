@@ -41,6 +41,14 @@ ACTIVE_PHASES = frozenset(
 
 
 
+class UpdateOutcome(enum.StrEnum):
+    """How an update that relaunched a task went (``unicron update --wait`` waits for the last two)."""
+
+    PENDING = "pending"  # the updated spec has not completed a step at the task's generation yet
+    CONFIRMED = "confirmed"  # it has
+    ROLLED_BACK = "rolled_back"  # it failed before (update_failed): the spec that ran was put back
+
+
 class NodeState(enum.StrEnum):
     UP = "up"
     DRAINED = "drained"  # by an operator; back only by NodeUndrained
@@ -131,6 +139,11 @@ class TaskEntry:
     completed a step: should the update's launch fail through the task's own fault (its new command
     cannot start), or a process of its generation fail (the new command crashed), the task goes back to
     it instead of failing or restarting the new command (``update_failed`` -> ``rollback``)."""
+    update: UpdateOutcome | None = None
+    """How the task's last update that relaunched it went, which ``ListTasks`` shows: None when there was
+    none, or a later update relaunched nothing (there is no launch to wait for)."""
+    update_reason: str = ""
+    """Why that update was rolled back (the rollback's reason); "" otherwise."""
 
     def ranks_on(self, node: str) -> list[int]:
         return self.placement.get(node, [])
@@ -223,6 +236,7 @@ def _task_to_dict(e: TaskEntry) -> dict[str, object]:
     out["spec"] = e.spec.to_dict()
     out["previous_spec"] = None if e.previous_spec is None else e.previous_spec.to_dict()
     out["phase"] = e.phase.value
+    out["update"] = None if e.update is None else e.update.value
     out["placement"] = {n: list(r) for n, r in e.placement.items()}
     out["failed_ranks"] = list(e.failed_ranks)
     out["joiners"] = list(e.joiners)
@@ -294,7 +308,8 @@ def _member(kind: type[E], value: Any, where: str) -> E:
 
 
 #: TaskEntry fields stored as plain JSON values (the others are parsed below)
-_PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured", "previous_spec"}
+_PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured", "previous_spec",
+                                                "update"}
 
 
 def _rate(value: Any, where: str) -> StepRate | None:
@@ -348,6 +363,8 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     previous = raw.get("previous_spec")  # absent in states written before it existed: no update to undo
     raw["previous_spec"] = None if previous is None else _spec(name, previous, "previous_spec")
     raw["phase"] = _member(TaskPhase, raw["phase"], _path("tasks", name, "phase"))
+    update = raw.get("update")  # absent in states written before it existed: no update to report
+    raw["update"] = None if update is None else _member(UpdateOutcome, update, _path("tasks", name, "update"))
     o = raw["outstanding"]
     if o is not None:
         where = _path("tasks", name, "outstanding")

@@ -325,6 +325,72 @@ def test_cli_submit_tasks_drain_update_cancel(
     assert code == 1 and "no task named 'gpt-1p3b'" in err and "Traceback" not in err
 
 
+class UpdatePlane(FakeControlPlane):
+    """Answers ListTasks as the daemon does after an update: ``outcomes`` is what each call shows as the
+    update's outcome and phase, the last one for good (None: a coordinator without the field)."""
+
+    def __init__(self, outcomes: list[tuple[str | None, str] | None]) -> None:
+        super().__init__()
+        self.outcomes = outcomes
+        self.listed = 0
+
+    def tasks(self) -> list[dict[str, Any]]:
+        rows = super().tasks()
+        shown = self.outcomes[min(self.listed, len(self.outcomes) - 1)]
+        self.listed += 1
+        for row in rows:
+            row.update(generation=4, step=17, reason="relaunching it")
+            if shown is not None:
+                outcome, row["phase"] = shown
+                row.update(update=outcome, update_reason="task x: update failed (command): rank 0 exited" if
+                           outcome == "rolled_back" else "")
+        return rows
+
+
+@pytest.mark.parametrize(("outcomes", "code", "said"), [
+    ([("pending", "reconfiguring"), ("pending", "running"), ("confirmed", "running")], 0,
+     "its ranks completed step 17 under the new spec (generation 4)"),
+    ([(None, "running")], 0, "it relaunched no rank, so there is no launch to wait for"),
+    ([("pending", "running"), ("rolled_back", "reconfiguring")], 1,
+     "update of task gpt-1p3b rolled back: task x: update failed (command): rank 0 exited"),
+    ([("pending", "running"), ("pending", "failed")], 1, "task gpt-1p3b failed before the updated spec completed"),
+    ([("pending", "running")], 1, "timed out after 1.5 s waiting for task gpt-1p3b's updated ranks"),
+    ([None], 1, "the coordinator does not report an update's outcome"),
+])
+def test_cli_update_wait_exits_with_the_updates_outcome(
+    unicron: Any, outcomes: list[tuple[str | None, str] | None], code: int, said: str,
+) -> None:
+    """Before, 'unicron update' answered as soon as the spec was accepted: a script could not tell an
+    update that trained from one rolled back. ``--wait`` polls ListTasks until the outcome is known:
+    exit 0 once confirmed (or nothing was relaunched), else 1 with the reason in one line."""
+    plane = UpdatePlane(outcomes)
+    plane.specs["gpt-1p3b"] = TaskSpec.from_dict(json.loads(EXAMPLE.read_text()))
+    server, address = serve(plane, "127.0.0.1", 0)
+    try:
+        got, out, err = unicron("update", str(EXAMPLE), "--api", address, "--wait", "--timeout", "1.5")
+    finally:
+        stop(server, 0.1)
+    assert got == code and "Traceback" not in err, err
+    if code == 0:
+        assert out.startswith("updated task gpt-1p3b; ") and said in out, out
+    else:
+        _one_line(got, err, "update")
+        assert said in err, err
+
+
+def test_cli_update_wait_bad_input_is_one_line(
+    unicron: Any, api: str, plane: FakeControlPlane, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:  # argparse's refusal, before the API is dialled
+        unicron("update", str(EXAMPLE), "--api", api, "--wait", "--timeout", "nan")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.splitlines()[-1].endswith("--timeout: 'nan' is not a finite number")
+    code, out, err = unicron("update", str(EXAMPLE), "--api", api, "--wait")  # no such task
+    _one_line(code, err, "update")
+    assert out == ""
+    assert "no active task 'gpt-1p3b' to update" in err
+
+
 def test_cli_bad_spec_exits_1_naming_the_field(
     unicron: Any, api: str, plane: FakeControlPlane, spec: dict[str, Any], tmp_path: Path,
 ) -> None:

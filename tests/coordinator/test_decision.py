@@ -49,6 +49,7 @@ from coordinator.decision import (
     Tick,
     Transition,
     Trigger,
+    UpdateOutcome,
     from_dict,
     to_dict,
 )
@@ -430,6 +431,36 @@ def test_an_update_whose_command_crashes_before_its_first_step_rolls_back(recove
     again = sim.incident("n1", SEV2_KIND, task="a", rank=0, generation=relaunch.generation)
     assert sim.transitions[0].trigger is not Trigger.UPDATE_FAILED and sim.state.tasks["a"].spec == before.spec
     assert only(again, RestartRanks) or only(again, RestartTask)
+
+
+def test_an_updates_outcome_is_pending_until_a_step_or_a_rollback_and_survives_a_new_leader() -> None:
+    """What 'unicron update --wait' reads (ListTasks' ``update``): before, nothing told an update that
+    trained from one rolled back. Pending until the new spec's ranks complete a step at the task's
+    generation (a step of the replaced generation confirms nothing), then confirmed; rolled back with its
+    reason when the new command crashed first; None for an update that relaunches nothing."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {}})
+    sim.progress("a", 40)
+    assert sim.state.tasks["a"].update is None
+    assign = one(updated(sim, "a", command=["python", "pretrain_gpt.py", "--new"]), Assign, "a")
+    assert sim.state.tasks["a"].update is UpdateOutcome.PENDING
+    sim.progress("a", 41, current_generation=False)
+    sim.feed(ProgressMade(ts=sim.ts(), task="a", step=42, generation=assign.generation - 1))
+    sim.state = CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict())))  # a new leader keeps it
+    assert sim.state.tasks["a"].update is UpdateOutcome.PENDING
+    sim.ok(assign)
+    sim.progress("a", 43)
+    assert sim.state.tasks["a"].update is UpdateOutcome.CONFIRMED
+    updated(sim, "a", weight=2.0)  # relaunches nothing: the earlier outcome is not this update's
+    assert sim.state.tasks["a"].update is None
+    one(updated(sim, "a", command=["python", "pretrain_gpt.py", "--broken"]), Assign, "a")
+    updated(sim, "a", weight=1.0)  # a pending one stays pending: its command is part of this spec
+    assert sim.state.tasks["a"].update is UpdateOutcome.PENDING
+    sim.incident("n1", SEV2_KIND, task="a", rank=0, generation=sim.state.tasks["a"].generation)
+    entry = sim.state.tasks["a"]
+    assert entry.update is UpdateOutcome.ROLLED_BACK and "update failed" in entry.update_reason
+    assert CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict()))).tasks["a"] == entry
+    sim.progress("a", 44)  # the spec put back stepping does not make the update a success
+    assert sim.state.tasks["a"].update is UpdateOutcome.ROLLED_BACK
 
 
 def test_a_node_fault_during_an_update_is_the_nodes_not_the_updates() -> None:

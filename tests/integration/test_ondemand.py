@@ -140,9 +140,11 @@ def test_a_relaunching_move_restores_from_the_on_demand_snapshot(cluster: LocalC
         cli(["cancel", name])
 
 
-def relaunch_with(c: LocalCluster, tmp: Path, name: str, changes: dict[str, object], flags: dict[str, str]) -> None:
-    """``unicron update`` of a training task's spec with ``changes`` and its command's ``flags``
-    replaced; both ranks must restore the stop's snapshot (0 iterations redone) and train on."""
+def relaunch_with(c: LocalCluster, tmp: Path, name: str, changes: dict[str, object], flags: dict[str, str],
+                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``unicron update --wait`` of a training task's spec with ``changes`` and its command's ``flags``
+    replaced: it returns 0 once the new spec's ranks completed a step; both ranks must restore the stop's
+    snapshot (0 iterations redone) and train on."""
     submit(c, tmp, name)
     c.wait_for(lambda: stepping(c, name, 5), 90.0, "the task to train", poll_s=0.1)
     gen = max(int(r.get("generation") or 0) for r in c.running_ranks(name).values())
@@ -151,7 +153,10 @@ def relaunch_with(c: LocalCluster, tmp: Path, name: str, changes: dict[str, obje
     for flag, value in flags.items():
         argv[argv.index(flag) + 1] = value
     spec.write_text(json.dumps({**json.loads(spec.read_text()), **changes, "command": argv}))
-    assert cli(["update", str(spec)]) == 0
+    capsys.readouterr()
+    assert cli(["update", str(spec), "--wait", "--timeout", "90"]) == 0
+    out = capsys.readouterr().out
+    assert f"updated task {name}; its ranks completed step" in out and "under the new spec" in out, out
     wait_relaunched(c, name, gen)
     at = stops(c, name)
     assert at[0] and at[0] == at[1], at
@@ -161,13 +166,13 @@ def relaunch_with(c: LocalCluster, tmp: Path, name: str, changes: dict[str, obje
 
 
 def test_a_new_micro_batch_size_relaunches_the_task_from_the_on_demand_snapshot(
-        cluster: LocalCluster, tmp_path: Path) -> None:
+        cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``unicron update`` with a new micro-batch size (a layout change the running ranks cannot take):
     both ranks stop at one boundary with a snapshot, the new command is launched as a new generation
     and restores it."""
     c, name = cluster, f"{TASK}-mbs"
     try:
-        relaunch_with(c, tmp_path, name, {}, {"--micro-batch-size": "1"})
+        relaunch_with(c, tmp_path, name, {}, {"--micro-batch-size": "1"}, capsys)
         split = [line for r in (0, 1) for line in log_lines(c, name, r) if RESTORED.match(line)]
         assert all(line.endswith("(8 micro-batches of 1)") for line in split), split  # global batch 8 kept
     finally:
@@ -175,13 +180,13 @@ def test_a_new_micro_batch_size_relaunches_the_task_from_the_on_demand_snapshot(
 
 
 def test_a_new_tp_size_relaunches_the_task_and_reshards_the_on_demand_snapshot(
-        cluster: LocalCluster, tmp_path: Path) -> None:
+        cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``unicron update`` from TP=1 x DP=2 to TP=2 x DP=1: the ranks stop with their snapshots (each a
     whole TP=1 replica), the task is placed again with TP=2 (both ranks on one node) and each rank
     restores its half of the stop's iteration: 0 iterations redone, the global batch kept."""
     c, name = cluster, f"{TASK}-tp"
     try:
-        relaunch_with(c, tmp_path, name, {"tp_size": 2}, {"--tp": "2"})
+        relaunch_with(c, tmp_path, name, {"tp_size": 2}, {"--tp": "2"}, capsys)
         split = [line for r in (0, 1) for line in log_lines(c, name, r) if RESTORED.match(line)]
         assert all(line.endswith("resharded from TP 1 to 2 (4 micro-batches of 2)") for line in split), split
         assert len({str(r["node"]) for r in c.running_ranks(name).values()}) == 1  # a TP group stays on a node
@@ -223,11 +228,12 @@ def test_an_update_whose_command_cannot_start_rolls_back_and_the_job_trains_on(
 
 
 def test_an_update_whose_command_crashes_before_its_first_step_rolls_back_and_the_job_trains_on(
-        cluster: LocalCluster, tmp_path: Path) -> None:
+        cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``unicron update`` with a command that starts but dies before any step (a flag the script does not
     know: argparse exits 2 in both ranks). The task goes back to the command it ran with, relaunched from
     the update's snapshot (0 iterations redone), with an alert naming the crash. Before, the crash was an
-    ordinary rank failure: the broken command was restarted until the budget failed the job."""
+    ordinary rank failure: the broken command was restarted until the budget failed the job. ``--wait``
+    exits 1 saying so in one line (before, 'update' answered at once: success and rollback looked alike)."""
     c, name = cluster, f"{TASK}-crash-update"
     submit(c, tmp_path, name)
     try:
@@ -237,7 +243,11 @@ def test_an_update_whose_command_crashes_before_its_first_step_rolls_back_and_th
         good = json.loads(spec.read_text())
         spec.write_text(json.dumps({**good, "command": [*good["command"], "--no-such-flag"]}))
         since = time.time()
-        assert cli(["update", str(spec)]) == 0
+        capsys.readouterr()
+        assert cli(["update", str(spec), "--wait", "--timeout", "90"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"unicron update: update of task {name} rolled back: ") and err.count("\n") == 1, err
+        assert "exited abnormally" in err and "Traceback" not in err
         wait_relaunched(c, name, gen + 1)  # the update's generation crashed: the rollback's runs
         at = stops(c, name)
         assert at[0] and at[0] == at[1], at

@@ -36,6 +36,11 @@ TASK_COLUMNS = (
     "recovery_s", "transition_s", "achieved_flops", "reason",
 )
 _RETRY_PAUSE_S = 0.3
+#: ``--timeout`` of the API commands, and of ``update --wait`` (a relaunch's ranks start, restore and step)
+API_TIMEOUT_S = 10.0
+UPDATE_WAIT_S = 300.0
+#: how often ``update --wait`` asks for the task's state
+_WAIT_POLL_S = 0.5
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -46,9 +51,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("update", help="replace an active task's spec: a new command, env, TP size or micro-batch "
                        "size relaunches its ranks from an on-demand snapshot (resharded to a new TP); a new "
                        "weight or GPU bounds re-plans")
-    add_api_flags(p)
+    add_api_flags(p, timeout_help=f"give up after this long, following failovers meanwhile (default "
+                  f"{API_TIMEOUT_S:g}; with --wait {UPDATE_WAIT_S:g}, the wait included)")
     p.add_argument("file", metavar="FILE", help="the task's new spec, a JSON object; '-' reads standard input")
-    p.set_defaults(func=cmd_update)
+    p.add_argument("--wait", action="store_true",
+                   help="wait for the outcome: exit 0 once the new spec's ranks completed a step; 1 with the "
+                        "reason if the update was rolled back (the new command failed before its first step), "
+                        "the task failed or ended, or --timeout passed")
+    p.set_defaults(func=cmd_update, timeout=None)  # None: per --wait, resolved by cmd_update
     p = sub.add_parser("cancel", help="remove a task from the task set, stopping its ranks")
     add_api_flags(p)
     p.add_argument("name", metavar="NAME", help="the task")
@@ -72,12 +82,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=cmd_forget)
 
 
-def add_api_flags(p: argparse.ArgumentParser) -> None:
+def add_api_flags(p: argparse.ArgumentParser, timeout_help: str = "") -> None:
     add_cluster_flags(p)
     p.add_argument("--api", default=os.environ.get("UNICRON_API") or None, metavar="HOST:PORT",
                    help="coordinator API address (env: UNICRON_API; default: from the leader key in etcd)")
-    p.add_argument("--timeout", type=at_least(finite_float, 0.0, above=True), default=10.0, metavar="SECONDS",
-                   help="give up after this long, following failovers meanwhile (default 10)")
+    p.add_argument("--timeout", type=at_least(finite_float, 0.0, above=True), default=API_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help=timeout_help or f"give up after this long, following failovers meanwhile (default "
+                                        f"{API_TIMEOUT_S:g})")
 
 
 # --- the client ------------------------------------------------------------------------------
@@ -232,9 +244,66 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_update(args: argparse.Namespace) -> int:
+    if args.timeout is None:
+        args.timeout = UPDATE_WAIT_S if args.wait else API_TIMEOUT_S
+    deadline = time.monotonic() + args.timeout  # --wait: the update's call and the wait share it
     reply = call(args, "Submit", pb.SubmitRequest(spec_json=read_spec(args.file), update=True))
     spec = json.loads(reply.task_json)
-    return _done(args, f"updated task {spec['name']}", spec)
+    name = str(spec["name"])
+    if not args.wait:
+        return _done(args, f"updated task {name}", spec)
+    row = _wait_for_update(args, name, deadline)
+    outcome = row.get("update")
+    if outcome is None:
+        message = f"updated task {name}; it relaunched no rank, so there is no launch to wait for"
+    else:
+        message = (f"updated task {name}; its ranks completed step {row.get('step')} under the new spec "
+                   f"(generation {row.get('generation')})")
+    return _done(args, message, {"task": spec, "update": outcome, "generation": row.get("generation"),
+                                 "step": row.get("step")})
+
+
+def _wait_for_update(args: argparse.Namespace, name: str, deadline: float) -> dict[str, Any]:
+    """Task ``name``'s ListTasks row once the update just made has succeeded (confirmed, or nothing
+    to wait for); raises with the reason when it was rolled back, the task left the task set, or
+    ``deadline`` passed. A coordinator that is unavailable meanwhile (a failover) is asked again."""
+    last = "no answer from the coordinator yet"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TemporaryError(f"timed out after {args.timeout:g} s waiting for task {name}'s updated ranks to "
+                                 f"complete a step ({last}); see 'unicron tasks {name}'")
+        try:
+            row = _task_row(args, name, remaining)
+        except TemporaryError as exc:
+            last = str(exc)
+            row = None
+        if row is not None:
+            if "update" not in row:
+                raise PermanentError("the coordinator does not report an update's outcome (ListTasks has no "
+                                     "'update' field): it is older than this CLI; drop --wait")
+            outcome, phase = row["update"], row.get("phase")
+            if outcome == "rolled_back":
+                raise PermanentError(f"update of task {name} rolled back: {row.get('update_reason') or 'no reason'}")
+            if outcome in (None, "confirmed"):
+                return row
+            if phase in ("failed", "cancelled", "finished"):
+                raise PermanentError(f"task {name} {phase} before the updated spec completed a step: "
+                                     f"{row.get('reason') or 'no reason given'}")
+            last = f"{phase}: {row.get('reason')}" if row.get("reason") else f"{phase}"
+        time.sleep(max(0.0, min(_WAIT_POLL_S, deadline - time.monotonic())))
+
+
+def _task_row(args: argparse.Namespace, name: str, timeout_s: float) -> dict[str, Any]:
+    """Task ``name``'s ListTasks row, asked within ``timeout_s``; a task gone from the task set (an
+    ended one retired) is an error."""
+    polling = argparse.Namespace(**{**vars(args), "timeout": timeout_s})
+    reply = call(polling, "ListTasks", pb.ListTasksRequest(name=name))
+    rows = [json.loads(t) for t in reply.task_json]
+    row = next((r for r in rows if isinstance(r, dict) and r.get("name") == name), None)
+    if row is None:
+        raise PermanentError(f"task {name} is no longer in the task set; see 'unicron tasks'")
+    return dict(row)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
