@@ -226,6 +226,7 @@ class Coordinator:
         self.core = d.DecisionCore(
             d.DecisionSettings(reattempt_deadline_s=settings.reattempt_deadline_s,
                                restart_deadline_s=settings.restart_deadline_s,
+                               flap_faults=settings.flap_faults, flap_window_s=settings.flap_window_s,
                                in_place_resize=settings.in_place_resize,
                                ended_tasks_kept=settings.ended_tasks_kept),
             self.allocator,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.decision.state import SEV2_FAULTS_KEPT
 from unicron.kernel.config import setting
 from unicron.kernel.errors import ConfigError
 from unicron.kernel.net import WILDCARDS, check_host, route_address
@@ -34,6 +35,10 @@ class CoordinatorSettings:
     """Figure 7: a failed reattempt escalates to a sev2 restart."""
     restart_deadline_s: float = setting(120.0, "UNICRON_RESTART_DEADLINE", "seconds a sev2 restart may take before it counts as failed", above=0)
     """Figure 7: a failed restart escalates to sev1 (isolate and reconfigure)."""
+    flap_faults: int = setting(3, "UNICRON_FLAP_FAULTS", "sev2 faults of one node within --flap-window-s that make it flapping: the one reaching this count isolates the node instead of restarting its ranks again (0: never)", least=0, most=SEV2_FAULTS_KEPT)
+    """See DecisionSettings.flap_faults."""
+    flap_window_s: float = setting(3600.0, "UNICRON_FLAP_WINDOW", "seconds within which --flap-faults sev2 faults of one node make it flapping", above=0)
+    """See DecisionSettings.flap_window_s."""
     in_place_resize: bool = setting(True, "UNICRON_IN_PLACE_RESIZE", "resize a task in place (survivors keep running) when a new allocation keeps its layout; 0 makes every move a new generation")
     """See DecisionSettings.in_place_resize."""
     spare_stores: bool = setting(True, "UNICRON_SPARE_STORES", "with in-place resize, each task's successor store node keeps a spare store sidecar listening; 0: a moved store starts from nothing")

@@ -9,6 +9,8 @@ Figure 7, per task, is the explicit table :data:`TRANSITIONS`: ``(phase, trigger
 
 * sev3 (①) -> reattempt in place; a failed reattempt -> sev2.
 * sev2 (②) -> restart the affected ranks on the same node, same configuration; a failed restart -> sev1.
+  So is the ``flap_faults``-th sev2 of one node within ``flap_window_s`` (each restart worked: a flapping
+  node, ``NodeEntry.sev2_faults``): the node is isolated instead of restarted once more.
 * sev1 (③) -> isolate the node and reconfigure every task that had ranks on it.
 * node joined (④), task finished (⑤), task launched (⑥) -> reconfigure.
 

@@ -49,6 +49,7 @@ from coordinator.decision.resize import InPlace, launch_store_node, plan_in_plac
 from coordinator.decision.settings import DecisionSettings
 from coordinator.decision.state import (
     ACTIVE_PHASES,
+    SEV2_FAULTS_KEPT,
     CoreState,
     NodeEntry,
     NodeState,
@@ -668,12 +669,15 @@ class _Run:
             liveness = inc.kind is ErrorKind.LOST_CONNECTION
             self._node_down(inc.node, NodeState.ISOLATED, reason, liveness=liveness)
             return
+        if inc.severity is Severity.SEV2 and self._starts_restart(event):
+            flapping = self._flapping(inc.node)
+            if flapping:  # escalated to sev1: isolate the node, every task on it re-planned
+                self._node_down(inc.node, NodeState.ISOLATED, f"{flapping}; last: {reason}")
+                return
         for name in self._tasks_on(inc.node):
             entry = self.state.tasks[name]
-            if inc.task is not None and inc.task != name:
+            if not _concerns(name, entry, event):
                 continue
-            if event.generation is not None and event.generation < entry.generation:
-                continue  # a leftover of a replaced configuration
             on_node = entry.ranks_on(inc.node)
             ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
             if _update_failed(entry, inc, event.generation):
@@ -682,23 +686,66 @@ class _Run:
                 why = f"{reason}: {inc.message}" if inc.message else reason  # the exit and its exception
                 self._fire(name, _T.UPDATE_FAILED, _Fault(why, node=inc.node, ranks=ranks))
                 continue
-            trigger = SEVERITY_TRIGGER[inc.severity]
-            if trigger is _T.SEV3 and _echo_of_resize(entry, inc, self.state.now, self.settings.resize_echo_s):
-                trigger = _T.RESIZE_ECHO
             if inc.kind is ErrorKind.STORE_LOST and not entry.spec.restarts_whole:
                 self._store_lost(name, entry, inc, reason)
                 continue
-            if inc.kind is ErrorKind.FENCED:
-                trigger = _T.STOPPED
-            elif _restart_died(entry, inc, event):
-                trigger = _T.RESTART_DIED
-            elif entry.spec.restarts_whole:
-                trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it
-            elif trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
-                trigger = _T.PEER_DIED
-            elif trigger is _T.SEV2 and _launching(entry, inc, event.generation):
-                trigger = _T.LAUNCH_FAULT
-            self._fire(name, trigger, _Fault(reason, node=inc.node, ranks=ranks))
+            self._fire(name, self._trigger(entry, event), _Fault(reason, node=inc.node, ranks=ranks))
+
+    def _trigger(self, entry: TaskEntry, event: IncidentRaised) -> Trigger:
+        """The trigger an incident (sev2 or sev3, not a store's loss) fires for a task it concerns."""
+        inc = event.incident
+        assert inc.severity is not None
+        trigger = SEVERITY_TRIGGER[inc.severity]
+        if trigger is _T.SEV3 and _echo_of_resize(entry, inc, self.state.now, self.settings.resize_echo_s):
+            trigger = _T.RESIZE_ECHO
+        if inc.kind is ErrorKind.FENCED:
+            trigger = _T.STOPPED
+        elif _restart_died(entry, inc, event):
+            trigger = _T.RESTART_DIED
+        elif entry.spec.restarts_whole:
+            trigger = _T.TASK_FAULT  # sev2 and sev3 alike: only a new attempt of every rank recovers it
+        elif trigger is _T.SEV2 and inc.kind is ErrorKind.EXITED_ABNORMALLY and not _relaunched(entry, inc):
+            trigger = _T.PEER_DIED
+        elif trigger is _T.SEV2 and _launching(entry, inc, event.generation):
+            trigger = _T.LAUNCH_FAULT
+        return trigger
+
+    def _starts_restart(self, event: IncidentRaised) -> bool:
+        """Whether a sev2 incident is a fresh fault of its node: it restarts a task there that was not
+        recovering, and had made progress since its last restart (its restart budget whole). Not one
+        merged into the recovery under way (a consequence of its fault), a peer's death that widens a
+        restart, a launch's or a restart's own failure (judged as such: the latter escalates by itself),
+        a fence or a store's loss (no fault of the node's GPUs). Nor a fault before the task progressed
+        again: crashes without progress are the restart budget's to judge (a job crashing on every
+        resume is failed, and no node is blamed for it)."""
+        inc = event.incident
+        if inc.kind in (ErrorKind.STORE_LOST, ErrorKind.FENCED):
+            return False
+        for name in self._tasks_on(inc.node):
+            entry = self.state.tasks[name]
+            if not _concerns(name, entry, event) or entry.restarts or _update_failed(entry, inc, event.generation):
+                continue  # (an update's crash before its first step is the update's, rolled back)
+            trigger = self._trigger(entry, event)
+            edge = TRANSITIONS.get((entry.phase, trigger))
+            if trigger in (_T.SEV2, _T.TASK_FAULT) and edge is not None and edge[1] is not _R.MERGE:
+                return True
+        return False
+
+    def _flapping(self, node: str) -> str:
+        """Records a fresh sev2 fault of ``node`` now; why the node is flapping if this fault makes its
+        faults within ``flap_window_s`` reach ``flap_faults``, else "". Each restart that worked reset
+        the task's restart budget, so without this a GPU failing every few steps was restarted for ever,
+        each time a failure of the cluster for the planner's failure rate."""
+        threshold, window = self.settings.flap_faults, self.settings.flap_window_s
+        entry = self._node(node)
+        if entry is None or threshold == 0:
+            return ""
+        now = self.state.now
+        entry.sev2_faults = (*(t for t in entry.sev2_faults if now - t <= window), now)[-SEV2_FAULTS_KEPT:]
+        if len(entry.sev2_faults) < threshold:
+            return ""
+        span = now - entry.sev2_faults[-threshold]
+        return f"flapping: {threshold} sev2 faults in {span:g} s (the limit: {threshold - 1} within {window:g} s)"
 
     def _store_lost(self, name: str, entry: TaskEntry, inc: Incident, reason: str) -> None:
         """The task's store sidecar died on a node still in service: the same membership goes on with
@@ -777,13 +824,20 @@ class _Run:
                 self._node_set(node, gpus=gpus)  # an operator's drain outlives agent restarts
         elif seen.drained:  # lost or isolated while drained: back drained, until NodeUndrained
             self._node_set(node, gpus=gpus, status=NodeState.DRAINED, reason=seen.drained, drained="",
-                           suspected_by="")
+                           suspected_by="", **self._repaired(seen))
         elif seen.status is not NodeState.UP or seen.gpus != gpus:
             if gpus < seen.gpus:  # its GPUs are numbered anew: a rank may be on one it no longer has
                 self._relaunch_on(node, f"node {node} re-registered with {gpus} GPUs (had {seen.gpus})")
             # back from isolation (a repair) as an undrain brings it: no suspicion left to settle
-            self._node_set(node, gpus=gpus, status=NodeState.UP, reason="", suspected_by="")
+            self._node_set(node, gpus=gpus, status=NodeState.UP, reason="", suspected_by="",
+                           **self._repaired(seen))
             self.replan = True
+
+    @staticmethod
+    def _repaired(seen: NodeEntry) -> dict[str, tuple[float, ...]]:
+        """What a node's return from isolation (a repair) clears besides its status: its sev2 faults.
+        A node merely lost and back (an agent restart) keeps them: nothing was repaired."""
+        return {"sev2_faults": ()} if seen.status is NodeState.ISOLATED else {}
 
     def _back_in_service(self, node: str) -> None:
         """A node this very decision isolated is back (its NodeJoined's deadline check isolated it, say):
@@ -821,7 +875,8 @@ class _Run:
         if entry is not None and entry.drained:
             self._node_set(node, drained="")
         if entry is not None and entry.status in (NodeState.DRAINED, NodeState.ISOLATED):
-            self._node_set(node, status=NodeState.UP, reason="", suspected_by="")
+            # the operator's word that it is fit again: its earlier sev2 faults make it flapping no more
+            self._node_set(node, status=NodeState.UP, reason="", suspected_by="", sev2_faults=())
             self.replan = True
 
     def _on_forget(self, node: str) -> None:
@@ -1168,6 +1223,15 @@ def _down_node(event: Event) -> str | None:
     if isinstance(event, IncidentRaised) and event.incident.severity is Severity.SEV1:
         return event.incident.node
     return None
+
+
+def _concerns(name: str, entry: TaskEntry, event: IncidentRaised) -> bool:
+    """Whether an incident on a node task ``name`` runs on is the task's to act on: it names no other
+    task and is no leftover of a configuration the task has replaced."""
+    inc = event.incident
+    if inc.task is not None and inc.task != name:
+        return False
+    return event.generation is None or event.generation >= entry.generation
 
 
 def _echo_of_resize(entry: TaskEntry, inc: Incident, now: float, window_s: float) -> bool:

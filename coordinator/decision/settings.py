@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from coordinator.decision.actions import ActionKind
+from coordinator.decision.state import SEV2_FAULTS_KEPT
 from unicron.kernel.errors import ConfigError
 
 
@@ -23,6 +24,17 @@ class DecisionSettings:
     none for the first, then this, doubling each time (torchrun relaunches at once, every time)."""
     restart_backoff_max_s: float = 30.0
     """The longest such wait."""
+    flap_faults: int = 3
+    """Sev2 faults of one node within ``flap_window_s`` that make it flapping: the one that reaches this
+    count is escalated to sev1 (the node isolated, every task on it re-planned, as Figure 7 escalates a
+    failed restart) instead of restarting ranks there once more. Each restart that worked resets the
+    task's restart budget, so a GPU throwing a CUDA error every few steps was restarted for ever.
+    Counted: a sev2 that starts the restart of a task that had made progress since its last one (not
+    one merged into the recovery under way, nor a peer's death that widens it; faults with no progress
+    between them are ``max_restarts_without_progress``'s). 0: never; at most ``SEV2_FAULTS_KEPT`` (the
+    times each node keeps)."""
+    flap_window_s: float = 3600.0
+    """The window of ``flap_faults``: faults further apart than this never make a node flapping."""
     reattempt_deadline_s: float = 30.0
     """Seconds for a reattempt to be confirmed before it counts as failed."""
     restart_deadline_s: float = 120.0
@@ -49,6 +61,10 @@ class DecisionSettings:
             if f.name == "in_place_resize":
                 if not isinstance(value, bool):
                     raise ConfigError(f"decision.{f.name}: expected true or false, got {value!r}")
+            elif f.name == "flap_faults":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEV2_FAULTS_KEPT:
+                    raise ConfigError(f"decision.{f.name}: expected an integer in [0, {SEV2_FAULTS_KEPT}], "
+                                      f"got {value!r}")
             elif f.name.startswith("max_") or f.name == "ended_tasks_kept":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ConfigError(f"decision.{f.name}: expected an integer >= 0, got {value!r}")

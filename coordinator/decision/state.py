@@ -49,6 +49,10 @@ class UpdateOutcome(enum.StrEnum):
     ROLLED_BACK = "rolled_back"  # it failed before (update_failed): the spec that ran was put back
 
 
+#: The sev2 fault times a node entry keeps (the newest): the most ``DecisionSettings.flap_faults`` may be.
+SEV2_FAULTS_KEPT = 8
+
+
 class NodeState(enum.StrEnum):
     UP = "up"
     DRAINED = "drained"  # by an operator; back only by NodeUndrained
@@ -69,6 +73,10 @@ class NodeEntry:
     the failure was the task's (a crash on every launch) and the node returns to service; progress
     elsewhere, a fault the node reports (not a lost link) or a second task's failure there makes the
     isolation stand."""
+    sev2_faults: tuple[float, ...] = ()
+    """When (the core's clock) the node's recent sev2 faults started a recovery, oldest first: at most
+    ``SEV2_FAULTS_KEPT``, none older than ``DecisionSettings.flap_window_s`` before the newest. Enough of
+    them within the window make the node flapping (isolated); its return to service clears them."""
 
 
 @dataclass
@@ -195,7 +203,8 @@ class CoreState:
             "failure_gpu_hours": self.failure_gpu_hours,
             "nodes": {
                 n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason, "drained": e.drained,
-                    **({"suspected_by": e.suspected_by} if e.suspected_by else {})}
+                    **({"suspected_by": e.suspected_by} if e.suspected_by else {}),
+                    **({"sev2_faults": list(e.sev2_faults)} if e.sev2_faults else {})}
                 for n, e in self.nodes.items()
             },
             "tasks": {t: _task_to_dict(e) for t, e in self.tasks.items()},
@@ -224,6 +233,9 @@ class CoreState:
                     # absent in states written before it existed
                     _typed(e.get("drained", ""), str, _path("nodes", n, "drained")),
                     _typed(e.get("suspected_by", ""), str, _path("nodes", n, "suspected_by")),
+                    # likewise (none recorded); a longer list than is kept keeps its newest
+                    tuple(float(t) for t in _typed(e.get("sev2_faults", []), list[float],
+                                                   _path("nodes", n, "sev2_faults")))[-SEV2_FAULTS_KEPT:],
                 )
         for t, e in tasks.items():
             with _where(_path("tasks", t)):

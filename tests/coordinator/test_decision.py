@@ -551,6 +551,7 @@ def test_restart_loop_without_progress_marks_task_failed_with_reason() -> None:
 def test_progress_past_the_fault_resets_the_restart_budget() -> None:
     sim = running_cluster({"n1": 8}, {"job": {}})
     for step in range(1, 8):  # 7 restarts, but the task moves on between them
+        sim.ts(DecisionSettings().flap_window_s / 2)  # hours apart: no flapping node (test_decision_flapping)
         sim.progress("job", step * 100)
         sim.ok(one(sim.incident("n1", SEV2_KIND, task="job"), RestartRanks))
         sim.progress("job", step * 100 + 1)

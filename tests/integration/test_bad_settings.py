@@ -55,6 +55,8 @@ def test_a_float_setting_must_be_finite(
     (coordinator_main, ["--alert-webhook-timeout-s=0"], "--alert-webhook-timeout-s / UNICRON_ALERT_WEBHOOK_TIMEOUT: 0.0 must be > 0"),
     (coordinator_main, ["--leader-ttl-s=1"], "--leader-ttl-s / UNICRON_LEADER_TTL: 1 must be >= 2"),
     (coordinator_main, ["--restart-deadline-s=-1"], "--restart-deadline-s / UNICRON_RESTART_DEADLINE: -1.0 must be > 0"),
+    # more faults than a node's entry keeps: the rule could never fire
+    (coordinator_main, ["--flap-faults=9"], "--flap-faults / UNICRON_FLAP_FAULTS: 9 must be <= 8"),
     (agent_main, ["--node", "n1", "--warmup-iterations=-1"], "--warmup-iterations / UNICRON_WARMUP_ITERATIONS: -1 must be >= 0"),
     # published for peers to dial, and refused by every client that read it
     (agent_main, ["--node", "n1", "--advertise-host", "x y"],
@@ -62,7 +64,7 @@ def test_a_float_setting_must_be_finite(
     (coordinator_main, ["--advertise-host", "bad_host!"], "--advertise-host / UNICRON_COORDINATOR_ADVERTISE_HOST: "
      "'bad_host!' is neither an IP address nor a host name; give one peers can dial"),
 ], ids=["status-interval", "agent-etcd-timeout", "replica-budget", "lease-ttl", "link-port", "api-port",
-        "regroup-grace", "webhook-timeout", "leader-ttl", "restart-deadline", "warmup", "agent-advertise",
+        "regroup-grace", "webhook-timeout", "leader-ttl", "restart-deadline", "flap-faults", "warmup", "agent-advertise",
         "coordinator-advertise"])
 def test_a_number_outside_its_bounds_is_one_line_naming_the_flag(
     main: Callable[[list[str]], int], argv: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -1,0 +1,186 @@
+"""A flapping node: sev2 faults that each recover, again and again, on one node (a GPU throwing a CUDA
+error every few steps). Each restart that worked reset the task's restart budget, so the node was
+restarted for ever, each time a failure of the cluster for the planner; ``flap_faults`` sev2 faults
+within ``flap_window_s`` now escalate to sev1: the node is isolated and its tasks re-planned."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.daemon import Coordinator
+from coordinator.decision import (
+    Action,
+    ActionSucceeded,
+    Alert,
+    CoreState,
+    DecisionSettings,
+    IsolateNode,
+    NodeDrained,
+    NodeJoined,
+    NodeLost,
+    NodeState,
+    NodeUndrained,
+    ProgressMade,
+    RestartRanks,
+    TaskPhase,
+)
+from coordinator.settings import CoordinatorSettings
+from tests.coordinator.test_decision import K, M, Sim, only, running_cluster
+from unicron.kernel.errors import ConfigError
+
+CUDA_ERROR = (M.EXCEPTION_PROPAGATION, K.CUDA_ERROR)
+ILLEGAL_MEMORY_ACCESS = (M.EXCEPTION_PROPAGATION, K.ILLEGAL_MEMORY_ACCESS)
+JOB = {"job": {"min_gpus": 8}}
+
+
+class Cycles:
+    """A task on n1 and n2 whose rank on n2 fails with a sev2 and recovers (its restart confirmed by
+    the relaunched process's iteration, then steps on), as often as asked."""
+
+    def __init__(self, settings: DecisionSettings | None = None) -> None:
+        self.sim = running_cluster({"n1": 8, "n2": 8}, JOB, Sim(settings))
+        self.step = 10
+        self.actions: list[Action] = []
+
+    def fault(self, node: str = "n2", kind: tuple[M, K] = CUDA_ERROR, gap_s: float = 1.0) -> list[Action]:
+        sim = self.sim
+        sim.ts(gap_s - 1.0)  # the incident's own second is added by Sim.incident
+        rank = sim.state.tasks["job"].placement.get(node, [None])[0]
+        acts = sim.incident(node, kind, task="job", rank=rank, generation=sim.state.tasks["job"].generation)
+        self.actions += acts
+        return acts
+
+    def recover(self) -> None:
+        sim, entry = self.sim, self.sim.state.tasks["job"]
+        restarts = only(self.actions, RestartRanks)  # the latest: its relaunched process's iteration
+        self.step += 1
+        sim.feed(ProgressMade(ts=sim.ts(), task="job", step=self.step, generation=entry.generation,
+                              restart_epoch=restarts[-1].restart_epoch if restarts else None))
+        settle(sim)
+        self.step += 2
+        sim.progress("job", self.step)
+
+    def cycle(self, gap_s: float = 1.0) -> list[Action]:
+        acts = self.fault(gap_s=gap_s)
+        self.recover()
+        return acts
+
+
+def test_a_node_failing_again_and_again_is_isolated_at_the_third_sev2_within_the_window() -> None:
+    run = Cycles()
+    isolated_at = []
+    for cycle in range(50):
+        acts = run.cycle(gap_s=5.0)
+        if only(acts, IsolateNode):
+            isolated_at.append(cycle)
+    assert isolated_at == [2]  # the third fault, once; later ones find no task on the node
+    isolation = only(run.actions, IsolateNode)[0]
+    assert isolation.node == "n2" and "flapping: 3 sev2 faults in " in isolation.reason
+    assert "within 3600 s" in isolation.reason and "cuda_error on n2" in isolation.reason
+    assert any(a.node == "n2" and "flapping" in a.message for a in only(run.actions, Alert))
+    assert len(only(run.actions, RestartRanks)) == 2  # the first two faults restarted the rank
+    assert run.sim.state.nodes["n2"].status is NodeState.ISOLATED
+    assert run.sim.state.failures == 3  # two restarts and the isolation: not one failure per cycle
+    assert set(run.sim.state.tasks["job"].placement) == {"n1"}  # re-planned off the node
+
+
+def test_merged_sev2s_of_one_burst_count_once() -> None:
+    """The reports that follow one fault (merged into its restart) are not faults of their own."""
+    run = Cycles()
+    for _ in range(2):
+        run.fault()
+        run.fault(kind=ILLEGAL_MEMORY_ACCESS)  # merged into the restart under way
+        run.fault()
+        run.recover()
+    assert not only(run.actions, IsolateNode)
+    assert len(run.sim.state.nodes["n2"].sev2_faults) == 2
+    assert only(run.cycle(), IsolateNode)
+
+
+def test_faults_further_apart_than_the_window_never_escalate() -> None:
+    run = Cycles()
+    for _ in range(20):
+        acts = run.cycle(gap_s=1800.0)  # any three span 3600 s and more
+        assert len(only(acts, RestartRanks)) == 1 and not only(acts, IsolateNode)
+    assert run.sim.state.nodes["n2"].status is NodeState.UP
+    assert len(run.sim.state.nodes["n2"].sev2_faults) <= 3  # older ones are forgotten
+
+
+def test_faults_on_different_nodes_do_not_add_up() -> None:
+    run = Cycles()
+    for node in ("n1", "n2", "n1", "n2"):
+        acts = run.fault(node=node)
+        run.recover()
+        assert len(only(acts, RestartRanks)) == 1 and not only(acts, IsolateNode)
+
+
+def test_a_return_to_service_clears_the_history() -> None:
+    run = Cycles()
+    run.cycle()
+    run.cycle()
+    sim = run.sim
+    # an operator drains and undrains the node (after checking it): its history is gone
+    sim.feed(NodeDrained(ts=sim.ts(), node="n2", reason="checking its GPUs"))
+    sim.feed(NodeUndrained(ts=sim.ts(), node="n2"))
+    assert sim.state.nodes["n2"].sev2_faults == ()
+    settle(sim)
+    run.step += 5
+    sim.progress("job", run.step)
+    assert "n2" in sim.state.tasks["job"].placement
+    for _ in range(2):
+        assert not only(run.cycle(), IsolateNode)  # 2 of 3 again: not flapping
+    assert only(run.cycle(), IsolateNode)
+    # isolated as flapping, then repaired and back (NodeJoined after isolation): nothing is left of it
+    sim.feed(NodeJoined(ts=sim.ts(), node="n2", gpus=8))
+    assert sim.state.nodes["n2"].status is NodeState.UP and sim.state.nodes["n2"].sev2_faults == ()
+
+
+def test_a_lost_node_back_keeps_its_history() -> None:
+    """An agent restart (lost, registered again) repairs nothing."""
+    run = Cycles()
+    run.cycle()
+    sim = run.sim
+    sim.feed(NodeLost(ts=sim.ts(), node="n2", reason="agent gone"))
+    sim.feed(NodeJoined(ts=sim.ts(), node="n2", gpus=8))
+    assert len(sim.state.nodes["n2"].sev2_faults) == 1
+
+
+def test_zero_turns_the_rule_off_and_the_threshold_is_bounded() -> None:
+    run = Cycles(DecisionSettings(flap_faults=0))
+    for _ in range(10):
+        assert not only(run.cycle(), IsolateNode)
+    assert run.sim.state.nodes["n2"].sev2_faults == ()
+    with pytest.raises(ConfigError, match="flap_faults"):
+        DecisionSettings(flap_faults=9)  # more than a node keeps: it could never fire
+    with pytest.raises(ConfigError, match="flap_window_s"):
+        DecisionSettings(flap_window_s=0)
+
+
+def test_the_coordinator_flaps_as_configured_and_by_default_as_the_simulator() -> None:
+    """``sim.unicron`` decides with ``DecisionSettings()``: the live defaults must be the same, or the
+    two would part at the third sev2 of a node (tests/integration/test_sim_equivalence.py)."""
+    assert Coordinator(CoordinatorSettings()).core.settings == DecisionSettings()
+    tuned = Coordinator(CoordinatorSettings(flap_faults=5, flap_window_s=60.0)).core.settings
+    assert (tuned.flap_faults, tuned.flap_window_s) == (5, 60.0)
+
+
+def test_the_history_is_stored_and_an_old_state_without_it_loads() -> None:
+    run = Cycles()
+    run.cycle()
+    run.cycle()
+    raw = json.loads(json.dumps(run.sim.state.to_dict()))
+    loaded = CoreState.from_dict(raw)
+    assert loaded.nodes["n2"].sev2_faults == run.sim.state.nodes["n2"].sev2_faults
+    assert len(loaded.nodes["n2"].sev2_faults) == 2
+    assert "sev2_faults" not in raw["nodes"]["n1"]  # none: nothing written
+    del raw["nodes"]["n2"]["sev2_faults"]  # written by a coordinator from before it existed
+    assert CoreState.from_dict(raw).nodes["n2"].sev2_faults == ()
+
+
+def settle(sim: Sim) -> None:
+    """Confirms the action of every task being reconfigured (a re-plan's Assign or resize)."""
+    for name in sim.state.tasks:
+        if sim.phase(name) is TaskPhase.RECONFIGURING:
+            sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(name)))
