@@ -669,9 +669,13 @@ class _Run:
             liveness = inc.kind is ErrorKind.LOST_CONNECTION
             self._node_down(inc.node, NodeState.ISOLATED, reason, liveness=liveness)
             return
-        if inc.severity is Severity.SEV2 and self._starts_restart(event):
+        if inc.severity is Severity.SEV2 and self._fresh_device_fault(event):
             flapping = self._flapping(inc.node)
-            if flapping:  # escalated to sev1: isolate the node, every task on it re-planned
+            if flapping and self._flapped_elsewhere(event, flapping):
+                pass  # the task's own doing: restarted as any sev2 is
+            elif flapping:  # escalated to sev1: isolate the node, every task on it re-planned
+                for name in self._concerned(event):
+                    self.state.tasks[name].flapped_off = inc.node
                 self._node_down(inc.node, NodeState.ISOLATED, f"{flapping}; last: {reason}")
                 return
         for name in self._tasks_on(inc.node):
@@ -710,16 +714,37 @@ class _Run:
             trigger = _T.LAUNCH_FAULT
         return trigger
 
-    def _starts_restart(self, event: IncidentRaised) -> bool:
-        """Whether a sev2 incident is a fresh fault of its node: it restarts a task there that was not
-        recovering, and had made progress since its last restart (its restart budget whole). Not one
-        merged into the recovery under way (a consequence of its fault), a peer's death that widens a
-        restart, a launch's or a restart's own failure (judged as such: the latter escalates by itself),
-        a fence or a store's loss (no fault of the node's GPUs). Nor a fault before the task progressed
+    def _concerned(self, event: IncidentRaised) -> list[str]:
+        """The tasks on the incident's node that it is the fault of (:func:`_concerns`)."""
+        node = event.incident.node
+        return [name for name in self._tasks_on(node) if _concerns(name, self.state.tasks[name], event)]
+
+    def _flapped_elsewhere(self, event: IncidentRaised, flapping: str) -> bool:
+        """Whether a task this flapping fault concerns already had another node isolated as flapping:
+        the faults followed the task (a kernel of its own, not a GPU), and isolating node after node
+        would drain the cluster one hour at a time. Alerts instead; the node's history starts afresh."""
+        node = event.incident.node
+        followed = [(name, e.flapped_off) for name in self._concerned(event)
+                    if (e := self.state.tasks[name]).flapped_off not in ("", node)]
+        for name, earlier in followed:
+            self._alert(f"{flapping} on {node}, but task {name}'s faults made node {earlier} flap before: "
+                        f"they follow the task (its code, not a GPU); {node} is kept in service", task=name,
+                        node=node)
+        if followed:
+            self._node_set(node, sev2_faults=())
+        return bool(followed)
+
+    def _fresh_device_fault(self, event: IncidentRaised) -> bool:
+        """Whether a sev2 incident is a fresh fault of its node's GPUs: a CUDA error or an illegal memory
+        access (a rank that exited or hung says nothing of the GPU: counted, a job's own bug made every
+        node it ran on flap), that restarts a task there which was not recovering and had made progress
+        since its last restart (its restart budget whole). Not one merged into the recovery under way (a
+        consequence of its fault), a launch's or a restart's own failure (judged as such: the latter
+        escalates by itself), nor an update's (rolled back). Nor a fault before the task progressed
         again: crashes without progress are the restart budget's to judge (a job crashing on every
         resume is failed, and no node is blamed for it)."""
         inc = event.incident
-        if inc.kind in (ErrorKind.STORE_LOST, ErrorKind.FENCED):
+        if inc.kind not in DEVICE_FAULTS:
             return False
         for name in self._tasks_on(inc.node):
             entry = self.state.tasks[name]
@@ -1223,6 +1248,10 @@ def _down_node(event: Event) -> str | None:
     if isinstance(event, IncidentRaised) and event.incident.severity is Severity.SEV1:
         return event.incident.node
     return None
+
+
+#: the sev2 kinds that are faults of a node's GPUs, which make a node flapping when they keep recurring
+DEVICE_FAULTS = frozenset({ErrorKind.CUDA_ERROR, ErrorKind.ILLEGAL_MEMORY_ACCESS})
 
 
 def _concerns(name: str, entry: TaskEntry, event: IncidentRaised) -> bool:

@@ -131,6 +131,9 @@ class TaskEntry:
     fault_followed: bool = False
     """In this streak of restarts without progress the task failed again on another node after a failed
     recovery isolated one on suspicion: its failures are its own, and isolate no node until it progresses."""
+    flapped_off: str = ""
+    """The node this task's device faults got isolated as flapping: should its faults then make another
+    node flap, they followed the task (its own kernels, not a GPU), and no second node is isolated for it."""
     reason: str = ""  # why pending / failed / what the last recovery was for
     submitted_at: float = 0.0
     """When this run of the task was submitted (the core's clock; 0 in states written before it existed):

@@ -184,3 +184,36 @@ def settle(sim: Sim) -> None:
     for name in sim.state.tasks:
         if sim.phase(name) is TaskPhase.RECONFIGURING:
             sim.feed(ActionSucceeded(ts=sim.ts(), action_id=sim.outstanding(name)))
+
+
+@pytest.mark.parametrize("kind", [(M.PROCESS_SUPERVISION, K.EXITED_ABNORMALLY),
+                                  (M.EXCEPTION_PROPAGATION, K.OTHER_SOFTWARE_ERROR)], ids=["exited", "software"])
+def test_a_rank_that_keeps_exiting_makes_no_node_flap(kind: tuple[M, K]) -> None:
+    """A job's own bug (an exception every few hundred steps) says nothing of the GPU it ran on: only a
+    CUDA error or an illegal memory access counts, or every node the job ran on was isolated in turn."""
+    run = Cycles()
+    for _ in range(10):
+        acts = run.fault(kind=kind, gap_s=5.0)
+        run.recover()
+        assert not only(acts, IsolateNode)
+    assert run.sim.state.nodes["n2"].status is NodeState.UP and not run.sim.state.nodes["n2"].sev2_faults
+
+
+def test_device_faults_that_follow_their_task_to_another_node_isolate_no_second_node() -> None:
+    """A kernel of the job's own that faults every few steps looks like a flapping GPU on the first node;
+    once the task moved and its faults go on, they are the task's: an Alert, the node kept in service."""
+    run = Cycles()
+    for _ in range(3):
+        run.cycle(gap_s=5.0)
+    assert run.sim.state.nodes["n2"].status is NodeState.ISOLATED  # the first node flapped
+    assert run.sim.state.tasks["job"].flapped_off == "n2"
+    settle(run.sim)
+    run.sim.progress("job", run.step + 1)
+    run.step += 1
+    for _ in range(6):
+        acts = run.fault(node="n1", gap_s=5.0)
+        run.recover()
+        assert not only(acts, IsolateNode) and len(only(acts, RestartRanks)) == 1
+    assert run.sim.state.nodes["n1"].status is NodeState.UP
+    alerts = [a.message for a in only(run.actions, Alert) if a.node == "n1"]
+    assert len(alerts) == 2 and all("made node n2 flap before" in m for m in alerts), alerts
