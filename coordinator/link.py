@@ -249,9 +249,16 @@ class LinkServer:
             conn.send(link.Welcome().to_wire())
         if self.on_connected is not None:
             self.on_connected(peer.node, time.time())
-        # what the hello's read took beyond its line (the agent waits for the welcome, so normally nothing)
+        # What the hello's read took beyond its line (the agent waits for the welcome, so normally nothing):
+        # read here, before the reader may see the peer. Read after its registration, it raced the reader
+        # over ``peer.buf`` (a line read twice or cut; a heartbeat counted on this thread while the
+        # reader's turn held the rest, and the peer lost once that turn ended: test_link failed on it).
         peer.buf += conn._buf
         conn._buf.clear()
+        if peer.buf:
+            self._lines(peer)
+            if peer.lost:  # a goodbye, or a line too long: retired and closed already
+                return
         try:
             conn.sock.setblocking(False)
             with self._sel_lock:
@@ -259,9 +266,6 @@ class LinkServer:
                     self._selector.register(conn.sock, selectors.EVENT_READ, peer)
         except (OSError, ValueError, KeyError):
             self._lose(peer, "connection closed")
-            return
-        if peer.buf:
-            self._lines(peer)
 
     def _reader(self) -> None:
         while not self._stop.is_set():

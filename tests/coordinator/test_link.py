@@ -367,6 +367,48 @@ def test_a_peer_whose_heartbeat_the_reader_holds_but_has_not_counted_is_not_lost
     conn.close()
 
 
+def test_what_the_hello_read_beyond_its_line_is_read_before_the_reader_takes_the_peer(
+        server: LinkServer, events: Events) -> None:
+    """The connection's thread read what its hello's read took beyond the hello after it had handed the
+    socket to the reader: both read ``peer.buf`` at once (the test above failed under load: the connection's
+    thread counted the heartbeat that the reader's stalled turn had taken, and the peer was lost as that
+    turn ended). Here the hello comes with a heartbeat in one write, its line is slow to count, and a
+    second heartbeat follows the welcome: one thread at a time may read the peer's lines."""
+    lines = server._lines
+    guard = threading.Lock()
+    inside: list[str] = []
+    overlaps: list[tuple[str, ...]] = []
+    first = threading.Event()
+
+    def one_at_a_time(peer: object) -> None:
+        me = threading.current_thread().name
+        with guard:
+            if inside:
+                overlaps.append((*inside, me))
+            inside.append(me)
+        try:
+            if not first.is_set():
+                first.set()
+                time.sleep(TIMEOUT_S / 2)  # long enough for the next heartbeat to reach the reader
+            lines(peer)  # type: ignore[arg-type]
+        finally:
+            with guard:
+                inside.remove(me)
+
+    server._lines = one_at_a_time  # type: ignore[method-assign]
+    host, _, port = server.address.rpartition(":")
+    conn = wire.LineSocket(socket.create_connection((host, int(port)), timeout=3.0))
+    conn.sock.sendall(wire.encode(link.LinkHello(node="node1", token=TOKENS["node1"]).to_wire())
+                      + wire.encode(link.Heartbeat().to_wire()))
+    assert welcomed(conn)
+    conn.send(link.Heartbeat().to_wire())
+    assert first.wait(1.0)
+    time.sleep(TIMEOUT_S)
+    assert overlaps == [], "two threads read the peer's lines at once"
+    assert events.lost == []
+    conn.close()
+
+
 def test_a_heartbeat_counted_while_the_watchdog_looks_at_the_socket_is_not_missed(
         events: Events, monkeypatch: pytest.MonkeyPatch) -> None:
     """The other half of the same race: the watchdog read the peer's last heartbeat, then the reader
