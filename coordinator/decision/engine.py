@@ -675,7 +675,7 @@ class _Run:
                 pass  # the task's own doing: restarted as any sev2 is
             elif flapping:  # escalated to sev1: isolate the node, every task on it re-planned
                 for name in self._concerned(event):
-                    self.state.tasks[name].flapped_off = inc.node
+                    self._task(name).flapped_off = inc.node
                 self._node_down(inc.node, NodeState.ISOLATED, f"{flapping}; last: {reason}")
                 return
         for name in self._tasks_on(inc.node):

@@ -217,3 +217,16 @@ def test_device_faults_that_follow_their_task_to_another_node_isolate_no_second_
     assert run.sim.state.nodes["n1"].status is NodeState.UP
     alerts = [a.message for a in only(run.actions, Alert) if a.node == "n1"]
     assert len(alerts) == 2 and all("made node n2 flap before" in m for m in alerts), alerts
+
+
+def test_the_flapping_escalation_leaves_the_state_it_was_given_alone() -> None:
+    """The leader adopts a decision's state only once its write lands: a failed write left the task
+    marked as having made n2 flap (written into the caller's entry), and a real flapping GPU later was
+    kept in service as the task's doing."""
+    run = Cycles()
+    for _ in range(2):
+        run.cycle(gap_s=5.0)
+    before = run.sim.state
+    acts = run.fault(gap_s=5.0)
+    assert only(acts, IsolateNode) and run.sim.state.tasks["job"].flapped_off == "n2"
+    assert before.tasks["job"].flapped_off == "", "the core changed the state it was given"
