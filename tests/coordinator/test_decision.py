@@ -84,7 +84,10 @@ class Sim:
 
     def feed(self, event: Event) -> list[Action]:
         self.events.append(event)
-        self.state, actions, self.transitions = self.core.explain(self.state, event)
+        given, as_given = self.state, self.state.to_dict()
+        self.state, actions, self.transitions = self.core.explain(given, event)
+        # the core is pure: the leader keeps the state it gave should the decision's write fail
+        assert given.to_dict() == as_given, f"the core changed the state it was given: {event}"
         return actions
 
     def ts(self, advance: float = 1.0) -> float:
