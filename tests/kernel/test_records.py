@@ -14,6 +14,7 @@ from unicron.kernel.types import (
     ErrorKind,
     NodeInfo,
     NodeStatus,
+    RankSpec,
     RankStatus,
     Record,
     Report,
@@ -63,3 +64,13 @@ def test_a_rank_set_is_ranges_and_round_trips() -> None:
     for bad in ([[3, 1]], [[0, 2], [1, 4]], [[-1, 2]], [[0, MAX_RANK + 1]], [[1]]):
         with pytest.raises(InvalidRecord, match=r"RankSet\.ranges"):
             RankSet.from_dict({"ranges": bad})
+
+
+def test_a_first_placements_rank_record_is_what_an_agent_from_before_previous_nodes_reads() -> None:
+    """Readers refuse unknown fields: ``previous_nodes`` written empty made every node record of a new
+    coordinator unreadable to an agent or standby not yet upgraded (it launched nothing on its node)."""
+    first, moved = RankSpec(rank=0, local_rank=0, gpu=0), RankSpec(rank=1, local_rank=0, gpu=0, previous_nodes=["n2"])
+    assert set(first.to_dict()) == {"rank", "local_rank", "gpu"}
+    assert moved.to_dict()["previous_nodes"] == ["n2"]
+    for spec in (first, moved):
+        assert RankSpec.from_json(spec.to_json()) == spec

@@ -19,7 +19,7 @@ import typing
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from unicron.kernel import address, jsontext
 from unicron.kernel.errors import InvalidRecord
@@ -207,13 +207,20 @@ def _field_order(cls: type[Any]) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
+@functools.cache
+def _omitted_when_empty(cls: type[Any]) -> frozenset[str]:
+    return frozenset(getattr(cls, "OMITTED_WHEN_EMPTY", ()))
+
+
 def _plain(value: Any) -> Any:
     """``dataclasses.asdict``'s conversion: dataclasses to dicts, lists, tuples and dicts rebuilt,
     anything else deep-copied; immutable scalars (the bulk of a record) are kept as they are."""
     if isinstance(value, _SCALARS):
         return value
     if is_dataclass(value) and not isinstance(value, type):
-        return {name: _plain(getattr(value, name)) for name in _field_order(type(value))}
+        omit = _omitted_when_empty(type(value))
+        return {name: _plain(getattr(value, name)) for name in _field_order(type(value))
+                if name not in omit or getattr(value, name)}
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*[_plain(v) for v in value])
     if isinstance(value, list | tuple):
@@ -463,6 +470,10 @@ class RankSpec(Record):
     #: a few): it pushed its in-memory replicas from there, so a restore asks their ring successors
     #: (``ckpt.placement.restore_order``), wherever they are on a ring of thousands of nodes
     previous_nodes: list[str] = field(default_factory=list)
+
+    #: left out of a record while empty: a reader from before the field refuses unknown fields, and a
+    #: first placement (most records) must stay readable to it during a rolling upgrade
+    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("previous_nodes",)
 
 
 #: the largest rank id a :class:`RankSet` takes from a record: a forged range must not make a reader
