@@ -137,7 +137,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                          "generation": r.get("generation")})
     rows.sort(key=lambda r: (str(r["task"]), r["rank"] if isinstance(r["rank"], int) else -1))
     if not rows and not known:
-        raise PermanentError(f"no task named {args.task!r} (see 'unicron tasks')")
+        raise PermanentError(f"no task named {args.task!r} in etcd, and no ranks of it (a cancelled or retired "
+                             "task has no record; see 'unicron tasks')")
     return emit(args, rows, ["task", "rank", "node", "pid", "state", "step", "generation"])
 
 

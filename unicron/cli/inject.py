@@ -82,7 +82,8 @@ def agent_pid(record: dict[str, object], node: str) -> int:
 
 
 #: how much later than its registration's ``started_ts`` a process may seem to have started and still
-#: be that agent (the boot time in /proc/stat is whole seconds)
+#: be that agent (the boot time in /proc/stat is whole seconds, and follows the wall clock: a clock
+#: stepped forward by more since the agent registered makes it refused, never another process signalled)
 START_SLACK_S = 2.0
 
 
