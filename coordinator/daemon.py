@@ -936,8 +936,8 @@ class Coordinator:
             log.error("planner refused a measured input; planning on without it", error=str(exc))
         self.metrics.state(state)
         plan = self.core.allocator.last_plan if isinstance(self.core.allocator, WafAllocator) else None
-        if actions and plan is not None:
-            self.metrics.planned(plan.throughput, plan.waf)
+        if actions:  # no plan: the last one fell back to an even split (an unmodelled task), none stands
+            self.metrics.planned(*((plan.throughput, plan.waf) if plan is not None else ({}, {})))
         for inc in costed:
             if raised is not None and inc.incident_id == raised.incident_id:
                 continue  # new: _record appends it and counts it

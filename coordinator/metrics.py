@@ -120,6 +120,12 @@ class CoordinatorMetrics:
         for task, gpus in active.items():
             self.task_gpus.labels(task).set(gpus)
         self._tasks = set(active)
+        # likewise a task's planned figures: a plan is not re-made for a cancel that leaves no task (or
+        # only unmodelled ones), and a cancelled task's modelled FLOP/s stayed on the dashboard
+        for task in self._planned - set(active):
+            self.task_planned_flops.remove(task)
+            self.task_planned_waf.remove(task)
+        self._planned &= set(active)
 
     def planned(self, flops: Mapping[str, float], waf: Mapping[str, float]) -> None:
         """The planner's last plan: modelled throughput and WAF per task."""

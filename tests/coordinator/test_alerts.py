@@ -177,3 +177,17 @@ def test_per_task_recovery_series_do_not_outlive_their_tasks() -> None:
     live = {s.labels["task"] for f in m.registry.collect() if f.name == "unicron_task_recovery_seconds"
             for s in f.samples if s.name.endswith("_total")}
     assert live == {"job"}
+
+
+def test_a_tasks_planned_figures_go_when_it_leaves_the_active_phases() -> None:
+    """Cancelling the only modelled task made no new plan, and its modelled FLOP/s and WAF stayed on the
+    dashboard; they now go with the task, as its task_gpus does."""
+    m = CoordinatorMetrics()
+    m.planned({"m1": 1.78e13, "m2": 2e13}, {"m1": 1.78e13, "m2": 4e13})
+    state = d.CoreState()
+    spec = parse_task_spec({"name": "m2", "command": ["x"]}, None)
+    state.tasks["m2"] = d.TaskEntry(spec, phase=d.TaskPhase.RUNNING, placement={"n1": [0]})
+    m.state(state)  # m1 cancelled
+    assert m.registry.get_sample_value("unicron_task_planned_flops", {"task": "m1"}) is None
+    assert m.registry.get_sample_value("unicron_task_planned_waf", {"task": "m1"}) is None
+    assert m.registry.get_sample_value("unicron_task_planned_waf", {"task": "m2"}) == 4e13
