@@ -807,7 +807,7 @@ def test_cli_nodes_and_incidents_show_a_huge_timestamp_as_unknown(
         assert [r["kind"] for r in json.loads(out)] == ["ecc_error", "hang", "xid"]
     else:
         rows = [line.split() for line in out.splitlines()[1:]]
-        assert [r[0] for r in rows] == ["info", "00:00:07.500", "00:00:09.000"]  # no time: blank
+        assert [r[0] for r in rows] == ["info", "1970-01-01T00:00:07.500", "1970-01-01T00:00:09.000"]  # no time: blank
         assert "500.0" in rows[2] and not any("500.0" in r for r in rows[:2])
 
 
@@ -911,3 +911,12 @@ def test_cli_inject_on_a_node_record_that_is_not_an_object_is_one_line(
     code, _, err = unicron("inject", "kill-node", "--node", "n1", "--etcd", etcd_server.endpoint, "--prefix", prefix)
     _one_line(code, err, "inject")
     assert "node 'n1': its registration is not a JSON object" in err
+
+
+def test_cli_incident_times_carry_their_date_unless_it_is_today() -> None:
+    """The table printed only the time of day: on a run of weeks, yesterday's incident read as today's."""
+    from unicron.cli.cluster import _when
+
+    now = 1_795_977_681.0  # 2026-11-29 (UTC)
+    assert _when(now - 60.0, now) == "18:40:21.000"
+    assert _when(now - 86_400.0, now) == "2026-11-28T18:41:21.000"

@@ -64,9 +64,14 @@ def _epoch(value: Any) -> float | None:
     return float(value)
 
 
-def _when(value: Any) -> str:
+def _when(value: Any, now: float | None = None) -> str:
+    """A record's time (UTC) as the table shows it: the date only when it is not today's, so that on a
+    run of weeks yesterday's incident does not read as one from an hour ago."""
     ts = _epoch(value)
-    return "" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%H:%M:%S.%f")[:-3]
+    if ts is None:
+        return ""
+    when, today = datetime.fromtimestamp(ts, UTC), datetime.fromtimestamp(time.time() if now is None else now, UTC)
+    return when.strftime("%H:%M:%S.%f" if when.date() == today.date() else "%Y-%m-%dT%H:%M:%S.%f")[:-3]
 
 
 def coordinator_nodes(args: argparse.Namespace, store: Store, keys: Keyspace) -> dict[str, dict[str, Any]]:
