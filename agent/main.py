@@ -10,7 +10,9 @@ from unicron.kernel import daemon
 
 def _build(settings: AgentSettings) -> daemon.Daemon:
     from agent.daemon import Agent
+    from unicron.kernel import log as ulog
 
+    ulog.bind_process(node=settings.node)  # one agent per process here (a hollow fleet runs many: not bound)
     return Agent(settings)
 
 

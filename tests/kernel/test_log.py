@@ -42,3 +42,24 @@ def test_every_level_the_stdlib_names_is_taken(level: str) -> None:
 def test_an_unknown_level_is_a_config_error_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match="UNICRON_LOG_LEVEL"):
         ulog.configure("bogus")
+
+
+PROCESS_FIELDS = """
+import logging, sys, threading
+from unicron.kernel import log as ulog
+ulog.configure("INFO", stream=sys.stdout)
+ulog.bind_process(node="n7")
+t = threading.Thread(target=lambda: ulog.get("agent.supervisor", rank=3).info("rank started"))
+t.start(); t.join()
+logging.getLogger("third.party").warning("plain stdlib")
+ulog.get("agent.link", node="other").info("its own node")
+"""
+
+
+def test_process_fields_reach_every_threads_lines_and_a_line_may_name_its_own() -> None:
+    """An agent's node was bound nowhere its threads saw: most of its lines had no node."""
+    out = subprocess.run([sys.executable, "-c", PROCESS_FIELDS], capture_output=True, text=True, check=True).stdout
+    lines = {(line := json.loads(raw))["event"]: line for raw in out.splitlines()}
+    assert lines["rank started"]["node"] == "n7" and lines["rank started"]["rank"] == 3
+    assert lines["plain stdlib"]["node"] == "n7"
+    assert lines["its own node"]["node"] == "other"

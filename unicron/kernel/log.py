@@ -15,8 +15,26 @@ import structlog
 
 from unicron.kernel.errors import ConfigError
 
+#: fields every line of this process carries (:func:`bind_process`)
+_PROCESS: dict[str, object] = {}
+
+
+def _process_fields(logger: Any, method: str, event_dict: Any) -> Any:
+    for key, value in _PROCESS.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
+def bind_process(**fields: object) -> None:
+    """Fields every line of this process carries from now on, from every thread (an agent's ``node``):
+    contextvars bound on the main thread do not reach threads started later, and most of a daemon's
+    lines come from its threads (27 of 30 of an agent's lines had no node)."""
+    _PROCESS.update(fields)
+
+
 _SHARED: list[Any] = [
     structlog.contextvars.merge_contextvars,
+    _process_fields,
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True),
