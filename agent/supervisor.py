@@ -201,7 +201,9 @@ class Supervisor:
         task: str = "",
         groups: RankGroups | None = None,
     ) -> None:
-        """``task``: the name the default stderr sink puts before each forwarded line's rank."""
+        """``task``: the name the default stderr sink puts before each forwarded line's rank, and every
+        log line of this supervisor carries (a node runs ranks of several tasks: "rank 0 exited" named none)."""
+        self._log = log.bind(task=task) if task else log
         self._on_exit = on_exit
         self._on_line = on_line
         self._on_match = on_stderr_match
@@ -263,7 +265,7 @@ class Supervisor:
                              daemon=True).start()
         proc.waiter.start()
         how = "forked by the spawner" if isinstance(proc.popen, PreforkedProcess) else "new process"
-        log.info("rank started", rank=rank, pid=proc.pid, how=how, argv=" ".join(argv))
+        self._log.info("rank started", rank=rank, pid=proc.pid, how=how, argv=" ".join(argv))
         return proc
 
     def _spawn(
@@ -301,7 +303,7 @@ class Supervisor:
                     try:
                         popen = prefork.spawn(argv, env, cwd, out_fd)
                     except PreforkUnavailable as exc:
-                        log.info("rank starts as a new process", rank=rank, reason=str(exc))
+                        self._log.info("rank starts as a new process", rank=rank, reason=str(exc))
                 if popen is None:
                     popen = subprocess.Popen(
                         argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out_fd, stderr=subprocess.PIPE,
@@ -334,13 +336,13 @@ class Supervisor:
             try:
                 self._sink(proc.rank, line)
             except Exception:
-                log.exception("stderr sink failed", rank=proc.rank)
+                self._log.exception("stderr sink failed", rank=proc.rank)
             if out is not None and not unlogged:
                 try:
                     out.write(raw)
                 except OSError as exc:  # a full disk: said once, and the reading (matches, exits) goes on
                     unlogged = True
-                    log.warning("rank stderr not logged", rank=proc.rank, error=str(exc))
+                    self._log.warning("rank stderr not logged", rank=proc.rank, error=str(exc))
             kind = patterns.match(line)
             if kind is not None:
                 self._matched(proc, kind, line, ts)
@@ -358,7 +360,7 @@ class Supervisor:
                 try:
                     out.write(raw)
                 except OSError as exc:  # a full disk must not stop the parsing (nor the rank)
-                    log.warning("rank stdout not logged", rank=proc.rank, error=str(exc))
+                    self._log.warning("rank stdout not logged", rank=proc.rank, error=str(exc))
                 self._line(proc, raw.decode("utf-8", errors="replace").rstrip("\r\n"), mono)
 
     def _line(self, proc: RankProcess, line: str, mono: float) -> None:
@@ -367,7 +369,7 @@ class Supervisor:
         try:
             self._on_line(proc.rank, proc.pid, line, mono)
         except Exception:
-            log.exception("on_line callback failed", rank=proc.rank)
+            self._log.exception("on_line callback failed", rank=proc.rank)
 
     def _matched(self, proc: RankProcess, kind: ErrorKind, line: str, ts: float) -> None:
         proc.last_kind = kind
@@ -380,7 +382,7 @@ class Supervisor:
             try:
                 self._on_match(proc.rank, proc.pid, kind, line, ts)
             except Exception:
-                log.exception("on_stderr_match callback failed", rank=proc.rank)
+                self._log.exception("on_stderr_match callback failed", rank=proc.rank)
 
     def _wait(self, proc: RankProcess) -> None:
         returncode = proc.popen.wait()  # blocks in waitpid: the exit is seen when it happens
@@ -392,7 +394,7 @@ class Supervisor:
             os.killpg(proc.pid, signal.SIGKILL)
         killed_by = time.monotonic() + KILLED_GROUP_WAIT_S
         if not _await_empty(proc.pid, lambda: killed_by):
-            log.warning("the rank's process group outlived its SIGKILL", rank=proc.rank, pid=proc.pid,
+            self._log.warning("the rank's process group outlived its SIGKILL", rank=proc.rank, pid=proc.pid,
                         waited_s=KILLED_GROUP_WAIT_S)
         if self._groups is not None:
             self._groups.remove(proc.pid)
@@ -402,12 +404,12 @@ class Supervisor:
             proc.state = EXITED
             proc.exit = RankExit(proc.rank, proc.pid, returncode, ts, proc.requested, proc.last_kind)
         proc.exited.set()
-        (log.warning if proc.exit.abnormal else log.info)(
+        (self._log.warning if proc.exit.abnormal else self._log.info)(
             "rank process exited", rank=proc.rank, pid=proc.pid, returncode=returncode, requested=proc.requested)
         try:
             self._on_exit(proc.exit)
         except Exception:
-            log.exception("on_exit callback failed", rank=proc.rank)
+            self._log.exception("on_exit callback failed", rank=proc.rank)
 
     def _await_group(self, proc: RankProcess) -> None:
         """After the leader of a rank asked to stop exited, give the rest of its group the stop's grace,
@@ -462,7 +464,7 @@ class Supervisor:
 
     def _escalate(self, proc: RankProcess, grace_s: float) -> None:
         if not proc.exited.wait(grace_s):
-            log.warning("rank did not exit in time; sending SIGKILL", rank=proc.rank, grace_s=grace_s)
+            self._log.warning("rank did not exit in time; sending SIGKILL", rank=proc.rank, grace_s=grace_s)
             self._signal(proc, signal.SIGKILL)
 
     def stop(self, rank: int) -> None:

@@ -4,6 +4,8 @@ contract is the same for both."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shlex
 import signal
@@ -18,6 +20,7 @@ import pytest
 
 from agent.prefork import Prefork, PreforkedProcess
 from agent.supervisor import EXITED, RUNNING, STOPPED, RankExit, RankStillRunning, Supervisor
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import PermanentError
 from unicron.kernel.procs import group_alive, proc_state
 from unicron.kernel.types import ErrorKind
@@ -619,3 +622,20 @@ def test_forked_ranks_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
     finally:
         if _alive(rank_pid):
             os.killpg(rank_pid, signal.SIGKILL)
+
+
+def test_a_supervisors_lines_name_its_task(ev: Events) -> None:
+    """A node runs ranks of several tasks: 'rank started' / 'rank process exited' with a rank alone
+    named no one's."""
+    stream = io.StringIO()
+    ulog.configure("INFO", stream=stream)
+    sup = Supervisor(ev.on_exit, ev.on_match, stderr_sink=ev.sink, task="pretrain")
+    try:
+        sup.launch(0, [PY, "-c", "pass"])
+        ev.exits(1)
+    finally:
+        sup.close(grace_s=1.0)
+        ulog.configure("INFO")
+    lines = [json.loads(raw) for raw in stream.getvalue().splitlines()]
+    events = {line["event"]: line for line in lines if line.get("logger") == "agent.supervisor"}
+    assert events["rank started"]["task"] == "pretrain" and events["rank process exited"]["task"] == "pretrain"
