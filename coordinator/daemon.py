@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import itertools
 import json
 import os
 import queue
@@ -63,6 +64,7 @@ from unicron.kernel.types import (
     NodeInfo,
     NodeStatus,
     Report,
+    Severity,
 )
 
 log = ulog.get(__name__)
@@ -160,7 +162,10 @@ EXIT_DEPOSED = 75  # EX_TEMPFAIL
 GOODBYE_DRAIN = '"goodbye"'  # drain/<node> of a node whose agent stopped on purpose ("1": an operator's drain)
 WIDE_WRITE_OPS = 100  # a decision write with more operations is logged ("decision written")
 SLOW_WRITE_S = 0.1  # as is one that took longer
-KEEP_INCIDENTS = 1000  # newest incidents kept in etcd; older ones are in the JSON log
+KEEP_INCIDENTS = 1000  # newest incidents that led to an action (or lost a node) kept in etcd; all are in the JSON log
+#: newest of the others (handled in place, merged into a recovery under way, recorded only) kept, apart:
+#: one crash of a W-rank job files W-1 such echoes, which in one FIFO evicted the whole actioned history
+KEEP_QUIET_INCIDENTS = 250
 CALL_WAIT_S = 10.0  # how long an API call waits for the decision loop to start it
 
 
@@ -213,8 +218,10 @@ class Coordinator:
         self._statuses: dict[str, NodeStatus] = {}
         self._status_reader = StatusReader()  # reads a status that changed only in time and steps cheaply
         self._results: dict[str, AssignmentResult] = {}
-        self.recent_incidents: collections.deque[Incident] = collections.deque(maxlen=KEEP_INCIDENTS)
-        self._incident_keys: collections.deque[str] = collections.deque()
+        #: the kept incidents of both FIFOs, oldest first (trimmed with them)
+        self.recent_incidents: collections.deque[Incident] = collections.deque()
+        self._incident_keys: collections.deque[str] = collections.deque()  # actioned, oldest first
+        self._quiet_incident_keys: collections.deque[str] = collections.deque()  # the others
         self._incident_set: set[str] = set()
         self.deposed = False
         self._leading = False  # campaign won: the link takes hellos from now on
@@ -677,7 +684,11 @@ class Coordinator:
             if report_key:
                 self.leadership.write(deletes=[report_key])
             return
-        expired = list(self._incident_keys)[:max(0, len(self._incident_keys) + 1 - KEEP_INCIDENTS)]
+        # Whether the decision issues an action is known only after it, and the expiry goes in its write:
+        # room is made in both FIFOs for one not handled (a handled one leads to no decision, no action).
+        expired_actioned = [] if incident.handled else _oldest_over(self._incident_keys, KEEP_INCIDENTS)
+        expired_quiet = _oldest_over(self._quiet_incident_keys, KEEP_QUIET_INCIDENTS)
+        expired = expired_actioned + expired_quiet
         puts = {key: incident.to_json()}
         deletes = ([report_key] if report_key else []) + expired
         if event is None:
@@ -691,9 +702,16 @@ class Coordinator:
             incident = self._decide(event, puts=puts, deletes=deletes, incident=incident).get(
                 incident.incident_id, incident)
         self.metrics.incident(incident)
-        for _ in expired:
-            self._incident_set.discard(self._incident_keys.popleft())
-        self._incident_keys.append(key)
+        for _ in expired_actioned:
+            self._incident_keys.popleft()
+        for _ in expired_quiet:
+            self._quiet_incident_keys.popleft()
+        if expired:
+            gone = set(expired)
+            self._incident_set -= gone
+            self.recent_incidents = collections.deque(
+                i for i in self.recent_incidents if self.keys.incident(i.incident_id) not in gone)
+        (self._incident_keys if _actioned(incident) else self._quiet_incident_keys).append(key)
         self._incident_set.add(key)
         self.recent_incidents.append(incident)
         log.warning(
@@ -790,15 +808,19 @@ class Coordinator:
         kvs, _ = self.store.get_prefix(self.keys.incidents())
         kvs.sort(key=lambda kv: kv.create_revision)
         self._incident_keys.clear()
-        self._incident_keys.extend(kv.key for kv in kvs)
-        self._incident_set = set(self._incident_keys)
+        self._quiet_incident_keys.clear()
+        self._incident_set = {kv.key for kv in kvs}
         # A new leader answers `unicron tasks` (recovery cost per task) from what its predecessors recorded.
         self.recent_incidents.clear()
         for kv in kvs:
             try:
-                self.recent_incidents.append(Incident.from_json(kv.value))
+                inc = Incident.from_json(kv.value)
             except InvalidRecord as exc:
                 log.warning("ignoring unreadable incident record", key=kv.key, error=str(exc))
+                self._quiet_incident_keys.append(kv.key)  # teaches nothing: the first to go
+                continue
+            self.recent_incidents.append(inc)
+            (self._incident_keys if _actioned(inc) else self._quiet_incident_keys).append(kv.key)
         # measured transitions survive a leader change: they are in the incident records
         self.grounding.seed(self.recent_incidents, self.state)
         self.grounding.apply(self.allocator)
@@ -1090,9 +1112,20 @@ class Coordinator:
         return sizes.pop() if len(sizes) == 1 else None
 
 
+def _oldest_over(keys: collections.deque[str], bound: int) -> list[str]:
+    """The oldest keys to delete so that one more fits within ``bound``."""
+    return list(itertools.islice(keys, max(0, len(keys) + 1 - bound)))
+
+
+def _actioned(inc: Incident) -> bool:
+    """Kept under ``KEEP_INCIDENTS``: it led to an action (its Eq. 1 transition is what the planner
+    measures) or is a sev1 (a node lost or isolated: the failure history)."""
+    return inc.action is not None or inc.severity is Severity.SEV1
+
+
 def recovery_by_task(incidents: Iterable[Incident]) -> dict[str, tuple[int, float]]:
     """task -> (incidents that led to an action for it, their Eq. 1 seconds summed): the incidents
-    the coordinator still keeps (the newest ``KEEP_INCIDENTS``)."""
+    the coordinator still keeps (the newest ``KEEP_INCIDENTS`` that led to an action)."""
     out: dict[str, tuple[int, float]] = {}
     for inc in incidents:
         for task in inc.tasks:
