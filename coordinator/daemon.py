@@ -215,6 +215,12 @@ class Coordinator:
         #: each registered node's link token, read by the link threads (_verify_link)
         self._link_tokens: dict[str, str] = {}
         self._lost_nodes: set[str] = set()
+        #: node -> (wall) time it was last seen alive in etcd (its status, a registration write): when a
+        #: lease expiry or a missing registration finds it lost, its silence began then (Eq. 1 detection)
+        self._last_alive: dict[str, float] = {}
+        #: (wall) time since which this leader could see registrations: a node never seen registered
+        #: has been silent since at least then
+        self._registrations_since = time.time()
         self._statuses: dict[str, NodeStatus] = {}
         self._status_reader = StatusReader()  # reads a status that changed only in time and steps cheaply
         self._results: dict[str, AssignmentResult] = {}
@@ -422,6 +428,8 @@ class Coordinator:
         """Registrations can be seen from now on (etcd answers, the node watch runs): the state's nodes
         get a grace to register (an agent whose lease an outage expired registers again) before the
         ones that have not count as lost."""
+        if self._registrations_due is None:  # a retry's grace does not restart the silence
+            self._registrations_since = time.time()
         self._registrations_due = time.monotonic() + self.settings.registration_grace_s
 
     def _enqueue(self, make: Callable[[WatchEvent, float], WatchInput], ev: WatchEvent) -> None:
@@ -579,7 +587,7 @@ class Coordinator:
     def _on_node(self, ev: WatchEvent, ts: float) -> None:
         node = self.keys.tail(ev.key, self.keys.nodes())
         if ev.kind == "delete":
-            self._registration_gone(node, causes.LEASE_EXPIRED, "lease expired", ts)
+            self._registration_gone(node, causes.LEASE_EXPIRED, "lease expired", ts, silent_since=ts)
             self._nodes.pop(node, None)
             return
         try:
@@ -599,13 +607,17 @@ class Coordinator:
                 self._lift_goodbye_drain(node, ts)
         self._nodes[node] = info
         self._lost_nodes.discard(node)
+        self._last_alive[node] = max(ts, self._last_alive.get(node, ts))
 
-    def _registration_gone(self, node: str, reason: str, metric: str, ts: float) -> None:
+    def _registration_gone(self, node: str, reason: str, metric: str, ts: float, silent_since: float) -> None:
+        """``silent_since``: when the node was last known alive, if this leader saw no sign of life of it."""
         lost = causes.lease_gone(node, self._link_alive(node), node in self._lost_nodes, ts, reason)
         if lost is not None:
             # Recorded as a sev1 incident like a lost link (an agent killed before its link reached
-            # a new leader is found only so; the chaos suite saw such a loss with no incident).
-            self._record(causes.node_lost_report(node, lost.reason, ts), report_key=None, event=lost)
+            # a new leader is found only so; the chaos suite saw such a loss with no incident). Its
+            # source time is the node's last sign of life: the silence before is detection time.
+            since = min(ts, self._last_alive.pop(node, silent_since))
+            self._record(causes.node_lost_report(node, lost.reason, since), report_key=None, event=lost)
             self.metrics.node_losses.labels(metric).inc()
             self._lost_nodes.add(node)
         elif node not in self._lost_nodes:
@@ -637,7 +649,8 @@ class Coordinator:
             return
         registered = {self.keys.tail(kv.key, self.keys.nodes()) for kv in kvs}
         for node in causes.unregistered(self.state, registered):
-            self._registration_gone(node, causes.NEVER_REGISTERED, "not registered", ts)
+            self._registration_gone(node, causes.NEVER_REGISTERED, "not registered", ts,
+                                    silent_since=self._registrations_since)
         self._registrations_due = None  # only once every loss is recorded: a failed write retries the tick
 
     def _node_lost(self, node: str, reason: str, ts: float) -> None:
@@ -739,6 +752,7 @@ class Coordinator:
             log.warning("ignoring garbage node status", key=ev.key, error=str(exc))
             return
         self._statuses[node] = status
+        self._last_alive[node] = max(status.ts, self._last_alive.get(node, status.ts))
         self._recheck_echoes(status)
         for made in causes.progress(status, self.state, self._seen, ts):
             self._decide(made)

@@ -42,7 +42,9 @@ from unicron.kernel.errors import ConfigError, InvalidRecord
 
 log = ulog.get(__name__)
 
-#: on_lost(node, reason, ts): reason is "connection closed" or "heartbeat timeout"
+#: on_lost(node, reason, ts): reason is "connection closed" or "heartbeat timeout"; ts (wall clock) is when
+#: the node was last known alive: the close, or its last heartbeat (the silence before a timeout fired is
+#: part of the detection time, paper Eq. 1)
 LostCallback = Callable[[str, str, float], None]
 #: on_connected(node, ts)
 ConnectedCallback = Callable[[str, float], None]
@@ -366,10 +368,12 @@ class LinkServer:
         # come after the coordinator has taken the goodbye.
         self._close(peer)
 
-    def _lose(self, peer: _Peer, reason: str) -> None:
+    def _lose(self, peer: _Peer, reason: str, silent_since: float | None = None) -> None:
+        """``silent_since``: the peer's last heartbeat (monotonic), for a loss found by its silence."""
         if self._retire(peer):
             log.warning("node lost", node=peer.node, reason=reason)
-            self.on_lost(peer.node, reason, time.time())
+            now = time.time()
+            self.on_lost(peer.node, reason, now if silent_since is None else now - (time.monotonic() - silent_since))
         self._close(peer)
 
     def _due(self) -> list[_Peer]:
@@ -408,4 +412,4 @@ class LinkServer:
                     self._cond.wait(timeout=max(0.001, wait) if wait is not None else None)
                     continue
             for p in expired:
-                self._lose(p, "heartbeat timeout")
+                self._lose(p, "heartbeat timeout", silent_since=p.last_heartbeat)

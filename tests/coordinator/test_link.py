@@ -19,12 +19,14 @@ from collections.abc import Iterator
 import pytest
 
 from coordinator import link as clink
-from coordinator.daemon import Coordinator
+from coordinator.daemon import Coordinator, LinkLost
 from coordinator.link import LinkServer
+from tests.coordinator.test_takeover import _close, _leading_coordinator, _placed_on_two_nodes
+from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import link, wire
 from unicron.kernel.etcd import KeyValue
 from unicron.kernel.keyspace import Keyspace
-from unicron.kernel.types import NodeInfo
+from unicron.kernel.types import NodeInfo, Severity
 
 TIMEOUT_S = 0.4
 TOKENS = {"node1": "secret-1", "node2": "secret-2"}
@@ -538,3 +540,31 @@ def test_a_hello_with_a_lone_surrogate_is_refused_not_a_dead_connection_thread(
         assert welcomed(connect(s, "node1", TOKENS["node1"]))  # the registration's token still links
     finally:
         s.stop()
+
+
+def test_a_silent_peer_is_lost_with_its_silence_as_detection_time(etcd_server: EtcdServer) -> None:
+    """A hung host (heartbeats stop, the connection stays open) is found ``timeout_s`` after its last
+    heartbeat; that silence is the detection term of its incident (paper Eq. 1). The link passed the
+    time the timeout fired as the loss's source time, so the incident said detection ~0 ms."""
+    _placed_on_two_nodes(etcd_server.endpoint, "/silent")
+    c, _ = _leading_coordinator(etcd_server.endpoint, "/silent")
+    every_s = 0.05
+    s = LinkServer("127.0.0.1", 0, TIMEOUT_S, on_lost=c._on_link_lost, verify=lambda node, token: True).start()
+    try:
+        c._load_state()
+        conn = connect(s, "n1", "any")
+        assert welcomed(conn)
+        beats = Heartbeats(conn, every_s)
+        time.sleep(every_s * 4)
+        beats.stop.set()  # the host hangs: its socket stays open
+        beats.thread.join()
+        lost = c._inbox.get(timeout=TIMEOUT_S * 10)
+        assert isinstance(lost, LinkLost) and lost.reason == "heartbeat timeout", lost
+        c._handle(lost)
+        inc = c.recent_incidents[-1]
+        assert (inc.node, inc.severity) == ("n1", Severity.SEV1), inc
+        assert inc.detection_s is not None and inc.detection_s >= TIMEOUT_S - every_s, inc
+        conn.close()
+    finally:
+        s.stop()
+        _close(c)

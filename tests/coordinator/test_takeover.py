@@ -29,6 +29,7 @@ from unicron.kernel.types import (
     Incident,
     NodeAssignment,
     NodeInfo,
+    NodeStatus,
     Report,
     Severity,
 )
@@ -558,3 +559,30 @@ def test_progress_that_resets_the_restart_budget_and_confirms_a_suspicion_is_wri
         assert b.state.tasks["job"].phase in d.ACTIVE_PHASES
     finally:
         _close(b)
+
+
+def test_a_node_whose_lease_expired_is_lost_as_of_its_last_status(etcd_server: EtcdServer) -> None:
+    """A lease expiry is found only after the agent went silent; its incident's source time is the
+    node's last status (written under the lease), not the delete's arrival, which made detection ~0 ms."""
+    c, store = _leading_coordinator(etcd_server.endpoint, "/leasesilence")
+    try:
+        c._load_state()
+        c._start_watches()
+        c._decide(d.NodeJoined(ts=time.time(), node="n0", gpus=2))
+        lease = store.lease(ttl_s=5)
+        store.put(c.keys.node("n0"), NodeInfo(node="n0", host="127.0.0.1", gpus=2, gpu_backend="simulated",
+                                              agent_pid=1, started_ts=1.0).to_json(), lease=lease)
+        status = NodeStatus(node="n0", ts=time.time(), generation=None, task=None, ranks=[], gpu_health=[])
+        store.put(c.keys.status("n0"), status.to_json(), lease=lease)
+        _handle_queued(c)
+        time.sleep(1.0)  # the agent is silent
+        silence = time.time() - status.ts
+        lease.revoke()  # what its expiry does: both keys go
+        _handle_queued(c)
+        inc = c.recent_incidents[-1]
+        assert (inc.node, inc.severity) == ("n0", Severity.SEV1), inc
+        assert inc.detection_s is not None and inc.detection_s >= silence, (inc, silence)
+    finally:
+        for w in c._watches:
+            w.stop()
+        _close(c)
