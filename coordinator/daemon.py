@@ -616,8 +616,9 @@ class Coordinator:
             # Recorded as a sev1 incident like a lost link (an agent killed before its link reached
             # a new leader is found only so; the chaos suite saw such a loss with no incident). Its
             # source time is the node's last sign of life: the silence before is detection time.
-            since = min(ts, self._last_alive.pop(node, silent_since))
+            since = min(ts, self._last_alive.get(node, silent_since))
             self._record(causes.node_lost_report(node, lost.reason, since), report_key=None, event=lost)
+            self._last_alive.pop(node, None)  # once recorded: a write that failed is retried with it
             self.metrics.node_losses.labels(metric).inc()
             self._lost_nodes.add(node)
         elif node not in self._lost_nodes:
@@ -1104,6 +1105,7 @@ class Coordinator:
         a new node, judged on nothing of the old one's."""
         self._nodes.pop(node, None)
         self._link_tokens.pop(node, None)
+        self._last_alive.pop(node, None)
         self._lost_nodes.discard(node)
         self._statuses.pop(node, None)
         self._status_reader.forget(node)
