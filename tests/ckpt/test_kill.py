@@ -29,6 +29,21 @@ Make = Callable[..., CheckpointConfig]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+#: the start of a child that persists to a slow remote store (each shard takes a while to land)
+SLOW_STORAGE_CHILD = """
+        import sys, time
+        from ckpt.manager import CheckpointConfig, CheckpointManager
+        from ckpt.storage import FilesystemStorage
+        from tests.ckpt.helpers import filled_state
+
+        class SlowStorage(FilesystemStorage):
+            def write(self, key, data):
+                if "/shard-" in key:
+                    time.sleep(0.2)
+                super().write(key, data)
+"""
+
+
 def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
@@ -116,17 +131,7 @@ def test_kill_during_persistence_keeps_previous_manifest(make_config: Make, tmp_
     remote = tmp_path / "remote"
     cfg = make_config(persist_every=1)
     child = _spawn(
-        """
-        import sys, time
-        from ckpt.manager import CheckpointConfig, CheckpointManager
-        from ckpt.storage import FilesystemStorage
-        from tests.ckpt.helpers import filled_state
-
-        class SlowStorage(FilesystemStorage):  # a slow remote store: each shard takes a while to land
-            def write(self, key, data):
-                if "/shard-" in key:
-                    time.sleep(0.2)
-                super().write(key, data)
+        SLOW_STORAGE_CHILD + """
 
         cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=4096, persist_every=1)
         m = CheckpointManager(cfg, storage=SlowStorage(sys.argv[2]))
@@ -211,17 +216,7 @@ def test_a_write_killed_above_the_newest_manifest_is_swept_by_the_next_generatio
     remote = tmp_path / "remote"
     cfg = make_config(generation=1)
     child = _spawn(
-        """
-        import sys, time
-        from ckpt.manager import CheckpointConfig, CheckpointManager
-        from ckpt.storage import FilesystemStorage
-        from tests.ckpt.helpers import filled_state
-
-        class SlowStorage(FilesystemStorage):  # a slow remote store: each shard takes a while to land
-            def write(self, key, data):
-                if "/shard-" in key:
-                    time.sleep(0.2)
-                super().write(key, data)
+        SLOW_STORAGE_CHILD + """
 
         cfg = CheckpointConfig(job="job-1", rank=0, local_dir=sys.argv[1], chunk_bytes=4096, generation=1)
         m = CheckpointManager(cfg, storage=SlowStorage(sys.argv[2]))

@@ -194,6 +194,23 @@ def test_a_new_tp_size_relaunches_the_task_and_reshards_the_on_demand_snapshot(
         cli(["cancel", name])
 
 
+def assert_rolled_back(c: LocalCluster, name: str, since: float, command: list[str], *alert_says: str) -> None:
+    """The task went back to ``command`` after a failed update: both ranks stopped at one boundary,
+    restored there (0 iterations redone) and train on; an alert saying ``alert_says`` and "rolled back",
+    no MarkTaskFailed, and the spec record shows the command that runs."""
+    at = stops(c, name)
+    assert at[0] and at[0] == at[1], at
+    n = at[0][-1]
+    assert_restored_at(c, name, n, at)
+    c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the rolled-back task to train on", poll_s=0.1)
+    alerts = [str(a.get("message")) for a in c.actions(since) if a.get("action") == "Alert" and a.get("task") == name]
+    assert any("rolled back" in a and all(s in a for s in alert_says) for a in alerts), alerts
+    assert not [a for a in c.actions(since) if a.get("action") == "MarkTaskFailed" and a.get("task") == name]
+    assert c.store is not None
+    kv = c.store.get(c.keys.task(name))
+    assert kv is not None and json.loads(kv.value)["command"] == command
+
+
 def test_an_update_whose_command_cannot_start_rolls_back_and_the_job_trains_on(
         cluster: LocalCluster, tmp_path: Path) -> None:
     """``unicron update`` with a typo in the command (an executable that does not exist): the ranks stop
@@ -211,18 +228,7 @@ def test_an_update_whose_command_cannot_start_rolls_back_and_the_job_trains_on(
         since = time.time()
         assert cli(["update", str(spec)]) == 0
         wait_relaunched(c, name, gen + 1)  # the update's generation launched nothing: the rollback's runs
-        at = stops(c, name)
-        assert at[0] and at[0] == at[1], at
-        n = at[0][-1]
-        assert_restored_at(c, name, n, at)
-        c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the rolled-back task to train on", poll_s=0.1)
-        alerts = [a for a in c.actions(since) if a.get("action") == "Alert" and a.get("task") == name]
-        assert any("update failed" in str(a.get("message")) and "rolled back" in str(a.get("message"))
-                   for a in alerts), alerts
-        assert not [a for a in c.actions(since) if a.get("action") == "MarkTaskFailed" and a.get("task") == name]
-        assert c.store is not None
-        kv = c.store.get(c.keys.task(name))
-        assert kv is not None and json.loads(kv.value)["command"] == good["command"]
+        assert_rolled_back(c, name, since, good["command"], "update failed")
     finally:
         cli(["cancel", name])
 
@@ -249,17 +255,7 @@ def test_an_update_whose_command_crashes_before_its_first_step_rolls_back_and_th
         assert err.startswith(f"unicron update: update of task {name} rolled back: ") and err.count("\n") == 1, err
         assert "exited abnormally" in err and "Traceback" not in err
         wait_relaunched(c, name, gen + 1)  # the update's generation crashed: the rollback's runs
-        at = stops(c, name)
-        assert at[0] and at[0] == at[1], at
-        n = at[0][-1]
-        assert_restored_at(c, name, n, at)
-        c.wait_for(lambda: stepping(c, name, n + 2), 60.0, "the rolled-back task to train on", poll_s=0.1)
-        alerts = [str(a.get("message")) for a in c.actions(since) if a.get("action") == "Alert" and a.get("task") == name]
-        assert any("update failed" in a and "exited abnormally" in a and "rolled back" in a for a in alerts), alerts
-        assert not [a for a in c.actions(since) if a.get("action") == "MarkTaskFailed" and a.get("task") == name]
-        assert c.store is not None
-        kv = c.store.get(c.keys.task(name))
-        assert kv is not None and json.loads(kv.value)["command"] == good["command"]
+        assert_rolled_back(c, name, since, good["command"], "update failed", "exited abnormally")
     finally:
         cli(["cancel", name])
 
