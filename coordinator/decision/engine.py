@@ -1327,13 +1327,18 @@ def _launching(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:
     return o.kind is ActionKind.ASSIGN or (o.kind is ActionKind.RESIZE and inc.kind is ErrorKind.EXITED_ABNORMALLY)
 
 
+#: the faults an updated command can be the cause of: its process exited or raised. A network fault
+#: (sev3, reattempted in place), a GPU's (counted for flapping), a hang (a slow restore), a fence or the
+#: store's loss rolled back a good update, and a script waiting on ``update --wait`` read it as a bad one
+SPEC_FAULTS = frozenset({ErrorKind.EXITED_ABNORMALLY, ErrorKind.OTHER_SOFTWARE_ERROR})
+
+
 def _update_failed(entry: TaskEntry, inc: Incident, generation: int | None) -> bool:
-    """Whether a process of an updated spec that has not completed a step yet failed (the task still
-    keeps the spec it ran with: ``previous_spec``). Only a report of the current generation, the one
-    running the new spec, counts; a node's fault (sev1, handled before) and the loss of the task's store
-    or a fenced write are not the spec's doing."""
+    """Whether a process of an updated spec that has not completed a step yet failed of its own doing
+    (:data:`SPEC_FAULTS`; the task still keeps the spec it ran with: ``previous_spec``). Only a report of
+    the current generation, the one running the new spec, counts; a node's fault (sev1) is handled before."""
     return (entry.previous_spec is not None and generation is not None and generation == entry.generation
-            and inc.kind not in (ErrorKind.STORE_LOST, ErrorKind.FENCED))
+            and inc.kind in SPEC_FAULTS)
 
 
 def _restart_died(entry: TaskEntry, inc: Incident, event: IncidentRaised) -> bool:

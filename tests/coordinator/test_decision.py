@@ -403,6 +403,24 @@ def test_an_update_that_made_progress_is_not_rolled_back() -> None:
     assert sim.state.tasks["a"].spec.command[-1] == "--new"
 
 
+@pytest.mark.parametrize("kind", [(M.STATISTICAL_MONITORING, K.NCCL_TIMEOUT),
+                                  (M.EXCEPTION_PROPAGATION, K.CONNECTION_REFUSED_RESET),
+                                  (M.EXCEPTION_PROPAGATION, K.CUDA_ERROR)], ids=["nccl", "reset", "cuda"])
+def test_a_network_or_gpu_fault_before_an_updates_first_step_is_no_rollback(kind: tuple[DetectionMethod, ErrorKind]) -> None:
+    """Before, every sev2/sev3 of the updated generation rolled a good update back (the relaunch, the
+    restore and the first step take minutes on a big job): an NCCL timeout or a GPU's CUDA error is no
+    fault of the new command. They take their usual way, and the GPU's counts for flapping."""
+    sim = running_cluster({"n1": 8, "n2": 8}, {"a": {"min_gpus": 16, "max_gpus": 16}})
+    sim.progress("a", 40)
+    assign = one(updated(sim, "a", command=["python", "pretrain_gpt.py", "--micro-batch-size", "2"]), Assign, "a")
+    sim.ok(assign)
+    sim.incident("n2", kind, task="a", rank=9, generation=assign.generation)
+    assert Trigger.UPDATE_FAILED not in [t.trigger for t in sim.transitions]
+    assert sim.state.tasks["a"].spec.command[-1] == "2"  # the update stands
+    if kind[1] is K.CUDA_ERROR:
+        assert sim.state.nodes["n2"].sev2_faults
+
+
 @pytest.mark.parametrize(("recovery", "confirmed"), [("inprocess", True), ("inprocess", False), ("restart", True)])
 def test_an_update_whose_command_crashes_before_its_first_step_rolls_back(recovery: str, confirmed: bool) -> None:
     """The new command starts but its process dies before any step (an ImportError in the new script, a
