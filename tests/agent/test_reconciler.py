@@ -247,10 +247,10 @@ def test_an_abnormal_exit_is_reported_with_the_exception_its_error_file_names(
 
 class _Answers:
     def __init__(self) -> None:
-        self.puts: list[tuple[str, str]] = []
+        self.puts: list[tuple[str, str, object]] = []
 
     def put(self, key: str, value: str, lease: object = None) -> int:
-        self.puts.append((key, value))
+        self.puts.append((key, value, lease))
         return 1
 
 
@@ -266,9 +266,11 @@ def test_a_kill_injected_into_a_rank_that_already_exited_is_refused_not_left_una
     agent = Agent.__new__(Agent)  # only what the injection handler reads
     answers = _Answers()
     agent._tasks_lock, agent._tasks, agent.node, agent.store = threading.Lock(), {"t": rec}, "n0", answers  # type: ignore[assignment]
+    node_lease = agent.lease = object()  # type: ignore[assignment]  # the answer goes under the node's lease
     req = Injection(fault=Fault.KILL_RANK, task="t", rank=0)
     agent._on_injection_event(WatchEvent("put", "inject/n0/1", req.to_json().encode(), 1))
-    (_, value), = answers.puts
+    (_, value, lease), = answers.puts
+    assert lease is node_lease
     answer = Injection.from_json(value.encode() if isinstance(value, str) else value)
     assert answer.ok is False and "no running process" in str(answer.detail)
     rec.stop("end").wait(10)
