@@ -292,7 +292,7 @@ def test_a_revoked_certificate_is_refused_within_a_second_and_its_name_can_be_is
     assert _handshake(server, tls.TLSConfig.from_dir(d, "node2")) == tls.Peer(tls.Role.NODE, "node2")
     # revoking a second one keeps the first in the list
     assert cli.main(["certs", "revoke", "node1", "--dir", str(d)]) == 0
-    crl = tls.read_crl(d / tls.CRL_FILE, x509.load_pem_x509_certificate((d / "ca.crt").read_bytes()))
+    crl = tls.read_crl(d / tls.CRL_FILE, x509.load_pem_x509_certificates((d / "ca.crt").read_bytes()))
     assert len(list(crl)) == 2
     assert cli.main(["certs", "revoke", "node1", "--dir", str(d)]) == 1  # nothing named so is issued now
     _one_line(1, capsys.readouterr().err)
@@ -463,3 +463,56 @@ def test_certs_days_sets_the_validity_and_a_daemon_warns_a_month_ahead(
     warned = [json.loads(line) for line in lines if "expires soon" in line]
     assert len(warned) == 1 and warned[0]["path"] == str(ca / "coordinator.crt"), lines
     assert 9 < warned[0]["days_left"] <= 10 and warned[0]["level"] == "warning"
+
+
+def _bundle_dir(d: Path, cas: list[Path], holders: dict[str, Path]) -> Path:
+    """``d``, a holder's directory whose ca.crt is the bundle of ``cas`` (in that order), with each holder's
+    certificate and key copied from the CA directory that issued it."""
+    d.mkdir()
+    (d / tls.CA_CERT).write_bytes(b"".join((ca / tls.CA_CERT).read_bytes() for ca in cas))
+    for name, ca in holders.items():
+        for ext in ("crt", "key"):
+            shutil.copy(ca / f"{name}.{ext}", d / f"{name}.{ext}")
+    return d
+
+
+def test_a_ca_bundle_admits_holders_of_each_of_its_cas(tmp_path: Path) -> None:
+    """A CA rollover puts the old and the new CA in one ca.crt (gRPC, OpenSSL and etcd trust both). Before:
+    from_dir read only the bundle's first CA, so every holder of the second exited 2 at start, and once the
+    old CA expired (still in the bundle) every daemon did. Now a holder issued by any valid CA of the
+    bundle loads, the revocation list of either CA is read, and a CA outside the bundle is still refused."""
+    old, new, stranger = tmp_path / "old", tmp_path / "new", tmp_path / "stranger"
+    tls.init_ca(old)
+    tls.init_ca(new, name="unicron cluster CA 2027")
+    tls.init_ca(stranger)
+    tls.issue(old, tls.Role.NODE, "n-old")
+    tls.issue(new, tls.Role.NODE, "n-new")
+    tls.issue(new, tls.Role.NODE, "n-revoked")
+    tls.issue(stranger, tls.Role.NODE, "n-stranger")
+    tls.revoke(new, "n-revoked")
+    d = _bundle_dir(tmp_path / "bundle", [old, new], {"n-old": old, "n-new": new, "n-stranger": stranger})
+    shutil.copy(new / tls.CRL_FILE, d / tls.CRL_FILE)  # the new CA's list, signed by the bundle's second CA
+    for name in ("n-old", "n-new"):
+        assert tls.load(str(d), name, tls.Role.NODE) is not None
+    revoked = x509.load_pem_x509_certificate((new / "n-revoked.crt.revoked").read_bytes())
+    with pytest.raises(tls.Unauthorized, match="is revoked"):
+        tls.TLSConfig.from_dir(d, "n-new").admit(revoked)
+    with pytest.raises(ConfigError, match=f"{d / 'n-stranger.crt'} was not issued by the CA in {d / 'ca.crt'}"):
+        tls.load(str(d), "n-stranger")
+
+
+def test_a_ca_bundle_whose_first_ca_expired_still_admits_a_holder_of_the_second(tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    ca_crt = tls.init_ca(old, days=0)  # valid until the second it was made
+    tls.init_ca(new, name="unicron cluster CA 2027")
+    tls.issue(new, tls.Role.NODE, "n-new")
+    expires = x509.load_pem_x509_certificate(ca_crt.read_bytes()).not_valid_after_utc
+    while datetime.datetime.now(datetime.UTC) <= expires:
+        time.sleep(0.1)
+    d = _bundle_dir(tmp_path / "bundle", [old, new], {"n-new": new})
+    assert tls.load(str(d), "n-new", tls.Role.NODE) is not None
+    # a holder whose only issuer in the bundle expired is still named, with its CA's date
+    tls.issue(old, tls.Role.NODE, "n-old")
+    d = _bundle_dir(tmp_path / "old-holder", [old, new], {"n-old": old})
+    with pytest.raises(ConfigError, match=f"{d / 'ca.crt'} expired on .* UTC; create a new CA"):
+        tls.load(str(d), "n-old")

@@ -24,6 +24,7 @@ import ssl
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -208,6 +209,16 @@ def read_certificate(path: Path, remedy: str) -> x509.Certificate:
         raise ConfigError(f"TLS: {path}: not a PEM certificate; {remedy}") from None
 
 
+def read_ca_bundle(path: Path, remedy: str) -> list[x509.Certificate]:
+    """Every PEM certificate in ``path`` (a ``ca.crt`` holds two CAs during a CA rollover, and gRPC,
+    OpenSSL and etcd trust each); :class:`ConfigError` naming the file (and ``remedy``) if it holds none."""
+    data = read_tls_file(path, remedy)
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise ConfigError(f"TLS: {path}: not a PEM certificate; {remedy}") from None
+
+
 def read_private_key(path: Path, remedy: str) -> PrivateKeyTypes:
     """The unencrypted PEM private key in ``path``; :class:`ConfigError` naming the file if it is not one."""
     data = read_tls_file(path, remedy)
@@ -272,20 +283,24 @@ def issue(directory: Path, role: Role, name: str, hosts: list[str] | None = None
 # --- revoking ------------------------------------------------------------------------------------
 
 
-def read_crl(path: Path, ca: x509.Certificate) -> x509.CertificateRevocationList:
+def read_crl(path: Path, cas: Sequence[x509.Certificate]) -> x509.CertificateRevocationList:
     """The CA-signed revocation list in ``path``; :class:`ConfigError` naming the file unless it is one
-    the cluster CA signed (anyone who can write the file must not be able to revoke or unrevoke)."""
+    a cluster CA in ``cas`` signed (anyone who can write the file must not be able to revoke or unrevoke;
+    during a CA rollover ``ca.crt`` holds both CAs, and the list is either's)."""
     remedy = "copy the CA's revoked.crl again (written by 'unicron certs revoke')"
     data = read_tls_file(path, remedy)
     try:
         crl = x509.load_pem_x509_crl(data)
     except ValueError:
         raise ConfigError(f"TLS: {path}: not a PEM revocation list; {remedy}") from None
-    public = ca.public_key()
-    if crl.issuer != ca.subject or not isinstance(public, ec.EllipticCurvePublicKey) \
-            or not crl.is_signature_valid(public):
+    if not any(_signed_by(crl, ca) for ca in cas):
         raise ConfigError(f"TLS: {path}: not signed by this cluster's CA; {remedy}")
     return crl
+
+
+def _signed_by(crl: x509.CertificateRevocationList, ca: x509.Certificate) -> bool:
+    public = ca.public_key()
+    return crl.issuer == ca.subject and isinstance(public, ec.EllipticCurvePublicKey) and crl.is_signature_valid(public)
 
 
 def revoke(directory: Path, name: str) -> tuple[Path, Peer, int]:
@@ -300,7 +315,7 @@ def revoke(directory: Path, name: str) -> tuple[Path, Peer, int]:
     cert = read_certificate(crt, "it is not one 'unicron certs issue' wrote; remove it")
     peer = peer_of(cert)
     path = directory / CRL_FILE
-    kept = [e for e in read_crl(path, ca_cert) if e.serial_number != cert.serial_number] if path.exists() else []
+    kept = [e for e in read_crl(path, [ca_cert]) if e.serial_number != cert.serial_number] if path.exists() else []
     entry = (x509.RevokedCertificateBuilder().serial_number(cert.serial_number)
              .revocation_date(datetime.datetime.now(datetime.UTC)).build())
     _sign_crl(directory, ca_cert, ca_key, [*kept, entry])
@@ -341,8 +356,8 @@ class Revocations:
     #: how often the file is looked at, at most (every authenticated message may ask)
     STAT_INTERVAL_S = 1.0
 
-    def __init__(self, path: Path, ca: x509.Certificate) -> None:
-        self.path, self._ca = path, ca
+    def __init__(self, path: Path, cas: Sequence[x509.Certificate]) -> None:
+        self.path, self._cas = path, tuple(cas)
         self._serials: frozenset[int] = frozenset()
         self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
         self._checked = -math.inf
@@ -360,7 +375,7 @@ class Revocations:
         if self._seen == (st.st_mtime_ns, st.st_size):
             return
         try:
-            crl = read_crl(self.path, self._ca)
+            crl = read_crl(self.path, self._cas)
         except (ConfigError, OSError):
             log.warning("revocation list unreadable; the last one read stays in force", path=str(self.path))
             return  # the last valid list stays (a copy in progress, a damaged file)
@@ -434,12 +449,12 @@ class TLSConfig:
             if not stat.S_ISREG(found.st_mode):
                 raise ConfigError(f"TLS: {path}: not a file; {remedy}")
         # parsed here, so a damaged file is named now, not taken later for a peer refusing the handshake
-        ca = read_certificate(cfg.ca, remedy)
+        cas = read_ca_bundle(cfg.ca, remedy)
         cert = read_certificate(cfg.cert, remedy)
         key = read_private_key(cfg.key, remedy)
-        _check_holder(cfg, name, ca, cert, key)
+        _check_holder(cfg, name, cas, cert, key)
         if (crl := d / CRL_FILE).exists():
-            read_crl(crl, ca)  # a damaged list is named at start, not taken for "nothing revoked"
+            read_crl(crl, cas)  # a damaged list is named at start, not taken for "nothing revoked"
         cfg.revocations()  # read now, while known good: a later damaged copy leaves this one in force
         return cfg
 
@@ -447,8 +462,12 @@ class TLSConfig:
         """Log a warning for the CA or own certificate that expires within ``within_days``: certificates
         issued together expire together, and then every daemon's handshakes fail at once."""
         now = datetime.datetime.now(datetime.UTC)
-        for path in (self.ca, self.cert):
-            expires = read_certificate(path, "restore it").not_valid_after_utc
+        cert = read_certificate(self.cert, "restore it")
+        cas = read_ca_bundle(self.ca, "restore it")
+        # the issuer's date, not that of an old CA a rollover's bundle still holds (it may expire first)
+        issuers = [ca for ca in cas if _issued_by(cert, ca)] or cas
+        ca_expires = max(ca.not_valid_after_utc for ca in issuers)
+        for path, expires in ((self.ca, ca_expires), (self.cert, cert.not_valid_after_utc)):
             if expires - now < datetime.timedelta(days=within_days):
                 log.warning("TLS certificate expires soon; issue a new one ('unicron certs issue --force') and "
                             "copy it here before then, or every handshake fails", path=str(path),
@@ -463,8 +482,8 @@ class TLSConfig:
         with _REVOCATIONS_LOCK:
             found = _REVOCATIONS.get(self.ca)
             if found is None:
-                ca = read_certificate(self.ca, "restore the cluster's ca.crt")
-                found = _REVOCATIONS[self.ca] = Revocations(self.ca.with_name(CRL_FILE), ca)
+                cas = read_ca_bundle(self.ca, "restore the cluster's ca.crt")
+                found = _REVOCATIONS[self.ca] = Revocations(self.ca.with_name(CRL_FILE), cas)
             return found
 
     def admit(self, cert: x509.Certificate) -> Peer:
@@ -522,23 +541,25 @@ def _public_der(key: PublicKeyTypes) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def _check_holder(cfg: TLSConfig, name: str, ca: x509.Certificate, cert: x509.Certificate,
+def _check_holder(cfg: TLSConfig, name: str, cas: Sequence[x509.Certificate], cert: x509.Certificate,
                   key: PrivateKeyTypes) -> None:
-    """:class:`ConfigError` unless ``key`` is ``cert``'s, the CA issued ``cert`` and both are within their
-    dates: otherwise every handshake fails, which gRPC reports as the peer unreachable ("start etcd"),
-    and a daemon retried it forever."""
+    """:class:`ConfigError` unless ``key`` is ``cert``'s, a CA of the bundle ``cas`` issued ``cert`` and both
+    are within their dates: otherwise every handshake fails, which gRPC reports as the peer unreachable
+    ("start etcd"), and a daemon retried it forever. Only the issuer's dates count: during a CA rollover
+    the bundle still holds the old CA, perhaps expired, and TLS trusts the new one regardless."""
     reissue = (f"issue it again on the CA's machine ('unicron certs issue --force --role ROLE {name} --dir CA_DIR') "
                f"and copy ca.crt, {name}.crt and {name}.key here")
     if _public_der(cert.public_key()) != _public_der(key.public_key()):
         raise ConfigError(f"TLS: {cfg.key} is not the key of {cfg.cert} (another holder's key, or one from an "
                           f"earlier issue); copy the {name}.key issued with it, or {reissue}")
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
+    issuers = [ca for ca in cas if _issued_by(cert, ca)]
+    if not issuers:
         raise ConfigError(f"TLS: {cfg.cert} was not issued by the CA in {cfg.ca} (another CA's certificate, or the CA "
                           f"was re-created with 'unicron certs init --force'); copy this cluster's ca.crt here, "
                           f"or {reissue}") from None
     now = datetime.datetime.now(datetime.UTC)
+    # a valid issuer where there is one (two CAs of one name, the old expired); else the first is named
+    ca = next((c for c in issuers if c.not_valid_before_utc <= now <= c.not_valid_after_utc), issuers[0])
     for path, c in ((cfg.ca, ca), (cfg.cert, cert)):
         if now < c.not_valid_before_utc:
             raise ConfigError(f"TLS: {path} is not valid before {c.not_valid_before_utc:%Y-%m-%d %H:%M} UTC and it "
@@ -547,6 +568,14 @@ def _check_holder(cfg: TLSConfig, name: str, ca: x509.Certificate, cert: x509.Ce
             renew = ("create a new CA ('unicron certs init --force') and issue every certificate again" if c is ca
                      else reissue)
             raise ConfigError(f"TLS: {path} expired on {c.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; {renew}")
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def key_path(directory: Path, name: str) -> Path:
