@@ -25,11 +25,11 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -246,9 +246,21 @@ def _superseded(claims: Sequence[Mapping[int, int | None]], iteration: int, gene
     return f"stale: generation {generation}'s copy; generation {g} holds iteration {it} (an abandoned timeline)"
 
 
+_Item = TypeVar("_Item")
+_Answer = TypeVar("_Answer")
+
+
+def _ask_each(items: Sequence[_Item], ask: Callable[[_Item], _Answer]) -> list[_Answer]:
+    """``ask(item)`` per item, in order; up to 16 at once, so asking every node's replica server waits
+    for the slowest one (a frozen node: a connect timeout), not for their sum."""
+    if len(items) <= 2:
+        return [ask(i) for i in items]
+    with ThreadPoolExecutor(min(16, len(items)), thread_name_prefix="ckpt-ask") as pool:
+        return list(pool.map(ask, items))
+
+
 def _list_all(sources: Sequence[Source]) -> list[dict[int, int | None] | Exception]:
-    """Each source's ``held()``, or the error that kept it from answering; asked in parallel, so a
-    restore that asks every node's replica server waits for the slowest one, not for their sum."""
+    """Each source's ``held()``, or the error that kept it from answering; asked in parallel."""
 
     def held(s: Source) -> dict[int, int | None] | Exception:
         try:
@@ -256,10 +268,7 @@ def _list_all(sources: Sequence[Source]) -> list[dict[int, int | None] | Excepti
         except (UnicronError, OSError) as exc:
             return exc
 
-    if len(sources) <= 2:
-        return [held(s) for s in sources]
-    with ThreadPoolExecutor(min(16, len(sources)), thread_name_prefix="ckpt-list") as pool:
-        return list(pool.map(held, sources))
+    return _ask_each(sources, held)
 
 
 _STOP = object()
@@ -310,6 +319,9 @@ class CheckpointManager(Checkpointer):
         self._dests = [codec.Destinations(self._gpu_stage) for _ in range(config.slots)]  # each slot's GPU copies
         self._inflight: list[SaveTicket] = []
         self._last: int | None = None
+        #: what the last restore found (sources out of reach; what each restore peer listed), valid until
+        #: the next save: a resume_from after it does not wait for those peers again (see _not_to_ask)
+        self._restore_view: tuple[set[str], dict[str, set[int]]] | None = None
         self._count = 0
         #: storage may still hold snapshots newer than this timeline: every save is persisted until one
         #: persist succeeds (it drops them), else a node lost meanwhile restored the abandoned future
@@ -387,6 +399,7 @@ class CheckpointManager(Checkpointer):
         # blocking_s is set at the return: what save() cost its caller, bookkeeping included
         ticket = SaveTicket(iteration, enc.data_len + len(enc.meta), 0.0, t_enc - t_start, t1 - t_enc, t3 - t2)
         self._last = iteration
+        self._restore_view = None
         self._count += 1
         due = self.storage is not None and (
             persist
@@ -683,6 +696,7 @@ class CheckpointManager(Checkpointer):
         """
         self.wait()
         t0 = time.perf_counter()
+        self._restore_view = None  # a failed restore leaves no earlier one's view behind
         sources = self._sources()
         attempts: list[TierAttempt] = []
         claims: dict[int, dict[int, int | None]] = {}
@@ -750,11 +764,10 @@ class CheckpointManager(Checkpointer):
                         reason=str(exc),
                     )
                     continue
-                # a restore peer that listed nothing newer is not asked again (every node's server is one)
                 only = {p.describe() for p in self.restore_peers}
-                quiet = {src.describe() for j, src in enumerate(sources)
-                         if src.describe() in only and not any(x > it for x in claims[j])}
-                self._discard_newer(it, skip=out_of_reach | quiet)
+                self._restore_view = (out_of_reach, {src.describe(): set(claims[j])
+                                                     for j, src in enumerate(sources) if src.describe() in only})
+                self._discard_newer(it, skip=self._not_to_ask(it))
                 self._last = it
                 restored = Restored(
                     state, it, s.tier, s.describe(), tuple(attempts), time.perf_counter() - t0
@@ -776,8 +789,17 @@ class CheckpointManager(Checkpointer):
         discarded, as a restore of it does (a newer snapshot restored for the reshard and not used set
         the count ahead, and the save of the next iteration was refused: the rank died)."""
         self.wait()
-        self._discard_newer(iteration, skip=set())
+        self._discard_newer(iteration, skip=self._not_to_ask(iteration))
         self._last = iteration
+
+    def _not_to_ask(self, iteration: int) -> set[str]:
+        """Sources the discard of what is newer than ``iteration`` leaves alone: those the last restore
+        found out of reach (see ``_discard_newer``), and restore peers that listed nothing newer (every
+        node's server is one; no save pushes to them, so their listing stays true)."""
+        if self._restore_view is None:
+            return set()
+        out_of_reach, listed = self._restore_view
+        return out_of_reach | {peer for peer, held in listed.items() if not any(x > iteration for x in held)}
 
     def _load(self, source: Source, iteration: int, into: Any, claims: Sequence[Mapping[int, int | None]]) -> Any:
         # training is stopped during a restore: verify with every core, not the background budget
@@ -806,17 +828,23 @@ class CheckpointManager(Checkpointer):
         gone: dict[str, list[int]] = {}
         if local := self._store.withdraw_newer(iteration):
             gone["local"] = local
-        for peer in (*self.peers, *self.restore_peers):  # wherever a copy of the abandoned future may be
-            if peer.describe() in skip:
-                continue
+
+        def drop_newer(peer: ReplicaStore) -> list[int] | UnicronError:
             try:
                 newer = [i.iteration for i in peer.list(job) if i.rank == rank and i.iteration > iteration]
                 for it in newer:
                     peer.drop(job, rank, it)
-                if newer:
-                    gone[peer.describe()] = newer
+                return newer
             except UnicronError as exc:
-                self._log.warning("could not drop newer replicas", peer=peer.describe(), error=str(exc))
+                return exc
+
+        # wherever a copy of the abandoned future may be; in parallel: a frozen peer costs a connect timeout
+        asked = [p for p in (*self.peers, *self.restore_peers) if p.describe() not in skip]
+        for peer, dropped in zip(asked, _ask_each(asked, drop_newer), strict=True):
+            if isinstance(dropped, UnicronError):
+                self._log.warning("could not drop newer replicas", peer=peer.describe(), error=str(dropped))
+            elif dropped:
+                gone[peer.describe()] = dropped
         if self.storage is not None:
             discarded = False
             if self.storage.describe() not in skip:

@@ -11,7 +11,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from ckpt.codec import crc
 from ckpt.manager import CheckpointConfig, CheckpointManager
 from ckpt.persist import _canonical, manifest_key
 from ckpt.persist import iterations as persisted_iterations
-from ckpt.replica import ReplicaClient, ReplicaMemory, ReplicaServer
+from ckpt.replica import CONNECT_TIMEOUT_S, ReplicaClient, ReplicaMemory, ReplicaServer
 from ckpt.rng import restore_rng_state
 from ckpt.storage import FilesystemStorage
 from tests.ckpt.helpers import FakePeer, Respond, assert_same, filled_state, frame, train_state
@@ -733,3 +733,54 @@ def test_restore_peers_never_bring_back_an_abandoned_older_generation(
         assert [i.iteration for i in replica_server.memory.list("job-1")] == [2, 4]
     finally:
         other.stop()
+
+
+@pytest.fixture
+def frozen_peers() -> Iterator[list[ReplicaClient]]:
+    """Four replica "servers" of frozen nodes: the kernel accepts the TCP connection (its backlog), nothing
+    ever answers, so each request costs the client a connect timeout."""
+    sockets = [socket.create_server(("127.0.0.1", 0), backlog=16) for _ in range(4)]
+    try:
+        yield [ReplicaClient(f"127.0.0.1:{s.getsockname()[1]}") for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _two_iterations_replicated(make_config: Make, peer: ReplicaClient) -> None:
+    with CheckpointManager(make_config(generation=1), peers=[peer]) as m:
+        for it in (2, 4):
+            m.save(filled_state(it), it).result(30)
+
+
+def test_resume_from_asks_frozen_peers_in_parallel(
+    make_config: Make, replica_server: ReplicaServer, frozen_peers: list[ReplicaClient]
+) -> None:
+    """resume_from (after a reshard to an older iteration) dropped the newer replicas peer after peer:
+    every frozen restore peer added a connect timeout (4 of them: 20 s) to the rank's reshard, and a
+    healthy cluster's 1,024 restore peers were that many round trips in turn. The wait is now the
+    slowest peer's; the reachable one still drops what is newer."""
+    peer = ReplicaClient(replica_server.address)
+    _two_iterations_replicated(make_config, peer)
+    with CheckpointManager(make_config(generation=2), peers=[peer], restore_peers=frozen_peers) as m:
+        t0 = time.monotonic()
+        m.resume_from(2)  # no restore() here first: every peer is asked
+        waited = time.monotonic() - t0
+    assert waited < 2 * CONNECT_TIMEOUT_S, waited  # one connect timeout, not one per frozen peer
+    assert [i.iteration for i in replica_server.memory.list("job-1")] == [2]
+
+
+def test_resume_from_after_restore_skips_the_peers_restore_found_out_of_reach(
+    make_config: Make, replica_server: ReplicaServer, frozen_peers: list[ReplicaClient]
+) -> None:
+    """The reshard's restore() had just found the frozen restore peers out of reach (and discarded
+    nothing there); resume_from asked each of them again, in turn (restore 5 s, resume_from 20 s)."""
+    peer = ReplicaClient(replica_server.address)
+    _two_iterations_replicated(make_config, peer)
+    with CheckpointManager(make_config(generation=2), peers=[peer], restore_peers=frozen_peers) as m:
+        assert m.restore().iteration == 4
+        t0 = time.monotonic()
+        m.resume_from(2)  # the reshard chose an older iteration than this rank's own newest
+        waited = time.monotonic() - t0
+        assert [its for _, _, its in m.available()][:2] == [[2], [2]]  # local and the reachable peer
+    assert waited < 2 * CONNECT_TIMEOUT_S, waited
