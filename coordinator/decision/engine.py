@@ -671,9 +671,9 @@ class _Run:
             return
         if inc.severity is Severity.SEV2 and self._fresh_device_fault(event):
             flapping = self._flapping(inc.node)
-            if flapping and self._flapped_elsewhere(event, flapping):
-                pass  # the task's own doing: restarted as any sev2 is
-            elif flapping:  # escalated to sev1: isolate the node, every task on it re-planned
+            # escalated to sev1 (the node isolated, every task on it re-planned) unless the faults
+            # followed their task here: then it is restarted as any sev2 is
+            if flapping and not self._flapped_elsewhere(event, flapping):
                 for name in self._concerned(event):
                     self._task(name).flapped_off = inc.node
                 self._node_down(inc.node, NodeState.ISOLATED, f"{flapping}; last: {reason}")
@@ -739,8 +739,9 @@ class _Run:
         access (a rank that exited or hung says nothing of the GPU: counted, a job's own bug made every
         node it ran on flap), that restarts a task there which was not recovering and had made progress
         since its last restart (its restart budget whole). Not one merged into the recovery under way (a
-        consequence of its fault), a launch's or a restart's own failure (judged as such: the latter
-        escalates by itself), nor an update's (rolled back). Nor a fault before the task progressed
+        consequence of its fault), nor a launch's or a restart's own failure (judged as such: the latter
+        escalates by itself). (An update's rollback takes only exits and exceptions, ``SPEC_FAULTS``: no
+        device fault is one.) Nor a fault before the task progressed
         again: crashes without progress are the restart budget's to judge (a job crashing on every
         resume is failed, and no node is blamed for it)."""
         inc = event.incident
@@ -748,8 +749,8 @@ class _Run:
             return False
         for name in self._tasks_on(inc.node):
             entry = self.state.tasks[name]
-            if not _concerns(name, entry, event) or entry.restarts or _update_failed(entry, inc, event.generation):
-                continue  # (an update's crash before its first step is the update's, rolled back)
+            if not _concerns(name, entry, event) or entry.restarts:
+                continue
             trigger = self._trigger(entry, event)
             edge = TRANSITIONS.get((entry.phase, trigger))
             if trigger in (_T.SEV2, _T.TASK_FAULT) and edge is not None and edge[1] is not _R.MERGE:
