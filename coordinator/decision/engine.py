@@ -670,20 +670,24 @@ class _Run:
             self._node_down(inc.node, NodeState.ISOLATED, reason, liveness=liveness)
             return
         if inc.severity is Severity.SEV2 and self._fresh_device_fault(event):
+            for name in self._concerned(event):
+                if (e := self.state.tasks[name]).flapped_off and inc.node not in e.faulted_since_flap:
+                    self._task(name).faulted_since_flap = [*e.faulted_since_flap, inc.node]
             flapping = self._flapping(inc.node)
             # escalated to sev1 (the node isolated, every task on it re-planned) unless the faults
             # followed their task here: then it is restarted as any sev2 is
             if flapping and not self._flapped_elsewhere(event, flapping):
                 for name in self._concerned(event):
-                    self._task(name).flapped_off = inc.node
+                    entry = self._task(name)
+                    entry.flapped_off, entry.faulted_since_flap = inc.node, []
+                    entry.flapped_ranks = sorted({*entry.flapped_ranks, *_fault_ranks(entry, inc)})
                 self._node_down(inc.node, NodeState.ISOLATED, f"{flapping}; last: {reason}")
                 return
         for name in self._tasks_on(inc.node):
             entry = self.state.tasks[name]
             if not _concerns(name, entry, event):
                 continue
-            on_node = entry.ranks_on(inc.node)
-            ranks = (inc.rank,) if inc.rank in on_node else tuple(on_node)
+            ranks = _fault_ranks(entry, inc)
             if _update_failed(entry, inc, event.generation):
                 # the new command crashed before its first step (an ImportError, a bad flag): restarting
                 # it would only fail again until the budget failed the job that trained fine before
@@ -720,12 +724,18 @@ class _Run:
         return [name for name in self._tasks_on(node) if _concerns(name, self.state.tasks[name], event)]
 
     def _flapped_elsewhere(self, event: IncidentRaised, flapping: str) -> bool:
-        """Whether a task this flapping fault concerns already had another node isolated as flapping:
-        the faults followed the task (a kernel of its own, not a GPU), and isolating node after node
-        would drain the cluster one hour at a time. Alerts instead; the node's history starts afresh."""
-        node = event.incident.node
+        """Whether the faults of a task this flapping fault concerns, which made another node flap
+        before, followed the task here (a kernel of its own, not a GPU): isolating node after node would
+        drain the cluster one hour at a time. Alerts instead; the node's history starts afresh. Not
+        followed (a second bad GPU, isolated too): the task ran on other nodes since without device
+        faults there, and the faults here are not on a rank whose faults made a node flap before."""
+        inc = event.incident
+        node = inc.node
         followed = [(name, e.flapped_off) for name in self._concerned(event)
-                    if (e := self.state.tasks[name]).flapped_off not in ("", node)]
+                    if (e := self.state.tasks[name]).flapped_off not in ("", node)
+                    and (set(_fault_ranks(e, inc)) & set(e.flapped_ranks)  # the faults moved with their rank
+                         or set(e.faulted_since_flap) - {node}  # faults on other nodes too
+                         or not set(e.placement) - {node})]  # it ran nowhere else: no telling
         for name, earlier in followed:
             self._alert(f"{flapping} on {node}, but task {name}'s faults made node {earlier} flap before: "
                         f"they follow the task (its code, not a GPU); {node} is kept in service", task=name,
@@ -1253,6 +1263,13 @@ def _down_node(event: Event) -> str | None:
 
 #: the sev2 kinds that are faults of a node's GPUs, which make a node flapping when they keep recurring
 DEVICE_FAULTS = frozenset({ErrorKind.CUDA_ERROR, ErrorKind.ILLEGAL_MEMORY_ACCESS})
+
+
+def _fault_ranks(entry: TaskEntry, inc: Incident) -> tuple[int, ...]:
+    """The ranks of ``entry``'s task an incident on one of its nodes is the fault of: its rank, or
+    every rank of the task there when it names none of them (a GPU's event, a node's)."""
+    on_node = entry.ranks_on(inc.node)
+    return (inc.rank,) if inc.rank in on_node else tuple(on_node)
 
 
 def _concerns(name: str, entry: TaskEntry, event: IncidentRaised) -> bool:

@@ -132,8 +132,15 @@ class TaskEntry:
     """In this streak of restarts without progress the task failed again on another node after a failed
     recovery isolated one on suspicion: its failures are its own, and isolate no node until it progresses."""
     flapped_off: str = ""
-    """The node this task's device faults got isolated as flapping: should its faults then make another
-    node flap, they followed the task (its own kernels, not a GPU), and no second node is isolated for it."""
+    """The node this task's device faults last got isolated as flapping: should its faults then make
+    another node flap, that node is isolated only if they did not follow the task (``flapped_ranks``,
+    ``faulted_since_flap``; docs/decision.md, "A flapping node is isolated")."""
+    flapped_ranks: list[int] = field(default_factory=list)
+    """The ranks whose faults made a node flap (each isolation's): faults of theirs on another node
+    followed the rank there (its own kernel, not a GPU)."""
+    faulted_since_flap: list[str] = field(default_factory=list)
+    """The nodes this task had fresh device faults on since ``flapped_off`` was isolated: faults on more
+    than one of them are the task's, not one node's."""
     reason: str = ""  # why pending / failed / what the last recovery was for
     submitted_at: float = 0.0
     """When this run of the task was submitted (the core's clock; 0 in states written before it existed):

@@ -230,3 +230,67 @@ def test_the_flapping_escalation_leaves_the_state_it_was_given_alone() -> None:
     acts = run.fault(gap_s=5.0)
     assert only(acts, IsolateNode) and run.sim.state.tasks["job"].flapped_off == "n2"
     assert before.tasks["job"].flapped_off == "", "the core changed the state it was given"
+
+
+def three_nodes_one_flapped(nodes: dict[str, int], job: dict[str, int]) -> Cycles:
+    """A task on n1, n2 and n3 (and a spare where ``nodes`` has n4) whose rank 8 made n2 flap: n2 is
+    isolated and the task runs on, re-planned without it."""
+    run = Cycles()
+    run.sim = running_cluster(nodes, {"job": job}, Sim())
+    assert run.sim.state.tasks["job"].placement["n2"][0] == 8
+    for _ in range(3):
+        run.cycle(gap_s=5.0)
+    assert run.sim.state.nodes["n2"].status is NodeState.ISOLATED
+    settle(run.sim)
+    run.step += 1
+    run.sim.progress("job", run.step)
+    return run
+
+
+def faults_on(run: Cycles, nodes: list[str]) -> list[Action]:
+    acts: list[Action] = []
+    for node in nodes:
+        acts += run.fault(node=node, gap_s=5.0)
+        run.recover()
+    return acts
+
+
+def test_a_task_that_meets_two_bad_gpus_has_both_nodes_isolated() -> None:
+    """n3's GPU fails too, on a rank of its own, while n1 runs the task without faults: a second bad
+    node, not faults that follow the task (only n2 was isolated, n3 kept failing with an Alert)."""
+    run = three_nodes_one_flapped({"n1": 8, "n2": 8, "n3": 8}, {"min_gpus": 8})
+    acts = faults_on(run, ["n3"] * 3)
+    isolation = only(acts, IsolateNode)
+    assert [i.node for i in isolation] == ["n3"] and "flapping: 3 sev2 faults" in isolation[0].reason
+    assert run.sim.state.nodes["n3"].status is NodeState.ISOLATED
+    assert not any("follow the task" in a.message for a in only(run.actions, Alert))
+    assert set(run.sim.state.tasks["job"].placement) == {"n1"}
+
+
+def test_faults_that_follow_their_rank_to_a_spare_node_isolate_it_not() -> None:
+    """A kernel bug of rank 8's own: the rank moved from n2 to the spare n4 and faults there as it did on
+    n2, while n1 and n3 run without faults. The rank's, not n4's: an Alert, n4 stays in service."""
+    run = three_nodes_one_flapped({"n1": 8, "n2": 8, "n3": 8, "n4": 8}, {"min_gpus": 24, "max_gpus": 24})
+    assert run.sim.state.tasks["job"].placement["n4"][0] == 8  # rank 8 went to the spare
+    acts = faults_on(run, ["n4"] * 6)
+    assert not only(acts, IsolateNode) and run.sim.state.nodes["n4"].status is NodeState.UP
+    alerts = [a.message for a in only(acts, Alert) if a.node == "n4"]
+    assert len(alerts) == 2 and all("made node n2 flap before" in m for m in alerts), alerts
+
+
+def test_faults_on_every_node_the_task_runs_on_isolate_no_second_node() -> None:
+    """A kernel bug that hits whichever rank: once n2 was isolated, faults come from n1 and n3 alike,
+    so n3 reaching the limit first is no sign of its GPU."""
+    run = three_nodes_one_flapped({"n1": 8, "n2": 8, "n3": 8}, {"min_gpus": 8})
+    acts = faults_on(run, ["n3", "n1", "n3", "n3"])
+    assert not only(acts, IsolateNode)
+    assert {n: e.status for n, e in run.sim.state.nodes.items() if n != "n2"} == {"n1": NodeState.UP,
+                                                                                  "n3": NodeState.UP}
+    assert any("made node n2 flap before" in a.message for a in only(acts, Alert) if a.node == "n3")
+
+
+def test_the_task_s_flapping_evidence_is_stored() -> None:
+    run = three_nodes_one_flapped({"n1": 8, "n2": 8, "n3": 8}, {"min_gpus": 8})
+    faults_on(run, ["n3"])
+    entry = CoreState.from_dict(json.loads(json.dumps(run.sim.state.to_dict()))).tasks["job"]
+    assert (entry.flapped_off, entry.flapped_ranks, entry.faulted_since_flap) == ("n2", [8], ["n3"])
