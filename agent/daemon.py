@@ -179,8 +179,10 @@ class Agent:
         self.settings = settings
         self.node = settings.node
         self.tls_config = tls.load(settings.tls_dir, settings.node)
-        if self.tls_config is not None:
-            self.tls_config.warn_if_expiring()
+        self.tls_expiry = (tls.ExpiryWatch(self.tls_config, settings.tls_check_interval_s)
+                           if self.tls_config is not None else None)
+        if self.tls_expiry is not None:
+            self.tls_expiry.check()
         self.advertise_host = settings.advertise_host or default_advertise_host(settings.etcd)
         self._gloo_ifname = interface_of(self.advertise_host)
         self.keys = Keyspace(settings.prefix)
@@ -241,6 +243,8 @@ class Agent:
                             lambda: float(self.publisher.pending()) if self.publisher is not None else 0.0)
         self.metrics.sample("unicron_agent_unhealthy_gpus", "GPUs whose last health poll found a fault",
                             lambda: float(sum(not h.ok for h in self.gpu_monitor.latest_health())))
+        if self.tls_expiry is not None:
+            self.metrics.registry.register(umetrics.TLSExpiry(self.tls_expiry.days_left))
         self._metrics_server: umetrics.MetricsServer | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -307,6 +311,8 @@ class Agent:
                  socket=self.socket_path, advertise_host=self.advertise_host)
         while not self.stop_event.wait(self.settings.status_interval_s):
             self._write_status()
+            if self.tls_expiry is not None:
+                self.tls_expiry.poll()  # weeks of running: warned again as the end nears
             if self.settings.rank_log_max_mb:
                 logcap.cap_all(self._logs_dir(), self.settings.rank_log_max_mb << 20)
         self._shutdown()

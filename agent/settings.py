@@ -92,6 +92,9 @@ class AgentSettings:
     """Loopback by default: the endpoint is unauthenticated; set the cluster network's address to scrape it."""
     tls_dir: str = setting("", "UNICRON_TLS_DIR", "directory with ca.crt and NODE.crt/.key (this node's certificate): mutual TLS on etcd, the link and the replica server (empty: plaintext)")
     """Made by ``unicron certs issue --role node NODE``; the certificate's name must be this node's."""
+    tls_check_interval_s: float = setting(6 * 3600.0, "UNICRON_TLS_CHECK_INTERVAL", "seconds between two checks of the TLS certificate's and CA's end while running (a warning at most once a day within 30 days of it)", above=0)
+    """A daemon runs for weeks: checked only at start, a certificate that came within the window meanwhile
+    was never warned of before every handshake of the cluster failed at once (``tls.ExpiryWatch``)."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")
     """Logs are JSON lines on stderr."""
 

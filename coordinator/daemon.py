@@ -199,8 +199,10 @@ class Coordinator:
         #: the time of every event the decision core is given (and of the state's deadlines)
         self.clock = CoreClock()
         self.tls_config = tls.load(settings.tls_dir, settings.tls_name)
-        if self.tls_config is not None:
-            self.tls_config.warn_if_expiring()
+        self.tls_expiry = (tls.ExpiryWatch(self.tls_config, settings.tls_check_interval_s)
+                           if self.tls_config is not None else None)
+        if self.tls_expiry is not None:
+            self.tls_expiry.check()
         self.keys = Keyspace(settings.prefix)
         self.stop_event = threading.Event()
         self.ready = threading.Event()
@@ -265,6 +267,8 @@ class Coordinator:
         self._echoes: dict[str, tuple[Report, float]] = {}
         self._api_server: grpc.Server | None = None
         self.metrics = CoordinatorMetrics()
+        if self.tls_expiry is not None:
+            self.metrics.registry.register(umetrics.TLSExpiry(self.tls_expiry.days_left))
         self._metrics_server: umetrics.MetricsServer | None = None
         self.costs = CostTracker()  # recovery cost per incident (Eq. 1); adopted with each decision
         self.alerts = (WebhookNotifier(settings.alert_webhook, settings.alert_webhook_timeout_s,
@@ -277,6 +281,9 @@ class Coordinator:
         """Run until stopped. Returns the process exit code."""
         if self.tls_config is None:
             log.warning(tls.plaintext_warning("this coordinator's API, its agent link or etcd"))
+        if self.tls_expiry is not None:
+            # a thread of its own: the ticker runs only while leading, and a standby runs for weeks too
+            self.tls_expiry.start(self.stop_event)
         self.store = connect_with_retry(self.settings.etcd, self.settings.etcd_timeout_s, self.stop_event,
                                         "coordinator", tls_config=self.tls_config)
         if self.store is None:

@@ -65,6 +65,9 @@ class CoordinatorSettings:
     """Made by ``unicron certs``; with it only cluster-CA certificates get in, and the API's mutating calls take an operator's."""
     tls_name: str = setting("coordinator", "UNICRON_TLS_NAME", "name of this coordinator's certificate in --tls-dir")
     """Its certificate's role must be ``coordinator``; its SANs must cover --listen-host."""
+    tls_check_interval_s: float = setting(6 * 3600.0, "UNICRON_TLS_CHECK_INTERVAL", "seconds between two checks of the TLS certificate's and CA's end while running (a warning at most once a day within 30 days of it)", above=0)
+    """A daemon runs for weeks: checked only at start, a certificate that came within the window meanwhile
+    was never warned of before every handshake of the cluster failed at once (``tls.ExpiryWatch``)."""
     etcd_history_s: float = setting(60.0, "UNICRON_ETCD_HISTORY", "seconds of etcd history the leader keeps: it compacts older revisions (0: never; then etcd must compact itself)", least=0)
     """Without compaction etcd fills its backend quota and refuses every write (see coordinator.compaction)."""
     log_level: str = setting("INFO", "UNICRON_LOG_LEVEL", "log level")

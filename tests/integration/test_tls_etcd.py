@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from agent.daemon import Agent
+from agent.settings import AgentSettings
 from tests.conftest import make_certs
 from unicron.cli import main as cli
 from unicron.cluster.etcd_server import EtcdServer
@@ -210,3 +213,34 @@ def test_a_handshake_refused_for_the_certificate_says_tls_not_start_etcd(
             client.close()
         remedy = unreachable_remedy(connect_error(caught.value), tls=True)
         assert remedy.startswith("the TLS handshake with etcd failed"), (what, str(caught.value), remedy)
+
+
+def test_a_running_agent_reads_its_certificate_again_and_exports_the_days_left(
+        secure_etcd: EtcdServer, cert_dir: Path, tmp_path: Path) -> None:
+    """The agent checks its certificate's end only at start no more: from its status loop, every
+    --tls-check-interval-s, exported as unicron_tls_expiry_days. A process's clock cannot be moved, so
+    node1's certificate is replaced by one 10 days from its end while the agent runs."""
+    ca = tmp_path / "ca"
+    shutil.copytree(cert_dir, ca)
+    assert cli.main(["certs", "issue", "--force", "--role", "node", "node1", "--dir", str(ca), "--days", "40"]) == 0
+    agent = Agent(AgentSettings(node="node1", etcd=secure_etcd.endpoint, prefix=KEYS.prefix, tls_dir=str(ca),
+                                gpu_backend="simulated", gpus=1, run_dir=str(tmp_path / "run"), replica_budget_mb=0,
+                                prefork="", advertise_host="127.0.0.1", status_interval_s=0.1,
+                                tls_check_interval_s=0.2))
+
+    def days_left() -> float:
+        return agent.metrics.registry.get_sample_value("unicron_tls_expiry_days") or 0.0
+
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        assert agent.ready.wait(30)
+        assert 39 < days_left() <= 40
+        assert cli.main(["certs", "issue", "--force", "--role", "node", "node1", "--dir", str(ca), "--days", "10"]) == 0
+        deadline = time.monotonic() + 30
+        while days_left() > 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 9 < days_left() <= 10
+    finally:
+        agent.stop()
+        thread.join(30)

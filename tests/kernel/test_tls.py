@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import queue
 import shutil
 import socket
 import ssl
@@ -12,14 +14,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
+from prometheus_client import CollectorRegistry
 
 from unicron.cli import certs as certs_cli
 from unicron.cli import main as cli
+from unicron.kernel import metrics as umetrics
 from unicron.kernel import tls
 from unicron.kernel.errors import ConfigError
 
@@ -463,6 +470,78 @@ def test_certs_days_sets_the_validity_and_a_daemon_warns_a_month_ahead(
     warned = [json.loads(line) for line in lines if "expires soon" in line]
     assert len(warned) == 1 and warned[0]["path"] == str(ca / "coordinator.crt"), lines
     assert 9 < warned[0]["days_left"] <= 10 and warned[0]["level"] == "warning"
+
+
+def test_a_running_daemon_warns_once_a_day_as_its_certificate_nears_its_end(tmp_path: Path) -> None:
+    """Daemons run for weeks: the warning came only at start, so a certificate that came within the
+    month while one ran was never warned of before every handshake failed at once. Now the dates are
+    read again every interval (here a driven clock) and a warning repeats at most once a day."""
+    ca = tmp_path / "ca"
+    assert cli.main(["certs", "init", str(ca)]) == 0
+    assert cli.main(["certs", "issue", "--role", "node", "n1", "--dir", str(ca), "--days", "40"]) == 0
+    cfg = tls.load(str(ca), "n1", tls.Role.NODE)
+    assert cfg is not None
+    now = [datetime.datetime.now(datetime.UTC)]
+    watch = tls.ExpiryWatch(cfg, interval_s=6 * 3600.0, clock=lambda: now[0])
+    registry = CollectorRegistry()
+    registry.register(umetrics.TLSExpiry(watch.days_left))
+
+    def warnings_after(days: float) -> list[MutableMapping[str, Any]]:
+        now[0] += datetime.timedelta(days=days)
+        with structlog.testing.capture_logs() as logs:
+            watch.poll()
+        return [e for e in logs if "expires soon" in e["event"]]
+
+    assert registry.get_sample_value("unicron_tls_expiry_days") is None  # nothing read yet
+    assert warnings_after(0) == []  # at start: 40 days left
+    assert 39.9 < (registry.get_sample_value("unicron_tls_expiry_days") or 0) <= 40
+    warned = warnings_after(10.5)  # running since: 29.5 days left, within the month
+    assert [(w["path"], w["log_level"]) for w in warned] == [(str(ca / "n1.crt"), "warning")]
+    assert 29.4 < warned[0]["days_left"] <= 29.5
+    assert warnings_after(0.25) == []  # read again 6 h later: warned today already
+    assert warnings_after(0.1) == []  # not due
+    assert len(warnings_after(0.7)) == 1  # a day after the last warning: again
+    assert 28.3 < (registry.get_sample_value("unicron_tls_expiry_days") or 0) < 28.5
+
+
+def test_a_running_coordinator_reads_its_certificate_again_and_warns(tmp_path: Path) -> None:
+    """The real daemon's check, without a restart: a process's clock cannot be moved, so the
+    certificate it reads is replaced by one 10 days from its end while the coordinator runs (waiting
+    for an etcd that is not there, as a daemon may for long)."""
+    ca = tmp_path / "ca"
+    assert cli.main(["certs", "init", str(ca)]) == 0
+    assert cli.main(["certs", "issue", "--role", "coordinator", "coordinator", "--dir", str(ca), "--days", "40"]) == 0
+    daemon = subprocess.Popen([sys.executable, "-m", "coordinator.main"], stderr=subprocess.PIPE, text=True,
+                              env=_clean_env(UNICRON_TLS_DIR=str(ca), UNICRON_ETCD="127.0.0.1:1",
+                                             UNICRON_TLS_CHECK_INTERVAL="0.2"))
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert daemon.stderr is not None
+        for line in daemon.stderr:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def warned_within(seconds: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + seconds
+        found: list[dict[str, Any]] = []
+        while not found and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=left)
+                if "expires soon" in line:
+                    found.append(json.loads(line))
+        return found
+
+    try:
+        assert warned_within(2.0) == []  # 40 days left
+        assert cli.main(["certs", "issue", "--force", "--role", "coordinator", "coordinator", "--dir", str(ca),
+                         "--days", "10"]) == 0
+        warned = warned_within(30.0)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+    assert warned and warned[0]["path"] == str(ca / "coordinator.crt") and 9 < warned[0]["days_left"] <= 10
 
 
 def _bundle_dir(d: Path, cas: list[Path], holders: dict[str, Path]) -> Path:

@@ -8,11 +8,14 @@ Metric names are listed in ``docs/operations.md``; ``deploy/grafana/unicron.json
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError, UnicronError
@@ -70,3 +73,18 @@ class EtcdMetrics:
 
     def retry(self, what: str) -> None:
         self.retries.labels(what).inc()
+
+
+class TLSExpiry(Collector):
+    """``unicron_tls_expiry_days``: days until the sooner of the daemon's TLS certificate's and its CA's
+    end (``tls.ExpiryWatch.days_left``, read at scrape time); absent before the first read."""
+
+    def __init__(self, days_left: Callable[[], float | None]) -> None:
+        self.days_left = days_left
+
+    def collect(self) -> Iterable[Metric]:
+        days = self.days_left()
+        if days is not None:
+            yield GaugeMetricFamily("unicron_tls_expiry_days", "days until this daemon's TLS certificate or its "
+                                    "CA expires, whichever is sooner (read every --tls-check-interval-s)",
+                                    value=days)

@@ -24,7 +24,7 @@ import ssl
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -58,6 +58,11 @@ ORGANIZATION = "unicron"
 CA_DAYS = 3650
 LEAF_DAYS = 825
 EXPIRY_WARNING_DAYS = 30
+#: a running daemon reads its certificates' dates again this often (``--tls-check-interval-s``): it runs
+#: for weeks, and a warning only at start came too late
+EXPIRY_CHECK_INTERVAL_S = 6 * 3600.0
+#: and warns again at most this often while they are within ``EXPIRY_WARNING_DAYS`` of their end
+EXPIRY_WARNING_REPEAT = datetime.timedelta(days=1)
 #: the hosts every leaf certificate serves besides its own name (the local demo and tests dial loopback)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: the longest CN X.509 allows (ub-common-name, RFC 5280); a certificate name is its CN
@@ -458,20 +463,14 @@ class TLSConfig:
         cfg.revocations()  # read now, while known good: a later damaged copy leaves this one in force
         return cfg
 
-    def warn_if_expiring(self, within_days: int = EXPIRY_WARNING_DAYS) -> None:
-        """Log a warning for the CA or own certificate that expires within ``within_days``: certificates
-        issued together expire together, and then every daemon's handshakes fail at once."""
-        now = datetime.datetime.now(datetime.UTC)
+    def expiries(self) -> dict[Path, datetime.datetime]:
+        """When the CA and the own certificate expire, read from their files now; :class:`ConfigError`
+        naming a file that cannot be read."""
         cert = read_certificate(self.cert, "restore it")
         cas = read_ca_bundle(self.ca, "restore it")
         # the issuer's date, not that of an old CA a rollover's bundle still holds (it may expire first)
         issuers = [ca for ca in cas if _issued_by(cert, ca)] or cas
-        ca_expires = max(ca.not_valid_after_utc for ca in issuers)
-        for path, expires in ((self.ca, ca_expires), (self.cert, cert.not_valid_after_utc)):
-            if expires - now < datetime.timedelta(days=within_days):
-                log.warning("TLS certificate expires soon; issue a new one ('unicron certs issue --force') and "
-                            "copy it here before then, or every handshake fails", path=str(path),
-                            expires=expires.isoformat(), days_left=round((expires - now) / datetime.timedelta(days=1), 1))
+        return {self.ca: max(ca.not_valid_after_utc for ca in issuers), self.cert: cert.not_valid_after_utc}
 
     def peer(self) -> Peer:
         """Who this configuration's own certificate names."""
@@ -535,6 +534,67 @@ class TLSConfig:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.ca))
         ctx.load_cert_chain(str(self.cert), str(self.key))
         return ctx
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class ExpiryWatch:
+    """A daemon's check of its CA's and certificate's end while it runs: certificates issued together
+    expire together, and then every handshake of the cluster fails at once. Checked at start, then
+    every ``interval_s`` (:meth:`poll` from a loop the daemon has, or :meth:`start`'s thread); within
+    ``within_days`` of the end a warning at most once a day (a daemon runs for weeks: a warning only at
+    start was never repeated). :meth:`days_left` is for a metrics gauge."""
+
+    def __init__(self, cfg: TLSConfig, interval_s: float = EXPIRY_CHECK_INTERVAL_S,
+                 within_days: int = EXPIRY_WARNING_DAYS,
+                 clock: Callable[[], datetime.datetime] = _utcnow) -> None:
+        self.cfg, self.clock = cfg, clock
+        self.interval = datetime.timedelta(seconds=interval_s)
+        self.within = datetime.timedelta(days=within_days)
+        self._expires: datetime.datetime | None = None  # the sooner end, as last read
+        self._checked: datetime.datetime | None = None
+        self._warned: datetime.datetime | None = None
+
+    def poll(self) -> None:
+        """:meth:`check` when ``interval_s`` has passed since the last check (or there was none)."""
+        if self._checked is None or self.clock() - self._checked >= self.interval:
+            self.check()
+
+    def check(self) -> None:
+        """Read the dates again; warn of those within the window unless a warning came in the last day."""
+        now = self._checked = self.clock()
+        try:
+            expiries = self.cfg.expiries()
+        except ConfigError as exc:  # moved or damaged since start: the daemon runs on with what it read
+            log.warning("TLS certificate expiry not checked", error=str(exc))
+            return
+        self._expires = min(expiries.values())
+        soon = {path: end for path, end in expiries.items() if end - now < self.within}
+        if not soon or (self._warned is not None and now - self._warned < EXPIRY_WARNING_REPEAT):
+            return
+        self._warned = now
+        for path, expires in soon.items():
+            log.warning("TLS certificate expires soon; issue a new one ('unicron certs issue --force') and "
+                        "copy it here before then, or every handshake fails", path=str(path),
+                        expires=expires.isoformat(), days_left=round((expires - now) / datetime.timedelta(days=1), 1))
+
+    def days_left(self) -> float | None:
+        """Days until the sooner of the CA's and the certificate's end, as last read (None: unread)."""
+        expires = self._expires
+        return None if expires is None else (expires - self.clock()) / datetime.timedelta(days=1)
+
+    def start(self, stop: threading.Event) -> threading.Thread:
+        """Check every ``interval_s`` on a daemon thread until ``stop`` is set (for a daemon with no
+        periodic loop that always runs: a standby coordinator's)."""
+        def run() -> None:
+            while not stop.wait(self.interval.total_seconds()):
+                self.check()
+
+        thread = threading.Thread(target=run, name="tls-expiry", daemon=True)
+        thread.start()
+        return thread
 
 
 def _public_der(key: PublicKeyTypes) -> bytes:
