@@ -909,6 +909,37 @@ def test_an_agent_ignores_the_assignment_of_a_node_whose_name_extends_its_own(
         th.join(30)
 
 
+def test_an_assignment_with_fields_a_newer_coordinator_added_is_run(etcd_server: EtcdServer, store: Store,
+                                                                     tmp_path: Path) -> None:
+    """Rolling upgrade, agents before the leader or not: a newer coordinator's record, with a field this
+    agent does not know on the node's record, a task's and a rank's, was refused whole ("ignoring
+    malformed assignment") and the node ran nothing. Now the fields are skipped and the ranks run."""
+    agent = Agent(settings(etcd_server, "u0", tmp_path))
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    try:
+        assert agent.ready.wait(30)
+        _revision[0] += 1
+        record = NodeAssignment(node="u0", revision=_revision[0],
+                                tasks=[task("newer", SLEEPER, [0, 1], 2, store_node="u0")]).to_dict()
+        record["drain_deadline_ts"] = 1e9
+        record["tasks"][0]["priority_class"] = "high"
+        record["tasks"][0]["ranks"][1]["numa_node"] = 1
+        store.put(KEYS.assignment("u0"), json.dumps(record))
+        res = wait_for(lambda: result(store, "u0", _revision[0]), 60, "u0's result")
+        assert res.ok, res.detail
+        assert sorted(res.tasks["newer"].ranks.items()) == [("0", "running"), ("1", "running")]
+
+        def both_running() -> NodeStatus | None:
+            st = status(store, "u0")
+            return st if st is not None and [r.state for r in st.ranks] == ["running", "running"] else None
+
+        assert all(pid_alive(r.pid) for r in wait_for(both_running, 30, "u0's status of both ranks running").ranks)
+    finally:
+        agent.stop()
+        th.join(30)
+
+
 # Rank 0 iterates every 10 ms, its wall-clock stamps stepping back an hour at iteration 30, as an
 # iteration in flight across an NTP step is stamped before it and judged after it; rank 1 (the
 # control) iterates as steadily, then stalls inside iteration 30 for good.

@@ -146,6 +146,30 @@ def _apply(obj: Any, path: Path, op: str, value: Any) -> tuple[Any, str]:
     return out, name
 
 
+def record_paths(rec: Record, prefix: Path = ()) -> list[Path]:
+    """Where in ``rec.to_dict()`` records are: the top, and each one nested in a field, a list or a dict."""
+    out = [prefix]
+    for f in dataclasses.fields(rec):  # type: ignore[arg-type]
+        value = getattr(rec, f.name)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        if isinstance(value, Record):
+            out += record_paths(value, (*prefix, f.name))
+        for key, item in items:
+            if isinstance(item, Record):
+                out += record_paths(item, (*prefix, f.name, key))
+    return out
+
+
+def with_field(obj: dict[str, Any], path: Path, name: str, value: Any) -> dict[str, Any]:
+    """A copy of ``obj`` whose object at ``path`` has one more field, ``name``."""
+    out = copy.deepcopy(obj)
+    target: Any = out
+    for step in path:
+        target = target[step]
+    target[name] = value
+    return out
+
+
 def mutated(valid: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[tuple[Any, str]]:
     """(a valid JSON object with one mutation anywhere in it, the field name the mutation touched)."""
     return valid.flatmap(

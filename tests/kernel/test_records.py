@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
+import uuid
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pytest
+import structlog
 
+from unicron.kernel import link, protocol
+from unicron.kernel import types as types_module
 from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.inject import Injection
 from unicron.kernel.types import (
+    MAX_UNKNOWN_WARNINGS,
     DetectionMethod,
     ErrorKind,
+    NodeAssignment,
     NodeInfo,
     NodeStatus,
     RankSpec,
@@ -19,6 +28,7 @@ from unicron.kernel.types import (
     Record,
     Report,
     StoreAddress,
+    TaskAssignment,
 )
 
 
@@ -67,10 +77,73 @@ def test_a_rank_set_is_ranges_and_round_trips() -> None:
 
 
 def test_a_first_placements_rank_record_is_what_an_agent_from_before_previous_nodes_reads() -> None:
-    """Readers refuse unknown fields: ``previous_nodes`` written empty made every node record of a new
-    coordinator unreadable to an agent or standby not yet upgraded (it launched nothing on its node)."""
+    """Readers once refused unknown fields: ``previous_nodes`` written empty made every node record of a
+    new coordinator unreadable to an agent or standby not yet upgraded (it launched nothing on its node).
+    It is still left out while empty, for the readers of those versions."""
     first, moved = RankSpec(rank=0, local_rank=0, gpu=0), RankSpec(rank=1, local_rank=0, gpu=0, previous_nodes=["n2"])
     assert set(first.to_dict()) == {"rank", "local_rank", "gpu"}
     assert moved.to_dict()["previous_nodes"] == ["n2"]
     for spec in (first, moved):
         assert RankSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.fixture(autouse=True)
+def _no_unknown_field_warned_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warnings are remembered for the whole process, and other tests (the fuzz) may have used them up."""
+    monkeypatch.setattr(types_module, "_warned_unknown", set())
+
+
+def _newer_field() -> str:
+    """A field name no other record of the test used."""
+    return f"zz_{uuid.uuid4().hex[:8]}"
+
+
+def _unknown_field_warnings(logs: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    return [(e["record"], e["field"]) for e in logs if e["event"].startswith("ignoring unknown record field")]
+
+
+def test_a_daemons_record_with_a_field_a_newer_version_added_is_read_without_it() -> None:
+    """Rolling upgrade: a newer coordinator's assignment (a new field in the node's record, in a task's,
+    in a rank's) was refused whole by an older agent, which then launched nothing on its node; a newer
+    agent's status was dropped by an older coordinator. Unknown fields are now skipped, as protobuf does."""
+    a = TaskAssignment(task="t", generation=1, argv=["x"], env={}, world_size=1, ranks=[RankSpec(0, 0, 0)],
+                       store_node="n0")
+    assignment = NodeAssignment(node="n0", revision=3, tasks=[a])
+    raw = assignment.to_dict()
+    top, in_task, in_rank = _newer_field(), _newer_field(), _newer_field()
+    raw[top] = {"anything": [1, 2]}
+    raw["tasks"][0][in_task] = 7
+    raw["tasks"][0]["ranks"][0][in_rank] = None
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):  # a record read again (a status, every second) warns no more
+            assert NodeAssignment.from_json(json.dumps(raw)) == assignment
+    assert sorted(_unknown_field_warnings(logs)) == sorted(
+        [("NodeAssignment", top), ("TaskAssignment", in_task), ("RankSpec", in_rank)])
+    status = NodeStatus(node="n0", ts=1.0, generation=1, task="t", gpu_health=[],
+                        ranks=[RankStatus(task="t", generation=1, rank=0, pid=4, state="running", step=5)])
+    assert NodeStatus.from_dict({**status.to_dict(), _newer_field(): 1}) == status
+    # the rank <-> agent and agent <-> coordinator messages too (a rank's runtime is the job's version)
+    iter_end = protocol.IterEnd(step=1, duration_s=0.5)
+    assert protocol.parse({**iter_end.to_wire(), _newer_field(): "x"}) == iter_end
+    assert link.parse({"type": "goodbye", "reason": "r", _newer_field(): 1}) == link.Goodbye(reason="r")
+
+
+def test_a_known_field_of_the_wrong_type_is_still_refused_beside_an_unknown_one() -> None:
+    raw = {**RankSpec(0, 0, 0).to_dict(), _newer_field(): 1, "gpu": "zero"}
+    with pytest.raises(InvalidRecord, match=r"RankSpec\.gpu: bad value"):
+        RankSpec.from_dict(raw)
+
+
+def test_an_operators_injection_request_refuses_an_unknown_field_in_one_line() -> None:
+    with pytest.raises(InvalidRecord, match=r"^Injection: unknown field\(s\) \['iteratoins'\]$"):
+        Injection.from_dict({"fault": "slow", "delay_s": 2.0, "iteratoins": 5})
+
+
+def test_unknown_field_warnings_are_bounded_whatever_names_a_writer_sends() -> None:
+    """A forged or corrupted record with a fresh name each time must not grow the log without bound."""
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(MAX_UNKNOWN_WARNINGS + 10):
+            RankSpec.from_dict({**RankSpec(0, 0, 0).to_dict(), _newer_field(): 1})
+    warned = _unknown_field_warnings(logs)
+    assert 0 < len(warned) <= MAX_UNKNOWN_WARNINGS
+    assert "further_unknown_fields" in [e for e in logs if "record" in e][-1]

@@ -7,7 +7,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Self
+from typing import ClassVar, Self
 
 from unicron.kernel.errors import InvalidRecord, TemporaryError
 from unicron.kernel.etcd import Store
@@ -35,6 +35,9 @@ class Fault(enum.StrEnum):
 @dataclass(frozen=True)
 class Injection(Record):
     """One request; the agent writes it back with ``executed_ts``, ``ok`` and ``detail`` set."""
+
+    #: an operator's request: a field the agent does not know is a mistake to refuse, not to skip
+    REFUSES_UNKNOWN_FIELDS: ClassVar[bool] = True
 
     fault: Fault
     task: str | None = None

@@ -4,6 +4,10 @@ Everything here is plain data: frozen dataclasses that round-trip through JSON (
 ``from_dict``), so the same record can live in etcd, cross a socket and appear in a JSON log.
 ``from_dict`` raises :class:`unicron.kernel.errors.InvalidRecord` on anything malformed, never a bare
 ``KeyError``/``TypeError``, so daemons can log and skip garbage instead of crashing.
+
+A field the reader does not know is skipped, as protobuf readers skip one, in every record daemons
+write for each other (``Record.REFUSES_UNKNOWN_FIELDS``): during a rolling upgrade a newer agent's or
+coordinator's record must stay readable to the older daemons. A record an operator writes refuses it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import enum
 import functools
 import json
 import math
+import threading
 import time
 import types
 import typing
@@ -22,7 +27,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Self
 
 from unicron.kernel import address, jsontext
+from unicron.kernel import log as ulog
 from unicron.kernel.errors import InvalidRecord
+
+log = ulog.get(__name__)
 
 
 class Severity(enum.IntEnum):
@@ -84,13 +92,37 @@ def _field_names(cls: type[Any]) -> frozenset[str]:
     return frozenset(f.name for f in fields(cls))
 
 
-def _check_fields(cls: type[Any], data: Any) -> dict[str, Any]:
+#: the (record type, field) pairs this process warned of: one line each, not one per read (a field a
+#: newer agent added comes in every node's status, every second, from a thousand nodes)
+_warned_unknown: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+#: the most pairs remembered and warned of: a writer sending fresh names each time (corruption, a
+#: forged record) must not grow the set or the log without bound
+MAX_UNKNOWN_WARNINGS = 256
+
+
+def _check_fields(cls: type[Record], data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidRecord(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
-    unknown = set(data) - _field_names(cls)  # type: ignore[arg-type]
-    if unknown:
+    unknown = data.keys() - _field_names(cls)  # type: ignore[arg-type]
+    if not unknown:
+        return data
+    if cls.REFUSES_UNKNOWN_FIELDS:
         raise InvalidRecord(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
-    return data
+    _warn_unknown(cls.__name__, unknown)
+    return {k: v for k, v in data.items() if k not in unknown}
+
+
+def _warn_unknown(record: str, names: Iterable[object]) -> None:
+    for name in names:
+        pair = (record, name if isinstance(name, str) and len(name) <= 80 and name.isprintable() else _show(name))
+        with _warned_lock:
+            if pair in _warned_unknown or len(_warned_unknown) >= MAX_UNKNOWN_WARNINGS:
+                continue
+            _warned_unknown.add(pair)
+            last = len(_warned_unknown) == MAX_UNKNOWN_WARNINGS
+        log.warning("ignoring unknown record field (written by a newer version?)", record=record, field=pair[1],
+                    **({"further_unknown_fields": "not logged"} if last else {}))
 
 
 @functools.cache
@@ -235,6 +267,12 @@ class Record:
 
     Enum fields are built from their values here; subclasses may check more in ``_coerce``.
     """
+
+    #: whether ``from_dict`` refuses a field it does not know (InvalidRecord naming it) instead of
+    #: skipping it with a warning. Off for what daemons write for each other, which an older daemon
+    #: must still act on during a rolling upgrade; on for what an operator writes, where an unknown
+    #: field is a typo that must not be silently ignored. Known fields are type-checked either way.
+    REFUSES_UNKNOWN_FIELDS: ClassVar[bool] = False
 
     def to_dict(self) -> dict[str, Any]:
         # what dataclasses.asdict gives, without its deepcopy of every scalar (at 1,000 nodes the
@@ -471,8 +509,8 @@ class RankSpec(Record):
     #: (``ckpt.placement.restore_order``), wherever they are on a ring of thousands of nodes
     previous_nodes: list[str] = field(default_factory=list)
 
-    #: left out of a record while empty: a reader from before the field refuses unknown fields, and a
-    #: first placement (most records) must stay readable to it during a rolling upgrade
+    #: left out of a record while empty: a reader from before unknown fields were skipped refuses them,
+    #: and a first placement (most records) must stay readable to it during a rolling upgrade
     OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("previous_nodes",)
 
 
