@@ -77,7 +77,7 @@ class Executor:
         changed: set[str] = set()
         # where each reassigned task's ranks ran, read before they leave the records (an isolation in
         # the same decision clears its node's too)
-        before = {a.task: self._previous_nodes(a.task) for a in actions if isinstance(a, d.Assign)}
+        before = {a.task: self._previous_nodes(a) for a in actions if isinstance(a, d.Assign)}
         for action in actions:
             if isinstance(action, d.Assign):
                 changed |= self._remove_task(action.task)
@@ -96,7 +96,7 @@ class Executor:
         """Update the desired state for ``action``; returns the nodes whose record changed."""
         match action:
             case d.Assign():
-                return self._assign(action, self._previous_nodes(action.task))
+                return self._assign(action, self._previous_nodes(action))
             case d.ResizeInPlace():
                 return self._drop_leavers(action) | self._resize(action)
             case d.StopTask():
@@ -146,15 +146,20 @@ class Executor:
         used = {r.gpu for name, t in self.desired.get(node, {}).items() if name != task for r in t.ranks}
         return [g for g in range(self.node_gpus(node)) if g not in used]
 
-    def _previous_nodes(self, task: str) -> dict[int, list[str]]:
+    def _previous_nodes(self, action: d.Assign) -> dict[int, list[str]]:
         """rank -> the nodes it ran on (``RankSpec.previous_nodes`` of its next placement): its node in
-        the current records, then the ones its spec names, at most ``PREVIOUS_NODES_KEPT``."""
+        the current records, then the ones its spec names, then its node in the task's last placement
+        as the core kept it (``Assign.previous_placement``: the task was stopped in an earlier decision,
+        which took it off the records), at most ``PREVIOUS_NODES_KEPT``."""
         out: dict[int, list[str]] = {}
         for node, tasks in self.desired.items():
-            record = tasks.get(task)
+            record = tasks.get(action.task)
             for spec in record.ranks if record is not None else ():
-                out[spec.rank] = list(dict.fromkeys([node, *spec.previous_nodes]))[:PREVIOUS_NODES_KEPT]
-        return out
+                out[spec.rank] = [node, *spec.previous_nodes]
+        for node, ranks in action.previous_placement.items():
+            for rank in ranks:
+                out.setdefault(rank, []).append(node)
+        return {rank: list(dict.fromkeys(nodes))[:PREVIOUS_NODES_KEPT] for rank, nodes in out.items()}
 
     def _assign(self, action: d.Assign, previous: Mapping[int, list[str]]) -> set[str]:
         """``previous``: where each rank ran before (:meth:`_previous_nodes`, read before the task left

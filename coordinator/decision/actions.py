@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +77,10 @@ class Assign:
     restart_epoch: int = 0
     """A ``restart`` task relaunched at a new placement or size is torchrun's next attempt: its restart
     count goes on (``TORCHELASTIC_RESTART_COUNT``); 0 for a first launch and for ``inprocess`` tasks."""
+    previous_placement: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """node -> global ranks of the task's last placement when its ranks left it before this decision
+    (stopped to wait for GPUs, ``TaskEntry.last_placement``): the executor names those nodes as where
+    the ranks ran (``RankSpec.previous_nodes``), which its records no longer say. Empty otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -80,7 +80,9 @@ def to_dict(item: Event | Action) -> dict[str, object]:
             value = value.to_dict()
         elif isinstance(value, tuple):
             value = list(value)
-        elif f.name == "placement":
+        elif f.name in _PLACEMENTS:
+            if f.name in _OMITTED_WHEN_EMPTY and not value:
+                continue
             value = {n: list(r) for n, r in value.items()}
         out[f.name] = value
     return out
@@ -100,8 +102,8 @@ def from_dict(data: object) -> Event | Action:
             raw["incident"] = Incident.from_dict(raw["incident"])
         if "spec" in raw:
             raw["spec"] = parse_task_spec(raw["spec"], None)
-        if "placement" in raw:
-            raw["placement"] = {n: tuple(r) for n, r in raw["placement"].items()}
+        for key in _PLACEMENTS & set(raw):
+            raw[key] = {n: tuple(r) for n, r in raw[key].items()}
         if "cause" in raw:
             raw["cause"] = FailureCause(raw["cause"])
         for key in ("members", "failed_ranks", "ranks", "joiners", "leaving", "lost", "joined"):
@@ -115,6 +117,12 @@ def from_dict(data: object) -> Event | Action:
     return result
 
 
+#: node -> ranks fields (tuples in an action, lists in JSON)
+_PLACEMENTS = frozenset({"placement", "previous_placement"})
+
+#: left out of a record while empty: a reader from before the field refuses unknown fields
+_OMITTED_WHEN_EMPTY = frozenset({"previous_placement"})
+
 #: fields read by their own parser, which checks them
 _PARSED = frozenset({"incident", "spec", "cause"})
 
@@ -127,6 +135,6 @@ def _check_fields(name: str, raw: dict[str, Any]) -> None:
     TypeError inside the core). Unknown and missing fields are left to the constructor."""
     hints = _HINTS[name]
     for key, value in raw.items():
-        hint = dict[str, list[int]] if key == "placement" else hints.get(key)
+        hint = dict[str, list[int]] if key in _PLACEMENTS else hints.get(key)
         if hint is not None and key not in _PARSED and not conforms(value, hint):
             raise InvalidRecord(f"decision record {name}: {key}: bad value {value!r:.80} (expected {hint})")

@@ -137,6 +137,7 @@ def _copy_task(e: TaskEntry) -> TaskEntry:
     return dataclasses.replace(
         e,
         placement={n: list(r) for n, r in e.placement.items()},
+        last_placement={n: list(r) for n, r in e.last_placement.items()},
         failed_ranks=list(e.failed_ranks),
         joiners=list(e.joiners),
         relaunching={n: list(r) for n, r in e.relaunching.items()},
@@ -348,6 +349,7 @@ class _Run:
         if entry.phase in ACTIVE_PHASES and phase not in ACTIVE_PHASES:
             entry.ended_at = self.state.now
             self.ended = True
+            entry.last_placement = {}  # no Assign will name it
         entry.phase = phase
         self.responses[response](name, entry, fault)
         if phase not in ACTIVE_PHASES:
@@ -561,7 +563,9 @@ class _Run:
             world_size=sum(fault.placement.values()),
             reason=fault.reason,
             restart_epoch=entry.restart_epoch if entry.spec.restarts_whole else 0,
+            previous_placement={n: tuple(r) for n, r in sorted(entry.last_placement.items())},
         )
+        entry.last_placement = {}  # named once: the records the executor writes now say it
         self.actions.append(action)
         self._track(entry, action.action_id, ActionKind.ASSIGN, None, list(entry.placement))
 
@@ -603,6 +607,10 @@ class _Run:
         self._track(entry, action.action_id, ActionKind.RESIZE, node, list(entry.placement))
 
     def _clear(self, entry: TaskEntry, reason: str) -> None:
+        if entry.phase in ACTIVE_PHASES and entry.placement:
+            # stopped to wait for GPUs: its next Assign names where the ranks ran (their replicas'
+            # holders), which the stop removes from the executor's records
+            entry.last_placement = {n: list(r) for n, r in entry.placement.items()}
         entry.placement = {}
         entry.relaunching = {}  # a restart under way ends with the ranks it relaunched
         entry.outstanding = None

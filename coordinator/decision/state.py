@@ -162,6 +162,12 @@ class TaskEntry:
     none, or a later update relaunched nothing (there is no launch to wait for)."""
     update_reason: str = ""
     """Why that update was rolled back (the rollback's reason); "" otherwise."""
+    last_placement: dict[str, list[int]] = field(default_factory=dict)
+    """node -> global ranks where the task ran when it was stopped to wait for GPUs (``placement``
+    cleared, the task still active), until its next ``Assign`` names it (``Assign.previous_placement``):
+    the executor's records, which say where each rank ran before, went with the stop, and its restore
+    would not find the peers holding its in-memory replicas. Empty otherwise; persisted (left out
+    while empty), so a new leader names them too."""
 
     def ranks_on(self, node: str) -> list[int]:
         return self.placement.get(node, [])
@@ -260,6 +266,10 @@ def _task_to_dict(e: TaskEntry) -> dict[str, object]:
     out["phase"] = e.phase.value
     out["update"] = None if e.update is None else e.update.value
     out["placement"] = {n: list(r) for n, r in e.placement.items()}
+    out["last_placement"] = {n: list(r) for n, r in e.last_placement.items()}
+    for key in _OMITTED_WHEN_EMPTY:
+        if not out[key]:
+            del out[key]  # a reader from before the field refuses unknown fields
     out["failed_ranks"] = list(e.failed_ranks)
     out["joiners"] = list(e.joiners)
     out["rate"] = None if e.rate is None else {"generation": e.rate.generation, "gpus": e.rate.gpus,
@@ -329,6 +339,9 @@ def _member(kind: type[E], value: Any, where: str) -> E:
                             "delete the state key to start afresh") from None
 
 
+#: TaskEntry fields left out of the state while empty: a reader from before them refuses unknown fields
+_OMITTED_WHEN_EMPTY = ("last_placement",)
+
 #: TaskEntry fields stored as plain JSON values (the others are parsed below)
 _PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured", "previous_spec",
                                                 "update"}
@@ -374,6 +387,7 @@ def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
     raw.setdefault("submitted_at", 0.0)  # likewise; 0: every kept measurement is taken as this run's
     raw.setdefault("ended_at", 0.0)  # likewise; 0: retired before any task that ended since
     raw.setdefault("fault_followed", False)  # likewise
+    raw.setdefault("last_placement", {})  # likewise, and left out while empty
     raw["rate"] = _rate(raw.get("rate"), _path("tasks", name, "rate"))  # likewise (absent: None)
     where = _path("tasks", name, "measured")
     raw["measured"] = Measured({_gpus(int(g), where, MAX_CLUSTER_GPUS): float(f)

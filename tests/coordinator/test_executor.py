@@ -14,7 +14,7 @@ from coordinator.daemon import execute
 from coordinator.decision.resize import plan_in_place
 from coordinator.executor import Executor
 from coordinator.tasks import Recovery, TaskSpec
-from tests.coordinator.test_decision import Sim, spec
+from tests.coordinator.test_decision import SEV1_KIND, Sim, spec
 from unicron.kernel.errors import PermanentError
 from unicron.kernel.keyspace import Keyspace
 from unicron.kernel.types import NodeAssignment
@@ -267,3 +267,90 @@ def test_a_reassigned_rank_is_told_where_it_ran_before_its_replica_holders_are_f
     assert [s.previous_nodes for s in ex.desired["n2"]["t"].ranks] == [["n3", "n2"], ["n3", "n2"]]
     _, value = ex.record("n2")
     assert NodeAssignment.from_json(value).tasks[0].ranks[0].previous_nodes == ["n3", "n2"]  # round trip
+
+
+def previous_nodes(sim: Driven, task: str) -> dict[int, list[str]]:
+    """rank -> the nodes its RankSpec names as where it ran before, over every node's record."""
+    return {s.rank: s.previous_nodes for tasks in sim.executor.desired.values() if task in tasks
+            for s in tasks[task].ranks}
+
+
+def new_leader(sim: Driven) -> None:
+    """What a coordinator taking the lead holds: the state as persisted (JSON), the executor loaded
+    from the node records the old leader wrote."""
+    sim.state = d.CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict())))
+    records = dict(sim.executor.record(node) for node in sorted(sim.executor.desired))
+    sim.executor = Executor(Keyspace("/x"), lambda task: None, lambda node: 0)
+    sim.executor.load({key: value.encode() for key, value in records.items()})
+
+
+@pytest.mark.parametrize("failover", [False, True])
+def test_a_task_stopped_to_wait_for_a_node_is_placed_again_naming_where_its_ranks_ran(failover: bool) -> None:
+    """A full cluster loses a node: the task stops and waits pending, its records go. Its next Assign,
+    decisions later, named no previous node (read from those records) and its restore could not find
+    the peers holding its in-memory replicas; the core now keeps the last placement until then, with
+    the state (a new leader in between names them too)."""
+    sim = Driven()
+    sim.join("n0", gpus=8)
+    sim.join("n1", gpus=8)
+    sim.submit("job", min_gpus=16, max_gpus=16)
+    sim.confirm_outstanding()
+    assert previous_nodes(sim, "job") == {r: [] for r in range(16)}  # a first placement names none
+    sim.feed(d.NodeLost(ts=sim.ts(), node="n1", reason="lease expired"))
+    assert sim.phase("job") is d.TaskPhase.PENDING and previous_nodes(sim, "job") == {}
+    if failover:
+        new_leader(sim)
+    sim.join("n1", gpus=8)  # back: placed again in a later decision
+    assert sim.phase("job") is d.TaskPhase.RECONFIGURING
+    assert sim.state.tasks["job"].placement == {"n0": list(range(8)), "n1": list(range(8, 16))}
+    assert previous_nodes(sim, "job") == {r: ["n0" if r < 8 else "n1"] for r in range(16)}
+    assert sim.state.tasks["job"].last_placement == {}  # named once: the records say it now
+
+
+def test_a_rank_whose_node_was_isolated_before_its_reassignment_is_told_that_node() -> None:
+    """The node is isolated (its record cleared) in the decision that stops the task (the rest does
+    not fit its minimum); a node joins later and the task is placed there: the ranks that ran on the
+    isolated node are told it, as those that ran on the healthy one are."""
+    sim = Driven()
+    sim.join("n0", gpus=8)
+    sim.join("n1", gpus=8)
+    sim.submit("job", min_gpus=16, max_gpus=16)
+    sim.confirm_outstanding()
+    acts = sim.incident("n1", SEV1_KIND)
+    assert any(isinstance(a, d.IsolateNode) and a.node == "n1" for a in acts)
+    assert sim.phase("job") is d.TaskPhase.PENDING and previous_nodes(sim, "job") == {}
+    acts = sim.join("n2", gpus=8)
+    (launch,) = [a for a in acts if isinstance(a, d.Assign)]
+    assert launch.placement == {"n0": tuple(range(8)), "n2": tuple(range(8, 16))}
+    assert previous_nodes(sim, "job") == {r: ["n0" if r < 8 else "n1"] for r in range(16)}
+    # stopped so again: the newest placement is the one named
+    sim.confirm_outstanding()
+    sim.incident("n2", SEV1_KIND)
+    sim.join("n3", gpus=8)
+    assert {r: nodes[0] for r, nodes in previous_nodes(sim, "job").items()} == {
+        r: "n0" if r < 8 else "n2" for r in range(16)}
+
+
+def test_the_last_placement_goes_with_the_state_and_is_left_out_while_empty() -> None:
+    """Persisted so that a new leader names it; absent while empty (an older leader reading the state
+    refuses unknown fields), and dropped when the task ends (no Assign will name it)."""
+    sim = Driven()
+    sim.join("n0", gpus=8)
+    sim.submit("job", min_gpus=8)
+    sim.confirm_outstanding()
+    assert "last_placement" not in sim.state.to_dict()["tasks"]["job"]  # type: ignore[index]
+    sim.feed(d.NodeLost(ts=sim.ts(), node="n0", reason="lease expired"))
+    data = json.loads(json.dumps(sim.state.to_dict()))
+    assert data["tasks"]["job"]["last_placement"] == {"n0": list(range(8))}
+    assert d.CoreState.from_dict(data) == sim.state
+    sim.feed(d.TaskCancelled(ts=sim.ts(), task="job"))
+    assert sim.state.tasks["job"].last_placement == {}
+    assert "last_placement" not in sim.state.to_dict()["tasks"]["job"]  # type: ignore[index]
+
+
+def test_an_assigns_previous_placement_round_trips_and_is_left_out_while_empty() -> None:
+    named = dataclasses.replace(assign("t", {"n0": (0, 1)}), previous_placement={"n1": (0, 1)})
+    assert d.from_dict(json.loads(json.dumps(d.to_dict(named)))) == named
+    plain = assign("t", {"n0": (0, 1)})
+    assert "previous_placement" not in d.to_dict(plain)
+    assert d.from_dict(json.loads(json.dumps(d.to_dict(plain)))) == plain

@@ -297,6 +297,41 @@ def _placed_on_two_nodes(endpoint: str, prefix: str) -> None:
         _close(a)
 
 
+def test_a_new_leader_names_where_a_task_stopped_before_the_takeover_ran(etcd_server: EtcdServer) -> None:
+    """Task ``job`` fills n0 and n1; n1 is lost, the task stops to wait for GPUs (its assign/ records
+    go) and the leader changes. When n1 is back the new leader places the task again, and its records
+    name where each rank ran (``RankSpec.previous_nodes``, where a restore finds the peers holding its
+    in-memory replicas): kept in the decision state, not in the records the stop cleared."""
+    prefix = "/stoppedplacement"
+    a, _ = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        for n in ("n0", "n1"):
+            a._decide(d.NodeJoined(ts=time.time(), node=n, gpus=2))
+        spec = parse_task_spec({"name": "job", "command": ["python", "x.py"], "min_gpus": 4, "max_gpus": 4,
+                                "recovery": "inprocess"}, None)
+        a._decide(d.TaskSubmitted(ts=time.time(), spec=spec))
+        out = a.state.tasks["job"].outstanding
+        assert out is not None
+        a._decide(d.ActionSucceeded(ts=time.time(), action_id=out.action_id))
+        assert a.state.tasks["job"].placement == {"n0": [0, 1], "n1": [2, 3]}
+        a._decide(d.NodeLost(ts=time.time(), node="n1", reason="lease expired"))
+        assert a.state.tasks["job"].phase is d.TaskPhase.PENDING
+    finally:
+        _close(a)
+    b, b_store = _leading_coordinator(etcd_server.endpoint, prefix)
+    try:
+        b._load_state()
+        b._decide(d.NodeJoined(ts=time.time(), node="n1", gpus=2))
+        previous: dict[int, list[str]] = {}
+        for n in ("n0", "n1"):
+            kv = b_store.get(b.keys.assignment(n))
+            assert kv is not None
+            previous |= {s.rank: s.previous_nodes for t in NodeAssignment.from_json(kv.value).tasks for s in t.ranks}
+        assert previous == {0: ["n0"], 1: ["n0"], 2: ["n1"], 3: ["n1"]}
+    finally:
+        _close(b)
+
+
 @pytest.mark.parametrize("damaged", [True, False])
 def test_a_node_lost_before_it_re_registers_fails_over_its_tasks_even_if_its_entry_was_unreadable(
         etcd_server: EtcdServer, damaged: bool) -> None:
