@@ -48,8 +48,10 @@ class ControlPlane(Protocol):
     / :class:`AlreadyExists`); the servicer maps them to status codes (see :func:`status_for`).
     """
 
-    def submit(self, spec: TaskSpec) -> None:
-        """Add a validated task to the task set. :class:`AlreadyExists` if the name is taken."""
+    def submit(self, spec: TaskSpec) -> bool:
+        """Add a validated task to the task set; True. False, changing nothing, when the active task of
+        that name has this very spec (a retried submit whose first try landed); :class:`AlreadyExists`
+        when it has another."""
 
     def update(self, spec: TaskSpec) -> None:
         """Replace the spec of the active task of that name (:class:`NotFound` if there is none). A
@@ -152,9 +154,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if request.update:
                 self.cp.update(spec)
                 log.info("task updated", task=spec.name, weight=spec.weight, min_gpus=spec.min_gpus)
-            else:
-                self.cp.submit(spec)
+            elif self.cp.submit(spec):
                 log.info("task submitted", task=spec.name, weight=spec.weight, min_gpus=spec.min_gpus)
+            else:
+                return pb.SubmitReply(task_json=_dumps(spec.to_dict()), already_submitted=True)
             return pb.SubmitReply(task_json=_dumps(spec.to_dict()))
 
         return self._run(context, "Submit", submit)

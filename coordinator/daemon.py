@@ -1028,14 +1028,23 @@ class Coordinator:
         except Exception as exc:  # the caller's error, answered to the API client, not ours to handle
             call.future.set_exception(exc)
 
-    def submit(self, spec: TaskSpec) -> None:
-        def run() -> None:
-            old = self.state.tasks.get(spec.name)
-            if old is not None and old.phase in d.ACTIVE_PHASES:
-                raise api.AlreadyExists(f"task {spec.name!r} is active; cancel it first or pick another name")
-            self._decide(d.TaskSubmitted(ts=self.clock(), spec=spec),
-                         puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
-        self._call(run)
+    def submit(self, spec: TaskSpec) -> bool:
+        return self._call(lambda: self._submit(spec))
+
+    def _submit(self, spec: TaskSpec) -> bool:
+        """Whether ``spec`` was added (False: the active task of that name has this very spec)."""
+        old = self.state.tasks.get(spec.name)
+        if old is not None and old.phase in d.ACTIVE_PHASES:
+            if old.spec == spec:
+                # A client's retry after a failover (or a lost answer) whose first try landed: the
+                # client retries UNAVAILABLE and DEADLINE_EXCEEDED, which a leader dying after its
+                # write also answers. Refused, an operator told to cancel would lose the task's progress.
+                log.info("task already submitted, same spec", task=spec.name)
+                return False
+            raise api.AlreadyExists(f"task {spec.name!r} is active; cancel it first or pick another name")
+        self._decide(d.TaskSubmitted(ts=self.clock(), spec=spec),
+                     puts={self.keys.task(spec.name): json.dumps(spec.to_dict())})
+        return True
 
     def update(self, spec: TaskSpec) -> None:
         def run() -> None:

@@ -57,12 +57,15 @@ class FakeControlPlane:
         if self.fail is not None:
             raise self.fail
 
-    def submit(self, spec: TaskSpec) -> None:
+    def submit(self, spec: TaskSpec) -> bool:
         self._check()
         with self._lock:
+            if self.specs.get(spec.name) == spec:
+                return False  # as the daemon: a retry of what landed
             if spec.name in self.specs:
                 raise AlreadyExists(f"task {spec.name!r} already exists; cancel it or pick another name")
             self.specs[spec.name] = spec
+            return True
 
     def update(self, spec: TaskSpec) -> None:
         self._check()
@@ -215,7 +218,10 @@ def test_not_json_is_invalid_argument(stub: Any, plane: FakeControlPlane) -> Non
 
 def test_refusals_map_to_their_status_codes(stub: Any, spec: dict[str, Any]) -> None:
     stub.Submit(pb.SubmitRequest(spec_json=json.dumps(spec)), timeout=5)
-    again = pb.SubmitRequest(spec_json=json.dumps(spec))
+    # the same name with another spec (the same spec again is a retry, answered as done)
+    again = pb.SubmitRequest(spec_json=json.dumps({**spec, "weight": 2.0 if spec.get("weight") != 2.0 else 1.0}))
+    retried = stub.Submit(pb.SubmitRequest(spec_json=json.dumps(spec)), timeout=5)
+    assert retried.already_submitted
     calls: list[tuple[Callable[[], Any], Any]] = [
         (lambda: stub.Submit(again, timeout=5), grpc.StatusCode.ALREADY_EXISTS),
         (lambda: stub.Cancel(pb.CancelRequest(name="nope"), timeout=5), grpc.StatusCode.NOT_FOUND),
@@ -449,9 +455,9 @@ class EtcdPlane(FakeControlPlane):
         super().__init__()
         self.store, self.keys = store, keys
 
-    def submit(self, spec: TaskSpec) -> None:
+    def submit(self, spec: TaskSpec) -> bool:
         self.store.put(self.keys.task(spec.name), json.dumps(spec.to_dict()))
-        super().submit(spec)
+        return super().submit(spec)
 
 
 def _huge_spec(spec: dict[str, Any]) -> dict[str, Any]:

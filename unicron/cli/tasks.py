@@ -117,7 +117,8 @@ class ApiClient:
             try:
                 return self._call_once(rpc, request, deadline)
             except TemporaryError:
-                # UNAVAILABLE means the request was not acted on, so asking the next leader is safe
+                # a coordinator that did not answer may still have acted (it died after its write): the
+                # next leader answers a retried submit of what landed as done (daemon.Coordinator._submit)
                 if not self.follow or time.monotonic() + _RETRY_PAUSE_S >= deadline:
                     raise
             time.sleep(_RETRY_PAUSE_S)
@@ -238,7 +239,9 @@ def _done(args: argparse.Namespace, message: str, record: dict[str, Any]) -> int
 def cmd_submit(args: argparse.Namespace) -> int:
     reply = call(args, "Submit", pb.SubmitRequest(spec_json=read_spec(args.file)))
     spec = json.loads(reply.task_json)
-    summary = (f"submitted task {spec['name']} (weight {spec['weight']}, min_gpus {spec['min_gpus']}, "
+    done = (f"task {spec['name']} already submitted, same spec" if reply.already_submitted
+            else f"submitted task {spec['name']}")
+    summary = (f"{done} (weight {spec['weight']}, min_gpus {spec['min_gpus']}, "
                f"tp {spec['tp_size']} x pp {spec['pp_size']})")
     return _done(args, summary, spec)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\nunicron.v1\"2\n\rSubmitRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x0e\n\x06update\x18\x02 \x01(\x08\" \n\x0bSubmitReply\x12\x11\n\ttask_json\x18\x01 \x01(\t\"\x1d\n\rCancelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\r\n\x0b\x43\x61ncelReply\" \n\x10ListTasksRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1d\n\x08TaskList\x12\x11\n\ttask_json\x18\x01 \x03(\t\"\x12\n\x10ListNodesRequest\"\x1d\n\x08NodeList\x12\x11\n\tnode_json\x18\x01 \x03(\t\"\x1b\n\x0bNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\x0b\n\tNodeReply\"%\n\x14ListIncidentsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"%\n\x0cIncidentList\x12\x15\n\rincident_json\x18\x01 \x03(\t2\x86\x04\n\x0b\x43oordinator\x12<\n\x06Submit\x12\x19.unicron.v1.SubmitRequest\x1a\x17.unicron.v1.SubmitReply\x12<\n\x06\x43\x61ncel\x12\x19.unicron.v1.CancelRequest\x1a\x17.unicron.v1.CancelReply\x12?\n\tListTasks\x12\x1c.unicron.v1.ListTasksRequest\x1a\x14.unicron.v1.TaskList\x12?\n\tListNodes\x12\x1c.unicron.v1.ListNodesRequest\x1a\x14.unicron.v1.NodeList\x12\x37\n\x05\x44rain\x12\x17.unicron.v1.NodeRequest\x1a\x15.unicron.v1.NodeReply\x12\x39\n\x07Undrain\x12\x17.unicron.v1.NodeRequest\x1a\x15.unicron.v1.NodeReply\x12\x38\n\x06\x46orget\x12\x17.unicron.v1.NodeRequest\x1a\x15.unicron.v1.NodeReply\x12K\n\rListIncidents\x12 .unicron.v1.ListIncidentsRequest\x1a\x18.unicron.v1.IncidentListb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x63oordinator.proto\x12\nunicron.v1\"2\n\rSubmitRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x0e\n\x06update\x18\x02 \x01(\x08\";\n\x0bSubmitReply\x12\x11\n\ttask_json\x18\x01 \x01(\t\x12\x19\n\x11\x61lready_submitted\x18\x02 \x01(\x08\"\x1d\n\rCancelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\r\n\x0b\x43\x61ncelReply\" \n\x10ListTasksRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1d\n\x08TaskList\x12\x11\n\ttask_json\x18\x01 \x03(\t\"\x12\n\x10ListNodesRequest\"\x1d\n\x08NodeList\x12\x11\n\tnode_json\x18\x01 \x03(\t\"\x1b\n\x0bNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\x0b\n\tNodeReply\"%\n\x14ListIncidentsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"%\n\x0cIncidentList\x12\x15\n\rincident_json\x18\x01 \x03(\t2\x86\x04\n\x0b\x43oordinator\x12<\n\x06Submit\x12\x19.unicron.v1.SubmitRequest\x1a\x17.unicron.v1.SubmitReply\x12<\n\x06\x43\x61ncel\x12\x19.unicron.v1.CancelRequest\x1a\x17.unicron.v1.CancelReply\x12?\n\tListTasks\x12\x1c.unicron.v1.ListTasksRequest\x1a\x14.unicron.v1.TaskList\x12?\n\tListNodes\x12\x1c.unicron.v1.ListNodesRequest\x1a\x14.unicron.v1.NodeList\x12\x37\n\x05\x44rain\x12\x17.unicron.v1.NodeRequest\x1a\x15.unicron.v1.NodeReply\x12\x39\n\x07Undrain\x12\x17.unicron.v1.NodeRequest\x1a\x15.unicron.v1.NodeReply\x12\x38\n\x06\x46orget\x12\x17.unicron.v1.NodeRequest\x1a\x15.unicron.v1.NodeReply\x12K\n\rListIncidents\x12 .unicron.v1.ListIncidentsRequest\x1a\x18.unicron.v1.IncidentListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITREQUEST']._serialized_start=33
   _globals['_SUBMITREQUEST']._serialized_end=83
   _globals['_SUBMITREPLY']._serialized_start=85
-  _globals['_SUBMITREPLY']._serialized_end=117
-  _globals['_CANCELREQUEST']._serialized_start=119
-  _globals['_CANCELREQUEST']._serialized_end=148
-  _globals['_CANCELREPLY']._serialized_start=150
-  _globals['_CANCELREPLY']._serialized_end=163
-  _globals['_LISTTASKSREQUEST']._serialized_start=165
-  _globals['_LISTTASKSREQUEST']._serialized_end=197
-  _globals['_TASKLIST']._serialized_start=199
-  _globals['_TASKLIST']._serialized_end=228
-  _globals['_LISTNODESREQUEST']._serialized_start=230
-  _globals['_LISTNODESREQUEST']._serialized_end=248
-  _globals['_NODELIST']._serialized_start=250
-  _globals['_NODELIST']._serialized_end=279
-  _globals['_NODEREQUEST']._serialized_start=281
-  _globals['_NODEREQUEST']._serialized_end=308
-  _globals['_NODEREPLY']._serialized_start=310
-  _globals['_NODEREPLY']._serialized_end=321
-  _globals['_LISTINCIDENTSREQUEST']._serialized_start=323
-  _globals['_LISTINCIDENTSREQUEST']._serialized_end=360
-  _globals['_INCIDENTLIST']._serialized_start=362
-  _globals['_INCIDENTLIST']._serialized_end=399
-  _globals['_COORDINATOR']._serialized_start=402
-  _globals['_COORDINATOR']._serialized_end=920
+  _globals['_SUBMITREPLY']._serialized_end=144
+  _globals['_CANCELREQUEST']._serialized_start=146
+  _globals['_CANCELREQUEST']._serialized_end=175
+  _globals['_CANCELREPLY']._serialized_start=177
+  _globals['_CANCELREPLY']._serialized_end=190
+  _globals['_LISTTASKSREQUEST']._serialized_start=192
+  _globals['_LISTTASKSREQUEST']._serialized_end=224
+  _globals['_TASKLIST']._serialized_start=226
+  _globals['_TASKLIST']._serialized_end=255
+  _globals['_LISTNODESREQUEST']._serialized_start=257
+  _globals['_LISTNODESREQUEST']._serialized_end=275
+  _globals['_NODELIST']._serialized_start=277
+  _globals['_NODELIST']._serialized_end=306
+  _globals['_NODEREQUEST']._serialized_start=308
+  _globals['_NODEREQUEST']._serialized_end=335
+  _globals['_NODEREPLY']._serialized_start=337
+  _globals['_NODEREPLY']._serialized_end=348
+  _globals['_LISTINCIDENTSREQUEST']._serialized_start=350
+  _globals['_LISTINCIDENTSREQUEST']._serialized_end=387
+  _globals['_INCIDENTLIST']._serialized_start=389
+  _globals['_INCIDENTLIST']._serialized_end=426
+  _globals['_COORDINATOR']._serialized_start=429
+  _globals['_COORDINATOR']._serialized_end=947
 # @@protoc_insertion_point(module_scope)

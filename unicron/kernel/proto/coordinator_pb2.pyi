@@ -15,10 +15,12 @@ class SubmitRequest(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., update: _Optional[bool] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("task_json",)
+    __slots__ = ("task_json", "already_submitted")
     TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     task_json: str
-    def __init__(self, task_json: _Optional[str] = ...) -> None: ...
+    already_submitted: bool
+    def __init__(self, task_json: _Optional[str] = ..., already_submitted: _Optional[bool] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("name",)
