@@ -36,7 +36,7 @@ from coordinator.allocation import WafAllocator
 from coordinator.costs import CostTracker
 from coordinator.executor import Executor
 from coordinator.grounding import Grounding
-from coordinator.leader import Leadership
+from coordinator.leader import KeyPresent, Leadership
 from coordinator.link import LinkServer
 from coordinator.lookup import PlanLookup
 from coordinator.metrics import CoordinatorMetrics
@@ -862,12 +862,15 @@ class Coordinator:
         return _gpus_in(self.state, node)
 
     def _decide(self, event: d.Event, puts: Mapping[str, str] | None = None,
-                deletes: Sequence[str] = (), incident: Incident | None = None) -> dict[str, Incident]:
+                deletes: Sequence[str] = (), incident: Incident | None = None,
+                absent: Sequence[str] = ()) -> dict[str, Incident]:
         """Feed one event to the core; write its state, the changed node records, the incidents whose
         recovery cost changed and ``puts`` / ``deletes`` in one fenced transaction; adopt the new
         state only once that write landed. Returns those incidents by id. ``incident``: the one the
         event stands for when it is not an ``IncidentRaised`` (a lease gone is a ``NodeLost``), so its
-        action is costed and it counts as a failure all the same."""
+        action is costed and it counts as a failure all the same. ``absent``: keys the write requires
+        absent (:class:`~coordinator.leader.KeyPresent` otherwise; an event that is not a tick or
+        progress, so that its decision is written)."""
         outages = self._etcd_outages
         base = self.state
         if outages != self._outages_graced:
@@ -913,7 +916,7 @@ class Coordinator:
             deletes = [*deletes, *state_deletes]
             assert self.leadership is not None
             started = time.monotonic()
-            self.leadership.write(puts=writes, deletes=deletes)
+            self.leadership.write(puts=writes, deletes=deletes, absent=absent)
             self._written(event, len(writes) + len(deletes), time.monotonic() - started)
             self._written_state, self._stored_entries = state, []
         draft.specs, draft.node_gpus = self._spec, self._node_gpus
@@ -1107,14 +1110,19 @@ class Coordinator:
         entry = self.state.nodes.get(node)
         if entry is None:
             raise api.NotFound(f"no node {node!r}; see 'unicron nodes'")
-        assert self.store is not None
-        # etcd's word, not only the watch's: a registration still queued behind this call counts
-        if node in self._nodes or self._link_alive(node) or self.store.get(self.keys.node(node)) is not None:
-            if entry.status is d.NodeState.UP:
-                raise PermanentError(f"node {node} is up; drain it and stop its agent first")
-            raise PermanentError(f"node {node} is {entry.status.value} but its agent is still registered; "
-                                 "stop its agent first")
-        self._decide(d.NodeForgotten(ts=self.clock(), node=node))
+        if entry.status is d.NodeState.UP:
+            still = PermanentError(f"node {node} is up; drain it and stop its agent first")
+        else:
+            still = PermanentError(f"node {node} is {entry.status.value} but its agent is still registered; "
+                                   "stop its agent first")
+        if node in self._nodes or self._link_alive(node):
+            raise still
+        try:
+            # etcd's word, at the write itself: a registration the watch has not delivered yet, or one
+            # landing after any check made here (a read, then the write, forgot it anyway), refuses it
+            self._decide(d.NodeForgotten(ts=self.clock(), node=node), absent=[self.keys.node(node)])
+        except KeyPresent:
+            raise still from None
 
     def _forget_records(self, node: str) -> None:
         """What this leader remembers of a forgotten node: a node of that name registering later is

@@ -21,11 +21,16 @@ from dataclasses import dataclass, field
 
 from unicron.kernel import jsontext
 from unicron.kernel import log as ulog
-from unicron.kernel.errors import InvalidRecord, NotLeader, StoreUnavailable
+from unicron.kernel.errors import InvalidRecord, NotLeader, PermanentError, StoreUnavailable
 from unicron.kernel.etcd import MAX_TXN_BYTES, MAX_TXN_OPS, Lease, Store
 from unicron.kernel.keyspace import Keyspace
 
 log = ulog.get(__name__)
+
+
+class KeyPresent(PermanentError):
+    """A fenced write required a key absent that exists: nothing was written, and this coordinator
+    still leads."""
 
 #: operations of one chunk of a wide write; its apply adds the staged key's delete and the commit's
 CHUNK_OPS = MAX_TXN_OPS - 8
@@ -202,12 +207,14 @@ class Leadership:
 
     # --- writes -------------------------------------------------------------------------------
 
-    def write(self, puts: Mapping[str, str | bytes] = {}, deletes: Sequence[str] = ()) -> None:
-        """A fenced write: applies only while we still hold the leader key we created.
+    def write(self, puts: Mapping[str, str | bytes] = {}, deletes: Sequence[str] = (),
+              absent: Sequence[str] = ()) -> None:
+        """A fenced write: applies only while we still hold the leader key we created, and none of the
+        keys ``absent`` exists.
 
-        Raises :class:`NotLeader` once another coordinator leads, and
+        Raises :class:`NotLeader` once another coordinator leads,
         :class:`~unicron.kernel.errors.StoreUnavailable` (retry later) while our lease is lost and we
-        campaign again.
+        campaign again, and :class:`KeyPresent` (nothing written, still leading) when a key of ``absent`` exists.
         """
         token = self._token()
         if self.reload_due:
@@ -218,9 +225,9 @@ class Leadership:
             self._resolve()  # a rolled-back wide write first: its commit may have landed
         size = sum(_bytes(k) + _bytes(v) for k, v in puts.items()) + sum(_bytes(k) for k in deletes)
         if len(puts) + len(deletes) > MAX_TXN_OPS or size > MAX_TXN_BYTES:
-            self._wide(token, puts, deletes)
+            self._wide(token, puts, deletes, absent)
             return
-        self._guarded(token, puts, deletes)
+        self._guarded(token, puts, deletes, absent)
 
     def _token(self) -> int:
         token = self.token
@@ -230,11 +237,16 @@ class Leadership:
             raise StoreUnavailable("leadership lease lost; campaigning again")
         return token
 
-    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
-        """One fenced transaction; raises NotLeader / StoreUnavailable when it did not land."""
-        if self.store.guarded_txn(self.keys.leader(), token, puts=puts, deletes=deletes):
+    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str],
+                 absent: Sequence[str] = ()) -> None:
+        """One fenced transaction; raises NotLeader / StoreUnavailable / KeyPresent when it did not land."""
+        if self.store.guarded_txn(self.keys.leader(), token, puts=puts, deletes=deletes, absent=absent):
             return
         kv = self.store.get(self.keys.leader())
+        if absent and kv is not None and kv.create_revision == token:
+            # our key stands, so it was a compare of ``absent`` that failed: no reason to campaign or resign
+            present = [k for k in absent if self.store.get(k) is not None]
+            raise KeyPresent(f"not written: {', '.join(present) or 'a key required absent'} exists")
         if kv is None:
             # Our key expired (the keepalive may not have noticed yet): nobody else leads.
             self._start_regain()
@@ -244,7 +256,8 @@ class Leadership:
 
     # --- writes wider than one etcd transaction ------------------------------------------------
 
-    def _wide(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
+    def _wide(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str],
+              absent: Sequence[str] = ()) -> None:
         """A fenced write of more operations (or bytes) than one etcd transaction takes, still all or
         nothing for whoever leads next:
 
@@ -253,7 +266,8 @@ class Leadership:
         2. apply: each chunk in one transaction that also deletes its staged copy; the last deletes
            the commit record too.
 
-        Every step is guarded by the leader key, so a deposed leader's steps never land. A leader that
+        Every step is guarded by the leader key, so a deposed leader's steps never land; the commit
+        also by ``absent``, the write's point of no return. A leader that
         stops before the commit leaves staged chunks that nothing reads, and the next leader deletes
         them; one that stops after it leaves chunks that the next leader applies (:meth:`recover`)
         before it reads any state. Once committed, this call does not fail with StoreUnavailable: it
@@ -265,9 +279,10 @@ class Leadership:
         staged = [self.keys.txn_chunk(txn_id, i) for i in range(len(parts))]
         try:
             for i, part in enumerate(parts):
-                commit = {self.keys.txn(txn_id): str(len(parts))} if i == len(parts) - 1 else {}
-                self._guarded(token, {staged[i]: part.to_json(), **commit}, ())
-        except StoreUnavailable:
+                commits = i == len(parts) - 1
+                commit = {self.keys.txn(txn_id): str(len(parts))} if commits else {}
+                self._guarded(token, {staged[i]: part.to_json(), **commit}, (), absent if commits else ())
+        except (StoreUnavailable, KeyPresent):
             self._discard(txn_id, staged)
             raise
         for i, part in enumerate(parts):

@@ -68,3 +68,40 @@ def test_forget_deletes_a_retired_nodes_records_in_one_write(etcd_server: EtcdSe
             d.NodeState.UP, 4, "")
     finally:
         _close(c)
+
+
+def test_a_registration_landing_between_the_check_and_the_write_is_not_forgotten(
+    etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_forget`` read ``nodes/<node>`` and then wrote in another transaction: an agent registering in
+    between had its node forgotten anyway (its records deleted, the name then taken as a new node's).
+    The registration's absence is now a compare of the forget's own fenced write."""
+    c, store = _leading_coordinator(etcd_server.endpoint, "/forget-race")
+    keys = c.keys
+    try:
+        _register(c, "n1", 8, 101)
+        _isolate(c, "n1")
+        c._on_node(WatchEvent("delete", keys.node("n1"), b"", 0), time.time())  # its agent stopped
+        clock = c.clock
+        registered: list[int] = []
+
+        def registering_clock() -> float:
+            # the event's time is read after the check, before the write: the agent registers then
+            if not registered:
+                registered.append(store.put(keys.node("n1"), "{}"))
+            return clock()
+
+        monkeypatch.setattr(c, "clock", registering_clock)
+        with pytest.raises(PermanentError, match=r"^node n1 is isolated but its agent is still registered; "
+                                                 r"stop its agent first$"):
+            c._forget("n1")
+        assert registered, "the hook did not run between the check and the write"
+        assert "n1" in c.state.nodes and store.get(keys.state_node("n1")) is not None
+        assert c.leadership is not None and not c.leadership.deposed and c.leadership.token is not None
+
+        # the refusal cost the leader nothing: once the agent is gone, the node is forgotten
+        store.delete(keys.node("n1"))
+        c._forget("n1")
+        assert "n1" not in c.state.nodes and store.get(keys.state_node("n1")) is None
+    finally:
+        _close(c)

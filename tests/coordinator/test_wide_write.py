@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from coordinator.leader import CHUNK_OPS, Leadership, chunks
+from coordinator.leader import CHUNK_OPS, KeyPresent, Leadership, chunks
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel.errors import NotLeader, StoreRejected, StoreUnavailable
 from unicron.kernel.etcd import MAX_TXN_OPS, Lease, Store
@@ -44,6 +44,24 @@ def test_etcd_refuses_a_transaction_over_its_limit(store: Store) -> None:
     puts = {f"/limit/k{i}": "v" for i in range(MAX_TXN_OPS + 1)}
     with pytest.raises(StoreRejected, match="too many operations"):
         store.guarded_txn(keys.leader(), lead.token, puts=puts)
+    lead.resign()
+
+
+def test_a_write_requiring_a_key_absent_lands_nothing_while_it_exists(store: Store) -> None:
+    """``absent`` (a forget's node registration) is a compare of the write itself, narrow or wide (of the
+    commit): refused, nothing lands, no staging is left, and the leader still leads and writes."""
+    keys = Keyspace("/absent")
+    lead = _leader(store, keys, "a")
+    registration = keys.node("n0001")
+    store.put(registration, "{}")
+    for puts in ({"/absent/one": "x"}, _records(keys, "a")):
+        with pytest.raises(KeyPresent, match=registration):
+            lead.write(puts=puts, absent=[registration])
+        assert set(_values(store, "/absent/")) == {keys.leader(), registration}
+    store.delete(registration)
+    lead.write(puts={"/absent/one": "x"}, absent=[registration])
+    assert set(_values(store, "/absent/")) == {keys.leader(), "/absent/one"}
+    assert lead.token is not None and not lead.deposed
     lead.resign()
 
 
@@ -94,10 +112,11 @@ class _DiesMidApply(Leadership):
 class _DiesBeforeCommit(Leadership):
     """Dies after staging the first chunk (no commit record yet)."""
 
-    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
+    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str],
+                 absent: Sequence[str] = ()) -> None:
         if any(k == self.keys.txn(k.rsplit("/", 1)[-1]) for k in puts):
             raise _Died  # the staging transaction that carries the commit record
-        super()._guarded(token, puts, deletes)
+        super()._guarded(token, puts, deletes, absent)
 
 
 def test_the_next_leader_finishes_a_committed_wide_write(store: Store) -> None:
@@ -167,15 +186,16 @@ class _CommitAnsweredLate(Leadership):
 
     stage = 0  # 0: armed; 1: commit landed, next call fails; 2: done
 
-    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str]) -> None:
+    def _guarded(self, token: int, puts: Mapping[str, str | bytes], deletes: Sequence[str],
+                 absent: Sequence[str] = ()) -> None:
         if self.stage == 0 and any(k == self.keys.txn(k.rsplit("/", 1)[-1]) for k in puts):
-            super()._guarded(token, puts, deletes)  # landed ...
+            super()._guarded(token, puts, deletes, absent)  # landed ...
             self.stage = 1
             raise StoreUnavailable("deadline exceeded (injected: the commit landed, its answer did not)")
         if self.stage == 1:
             self.stage = 2
             raise StoreUnavailable("etcd unavailable (injected: the discard)")
-        super()._guarded(token, puts, deletes)
+        super()._guarded(token, puts, deletes, absent)
 
 
 def test_a_wide_write_reported_failed_is_not_replayed_over_newer_writes(store: Store) -> None:
@@ -231,7 +251,7 @@ class _LosesLeaseMidApply(Store):
         self.leader: Leadership | None = None
 
     def guarded_txn(self, guard_key: str, guard_revision: int, puts: Mapping[str, str | bytes] = {},
-                    deletes: Sequence[str] = (), lease: Lease | None = None) -> bool:
+                    deletes: Sequence[str] = (), lease: Lease | None = None, absent: Sequence[str] = ()) -> bool:
         self.calls += 1
         if self.calls == 5 and self.leader is not None:  # 3 chunks staged; the first applied
             a = self.leader
@@ -248,7 +268,7 @@ class _LosesLeaseMidApply(Store):
             while a.token is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             raise StoreUnavailable("the answer was lost (injected by the test)")
-        return super().guarded_txn(guard_key, guard_revision, puts=puts, deletes=deletes, lease=lease)
+        return super().guarded_txn(guard_key, guard_revision, puts=puts, deletes=deletes, lease=lease, absent=absent)
 
 
 def test_a_committed_wide_write_is_not_applied_over_an_interim_leaders_writes(etcd_server: EtcdServer) -> None:

@@ -61,12 +61,13 @@ class FlakyStore(Store):
         self.on_fail: Callable[[], None] = lambda: None
 
     def guarded_txn(self, guard_key: str, guard_revision: int, puts: Mapping[str, str | bytes] = {},
-                    deletes: Sequence[str] = (), lease: Lease | None = None) -> bool:
+                    deletes: Sequence[str] = (), lease: Lease | None = None, absent: Sequence[str] = ()) -> bool:
         if self.fail > 0:
             self.fail -= 1
             self.on_fail()
             raise StoreUnavailable("etcd unavailable (injected by the test)")
-        return super().guarded_txn(guard_key, guard_revision, puts=puts, deletes=deletes, lease=lease)
+        return super().guarded_txn(guard_key, guard_revision, puts=puts, deletes=deletes, lease=lease,
+                                   absent=absent)
 
 
 @pytest.fixture

@@ -330,14 +330,17 @@ class Store:
         puts: Mapping[str, str | bytes] = {},
         deletes: Sequence[str] = (),
         lease: Lease | None = None,
+        absent: Sequence[str] = (),
     ) -> bool:
-        """Apply ``puts``/``deletes`` atomically iff ``guard_key`` still has ``create_revision == guard_revision``.
+        """Apply ``puts``/``deletes`` atomically iff ``guard_key`` still has ``create_revision == guard_revision``
+        and none of the keys ``absent`` exists.
 
         This is etcd's election fencing: a coordinator that lost its leadership key (expired, then
-        re-created by another) holds a stale revision, so none of its writes land.
+        re-created by another) holds a stale revision, so none of its writes land. ``absent`` makes a
+        condition read before the write hold at the write (a read, then a write, leaves a window).
         """
         tx = self.client.transactions
-        compare = [tx.create(guard_key) == guard_revision]
+        compare = [tx.create(guard_key) == guard_revision, *(tx.version(k) == 0 for k in absent)]
         ops = [tx.put(k, v, lease=lease.lease_id if lease else None) for k, v in puts.items()]
         ops += [tx.delete(k) for k in deletes]
         with self.converted(f"guarded txn on {guard_key}"):
