@@ -50,7 +50,8 @@ def steps_only(old: d.CoreState, new: d.CoreState) -> bool:
     that should have stayed isolated. Entries are copied on write: one not touched is the same object."""
     if new.nodes.keys() != old.nodes.keys() or new.tasks.keys() != old.tasks.keys():
         return False
-    if new.retired_generation != old.retired_generation or new.failures != old.failures:
+    if (new.retired_generation != old.retired_generation or new.failures != old.failures
+            or new.idle_alerted != old.idle_alerted):
         return False
     if any((o := old.nodes[n]) is not e and o != e for n, e in new.nodes.items()):
         return False

@@ -1186,10 +1186,12 @@ class _Run:
                 placement = place(counts, usable, holdings, tp)
             except PermanentError:
                 continue
-            if budget < usable_by_groups:  # a node's GPUs no TP group can use were never on offer
-                self._alert(
-                    f"{usable_by_groups - budget} GPUs left idle: the plan could not be cut into whole TP groups"
-                )
+            # a node's GPUs no TP group can use were never on offer; one alert per situation, not per re-plan
+            idle = usable_by_groups - budget
+            situation = f"{','.join(sorted(counts))}: {idle}" if idle else ""
+            if situation and situation != self.state.idle_alerted:
+                self._alert(f"{idle} GPUs left idle: the plan could not be cut into whole TP groups")
+            self.state.idle_alerted = situation
             return counts, placement
         raise PermanentError("decision: not even an empty plan could be placed")  # place({0...}) never fails
 

@@ -194,6 +194,9 @@ class CoreState:
     failure_gpu_hours: float = 0.0
     """``gpu_hours`` at the latest failure: the rate is re-estimated at a failure, not at each decision
     (every new estimate re-plans the lookup table), so a new leader must know the one it was made with."""
+    idle_alerted: str = ""
+    """The situation (active tasks, idle GPUs) of the last "GPUs left idle" alert, "" when none stands:
+    a re-plan of the same situation (any task event re-plans) posted it again each time."""
 
     def resumed(self, earliest_deadline: float) -> CoreState:
         """This state as a coordinator taking the lead adopts it: no outstanding action's deadline
@@ -217,6 +220,7 @@ class CoreState:
             "failures": self.failures,
             "gpu_hours": self.gpu_hours,
             "failure_gpu_hours": self.failure_gpu_hours,
+            **({"idle_alerted": self.idle_alerted} if self.idle_alerted else {}),
             "nodes": {
                 n: {"gpus": e.gpus, "status": e.status.value, "reason": e.reason, "drained": e.drained,
                     **({"suspected_by": e.suspected_by} if e.suspected_by else {}),
@@ -238,7 +242,8 @@ class CoreState:
                         failures=_typed(data.get("failures", 0), int, "failures"),
                         gpu_hours=float(_typed(data.get("gpu_hours", 0.0), float, "gpu_hours")),
                         failure_gpu_hours=float(_typed(data.get("failure_gpu_hours", 0.0), float,
-                                                       "failure_gpu_hours")))
+                                                       "failure_gpu_hours")),
+                        idle_alerted=_typed(data.get("idle_alerted", ""), str, "idle_alerted"))
             nodes = _typed(data["nodes"], dict[str, dict[str, Any]], "nodes")
             tasks = _typed(data["tasks"], dict[str, dict[str, Any]], "tasks")
         for n, e in nodes.items():

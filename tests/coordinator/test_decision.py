@@ -1099,3 +1099,27 @@ def test_a_resumed_state_gives_every_outstanding_action_until_the_earliest_deadl
     core = DecisionCore(DecisionSettings())
     assert only(core.handle(sim.state, Tick(ts=before.deadline + 1))[1], IsolateNode)  # expired: escalated
     assert not only(core.handle(later, Tick(ts=before.deadline + 1))[1], IsolateNode)
+
+
+def test_gpus_left_idle_are_alerted_once_per_situation() -> None:
+    """A 2-GPU and a 6-GPU node, a TP=4 and a TP=3 task: no plan cuts the 8 GPUs into whole groups of
+    both, 2 stay idle. Every decision that re-planned that same situation (here: weight updates) posted
+    the alert again; now it is posted once per (task set, idle count), again when that changes, and a
+    new leader (the state through its codec) does not repeat it."""
+    def idle(actions: Sequence[Action]) -> list[str]:
+        return [a.message for a in only(actions, Alert) if "left idle" in a.message]
+
+    sim = Sim()
+    sim.join("n0", gpus=2)
+    sim.join("n1", gpus=6)
+    sim.confirm_all(sim.submit("t0", tp_size=4, min_gpus=4, max_gpus=8))
+    assert idle(sim.submit("t1", tp_size=3, min_gpus=3, max_gpus=6)) == [
+        "2 GPUs left idle: the plan could not be cut into whole TP groups"]
+    for weight in (1.5, 1.2):
+        acts = sim.feed(TaskUpdated(ts=sim.ts(), spec=spec("t0", tp_size=4, min_gpus=4, max_gpus=8, weight=weight)))
+        assert not idle(acts), "the same situation re-planned"
+    assert idle(sim.join("n2", gpus=1)) == ["3 GPUs left idle: the plan could not be cut into whole TP groups"]
+    sim.state = CoreState.from_dict(json.loads(json.dumps(sim.state.to_dict())))
+    acts = sim.feed(TaskUpdated(ts=sim.ts(), spec=spec("t0", tp_size=4, min_gpus=4, max_gpus=8, weight=1.0)))
+    assert not idle(acts)
+    assert idle(sim.submit("t2", tp_size=8, min_gpus=8)), "another task set: alerted again"
