@@ -6,8 +6,9 @@ background stages then take each snapshot in turn: *publish* (checksum the slot 
 thread, then flip the local pointer), *replicate* (send it to the peers' replica servers) and *persist*
 (every ``persist_every`` snapshots, to remote storage). A slot is reused only once every stage is done
 with it (a save() that needs the slot the replicate stage holds abandons its pushes still in flight: a
-missed replica, never a stall on a frozen peer), and the newest published slot is never overwritten, so a
-valid local snapshot always exists once the first one is published.
+missed replica, never a stall on a frozen peer; a persist that completed no write for ``persist_stall_s``
+is abandoned the same way, never a stall on a hung mount), and the newest published slot is never
+overwritten, so a valid local snapshot always exists once the first one is published.
 
 ``restore()`` follows the nearest principle: local memory, then each peer (the push peers, then the
 restore peers: a relaunched rank's replica is on the successor of the node it ran on before), then remote storage; every
@@ -132,6 +133,13 @@ class CheckpointConfig:
     peer_backoff_s: float = setting(
         10.0, "UNICRON_CKPT_PEER_BACKOFF_S", "seconds a replica peer whose push failed is skipped (doubling, up to 8x)"
     )
+    #: a persist that completed no write for this long is taken for hung (a frozen or dead mount) once a
+    #: save() needs its slot, or a wait() (close, restore, a stop) waits for it: it is abandoned, not
+    #: persisted, and training goes on; keep it under the agent's stop grace (10 s)
+    persist_stall_s: float = setting(
+        5.0, "UNICRON_CKPT_PERSIST_STALL_S",
+        "seconds without a completed storage write before a persist that a save or wait waits for is abandoned",
+    )
     #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
     safe_globals: str = setting(
         "", "UNICRON_CKPT_SAFE_GLOBALS", "extra module:Name globals allowed in a state"
@@ -152,6 +160,7 @@ class CheckpointConfig:
             ("copy_threads", self.copy_threads >= 1, "must be >= 1"),
             ("local_idle_s", self.local_idle_s >= 0, "must be >= 0"),
             ("peer_backoff_s", self.peer_backoff_s >= 0, "must be >= 0"),
+            ("persist_stall_s", self.persist_stall_s > 0, "must be > 0"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -226,6 +235,14 @@ class _Job:
     abandon: bool = False
     #: set when a push ends or the job is abandoned (the replicate stage waits on it)
     wake: threading.Event = field(default_factory=threading.Event)
+    #: time.monotonic() of the persist's last completed storage write (its start, before the first)
+    persist_progress: float = 0.0
+    #: its persist made no progress for persist_stall_s while its slot or its outcome was waited for
+    persist_abandoned: bool = False
+
+
+class PersistAbandoned(CheckpointError):
+    """A persist's writer resumed after the persist was abandoned: its snapshot's memory is no longer its own."""
 
 
 def _changed(job: _Job) -> list[int]:
@@ -335,6 +352,10 @@ class CheckpointManager(Checkpointer):
         self._down: list[tuple[float, int]] = [(0.0, 0)] * len(self.peers)
         #: the job in the replicate stage (under _cv): what _acquire_slot abandons when it needs its slot
         self._replicating: _Job | None = None
+        #: the job in the persist stage (under _cv), and the thread writing it: a write blocked in a hung
+        #: mount never returns, so it runs apart and is abandoned (see _stalled_persist)
+        self._persisting: _Job | None = None
+        self._writer: threading.Thread | None = None
         self._closed = False
         self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(3)]
         stages = (self._publish, self._replicate, self._persist)
@@ -448,8 +469,14 @@ class CheckpointManager(Checkpointer):
         deadline = None if timeout is None else time.monotonic() + timeout
         out = []
         for t in tickets:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            out.append(t.result(left))
+            # a persist blocked in a hung mount is abandoned once stalled: a stop (close) waited here until
+            # the agent's SIGKILL, and said nothing of the snapshot it had not persisted
+            while not t.done() and (deadline is None or time.monotonic() < deadline):
+                with self._cv:
+                    self._abandon_if_stalled(self._persisting)
+                left = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
+                t._done.wait(left)
+            out.append(t.result(0))
         return out
 
     def _copy_stream(self) -> Any:
@@ -477,7 +504,26 @@ class CheckpointManager(Checkpointer):
                     # the client's whole timeout (60 s). Its pushes still in flight are abandoned.
                     rep.abandon = True
                     rep.wake.set()
+                pending = self._persisting
+                if pending is not None and pending.slot != newest and not self._abandon_if_stalled(pending):
+                    # a persist that makes progress is waited for (storage slower than the snapshot rate
+                    # throttles training, as before); one stalled in a hung mount held every save
+                    # until the mount came back
+                    stalled = time.monotonic() - pending.persist_progress
+                    self._cv.wait(max(0.01, self.config.persist_stall_s - stalled))
+                    continue
                 self._cv.wait()
+
+    def _abandon_if_stalled(self, job: _Job | None) -> bool:
+        """Abandon ``job``'s persist if it completed no write for ``persist_stall_s`` (under _cv); whether
+        it is abandoned."""
+        if job is None or job.persist_abandoned:
+            return job is not None
+        if time.monotonic() - job.persist_progress < self.config.persist_stall_s:
+            return False
+        job.persist_abandoned = True
+        job.wake.set()
+        return True
 
     def _release(self, slot: int) -> None:
         with self._cv:
@@ -635,15 +681,68 @@ class CheckpointManager(Checkpointer):
     def _persist(self, job: _Job) -> bool:
         if not job.persist_due:
             return False
-        assert self.storage is not None
+        storage = self.storage
+        assert storage is not None
+        where = f"persist to {storage.describe()}"
+        if self._writer is not None and self._writer.is_alive():
+            # an abandoned write is still blocked in the storage: no second one queues behind it
+            job.persisted = False
+            job.errors.append(f"{where}: skipped: an abandoned persist is still blocked in the storage")
+            self._log.warning("persistence skipped: an abandoned persist is still blocked in the storage",
+                              iteration=job.iteration)
+            return False
+        snap = self._snapshot(job)
+        ended: list[BaseException | None] = []
+
+        def step() -> None:
+            with self._cv:
+                if job.persist_abandoned:
+                    raise PersistAbandoned(f"iteration {job.iteration}: abandoned, its memory was taken back")
+                job.persist_progress = time.monotonic()
+
+        def write() -> None:
+            try:
+                persist.persist(storage, snap, self.config.keep_remote, self.config.world_size, step=step)
+                ended.append(None)
+            except BaseException as exc:
+                ended.append(exc)
+            finally:
+                job.wake.set()
+
+        # a daemon thread: one blocked in a hung mount must hold neither the stages nor the process's exit
+        writer = threading.Thread(target=write, name="ckpt-persist-write", daemon=True)
+        with self._cv:
+            job.persist_progress = time.monotonic()
+            self._persisting, self._writer = job, writer
+            self._cv.notify_all()  # a save() waiting for a slot may need this job's
+        writer.start()
         try:
-            persist.persist(self.storage, self._snapshot(job), self.config.keep_remote, self.config.world_size)
+            while True:
+                job.wake.clear()
+                with self._cv:
+                    if ended or job.persist_abandoned:
+                        break
+                job.wake.wait()
+        finally:
+            with self._cv:
+                self._persisting = None
+        if not ended:  # still blocked: the slot goes back, the writer finds its job abandoned if it resumes
+            job.persisted = False
+            job.errors.append(f"{where}: abandoned: no write completed for {self.config.persist_stall_s:g}s "
+                              "(a hung mount?) while its slot or its outcome was waited for")
+            self._log.warning("persistence abandoned: the storage made no progress", iteration=job.iteration,
+                              storage=storage.describe(), stall_s=self.config.persist_stall_s)
+            return False
+        exc = ended[0]
+        if exc is None:
             job.persisted = True
             self._persist_pending = False
-        except UnicronError as exc:
+        elif isinstance(exc, UnicronError):
             job.persisted = False
-            job.errors.append(f"persist to {self.storage.describe()}: {exc}")
+            job.errors.append(f"{where}: {exc}")
             self._log.warning("persistence failed", iteration=job.iteration, error=str(exc))
+        else:
+            raise exc
         return False
 
     def _finish(self, job: _Job) -> None:

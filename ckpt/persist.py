@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -79,10 +79,16 @@ def _canonical(body: Any) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) -> str:
+def persist(
+    storage: Storage, snap: Snapshot, keep: int, world_size: int = 0, step: Callable[[], None] | None = None,
+) -> str:
     """Write ``snap`` (shards, metadata, the manifest, then its marker); then apply retention (see
-    :func:`apply_retention`, which ``world_size`` is passed to)."""
+    :func:`apply_retention`, which ``world_size`` is passed to). ``step``: called before each write of
+    the upload (the last one before the manifest: the data is all written by then); what it raises
+    ends the write as a failed one (its shards removed, no manifest), e.g. a writer whose snapshot's
+    memory was taken back while the storage hung."""
     info = snap.info
+    check = step if step is not None else (lambda: None)
     held = _manifests(storage, info.job, info.rank)  # listed once for both (a remote listing is I/O)
     _check_generation(storage, info, held)
     discard_newer(storage, info.job, info.rank, info.iteration, sorted(held), info.generation)  # linear timeline
@@ -96,8 +102,10 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
         shards = []
         for i, (off, n) in enumerate(info.chunks()):
             shard = f"{base}shard-{i:05d}.bin"
+            check()
             storage.write(shard, snap.data[off : off + n])
             shards.append({"key": shard, "offset": off, "length": n, "crc32": info.chunk_crcs[i]})
+        check()
         storage.write(f"{base}meta.bin", snap.meta)
         body = {
             "info": info.to_dict(),
@@ -106,6 +114,7 @@ def persist(storage: Storage, snap: Snapshot, keep: int, world_size: int = 0) ->
         }
         # a newer generation may have persisted during the upload (a stop snapshot of gigabytes takes minutes)
         _check_generation(storage, info, _manifests(storage, info.job, info.rank))
+        check()  # the shards came from memory that is the writer's until now: no manifest names torn bytes
         written = True
         storage.write(key, _canonical({"format": 1, "crc32": crc(_canonical(body)), "body": body}))
         storage.write(marker_key(info.job, info.rank, info.iteration), b"")

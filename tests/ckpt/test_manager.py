@@ -22,6 +22,7 @@ from ckpt.api import (
     Buffer,
     CheckpointError,
     NoValidCheckpoint,
+    SaveOutcome,
     Snapshot,
     StorageUnavailable,
     Tier,
@@ -784,3 +785,86 @@ def test_resume_from_after_restore_skips_the_peers_restore_found_out_of_reach(
         waited = time.monotonic() - t0
         assert [its for _, _, its in m.available()][:2] == [[2], [2]]  # local and the reachable peer
     assert waited < 2 * CONNECT_TIMEOUT_S, waited
+
+
+class _Hung(FilesystemStorage):
+    """A filesystem storage whose writes block while ``hung`` is set, until ``thawed`` (a frozen or dead
+    mount: fsfreeze, an NFS server gone)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.hung = threading.Event()
+        self.thawed = threading.Event()
+        self.blocked = threading.Event()
+
+    def write(self, key: str, data: Buffer) -> None:
+        if self.hung.is_set() and not self.thawed.is_set():
+            self.blocked.set()
+            self.thawed.wait()
+        super().write(key, data)
+
+
+def _in_thread(fn: Callable[[], object], limit_s: float = 60.0) -> bool:
+    """Run ``fn`` in a daemon thread; whether it returned within ``limit_s`` (a liveness bound, not a speed)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(limit_s)
+    return not t.is_alive()
+
+
+def test_a_hung_storage_stalls_no_save_and_its_snapshots_are_reported_not_persisted(
+    make_config: Make, tmp_path: Path
+) -> None:
+    """The persist stage held its slot until its write returned, and save() waited for that slot on the
+    training thread: a hung mount stopped training until it came back. The stalled persist is now
+    abandoned (not persisted), later ones are skipped while its writer is blocked, and training goes on
+    with memory snapshots; the writer that resumes later leaves no manifest of memory no longer its own."""
+    storage = _Hung(tmp_path / "remote")
+    m = CheckpointManager(make_config(persist_every=1), storage=storage)
+    try:
+        for it in (1, 2):
+            assert m.save(filled_state(it), it).result(30).persisted
+        storage.hung.set()
+        tickets = []
+
+        def train() -> None:
+            for it in range(3, 9):
+                tickets.append(m.save(filled_state(it), it))
+
+        assert _in_thread(train), "save() waited for a persist blocked in the hung storage"
+        outcomes = [t.result(30) for t in tickets]
+        assert storage.blocked.is_set()
+        assert [o.persisted for o in outcomes] == [False] * 6
+        assert all(o.published for o in outcomes)
+        assert "abandoned" in " ".join(outcomes[0].errors)
+        assert all("skipped" in " ".join(o.errors) for o in outcomes[1:])
+        assert _in_thread(m.close), "close() waited for the hung storage"
+    finally:
+        storage.thawed.set()
+    writer = m._writer
+    assert writer is not None
+    writer.join(30)
+    assert persisted_iterations(storage, "job-1", 0) == [1, 2]
+    with CheckpointManager(make_config(node="node-b"), storage=storage) as m2:  # the node was lost
+        r = m2.restore()
+    assert (r.tier, r.iteration) == (Tier.REMOTE, 2)
+    assert_same(r.state, filled_state(2))
+
+
+def test_a_wait_for_a_persist_blocked_in_a_hung_storage_ends_not_persisted(make_config: Make, tmp_path: Path) -> None:
+    """A stopping rank saves its on-demand snapshot with persist=True and waits for it: with the mount
+    hung, wait() (and close()) blocked until the agent's SIGKILL, and the rank never said the snapshot
+    was not persisted. wait() now gives up on a persist that completed no write for persist_stall_s."""
+    storage = _Hung(tmp_path / "remote")
+    m = CheckpointManager(make_config(persist_every=0), storage=storage)
+    try:
+        m.save(filled_state(1), 1).result(30)  # a new timeline's first save is persisted
+        storage.hung.set()
+        m.save(filled_state(2), 2, persist=True)
+        got: list[list[SaveOutcome]] = []
+        assert _in_thread(lambda: got.append(m.wait())), "wait() blocked on the hung storage"
+        assert [(o.iteration, o.persisted) for o in got[0]] == [(2, False)]
+        assert _in_thread(m.close)
+    finally:
+        storage.thawed.set()
+    assert persisted_iterations(storage, "job-1", 0) == [1]
