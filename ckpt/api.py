@@ -89,6 +89,10 @@ class StorageUnavailable(TemporaryError):
     """Remote storage failed (I/O error, unreachable service)."""
 
 
+class StorageFull(StorageUnavailable):
+    """Remote storage has no room for a write (ENOSPC, a quota): deleting snapshots may make some."""
+
+
 # --------------------------------------------------------------------------------------------- records
 
 

@@ -35,10 +35,18 @@ from typing import Any
 
 import torch
 
-from ckpt.api import CheckpointCorrupt, ObjectMissing, Snapshot, SnapshotInfo, StaleGeneration, Storage
+from ckpt.api import (
+    CheckpointCorrupt,
+    ObjectMissing,
+    Snapshot,
+    SnapshotInfo,
+    StaleGeneration,
+    Storage,
+    StorageFull,
+)
 from ckpt.codec import byte_view, crc
 from unicron.kernel import jsontext, log
-from unicron.kernel.errors import InvalidRecord
+from unicron.kernel.errors import InvalidRecord, UnicronError
 
 _log = log.get("ckpt.persist")
 
@@ -86,7 +94,51 @@ def persist(
     :func:`apply_retention`, which ``world_size`` is passed to). ``step``: called before each write of
     the upload (the last one before the manifest: the data is all written by then); what it raises
     ends the write as a failed one (its shards removed, no manifest), e.g. a writer whose snapshot's
-    memory was taken back while the storage hung."""
+    memory was taken back while the storage hung.
+
+    A write that finds the storage full (:class:`StorageFull`) deletes the rank's persisted snapshots
+    that only the lag window kept (:func:`make_room`) and is tried once more: retention runs only after
+    a successful write, so a filesystem filled by the job's own retained snapshots stopped persistence
+    for good."""
+    try:
+        return _persist_once(storage, snap, keep, world_size, step)
+    except StorageFull as exc:
+        gone = make_room(storage, snap.info, keep, world_size)
+        if not gone:
+            raise
+        _log.warning("storage full: deleted older persisted snapshots kept for lagging ranks; writing again",
+                     job=snap.info.job, rank=snap.info.rank, iteration=snap.info.iteration, deleted=gone,
+                     error=str(exc))
+        return _persist_once(storage, snap, keep, world_size, step)
+
+
+def make_room(storage: Storage, info: SnapshotInfo, keep: int, world_size: int = 0) -> list[int]:
+    """Retention without the lag window, for a write of ``info`` that found the storage full: of the
+    rank's persisted iterations, keep the newest ``keep`` and the newest every rank has persisted (the
+    last complete checkpoint); delete the others. Nothing once a newer generation wrote one (its writes
+    are not ours to delete). Returns the deleted iterations (best-effort: none when the storage fails)."""
+    gone: list[int] = []
+    try:
+        manifests = _manifests(storage, info.job, info.rank)
+        if any(g > info.generation for v in manifests.values() for g, _ in v):
+            return []
+        its = sorted(manifests)
+        spare = set(its[-keep:])
+        needed = _needed_line(storage, info.job, world_size)
+        if needed is not None and needed[1] is not None:
+            spare.add(needed[1])
+        for it in its:
+            if it not in spare:
+                _delete_iteration(storage, info.job, info.rank, it, info.generation)
+                gone.append(it)
+    except UnicronError as exc:
+        _log.warning("could not make room in a full storage", job=info.job, rank=info.rank, error=str(exc))
+    return gone
+
+
+def _persist_once(
+    storage: Storage, snap: Snapshot, keep: int, world_size: int, step: Callable[[], None] | None,
+) -> str:
     info = snap.info
     check = step if step is not None else (lambda: None)
     held = _manifests(storage, info.job, info.rank)  # listed once for both (a remote listing is I/O)

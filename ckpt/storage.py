@@ -4,13 +4,14 @@ and as the simplest example of a non-filesystem backend)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import threading
 import uuid
 from pathlib import Path
 
-from ckpt.api import Buffer, ObjectMissing, Storage, StorageUnavailable
+from ckpt.api import Buffer, ObjectMissing, Storage, StorageFull, StorageUnavailable
 from unicron.kernel.errors import InvalidRecord
 
 #: leads the name of a write's temporary (hidden from list())
@@ -85,6 +86,8 @@ class FilesystemStorage(Storage):
             if tmp is not None:  # its bytes would stay on a full disk: list() and retention skip it
                 with contextlib.suppress(OSError):
                     tmp.unlink()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the writer may make room (persist.persist)
+                raise StorageFull(f"writing {self.describe()}/{key}: {exc}") from exc
             raise StorageUnavailable(f"writing {self.describe()}/{key}: {exc}") from exc
 
     def size(self, key: str) -> int:

@@ -21,6 +21,7 @@ from ckpt.api import (
     SnapshotInfo,
     StaleGeneration,
     Storage,
+    StorageFull,
     StorageUnavailable,
 )
 from ckpt.codec import byte_view, chunk_crcs, crc
@@ -212,7 +213,7 @@ def test_a_failed_write_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    with pytest.raises(StorageUnavailable):
+    with pytest.raises(StorageFull):  # a full disk is told apart: the writer may make room
         storage.write("job-1/rank-00000/iter-000000000002/shard-00000.bin", b"x" * 100_000)
     monkeypatch.undo()
     left = [p for p in root.rglob("*") if p.is_file()]
@@ -413,7 +414,7 @@ class _Capacity(FilesystemStorage):
     def write(self, key: str, data: Buffer) -> None:
         if self.used() + memoryview(data).nbytes > self.capacity:
             err = OSError(errno.ENOSPC, "No space left on device")
-            raise StorageUnavailable(f"writing {self.describe()}/{key}: {err}") from err
+            raise StorageFull(f"writing {self.describe()}/{key}: {err}") from err
         super().write(key, data)
 
 
@@ -434,6 +435,53 @@ def test_a_persist_that_failed_on_a_full_disk_leaves_nothing_and_the_next_ones_s
     for it in (5, 6, 7):
         persist(st, _snap(it), keep=2)
     assert iterations(st, "job-1", 2) == [6, 7]
+
+
+def test_a_storage_filled_by_the_snapshots_kept_for_a_lagging_rank_makes_room(tmp_path: Path) -> None:
+    """Rank 1's persists failed for a while (EIO on its node's mount); rank 0 kept what rank 1 might still
+    need (LAG_WINDOW), and the shared filesystem filled with the job's own snapshots. Retention ran only
+    after a successful persist, so no rank ever persisted again (reviewer's e7_retention_deadlock.py). A
+    write that finds the storage full now deletes what only the lag window kept (never the newest
+    iteration every rank holds) and is tried once more."""
+    st = _Capacity(tmp_path / "s", capacity=1 << 30)
+
+    def of_rank(it: int, rank: int) -> Snapshot:
+        s = _snap(it)
+        return Snapshot(dataclasses.replace(s.info, rank=rank), s.meta, s.data)
+
+    for it in (1, 2):
+        for rank in (0, 1):
+            persist(st, of_rank(it, rank), keep=2, world_size=2)
+    for it in range(3, 9):  # rank 1 lags
+        persist(st, of_rank(it, 0), keep=2, world_size=2)
+    assert iterations(st, "job-1", 0) == [2, 3, 4, 5, 6, 7, 8]
+    st.capacity = st.used() + 5_000  # no room for another snapshot (10,000 bytes)
+    persist(st, of_rank(9, 0), keep=2, world_size=2)
+    assert iterations(st, "job-1", 0) == [2, 7, 8, 9]  # 2: the last checkpoint every rank holds
+    persist(st, of_rank(9, 1), keep=2, world_size=2)  # the lagging rank catches up: there is room again
+    persist(st, of_rank(10, 0), keep=2, world_size=2)
+    assert iterations(st, "job-1", 0) == [9, 10]
+    assert iterations(st, "job-1", 1) == [2, 9]
+    assert load(st, "job-1", 0, 9).info.iteration == 9
+
+
+def test_a_full_storage_never_loses_the_last_checkpoint_every_rank_holds(tmp_path: Path) -> None:
+    """Making room deletes only what the rank's newest ``keep`` and the newest common iteration leave:
+    with nothing else to delete the write fails as before, and the common checkpoint stays."""
+    st = _Capacity(tmp_path / "s", capacity=1 << 30)
+
+    def of_rank(it: int, rank: int) -> Snapshot:
+        s = _snap(it)
+        return Snapshot(dataclasses.replace(s.info, rank=rank), s.meta, s.data)
+
+    persist(st, of_rank(1, 0), keep=1, world_size=2)
+    persist(st, of_rank(1, 1), keep=1, world_size=2)
+    persist(st, of_rank(2, 0), keep=1, world_size=2)
+    st.capacity = st.used() + 5_000
+    with pytest.raises(StorageFull):
+        persist(st, of_rank(3, 0), keep=1, world_size=2)
+    assert iterations(st, "job-1", 0) == [1, 2]
+    assert load(st, "job-1", 0, 1).info.iteration == 1
 
 
 def test_a_failed_persist_sweeps_a_dead_writers_orphans(tmp_path: Path) -> None:
