@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.runtime.conftest import Runner, train_args, wait_for
 from unicron.cluster.launch import LocalJob
@@ -154,3 +157,54 @@ def test_resume_with_the_remote_tier_out_of_reach_does_not_start_afresh(runner: 
     done = runner.run(2, train_args(2, "float32", False, *memory_args(ck)))
     assert done.codes == {0: 1, 1: 1}, done.job.logs()
     assert done.job.logs().count("the remote tier of rank(s) [0, 1] could not be listed") == 2, done.job.logs()
+
+
+@pytest.fixture
+def full_storage(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a full 1 MiB tmpfs, for --ckpt-storage: every persist fails with a real ENOSPC."""
+    root = tmp_path / "full"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs (needs root)")
+    try:
+        (root / "persisted").mkdir()
+        fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"x" * 4096):
+                pass
+        except OSError:
+            pass  # full
+        finally:
+            os.close(fd)
+        yield root / "persisted"
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=True)
+
+
+def test_a_stop_snapshot_the_storage_refused_is_reported_not_persisted(
+    runner: Runner, tmp_path: Path, full_storage: Path
+) -> None:
+    """The checkpoint filesystem is full: each failed persist was a warning in the rank's log and nothing
+    else read the saves' outcomes, so the stop line said "on-demand snapshot of iteration N saved" while
+    storage held nothing (review). The runtime now reads them: a persist_failed event per failed
+    persist, and the stop line says the snapshot is not persisted."""
+    ck = tmp_path / "ck"
+    args = train_args(0, "float32", False, "--iter-sleep", "0.05", "--ckpt", "memory", "--ckpt-dir", str(ck),
+                      "--ckpt-storage", str(full_storage), "--ckpt-every", "2", "--resume")
+
+    def stop(job: LocalJob) -> None:
+        wait_for(lambda: "persistence failed" in job.logs(), 60, "a failed persist")
+        for rp in job.procs.values():
+            if rp.proc.poll() is None:
+                os.kill(rp.proc.pid, signal.SIGTERM)
+
+    done = runner.run(2, args, while_running=stop)
+    logs = done.job.logs()
+    assert done.codes == {0: 0, 1: 0}, logs[-3000:]
+    assert not list(full_storage.rglob("manifest-*"))
+    for r in range(2):
+        stopped_at = [e["it"] for e in done.events(r, "stop_snapshot")]
+        failed = [e["it"] for e in done.events(r, "persist_failed")]
+        assert len(stopped_at) == 1 and stopped_at[0] in failed, (stopped_at, failed)
+    lines = [ln for ln in logs.splitlines() if "stopped at iteration" in ln]
+    assert len(lines) == 2 and all("NOT persisted" in ln and "No space left" in ln for ln in lines), lines

@@ -16,11 +16,19 @@ import os
 import re
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ckpt.api import Checkpointer, NoValidCheckpoint, Restored, StorageUnavailable, Tier, TierAttempt
+from ckpt.api import (
+    Checkpointer,
+    NoValidCheckpoint,
+    Restored,
+    SaveOutcome,
+    StorageUnavailable,
+    Tier,
+    TierAttempt,
+)
 from ckpt.storage import fsync_dir
 from unicron.kernel.config import from_args
 from unicron.kernel.errors import ConfigError, InvalidRecord
@@ -31,6 +39,46 @@ ENV_CKPT_PEERS = "UNICRON_CKPT_PEERS"
 ENV_CKPT_RESTORE_PEERS = "UNICRON_CKPT_RESTORE_PEERS"
 """Comma-separated host:port of every replica server a restore asks (a relaunched rank's replica is on
 the successor of the node it ran on before)."""
+
+
+@runtime_checkable
+class SaveTicketLike(Protocol):
+    """What a tiered checkpointer's ``save()`` returns (``ckpt.manager.SaveTicket``): its background outcome."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> SaveOutcome: ...
+
+
+class PersistWatch:
+    """The saves whose outcome the runtime has not looked at yet. A failed persist was only a warning in
+    the rank's log: nothing else read the outcomes, and a stop said "saved" with nothing in storage."""
+
+    def __init__(self) -> None:
+        self._pending: list[SaveTicketLike] = []
+        #: the newest iteration this process persisted (None: none yet)
+        self.newest_persisted: int | None = None
+
+    def track(self, ticket: object) -> None:
+        """Watch what ``save()`` returned (nothing to watch for a checkpointer that saves synchronously)."""
+        if isinstance(ticket, SaveTicketLike):
+            self._pending.append(ticket)
+
+    def not_persisted(self) -> list[SaveOutcome]:
+        """Of the watched saves finished since the last call, those whose persist failed, oldest first."""
+        failed: list[SaveOutcome] = []
+        pending: list[SaveTicketLike] = []
+        for ticket in self._pending:
+            if not ticket.done():
+                pending.append(ticket)
+                continue
+            outcome = ticket.result(0)
+            if outcome.persisted:
+                self.newest_persisted = max(outcome.iteration, self.newest_persisted or 0)
+            elif outcome.persisted is False:
+                failed.append(outcome)
+        self._pending = pending
+        return failed
 
 
 def _host_tag() -> str:

@@ -39,6 +39,8 @@ class Preemption:
         self.requested = False
         self.signalled_at: float | None = None
         self.saved: tuple[int, str] | None = None  # (iteration, where) of the on-demand snapshot
+        #: why the on-demand snapshot did not reach storage (the runtime reads its save's outcome), or None
+        self.not_persisted: str | None = None
         self._idle: Callable[[], bool] = lambda: False
 
     def install(self, idle: Callable[[], bool] = lambda: False) -> None:
@@ -60,33 +62,36 @@ class Preemption:
             self.signalled_at = time.time()
 
     def save(self, checkpointer: Checkpointer | None, state: Callable[[], Any], iteration: int, *,
-             writer: bool, already_saved: bool) -> None:
+             writer: bool, already_saved: bool) -> object:
         """The on-demand snapshot at ``iteration`` (a boundary every member agreed on). ``writer``: this
         rank writes (every rank for per-rank snapshots; one replica per shard for shared files);
-        ``already_saved``: the periodic checkpoint of this very iteration was just taken."""
+        ``already_saved``: the periodic checkpoint of this very iteration was just taken. Returns what
+        its ``save()`` returned (a ticket whose outcome says whether it was persisted), None if none."""
         if not self.snapshot or checkpointer is None or not writer:
-            return
-        if not already_saved:
-            save_persistent(checkpointer, state(), iteration)
+            return None
+        ticket = None if already_saved else save_persistent(checkpointer, state(), iteration)
         wait = getattr(checkpointer, "wait", None)
         if callable(wait):
             wait()  # replicated and persisted before the process exits (within the agent's grace)
         self.saved = (iteration, type(checkpointer).__name__)
+        return ticket
 
     def report(self, rank: int, iteration: int) -> None:
         """The exit line: a stop that saved says where the relaunch resumes."""
         took = f" {time.time() - self.signalled_at:.2f} s after SIGTERM" if self.signalled_at else ""
         what = (f"on-demand snapshot of iteration {self.saved[0]} saved" if self.saved
                 else "no on-demand snapshot (--stop-snapshot off or no --ckpt)")
+        if self.saved and self.not_persisted:  # in node memory (and peers' replicas) only: say so
+            what += f" in memory but NOT persisted ({self.not_persisted})"
         # stdout: the job's own output (the agent appends it to the rank's log), as Megatron prints
         print(f"rank {rank}: stopped at iteration {iteration}{took}; {what}", flush=True)
-        log.info("stopped on request", rank=rank, step=iteration, snapshot=self.saved is not None)
+        log.info("stopped on request", rank=rank, step=iteration, snapshot=self.saved is not None,
+                 persisted=self.saved is not None and self.not_persisted is None)
 
 
-def save_persistent(checkpointer: Checkpointer, state: Any, iteration: int) -> None:
+def save_persistent(checkpointer: Checkpointer, state: Any, iteration: int) -> object:
     """Save ``state`` so that it reaches remote storage now, whatever ``persist_every`` says: a stop's
-    snapshot must outlive every node."""
+    snapshot must outlive every node. Returns what ``save()`` returned."""
     if "persist" in inspect.signature(checkpointer.save).parameters:
-        checkpointer.save(state, iteration, persist=True)  # type: ignore[call-arg]
-    else:  # a Checkpointer without tiers (torch-save): every save is persistent
-        checkpointer.save(state, iteration)
+        return checkpointer.save(state, iteration, persist=True)  # type: ignore[call-arg]
+    return checkpointer.save(state, iteration)  # a Checkpointer without tiers (torch-save): every save is persistent

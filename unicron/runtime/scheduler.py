@@ -53,7 +53,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckpt.api import Checkpointer, StorageUnavailable
+from ckpt.api import Checkpointer, SaveOutcome, StorageUnavailable
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
 from unicron.kernel.client import AgentClient, InjectedFault
@@ -61,7 +61,7 @@ from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.kernel.patterns import match
 from unicron.kernel.types import ErrorKind, Severity
 from unicron.runtime import membership, reaper
-from unicron.runtime.checkpoint import Presence, TorchSaveCheckpointer, checkpoint_presence
+from unicron.runtime.checkpoint import PersistWatch, Presence, TorchSaveCheckpointer, checkpoint_presence
 from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group
 from unicron.runtime.epoch import EpochRecord
 from unicron.runtime.faults import FaultScript
@@ -318,6 +318,8 @@ class Trainer(Generic[BatchT]):
         self.membership = Membership(store, rank, topo, incarnation, comm, poll=self._poll_agent)
         self._regrouped_at = -1e9  # monotonic time the last recovery regroup completed
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
+        #: the saves whose persist outcome is still to be read (at the next save, and after a stop's wait)
+        self.persists = PersistWatch()
         self.mode = RankMode.STARTING
         self.stop_requested = False  # asked (agent Stop or the store's stop key); acted on once agreed
         self.leaving = False  # the agent's Leave: raise the membership flag until an epoch leaves us out
@@ -454,6 +456,7 @@ class Trainer(Generic[BatchT]):
         wait = getattr(self.checkpointer, "wait", None)
         if callable(wait):
             wait()  # let the last snapshot's background work finish before the process exits
+        self._report_persist_failures()
         if stopped:
             if self.preempt.requested:
                 self.preempt.report(self.rank, self.it)
@@ -747,13 +750,15 @@ class Trainer(Generic[BatchT]):
             return False
         if not self._ckpt_writer():
             return False
+        self._report_persist_failures()  # the earlier saves' persists, finished in the background since
         t0 = time.time()
         try:
             with self.client.phase(protocol.PHASE_CHECKPOINT):
                 if stopping and self.preempt.snapshot:
-                    save_persistent(self.checkpointer, self.state.state_dict(), self.it)
+                    ticket = save_persistent(self.checkpointer, self.state.state_dict(), self.it)
                 else:
-                    self.checkpointer.save(self.state.state_dict(), self.it)
+                    ticket = self.checkpointer.save(self.state.state_dict(), self.it)
+            self.persists.track(ticket)
         except StorageUnavailable as exc:
             # as memory mode's failed persist: the previous checkpoint stays and training goes on (a
             # full disk killed the rank here at every relaunch: a crash loop, then a sev1)
@@ -770,12 +775,28 @@ class Trainer(Generic[BatchT]):
         t0 = time.time()
         try:
             with self.client.phase(protocol.PHASE_CHECKPOINT):
-                self.preempt.save(self.checkpointer, self.state.state_dict, self.it,
-                                  writer=self._ckpt_writer(), already_saved=saved)
+                self.persists.track(self.preempt.save(self.checkpointer, self.state.state_dict, self.it,
+                                                      writer=self._ckpt_writer(), already_saved=saved))
         except StorageUnavailable as exc:  # the stop goes on: its relaunch resumes the previous checkpoint
             self.log.warning("stop snapshot not saved", step=self.it, error=str(exc))
             return
         self._event("stop_snapshot", it=self.it, seconds=time.time() - t0)
+        # waited for: the stop line says whether the snapshot outlives the node (it said "saved" with
+        # nothing in storage)
+        for outcome in self._report_persist_failures():
+            if self.preempt.saved is not None and outcome.iteration == self.preempt.saved[0]:
+                self.preempt.not_persisted = outcome.errors[-1] if outcome.errors else "persist failed"
+
+    def _report_persist_failures(self) -> list[SaveOutcome]:
+        """A ``persist_failed`` event (and a warning) per save whose persist failed since the last look;
+        returns their outcomes."""
+        failed = self.persists.not_persisted()
+        for outcome in failed:
+            self.log.warning("snapshot not persisted", step=outcome.iteration, errors=list(outcome.errors),
+                             newest_persisted=self.persists.newest_persisted)
+            self._event("persist_failed", it=outcome.iteration, errors=list(outcome.errors),
+                        newest_persisted=self.persists.newest_persisted)
+        return failed
 
     def _tail_flags(self) -> tuple[bool, bool]:
         tail = self.prog.tail().tolist()
