@@ -858,10 +858,14 @@ def test_a_store_move_to_a_node_lost_before_its_store_came_up_gives_way_to_the_n
 
 
 # Megatron read from its log: rank 0 prints the checkpoint lines (here, a save that starts and ends when
-# the file ``go`` appears), every rank then waits.
+# the file ``go`` appears, once rank 1 runs: its second argument), every rank then waits.
 SAVES = [sys.executable, "-c", (
     "import os, sys, time\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    open(sys.argv[2], 'w').close()\n"
     "if os.environ['RANK'] == '0':\n"
+    # a launch forgets its rank's phase: a save line read before rank 1 was launched is not its
+    "    while not os.path.exists(sys.argv[2]): time.sleep(0.05)\n"
     "    print(' saving checkpoint at iteration     100 to /ckpt in torch format', flush=True)\n"
     "    while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
     "    print('  successfully saved checkpoint from iteration     100 to /ckpt [ t 1/1, p 1/1 ]', flush=True)\n"
@@ -874,7 +878,7 @@ def test_a_checkpoint_line_shows_every_rank_of_its_node_saving_in_the_status(
     """The coordinator excuses a log-read last rank's hang on another node while rank 0 saves
     (coordinator.causes.held_by_phase): it sees the save only in the status."""
     go = tmp_path / "saved"
-    assign(store, "a0", task("saves", [*SAVES, str(go)], [0, 1], 2, store_node="a0"))
+    assign(store, "a0", task("saves", [*SAVES, str(go), str(tmp_path / "rank-1-runs")], [0, 1], 2, store_node="a0"))
 
     def phases() -> dict[int, str | None] | None:
         st = status(store, "a0")
