@@ -33,7 +33,14 @@ from agent.gpu.api import GpuEvent, GpuHealth
 from agent.gpu.factory import open_backend
 from agent.gpu.monitor import GpuMonitor
 from agent.gpu.simulated import SimulatedBackend
-from agent.iterations import Finding, HangWatcher, IterationMonitor, IterationSettings, wall_time_of
+from agent.iterations import (
+    BOUNDED_PHASES,
+    Finding,
+    HangWatcher,
+    IterationMonitor,
+    IterationSettings,
+    wall_time_of,
+)
 from agent.link import Coordinators, LinkClient
 from agent.marker import FailureMarker
 from agent.metrics import AgentMetrics
@@ -211,7 +218,7 @@ class Agent:
         self.fence: Fence | None = None
         self.iteration_settings = IterationSettings(
             hang_factor=settings.hang_factor, warmup_iterations=settings.warmup_iterations,
-            warmup_hang_s=settings.warmup_hang_s,
+            warmup_hang_s=settings.warmup_hang_s, phase_hang_s=settings.phase_hang_s,
         )
         self.hang_watcher = HangWatcher(self._on_finding)
         self.progress_regex = settings.progress_regex
@@ -582,10 +589,11 @@ class Agent:
             # holds for every rank of the task on this node, and its status shows it to the coordinator,
             # which excuses the hang of a last rank on another node that waits for the save
             # (coordinator.causes.held_by_phase)
+            deadline = self._phase_deadline(phase, mono)
             for spec in rec.latest.ranks:
                 if (mon := self._phase_monitor(rec, spec.rank)) is not None:
                     mon.phase(phase, mono)
-                rec.record_phase(spec.rank, phase)
+                rec.record_phase(spec.rank, phase, deadline)
             return
         mon = self._monitor(rec, rank)
         if progress is None or mon is None:
@@ -597,6 +605,14 @@ class Agent:
         tracker.feed(progress, mono)
         # a progress line follows the iterations it counts; pid: the rank may have been relaunched since
         rec.record_step(rank, progress.iteration, completed=True, pid=pid)
+
+    def _phase_deadline(self, phase: str, mono: float) -> float | None:
+        """When a rank that entered ``phase`` at ``mono`` is hung there by this node's bound, in wall-clock
+        time for the status (None: a phase without one). The coordinator stops excusing other ranks' hangs
+        as waits for the save then: Megatron's rank 0, which prints the save, has no monitor to judge it."""
+        if phase not in BOUNDED_PHASES or not self.iteration_settings.phase_hang_s:
+            return None
+        return wall_time_of(mono) + self.iteration_settings.phase_hang_s
 
     def _phase_monitor(self, rec: TaskReconciler, rank: int) -> IterationMonitor | None:
         """The monitor a phase line in a log feeds: only that of a rank that reports of its own (its
@@ -694,7 +710,7 @@ class Agent:
             rec.record_step(rank, msg.step, completed=True)
         elif isinstance(msg, protocol.Phase):
             mon.phase(msg.name, msg.mono)
-            rec.record_phase(rank, msg.name)
+            rec.record_phase(rank, msg.name, self._phase_deadline(msg.name, msg.mono))
         elif isinstance(msg, protocol.RegroupDone):
             # A new data-parallel size changes each rank's share of micro-batches, so its iteration time:
             # only then is the baseline forgotten (the same members after a transient fault keep the pace)

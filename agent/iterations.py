@@ -36,10 +36,13 @@ sample is its duration minus its data waits (compute time). The wait itself is b
 than ``data_wait_factor`` x the baseline (at least ``min_hang_s``) is a TASK_HANG (a loader stuck on a
 dead filesystem). Full garbage collections (``PHASE_GC``, reported by the rank client from
 ``gc.callbacks`` while it trains) are waits of the same kind, bounded by ``gc_wait_factor``: a 2-3 s
-gen-2 pause in a 1 s iteration was the soak's one remaining cause of false alarms. The other phases
-(checkpoint, eval, regroup) have no bound here: the runtime's own timeouts end a stuck regroup, and
-Megatron's checkpoint lines give no rank-side timer to trust. ``PHASE_COLLECTIVE`` (waiting for the
-peers inside the iteration) is training time to the monitor; it matters to the coordinator.
+gen-2 pause in a 1 s iteration was the soak's one remaining cause of false alarms. A checkpoint or an
+evaluation (``PHASE_CHECKPOINT``, ``PHASE_EVAL``) suspends the hang clock, but a rank that stays in one
+with no further report for ``phase_hang_s`` (an hour) is a TASK_HANG too: a save blocked for good on a
+hung NFS/Lustre mount or a dead object-store endpoint otherwise left the job idle until a human noticed.
+The regroup phase has no bound here: the runtime's own timeouts end a stuck regroup.
+``PHASE_COLLECTIVE`` (waiting for the peers inside the iteration) is training time to the monitor; it
+matters to the coordinator.
 
 :class:`IterationMonitor` is pure logic with time passed in (one per rank). :class:`HangWatcher` is
 the thread that sleeps until the earliest deadline of all monitors and reports findings. The agent
@@ -58,7 +61,14 @@ from dataclasses import dataclass
 
 from unicron.kernel import log as ulog
 from unicron.kernel.errors import ConfigError
-from unicron.kernel.protocol import PHASE_COLLECTIVE, PHASE_DATA, PHASE_GC, PHASE_TRAIN
+from unicron.kernel.protocol import (
+    PHASE_CHECKPOINT,
+    PHASE_COLLECTIVE,
+    PHASE_DATA,
+    PHASE_EVAL,
+    PHASE_GC,
+    PHASE_TRAIN,
+)
 from unicron.kernel.types import ErrorKind
 
 log = ulog.get(__name__)
@@ -67,6 +77,8 @@ log = ulog.get(__name__)
 _WAITS = (PHASE_DATA, PHASE_GC)
 #: phases whose iterations are judged (training, and training interrupted by a wait)
 _JUDGED = (PHASE_TRAIN, *_WAITS)
+#: phases outside the iterations bounded as a whole (phase_hang_s), however long the iterations are
+BOUNDED_PHASES = (PHASE_CHECKPOINT, PHASE_EVAL)
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,13 @@ class IterationSettings:
     gc_wait_factor: float = 10.0
     """A full garbage collection (the ``gc`` phase) longer than this times the baseline is a hang (a
     finalizer blocked for good); shorter ones stop the hang clock like a data wait."""
+    phase_hang_s: float = 3600.0
+    """A rank in a checkpoint or evaluation phase that reports nothing more for this long is a hang (a
+    save blocked for good on a hung NFS/Lustre mount, a dead object-store endpoint, a deadlocked
+    writer), found within the hour instead of when a human notices. Generous: a full save of a
+    trillion-parameter model with its optimizer state (~14 TB) takes ~25 minutes at 10 GB/s to a
+    parallel filesystem, and Megatron's evaluation of ``--eval-iters`` (100) iterations a few minutes;
+    an hour is twice NCCL's own 30-minute timeout. 0: off (those phases unbounded)."""
     reset_hang_factor: float = 30.0
     """After :meth:`IterationMonitor.reset` (a regroup that may change each rank's work) and until a new
     baseline exists, an iteration running longer than this times the baseline before the reset is a hang,
@@ -140,6 +159,7 @@ class IterationSettings:
             ("data_wait_factor", self.data_wait_factor >= 1.0, ">= 1"),
             ("gc_wait_factor", self.gc_wait_factor >= 1.0, ">= 1"),
             ("warmup_hang_s", self.warmup_hang_s >= 0.0, ">= 0"),
+            ("phase_hang_s", self.phase_hang_s >= 0.0, ">= 0"),
             ("hang_repeat_s", self.hang_repeat_s > 0.0, "> 0"),
             ("reset_hang_factor", self.reset_hang_factor >= 1.0, ">= 1"),
         )
@@ -189,6 +209,7 @@ class IterationMonitor:
             if mean is not None:
                 self._prior = mean
             self._phase = PHASE_TRAIN
+            self._phase_since: float | None = None  # when the rank entered its current phase
             self._open: tuple[int, float] | None = None  # (step, start ts) of the running iteration
             self._wait_since: float | None = None  # start of the running wait (data or gc)
             self._waited = 0.0  # waits of the running iteration, ended ones
@@ -268,6 +289,10 @@ class IterationMonitor:
         with self._lock:
             self._last_input = ts
             was_waiting = self._phase in _WAITS
+            if name in BOUNDED_PHASES or self._phase in BOUNDED_PHASES:
+                self._hang_reported = False  # the rank spoke: a save or evaluation reported as a hang is over
+            if name != self._phase:
+                self._phase_since = ts
             self._end_wait(ts)
             if name in _WAITS:
                 self._wait_since = ts  # inside the iteration: it stays a training sample
@@ -349,8 +374,11 @@ class IterationMonitor:
         mean = self._mean()
         # a repeat is due only while check() can still find the hang: a deadline in the past that
         # check() does not act on has the watcher wait 0 s in a loop
-        if self._hang_reported and (self._open is not None or self._phase in _WAITS or mean is None):
-            return self._again_at if self._phase in _JUDGED else None
+        if self._hang_reported and (self._open is not None or self._phase in (*_WAITS, *BOUNDED_PHASES)
+                                    or mean is None):
+            return self._again_at if self._phase in (*_JUDGED, *BOUNDED_PHASES) else None
+        if self._phase in BOUNDED_PHASES:  # with a baseline or without: a save may come before any
+            return self._phase_deadline()
         if mean is None:
             return self._warmup_deadline()
         if self._phase in _WAITS and self._wait_since is not None:
@@ -359,6 +387,12 @@ class IterationMonitor:
         if self._open is None or self._phase != PHASE_TRAIN:
             return None
         return self._open[1] + max(self._threshold(mean), self.settings.min_hang_s)
+
+    def _phase_deadline(self) -> float | None:
+        """In a checkpoint or evaluation: ``phase_hang_s`` after the rank's latest report (None: off)."""
+        if not self.settings.phase_hang_s or self._last_input is None:
+            return None
+        return self._last_input + self.settings.phase_hang_s
 
     def _warmup_deadline(self) -> float | None:
         s = self.settings
@@ -387,8 +421,8 @@ class IterationMonitor:
     def deadline(self) -> float | None:
         """When the running iteration (or wait for data) becomes a hang; before a baseline, when the
         rank's silence does (``warmup_hang_s`` after its launch or latest report); once reported, when it
-        is reported again (``hang_repeat_s``). None: no iteration open, or in a checkpoint/eval/regroup
-        phase."""
+        is reported again (``hang_repeat_s``); in a checkpoint or evaluation, ``phase_hang_s`` after the
+        latest report. None: no iteration open, or in the regroup phase."""
         with self._lock:
             return self._deadline()
 
@@ -399,7 +433,9 @@ class IterationMonitor:
             out, self._pending = self._pending, []
             deadline = self._deadline()
             prior = self._prior_deadline()
-            if deadline is not None and now >= deadline and self._mean() is None and prior is not None \
+            if deadline is not None and now >= deadline and self._phase in BOUNDED_PHASES:
+                out.append(self._phase_hang(now, deadline))
+            elif deadline is not None and now >= deadline and self._mean() is None and prior is not None \
                     and now >= prior and self._open is not None:
                 step, start = self._open
                 self._hang_reported = True
@@ -432,6 +468,13 @@ class IterationMonitor:
         since = self._last_input if self._last_input is not None else deadline
         return self._silent_hang(since, deadline, f"no report for {now - since:.3f} s before a baseline "
                                  f"(launch or warm-up; bound {self.settings.warmup_hang_s} s)")
+
+    def _phase_hang(self, now: float, deadline: float) -> Finding:
+        since = self._last_input if self._last_input is not None else deadline
+        entered = self._phase_since if self._phase_since is not None else since
+        return self._silent_hang(since, deadline, f"in {self._phase} for {now - entered:.3f} s, no report for "
+                                 f"{now - since:.3f} s > {self.settings.phase_hang_s} s (a save or an "
+                                 f"evaluation that never ends: a hung filesystem, a dead storage endpoint)")
 
     def _wait_hang(self, now: float, deadline: float) -> Finding:
         since = self._wait_since if self._wait_since is not None else deadline
@@ -586,4 +629,4 @@ def wall_time_of(mono: float) -> float:
     return time.time() - (time.monotonic() - mono)
 
 
-__all__ = ["Finding", "HangWatcher", "IterationMonitor", "IterationSettings", "SlidingMax", "wall_time_of"]
+__all__ = ["BOUNDED_PHASES", "Finding", "HangWatcher", "IterationMonitor", "IterationSettings", "SlidingMax", "wall_time_of"]

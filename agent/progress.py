@@ -34,11 +34,12 @@ iteration E falls between the lines of iterations I and I + log interval when I 
 interval. The job's own flags tell both (``--eval-interval``, Megatron's default 1000; ``--eval-iters
 0``: none; ``--log-interval``, default 100), so the progress line before an evaluation begins an
 ``eval`` phase, which the validation line ends, or else the next progress line (no validation data:
-nothing was evaluated). Like a checkpoint, the phase has no bound of its own. Trade-off: when the
-evaluation does not follow the line at once (E > I), the training iterations between the line and
-the evaluation are inside the phase: a hang there is not judged by the hang rule (the silence looks
-the same as the evaluation's); a collective stuck there ends at its NCCL timeout, an exit the agent
-reports. Taking the evaluation for a hang instead cost a restart per evaluation.
+nothing was evaluated). Like a checkpoint, the phase is bounded only as a whole (the monitor's
+``phase_hang_s``, an hour). Trade-off: when the evaluation does not follow the line at once (E > I),
+the training iterations between the line and the evaluation are inside the phase: a hang there is not
+judged by the hang rule (the silence looks the same as the evaluation's); a collective stuck there
+ends at its NCCL timeout, an exit the agent reports, or at the phase's bound. Taking the evaluation
+for a hang instead cost a restart per evaluation.
 """
 
 from __future__ import annotations

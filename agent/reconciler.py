@@ -243,6 +243,8 @@ class TaskReconciler:
         self.stopped_at: dict[int, int] = {}
         #: rank -> the phase its current process last reported (``protocol.PHASES``; ``RankStatus.phase``)
         self.phases: dict[int, str] = {}
+        #: rank -> when its checkpoint or evaluation is a hang, wall clock (``RankStatus.phase_deadline``)
+        self.phase_deadlines: dict[int, float] = {}
         #: rank -> the restart epoch and the membership epoch its current process was launched at
         self.launched_epoch: dict[int, int] = {}
         self.launched_membership: dict[int, int] = {}
@@ -384,7 +386,8 @@ class TaskReconciler:
                                returncode=st.returncode, requested=st.requested, step=self.steps.get(r),
                                restart_epoch=self.launched_epoch.get(r, 0),
                                membership_epoch=self.launched_membership.get(r, 0), advanced=r in self.advanced,
-                               stopped_at=self.stopped_at.get(r), phase=self.phases.get(r))
+                               stopped_at=self.stopped_at.get(r), phase=self.phases.get(r),
+                               phase_deadline=self.phase_deadlines.get(r))
                     for r, st in procs.items()]
 
     def monitor(self, rank: int, make: Callable[[], IterationMonitor]) -> tuple[IterationMonitor | None, bool]:
@@ -417,9 +420,14 @@ class TaskReconciler:
                 self._spare_due = 0.0
                 self._wake.notify_all()
 
-    def record_phase(self, rank: int, phase: str) -> None:
+    def record_phase(self, rank: int, phase: str, deadline: float | None = None) -> None:
+        """The rank's process entered ``phase``; ``deadline``: when it is hung there (wall clock), if bounded."""
         with self._lock:
             self.phases[rank] = phase
+            if deadline is None:
+                self.phase_deadlines.pop(rank, None)
+            else:
+                self.phase_deadlines[rank] = deadline
 
     def _forget_progress(self, rank: int) -> None:
         """What the rank's process reported (step, phase, early stop): gone with the process. Under the lock."""
@@ -427,6 +435,7 @@ class TaskReconciler:
         self.advanced.discard(rank)
         self.stopped_at.pop(rank, None)
         self.phases.pop(rank, None)
+        self.phase_deadlines.pop(rank, None)
 
     def step_of(self, rank: int) -> int | None:
         with self._lock:

@@ -56,6 +56,14 @@ class AgentSettings:
     warmup_hang_s: float = setting(1800.0, "UNICRON_WARMUP_HANG_S",
                                    "seconds a rank without a baseline yet (just launched, warming up) may report nothing")
     """Past it the rank is hung (sev2): the iteration rules need a baseline first. 0: off."""
+    phase_hang_s: float = setting(3600.0, "UNICRON_PHASE_HANG_S",
+                                  "seconds a rank in a checkpoint or evaluation may report nothing (0: unbounded)",
+                                  least=0.0)
+    """Past it the rank is hung (sev2): a save blocked for good (a hung NFS/Lustre mount, a dead
+    object-store endpoint) left the job idle on all its GPUs until a human noticed. An hour: a full save
+    of a trillion-parameter model with its optimizer state (~14 TB) takes ~25 minutes at 10 GB/s, an
+    evaluation minutes. Also shown in the node's status (``RankStatus.phase_deadline``), past which the
+    coordinator no longer takes another rank's hang for a wait on this one's save."""
     replica_budget_mb: int = setting(1024, "UNICRON_REPLICA_BUDGET_MB", "memory for peers' checkpoint replicas", least=0)
     """0 disables the replica server."""
     replica_host: str = setting("", "UNICRON_REPLICA_HOST",

@@ -10,7 +10,8 @@ state. Each rule here is one arrow of the contract in ``docs/decision.md``:
                                             (:func:`regroup_echo`); a log-read rank's hang while
                                             another node's rank saves, handled (:func:`held_by_phase`);
                                             a hang, the rank the others wait for where the
-                                            statuses show one (:func:`hang_culprit`)
+                                            statuses show one, a save past its bound included
+                                            (:func:`hang_culprit`)
 * ``status/<node>`` steps                -> ``ProgressMade``                    (:func:`progress`)
 * ``results/<node>``                     -> ``ActionSucceeded`` / ``ActionFailed`` (:func:`outcomes`)
 * every rank of a task exited 0          -> ``TaskFinished``, or ``TaskStopped`` when a rank said it
@@ -114,8 +115,9 @@ def regroup_echo(report: Report, last: InPlaceRecovery | None, grace_s: float,
     return report.step is None or last.step is None or report.step <= last.step + 1
 
 
-#: phases the agents' monitors leave unbounded (a save, an evaluation: minutes are normal)
-_UNBOUNDED = (PHASE_CHECKPOINT, PHASE_EVAL)
+#: phases outside the iterations a rank may spend minutes in (a save, an evaluation), up to its
+#: agent's UNICRON_PHASE_HANG_S
+_LONG = (PHASE_CHECKPOINT, PHASE_EVAL)
 
 
 def held_by_phase(report: Report, statuses: Mapping[str, NodeStatus]) -> str | None:
@@ -123,9 +125,12 @@ def held_by_phase(report: Report, statuses: Mapping[str, NodeStatus]) -> str | N
 
     Only for a rank that reports no phases (a job read from its log): Megatron prints its checkpoint
     lines on rank 0 and its progress on the last rank, so when they run on different nodes the last
-    rank's monitor never hears of the save and judges the wait for it as a hang. Its own node's
-    monitor would not have judged it (those phases have no bound on any node); a rank that reports
-    its phases is left to :func:`hang_culprit`, which names a rank stuck in them."""
+    rank's monitor never hears of the save and judges the wait for it as a hang. Only until the
+    saving rank's ``phase_deadline`` (its agent's bound on those phases, which its status carries;
+    none: a status from before the bound, held as it was): rank 0, which only prints the save, has no
+    monitor of its own to judge it, and a save blocked for good (a hung filesystem) held every hang
+    of the task, so the job sat idle until a human noticed. A rank that reports its phases is left to
+    :func:`hang_culprit`, which names a rank stuck in them."""
     if report.kind is not ErrorKind.TASK_HANG or report.task is None or report.handled:
         return None
     ranks = _task_ranks(report, statuses)
@@ -133,7 +138,8 @@ def held_by_phase(report: Report, statuses: Mapping[str, NodeStatus]) -> str | N
     if reporter is None or reporter.phase is not None:
         return None
     busy = sorted((r.rank, node, r.phase) for node, r in ranks
-                  if r.state == "running" and r.phase in _UNBOUNDED and not _is_reporter(report, node, r))
+                  if r.state == "running" and r.phase in _LONG and not _is_reporter(report, node, r)
+                  and (r.phase_deadline is None or report.source_ts < r.phase_deadline))
     if not busy:
         return None
     rank, node, phase = busy[0]
@@ -151,14 +157,17 @@ def hang_culprit(report: Report, statuses: Mapping[str, NodeStatus]) -> Report:
     rank of the task still inside the iteration outside it, at or before the reporter's step (a GPU
     hang, a stuck loader). If several, the lowest stopped rank, or the rank furthest behind (then the
     lowest), except that ranks of one node tying for furthest behind (TP partners: see below) name the
-    node, not a rank, also in the report of one of them. Anything else is the report as it came.
+    node, not a rank, also in the report of one of them. A hang of a rank that reports no phases goes
+    to a rank in a checkpoint or evaluation past its agent's bound (``phase_deadline``): the save that
+    :func:`held_by_phase` no longer excuses. Anything else is the report as it came.
 
     It trusts statuses at most one status interval old to show where a rank is: for iterations shorter
     than the status interval the pick may be a rank that has since joined the collective."""
     if report.kind is not ErrorKind.TASK_HANG or report.task is None or report.handled:
         return report
     ranks = _task_ranks(report, statuses)
-    found = _stopped_rank(report, ranks) or _rank_outside_collective(report, ranks)
+    found = (_stopped_rank(report, ranks) or _overdue_phase_rank(report, ranks)
+             or _rank_outside_collective(report, ranks))
     if found is None:
         return report
     node, culprit, why = found
@@ -197,6 +206,22 @@ def _stopped_rank(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culpr
         return None
     node, r = min(stopped, key=lambda nr: (nr[1].rank, nr[0]))
     return node, r, "is stopped"
+
+
+def _overdue_phase_rank(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culprit | None:
+    """For a rank without phases (a job read from its log), the lowest running rank of the task in a
+    checkpoint or evaluation past its ``phase_deadline``: the save it waits for that :func:`held_by_phase`
+    no longer excuses (restarting the waiting last rank left rank 0 in its blocked save)."""
+    reporter = next((r for node, r in ranks if _is_reporter(report, node, r)), None)
+    if reporter is None or reporter.phase is not None:
+        return None
+    overdue = [(node, r) for node, r in ranks if r.state == "running" and r.phase in _LONG
+               and r.phase_deadline is not None and report.source_ts >= r.phase_deadline
+               and not _is_reporter(report, node, r)]
+    if not overdue:
+        return None
+    node, r = min(overdue, key=lambda nr: (nr[1].rank, nr[0]))
+    return node, r, f"has been in {r.phase} past its agent's bound (UNICRON_PHASE_HANG_S)"
 
 
 def _rank_outside_collective(report: Report, ranks: list[tuple[str, RankStatus]]) -> _Culprit | None:

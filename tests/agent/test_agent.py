@@ -26,6 +26,7 @@ from agent.settings import AgentSettings
 from agent.sidecar import StoreSidecar
 from unicron.cluster.etcd_server import EtcdServer
 from unicron.kernel import protocol, wire
+from unicron.kernel.config import from_args
 from unicron.kernel.errors import ConfigError, StoreUnavailable
 from unicron.kernel.etcd import KeyValue, Lease, Store
 from unicron.kernel.keyspace import Keyspace
@@ -887,8 +888,59 @@ def test_a_checkpoint_line_shows_every_rank_of_its_node_saving_in_the_status(
 
     wait_for(lambda: phases() == {0: protocol.PHASE_CHECKPOINT, 1: protocol.PHASE_CHECKPOINT}, 30,
              "both ranks shown saving")
+    # with when the node's bound (UNICRON_PHASE_HANG_S, an hour) ends the excuse for other ranks' hangs
+    st = status(store, "a0")
+    assert st is not None
+    deadlines = [r.phase_deadline for r in st.ranks if r.task == "saves"]
+    assert all(d is not None and time.time() + 3000 < d < time.time() + 3600 for d in deadlines), deadlines
     go.touch()
     wait_for(lambda: phases() == {0: protocol.PHASE_TRAIN, 1: protocol.PHASE_TRAIN}, 30, "the save's end")
+    st = status(store, "a0")
+    assert st is not None and [r.phase_deadline for r in st.ranks if r.task == "saves"] == [None, None]
+
+
+# Ranks of unicron's runtime: 15 iterations of 20 ms (a baseline), then a checkpoint; rank 0's save
+# blocks for good (a hung filesystem), rank 1's takes 0.5 s.
+SAVE_BLOCKS = [sys.executable, "-c", (
+    "import os, time; from unicron.kernel import protocol; from unicron.kernel.client import AgentClient\n"
+    "c = AgentClient.from_env().connect()\n"
+    "for s in range(15):\n"
+    "    with c.iteration(s):\n"
+    "        time.sleep(0.02)\n"
+    "with c.phase(protocol.PHASE_CHECKPOINT):\n"
+    "    time.sleep(1000 if os.environ['RANK'] == '0' else 0.5)\n"
+    "time.sleep(1000)\n"
+)]
+
+
+def test_a_save_that_blocks_for_good_is_reported_hung_past_the_phase_bound(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint phase suspended the hang clock with no bound of its own: a save stuck on a hung
+    mount was never reported, and the job sat idle on all its GPUs until a human noticed."""
+    monkeypatch.setenv("UNICRON_PHASE_HANG_S", "2")
+    base = settings(etcd_server, "p0", tmp_path)
+    agent = Agent(from_args(AgentSettings, None, **{f: getattr(base, f) for f in (
+        "node", "etcd", "prefix", "gpu_backend", "gpus", "run_dir", "replica_budget_mb", "prefork",
+        "advertise_host", "status_interval_s")}))
+    assert agent.settings.phase_hang_s == 2.0
+    th = threading.Thread(target=agent.run, daemon=True)
+    th.start()
+    try:
+        assert agent.ready.wait(30)
+        assign(store, "p0", task("stuck", SAVE_BLOCKS, [0, 1], 2, store_node="p0"))
+
+        def hangs() -> list[Report]:
+            kvs, _ = store.get_prefix(KEYS.reports())
+            return [r for r in (Report.from_json(kv.value) for kv in kvs)
+                    if r.task == "stuck" and r.kind is ErrorKind.TASK_HANG]
+
+        found = wait_for(hangs, 60, "the blocked save's hang report")
+        assert [(r.node, r.rank) for r in found] == [("p0", 0)], [r.message for r in found]
+        assert found[0].message.startswith("in checkpoint for "), found[0].message
+        assert [r.rank for r in hangs()] == [0]  # rank 1's half-second save was no hang
+    finally:
+        agent.stop()
+        th.join(30)
 
 
 def test_an_agent_ignores_the_assignment_of_a_node_whose_name_extends_its_own(

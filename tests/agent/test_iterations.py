@@ -104,7 +104,7 @@ def test_non_train_phase_suspends_hang_detection_and_restarts_the_clock() -> Non
     mon = steady(0.1)
     mon.iter_start(20, 50.0)
     mon.phase("checkpoint", 50.05)
-    assert mon.deadline() is None and mon.check(60.0) == []
+    assert mon.deadline() == pytest.approx(50.05 + 3600.0) and mon.check(60.0) == []  # its own bound only
     mon.phase("train", 60.0)
     assert mon.deadline() == pytest.approx(60.3)
     mon.iter_end(20, 10.1, 60.1)  # spanned a checkpoint: not a training sample
@@ -197,11 +197,61 @@ def test_a_rank_silent_since_its_launch_or_in_warm_up_is_a_hang_after_the_warmup
     mon.iter_start(0, 200.0)  # it reports after all (a slow start): judged afresh
     assert mon.deadline() == pytest.approx(210.0)
     mon.phase("checkpoint", 201.0)
-    assert mon.deadline() is None  # a checkpoint has no bound here, as with a baseline
+    assert mon.deadline() == pytest.approx(201.0 + 3600.0)  # a checkpoint's own bound, as with a baseline
     mon.phase("train", 260.0)
     feed(mon, [0.5] * 6, t0=300.0, step0=1)  # warm-up done: the iteration rules take over
     mon.iter_start(7, 400.0)
     assert mon.deadline() == pytest.approx(401.5)
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "eval"])
+def test_a_rank_stuck_in_a_checkpoint_or_eval_is_one_hang_after_the_phase_bound(name: str) -> None:
+    """A save blocked for good (a hung NFS mount, a dead object store): the phase suspended the hang
+    clock and had no bound, so nothing was ever found and the job sat idle until a human noticed."""
+    s = IterationSettings(warmup_iterations=2, min_samples=5, phase_hang_s=100.0, hang_repeat_s=60.0)
+    mon = IterationMonitor(s)
+    t = feed(mon, [0.1] * 10)
+    mon.iter_start(10, t)
+    mon.iter_end(10, 0.1, t + 0.1)
+    mon.phase(name, 50.0)  # between iterations, as unicron.runtime saves
+    assert mon.deadline() == pytest.approx(150.0)
+    assert mon.check(149.9) == []  # a long save is no hang
+    (f,) = mon.check(150.0)
+    assert (f.kind, f.step, f.ts, f.onset_ts) == (HANG, None, 150.0, 50.0)
+    assert f.message.startswith(f"in {name} for 100.000 s"), f.message
+    assert mon.check(209.9) == []  # once per episode
+    (again,) = mon.check(210.0)  # and again every hang_repeat_s while it lasts, like any hang
+    assert again.kind is HANG and f"in {name} for 160.000 s" in again.message
+    mon.phase("train", 300.0)  # it came back after all: the episode is over, nothing due in the past
+    assert mon.check(1000.0) == []
+    assert mon.deadline() is None
+    fresh = IterationMonitor(s)  # no baseline yet: a save right after the launch is bounded the same
+    fresh.launched(0.0)
+    fresh.phase(name, 1.0)
+    assert fresh.check(100.9) == [] and [x.kind for x in fresh.check(101.0)] == [HANG]
+
+
+def test_a_checkpoint_that_ends_or_reports_within_the_phase_bound_is_no_hang() -> None:
+    s = IterationSettings(warmup_iterations=2, min_samples=5, phase_hang_s=100.0)
+    mon = IterationMonitor(s)
+    feed(mon, [0.1] * 10)
+    mon.iter_start(10, 40.0)
+    mon.phase("checkpoint", 50.0)  # inside the iteration: its clock stops, the phase's starts
+    mon.phase("train", 140.0)  # a 90 s save
+    assert mon.deadline() == pytest.approx(140.3)  # the iteration's clock again, restarted
+    assert mon.check(140.2) == []
+    mon.iter_end(10, 100.2, 140.2)
+    mon.phase("eval", 200.0)
+    mon.iter_start(11, 290.0)  # any report within the bound is progress: the bound counts from it
+    assert mon.check(300.0) == [] and mon.deadline() == pytest.approx(390.0)
+    mon.phase("train", 380.0)
+    mon.iter_end(11, 90.1, 380.1)
+    assert mon.check(1000.0) == []
+    off = IterationMonitor(IterationSettings(phase_hang_s=0.0))  # 0: unbounded, as before
+    off.phase("checkpoint", 0.0)
+    assert off.deadline() is None and off.check(1e9) == []
+    with pytest.raises(ConfigError, match="phase_hang_s"):
+        IterationSettings(phase_hang_s=-1.0)
 
 
 def test_completed_stalls_do_not_inflate_the_baseline() -> None:

@@ -179,7 +179,8 @@ def test_a_checkpoint_save_pauses_the_hang_clock() -> None:
     for n in range(1, 7):
         feed.feed(Progress(10 * n, 0.1), float(n - 1))
     mon.phase("checkpoint", 5.5)
-    assert mon.deadline() is None  # a 30-second save is not a hang
+    assert mon.deadline() == pytest.approx(5.5 + 3600.0)  # a 30-second save is not a hang: an hour's bound
+    assert mon.check(39.9) == []
     mon.phase(PHASE_TRAIN, 40.0)
     assert mon.deadline() == pytest.approx(43.0)
 

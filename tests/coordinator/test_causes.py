@@ -408,6 +408,26 @@ def test_a_log_read_ranks_hang_while_another_nodes_rank_saves_is_a_wait_for_the_
     assert causes.held_by_phase(hang("n2", 9), saving) is None
 
 
+def test_a_save_past_its_agents_phase_bound_holds_no_hang() -> None:
+    """A save blocked for good (a hung NFS mount): rank 0 of a log-read job prints only the save, so no
+    monitor judges it, and every hang of the last rank was held as a wait for it, for ever."""
+    def saving(deadline: float | None) -> dict[str, NodeStatus]:
+        return {"n0": status("n0", waiting([0, 1], phase=PHASE_CHECKPOINT, phase_deadline=deadline)),
+                "n1": status("n1", waiting([2, 3], phase=None))}
+
+    at = dataclasses.replace(hang("n1", 3), source_ts=5000.0)
+    assert causes.held_by_phase(at, saving(5000.5)) == "waits for rank 0's checkpoint on n0"  # within its bound
+    assert causes.held_by_phase(at, saving(4000.0)) is None  # began more than the bound ago: a hang
+    named = causes.hang_culprit(at, saving(4000.0))  # ... of the rank in the save, not of the one waiting
+    assert (named.node, named.rank) == ("n0", 0) and "checkpoint past its agent's bound" in named.message
+    assert causes.hang_culprit(at, saving(5000.5)) == at  # (within it the report is held, above)
+    assert causes.held_by_phase(at, saving(None)) is not None  # a status from before the bound: as it was
+    # a status record carries the deadline only while a rank saves: most stay readable by older readers
+    assert "phase_deadline" not in waiting([0])[0].to_dict()
+    saved = waiting([0], phase=PHASE_CHECKPOINT, phase_deadline=5000.5)[0]
+    assert RankStatus.from_dict(saved.to_dict()).phase_deadline == 5000.5
+
+
 def test_a_hang_echoes_an_in_place_recovery_only_in_the_iteration_it_broke_and_within_the_grace() -> None:
     sev3 = dataclasses.replace(hang("n1", 1), kind=ErrorKind.CONNECTION_REFUSED_RESET, handled=True,
                                step=7, source_ts=100.0)

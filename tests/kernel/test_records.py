@@ -50,7 +50,9 @@ def _asdict_dict(rec: Record) -> dict[str, Any]:
 
 
 def test_to_dict_is_what_asdict_gives_for_nested_records() -> None:
-    ranks = [RankStatus(task="t", generation=2, rank=r, pid=100 + r, state="running", step=r) for r in range(3)]
+    # (with every field set: one omitted while empty, phase_deadline, is not asdict's)
+    ranks = [RankStatus(task="t", generation=2, rank=r, pid=100 + r, state="running", step=r, phase="checkpoint",
+                        phase_deadline=10.0 + r) for r in range(3)]
     status = NodeStatus(node="n0", ts=1.5, generation=2, task="t", ranks=ranks,
                         gpu_health=[{"gpu": 0, "ecc": [1, 2]}])
     report = Report(method=DetectionMethod.EXCEPTION_PROPAGATION, kind=ErrorKind.ECC_ERROR, node="n0", rank=1)
@@ -59,6 +61,8 @@ def test_to_dict_is_what_asdict_gives_for_nested_records() -> None:
         assert type(rec).from_json(rec.to_json()) == rec
     assert status.to_dict()["ranks"][1] == dataclasses.asdict(ranks[1])
     assert status.to_dict()["gpu_health"][0]["ecc"] is not status.gpu_health[0]["ecc"]  # a copy, as before
+    training = dataclasses.replace(ranks[0], phase="train", phase_deadline=None)
+    assert training.to_dict() == {k: v for k, v in dataclasses.asdict(training).items() if k != "phase_deadline"}
 
 
 def test_a_rank_set_is_ranges_and_round_trips() -> None:

@@ -483,6 +483,14 @@ class RankStatus(Record):
     #: the phase the process last reported (``protocol.PHASES``): ``collective`` while it waits for its
     #: peers inside an iteration, which tells a hung rank from the peers it holds. None: it reports none
     phase: str | None = None
+    #: in a checkpoint or evaluation phase, when (wall clock) the rank is hung there by its agent's
+    #: ``UNICRON_PHASE_HANG_S``: past it the coordinator no longer takes another rank's hang for a wait
+    #: on this save (``causes.held_by_phase``). None: another phase, or none bounded
+    phase_deadline: float | None = None
+
+    #: left out of a record while empty: a reader from before unknown fields were skipped refuses them,
+    #: and most statuses (no rank saving) must stay readable to it during a rolling upgrade
+    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("phase_deadline",)
 
 
 @dataclass(frozen=True)
