@@ -8,10 +8,17 @@ a log's content is copied to ``<log>.1`` (replacing the one before) and the log 
 place, as logrotate's ``copytruncate`` does: the rank keeps its descriptor, and with O_APPEND its next
 write lands at the new end. Lines written between the copy and the truncation are lost (logrotate's
 caveat too); a rename would keep the rank writing into the renamed file, which nobody bounds.
+
+The copy needs as much free space as the log. On a full log disk (the rank's own log filled it) it
+cannot be made, and giving up would never free a byte: the log is then truncated anyway and only its
+last :data:`FULL_DISK_TAIL` bytes are kept in ``<log>.1``, written after the truncation freed the
+space; the rest is dropped, and said so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 
@@ -21,6 +28,9 @@ log = ulog.get(__name__)
 
 ROTATED_SUFFIX = ".1"
 LOG_SUFFIXES = (".log", ".err")  # a rank's stdout and stderr (agent/supervisor.py)
+#: what a rotation on a full disk keeps of the log (its end: the newest lines, the ones that say why)
+FULL_DISK_TAIL = 1 << 20
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
 def cap(path: str, max_bytes: int) -> bool:
@@ -29,13 +39,46 @@ def cap(path: str, max_bytes: int) -> bool:
     try:
         if os.path.getsize(path) <= max_bytes:
             return False
-        shutil.copyfile(path, path + ROTATED_SUFFIX)
+        try:
+            shutil.copyfile(path, path + ROTATED_SUFFIX)
+        except OSError as exc:
+            if exc.errno not in _NO_ROOM:
+                raise
+            _truncate_keeping_tail(path, min(max_bytes, FULL_DISK_TAIL))
+            return True
         os.truncate(path, 0)
     except OSError as exc:
         log.warning("rank log not rotated", path=path, error=str(exc))
         return False
     log.info("rank log rotated", path=path, kept=path + ROTATED_SUFFIX, max_bytes=max_bytes)
     return True
+
+
+def _truncate_keeping_tail(path: str, tail_bytes: int) -> None:
+    """The full disk's rotation: the log's last ``tail_bytes`` (from a line's start) go to ``<log>.1``
+    once the log is truncated; when even that does not fit (the rank refilled the space at once),
+    nothing is kept."""
+    rotated = path + ROTATED_SUFFIX
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        fh.seek(max(0, size - tail_bytes))
+        tail = fh.read(tail_bytes)
+    if size > len(tail) and b"\n" in tail:
+        tail = tail[tail.index(b"\n") + 1:]  # no half line at the start
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(rotated)  # the partial copy (or an empty file): its blocks are part of what is full
+    os.truncate(path, 0)
+    kept = 0
+    try:
+        with open(rotated, "wb") as out:
+            out.write(tail)
+        kept = len(tail)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(rotated)
+        log.warning("rank log's tail not kept either", path=rotated, error=str(exc))
+    log.warning("log disk full: rank log truncated without a full copy, its older content dropped",
+                path=path, kept=rotated if kept else None, kept_bytes=kept, dropped_bytes=size - kept)
 
 
 def cap_all(logs_dir: str, max_bytes: int) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +112,29 @@ def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def foreign_cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same names, issued by another CA: what a stranger's certificates look like."""
     return make_certs(tmp_path_factory.mktemp("foreign-certs"))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An empty 1 MiB tmpfs: a disk that a test fills for a real ENOSPC (see :func:`fill`)."""
+    root = tmp_path / "tiny"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs (needs root)")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=True)
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until its filesystem is full (ENOSPC)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)

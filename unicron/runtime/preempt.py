@@ -22,6 +22,7 @@ from typing import Any
 
 from ckpt.api import Checkpointer
 from unicron.kernel import log as ulog
+from unicron.runtime import stdout
 
 log = ulog.get(__name__)
 
@@ -84,7 +85,7 @@ class Preemption:
         if self.saved and self.not_persisted:  # in node memory (and peers' replicas) only: say so
             what += f" in memory but NOT persisted ({self.not_persisted})"
         # stdout: the job's own output (the agent appends it to the rank's log), as Megatron prints
-        print(f"rank {rank}: stopped at iteration {iteration}{took}; {what}", flush=True)
+        stdout.status(f"rank {rank}: stopped at iteration {iteration}{took}; {what}")
         log.info("stopped on request", rank=rank, step=iteration, snapshot=self.saved is not None,
                  persisted=self.saved is not None and self.not_persisted is None)
 

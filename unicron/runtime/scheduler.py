@@ -60,7 +60,7 @@ from unicron.kernel.client import AgentClient, InjectedFault
 from unicron.kernel.errors import ConfigError, PermanentError, TemporaryError
 from unicron.kernel.patterns import match
 from unicron.kernel.types import ErrorKind, Severity
-from unicron.runtime import membership, reaper
+from unicron.runtime import membership, reaper, stdout
 from unicron.runtime.checkpoint import PersistWatch, Presence, TorchSaveCheckpointer, checkpoint_presence
 from unicron.runtime.comm import CommGroup, RendezvousStore, broken_group
 from unicron.runtime.epoch import EpochRecord
@@ -821,8 +821,8 @@ class Trainer(Generic[BatchT]):
         self._event("iteration", it=self.it, loss=loss, epoch=self.groups.record.epoch,
                     dp=self._epoch_plan(self.groups.record)[0])
         if self.sched.log_iterations:
-            print(f"iteration {self.it} done {time.time():.6f} pid {os.getpid()} "
-                  f"dp {self._epoch_plan(self.groups.record)[0]}", flush=True)
+            stdout.status(f"iteration {self.it} done {time.time():.6f} pid {os.getpid()} "
+                          f"dp {self._epoch_plan(self.groups.record)[0]}")
         self.state.iteration += 1
         self._new_iteration(self.groups.record)
         saved = self._checkpoint(stopping=stop)
@@ -1079,8 +1079,8 @@ class Trainer(Generic[BatchT]):
         self.log.info("restored", step=self.it, source=source, resharded_from=resharded)
         # the layout too: a relaunch with a new micro-batch size or TP size restores the same state
         how = f", resharded from TP {resharded} to {self.topo.tp}" if resharded else ""
-        print(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'}{how} "
-              f"({self.layout.micro_batches} micro-batches of {self.sched.micro_batch_size})", flush=True)
+        stdout.status(f"rank {self.rank}: restored iteration {self.it} from {source or 'checkpoint'}{how} "
+                      f"({self.layout.micro_batches} micro-batches of {self.sched.micro_batch_size})")
 
     def _restore_snapshots(self) -> int:
         """Each data-parallel group restores its newest snapshot (its holder broadcasts it); when any
