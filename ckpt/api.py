@@ -62,6 +62,13 @@ class StaleGeneration(CheckpointError):
     delete) what its relaunch saved since."""
 
 
+class NoRoomForSnapshot(CheckpointError):
+    """The node-local snapshot directory (``/dev/shm``, ``local_dir``) has no room for a slot, even
+    after idle ranks' directories gave theirs up: this snapshot is not taken, the previous ones stay
+    and a later ``save()`` tries again. A condition of the node, not a fault of the caller's, so a
+    trainer goes on training (its own class: a programming error stays a :class:`CheckpointError`)."""
+
+
 class NoValidCheckpoint(CheckpointError):
     """No tier held a valid snapshot; ``attempts`` says what each tier had and why it was rejected."""
 

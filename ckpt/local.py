@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt.api import CheckpointCorrupt, CheckpointError, Snapshot, SnapshotInfo
+from ckpt.api import CheckpointCorrupt, CheckpointError, NoRoomForSnapshot, Snapshot, SnapshotInfo
 from ckpt.codec import byte_view
 from unicron.kernel import jsontext
 from unicron.kernel import log as ulog
@@ -118,7 +118,7 @@ class _Mapping:
                 missing = size - os.fstat(fd).st_blocks * 512
                 if attempt == 0 and self.make_room is not None and self.make_room(missing):
                     continue
-                raise CheckpointError(
+                raise NoRoomForSnapshot(
                     f"no room for a {size}-byte snapshot slot in {self.path.parent} "
                     "(enlarge /dev/shm, e.g. docker --shm-size, or set CheckpointConfig.local_dir)"
                 ) from exc

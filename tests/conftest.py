@@ -116,10 +116,11 @@ def foreign_cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """An empty 1 MiB tmpfs: a disk that a test fills for a real ENOSPC (see :func:`fill`)."""
+    """An empty 4 MiB tmpfs (room for the test model's two snapshot slots): a disk that a test fills
+    for a real ENOSPC (see :func:`fill`)."""
     root = tmp_path / "tiny"
     root.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs (needs root)")
     try:

@@ -53,7 +53,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckpt.api import Checkpointer, SaveOutcome, StorageUnavailable
+from ckpt.api import Checkpointer, NoRoomForSnapshot, SaveOutcome, StorageUnavailable
 from unicron.kernel import log as ulog
 from unicron.kernel import protocol
 from unicron.kernel.client import AgentClient, InjectedFault
@@ -759,9 +759,9 @@ class Trainer(Generic[BatchT]):
                 else:
                     ticket = self.checkpointer.save(self.state.state_dict(), self.it)
             self.persists.track(ticket)
-        except StorageUnavailable as exc:
+        except (StorageUnavailable, NoRoomForSnapshot) as exc:
             # as memory mode's failed persist: the previous checkpoint stays and training goes on (a
-            # full disk killed the rank here at every relaunch: a crash loop, then a sev1)
+            # full disk, or a full /dev/shm, killed the rank here at every relaunch: a crash loop)
             self.log.warning("checkpoint not saved", step=self.it, error=str(exc))
             self._event("checkpoint_failed", it=self.it, error=str(exc))
             return False
@@ -777,7 +777,7 @@ class Trainer(Generic[BatchT]):
             with self.client.phase(protocol.PHASE_CHECKPOINT):
                 self.persists.track(self.preempt.save(self.checkpointer, self.state.state_dict, self.it,
                                                       writer=self._ckpt_writer(), already_saved=saved))
-        except StorageUnavailable as exc:  # the stop goes on: its relaunch resumes the previous checkpoint
+        except (StorageUnavailable, NoRoomForSnapshot) as exc:  # the stop goes on: its relaunch resumes the previous checkpoint
             self.log.warning("stop snapshot not saved", step=self.it, error=str(exc))
             return
         self._event("stop_snapshot", it=self.it, seconds=time.time() - t0)
