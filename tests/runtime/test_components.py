@@ -147,7 +147,7 @@ def test_a_torch_save_writer_killed_mid_save_leaves_no_temp_file_once_its_rank_r
         return subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(rank), mode])
 
     def temps() -> set[str]:
-        return {p.name for p in (tmp_path / "tp0").glob("*.tmp")}
+        return {p.name for p in (tmp_path / "tp0").glob("it*.pt.[0-9]*.tmp")}  # the checkpoints' (not sidecars')
 
     live0 = writer(0, "hang")  # first: a rank 0 started after a dead one would already clean up
     dead0 = dead1 = live0
@@ -171,6 +171,8 @@ def test_a_torch_save_writer_killed_mid_save_leaves_no_temp_file_once_its_rank_r
         ck.save({"w": torch.ones(8)}, 4)  # the next save removes the writer that died since
         assert temps() == {other_host, next(n for n in left if n.endswith(f".{dead1.pid}.tmp"))}
         assert ck.held() == [4]
+        sidecar_temps = {p.name for p in (tmp_path / "tp0").glob("it*.pt.sum.*.tmp")}  # as removed
+        assert {n.rsplit(".", 2)[1] for n in sidecar_temps} == {str(dead1.pid)}, sidecar_temps
     finally:
         for p in (dead0, dead1, live0):
             p.kill()
@@ -204,7 +206,7 @@ def test_a_torch_save_that_fails_on_a_full_disk_leaves_no_temp_file_and_the_prev
     with pytest.raises(StorageUnavailable, match=rf"not saved in {tmp_path}/tp0: \[Errno 28\] No space left"):
         ck.save({"w": torch.zeros(8)}, 2)
     monkeypatch.undo()
-    assert sorted(p.name for p in (tmp_path / "tp0").iterdir()) == ["it1.pt"]
+    assert sorted(p.name for p in (tmp_path / "tp0").iterdir()) == ["it1.pt", "it1.pt.sum"]
     assert torch.equal(ck.restore().state["w"], torch.ones(8))
 
 
@@ -228,6 +230,7 @@ def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     restored = ck.restore()
     assert restored.iteration == 4 and [a.iteration for a in restored.skipped] == [5]
+    Path(f"{newest}.sum").unlink()  # as written before checksum sidecars: torch.load judges alone
     newest.write_bytes(b"torn")  # torch.load's unpickler: an IndexError, not a RuntimeError
     assert ck.restore().iteration == 4
     with pytest.raises(NoValidCheckpoint, match="unreadable"):
@@ -236,6 +239,27 @@ def test_torch_save_restore_skips_a_damaged_newest_file_for_the_newest_valid_one
     assert CheckpointSource(ck).transfer(resumed, solo_group(), [0], [], [0], 0)
     assert resumed.iteration == 4
     assert all(torch.equal(a, b) for a, b in zip(resumed.tensors(), good.tensors(), strict=True))
+
+
+def test_torch_save_restore_passes_over_a_bit_rotted_newest_file(tmp_path: Path) -> None:
+    """Review (bit rot): torch.load trusts the bytes, so one flipped bit in a checkpoint's tensor data
+    restored wrong weights silently. Each it<N>.pt now has a checksum sidecar; a file that does not
+    match it is passed over like a torn one; a file without one (written before) still loads."""
+    ck = TorchSaveCheckpointer(str(tmp_path), rank=0)
+    for it in (1, 2):
+        ck.save({"w": torch.full((65536,), float(it)), "iteration": it}, it)
+    newest = Path(ck._path(2))
+    raw = bytearray(newest.read_bytes())
+    at = raw.find(torch.full((4,), 2.0).numpy().tobytes()) + 4000
+    raw[at + 3] ^= 0x40  # one bit of one float32 in the middle of the tensor data
+    newest.write_bytes(bytes(raw))
+    restored = ck.restore()
+    assert restored.iteration == 1 and torch.equal(restored.state["w"], torch.full((65536,), 1.0))
+    assert [(a.iteration, a.reason) for a in restored.skipped] == [(2, "checksum mismatch (bit rot, or a copy "
+                                                                      "damaged in transit)")]
+    assert ck.read_shard(0, 2)[0].iteration == 1  # a reader of the shared shard passes it over too
+    Path(f"{ck._path(1)}.sum").unlink()  # a checkpoint written before sidecars existed
+    assert ck.restore(iteration=1).state["iteration"] == 1
 
 
 def test_a_ckpt_dir_that_cannot_be_created_is_a_config_error(tmp_path: Path) -> None:

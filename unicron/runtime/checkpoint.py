@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import glob
+import json
 import os
 import re
 import socket
 import time
+import zlib
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -99,6 +101,42 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
+#: a checkpoint file's checksum sidecar: ``it<N>.pt`` + this, ``{"size": bytes, "crc32": crc}``
+SUM_SUFFIX = ".sum"
+_READ_CHUNK = 8 << 20
+
+
+def _file_sum(path: str) -> tuple[int, int]:
+    """Size and CRC-32 of the file at ``path`` (read in chunks: a checkpoint may be larger than memory
+    can hold twice)."""
+    size, value = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            size += len(chunk)
+            value = zlib.crc32(chunk, value)
+    return size, value & 0xFFFFFFFF
+
+
+def _sum_mismatch(path: str) -> str | None:
+    """Why ``path`` is not the file its sidecar describes; None when it is, or when it has no sidecar
+    (written before sidecars existed: loaded unverified, as then)."""
+    try:
+        with open(path + SUM_SUFFIX, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        want = json.loads(raw)
+        size, crc = int(want["size"]), int(want["crc32"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"checksum sidecar unreadable ({type(exc).__name__})"
+    if os.path.getsize(path) != size:
+        return f"partial: {os.path.getsize(path)} bytes, its sidecar says {size}"
+    if _file_sum(path)[1] != crc:
+        return "checksum mismatch (bit rot, or a copy damaged in transit)"
+    return None
+
+
 def _why(exc: BaseException) -> str:
     """The OS error behind ``exc`` (torch.save's RuntimeError "unexpected pos" hides the ENOSPC in its
     chain), else its first line."""
@@ -146,9 +184,9 @@ class TorchSaveCheckpointer(Checkpointer):
         The directory may be shared by every rank of the shard, on several hosts: only this rank's files
         written on this host, by a process that no longer runs, are removed (a pid says nothing about
         another host's processes, so their files are left to the rank that runs there)."""
-        mine = re.compile(rf"it\d+\.pt\.{self.rank}\.{re.escape(_host_tag())}\.(\d+)\.tmp$")
+        mine = re.compile(rf"it\d+\.pt(?:{re.escape(SUM_SUFFIX)})?\.{self.rank}\.{re.escape(_host_tag())}\.(\d+)\.tmp$")
         removed = []
-        for path in glob.glob(os.path.join(self.dir, f"it*.pt.{self.rank}.*.tmp")):
+        for path in glob.glob(os.path.join(self.dir, f"it*.pt*.{self.rank}.*.tmp")):
             m = mine.match(os.path.basename(path))
             if m and _process_gone(int(m.group(1))):
                 with contextlib.suppress(FileNotFoundError):
@@ -180,23 +218,42 @@ class TorchSaveCheckpointer(Checkpointer):
     def save(self, state: Any, iteration: int) -> None:
         # Unique per writer: after a regroup the previous writer may still be finishing a save. The
         # rank, host and pid name it so that remove_orphans can tell a dead writer's from a live one's.
-        tmp = f"{self._path(iteration)}.{self.rank}.{_host_tag()}.{os.getpid()}.tmp"
+        path = self._path(iteration)
+        tag = f".{self.rank}.{_host_tag()}.{os.getpid()}.tmp"
+        tmp, sum_tmp = path + tag, path + SUM_SUFFIX + tag
         try:
             with open(tmp, "wb") as f:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())  # else a node crash can leave the renamed file torn
-            os.replace(tmp, self._path(iteration))
-            fsync_dir(self.dir)  # the rename itself
+            # the checksum of what reached the file: torch.load alone restored a flipped bit silently
+            size, crc = _file_sum(tmp)
+            with open(sum_tmp, "wb") as f:
+                f.write(json.dumps({"size": size, "crc32": crc}).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            # the sidecar first: a crash between the renames leaves it without its file (ignored), never
+            # a new file without its sidecar (which would load unverified)
+            os.replace(sum_tmp, path + SUM_SUFFIX)
+            os.replace(tmp, path)
+            fsync_dir(self.dir)  # the renames themselves
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
             # a full disk: the partial temp file kept it full (remove_orphans spares a live writer's own),
             # and the traceback killed the rank at every relaunch; the previous checkpoint stays
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+            for t in (tmp, sum_tmp):
+                with contextlib.suppress(OSError):
+                    os.remove(t)
             raise StorageUnavailable(f"checkpoint of iteration {iteration} not saved in {self.dir}: {_why(exc)}") from exc
-        for old in self.held()[: -self.keep]:
+        held = self.held()
+        for old in held[: -self.keep]:
             with contextlib.suppress(FileNotFoundError):  # pruned by a concurrent writer
                 os.remove(self._path(old))
+        oldest_kept = held[-self.keep:][0] if held else iteration
+        for side in glob.glob(os.path.join(self.dir, f"it*.pt{SUM_SUFFIX}")):
+            m = re.match(rf"it(\d+)\.pt{re.escape(SUM_SUFFIX)}$", os.path.basename(side))
+            if m and int(m.group(1)) < oldest_kept:  # a pruned file's, or one of a save that crashed
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(side)
         self.remove_orphans()  # a dead writer's that was not yet reaped when this checkpointer was built
 
     def restore(self, iteration: int | None = None, into: Any = None) -> Restored:
@@ -204,7 +261,8 @@ class TorchSaveCheckpointer(Checkpointer):
 
     def _load(self, directory: str, iteration: int | None) -> Restored:
         """``iteration`` of ``directory``, or (None) its newest file that loads; a file that does not
-        (torn by a crash, not a snapshot) is passed over with its reason, as the memory tiers do."""
+        (torn by a crash, not a snapshot, unlike its checksum sidecar) is passed over with its reason,
+        as the memory tiers do."""
         t0 = time.perf_counter()
         held = self.held(directory)
         wanted = [iteration] if iteration is not None else held[::-1]
@@ -213,6 +271,13 @@ class TorchSaveCheckpointer(Checkpointer):
             path = self._path(it, directory)
             if it not in held:
                 attempts.append(TierAttempt(Tier.REMOTE, directory, it, "no such checkpoint file"))
+                continue
+            try:
+                damaged = _sum_mismatch(path)
+            except OSError as exc:  # gone meanwhile (pruned by a concurrent writer), an I/O error
+                damaged = f"unreadable ({exc})"
+            if damaged is not None:
+                attempts.append(TierAttempt(Tier.REMOTE, path, it, damaged))
                 continue
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
