@@ -321,7 +321,7 @@ class Agent:
             if self.tls_expiry is not None:
                 self.tls_expiry.poll()  # weeks of running: warned again as the end nears
             if self.settings.rank_log_max_mb:
-                logcap.cap_all(self._logs_dir(), self.settings.rank_log_max_mb << 20)
+                logcap.cap_all(self._logs_dir(), self._live_tasks(), self.settings.rank_log_max_mb << 20)
         self._shutdown()
         return 0
 
@@ -638,6 +638,12 @@ class Agent:
 
     def send_to_rank(self, task: str, rank: int, msg: protocol.Message) -> bool:
         return self.rank_server is not None and self.rank_server.send(task, rank, msg)
+
+    def _live_tasks(self) -> set[str]:
+        """The tasks whose ranks may still write their logs here: those assigned, and those retired whose
+        ranks are still stopping."""
+        with self._tasks_lock:
+            return {*self._tasks, *(n for n, rec in self._retired.items() if not rec.stopped.is_set())}
 
     def _logs_dir(self) -> str:
         return os.path.join(self.settings.run_dir, "logs")

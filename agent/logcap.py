@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Iterable
 
 from unicron.kernel import log as ulog
 
@@ -81,19 +82,16 @@ def _truncate_keeping_tail(path: str, tail_bytes: int) -> None:
                 path=path, kept=rotated if kept else None, kept_bytes=kept, dropped_bytes=size - kept)
 
 
-def cap_all(logs_dir: str, max_bytes: int) -> int:
-    """Cap every task's rank logs under ``logs_dir`` (``<task>/rank<R>.log`` and ``.err``); how many
-    were rotated."""
+def cap_all(logs_dir: str, tasks: Iterable[str], max_bytes: int) -> int:
+    """Cap the rank logs (``<task>/rank<R>.log`` and ``.err``) of ``tasks``, the ones on the node now,
+    under ``logs_dir``; how many were rotated. Only those: an ended task's logs are not written any more,
+    and scanning every directory ever made cost each status write time linear in the jobs ever run."""
     rotated = 0
-    try:
-        tasks = [e.path for e in os.scandir(logs_dir) if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return 0  # no logs yet
-    for task_dir in tasks:
+    for task in tasks:
         try:
-            logs = [e.path for e in os.scandir(task_dir) if e.name.endswith(LOG_SUFFIXES)
+            logs = [e.path for e in os.scandir(os.path.join(logs_dir, task)) if e.name.endswith(LOG_SUFFIXES)
                     and e.is_file(follow_symlinks=False)]
         except OSError:
-            continue  # a task's directory removed meanwhile
+            continue  # no log yet, or the task's directory removed meanwhile
         rotated += sum(cap(p, max_bytes) for p in logs)
     return rotated

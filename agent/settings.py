@@ -47,8 +47,9 @@ class AgentSettings:
     socket's 107 bytes: a longer one is refused at start."""
     rank_log_max_mb: int = setting(256, "UNICRON_RANK_LOG_MAX_MB",
                                    "size (MiB) past which a rank's log is rotated to <log>.1 (0: never)", least=0)
-    """Checked at every status write. The run dir is memory under systemd (/run): a rank's log grows for
-    the job's weeks, so two files of at most this size per rank are what it keeps."""
+    """Checked at every status write, for the tasks on the node (an ended task's logs are written no
+    more). The run dir is memory under systemd (/run): a rank's log grows for the job's weeks, so two
+    files of at most this size per rank are what it keeps."""
     hang_factor: float = setting(3.0, "UNICRON_HANG_FACTOR", "an iteration longer than this x the mean is a hang")
     """The paper's 3x D_iter."""
     warmup_iterations: int = setting(5, "UNICRON_WARMUP_ITERATIONS", "iterations before hang detection starts", least=0)

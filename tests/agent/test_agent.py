@@ -1068,17 +1068,27 @@ def test_a_hang_right_after_a_fault_handled_in_place_is_found_at_the_iteration_r
     assert (learned := mon.baseline()) is not None and learned >= 0.025, learned
 
 
-def test_the_agent_rotates_a_rank_log_past_its_cap(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    """A rank's log in the run dir (memory under systemd) is bounded at every status write."""
+def test_the_agent_rotates_a_rank_log_past_its_cap_and_leaves_ended_tasks_logs_alone(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path) -> None:
+    """A rank's log in the run dir (memory under systemd) is bounded at every status write. Only the
+    logs of the tasks on the node are looked at: the status loop scanned every task directory ever
+    made, a cost growing with the jobs the node ever ran, and rotated logs nobody writes any more."""
     agent = Agent(dataclasses.replace(settings(etcd_server, "a0", tmp_path), rank_log_max_mb=1))
+    ended = tmp_path / "logs" / "ended-job" / "rank0.log"  # a job that ran here before
+    ended.parent.mkdir(parents=True)
+    ended.write_bytes(b"y" * (2 << 20))
     th = threading.Thread(target=agent.run, daemon=True)
     th.start()
     try:
         assert agent.ready.wait(30)
+        rev = assign(store, "a0", task("t", SLEEPER, [0], 1, store_node="a0"))
+        wait_for(lambda: result(store, "a0", rev), 30, "the assignment's result")
         log_path = Path(agent.rank_log_path("t", 0))
-        log_path.write_bytes(b"x" * (2 << 20))
-        wait_for(lambda: log_path.stat().st_size == 0 or None, 20.0, "the rank's log rotated")
-        assert Path(f"{log_path}.1").stat().st_size == 2 << 20
+        for _ in range(2):  # twice: the ended job's log was seen by the status write in between
+            log_path.write_bytes(b"x" * (2 << 20))
+            wait_for(lambda: log_path.stat().st_size == 0 or None, 20.0, "the rank's log rotated")
+            assert Path(f"{log_path}.1").stat().st_size == 2 << 20
+        assert ended.stat().st_size == 2 << 20 and not Path(f"{ended}.1").exists()
     finally:
         agent.stop()
         th.join(30)
