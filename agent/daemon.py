@@ -311,6 +311,8 @@ class Agent:
                                 superseded=self.coordinators.superseded,
                                 on_linked=self.coordinators.linked).start()
         self._start_watches()
+        with self._assign_lock:  # with the node's assignment applied: its tasks are known
+            self._prune_task_logs()
         self.fence = Fence(self.settings.fence_s, self._contact, self._fence_kill, self._fence_restored,
                            self.stop_event).start()
         self.ready.set()
@@ -645,12 +647,20 @@ class Agent:
         with self._tasks_lock:
             return {*self._tasks, *(n for n, rec in self._retired.items() if not rec.stopped.is_set())}
 
+    def _prune_task_logs(self) -> None:
+        """Remove the logs of the tasks that left the node longest ago, past ``ended_task_logs_kept``.
+        Caller holds ``_assign_lock``: no task is placed here meanwhile (its directory made while the old
+        one is removed), and ``_fenced`` names the tasks still assigned whose ranks the fence killed."""
+        logcap.prune_ended(self._logs_dir(), self.node, self._live_tasks() | set(self._fenced),
+                           self.settings.ended_task_logs_kept)
+
     def _logs_dir(self) -> str:
         return os.path.join(self.settings.run_dir, "logs")
 
     def rank_log_path(self, task: str, rank: int) -> str:
         log_dir = os.path.join(self._logs_dir(), task)
         os.makedirs(log_dir, exist_ok=True)
+        logcap.mark_in_use(log_dir, self.node)
         return os.path.join(log_dir, f"rank{rank}.log")
 
     def publish_store(self, addr: StoreAddress) -> int:
@@ -824,6 +834,7 @@ class Agent:
             desired = [a for a in desired if not fenced_placement(a, self._fenced)]
             outcomes = self.reconcile(desired, isolated)
             self._applied_revision = revision
+            self._prune_task_logs()
         threading.Thread(target=self._report_result, args=(revision, outcomes), name=f"result-{revision}",
                          daemon=True).start()
 

@@ -50,6 +50,12 @@ class AgentSettings:
     """Checked at every status write, for the tasks on the node (an ended task's logs are written no
     more). The run dir is memory under systemd (/run): a rank's log grows for the job's weeks, so two
     files of at most this size per rank are what it keeps."""
+    ended_task_logs_kept: int = setting(8, "UNICRON_ENDED_TASK_LOGS_KEPT",
+                                        "ended tasks whose log directories (logs/<task>) the run dir keeps", least=0)
+    """An operator reads a finished or failed job's rank logs there for a while; past this many, the
+    directories of the tasks that left the node first are removed (when a task leaves, and at the
+    agent's start). The run dir is memory under systemd (/run): kept for good, the logs of every job
+    the node ever ran filled it. A task still assigned here keeps its logs whatever this is."""
     hang_factor: float = setting(3.0, "UNICRON_HANG_FACTOR", "an iteration longer than this x the mean is a hang")
     """The paper's 3x D_iter."""
     warmup_iterations: int = setting(5, "UNICRON_WARMUP_ITERATIONS", "iterations before hang detection starts", least=0)

@@ -1094,6 +1094,93 @@ def test_the_agent_rotates_a_rank_log_past_its_cap_and_leaves_ended_tasks_logs_a
         th.join(30)
 
 
+def test_the_logs_of_the_tasks_that_left_longest_ago_are_removed_past_the_kept_count(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path) -> None:
+    """Every ended task's logs stayed in the run dir (memory under systemd) for good: a node running
+    jobs for weeks filled it. Now the newest ``ended_task_logs_kept`` are kept (an operator reads a
+    failed job's logs), older ones removed when a task leaves and at the agent's start, and a task
+    still assigned keeps its logs however old they are."""
+    logs = tmp_path / "logs"
+    cfg = dataclasses.replace(settings(etcd_server, "a0", tmp_path), ended_task_logs_kept=2)
+
+    def start() -> tuple[Agent, threading.Thread]:
+        agent = Agent(cfg)
+        th = threading.Thread(target=agent.run, daemon=True)
+        th.start()
+        assert agent.ready.wait(30)
+        return agent, th
+
+    keeper = task("keeper", SLEEPER, [0], 1, store_node="a0")
+    agent, th = start()
+    try:
+        rev = assign(store, "a0", keeper)
+        wait_for(lambda: result(store, "a0", rev), 30, "the keeper's result")
+        for i in range(5):
+            rev = assign(store, "a0", keeper, task(f"job-{i}", [sys.executable, "-c", "pass"], [1], 2,
+                                                   store_node="a0"))
+            wait_for(functools.partial(result, store, "a0", rev), 30, f"job-{i}'s result")
+            wait_for((logs / f"job-{i}" / "rank1.log").exists, 10, f"job-{i}'s log")
+        wait_for(lambda: all(r.stopped.is_set() for r in agent._retired.values()), 30, "ended jobs stopped")
+        rev = assign(store, "a0", keeper)  # the last job leaves too
+        wait_for(lambda: result(store, "a0", rev), 30, "the keeper's result")
+        wait_for(lambda: all(r.stopped.is_set() for r in agent._retired.values()), 30, "the last job stopped")
+        rev = assign(store, "a0", keeper)  # once more: the last job, stopped now, counts among the ended
+        wait_for(lambda: result(store, "a0", rev), 30, "the keeper's result")
+        assert sorted(os.listdir(logs)) == ["job-3", "job-4", "keeper"]
+    finally:
+        agent.stop()
+        th.join(30)
+    # Directories of tasks that ran before the agent's start, older than the kept ones: removed at the
+    # start, the still-assigned keeper's (made the oldest of all) not.
+    long_ago = time.time() - 86400
+    for name in ("stale-0", "stale-1"):
+        (logs / name).mkdir()
+        (logs / name / "rank0.log").write_bytes(b"old")
+    for d in [logs / "keeper", logs / "stale-0", logs / "stale-1"]:
+        for p in [d, *d.iterdir()]:
+            os.utime(p, (long_ago, long_ago - 60 if d.name == "keeper" else long_ago))
+    agent, th = start()
+    try:
+        assert sorted(os.listdir(logs)) == ["job-3", "job-4", "keeper"]
+    finally:
+        agent.stop()
+        th.join(30)
+
+
+def test_agents_sharing_a_run_dir_do_not_remove_the_logs_of_each_others_running_tasks(
+        etcd_server: EtcdServer, store: Store, tmp_path: Path) -> None:
+    """Agents of one host's local cluster share the run dir (and its logs/): a task running on the other
+    agent is no ended one of this agent's, however long ago its ranks last wrote."""
+    started: list[tuple[Agent, threading.Thread]] = []
+    for node in ("a0", "a1"):
+        agent = Agent(dataclasses.replace(settings(etcd_server, node, tmp_path), ended_task_logs_kept=1))
+        th = threading.Thread(target=agent.run, daemon=True)
+        th.start()
+        assert agent.ready.wait(30)
+        started.append((agent, th))
+    a0 = started[0][0]
+    logs = tmp_path / "logs"
+    try:
+        rev = assign(store, "a1", task("quiet", SLEEPER, [0], 1, store_node="a1"))
+        wait_for(functools.partial(result, store, "a1", rev), 30, "the quiet task's result")
+        long_ago = time.time() - 86400
+        for p in [logs / "quiet", *(logs / "quiet").iterdir()]:
+            os.utime(p, (long_ago, long_ago))  # the oldest directory of all
+        for i in range(3):
+            rev = assign(store, "a0", task(f"job-{i}", [sys.executable, "-c", "pass"], [0], 1, store_node="a0"))
+            wait_for(functools.partial(result, store, "a0", rev), 30, f"job-{i}'s result")
+        for _ in range(2):  # once more with the last job stopped: it counts among the ended then
+            rev = assign(store, "a0")
+            wait_for(functools.partial(result, store, "a0", rev), 30, "the empty assignment's result")
+            wait_for(lambda: all(r.stopped.is_set() for r in a0._retired.values()), 30, "the jobs stopped")
+        assert sorted(os.listdir(logs)) == ["job-2", "quiet"]
+    finally:
+        for agent, _ in started:
+            agent.stop()
+        for _, th in started:
+            th.join(30)
+
+
 @pytest.mark.parametrize("failing", ["stores", "assign"])
 def test_a_failed_listing_at_start_is_retried_and_the_records_already_in_etcd_applied(
         etcd_server: EtcdServer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
