@@ -12,7 +12,10 @@ Here the file is ``<run_dir>/logs/<task>/gen<G>/attempt_<E>/rank<R>/error.json``
 starts again at 0 in a new generation, and the global rank because a task's log directory holds every
 rank this node ran. Any file already there (a rank re-hosted at the same epochs, a task submitted again
 under its old name) is removed before the launch: what the agent reads after an exit is the exiting
-process's own.
+process's own. Once a rank is launched again, the directories of its launches before the previous one
+are removed (:func:`prune`): the run dir is memory under systemd, and a restart loop added one per rank
+and restart for as long as the task ran. The previous launch's file stays for the agent to read (its exit
+may be handled just after the successor started) and for an operator; its summary is in the report.
 
 When a rank exits abnormally the agent reads its file (:func:`summary`): torch's format is
 ``{"message": {"message": "<type>: <text>", "extraInfo": {"py_callstack": ..., "timestamp": ...}}}``
@@ -28,6 +31,8 @@ import contextlib
 import json
 import os
 import re
+import shutil
+from collections.abc import Collection
 
 from unicron.kernel import jsontext
 from unicron.kernel import log as ulog
@@ -53,6 +58,38 @@ def prepare(path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def prune(log_dir: str, rank: int, keep: Collection[str]) -> None:
+    """Remove the directories of ``rank``'s launches under ``log_dir`` (``gen*/attempt_*/rank<R>``) but
+    those of the error files in ``keep``, and the attempt and generation directories left empty. Never
+    raises: what cannot be removed now is tried again at the rank's next launch."""
+    kept = {os.path.normpath(os.path.dirname(p)) for p in keep}
+    try:
+        gens = [e.path for e in os.scandir(log_dir) if e.name.startswith("gen") and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for gen in gens:
+        try:
+            attempts = [e.path for e in os.scandir(gen) if e.name.startswith("attempt_")
+                        and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for attempt in attempts:
+            rank_dir = os.path.join(attempt, f"rank{rank}")
+            if os.path.normpath(rank_dir) in kept:
+                continue
+            try:
+                shutil.rmtree(rank_dir)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("an earlier launch's error file directory not removed", path=rank_dir, error=str(exc))
+                continue
+            with contextlib.suppress(OSError):  # another rank's launch still there: not empty
+                os.rmdir(attempt)
+        with contextlib.suppress(OSError):
+            os.rmdir(gen)
 
 
 #: the most of a file that is read: a traceback of a few hundred frames is tens of KiB

@@ -253,6 +253,8 @@ class TaskReconciler:
         self.launched_pid: dict[int, int] = {}
         #: rank -> the TORCHELASTIC_ERROR_FILE of its newest launch (read when that process fails)
         self.error_files: dict[int, str] = {}
+        #: rank -> its error file in the task's previous generation here (kept at this one's first launch)
+        self._inherited_error_files: dict[int, str] = {}
         self.monitors: dict[int, IterationMonitor] = {}
         self.parser = self._line_parser(assignment)
         # the non-training phase a line of the job's output began (a Megatron save or evaluation); it
@@ -522,6 +524,10 @@ class TaskReconciler:
     def _do_start(self, a: TaskAssignment) -> tuple[bool, str]:
         if self._previous is not None:
             self._previous.stopped.wait()  # its ranks hold the GPUs this generation needs
+            with self._previous._lock:
+                inherited = dict(self._previous.error_files)
+            with self._lock:
+                self._inherited_error_files = inherited
             self._previous = None
         store = self._host_store(a) if a.store_node == self.host.node else self._await_store(a)
         if store is None:
@@ -644,6 +650,7 @@ class TaskReconciler:
             with self._lock:  # before the launch: a process that dies at once is read by its own file
                 previous = self.error_files.get(spec.rank)
                 self.error_files[spec.rank] = error_file
+                earlier = previous or self._inherited_error_files.pop(spec.rank, None)
             self.supervisor.launch(spec.rank, a.argv, self.host.rank_env(a, spec, store, error_file),
                                    stdout_path=log_path, stderr_path=stderr_log_path(log_path))
         except RankStillRunning as exc:  # its predecessor would not die: this node's trouble, and it still runs
@@ -663,6 +670,8 @@ class TaskReconciler:
             with self._lock:
                 self._ranks[spec.rank] = RankState.FAILED
             return f"rank {spec.rank}: {type(exc).__name__}: {exc}"
+        # this launch's directory and the previous one's (its exit may be read just now); older ones go
+        errorfile.prune(os.path.dirname(log_path), spec.rank, [error_file, *([earlier] if earlier else [])])
         with self._lock:
             # Under the lock, so that _on_exit runs wholly before or after: a process that already
             # exited was left in INIT/RESTARTING by it (reported, not counted) and must not turn healthy

@@ -223,6 +223,37 @@ def test_each_launch_gets_a_fresh_error_file_in_its_tasks_log_directory(
     assert out.read_text() == f"{stale} False\n"
 
 
+def test_a_restart_loop_keeps_only_the_current_and_previous_launchs_error_file_directories(
+        tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
+    """Each launch's TORCHELASTIC_ERROR_FILE directory (``gen<G>/attempt_<E>/rank<R>``) stayed for good:
+    a restart loop added one per rank and restart to the run dir (memory under systemd). Now a launch
+    removes its rank's older ones, keeping the previous launch's (its exit may still be read), also
+    across a new generation of the task."""
+    host = RecordingHost(str(tmp_path))
+    a = assignment([0, 1])
+    rec = TaskReconciler(a, host, None, stop_grace_s=1.0)
+    reconcilers.append(rec)
+    rec.offer_store(store_of(a))
+    assert rec.started.wait(10) and rec.started.ok
+    for epoch in range(1, 6):
+        assert rec.apply(dataclasses.replace(a, restart_epoch=epoch, restart_ranks=[0, 1])).wait(20)
+
+    def dirs(pattern: str) -> list[str]:
+        return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob(pattern))
+
+    assert dirs("gen*/attempt_*/rank*") == ["gen1/attempt_4/rank0", "gen1/attempt_4/rank1",
+                                            "gen1/attempt_5/rank0", "gen1/attempt_5/rank1"]
+    assert dirs("gen*/attempt_*") == ["gen1/attempt_4", "gen1/attempt_5"]  # no empty ones left behind
+    assert rec.stop("reconfigured").wait(10)
+    nxt = TaskReconciler(dataclasses.replace(a, generation=2), host, None, previous=rec, stop_grace_s=1.0)
+    reconcilers.append(nxt)
+    nxt.offer_store(store_of(nxt.latest))
+    assert nxt.started.wait(10) and nxt.started.ok
+    assert dirs("gen*/attempt_*/rank*") == ["gen1/attempt_5/rank0", "gen1/attempt_5/rank1",
+                                            "gen2/attempt_0/rank0", "gen2/attempt_0/rank1"]
+    assert dirs("gen*") == ["gen1", "gen2"]
+
+
 def test_an_abnormal_exit_is_reported_with_the_exception_its_error_file_names(
         tmp_path: Path, reconcilers: list[TaskReconciler]) -> None:
     """Before, the report said only "rank 0 exited abnormally (exit code 1)": the exception a ``@record``
