@@ -688,7 +688,11 @@ class _Run:
                 for name in self._concerned(event):
                     entry = self._task(name)
                     entry.flapped_off, entry.faulted_since_flap = inc.node, []
-                    entry.flapped_ranks = sorted({*entry.flapped_ranks, *_fault_ranks(entry, inc)})
+                    world = len(entry.all_ranks())
+                    # rank ids of another world name other code and data: they start afresh with this one
+                    kept = entry.flapped_ranks if entry.flapped_world == world else []
+                    entry.flapped_ranks = sorted({*kept, *_fault_ranks(entry, inc)})
+                    entry.flapped_world = world
                 self._node_down(inc.node, NodeState.ISOLATED, f"{flapping}; last: {reason}")
                 return
         for name in self._tasks_on(inc.node):
@@ -736,12 +740,15 @@ class _Run:
         before, followed the task here (a kernel of its own, not a GPU): isolating node after node would
         drain the cluster one hour at a time. Alerts instead; the node's history starts afresh. Not
         followed (a second bad GPU, isolated too): the task ran on other nodes since without device
-        faults there, and the faults here are not on a rank whose faults made a node flap before."""
+        faults there, and the faults here are not on a rank whose faults made a node flap before, in the
+        same world (a bug of the last rank, or a poison sample sharded by the world size, lands on another
+        rank once the task shrank: no rank id tells the task's faults from a GPU's then)."""
         inc = event.incident
         node = inc.node
         followed = [(name, e.flapped_off) for name in self._concerned(event)
                     if (e := self.state.tasks[name]).flapped_off not in ("", node)
-                    and (set(_fault_ranks(e, inc)) & set(e.flapped_ranks)  # the faults moved with their rank
+                    and (len(e.all_ranks()) != e.flapped_world  # its ranks are other ranks now: no telling
+                         or set(_fault_ranks(e, inc)) & set(e.flapped_ranks)  # the faults moved with their rank
                          or set(e.faulted_since_flap) - {node}  # faults on other nodes too
                          or not set(e.placement) - {node})]  # it ran nowhere else: no telling
         for name, earlier in followed:

@@ -136,8 +136,12 @@ class TaskEntry:
     another node flap, that node is isolated only if they did not follow the task (``flapped_ranks``,
     ``faulted_since_flap``; docs/decision.md, "A flapping node is isolated")."""
     flapped_ranks: list[int] = field(default_factory=list)
-    """The ranks whose faults made a node flap (each isolation's): faults of theirs on another node
-    followed the rank there (its own kernel, not a GPU)."""
+    """The ranks whose faults made a node flap (each isolation's in ``flapped_world``): faults of theirs
+    on another node followed the rank there (its own kernel, not a GPU)."""
+    flapped_world: int = 0
+    """How many ranks the task had when ``flapped_ranks`` were recorded (0: none, or a state from before
+    it): a rank id means the same code and data only in a world of that size; in another, nothing tells
+    the task's faults from a GPU's, and no second node is isolated for it."""
     faulted_since_flap: list[str] = field(default_factory=list)
     """The nodes this task had fresh device faults on since ``flapped_off`` was isolated: faults on more
     than one of them are the task's, not one node's."""
@@ -345,7 +349,7 @@ def _member(kind: type[E], value: Any, where: str) -> E:
 
 
 #: TaskEntry fields left out of the state while empty: a reader from before them refuses unknown fields
-_OMITTED_WHEN_EMPTY = ("last_placement",)
+_OMITTED_WHEN_EMPTY = ("last_placement", "flapped_world")
 
 #: TaskEntry fields stored as plain JSON values (the others are parsed below)
 _PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured", "previous_spec",

@@ -6,6 +6,7 @@ within ``flap_window_s`` now escalate to sev1: the node is isolated and its task
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -255,16 +256,45 @@ def faults_on(run: Cycles, nodes: list[str]) -> list[Action]:
     return acts
 
 
+SPARE = {"n1": 8, "n2": 8, "n3": 8, "n4": 8}
+FIXED = {"min_gpus": 24, "max_gpus": 24}  # its world stays 24 ranks: rank 8 goes to the spare n4
+
+
 def test_a_task_that_meets_two_bad_gpus_has_both_nodes_isolated() -> None:
-    """n3's GPU fails too, on a rank of its own, while n1 runs the task without faults: a second bad
-    node, not faults that follow the task (only n2 was isolated, n3 kept failing with an Alert)."""
-    run = three_nodes_one_flapped({"n1": 8, "n2": 8, "n3": 8}, {"min_gpus": 8})
+    """n3's GPU fails too, on a rank of its own, while n1 and n4 run the task, in the same world, without
+    faults: a second bad node, not faults that follow the task (only n2 was isolated, n3 kept failing
+    with an Alert)."""
+    run = three_nodes_one_flapped(SPARE, FIXED)
+    assert run.sim.state.tasks["job"].placement["n3"][0] == 16
     acts = faults_on(run, ["n3"] * 3)
     isolation = only(acts, IsolateNode)
     assert [i.node for i in isolation] == ["n3"] and "flapping: 3 sev2 faults" in isolation[0].reason
     assert run.sim.state.nodes["n3"].status is NodeState.ISOLATED
     assert not any("follow the task" in a.message for a in only(run.actions, Alert))
-    assert set(run.sim.state.tasks["job"].placement) == {"n1"}
+    assert run.sim.state.tasks["job"].flapped_ranks == [8, 16]
+
+
+@pytest.mark.parametrize("faulting", [lambda ranks: ranks[-1], lambda ranks: ranks[37 % len(ranks)]],
+                         ids=["last-rank", "poison-sample"])
+def test_a_task_bug_whose_rank_depends_on_the_world_size_isolates_one_node_only(
+        faulting: Callable[[list[int]], int]) -> None:
+    """A bug of the task's last rank (its short last data shard), or a corrupt sample replayed at each
+    resume (index mod world size): once the first node flapped the task shrank, and the faults land on
+    another rank, on another node, each time. No rank id tells them from a GPU's in a world of another
+    size: one node isolated, then Alerts (it isolated n5, n3, n2, n1 in turn)."""
+    run = Cycles()
+    run.sim = sim = running_cluster({f"n{i}": 8 for i in range(1, 6)}, JOB, Sim())
+    for _ in range(40):
+        entry = sim.state.tasks["job"]
+        rank = faulting(list(entry.all_ranks()))
+        node = next(n for n, ranks in entry.placement.items() if rank in ranks)
+        sim.ts(4.0)
+        run.actions += sim.incident(node, CUDA_ERROR, task="job", rank=rank, generation=entry.generation)
+        run.recover()
+    assert [n for n, e in sim.state.nodes.items() if e.status is NodeState.ISOLATED] == ["n5"]
+    assert len(only(run.actions, IsolateNode)) == 1
+    assert any("follow the task" in a.message for a in only(run.actions, Alert))
+    assert sim.state.tasks["job"].flapped_world == 40
 
 
 def test_faults_that_follow_their_rank_to_a_spare_node_isolate_it_not() -> None:
@@ -294,3 +324,4 @@ def test_the_task_s_flapping_evidence_is_stored() -> None:
     faults_on(run, ["n3"])
     entry = CoreState.from_dict(json.loads(json.dumps(run.sim.state.to_dict()))).tasks["job"]
     assert (entry.flapped_off, entry.flapped_ranks, entry.faulted_since_flap) == ("n2", [8], ["n3"])
+    assert entry.flapped_world == 24  # n1, n2 and n3's ranks when n2 flapped
