@@ -679,15 +679,16 @@ class _Run:
             return
         if inc.severity is Severity.SEV2 and self._fresh_device_fault(event):
             for name in self._concerned(event):
-                if (e := self.state.tasks[name]).flapped_off and inc.node not in e.faulted_since_flap:
-                    self._task(name).faulted_since_flap = [*e.faulted_since_flap, inc.node]
+                if self.state.tasks[name].flapped_off:
+                    entry = self._task(name)
+                    entry.faulted_since_flap = {**self._recent_faults(entry), inc.node: self.state.now}
             flapping = self._flapping(inc.node)
             # escalated to sev1 (the node isolated, every task on it re-planned) unless the faults
             # followed their task here: then it is restarted as any sev2 is
             if flapping and not self._flapped_elsewhere(event, flapping):
                 for name in self._concerned(event):
                     entry = self._task(name)
-                    entry.flapped_off, entry.faulted_since_flap = inc.node, []
+                    entry.flapped_off, entry.faulted_since_flap = inc.node, {}
                     world = len(entry.all_ranks())
                     # rank ids of another world name other code and data: they start afresh with this one
                     kept = entry.flapped_ranks if entry.flapped_world == world else []
@@ -740,7 +741,8 @@ class _Run:
         before, followed the task here (a kernel of its own, not a GPU): isolating node after node would
         drain the cluster one hour at a time. Alerts instead; the node's history starts afresh. Not
         followed (a second bad GPU, isolated too): the task ran on other nodes since without device
-        faults there, and the faults here are not on a rank whose faults made a node flap before, in the
+        faults there within ``flap_window_s`` (one stray fault long ago says nothing of the faults
+        here), and the faults here are not on a rank whose faults made a node flap before, in the
         same world (a bug of the last rank, or a poison sample sharded by the world size, lands on another
         rank once the task shrank: no rank id tells the task's faults from a GPU's then)."""
         inc = event.incident
@@ -749,7 +751,7 @@ class _Run:
                     if (e := self.state.tasks[name]).flapped_off not in ("", node)
                     and (len(e.all_ranks()) != e.flapped_world  # its ranks are other ranks now: no telling
                          or set(_fault_ranks(e, inc)) & set(e.flapped_ranks)  # the faults moved with their rank
-                         or set(e.faulted_since_flap) - {node}  # faults on other nodes too
+                         or set(self._recent_faults(e)) - {node}  # faults on other nodes too, lately
                          or not set(e.placement) - {node})]  # it ran nowhere else: no telling
         for name, earlier in followed:
             self._alert(f"{flapping} on {node}, but task {name}'s faults made node {earlier} flap before: "
@@ -758,6 +760,12 @@ class _Run:
         if followed:
             self._node_set(node, sev2_faults=())
         return bool(followed)
+
+    def _recent_faults(self, entry: TaskEntry) -> dict[str, float]:
+        """``entry.faulted_since_flap`` within ``flap_window_s`` of now: a node's fault further back is no
+        part of the faults that make a node flap now, and kept for good it disabled the rule for the task."""
+        window = self.settings.flap_window_s
+        return {n: t for n, t in entry.faulted_since_flap.items() if self.state.now - t <= window}
 
     def _fresh_device_fault(self, event: IncidentRaised) -> bool:
         """Whether a sev2 incident is a fresh fault of its node's GPUs: a CUDA error or an illegal memory

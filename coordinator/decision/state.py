@@ -142,9 +142,10 @@ class TaskEntry:
     """How many ranks the task had when ``flapped_ranks`` were recorded (0: none, or a state from before
     it): a rank id means the same code and data only in a world of that size; in another, nothing tells
     the task's faults from a GPU's, and no second node is isolated for it."""
-    faulted_since_flap: list[str] = field(default_factory=list)
-    """The nodes this task had fresh device faults on since ``flapped_off`` was isolated: faults on more
-    than one of them are the task's, not one node's."""
+    faulted_since_flap: dict[str, float] = field(default_factory=dict)
+    """node -> when (the core's clock) this task last had a fresh device fault there since
+    ``flapped_off`` was isolated, none older than ``flap_window_s`` when written: faults on more than
+    one node within the window are the task's, not one node's."""
     reason: str = ""  # why pending / failed / what the last recovery was for
     submitted_at: float = 0.0
     """When this run of the task was submitted (the core's clock; 0 in states written before it existed):
@@ -264,7 +265,7 @@ class CoreState:
                 )
         for t, e in tasks.items():
             with _where(_path("tasks", t)):
-                state.tasks[t] = _task_from_dict(t, e)
+                state.tasks[t] = _task_from_dict(t, e, state.now)
         return state
 
 
@@ -349,7 +350,7 @@ def _member(kind: type[E], value: Any, where: str) -> E:
 
 
 #: TaskEntry fields left out of the state while empty: a reader from before them refuses unknown fields
-_OMITTED_WHEN_EMPTY = ("last_placement", "flapped_world")
+_OMITTED_WHEN_EMPTY = ("last_placement", "flapped_ranks", "flapped_world", "faulted_since_flap")
 
 #: TaskEntry fields stored as plain JSON values (the others are parsed below)
 _PLAIN = {f.name for f in fields(TaskEntry)} - {"spec", "phase", "outstanding", "rate", "measured", "previous_spec",
@@ -388,8 +389,12 @@ def _spec(name: str, value: Any, key: str) -> TaskSpec:
     return spec
 
 
-def _task_from_dict(name: str, d: dict[str, Any]) -> TaskEntry:
+def _task_from_dict(name: str, d: dict[str, Any], now: float) -> TaskEntry:
     raw = dict(d)
+    if isinstance(faulted := raw.get("faulted_since_flap"), list):
+        # written as a list of nodes, without times: taken as faults of now, which they may be
+        raw["faulted_since_flap"] = {n: now for n in _typed(faulted, list[str], _path("tasks", name,
+                                                                                      "faulted_since_flap"))}
     raw.setdefault("relaunching", {})  # absent in states written before it existed
     # likewise; the restart epoch is what a restart under way was judged by before
     raw.setdefault("relaunch_epoch", raw.get("restart_epoch", 0))

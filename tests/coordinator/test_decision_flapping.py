@@ -308,20 +308,45 @@ def test_faults_that_follow_their_rank_to_a_spare_node_isolate_it_not() -> None:
     assert len(alerts) == 2 and all("made node n2 flap before" in m for m in alerts), alerts
 
 
+def test_a_stray_fault_long_ago_keeps_no_second_bad_gpu_in_service() -> None:
+    """n2 flapped; one transient CUDA error on n1 (restarted, fine); a week of training; then n3's GPU
+    fails every few seconds. The fault on n1 a week ago is no part of n3's: n3 is isolated (it was kept
+    in service with an Alert, for good: the task's record of n1's fault never aged)."""
+    run = three_nodes_one_flapped(SPARE, FIXED)
+    faults_on(run, ["n1"])
+    for _ in range(7 * 24):
+        run.sim.ts(3600.0)
+        run.step += 100
+        run.sim.progress("job", run.step)
+    acts = faults_on(run, ["n3"] * 3)
+    assert [i.node for i in only(acts, IsolateNode)] == ["n3"]
+    assert run.sim.state.nodes["n3"].status is NodeState.ISOLATED
+    assert not any("follow the task" in a.message for a in only(acts, Alert))
+
+
 def test_faults_on_every_node_the_task_runs_on_isolate_no_second_node() -> None:
     """A kernel bug that hits whichever rank: once n2 was isolated, faults come from n1 and n3 alike,
-    so n3 reaching the limit first is no sign of its GPU."""
-    run = three_nodes_one_flapped({"n1": 8, "n2": 8, "n3": 8}, {"min_gpus": 8})
+    so n3 reaching the limit first is no sign of its GPU (in the same world: a spare took n2's ranks)."""
+    run = three_nodes_one_flapped(SPARE, FIXED)
     acts = faults_on(run, ["n3", "n1", "n3", "n3"])
     assert not only(acts, IsolateNode)
-    assert {n: e.status for n, e in run.sim.state.nodes.items() if n != "n2"} == {"n1": NodeState.UP,
-                                                                                  "n3": NodeState.UP}
+    assert {n: e.status for n, e in run.sim.state.nodes.items() if n != "n2"} == {
+        "n1": NodeState.UP, "n3": NodeState.UP, "n4": NodeState.UP}
     assert any("made node n2 flap before" in a.message for a in only(acts, Alert) if a.node == "n3")
 
 
 def test_the_task_s_flapping_evidence_is_stored() -> None:
     run = three_nodes_one_flapped({"n1": 8, "n2": 8, "n3": 8}, {"min_gpus": 8})
     faults_on(run, ["n3"])
-    entry = CoreState.from_dict(json.loads(json.dumps(run.sim.state.to_dict()))).tasks["job"]
-    assert (entry.flapped_off, entry.flapped_ranks, entry.faulted_since_flap) == ("n2", [8], ["n3"])
+    raw = json.loads(json.dumps(run.sim.state.to_dict()))
+    entry = CoreState.from_dict(raw).tasks["job"]
+    assert (entry.flapped_off, entry.flapped_ranks) == ("n2", [8])
     assert entry.flapped_world == 24  # n1, n2 and n3's ranks when n2 flapped
+    assert entry.faulted_since_flap == run.sim.state.tasks["job"].faulted_since_flap
+    assert list(entry.faulted_since_flap) == ["n3"] and entry.faulted_since_flap["n3"] > 0
+    # written by the coordinator of 8cde6ed: the nodes without times, taken as faults of the state's now
+    raw["tasks"]["job"]["faulted_since_flap"] = ["n3"]
+    assert CoreState.from_dict(raw).tasks["job"].faulted_since_flap == {"n3": raw["now"]}
+    # none: nothing written (a coordinator from before these fields refuses them)
+    fresh = json.loads(json.dumps(Cycles().sim.state.to_dict()))["tasks"]["job"]
+    assert not {"flapped_ranks", "flapped_world", "faulted_since_flap"} & set(fresh)
