@@ -482,12 +482,14 @@ def test_a_running_daemon_warns_once_a_day_as_its_certificate_nears_its_end(tmp_
     cfg = tls.load(str(ca), "n1", tls.Role.NODE)
     assert cfg is not None
     now = [datetime.datetime.now(datetime.UTC)]
-    watch = tls.ExpiryWatch(cfg, interval_s=6 * 3600.0, clock=lambda: now[0])
+    elapsed = [0.0]
+    watch = tls.ExpiryWatch(cfg, interval_s=6 * 3600.0, clock=lambda: now[0], monotonic=lambda: elapsed[0])
     registry = CollectorRegistry()
     registry.register(umetrics.TLSExpiry(watch.days_left))
 
     def warnings_after(days: float) -> list[MutableMapping[str, Any]]:
         now[0] += datetime.timedelta(days=days)
+        elapsed[0] += days * 86400.0
         with structlog.testing.capture_logs() as logs:
             watch.poll()
         return [e for e in logs if "expires soon" in e["event"]]
@@ -502,6 +504,33 @@ def test_a_running_daemon_warns_once_a_day_as_its_certificate_nears_its_end(tmp_
     assert warnings_after(0.1) == []  # not due
     assert len(warnings_after(0.7)) == 1  # a day after the last warning: again
     assert 28.3 < (registry.get_sample_value("unicron_tls_expiry_days") or 0) < 28.5
+
+
+def test_a_wall_clock_stepped_back_stops_no_check(tmp_path: Path) -> None:
+    """An agent started with its clock a month ahead (a bad RTC), which NTP then stepped back: the checks
+    were timed by the wall clock, so none came until it caught up with the month, and the certificate
+    reached its end unwarned. They are timed by the monotonic clock; the dates still by the wall's."""
+    ca = tmp_path / "ca"
+    assert cli.main(["certs", "init", str(ca)]) == 0
+    assert cli.main(["certs", "issue", "--role", "node", "n1", "--dir", str(ca), "--days", "40"]) == 0
+    cfg = tls.load(str(ca), "n1", tls.Role.NODE)
+    assert cfg is not None
+    true_now = datetime.datetime.now(datetime.UTC)
+    wall, elapsed = [true_now + datetime.timedelta(days=30)], [0.0]
+    watch = tls.ExpiryWatch(cfg, interval_s=6 * 3600.0, clock=lambda: wall[0], monotonic=lambda: elapsed[0])
+    with structlog.testing.capture_logs() as logs:
+        watch.check()  # at start, a month ahead: 10 days left, warned
+    assert [e["days_left"] for e in logs if "expires soon" in e["event"]] == [10.0]
+    warned: list[tuple[int, float]] = []
+    for hour in range(1, 24 * 27):  # stepped back to the truth; the status loop polls hourly
+        wall[0], elapsed[0] = true_now + datetime.timedelta(hours=hour), hour * 3600.0
+        with structlog.testing.capture_logs() as logs:
+            watch.poll()
+        warned += [(hour // 24, e["days_left"]) for e in logs if "expires soon" in e["event"]]
+    # within the 30 days before the end from day 10 on: one warning a day, each with the true days left
+    assert [day for day, _ in warned] == list(range(10, 27)), warned
+    assert all(abs(left - (40 - day)) <= 1 for day, left in warned), warned
+    assert watch.days_left() is not None and 12 < (watch.days_left() or 0) < 14
 
 
 def test_a_running_coordinator_reads_its_certificate_again_and_warns(tmp_path: Path) -> None:

@@ -545,26 +545,30 @@ class ExpiryWatch:
     expire together, and then every handshake of the cluster fails at once. Checked at start, then
     every ``interval_s`` (:meth:`poll` from a loop the daemon has, or :meth:`start`'s thread); within
     ``within_days`` of the end a warning at most once a day (a daemon runs for weeks: a warning only at
-    start was never repeated). :meth:`days_left` is for a metrics gauge."""
+    start was never repeated). :meth:`days_left` is for a metrics gauge. The wall ``clock`` is compared
+    with the certificates' dates only; the checks and the warnings' repeats are timed by ``monotonic``
+    (an agent whose clock was stepped back, say from a bad RTC by NTP, checked nothing again until its
+    wall clock caught up with the time of its last check)."""
 
     def __init__(self, cfg: TLSConfig, interval_s: float = EXPIRY_CHECK_INTERVAL_S,
                  within_days: int = EXPIRY_WARNING_DAYS,
-                 clock: Callable[[], datetime.datetime] = _utcnow) -> None:
-        self.cfg, self.clock = cfg, clock
-        self.interval = datetime.timedelta(seconds=interval_s)
+                 clock: Callable[[], datetime.datetime] = _utcnow,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.clock, self.monotonic = cfg, clock, monotonic
+        self.interval_s = interval_s
         self.within = datetime.timedelta(days=within_days)
         self._expires: datetime.datetime | None = None  # the sooner end, as last read
-        self._checked: datetime.datetime | None = None
-        self._warned: datetime.datetime | None = None
+        self._checked_at: float | None = None  # monotonic
+        self._warned_at: float | None = None  # monotonic
 
     def poll(self) -> None:
         """:meth:`check` when ``interval_s`` has passed since the last check (or there was none)."""
-        if self._checked is None or self.clock() - self._checked >= self.interval:
+        if self._checked_at is None or self.monotonic() - self._checked_at >= self.interval_s:
             self.check()
 
     def check(self) -> None:
         """Read the dates again; warn of those within the window unless a warning came in the last day."""
-        now = self._checked = self.clock()
+        now, self._checked_at = self.clock(), self.monotonic()
         try:
             expiries = self.cfg.expiries()
         except ConfigError as exc:  # moved or damaged since start: the daemon runs on with what it read
@@ -572,9 +576,10 @@ class ExpiryWatch:
             return
         self._expires = min(expiries.values())
         soon = {path: end for path, end in expiries.items() if end - now < self.within}
-        if not soon or (self._warned is not None and now - self._warned < EXPIRY_WARNING_REPEAT):
+        repeat_s = EXPIRY_WARNING_REPEAT.total_seconds()
+        if not soon or (self._warned_at is not None and self._checked_at - self._warned_at < repeat_s):
             return
-        self._warned = now
+        self._warned_at = self._checked_at
         for path, expires in soon.items():
             log.warning("TLS certificate expires soon; issue a new one ('unicron certs issue --force') and "
                         "copy it here before then, or every handshake fails", path=str(path),
@@ -589,7 +594,7 @@ class ExpiryWatch:
         """Check every ``interval_s`` on a daemon thread until ``stop`` is set (for a daemon with no
         periodic loop that always runs: a standby coordinator's)."""
         def run() -> None:
-            while not stop.wait(self.interval.total_seconds()):
+            while not stop.wait(self.interval_s):
                 self.check()
 
         thread = threading.Thread(target=run, name="tls-expiry", daemon=True)
