@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -114,19 +115,26 @@ def foreign_cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_certs(tmp_path_factory.mktemp("foreign-certs"))
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """An empty 4 MiB tmpfs (room for the test model's two snapshot slots): a disk that a test fills
-    for a real ENOSPC (see :func:`fill`)."""
-    root = tmp_path / "tiny"
+@contextlib.contextmanager
+def mounted_tmpfs(root: Path, size: str) -> Iterator[Path]:
+    """``root`` (made here) as an empty tmpfs of ``size`` (mount's spelling: ``4m``), unmounted after;
+    the test is skipped where it cannot mount one (not root)."""
     root.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs (needs root)")
     try:
         yield root
     finally:
         subprocess.run(["umount", "-l", str(root)], check=True)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An empty 4 MiB tmpfs (room for the test model's two snapshot slots): a disk that a test fills
+    for a real ENOSPC (see :func:`fill`)."""
+    with mounted_tmpfs(tmp_path / "tiny", "4m") as root:
+        yield root
 
 
 def fill(path: Path) -> None:

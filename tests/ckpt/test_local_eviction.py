@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import pytest
 from ckpt.api import CheckpointError
 from ckpt.local import LocalStore, evict_idle
 from ckpt.manager import CheckpointConfig
+from tests.conftest import mounted_tmpfs
 from unicron.kernel.errors import ConfigError
 
 MiB = 1 << 20
@@ -23,15 +23,8 @@ MiB = 1 << 20
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs: a real ENOSPC from posix_fallocate, as a full /dev/shm gives."""
-    root = tmp_path / "shm"
-    root.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "8m") as root:
         yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=True)
 
 
 def _leave_snapshot(root: Path, job: str, rank: int, nbytes: int, age_s: float) -> Path:
