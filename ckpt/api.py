@@ -18,7 +18,7 @@ import enum
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -355,7 +355,10 @@ class Storage(ABC):
     """
 
     @abstractmethod
-    def write(self, key: str, data: Buffer) -> None: ...
+    def write(self, key: str, data: Buffer, progress: Callable[[], None] | None = None) -> None:
+        """Store ``data`` under ``key``. ``progress``: called each time a part of the bytes has reached
+        the storage (durably), where the store can tell; a caller tells a slow write from a hung one by it
+        (a 64 MiB shard takes seconds on a shared filesystem serving thousands of ranks)."""
 
     @abstractmethod
     def read_into(self, key: str, out: memoryview) -> int:

@@ -6,8 +6,8 @@ background stages then take each snapshot in turn: *publish* (checksum the slot 
 thread, then flip the local pointer), *replicate* (send it to the peers' replica servers) and *persist*
 (every ``persist_every`` snapshots, to remote storage). A slot is reused only once every stage is done
 with it (a save() that needs the slot the replicate stage holds abandons its pushes still in flight: a
-missed replica, never a stall on a frozen peer; a persist that completed no write for ``persist_stall_s``
-is abandoned the same way, never a stall on a hung mount), and the newest published slot is never
+missed replica, never a stall on a frozen peer; a persist that moved no bytes to the storage for
+``persist_stall_s`` is abandoned the same way, never a stall on a hung mount), and the newest published slot is never
 overwritten, so a valid local snapshot always exists once the first one is published.
 
 ``restore()`` follows the nearest principle: local memory, then each peer (the push peers, then the
@@ -133,12 +133,13 @@ class CheckpointConfig:
     peer_backoff_s: float = setting(
         10.0, "UNICRON_CKPT_PEER_BACKOFF_S", "seconds a replica peer whose push failed is skipped (doubling, up to 8x)"
     )
-    #: a persist that completed no write for this long is taken for hung (a frozen or dead mount) once a
-    #: save() needs its slot, or a wait() (close, restore, a stop) waits for it: it is abandoned, not
-    #: persisted, and training goes on; keep it under the agent's stop grace (10 s)
+    #: a persist that moved no bytes to the storage for this long (synced every 8 MiB: a slow storage
+    #: moves some) is taken for hung (a frozen or dead mount) once a save() needs its slot, or a wait()
+    #: (close, restore, a stop) waits for it: it is abandoned, not persisted, and training goes on;
+    #: keep it under the agent's stop grace (10 s)
     persist_stall_s: float = setting(
         5.0, "UNICRON_CKPT_PERSIST_STALL_S",
-        "seconds without a completed storage write before a persist that a save or wait waits for is abandoned",
+        "seconds without bytes reaching the storage before a persist that a save or wait waits for is abandoned",
     )
     #: extra "module:Name" globals the state may hold, comma-separated (metadata unpickling is allow-listed)
     safe_globals: str = setting(
@@ -235,8 +236,10 @@ class _Job:
     abandon: bool = False
     #: set when a push ends or the job is abandoned (the replicate stage waits on it)
     wake: threading.Event = field(default_factory=threading.Event)
-    #: time.monotonic() of the persist's last completed storage write (its start, before the first)
+    #: time.monotonic() of the persist's last bytes that reached the storage (its start, before the first)
     persist_progress: float = 0.0
+    #: its manifest and marker are written: persisted; only retention is left, never abandoned
+    persist_committed: bool = False
     #: its persist made no progress for persist_stall_s while its slot or its outcome was waited for
     persist_abandoned: bool = False
 
@@ -510,16 +513,17 @@ class CheckpointManager(Checkpointer):
                     # throttles training, as before); one stalled in a hung mount held every save
                     # until the mount came back
                     stalled = time.monotonic() - pending.persist_progress
-                    self._cv.wait(max(0.01, self.config.persist_stall_s - stalled))
+                    self._cv.wait(self.config.persist_stall_s if pending.persist_committed
+                                  else max(0.01, self.config.persist_stall_s - stalled))
                     continue
                 self._cv.wait()
 
     def _abandon_if_stalled(self, job: _Job | None) -> bool:
-        """Abandon ``job``'s persist if it completed no write for ``persist_stall_s`` (under _cv); whether
+        """Abandon ``job``'s persist if it moved no bytes for ``persist_stall_s`` and is not yet committed (under _cv); whether
         it is abandoned."""
         if job is None or job.persist_abandoned:
             return job is not None
-        if time.monotonic() - job.persist_progress < self.config.persist_stall_s:
+        if job.persist_committed or time.monotonic() - job.persist_progress < self.config.persist_stall_s:
             return False
         job.persist_abandoned = True
         job.wake.set()
@@ -700,9 +704,18 @@ class CheckpointManager(Checkpointer):
                     raise PersistAbandoned(f"iteration {job.iteration}: abandoned, its memory was taken back")
                 job.persist_progress = time.monotonic()
 
+        def moved() -> None:  # bytes reached the storage: slow, not hung
+            with self._cv:
+                job.persist_progress = time.monotonic()
+
+        def committed() -> None:
+            with self._cv:
+                job.persist_committed = True
+
         def write() -> None:
             try:
-                persist.persist(storage, snap, self.config.keep_remote, self.config.world_size, step=step)
+                persist.persist(storage, snap, self.config.keep_remote, self.config.world_size, step=step,
+                                progress=moved, committed=committed)
                 ended.append(None)
             except BaseException as exc:
                 ended.append(exc)
@@ -728,7 +741,7 @@ class CheckpointManager(Checkpointer):
                 self._persisting = None
         if not ended:  # still blocked: the slot goes back, the writer finds its job abandoned if it resumes
             job.persisted = False
-            job.errors.append(f"{where}: abandoned: no write completed for {self.config.persist_stall_s:g}s "
+            job.errors.append(f"{where}: abandoned: no bytes reached the storage for {self.config.persist_stall_s:g}s "
                               "(a hung mount?) while its slot or its outcome was waited for")
             self._log.warning("persistence abandoned: the storage made no progress", iteration=job.iteration,
                               storage=storage.describe(), stall_s=self.config.persist_stall_s)

@@ -89,19 +89,22 @@ def _canonical(body: Any) -> bytes:
 
 def persist(
     storage: Storage, snap: Snapshot, keep: int, world_size: int = 0, step: Callable[[], None] | None = None,
+    progress: Callable[[], None] | None = None, committed: Callable[[], None] | None = None,
 ) -> str:
     """Write ``snap`` (shards, metadata, the manifest, then its marker); then apply retention (see
     :func:`apply_retention`, which ``world_size`` is passed to). ``step``: called before each write of
     the upload (the last one before the manifest: the data is all written by then); what it raises
     ends the write as a failed one (its shards removed, no manifest), e.g. a writer whose snapshot's
-    memory was taken back while the storage hung.
+    memory was taken back while the storage hung. ``progress``: passed to the storage's writes of the
+    data (:meth:`Storage.write`). ``committed``: called once the manifest and its marker are written
+    (the snapshot is persisted; retention follows).
 
     A write that finds the storage full (:class:`StorageFull`) deletes the rank's persisted snapshots
     that only the lag window kept (:func:`make_room`) and is tried once more: retention runs only after
     a successful write, so a filesystem filled by the job's own retained snapshots stopped persistence
     for good."""
     try:
-        return _persist_once(storage, snap, keep, world_size, step)
+        return _persist_once(storage, snap, keep, world_size, step, progress, committed)
     except StorageFull as exc:
         gone = make_room(storage, snap.info, keep, world_size)
         if not gone:
@@ -109,7 +112,7 @@ def persist(
         _log.warning("storage full: deleted older persisted snapshots kept for lagging ranks; writing again",
                      job=snap.info.job, rank=snap.info.rank, iteration=snap.info.iteration, deleted=gone,
                      error=str(exc))
-        return _persist_once(storage, snap, keep, world_size, step)
+        return _persist_once(storage, snap, keep, world_size, step, progress, committed)
 
 
 def make_room(storage: Storage, info: SnapshotInfo, keep: int, world_size: int = 0) -> list[int]:
@@ -138,6 +141,7 @@ def make_room(storage: Storage, info: SnapshotInfo, keep: int, world_size: int =
 
 def _persist_once(
     storage: Storage, snap: Snapshot, keep: int, world_size: int, step: Callable[[], None] | None,
+    progress: Callable[[], None] | None, committed: Callable[[], None] | None,
 ) -> str:
     info = snap.info
     check = step if step is not None else (lambda: None)
@@ -155,10 +159,10 @@ def _persist_once(
         for i, (off, n) in enumerate(info.chunks()):
             shard = f"{base}shard-{i:05d}.bin"
             check()
-            storage.write(shard, snap.data[off : off + n])
+            storage.write(shard, snap.data[off : off + n], progress=progress)
             shards.append({"key": shard, "offset": off, "length": n, "crc32": info.chunk_crcs[i]})
         check()
-        storage.write(f"{base}meta.bin", snap.meta)
+        storage.write(f"{base}meta.bin", snap.meta, progress=progress)
         body = {
             "info": info.to_dict(),
             "meta": {"key": f"{base}meta.bin", "length": info.meta_len, "crc32": info.meta_crc},
@@ -184,6 +188,8 @@ def _persist_once(
         storage.delete(other)
     for it in list(held):  # what is left of the listing just read (retention needs no other)
         held[it] = held[it][:1]
+    if committed is not None:
+        committed()
     apply_retention(storage, info.job, info.rank, keep, world_size, info.generation, held)
     return key
 

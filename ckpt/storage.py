@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from ckpt.api import Buffer, ObjectMissing, Storage, StorageFull, StorageUnavailable
@@ -64,7 +65,10 @@ class FilesystemStorage(Storage):
             m.mkdir(exist_ok=True)
             fsync_dir(m.parent)  # the new directory entry itself must be durable
 
-    def write(self, key: str, data: Buffer) -> None:
+    #: bytes written (and synced) between two ``progress`` calls of a write that asks for them
+    PROGRESS_BYTES = 8 << 20
+
+    def write(self, key: str, data: Buffer, progress: Callable[[], None] | None = None) -> None:
         path = self._path(key)
         tmp: Path | None = None
         try:
@@ -74,7 +78,12 @@ class FilesystemStorage(Storage):
             try:
                 view = memoryview(data).cast("B")
                 while view:
-                    view = view[os.write(fd, view) :]
+                    part, view = view[: self.PROGRESS_BYTES], view[self.PROGRESS_BYTES :]
+                    while part:
+                        part = part[self._write_part(fd, part) :]
+                    if progress is not None:  # synced: bytes in the page cache say nothing of a hung mount
+                        os.fdatasync(fd)
+                        progress()
                 os.fsync(fd)
                 if self.drop_cache:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -89,6 +98,9 @@ class FilesystemStorage(Storage):
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the writer may make room (persist.persist)
                 raise StorageFull(f"writing {self.describe()}/{key}: {exc}") from exc
             raise StorageUnavailable(f"writing {self.describe()}/{key}: {exc}") from exc
+
+    def _write_part(self, fd: int, part: memoryview) -> int:
+        return os.write(fd, part)
 
     def size(self, key: str) -> int:
         try:
@@ -199,10 +211,12 @@ class MemoryStorage(Storage):
     def describe(self) -> str:
         return f"memory://{id(self):x}"
 
-    def write(self, key: str, data: Buffer) -> None:
+    def write(self, key: str, data: Buffer, progress: Callable[[], None] | None = None) -> None:
         blob = bytes(data)
         with self._lock:
             self._objects[check_key(key)] = blob
+        if progress is not None:
+            progress()
 
     def _get(self, key: str) -> bytes:
         with self._lock:

@@ -37,10 +37,10 @@ SLOW_STORAGE_CHILD = """
         from tests.ckpt.helpers import filled_state
 
         class SlowStorage(FilesystemStorage):
-            def write(self, key, data):
+            def write(self, key, data, progress=None):
                 if "/shard-" in key:
                     time.sleep(0.2)
-                super().write(key, data)
+                super().write(key, data, progress)
 """
 
 

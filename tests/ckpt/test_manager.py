@@ -573,9 +573,9 @@ class _Outage(FilesystemStorage):
         if self.down:
             raise StorageUnavailable(f"{key}: storage service unreachable")
 
-    def write(self, key: str, data: Buffer) -> None:
+    def write(self, key: str, data: Buffer, progress: Callable[[], None] | None = None) -> None:
         self._check(key)
-        super().write(key, data)
+        super().write(key, data, progress)
 
     def list(self, prefix: str) -> list[str]:
         self._check(prefix)
@@ -797,11 +797,11 @@ class _Hung(FilesystemStorage):
         self.thawed = threading.Event()
         self.blocked = threading.Event()
 
-    def write(self, key: str, data: Buffer) -> None:
+    def write(self, key: str, data: Buffer, progress: Callable[[], None] | None = None) -> None:
         if self.hung.is_set() and not self.thawed.is_set():
             self.blocked.set()
             self.thawed.wait()
-        super().write(key, data)
+        super().write(key, data, progress)
 
 
 def _in_thread(fn: Callable[[], object], limit_s: float = 60.0) -> bool:
@@ -868,3 +868,59 @@ def test_a_wait_for_a_persist_blocked_in_a_hung_storage_ends_not_persisted(make_
     finally:
         storage.thawed.set()
     assert persisted_iterations(storage, "job-1", 0) == [1]
+
+
+class _SlowPerByte(FilesystemStorage):
+    """Healthy but slow: every write moves its bytes steadily, 1 KiB each ``PART_S``, so a 4 KiB shard
+    takes longer than the persist_stall_s below (64 MiB at ~10 MB/s with the default 5 s)."""
+
+    PROGRESS_BYTES = 1024
+    PART_S = 0.15
+
+    def _write_part(self, fd: int, part: memoryview) -> int:
+        time.sleep(self.PART_S)
+        return super()._write_part(fd, part[: self.PROGRESS_BYTES])
+
+
+def test_a_slow_storage_that_moves_bytes_is_not_taken_for_hung(make_config: Make, tmp_path: Path) -> None:
+    """Review: progress was counted by whole writes (64 MiB shards), so any storage under ~13 MB/s per
+    rank was "hung": every persist abandoned, the later ones skipped, nothing persisted while training,
+    and the stop's on-demand snapshot abandoned too. Bytes that reach the storage are progress now."""
+    storage = _SlowPerByte(tmp_path / "remote")
+    m = CheckpointManager(make_config(persist_every=1, persist_stall_s=0.5), storage=storage)
+    try:
+        tickets = [m.save(filled_state(it, 1 << 12), it) for it in range(1, 4)]  # each waits for a slot
+        outcomes = [t.result(60) for t in tickets]
+        m.save(filled_state(4, 1 << 12), 4, persist=True)
+        (stop,) = [o for o in m.wait() if o.iteration == 4]
+    finally:
+        m.close()
+    assert [(o.iteration, o.persisted, o.errors) for o in outcomes] == [(it, True, ()) for it in range(1, 4)]
+    assert (stop.persisted, stop.errors) == (True, ())
+    assert 4 in persisted_iterations(storage, "job-1", 0)
+
+
+class _SlowDeletes(FilesystemStorage):
+    """Deletes one request each, slowly (an object store's retention of 64 MiB shards)."""
+
+    def delete(self, key: str) -> None:
+        time.sleep(0.2)
+        super().delete(key)
+
+
+def test_a_persist_whose_manifest_is_written_is_persisted_however_slow_its_retention(
+    make_config: Make, tmp_path: Path,
+) -> None:
+    """Review: a persist whose data, manifest and marker were written was abandoned during its
+    retention's deletes and reported "NOT persisted" while the storage held it."""
+    storage = _SlowDeletes(tmp_path / "remote")
+    m = CheckpointManager(make_config(persist_every=0, keep_remote=1, persist_stall_s=0.5), storage=storage)
+    try:
+        m.save(filled_state(1, 1 << 14), 1).result(60)  # a new timeline's first save is persisted
+        m.save(filled_state(2, 1 << 14), 2)
+        m.save(filled_state(3, 1 << 14), 3, persist=True)  # the stop's on-demand snapshot
+        (stop,) = [o for o in m.wait() if o.iteration == 3]
+    finally:
+        m.close()
+    assert (stop.persisted, stop.errors) == (True, ())
+    assert persisted_iterations(storage, "job-1", 0) == [3]

@@ -265,11 +265,11 @@ class _Gated(FilesystemStorage):
         self.reached = threading.Event()
         self.go = threading.Event()
 
-    def write(self, key: str, data: object) -> None:
+    def write(self, key: str, data: object, progress: Callable[[], None] | None = None) -> None:
         if key.startswith(self.gate) and key.endswith("/shard-00001.bin"):
             self.reached.set()
             assert self.go.wait(10)
-        super().write(key, data)  # type: ignore[arg-type]
+        super().write(key, data, progress)  # type: ignore[arg-type]
 
 
 def test_two_writers_of_one_iteration_never_leave_a_torn_snapshot(tmp_path: Path) -> None:
@@ -316,11 +316,11 @@ class _Hooked(FilesystemStorage):
         self.at = at
         self.hook: Callable[[], None] | None = hook
 
-    def write(self, key: str, data: Buffer) -> None:
+    def write(self, key: str, data: Buffer, progress: Callable[[], None] | None = None) -> None:
         if self.at in key and self.hook is not None:
             hook, self.hook = self.hook, None
             hook()
-        super().write(key, data)
+        super().write(key, data, progress)
 
 
 @pytest.mark.parametrize("during", ["upload", "manifest"])
@@ -411,11 +411,11 @@ class _Capacity(FilesystemStorage):
     def used(self) -> int:
         return self.other + sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
 
-    def write(self, key: str, data: Buffer) -> None:
+    def write(self, key: str, data: Buffer, progress: Callable[[], None] | None = None) -> None:
         if self.used() + memoryview(data).nbytes > self.capacity:
             err = OSError(errno.ENOSPC, "No space left on device")
             raise StorageFull(f"writing {self.describe()}/{key}: {err}") from err
-        super().write(key, data)
+        super().write(key, data, progress)
 
 
 def test_a_persist_that_failed_on_a_full_disk_leaves_nothing_and_the_next_ones_succeed(tmp_path: Path) -> None:
